@@ -1,0 +1,138 @@
+"""Token sampling on device: one batch, per-request parameters.
+
+Every request row carries its own temperature, top-k, top-p, min-p, seed and output position,
+as fixed-size arrays (R = the request bucket), so one compiled function serves any mix of
+greedy and random requests. The PRNG key of a row is derived from `(seed, output position)`
+only, never from a batch-global key: the same seed gives the same tokens whatever the batch
+mates are, and a preempted-and-resumed request redraws exactly what it drew before.
+
+Order of the transforms (as vLLM V1): temperature, then top-k, top-p and min-p on the scaled
+distribution. Logprobs (the sampled token's and the top-n) are those of the raw model output,
+before any of these transforms, which is vLLM's default (`logprobs_mode="raw_logprobs"`).
+
+Axis names: R requests (rows), V vocabulary, n top logprobs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingMetadata:
+    """Per-row sampling parameters of one batch (padding rows are greedy, no filtering)."""
+
+    temperature: jax.Array  # f32[R]  0 = greedy (argmax)
+    top_k: jax.Array  # i32[R]  0 = off
+    top_p: jax.Array  # f32[R]  1 = off; in (0, 1]
+    min_p: jax.Array  # f32[R]  0 = off; in [0, 1]
+    seeds: jax.Array  # u32[R]  per-request seed
+    positions: jax.Array  # i32[R]  output index of the token being drawn (folded into the key)
+    num_logprobs: jax.Array  # i32[R]  top logprobs the request wants (0 = none)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplerOutput:
+    """Sampled tokens and their raw logprobs."""
+
+    token_ids: jax.Array  # i32[R]
+    logprobs: jax.Array  # f32[R]  raw logprob of the sampled token
+    top_logprobs: jax.Array  # f32[R, n]  best n raw logprobs, descending (zeros if none asked)
+    top_token_ids: jax.Array  # i32[R, n]
+
+
+def row_keys(seeds: jax.Array, positions: jax.Array) -> jax.Array:
+    """Key of each row: `fold_in(key(seed), position)`.
+
+    Args:
+      seeds: u32[R]. positions: i32[R].
+    Returns:
+      key[R] typed PRNG keys.
+    """
+    return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seeds, positions)
+
+
+def _filter_mask(scaled: jax.Array, md: SamplingMetadata) -> jax.Array:
+    """bool[R, V]: tokens allowed by top-k, then top-p, then min-p (on scaled logits)."""
+    R, V = scaled.shape
+    order = jnp.argsort(-scaled, axis=-1)  # i32[R, V]  descending
+    sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)  # f32[R, V]
+    rank = lax.broadcasted_iota(jnp.int32, (R, V), 1)
+    k = jnp.where(md.top_k > 0, jnp.minimum(md.top_k, V), V)  # i32[R]
+    keep = rank < k[:, None]
+    # top-p on the top-k renormalised distribution: keep a token if the mass strictly before
+    # it is below top_p (the most likely token is always kept).
+    masked = jnp.where(keep, sorted_logits, -jnp.inf)
+    probs = jax.nn.softmax(masked, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep &= mass_before < md.top_p[:, None]
+    # min-p: p_i >= min_p * p_max  <=>  logit_i - logit_max >= log(min_p); a ratio, so it does
+    # not matter whether the distribution was renormalised first.
+    log_min_p = jnp.log(jnp.maximum(md.min_p, 1e-30))[:, None]
+    keep &= (md.min_p[:, None] <= 0) | (sorted_logits - sorted_logits[:, :1] >= log_min_p)
+    keep = keep.at[:, 0].set(True)
+    rows = jnp.arange(R)[:, None]
+    return jnp.zeros((R, V), bool).at[rows, order].set(keep)
+
+
+def _sample_random(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
+    """i32[R]: a draw from each row's filtered, temperature-scaled distribution."""
+    V = logits.shape[-1]
+    t = jnp.where(md.temperature > 0, md.temperature, 1.0)
+    scaled = logits / t[:, None]
+    needs_filter = jnp.any((md.top_k > 0) | (md.top_p < 1.0) | (md.min_p > 0.0))
+    # The sort behind top-k/top-p is the expensive part: skip it at run time when no row asks.
+    allowed = lax.cond(
+        needs_filter,
+        lambda: _filter_mask(scaled, md),
+        lambda: jnp.ones(scaled.shape, bool),
+    )
+    keys = row_keys(md.seeds, md.positions)
+    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(keys)  # f32[R, V]
+    return jnp.argmax(jnp.where(allowed, scaled + gumbel, -jnp.inf), axis=-1).astype(jnp.int32)
+
+
+def _top_logprobs(raw: jax.Array, md: SamplingMetadata, n: int) -> tuple[jax.Array, jax.Array]:
+    R = raw.shape[0]
+    if n == 0:
+        return jnp.zeros((R, 0), jnp.float32), jnp.zeros((R, 0), jnp.int32)
+    return lax.cond(
+        jnp.any(md.num_logprobs > 0),
+        lambda: tuple(lax.top_k(raw, n)),
+        lambda: (jnp.zeros((R, n), jnp.float32), jnp.zeros((R, n), jnp.int32)),
+    )
+
+
+@functools.partial(jax.jit, static_argnames=("max_logprobs",))
+def sample(logits: jax.Array, md: SamplingMetadata, *, max_logprobs: int = 0) -> SamplerOutput:
+    """Draw one token per row.
+
+    Args:
+      logits: f32/bf16[R, V] model output at each row's last scheduled token.
+      md: the rows' sampling parameters (arrays of size R).
+      max_logprobs: n, the size of the top-logprobs output (static: it sets an output shape).
+    Returns:
+      SamplerOutput with token ids i32[R], raw logprobs f32[R] and top-n f32/i32[R, n].
+    """
+    return sample_impl(logits, md, max_logprobs=max_logprobs)
+
+
+def sample_impl(logits: jax.Array, md: SamplingMetadata, *, max_logprobs: int) -> SamplerOutput:
+    """`sample` without its own jit, for callers that fuse it into a larger jitted function."""
+    logits = logits.astype(jnp.float32)
+    raw = jax.nn.log_softmax(logits, axis=-1)
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    drawn = lax.cond(
+        jnp.all(md.temperature <= 0), lambda: greedy, lambda: _sample_random(logits, md)
+    )
+    tokens = jnp.where(md.temperature <= 0, greedy, drawn)
+    token_lp = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
+    top_lp, top_ids = _top_logprobs(raw, md, max_logprobs)
+    return SamplerOutput(tokens, token_lp, top_lp, top_ids.astype(jnp.int32))

@@ -1,0 +1,92 @@
+"""Host side of sampling: validate `SamplingParams`, pack rows into fixed-size arrays."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from jaxengine.sampling import SamplingMetadata
+
+
+def validate_sampling_params(sp: Any, *, max_logprobs: int, vocab_size: int | None) -> None:
+    """Raise `ValueError` naming the bad value of a `SamplingParams`.
+
+    Args:
+      sp: a `scheduler.SamplingParams`.
+      max_logprobs: the engine's cap on `logprobs`.
+      vocab_size: when known, `top_k` and stop token ids are checked against it.
+    """
+    if not isinstance(sp.max_tokens, int) or sp.max_tokens <= 0:
+        raise ValueError(f"max_tokens must be a positive integer, got {sp.max_tokens!r}")
+    if sp.min_tokens < 0 or sp.min_tokens > sp.max_tokens:
+        raise ValueError(
+            f"min_tokens must be in [0, max_tokens={sp.max_tokens}], got {sp.min_tokens}"
+        )
+    if not sp.temperature >= 0:  # `not >=` also rejects NaN
+        raise ValueError(f"temperature must be >= 0, got {sp.temperature}")
+    if not 0 < sp.top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {sp.top_p}")
+    if not 0 <= sp.min_p <= 1:
+        raise ValueError(f"min_p must be in [0, 1], got {sp.min_p}")
+    if not isinstance(sp.top_k, int) or sp.top_k < -1:
+        raise ValueError(f"top_k must be -1 or 0 (off) or a positive integer, got {sp.top_k!r}")
+    if sp.seed is not None and not isinstance(sp.seed, int):
+        raise ValueError(f"seed must be an integer or None, got {sp.seed!r}")
+    if sp.logprobs is not None and not 0 <= sp.logprobs <= max_logprobs:
+        raise ValueError(f"logprobs must be in [0, max_logprobs={max_logprobs}], got {sp.logprobs}")
+    stops = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop)
+    if any(not isinstance(s, str) or not s for s in stops):
+        raise ValueError(f"stop must be non-empty strings, got {sp.stop!r}")
+    for t in sp.stop_token_ids:
+        if not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size):
+            raise ValueError(f"stop_token_ids must be token ids in [0, vocab), got {t!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SamplingRow:
+    """What one request contributes to a sampling batch."""
+
+    params: Any  # scheduler.SamplingParams
+    seed: int  # the request's own seed, or one the engine drew for it
+    position: int  # index of the output token being drawn
+
+
+def build_sampling_metadata(rows: Sequence[SamplingRow], num_rows: int) -> SamplingMetadata:
+    """Pack rows into numpy arrays of size `num_rows` (the request bucket); padding is greedy.
+
+    Args:
+      rows: one per sampling request, in the order of the logits rows.
+      num_rows: R, at least `len(rows)`.
+    Returns:
+      SamplingMetadata of numpy arrays (f32/i32/u32[R]).
+    """
+    if len(rows) > num_rows:
+        raise ValueError(f"{len(rows)} sampling rows do not fit a bucket of {num_rows}")
+    temperature = np.zeros(num_rows, np.float32)
+    top_k = np.zeros(num_rows, np.int32)
+    top_p = np.ones(num_rows, np.float32)
+    min_p = np.zeros(num_rows, np.float32)
+    seeds = np.zeros(num_rows, np.uint32)
+    positions = np.zeros(num_rows, np.int32)
+    num_logprobs = np.zeros(num_rows, np.int32)
+    for i, row in enumerate(rows):
+        sp = row.params
+        temperature[i] = sp.temperature
+        top_k[i] = max(sp.top_k, 0)
+        top_p[i] = sp.top_p
+        min_p[i] = sp.min_p
+        seeds[i] = row.seed & 0xFFFFFFFF
+        positions[i] = row.position
+        num_logprobs[i] = sp.logprobs or 0
+    return SamplingMetadata(
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        seeds=seeds,
+        positions=positions,
+        num_logprobs=num_logprobs,
+    )
