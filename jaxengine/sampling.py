@@ -34,7 +34,7 @@ class SamplingMetadata:
     min_p: jax.Array  # f32[R]  0 = off; in [0, 1]
     seeds: jax.Array  # u32[R]  per-request seed
     positions: jax.Array  # i32[R]  output index of the token being drawn (folded into the key)
-    num_logprobs: jax.Array  # i32[R]  top logprobs the request wants (0 = none)
+    num_logprobs: jax.Array  # i32[R]  top logprobs wanted; -1 = no logprobs at all
 
 
 @jax.tree_util.register_dataclass
@@ -43,7 +43,7 @@ class SamplerOutput:
     """Sampled tokens and their raw logprobs."""
 
     token_ids: jax.Array  # i32[R]
-    logprobs: jax.Array  # f32[R]  raw logprob of the sampled token
+    logprobs: jax.Array  # f32[R]  raw logprob of the sampled token (0 if nobody asked)
     top_logprobs: jax.Array  # f32[R, n]  best n raw logprobs, descending (zeros if none asked)
     top_token_ids: jax.Array  # i32[R, n]
 
@@ -94,20 +94,37 @@ def _sample_random(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
         lambda: _filter_mask(scaled, md),
         lambda: jnp.ones(scaled.shape, bool),
     )
+    # Inverse-CDF draw: one uniform per row instead of V Gumbel variates (the RNG dominates the
+    # cost on CPU otherwise). Disallowed tokens have zero mass, so the search skips them.
+    probs = jax.nn.softmax(jnp.where(allowed, scaled, -jnp.inf), axis=-1)  # f32[R, V]
+    cdf = jnp.cumsum(probs, axis=-1)
     keys = row_keys(md.seeds, md.positions)
-    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(keys)  # f32[R, V]
-    return jnp.argmax(jnp.where(allowed, scaled + gumbel, -jnp.inf), axis=-1).astype(jnp.int32)
+    u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32, minval=1e-7))(keys)  # f32[R]
+    token = jnp.sum(cdf < (u * cdf[:, -1])[:, None], axis=-1)
+    # Rounding can push the search past the last token with mass: clamp to it.
+    last = V - 1 - jnp.argmax(jnp.flip(probs > 0, axis=-1), axis=-1)
+    return jnp.minimum(token, last).astype(jnp.int32)
 
 
-def _top_logprobs(raw: jax.Array, md: SamplingMetadata, n: int) -> tuple[jax.Array, jax.Array]:
-    R = raw.shape[0]
-    if n == 0:
-        return jnp.zeros((R, 0), jnp.float32), jnp.zeros((R, 0), jnp.int32)
-    return lax.cond(
-        jnp.any(md.num_logprobs > 0),
-        lambda: tuple(lax.top_k(raw, n)),
-        lambda: (jnp.zeros((R, n), jnp.float32), jnp.zeros((R, n), jnp.int32)),
-    )
+def _logprobs(
+    logits: jax.Array, tokens: jax.Array, md: SamplingMetadata, n: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Raw logprob of each sampled token and the top n, computed only if some row asks."""
+    R = logits.shape[0]
+
+    def compute() -> tuple[jax.Array, jax.Array, jax.Array]:
+        raw = jax.nn.log_softmax(logits, axis=-1)
+        token_lp = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
+        if n == 0:
+            return token_lp, jnp.zeros((R, 0), jnp.float32), jnp.zeros((R, 0), jnp.int32)
+        top_lp, top_ids = lax.top_k(raw, n)
+        return token_lp, top_lp, top_ids.astype(jnp.int32)
+
+    def skip() -> tuple[jax.Array, jax.Array, jax.Array]:
+        zeros = jnp.zeros((R, n), jnp.float32)
+        return jnp.zeros(R, jnp.float32), zeros, jnp.zeros((R, n), jnp.int32)
+
+    return lax.cond(jnp.any(md.num_logprobs >= 0), compute, skip)
 
 
 @functools.partial(jax.jit, static_argnames=("max_logprobs",))
@@ -127,12 +144,10 @@ def sample(logits: jax.Array, md: SamplingMetadata, *, max_logprobs: int = 0) ->
 def sample_impl(logits: jax.Array, md: SamplingMetadata, *, max_logprobs: int) -> SamplerOutput:
     """`sample` without its own jit, for callers that fuse it into a larger jitted function."""
     logits = logits.astype(jnp.float32)
-    raw = jax.nn.log_softmax(logits, axis=-1)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     drawn = lax.cond(
         jnp.all(md.temperature <= 0), lambda: greedy, lambda: _sample_random(logits, md)
     )
     tokens = jnp.where(md.temperature <= 0, greedy, drawn)
-    token_lp = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
-    top_lp, top_ids = _top_logprobs(raw, md, max_logprobs)
-    return SamplerOutput(tokens, token_lp, top_lp, top_ids.astype(jnp.int32))
+    token_lp, top_lp, top_ids = _logprobs(logits, tokens, md, max_logprobs)
+    return SamplerOutput(tokens, token_lp, top_lp, top_ids)

@@ -71,7 +71,7 @@ def build_sampling_metadata(rows: Sequence[SamplingRow], num_rows: int) -> Sampl
     min_p = np.zeros(num_rows, np.float32)
     seeds = np.zeros(num_rows, np.uint32)
     positions = np.zeros(num_rows, np.int32)
-    num_logprobs = np.zeros(num_rows, np.int32)
+    num_logprobs = np.full(num_rows, -1, np.int32)
     for i, row in enumerate(rows):
         sp = row.params
         temperature[i] = sp.temperature
@@ -80,7 +80,7 @@ def build_sampling_metadata(rows: Sequence[SamplingRow], num_rows: int) -> Sampl
         min_p[i] = sp.min_p
         seeds[i] = row.seed & 0xFFFFFFFF
         positions[i] = row.position
-        num_logprobs[i] = sp.logprobs or 0
+        num_logprobs[i] = -1 if sp.logprobs is None else sp.logprobs
     return SamplingMetadata(
         temperature=temperature,
         top_k=top_k,

@@ -18,7 +18,7 @@ def _md(n: int, **overrides: object) -> SamplingMetadata:
         min_p=np.zeros(n, np.float32),
         seeds=np.full(n, 1234, np.uint32),
         positions=np.arange(n, dtype=np.int32),
-        num_logprobs=np.zeros(n, np.int32),
+        num_logprobs=np.full(n, -1, np.int32),
     )
     for name, value in overrides.items():
         base[name] = np.broadcast_to(np.asarray(value, base[name].dtype), (n,)).copy()
