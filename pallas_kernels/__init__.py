@@ -1,1 +1,16 @@
-"""Ragged paged attention: a jnp reference and Pallas kernels for TPU and GPU."""
+"""Ragged paged attention: a jnp reference and Pallas kernels for TPU and GPU.
+
+``ragged_paged_attention(..., impl=default_impl())`` is the one entry point; the layout and the
+semantics are documented in ``pallas_kernels.reference``.
+"""
+
+from pallas_kernels.attention import IMPLS, default_impl, ragged_paged_attention
+from pallas_kernels.reference import ragged_paged_attention_reference, write_kv
+
+__all__ = [
+    "IMPLS",
+    "default_impl",
+    "ragged_paged_attention",
+    "ragged_paged_attention_reference",
+    "write_kv",
+]

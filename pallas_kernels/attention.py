@@ -1,0 +1,96 @@
+"""The public entry point: ragged paged attention with a choice of implementation.
+
+``impl`` picks the jnp reference, the Pallas Mosaic TPU kernel or the Pallas (Triton) GPU
+kernel; all share one signature and layout (see ``pallas_kernels.reference``). A kernel that
+cannot handle a shape raises ``ValueError``; this dispatcher then warns and runs the reference,
+so a model never fails to trace because of a block-size constraint.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Literal
+
+import jax
+
+from pallas_kernels.reference import ragged_paged_attention_reference
+
+Impl = Literal["reference", "tpu", "gpu"]
+IMPLS: tuple[str, ...] = ("reference", "tpu", "gpu")
+
+
+def default_impl() -> Impl:
+    """The implementation for ``jax.default_backend()``: tpu, gpu (cuda), else reference."""
+    backend = jax.default_backend()
+    if backend == "tpu":
+        return "tpu"
+    if backend in ("gpu", "cuda"):
+        return "gpu"
+    return "reference"
+
+
+def _kernel(impl: str) -> Callable[..., tuple[jax.Array, jax.Array]]:
+    # Imported lazily: the Pallas lowerings are only needed when a kernel is asked for.
+    if impl == "tpu":
+        from pallas_kernels.tpu import ragged_paged_attention_tpu
+
+        return ragged_paged_attention_tpu
+    from pallas_kernels.gpu import ragged_paged_attention_gpu
+
+    return ragged_paged_attention_gpu
+
+
+def ragged_paged_attention(
+    q: jax.Array,  # [T, N, H]
+    k: jax.Array,  # [T, K, H]
+    v: jax.Array,  # [T, K, H]
+    kv_cache: jax.Array,  # [P, L, 2*K, H]
+    slot_mapping: jax.Array,  # i32[T]
+    block_tables: jax.Array,  # i32[R, max_blocks]
+    seq_lens: jax.Array,  # i32[R]
+    query_start_loc: jax.Array,  # i32[R+1]
+    num_seqs: jax.Array,  # i32[]
+    *,
+    sm_scale: float,
+    impl: Impl = "reference",
+    interpret: bool = False,
+    **block_sizes: int,
+) -> tuple[jax.Array, jax.Array]:
+    """Write the new K/V into the paged cache, then attend causally over each request's pages.
+
+    Args:
+      q: f32/bf16 queries of all scheduled tokens ``[T, N, H]`` (padding rows after).
+      k, v: their new keys/values ``[T, K, H]``.
+      kv_cache: one layer's pages ``[P, L, 2*K, H]``; K at even, V at odd head slots.
+      slot_mapping: i32[T] flat slot (page * L + offset) per token; padding -> block 0.
+      block_tables: i32[R, max_blocks] pages of each request.
+      seq_lens: i32[R] context length after this step.
+      query_start_loc: i32[R+1] prefix sums of scheduled tokens.
+      num_seqs: i32[] number of live requests; rows past it are ignored.
+      sm_scale: softmax scale.
+      impl: "reference" (jnp), "tpu" (Pallas Mosaic) or "gpu" (Pallas Triton).
+      interpret: run a Pallas kernel in interpret mode (CPU testing); ignored by the reference.
+      **block_sizes: implementation-specific static block sizes (e.g. ``block_q``).
+
+    Returns:
+      ``(out [T, N, H] in q.dtype, updated kv_cache)``. Output rows of padding tokens are
+      unspecified.
+
+    Raises:
+      ValueError: for an unknown ``impl``.
+    """
+    args = (q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, num_seqs)
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl != "reference":
+        try:
+            return _kernel(impl)(*args, sm_scale=sm_scale, interpret=interpret, **block_sizes)
+        except ValueError as e:
+            warnings.warn(
+                f"ragged_paged_attention: the {impl!r} kernel cannot run this shape ({e}); "
+                "falling back to the jnp reference",
+                stacklevel=2,
+            )
+            block_sizes = {}
+    return ragged_paged_attention_reference(*args, sm_scale=sm_scale, **block_sizes)

@@ -1,0 +1,214 @@
+"""Ragged paged attention in pure jnp: the CPU path and the oracle for the Pallas kernels.
+
+Layout assumptions (shared by every implementation in this package):
+
+- Tokens of all scheduled requests are concatenated along T: request r owns rows
+  ``query_start_loc[r] : query_start_loc[r + 1]``; rows past ``query_start_loc[num_seqs]`` are
+  padding. Their output rows are unspecified (this implementation writes zeros).
+- ``kv_cache`` is one layer's pages, ``[P, L, 2*K, H]``: key head ``kh`` at head slot ``2*kh``,
+  value head ``kh`` at ``2*kh + 1``. Flat slot ``s`` is page ``s // L``, offset ``s % L``.
+- Token t of request r sits at position ``seq_lens[r] - (query_start_loc[r+1] - t)`` and attends
+  to the cached positions ``<= `` its own (causal inside the chunk, full over the context).
+- GQA: query head ``n`` reads kv head ``n // G`` with ``G = N // K``.
+- Pages a request does not own (and slots past ``seq_lens``) may hold anything, NaN included:
+  they are masked with ``jnp.where`` (a multiply by zero would keep a NaN).
+
+Memory stays bounded for long contexts: the work is cut into items of one request and up to
+``block_q`` of its tokens; each item walks the request's pages ``pages_per_chunk`` at a time with
+an online softmax (float32), so no ``[T, max_context]`` array is ever built. The number of items
+and the pages each walks are data-dependent (``lax.while_loop``), so decode-only batches cost
+what they read, not ``max_blocks``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+# Defaults: 16 query rows per item, 256 cached tokens per online-softmax step at page size 16.
+DEFAULT_BLOCK_Q = 16
+DEFAULT_KV_TOKENS_PER_CHUNK = 256
+
+
+def write_kv(
+    kv_cache: jax.Array,  # [P, L, 2*K, H]
+    k: jax.Array,  # [T, K, H]
+    v: jax.Array,  # [T, K, H]
+    slot_mapping: jax.Array,  # i32[T]
+) -> jax.Array:
+    """Scatter the new keys/values into the cache at their flat slots.
+
+    Returns:
+      The updated cache, ``[P, L, 2*K, H]``, same dtype. Padding tokens write into block 0,
+      which no request reads.
+    """
+    P, L, K2, H = kv_cache.shape
+    T, K, _ = k.shape
+    # Interleave to [T, 2*K, H]: K at even head slots, V at odd ones.
+    kv_new = jnp.stack([k, v], axis=2).reshape(T, K2, H).astype(kv_cache.dtype)
+    flat = kv_cache.reshape(P * L, K2, H)
+    flat = flat.at[slot_mapping].set(kv_new, mode="drop")
+    return flat.reshape(P, L, K2, H)
+
+
+def _work_items(
+    query_start_loc: jax.Array,  # i32[R+1]
+    num_seqs: jax.Array,  # i32[]
+    block_q: int,
+) -> tuple[jax.Array, jax.Array]:
+    """Cumulative q-block counts per request and the total number of items.
+
+    Returns:
+      ``(cum, total)``: ``cum`` i32[R] inclusive prefix sums of ``cdiv(q_len, block_q)`` (zero
+      for requests past ``num_seqs``); ``total`` i32[] the number of live items.
+    """
+    R = query_start_loc.shape[0] - 1
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    live = jnp.arange(R) < num_seqs
+    n_blocks = jnp.where(live, (q_lens + block_q - 1) // block_q, 0)
+    cum = jnp.cumsum(n_blocks)
+    return cum, cum[-1]
+
+
+def _attend_chunk(
+    carry: tuple[jax.Array, jax.Array, jax.Array],
+    q: jax.Array,  # f32[K, G, Bq, H], already scaled
+    kv: jax.Array,  # [C*L, 2*K, H]
+    kv_pos: jax.Array,  # i32[C*L]
+    q_pos: jax.Array,  # i32[Bq]; -1 for rows outside the item
+    seq_len: jax.Array,  # i32[]
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One online-softmax step over a chunk of cached tokens."""
+    m, l, acc = carry  # f32[K, G, Bq], f32[K, G, Bq], f32[K, G, Bq, H]
+    in_ctx = kv_pos < seq_len  # [S]
+    kv = jnp.where(in_ctx[:, None, None], kv.astype(jnp.float32), 0.0)
+    k_c, v_c = kv[:, 0::2], kv[:, 1::2]  # [S, K, H] each
+    s = jnp.einsum("kgth,skh->kgts", q, k_c)  # f32[K, G, Bq, S]
+    visible = (kv_pos[None, :] <= q_pos[:, None]) & in_ctx[None, :]  # [Bq, S]
+    s = jnp.where(visible, s, -jnp.inf)
+    m_new = jnp.maximum(m, s.max(axis=-1))
+    # Rows that have seen nothing yet keep m = -inf; shift by 0 there so exp() stays finite.
+    m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
+    p = jnp.exp(s - m_safe[..., None])  # masked entries: exp(-inf) = 0
+    alpha = jnp.exp(jnp.where(jnp.isneginf(m), -jnp.inf, m - m_safe))
+    l = alpha * l + p.sum(axis=-1)
+    acc = alpha[..., None] * acc + jnp.einsum("kgts,skh->kgth", p, v_c)
+    return m_new, l, acc
+
+
+def _attend_item(
+    q_item: jax.Array,  # [Bq, N, H]
+    q_pos: jax.Array,  # i32[Bq]; -1 outside the item
+    kv_cache: jax.Array,  # [P, L, 2*K, H]
+    pages: jax.Array,  # i32[max_blocks]
+    seq_len: jax.Array,  # i32[]
+    *,
+    sm_scale: float,
+    pages_per_chunk: int,
+) -> jax.Array:
+    """Attention of one item's query rows over its request's pages; returns f32[Bq, N, H]."""
+    P, L, K2, H = kv_cache.shape
+    K = K2 // 2
+    Bq, N, _ = q_item.shape
+    G = N // K
+    C = pages_per_chunk
+    max_blocks = pages.shape[0]
+    # Pad the table so every chunk's slice is in bounds; padded entries are masked by seq_len.
+    n_chunks_max = -(-max_blocks // C)
+    pages = jnp.pad(pages, (0, n_chunks_max * C - max_blocks))
+    q = q_item.astype(jnp.float32) * sm_scale
+    q = q.reshape(Bq, K, G, H).transpose(1, 2, 0, 3)  # [K, G, Bq, H]
+    last_pos = q_pos.max()
+    n_chunks = jnp.clip(last_pos // (C * L) + 1, 0, n_chunks_max)
+
+    def body(c: jax.Array, carry: tuple) -> tuple:
+        idx = lax.dynamic_slice(pages, (c * C,), (C,))
+        kv = jnp.take(kv_cache, jnp.clip(idx, 0, P - 1), axis=0).reshape(C * L, K2, H)
+        kv_pos = c * C * L + jnp.arange(C * L, dtype=jnp.int32)
+        return _attend_chunk(carry, q, kv, kv_pos, q_pos, seq_len)
+
+    init = (
+        jnp.full((K, G, Bq), -jnp.inf, jnp.float32),
+        jnp.zeros((K, G, Bq), jnp.float32),
+        jnp.zeros((K, G, Bq, H), jnp.float32),
+    )
+    _, l, acc = lax.fori_loop(0, n_chunks, body, init)
+    out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # rows with no visible key -> 0
+    return out.transpose(2, 0, 1, 3).reshape(Bq, N, H)
+
+
+@functools.partial(
+    jax.jit,
+    # Shapes of the loops depend on these; sm_scale is a per-model constant.
+    static_argnames=("sm_scale", "block_q", "pages_per_chunk"),
+)
+def ragged_paged_attention_reference(
+    q: jax.Array,  # [T, N, H]
+    k: jax.Array,  # [T, K, H]
+    v: jax.Array,  # [T, K, H]
+    kv_cache: jax.Array,  # [P, L, 2*K, H]
+    slot_mapping: jax.Array,  # i32[T]
+    block_tables: jax.Array,  # i32[R, max_blocks]
+    seq_lens: jax.Array,  # i32[R]
+    query_start_loc: jax.Array,  # i32[R+1]
+    num_seqs: jax.Array,  # i32[]
+    *,
+    sm_scale: float,
+    block_q: int = DEFAULT_BLOCK_Q,
+    pages_per_chunk: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Ragged paged attention in jnp (see the module docstring for the layout).
+
+    Args:
+      q: queries ``[T, N, H]`` (float32 or bfloat16).
+      k, v: new keys/values ``[T, K, H]``, written into the cache before attending.
+      kv_cache: ``[P, L, 2*K, H]``.
+      slot_mapping: i32[T] flat slot per token.
+      block_tables: i32[R, max_blocks] pages of each request.
+      seq_lens: i32[R] context length after this step.
+      query_start_loc: i32[R+1] prefix sums of scheduled tokens.
+      num_seqs: i32[] live requests.
+      sm_scale: softmax scale (usually ``H ** -0.5``).
+      block_q: query rows per work item.
+      pages_per_chunk: pages per online-softmax step (default: 256 tokens' worth).
+
+    Returns:
+      ``(out [T, N, H] in q.dtype, kv_cache [P, L, 2*K, H])``.
+    """
+    T, N, H = q.shape
+    L = kv_cache.shape[1]
+    C = pages_per_chunk or max(1, DEFAULT_KV_TOKENS_PER_CHUNK // L)
+    kv_cache = write_kv(kv_cache, k, v, slot_mapping)
+    cum, total = _work_items(query_start_loc, num_seqs, block_q)
+    # Pad the token axis so every item's [start, start + block_q) slice is in bounds.
+    q_pad = jnp.pad(q, ((0, block_q), (0, 0), (0, 0)))
+    out = jnp.zeros((T + block_q, N, H), jnp.float32)
+    rows = jnp.arange(block_q, dtype=jnp.int32)
+
+    def item(i: jax.Array, out: jax.Array) -> jax.Array:
+        r = jnp.searchsorted(cum, i, side="right").astype(jnp.int32)
+        first_block = jnp.where(r > 0, cum[jnp.maximum(r - 1, 0)], 0)
+        start = query_start_loc[r] + (i - first_block) * block_q
+        end = query_start_loc[r + 1]
+        tok = start + rows  # [Bq]
+        in_item = tok < end
+        q_pos = jnp.where(in_item, seq_lens[r] - (end - tok), -1)
+        q_item = lax.dynamic_slice_in_dim(q_pad, start, block_q)
+        o = _attend_item(
+            q_item,
+            q_pos,
+            kv_cache,
+            block_tables[r],
+            seq_lens[r],
+            sm_scale=sm_scale,
+            pages_per_chunk=C,
+        )
+        old = lax.dynamic_slice_in_dim(out, start, block_q)
+        new = jnp.where(in_item[:, None, None], o, old)
+        return lax.dynamic_update_slice_in_dim(out, new, start, axis=0)
+
+    out = lax.fori_loop(0, total, item, out)
+    return out[:T].astype(q.dtype), kv_cache

@@ -1,0 +1,157 @@
+"""Random ragged paged attention batches and a dumb per-request numpy oracle.
+
+Every batch has shuffled block tables, NaN in every page no live request owns (and in the
+slots past each request's context), padding tokens that write into block 0, and request rows
+past ``num_seqs`` with garbage metadata.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class Case:
+    """One batch: numpy inputs in the order of ``ragged_paged_attention``'s arguments."""
+
+    q: np.ndarray  # [T, N, H]
+    k: np.ndarray  # [T, K, H]
+    v: np.ndarray  # [T, K, H]
+    kv_cache: np.ndarray  # [P, L, 2*K, H]
+    slot_mapping: np.ndarray  # i32[T]
+    block_tables: np.ndarray  # i32[R, max_blocks]
+    seq_lens: np.ndarray  # i32[R]
+    query_start_loc: np.ndarray  # i32[R+1]
+    num_seqs: np.ndarray  # i32[]
+    sm_scale: float
+
+    def args(self, dtype: jnp.dtype) -> tuple:
+        """The arguments as jax arrays, floats cast to ``dtype``."""
+        f = [jnp.asarray(a, dtype) for a in (self.q, self.k, self.v, self.kv_cache)]
+        i = [
+            jnp.asarray(a)
+            for a in (
+                self.slot_mapping,
+                self.block_tables,
+                self.seq_lens,
+                self.query_start_loc,
+                self.num_seqs,
+            )
+        ]
+        return (*f, *i)
+
+    @property
+    def num_tokens(self) -> int:
+        """Live (non-padding) tokens."""
+        return int(self.query_start_loc[int(self.num_seqs)])
+
+
+def make_case(
+    reqs: list[tuple[int, int]],
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    pad_tokens: int = 3,
+    pad_reqs: int = 2,
+    extra_pages: int = 3,
+    seed: int = 0,
+) -> Case:
+    """A batch of requests given as ``(q_len, context_len_after_step)`` pairs.
+
+    ``q_len == 1`` is a decode, ``q_len == context_len`` a whole prefill, anything between a
+    chunk of prefill (or a decode over a cached prefix).
+    """
+    rng = np.random.default_rng(seed)
+    N, K, H, L = num_heads, num_kv_heads, head_dim, page_size
+    R = len(reqs) + pad_reqs
+    q_lens = np.array([q for q, _ in reqs], np.int32)
+    seq_lens = np.array([s for _, s in reqs], np.int32)
+    assert np.all(q_lens <= seq_lens) and np.all(q_lens >= 1)
+    n_pages = -(-seq_lens // L)
+    max_blocks = int(n_pages.max()) + 1
+    P = 1 + int(n_pages.sum()) + extra_pages  # page 0 is the null block
+    perm = rng.permutation(np.arange(1, P)).astype(np.int32)
+    block_tables = np.zeros((R, max_blocks), np.int32)
+    off = 0
+    for r, n in enumerate(n_pages):
+        block_tables[r, :n] = perm[off : off + n]
+        off += n
+    # Garbage in rows past num_seqs: valid page ids that belong to live requests.
+    block_tables[len(reqs) :] = rng.integers(0, P, (pad_reqs, max_blocks))
+    T_live = int(q_lens.sum())
+    T = T_live + pad_tokens
+    qsl = np.zeros(R + 1, np.int32)
+    qsl[1 : len(reqs) + 1] = np.cumsum(q_lens)
+    qsl[len(reqs) + 1 :] = T_live
+    seq_lens_all = np.concatenate([seq_lens, rng.integers(1, 50, pad_reqs).astype(np.int32)])
+
+    kv = rng.standard_normal((P, L, 2 * K, H)).astype(np.float32)
+    owned = np.zeros((P, L), bool)
+    for r, s in enumerate(seq_lens):
+        pos = np.arange(s)
+        owned[block_tables[r, pos // L], pos % L] = True
+    kv[~owned] = np.nan
+    slot = np.zeros(T, np.int32)
+    for r in range(len(reqs)):
+        pos = np.arange(seq_lens[r] - q_lens[r], seq_lens[r])
+        slot[qsl[r] : qsl[r + 1]] = block_tables[r, pos // L] * L + pos % L
+    slot[T_live:] = rng.integers(0, L, pad_tokens)  # padding -> block 0
+    return Case(
+        q=rng.standard_normal((T, N, H)).astype(np.float32),
+        k=rng.standard_normal((T, K, H)).astype(np.float32),
+        v=rng.standard_normal((T, K, H)).astype(np.float32),
+        kv_cache=kv,
+        slot_mapping=slot,
+        block_tables=block_tables,
+        seq_lens=seq_lens_all,
+        query_start_loc=qsl,
+        num_seqs=np.array(len(reqs), np.int32),
+        sm_scale=float(H) ** -0.5,
+    )
+
+
+def numpy_oracle(case: Case, dtype: np.dtype = np.float32) -> tuple[np.ndarray, np.ndarray]:
+    """Per request, per token, the textbook formula (float64 math on ``dtype``-rounded inputs).
+
+    Returns:
+      ``(out [T_live, N, H], kv_cache [P, L, 2*K, H])``; the cache is the one the kernel must
+      return, with padding tokens' writes into block 0 excluded (their order is unspecified).
+    """
+    rnd = [
+        np.asarray(jnp.asarray(a, dtype).astype(jnp.float32), np.float64)
+        for a in (case.q, case.k, case.v, case.kv_cache)
+    ]
+    q, k, v, kv = rnd
+    P, L, K2, H = kv.shape
+    K = K2 // 2
+    N = q.shape[1]
+    G = N // K
+    T_live = case.num_tokens
+    flat = kv.reshape(P * L, K2, H).copy()
+    for t in range(T_live):
+        flat[case.slot_mapping[t], 0::2] = k[t]
+        flat[case.slot_mapping[t], 1::2] = v[t]
+    out = np.zeros((T_live, N, H))
+    qsl, bt = case.query_start_loc, case.block_tables
+    for r in range(int(case.num_seqs)):
+        s = int(case.seq_lens[r])
+        pos = np.arange(s)
+        ctx = flat[bt[r, pos // L] * L + pos % L]  # [S, 2K, H]
+        for t in range(qsl[r], qsl[r + 1]):
+            p = s - (qsl[r + 1] - t)
+            for n in range(N):
+                keys, vals = ctx[: p + 1, 2 * (n // G)], ctx[: p + 1, 2 * (n // G) + 1]
+                logits = keys @ q[t, n] * case.sm_scale
+                w = np.exp(logits - logits.max())
+                out[t, n] = (w / w.sum()) @ vals
+    return out.astype(np.float32), flat.reshape(P, L, K2, H).astype(np.float32)
+
+
+def assert_cache_equal(got: np.ndarray, want: np.ndarray) -> None:
+    """Caches equal everywhere but block 0 (padding writes land there in unspecified order)."""
+    np.testing.assert_array_equal(np.asarray(got, np.float32)[1:], want[1:])

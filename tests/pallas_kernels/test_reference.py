@@ -1,0 +1,113 @@
+"""The jnp reference against the dumb per-request numpy oracle."""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pallas_kernels
+from pallas_kernels import ragged_paged_attention
+from tests.pallas_kernels.cases import assert_cache_equal, make_case, numpy_oracle
+
+# (q_len, context_len) per request.
+BATCHES = {
+    "decode": [(1, 5), (1, 40), (1, 17), (1, 1)],
+    "prefill": [(23, 23), (7, 7), (40, 40)],
+    "mixed": [(1, 33), (12, 12), (9, 50), (1, 2), (16, 16)],
+}
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
+
+
+def run(case, dtype, **kw):
+    out, cache = ragged_paged_attention(*case.args(dtype), sm_scale=case.sm_scale, **kw)
+    return np.asarray(out.astype(jnp.float32)), np.asarray(cache.astype(jnp.float32))
+
+
+@pytest.mark.parametrize("batch", sorted(BATCHES))
+@pytest.mark.parametrize("page_size", [4, 16])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(2, 2), (6, 2), (8, 1)])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_matches_numpy_oracle(batch, page_size, num_heads, num_kv_heads, dtype):
+    case = make_case(
+        BATCHES[batch],
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=8,
+        page_size=page_size,
+        seed=sorted(BATCHES).index(batch) * 100 + page_size,
+    )
+    out, cache = run(case, dtype, block_q=4, pages_per_chunk=2)
+    want_out, want_cache = numpy_oracle(case, dtype)
+    T = case.num_tokens
+    assert np.all(np.isfinite(out[:T]))
+    np.testing.assert_allclose(out[:T], want_out, atol=TOL[dtype], rtol=TOL[dtype])
+    assert_cache_equal(cache, want_cache)
+
+
+@pytest.mark.parametrize(("block_q", "pages_per_chunk"), [(1, 1), (3, 5), (64, 64)])
+def test_block_sizes_do_not_change_the_result(block_q, pages_per_chunk):
+    case = make_case(BATCHES["mixed"], num_heads=4, num_kv_heads=2, head_dim=8, page_size=4)
+    out, _ = run(case, jnp.float32, block_q=block_q, pages_per_chunk=pages_per_chunk)
+    want, _ = numpy_oracle(case)
+    np.testing.assert_allclose(out[: case.num_tokens], want, atol=2e-5, rtol=2e-5)
+
+
+def test_default_block_sizes_long_context():
+    case = make_case(
+        [(1, 700), (64, 300), (1, 1)],
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        page_size=16,
+        seed=3,
+    )
+    out, _ = run(case, jnp.float32)
+    want, _ = numpy_oracle(case)
+    np.testing.assert_allclose(out[: case.num_tokens], want, atol=2e-5, rtol=2e-5)
+
+
+def test_compiles_once_for_all_metadata():
+    """All integer inputs are traced: new batches of the same shapes reuse the compilation."""
+    shapes = dict(num_heads=4, num_kv_heads=2, head_dim=8, page_size=4, pad_reqs=1)
+    # Same T, R, P and max_blocks; only the metadata (and the data) differ.
+    a = make_case([(1, 9), (6, 6), (3, 12)], pad_tokens=2, **shapes)
+    b = make_case([(5, 9), (2, 8), (3, 3)], pad_tokens=2, extra_pages=5, **shapes, seed=1)
+    f = jax.jit(lambda *args: ragged_paged_attention(*args, sm_scale=a.sm_scale))
+    for case in (a, b):
+        assert case.kv_cache.shape == a.kv_cache.shape and case.q.shape == a.q.shape
+        assert case.block_tables.shape == a.block_tables.shape
+        out, cache = f(*case.args(jnp.float32))
+        want, want_cache = numpy_oracle(case)
+        np.testing.assert_allclose(np.asarray(out)[: case.num_tokens], want, atol=2e-5)
+        assert_cache_equal(np.asarray(cache), want_cache)
+    assert f._cache_size() == 1
+
+
+def test_sm_scale_is_used():
+    case = make_case(BATCHES["mixed"], num_heads=2, num_kv_heads=1, head_dim=8, page_size=4)
+    out, _ = ragged_paged_attention(*case.args(jnp.float32), sm_scale=case.sm_scale)
+    out2, _ = ragged_paged_attention(*case.args(jnp.float32), sm_scale=2 * case.sm_scale)
+    T = case.num_tokens
+    assert not np.allclose(np.asarray(out)[:T], np.asarray(out2)[:T])
+
+
+def test_unknown_impl_is_rejected():
+    case = make_case(BATCHES["decode"], num_heads=2, num_kv_heads=1, head_dim=8, page_size=4)
+    with pytest.raises(ValueError, match="impl must be one of"):
+        ragged_paged_attention(*case.args(jnp.float32), sm_scale=1.0, impl="cuda")
+
+
+def test_default_impl_on_cpu():
+    assert jax.default_backend() == "cpu"
+    assert pallas_kernels.default_impl() == "reference"
+
+
+def test_reference_does_not_warn():
+    case = make_case(BATCHES["decode"], num_heads=2, num_kv_heads=1, head_dim=8, page_size=4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ragged_paged_attention(*case.args(jnp.float32), sm_scale=1.0)
