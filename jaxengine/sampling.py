@@ -35,6 +35,7 @@ class SamplingMetadata:
     seeds: jax.Array  # u32[R]  per-request seed
     positions: jax.Array  # i32[R]  output index of the token being drawn (folded into the key)
     num_logprobs: jax.Array  # i32[R]  top logprobs wanted; -1 = no logprobs at all
+    banned_token_ids: jax.Array  # i32[R, S]  never drawn this step (min_tokens); -1 = unused
 
 
 @jax.tree_util.register_dataclass
@@ -106,6 +107,13 @@ def _sample_random(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
     return jnp.minimum(token, last).astype(jnp.int32)
 
 
+def _ban(logits: jax.Array, banned: jax.Array) -> jax.Array:
+    """Set banned tokens to -inf (how `min_tokens` keeps EOS and stop ids out, as vLLM does)."""
+    R, V = logits.shape
+    idx = jnp.where(banned < 0, V, banned)  # out of range: dropped by the scatter
+    return logits.at[jnp.arange(R)[:, None], idx].set(-jnp.inf, mode="drop")
+
+
 def _logprobs(
     logits: jax.Array, tokens: jax.Array, md: SamplingMetadata, n: int
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -143,7 +151,7 @@ def sample(logits: jax.Array, md: SamplingMetadata, *, max_logprobs: int = 0) ->
 
 def sample_impl(logits: jax.Array, md: SamplingMetadata, *, max_logprobs: int) -> SamplerOutput:
     """`sample` without its own jit, for callers that fuse it into a larger jitted function."""
-    logits = logits.astype(jnp.float32)
+    logits = _ban(logits.astype(jnp.float32), md.banned_token_ids)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     drawn = lax.cond(
         jnp.all(md.temperature <= 0), lambda: greedy, lambda: _sample_random(logits, md)

@@ -10,6 +10,8 @@ import numpy as np
 
 from jaxengine.sampling import SamplingMetadata
 
+MAX_BANNED = 8  # stop token ids (+ EOS) a request with min_tokens may have
+
 
 def validate_sampling_params(sp: Any, *, max_logprobs: int, vocab_size: int | None) -> None:
     """Raise `ValueError` naming the bad value of a `SamplingParams`.
@@ -40,6 +42,9 @@ def validate_sampling_params(sp: Any, *, max_logprobs: int, vocab_size: int | No
     stops = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop)
     if any(not isinstance(s, str) or not s for s in stops):
         raise ValueError(f"stop must be non-empty strings, got {sp.stop!r}")
+    if sp.min_tokens > 0 and len(sp.stop_token_ids) + 1 > MAX_BANNED:
+        raise ValueError(f"with min_tokens > 0, at most {MAX_BANNED - 1} stop_token_ids are "
+                         f"supported, got {len(sp.stop_token_ids)}")
     for t in sp.stop_token_ids:
         if not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size):
             raise ValueError(f"stop_token_ids must be token ids in [0, vocab), got {t!r}")
@@ -52,14 +57,18 @@ class SamplingRow:
     params: Any  # scheduler.SamplingParams
     seed: int  # the request's own seed, or one the engine drew for it
     position: int  # index of the output token being drawn
+    eos_token_id: int | None = None  # banned with the stop ids while position < min_tokens
 
 
-def build_sampling_metadata(rows: Sequence[SamplingRow], num_rows: int) -> SamplingMetadata:
+def build_sampling_metadata(
+    rows: Sequence[SamplingRow], num_rows: int, *, max_banned: int = MAX_BANNED
+) -> SamplingMetadata:
     """Pack rows into numpy arrays of size `num_rows` (the request bucket); padding is greedy.
 
     Args:
       rows: one per sampling request, in the order of the logits rows.
       num_rows: R, at least `len(rows)`.
+      max_banned: S, width of the banned-token array (fixed, so it never recompiles).
     Returns:
       SamplingMetadata of numpy arrays (f32/i32/u32[R]).
     """
@@ -72,6 +81,7 @@ def build_sampling_metadata(rows: Sequence[SamplingRow], num_rows: int) -> Sampl
     seeds = np.zeros(num_rows, np.uint32)
     positions = np.zeros(num_rows, np.int32)
     num_logprobs = np.full(num_rows, -1, np.int32)
+    banned = np.full((num_rows, max_banned), -1, np.int32)
     for i, row in enumerate(rows):
         sp = row.params
         temperature[i] = sp.temperature
@@ -81,6 +91,9 @@ def build_sampling_metadata(rows: Sequence[SamplingRow], num_rows: int) -> Sampl
         seeds[i] = row.seed & 0xFFFFFFFF
         positions[i] = row.position
         num_logprobs[i] = -1 if sp.logprobs is None else sp.logprobs
+        if row.position < sp.min_tokens:
+            ids = banned_ids(sp, row.eos_token_id)
+            banned[i, : len(ids)] = ids
     return SamplingMetadata(
         temperature=temperature,
         top_k=top_k,
@@ -89,4 +102,13 @@ def build_sampling_metadata(rows: Sequence[SamplingRow], num_rows: int) -> Sampl
         seeds=seeds,
         positions=positions,
         num_logprobs=num_logprobs,
+        banned_token_ids=banned,
     )
+
+
+def banned_ids(sp: Any, eos_token_id: int | None) -> tuple[int, ...]:
+    """Tokens `min_tokens` holds back: the stop token ids, and EOS unless `ignore_eos`."""
+    ids = tuple(sp.stop_token_ids)
+    if eos_token_id is not None and not sp.ignore_eos:
+        ids = (eos_token_id, *ids)
+    return ids

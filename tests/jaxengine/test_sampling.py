@@ -19,9 +19,11 @@ def _md(n: int, **overrides: object) -> SamplingMetadata:
         seeds=np.full(n, 1234, np.uint32),
         positions=np.arange(n, dtype=np.int32),
         num_logprobs=np.full(n, -1, np.int32),
+        banned_token_ids=np.full((n, 2), -1, np.int32),
     )
     for name, value in overrides.items():
-        base[name] = np.broadcast_to(np.asarray(value, base[name].dtype), (n,)).copy()
+        shape = base[name].shape
+        base[name] = np.broadcast_to(np.asarray(value, base[name].dtype), shape).copy()
     return SamplingMetadata(**base)
 
 
@@ -105,3 +107,11 @@ def test_no_top_logprobs_when_nobody_asks() -> None:
     out = sample(logits, _md(2, temperature=0.0), max_logprobs=3)
     assert out.top_logprobs.shape == (2, 3)
     assert out.top_token_ids.shape == (2, 3)
+
+
+def test_banned_tokens_are_never_drawn() -> None:
+    logits = np.tile(np.log(np.asarray(PROBS, np.float32)), (R, 1))
+    greedy = sample(logits[:4], _md(4, temperature=0.0, banned_token_ids=[0, 2]))
+    assert np.asarray(greedy.token_ids).tolist() == [1] * 4
+    tokens = sample(logits, _md(R, banned_token_ids=[1, -1])).token_ids
+    assert 1 not in set(np.asarray(tokens).tolist())
