@@ -1,0 +1,30 @@
+"""vLLM V1's scheduler as a host-side immutable state machine (SCHEDULING.md is its contract).
+
+Pure functions from a state (and requests or model output) to a new state and a plan; no
+function mutates its arguments, so an old state stays valid and can be scheduled again.
+No jax here: this package is plain Python.
+"""
+
+from scheduler.config import SchedulerConfig
+from scheduler.invariants import check_invariants
+from scheduler.policies import POLICIES, Policy, SortedPolicy, register
+from scheduler.request import Request, RequestStatus, SamplingParams
+from scheduler.schedule import schedule
+from scheduler.state import (
+    CachedRequestData,
+    NewRequestData,
+    RequestDelta,
+    SchedulerCounters,
+    SchedulerOutput,
+    SchedulerState,
+    SchedulerStats,
+    init_state,
+)
+from scheduler.update import abort_requests, add_request, update_from_output
+
+__all__ = [
+    "POLICIES", "CachedRequestData", "NewRequestData", "Policy", "Request", "RequestDelta",
+    "RequestStatus", "SamplingParams", "SchedulerConfig", "SchedulerCounters", "SchedulerOutput",
+    "SchedulerState", "SchedulerStats", "SortedPolicy", "abort_requests", "add_request",
+    "check_invariants", "init_state", "register", "schedule", "update_from_output",
+]

@@ -1,0 +1,106 @@
+"""`Work`: the private, mutable working copy a pure function builds its new state in.
+
+This is where purity lives: `Work(state)` copies the state's small columns and opens an edit of
+its KV pool version; the functions in `schedule.py` / `update.py` then read like vLLM's mutable
+scheduler; `freeze()` turns the result into a new frozen `SchedulerState` (or `abort()` undoes
+the pool edit when a function raises, leaving the input state exactly as it was).
+"""
+
+import dataclasses
+from types import MappingProxyType
+
+from scheduler.kv_cache import KVCacheManager
+from scheduler.policies import get_policy
+from scheduler.request import Request, RequestStatus
+from scheduler.state import SchedulerCounters, SchedulerState
+
+
+class Work:
+    """Mutable copy of a `SchedulerState` (never escapes the function that made it)."""
+
+    def __init__(self, state: SchedulerState) -> None:
+        self.config = cfg = state.config
+        self.step = state.step
+        self.policy = get_policy(cfg.policy)
+        self.waiting: list[str] = list(state.waiting)
+        self.running: list[str] = list(state.running)
+        self.static: dict[str, Request] = dict(state.static)
+        self.computed: dict[str, int] = dict(state.computed)
+        self.num_tokens: dict[str, int] = dict(state.num_tokens)
+        self.tokens: dict[str, list[int]] = dict(state.tokens)
+        self.finished: set[str] = set(state.finished_since_last_step)
+        self.counters: dict[str, int] = dataclasses.asdict(state.counters)
+        self._edit = state.pool.edit()
+        self.kv = KVCacheManager(
+            self._edit.data, self._edit.journal, block_size=cfg.block_size,
+            caching=cfg.enable_prefix_caching, max_model_len=cfg.max_model_len,
+        )
+
+    def freeze(self, *, step: int) -> SchedulerState:
+        """The new state; this Work must not be used afterwards."""
+        num_free = self.kv.num_free
+        return SchedulerState(
+            config=self.config, step=step, waiting=tuple(self.waiting),
+            running=tuple(self.running), num_free_blocks=num_free,
+            counters=SchedulerCounters(**self.counters),
+            static=MappingProxyType(self.static), computed=MappingProxyType(self.computed),
+            num_tokens=MappingProxyType(self.num_tokens), tokens=MappingProxyType(self.tokens),
+            finished_since_last_step=frozenset(self.finished), pool=self._edit.commit(),
+        )
+
+    def abort(self) -> None:
+        """Undo the pool edit (the input state stays valid and unchanged)."""
+        self._edit.abort()
+
+    # ---- per-request helpers ------------------------------------------------------------
+
+    def num_tokens_with_spec(self, rid: str) -> int:
+        return self.num_tokens[rid] + len(self.static[rid].spec_token_ids)
+
+    def token_ids(self, rid: str, start: int, stop: int) -> tuple[int, ...]:
+        """Tokens start..stop-1 of prompt + outputs + draft tokens."""
+        n = self.num_tokens[rid]
+        if stop <= n:
+            return tuple(self.tokens[rid][start:stop])
+        spec = self.static[rid].spec_token_ids
+        return tuple(self.tokens[rid][start:n]) + spec[max(0, start - n):stop - n]
+
+    def update(self, rid: str, **changes) -> None:
+        """Replace fields of the request's static record (status, preemptions, drafts)."""
+        self.static[rid] = dataclasses.replace(self.static[rid], **changes)
+
+    def append_token(self, rid: str, token: int) -> None:
+        """Append one output token; copy the shared history first if another version has
+        already appended past this version's end."""
+        history, n = self.tokens[rid], self.num_tokens[rid]
+        if len(history) != n:
+            history = history[:n]
+            self.tokens[rid] = history
+        history.append(token)
+        self.num_tokens[rid] = n + 1
+
+    def allocate(self, rid: str, num_slots: int, hit: list[int] | tuple = ()) -> bool:
+        """KV slots for the request's first `num_slots` tokens (see KVCacheManager.allocate)."""
+        req = self.static[rid]
+        return self.kv.allocate(
+            rid, num_slots, num_cacheable=min(num_slots, self.num_tokens[rid]),
+            tokens=self.tokens[rid], salt=req.cache_salt, hit=hit,
+        )
+
+    def preempt(self, rid: str) -> None:
+        """Free the request's blocks and send it to the front of `waiting` to recompute."""
+        self.running.remove(rid)
+        self.kv.free(rid, forget_hashes=False)
+        req = self.static[rid]
+        self.update(rid, status=RequestStatus.PREEMPTED, spec_token_ids=(),
+                    num_preemptions=req.num_preemptions + 1)
+        self.computed[rid] = 0
+        self.counters["num_preemptions"] += 1
+        self.policy.enqueue(self.waiting, rid, self.static, front=True)
+
+    def finish(self, rid: str) -> None:
+        """Drop a finished request (the caller removes it from its queue) and free its blocks."""
+        self.kv.free(rid, forget_hashes=True)
+        for column in (self.static, self.computed, self.num_tokens, self.tokens):
+            del column[rid]
+        self.finished.add(rid)

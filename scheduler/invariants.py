@@ -1,0 +1,56 @@
+"""`check_invariants(state)`: the bookkeeping rules every state must satisfy (for tests)."""
+
+from collections import Counter
+
+from scheduler.kv_cache import PoolData, cdiv
+from scheduler.request import RequestStatus
+from scheduler.state import SchedulerOutput, SchedulerState
+
+
+def check_invariants(state: SchedulerState, output: SchedulerOutput | None = None) -> None:
+    """Raise AssertionError naming the first broken rule: queues partition the requests, the
+    sequence limit holds, every block is accounted for (reference counts, the free queue, the
+    prefix-cache map), and, given the step's plan, the token budget holds."""
+    cfg = state.config
+    running, waiting = state.running, state.waiting
+    assert len(running) <= cfg.max_num_seqs, f"{len(running)} running > max_num_seqs"
+    assert len(set(running)) == len(running) and len(set(waiting)) == len(waiting), "duplicates"
+    assert set(running) | set(waiting) == set(state.static), "queues must hold every request"
+    assert not set(running) & set(waiting), "a request is both running and waiting"
+    for rid in running:
+        assert state.static[rid].status == RequestStatus.RUNNING, f"{rid} running but not RUNNING"
+    for rid in waiting:
+        assert state.static[rid].status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        assert state.computed[rid] == 0, f"waiting {rid} has computed tokens"
+    if output is not None:
+        total = sum(output.num_scheduled_tokens.values())
+        assert total == output.total_num_scheduled_tokens <= cfg.max_num_scheduled_tokens
+    state.pool.read(lambda d: _check_pool(state, d))
+
+
+def _check_pool(state: SchedulerState, d: PoolData) -> None:
+    cfg = state.config
+    bs = cfg.block_size
+    holders: Counter[int] = Counter()
+    for rid, table in d.req_blocks.items():
+        assert rid in state.running, f"{rid} holds blocks but is not running"
+        assert 0 not in table, f"{rid} holds the null block"
+        assert len(table) >= cdiv(state.computed[rid], bs), f"{rid}: too few blocks"
+        holders.update(table)
+    for rid in state.running:
+        assert rid in d.req_blocks, f"running {rid} holds no block table"
+    assert d.ref[0] == 0, "the null block is referenced"
+    for b in range(1, cfg.num_blocks):
+        assert d.ref[b] == holders[b], f"block {b}: ref {d.ref[b]} != {holders[b]} holders"
+    free = d.free_list()
+    assert len(free) == d.num_free[0] == state.num_free_blocks, "free count mismatch"
+    assert sorted(free) == [b for b in range(1, cfg.num_blocks) if d.ref[b] == 0], "free queue"
+    prev = d.head
+    for b in free:
+        assert d.prv[b] == prev, f"free queue back link of block {b}"
+        prev = b
+    for h, blocks in d.cached.items():
+        for b in blocks:
+            assert d.block_hash[b] == h, f"block {b} registered under a hash it does not hold"
+    registered = sum(len(blocks) for blocks in d.cached.values())
+    assert registered == sum(h is not None for h in d.block_hash), "stray block hashes"

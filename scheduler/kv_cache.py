@@ -1,0 +1,212 @@
+"""The paged KV block pool and per-request block tables, with automatic prefix caching (§5).
+
+`PoolData` is the mutable data; `KVCacheManager` is a working view that mutates it only through a
+`Journal`, so `scheduler._versioned` can keep every old version alive (purity at the boundary).
+
+Free queue: a doubly linked list over block ids (arrays `nxt`/`prv` with two sentinels), so that
+taking a cached block off the middle (a prefix hit) is O(1). Allocation takes from the head.
+Freeing releases a request's blocks tail first; a block with no cached hash goes to the head
+(reused first), a cached one to the tail (evicted last): LRU eviction, suffix before prefix.
+Block 0 is the null block: never allocated, freed or counted.
+"""
+
+from collections.abc import Sequence
+
+from scheduler._versioned import Journal
+from scheduler.hashing import BlockHash, extend_block_hashes
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class PoolData:
+    """All mutable KV bookkeeping of one scheduler lineage (only lists and dicts, see Journal)."""
+
+    def __init__(self, num_blocks: int) -> None:
+        n = num_blocks
+        self.head, self.tail = n, n + 1  # sentinel indices in nxt/prv
+        self.ref: list[int] = [0] * n  # reference count per block
+        self.block_hash: list[BlockHash | None] = [None] * n  # registered hash per block
+        # Free list 1, 2, ..., n-1 between the sentinels (block 0 is the null block).
+        self.nxt: list[int] = [i + 1 for i in range(n)] + [1, -1]
+        self.prv: list[int] = [i - 1 for i in range(n)] + [-1, n - 1]
+        self.nxt[n - 1] = self.tail
+        if n == 1:
+            self.nxt[self.head], self.prv[self.tail] = self.tail, self.head
+        else:
+            self.prv[1] = self.head
+        self.num_free: list[int] = [n - 1]  # a one-element list so the journal can write it
+        self.cached: dict[BlockHash, tuple[int, ...]] = {}  # hash -> blocks holding it
+        self.req_blocks: dict[str, list[int]] = {}  # block table per request
+        self.req_num_cached: dict[str, int] = {}  # leading blocks registered in `cached`
+        self.req_hashes: dict[str, list[BlockHash]] = {}  # lazily computed full-block hashes
+
+    def free_list(self) -> list[int]:
+        """The free queue, head first (for tests and invariants)."""
+        out, b = [], self.nxt[self.head]
+        while b != self.tail:
+            out.append(b)
+            b = self.nxt[b]
+        return out
+
+
+class KVCacheManager:
+    """Allocation, freeing and prefix caching over one edit of `PoolData`."""
+
+    __slots__ = ("d", "j", "block_size", "caching", "max_model_len")
+
+    def __init__(self, data: PoolData, journal: Journal, *, block_size: int, caching: bool,
+                 max_model_len: int) -> None:
+        self.d, self.j = data, journal
+        self.block_size = block_size
+        self.caching = caching
+        self.max_model_len = max_model_len
+
+    @property
+    def num_free(self) -> int:
+        """Free blocks, cached ones included (they are evictable)."""
+        return self.d.num_free[0]
+
+    def blocks(self, rid: str) -> list[int]:
+        """The request's block table (do not mutate)."""
+        return self.d.req_blocks.get(rid, [])
+
+    # ---- prefix cache -------------------------------------------------------------------
+
+    def find_cached_prefix(self, rid: str, tokens: Sequence[int], num_tokens: int,
+                           salt: str | None) -> list[int]:
+        """Blocks holding the longest cached prefix, at most `num_tokens - 1` tokens long (the
+        last token is always computed, to produce logits)."""
+        if not self.caching:
+            return []
+        hit: list[int] = []
+        cached = self.d.cached
+        for i in range((num_tokens - 1) // self.block_size):
+            blocks = cached.get(self._hashes(rid, tokens, i + 1, salt)[i])
+            if blocks is None:
+                break
+            hit.append(blocks[0])
+        return hit
+
+    def _hashes(self, rid: str, tokens: Sequence[int], count: int,
+                salt: str | None) -> list[BlockHash]:
+        hashes = self.d.req_hashes.get(rid)
+        if hashes is None:
+            hashes = []
+            self.j.set(self.d.req_hashes, rid, hashes)
+        if len(hashes) < count:
+            self.j.extend(hashes, extend_block_hashes(hashes, tokens, count, self.block_size, salt))
+        return hashes
+
+    def num_blocks_needed(self, rid: str, num_slots: int, hit: Sequence[int] = ()) -> int:
+        """Free blocks that giving the request `num_slots` KV slots would take (hit blocks that
+        sit in the free queue count: taking them removes them from it)."""
+        new = cdiv(min(num_slots, self.max_model_len), self.block_size)
+        new -= len(hit) + len(self.blocks(rid))
+        ref = self.d.ref
+        return new + sum(1 for b in hit if ref[b] == 0)
+
+    # ---- allocation -------------------------------------------------------------------
+
+    def allocate(self, rid: str, num_slots: int, *, num_cacheable: int, tokens: Sequence[int],
+                 salt: str | None, hit: Sequence[int] = ()) -> bool:
+        """Grow the request's table to `num_slots` slots (after adding the `hit` blocks of a new
+        request), then register the hashes of its first `num_cacheable` tokens' full blocks.
+        Returns False, changing nothing, if the pool is short."""
+        if self.num_blocks_needed(rid, num_slots, hit) > self.num_free:
+            return False
+        d, j = self.d, self.j
+        table = d.req_blocks.get(rid)
+        if table is None:
+            table = []
+            j.set(d.req_blocks, rid, table)
+            j.set(d.req_num_cached, rid, len(hit))
+        if hit:
+            for b in hit:
+                if d.ref[b] == 0:
+                    self._unlink(b)
+                j.set(d.ref, b, d.ref[b] + 1)
+            j.extend(table, list(hit))
+        num_new = cdiv(min(num_slots, self.max_model_len), self.block_size) - len(table)
+        if num_new > 0:
+            j.extend(table, self._take_free(num_new))
+        if self.caching:
+            self._register(rid, table, num_cacheable // self.block_size, tokens, salt)
+        return True
+
+    def free(self, rid: str, *, forget_hashes: bool) -> None:
+        """Release the request's blocks, tail first. Preempted requests keep their hashes (their
+        tokens do not change); finished ones forget them."""
+        d, j = self.d, self.j
+        table = d.req_blocks.get(rid)
+        if table is not None:
+            j.delete(d.req_blocks, rid)
+            j.delete(d.req_num_cached, rid)
+            for b in reversed(table):
+                ref = d.ref[b] - 1
+                j.set(d.ref, b, ref)
+                if ref == 0:
+                    self._push(b, to_head=d.block_hash[b] is None)
+        if forget_hashes and rid in d.req_hashes:
+            j.delete(d.req_hashes, rid)
+
+    def _register(self, rid: str, table: list[int], num_full: int, tokens: Sequence[int],
+                  salt: str | None) -> None:
+        d, j = self.d, self.j
+        done = d.req_num_cached[rid]
+        if num_full <= done:
+            return
+        hashes = self._hashes(rid, tokens, num_full, salt)
+        for i in range(done, num_full):
+            b, h = table[i], hashes[i]
+            j.set(d.block_hash, b, h)
+            j.set(d.cached, h, d.cached.get(h, ()) + (b,))
+        j.set(d.req_num_cached, rid, num_full)
+
+    # ---- the free queue -----------------------------------------------------------------
+
+    def _take_free(self, n: int) -> list[int]:
+        """Pop n blocks off the head, evicting their cached hashes."""
+        d, j = self.d, self.j
+        taken, b = [], d.nxt[d.head]
+        for _ in range(n):
+            taken.append(b)
+            b = d.nxt[b]
+        j.set(d.nxt, d.head, b)
+        j.set(d.prv, b, d.head)
+        j.set(d.num_free, 0, d.num_free[0] - n)
+        for b in taken:
+            j.set(d.ref, b, 1)
+            h = d.block_hash[b]
+            if h is not None:
+                self._evict(b, h)
+        return taken
+
+    def _evict(self, b: int, h: BlockHash) -> None:
+        d, j = self.d, self.j
+        rest = tuple(x for x in d.cached[h] if x != b)
+        if rest:
+            j.set(d.cached, h, rest)
+        else:
+            j.delete(d.cached, h)
+        j.set(d.block_hash, b, None)
+
+    def _unlink(self, b: int) -> None:
+        d, j = self.d, self.j
+        p, n = d.prv[b], d.nxt[b]
+        j.set(d.nxt, p, n)
+        j.set(d.prv, n, p)
+        j.set(d.num_free, 0, d.num_free[0] - 1)
+
+    def _push(self, b: int, *, to_head: bool) -> None:
+        d, j = self.d, self.j
+        if to_head:
+            p, n = d.head, d.nxt[d.head]
+        else:
+            p, n = d.prv[d.tail], d.tail
+        j.set(d.nxt, b, n)
+        j.set(d.prv, b, p)
+        j.set(d.nxt, p, b)
+        j.set(d.prv, n, b)
+        j.set(d.num_free, 0, d.num_free[0] + 1)

@@ -1,0 +1,72 @@
+"""Trace replay with a fake model (SCHEDULING.md §10).
+
+    python -m scheduler.replay TRACE.json [-o OUT.jsonl]
+
+At step s, requests with `arrival_step == s` are added in trace order with
+`arrival_time = s + 1e-6 * index`; `schedule()` runs; every request whose prompt is complete
+samples `sampled_token` (EOS ignored); `update_from_output()` runs; one JSON line is printed.
+"""
+
+import argparse
+import contextlib
+import json
+import sys
+from collections.abc import Iterator
+
+from scheduler.config import SchedulerConfig
+from scheduler.request import Request, SamplingParams
+from scheduler.schedule import schedule
+from scheduler.state import init_state
+from scheduler.update import add_request, update_from_output
+
+
+def replay(trace: dict) -> Iterator[dict]:
+    """Yield one record per step of the trace, until every request arrived and finished."""
+    state = init_state(SchedulerConfig(**trace["config"]))
+    token = trace.get("sampled_token", 7)
+    arrivals: dict[int, list[tuple[int, dict]]] = {}
+    for index, r in enumerate(trace["requests"]):
+        arrivals.setdefault(r.get("arrival_step", 0), []).append((index, r))
+    last_arrival = max(arrivals, default=0)
+    step = 0
+    while step <= last_arrival or state.requests:
+        for index, r in arrivals.get(step, ()):
+            state = add_request(state, _request(r, step + 1e-6 * index))
+        state, out = schedule(state)
+        sampled = {rid: [token] for rid in out.sampling_req_ids}
+        state, deltas = update_from_output(state, out, sampled)
+        yield {
+            "step": step,
+            "num_scheduled_tokens": dict(out.num_scheduled_tokens),
+            "preempted": sorted(out.preempted_req_ids),
+            "finished": [d.request_id for d in deltas if d.finish_reason is not None],
+            "num_free_blocks": state.num_free_blocks,
+        }
+        step += 1
+
+
+def _request(r: dict, arrival_time: float) -> Request:
+    return Request(
+        request_id=r["id"], prompt_token_ids=tuple(r["prompt_token_ids"]),
+        sampling_params=SamplingParams(max_tokens=r["max_tokens"], ignore_eos=True),
+        arrival_time=arrival_time, priority=r.get("priority", 0),
+        cache_salt=r.get("cache_salt"),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m scheduler.replay", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("trace", help="trace JSON (SCHEDULING.md §10)")
+    parser.add_argument("-o", "--output", help="write the JSON lines here instead of stdout")
+    args = parser.parse_args(argv)
+    with open(args.trace) as f:
+        trace = json.load(f)
+    with open(args.output, "w") if args.output else contextlib.nullcontext(sys.stdout) as out:
+        for record in replay(trace):
+            out.write(json.dumps(record) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,111 @@
+"""Requests as the scheduler sees them: sampling limits, lifecycle status, progress counters."""
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+
+class RequestStatus(IntEnum):
+    """Lifecycle of a request, ordered: every status past PREEMPTED is finished."""
+
+    WAITING = 0
+    WAITING_FOR_REMOTE_KVS = 1
+    RUNNING = 2
+    PREEMPTED = 3
+    FINISHED_STOPPED = 4
+    FINISHED_LENGTH_CAPPED = 5
+    FINISHED_ABORTED = 6
+
+    @property
+    def is_finished(self) -> bool:
+        """True for the three FINISHED_* statuses."""
+        return self > RequestStatus.PREEMPTED
+
+    @property
+    def finish_reason(self) -> str | None:
+        """vLLM's finish reason string: "stop", "length", "abort" or None while unfinished."""
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH_CAPPED: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SamplingParams:
+    """Per-request generation parameters, with vLLM's names and defaults.
+
+    The scheduler reads only the stop-related fields (`max_tokens`, `min_tokens`, `ignore_eos`,
+    `stop_token_ids`); the engine validates and uses the rest when sampling.
+    """
+
+    max_tokens: int | None = 16  # most output tokens; None: up to max_model_len
+    min_tokens: int = 0  # EOS and stop token ids are ignored before this many outputs
+    ignore_eos: bool = False  # keep generating past EOS
+    stop_token_ids: tuple[int, ...] = ()  # extra token ids that stop the request
+    stop: tuple[str, ...] = ()  # stop strings (applied by the engine's detokenizer)
+    temperature: float = 1.0  # 0 means greedy
+    top_k: int = 0  # 0 or -1: off
+    top_p: float = 1.0  # nucleus mass in (0, 1]
+    min_p: float = 0.0  # drop tokens below min_p * p(max)
+    seed: int | None = None  # per-request seed: same seed, same tokens
+    logprobs: int | None = None  # top-n logprobs per output token (None: none)
+
+    def __post_init__(self) -> None:
+        # Lists are accepted for convenience; frozen tuples keep the object hashable and pure.
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        object.__setattr__(self, "stop", stop)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Request:
+    """One request: what was asked (first seven fields) and how far it has got.
+
+    Progress is two counters, never phase flags: `num_tokens` (prompt + outputs) and
+    `num_computed_tokens` (tokens whose KV is in the cache). Users create requests with the
+    first fields only; the scheduler fills in the progress fields of the copies it hands out.
+    """
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    arrival_time: float = 0.0  # seconds; orders FCFS ties and priority ties
+    priority: int = 0  # lower runs first under the priority policy
+    eos_token_id: int | None = None  # stops the request unless ignore_eos
+    cache_salt: str | None = None  # isolates this request's prefix-cache entries
+    output_token_ids: tuple[int, ...] = ()  # sampled so far
+    spec_token_ids: tuple[int, ...] = ()  # draft tokens to verify in the next step
+    num_computed_tokens: int = 0  # tokens with KV in the cache
+    status: RequestStatus = RequestStatus.WAITING
+    num_preemptions: int = 0  # times preempted (each one recomputes everything)
+    stop_reason: int | str | None = None  # stop token id or stop string that finished it
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))
+        object.__setattr__(self, "output_token_ids", tuple(self.output_token_ids))
+        object.__setattr__(self, "spec_token_ids", tuple(self.spec_token_ids))
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        """`num_tokens` plus the draft tokens awaiting verification."""
+        return self.num_tokens + len(self.spec_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def all_token_ids(self) -> tuple[int, ...]:
+        return self.prompt_token_ids + self.output_token_ids

@@ -1,0 +1,213 @@
+"""`schedule()`: one step of vLLM V1's scheduler as a pure function (SCHEDULING.md §3).
+
+There is no prefill phase and no decode phase. Every request has `num_tokens` (prompt + outputs)
+and `num_computed_tokens`; each step hands out a token budget so that each request's computed
+count catches up with its token count. The same code covers prefills, chunked prefills, decodes,
+prefix-cache hits, resumed preemptions and speculative drafts.
+"""
+
+from types import MappingProxyType
+
+from scheduler._work import Work
+from scheduler.partial_prefill import PartialPrefills
+from scheduler.request import RequestStatus
+from scheduler.state import CachedRequestData, NewRequestData, SchedulerOutput, SchedulerState
+
+
+class _Step:
+    """What one schedule() call has decided so far."""
+
+    def __init__(self, w: Work) -> None:
+        cfg = w.config
+        self.budget: int = cfg.max_num_scheduled_tokens
+        # The long-prefill cap protects other requests; with one request there is nobody.
+        many = len(w.running) + len(w.waiting) > 1
+        self.threshold: int = cfg.long_prefill_token_threshold if many else 0
+        self.tokens: dict[str, int] = {}  # request -> tokens scheduled, in scheduling order
+        self.computed_before: dict[str, int] = {}
+        self.table_len_before: dict[str, int] = {}
+        self.spec: dict[str, tuple[int, ...]] = {}
+        self.new: list[str] = []  # admitted from waiting for the first time
+        self.resumed: set[str] = set()  # admitted again after a preemption
+        self.preempted: list[str] = []
+        self.prefills: PartialPrefills | None = None
+        if cfg.max_num_partial_prefills > 1:
+            self.prefills = PartialPrefills.for_step(
+                max_prefills=cfg.max_num_partial_prefills,
+                max_long=cfg.max_long_partial_prefills, threshold=self.threshold,
+                batched_tokens=cfg.max_num_batched_tokens, running=w.running, waiting=w.waiting,
+                remaining=lambda r: w.num_tokens[r] - w.computed[r],
+            )
+
+    def cap_long(self, n: int) -> int:
+        """The long-prefill threshold's cap."""
+        return self.threshold if 0 < self.threshold < n else n
+
+    def record(self, rid: str, n: int, computed: int) -> None:
+        self.tokens[rid] = n
+        self.computed_before[rid] = computed
+        self.budget -= n
+
+    def unschedule(self, rid: str) -> None:
+        """A scheduled request was preempted: give its tokens back."""
+        self.budget += self.tokens.pop(rid)
+        del self.computed_before[rid]
+        self.spec.pop(rid, None)
+
+
+def schedule(state: SchedulerState) -> tuple[SchedulerState, SchedulerOutput]:
+    """Decide which requests run in the next model step and how many tokens each computes.
+
+    Returns the new state (computed counters advanced at schedule time) and the plan. The input
+    state is unchanged and can be scheduled again.
+    """
+    w = Work(state)
+    try:
+        st = _Step(w)
+        _schedule_running(w, st)
+        if not st.preempted:  # a step that had to preempt admits nobody
+            _schedule_waiting(w, st)
+        plan = _make_output(w, st, state)
+        for rid, n in st.tokens.items():
+            w.computed[rid] += n  # advance at schedule time
+        w.finished = set()
+    except BaseException:
+        w.abort()
+        raise
+    return w.freeze(step=state.step + 1), plan
+
+
+def _schedule_running(w: Work, st: _Step) -> None:
+    cfg = w.config
+    i = 0
+    while i < len(w.running) and st.budget > 0:
+        rid = w.running[i]
+        computed = w.computed[rid]
+        n = min(st.cap_long(w.num_tokens_with_spec(rid) - computed), st.budget,
+                cfg.max_model_len - 1 - computed)
+        if st.prefills is not None:
+            n, _ = st.prefills.limit(w.num_tokens[rid] - computed, n)
+        if n <= 0:
+            i += 1
+            continue
+        table_len = len(w.kv.blocks(rid))
+        while not w.allocate(rid, computed + n):
+            victim = w.policy.victim(w.running, w.static)
+            if w.running.index(victim) < i:
+                i -= 1  # the current request moves up one place
+            if victim in st.tokens:
+                st.unschedule(victim)
+            w.preempt(victim)
+            st.preempted.append(victim)
+            if victim == rid:
+                break
+        else:
+            st.record(rid, n, computed)
+            st.table_len_before[rid] = table_len
+            _take_spec(w, st, rid, n, computed)
+            if st.prefills is not None:
+                st.prefills.record(w.num_tokens[rid] - computed)
+            i += 1
+            continue
+        if w.policy.name == "fcfs":
+            break  # the request preempted itself: nobody after it can run either
+
+
+def _take_spec(w: Work, st: _Step, rid: str, n: int, computed: int) -> None:
+    spec = w.static[rid].spec_token_ids
+    num_spec = n + computed - w.num_tokens[rid]
+    if spec and num_spec > 0:
+        st.spec[rid] = spec[:num_spec]
+
+
+def _schedule_waiting(w: Work, st: _Step) -> None:
+    cfg, kv = w.config, w.kv
+    skipped: list[str] = []
+    while w.waiting and st.budget > 0 and len(w.running) < cfg.max_num_seqs:
+        rid = w.waiting[0]
+        req, num_tokens = w.static[rid], w.num_tokens[rid]
+        hit = kv.find_cached_prefix(rid, w.tokens[rid], num_tokens, req.cache_salt)
+        num_hit = len(hit) * cfg.block_size
+        n = st.cap_long(num_tokens - num_hit)  # a resumed request recomputes its outputs too
+        if not cfg.enable_chunked_prefill and n > st.budget:
+            break  # head-of-line blocking: the prompt may not be split
+        n = min(n, st.budget)
+        if st.prefills is not None:
+            n, why = st.prefills.limit(num_tokens - num_hit, n)
+            if why == "long":
+                skipped.append(w.waiting.pop(0))  # keeps its place; shorter ones may start
+                continue
+            if why == "full":
+                break
+        if cfg.reserve_full_prompt and not _fits_whole(w, rid, num_tokens, hit):
+            break
+        if not w.allocate(rid, num_hit + n, hit):
+            break  # waiting requests never preempt
+        w.waiting.pop(0)
+        _admit(w, st, rid, n, num_tokens, num_hit)
+    for rid in reversed(skipped):
+        w.policy.enqueue(w.waiting, rid, w.static, front=True)
+
+
+def _fits_whole(w: Work, rid: str, num_tokens: int, hit: list[int]) -> bool:
+    """Are blocks for the whole sequence (plus the watermark, while anything runs) free?"""
+    cfg = w.config
+    need = w.kv.num_blocks_needed(rid, min(num_tokens, cfg.max_model_len), hit)
+    if w.running:
+        need += int(cfg.watermark * cfg.num_blocks)
+    return need <= w.kv.num_free
+
+
+def _admit(w: Work, st: _Step, rid: str, n: int, num_tokens: int, num_hit: int) -> None:
+    req = w.static[rid]
+    resumed = req.status == RequestStatus.PREEMPTED
+    prefix = "preempted_" if resumed else ""
+    w.counters[prefix + "prefix_cache_queries"] += num_tokens
+    w.counters[prefix + "prefix_cache_hits"] += num_hit
+    (st.resumed.add if resumed else st.new.append)(rid)
+    w.running.append(rid)
+    w.update(rid, status=RequestStatus.RUNNING)
+    w.computed[rid] = num_hit
+    st.record(rid, n, num_hit)
+    if st.prefills is not None:
+        st.prefills.record(num_tokens - num_hit)
+
+
+def _make_output(w: Work, st: _Step, state: SchedulerState) -> SchedulerOutput:
+    cfg = w.config
+    total = sum(st.tokens.values())
+    assert total <= cfg.max_num_scheduled_tokens and st.budget >= 0
+    assert len(w.running) <= cfg.max_num_seqs
+    inputs, tables, sampling = {}, {}, []
+    cached_ids, cached_resumed, cached_new_blocks, cached_computed = [], [], [], []
+    for rid, n in st.tokens.items():
+        c = st.computed_before[rid]
+        inputs[rid] = w.token_ids(rid, c, c + n)
+        table = tables[rid] = tuple(w.kv.blocks(rid))
+        if c + n >= w.num_tokens[rid]:
+            sampling.append(rid)
+        if rid in st.table_len_before or rid in st.resumed:
+            cached_ids.append(rid)
+            cached_resumed.append(rid in st.resumed)
+            cached_new_blocks.append(table[st.table_len_before.get(rid, 0):])
+            cached_computed.append(c)
+    new_reqs = tuple(
+        NewRequestData(req_id=rid, prompt_token_ids=w.static[rid].prompt_token_ids,
+                       sampling_params=w.static[rid].sampling_params, block_ids=tables[rid],
+                       num_computed_tokens=st.computed_before[rid])
+        for rid in st.new
+    )
+    return SchedulerOutput(
+        step=state.step, num_scheduled_tokens=MappingProxyType(st.tokens),
+        total_num_scheduled_tokens=total,
+        num_computed_tokens=MappingProxyType(st.computed_before),
+        input_token_ids=MappingProxyType(inputs), block_tables=MappingProxyType(tables),
+        sampling_req_ids=tuple(sampling), scheduled_new_reqs=new_reqs,
+        scheduled_cached_reqs=CachedRequestData(
+            req_ids=tuple(cached_ids), resumed_from_preemption=tuple(cached_resumed),
+            new_block_ids=tuple(cached_new_blocks), num_computed_tokens=tuple(cached_computed),
+        ),
+        scheduled_spec_decode_tokens=MappingProxyType(st.spec),
+        preempted_req_ids=frozenset(st.preempted),
+        finished_req_ids=state.finished_since_last_step,
+    )

@@ -1,0 +1,142 @@
+"""Pure functions that change requests: `add_request`, `abort_requests`, `update_from_output`."""
+
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
+
+from scheduler._work import Work
+from scheduler.request import Request, RequestStatus
+from scheduler.state import RequestDelta, SchedulerOutput, SchedulerState
+
+
+def add_request(state: SchedulerState, request: Request) -> SchedulerState:
+    """A new state with `request` queued in `waiting` (in policy order).
+
+    Raises:
+        ValueError: duplicate id, empty prompt, or a prompt of max_model_len tokens or more
+            (no room for a single output token). The input state is unchanged.
+    """
+    rid, prompt = request.request_id, request.prompt_token_ids
+    max_len = state.config.max_model_len
+    if rid in state.static:
+        raise ValueError(f"request {rid!r}: a request with this id is already scheduled")
+    if not prompt:
+        raise ValueError(f"request {rid!r}: the prompt is empty; give at least one token")
+    if len(prompt) >= max_len:
+        raise ValueError(
+            f"request {rid!r}: prompt of {len(prompt)} tokens leaves no room for output with "
+            f"max_model_len={max_len}; shorten the prompt below {max_len} tokens"
+        )
+    w = Work(state)
+    try:
+        history = list(prompt) + list(request.output_token_ids)
+        w.static[rid] = dataclasses.replace(
+            request,
+            output_token_ids=(), spec_token_ids=(), num_computed_tokens=0,
+            status=RequestStatus.WAITING, stop_reason=None,
+        )
+        w.tokens[rid], w.num_tokens[rid], w.computed[rid] = history, len(history), 0
+        w.policy.enqueue(w.waiting, rid, w.static, front=False)
+    except BaseException:
+        w.abort()
+        raise
+    return w.freeze(step=state.step)
+
+
+def abort_requests(state: SchedulerState, request_ids: Iterable[str]) -> SchedulerState:
+    """A new state where the given requests are finished as aborted and their blocks freed.
+
+    Unknown or already finished ids are ignored (a client may abort a finished request).
+    """
+    w = Work(state)
+    try:
+        aborted = {r for r in request_ids if r in w.static}
+        for rid in aborted:
+            w.finish(rid)
+        w.running = [r for r in w.running if r not in aborted]
+        w.waiting = [r for r in w.waiting if r not in aborted]
+    except BaseException:
+        w.abort()
+        raise
+    return w.freeze(step=state.step)
+
+
+def update_from_output(
+    state: SchedulerState, output: SchedulerOutput, sampled_token_ids: Mapping[str, Sequence[int]],
+    draft_token_ids: Mapping[str, Sequence[int]] | None = None,
+) -> tuple[SchedulerState, tuple[RequestDelta, ...]]:
+    """Apply the tokens sampled in the step `output` planned (SCHEDULING.md §4).
+
+    Args:
+        state: the state `schedule()` returned with `output`.
+        output: that step's plan.
+        sampled_token_ids: per request, the tokens it sampled (empty or absent for a partial
+            prefill chunk; 1 + accepted drafts under speculative decoding).
+        draft_token_ids: optional new draft tokens per request, verified in the next step.
+
+    Returns:
+        The new state and one delta per request that got tokens or finished.
+    """
+    w = Work(state)
+    try:
+        deltas = []
+        done: set[str] = set()
+        for rid in output.num_scheduled_tokens:
+            if rid not in w.static:
+                continue  # aborted while the model ran
+            delta = _apply_tokens(w, rid, tuple(sampled_token_ids.get(rid, ())),
+                                  output.scheduled_spec_decode_tokens.get(rid))
+            if delta is not None:
+                deltas.append(delta)
+                if delta.finish_reason is not None:
+                    done.add(rid)
+        for rid in done:
+            w.finish(rid)
+        if done:
+            w.running = [r for r in w.running if r not in done]
+            w.waiting = [r for r in w.waiting if r not in done]
+        for rid, drafts in (draft_token_ids or {}).items():
+            if rid in w.static and w.static[rid].status == RequestStatus.RUNNING:
+                w.update(rid, spec_token_ids=tuple(drafts))
+    except BaseException:
+        w.abort()
+        raise
+    return w.freeze(step=state.step), tuple(deltas)
+
+
+def _apply_tokens(w: Work, rid: str, sampled: tuple[int, ...],
+                  spec: tuple[int, ...] | None) -> RequestDelta | None:
+    if spec:
+        w.update(rid, spec_token_ids=())  # the drafts were verified this step
+        if sampled and w.computed[rid] > 0:
+            rejected = len(spec) - (len(sampled) - 1)
+            w.computed[rid] -= rejected
+    kept: list[int] = []
+    status, stop_reason = None, None
+    for token in sampled:
+        w.append_token(rid, token)
+        kept.append(token)
+        status, stop_reason = _check_stop(w, rid, token)
+        if status is not None:
+            break  # tokens after a stop are dropped
+    if not kept:
+        return None
+    return RequestDelta(request_id=rid, new_token_ids=tuple(kept),
+                        finish_reason=status.finish_reason if status else None,
+                        stop_reason=stop_reason)
+
+
+def _check_stop(w: Work, rid: str, token: int) -> tuple[RequestStatus | None, int | None]:
+    req = w.static[rid]
+    params = req.sampling_params
+    num_tokens = w.num_tokens[rid]
+    num_output = num_tokens - len(req.prompt_token_ids)
+    if num_output >= params.min_tokens:
+        if token == req.eos_token_id and not params.ignore_eos:
+            return RequestStatus.FINISHED_STOPPED, None
+        if token in params.stop_token_ids:
+            return RequestStatus.FINISHED_STOPPED, token
+    if params.max_tokens is not None and num_output >= params.max_tokens:
+        return RequestStatus.FINISHED_LENGTH_CAPPED, None
+    if num_tokens >= w.config.max_model_len:
+        return RequestStatus.FINISHED_LENGTH_CAPPED, None
+    return None, None
