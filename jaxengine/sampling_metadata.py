@@ -21,11 +21,13 @@ def validate_sampling_params(sp: Any, *, max_logprobs: int, vocab_size: int | No
       max_logprobs: the engine's cap on `logprobs`.
       vocab_size: when known, `top_k` and stop token ids are checked against it.
     """
-    if not isinstance(sp.max_tokens, int) or sp.max_tokens <= 0:
-        raise ValueError(f"max_tokens must be a positive integer, got {sp.max_tokens!r}")
-    if sp.min_tokens < 0 or sp.min_tokens > sp.max_tokens:
+    if sp.max_tokens is not None and (not _is_int(sp.max_tokens) or sp.max_tokens <= 0):
+        raise ValueError(f"max_tokens must be a positive integer or None, got {sp.max_tokens!r}")
+    if not _is_int(sp.min_tokens) or sp.min_tokens < 0 or (
+        sp.max_tokens is not None and sp.min_tokens > sp.max_tokens
+    ):
         raise ValueError(
-            f"min_tokens must be in [0, max_tokens={sp.max_tokens}], got {sp.min_tokens}"
+            f"min_tokens must be in [0, max_tokens={sp.max_tokens}], got {sp.min_tokens!r}"
         )
     if not sp.temperature >= 0:  # `not >=` also rejects NaN
         raise ValueError(f"temperature must be >= 0, got {sp.temperature}")
@@ -33,11 +35,12 @@ def validate_sampling_params(sp: Any, *, max_logprobs: int, vocab_size: int | No
         raise ValueError(f"top_p must be in (0, 1], got {sp.top_p}")
     if not 0 <= sp.min_p <= 1:
         raise ValueError(f"min_p must be in [0, 1], got {sp.min_p}")
-    if not isinstance(sp.top_k, int) or sp.top_k < -1:
+    if not _is_int(sp.top_k) or sp.top_k < -1:
         raise ValueError(f"top_k must be -1 or 0 (off) or a positive integer, got {sp.top_k!r}")
-    if sp.seed is not None and not isinstance(sp.seed, int):
+    if sp.seed is not None and not _is_int(sp.seed):
         raise ValueError(f"seed must be an integer or None, got {sp.seed!r}")
-    if sp.logprobs is not None and not 0 <= sp.logprobs <= max_logprobs:
+    lp = sp.logprobs
+    if lp is not None and (not _is_int(lp) or not 0 <= lp <= max_logprobs):
         raise ValueError(f"logprobs must be in [0, max_logprobs={max_logprobs}], got {sp.logprobs}")
     stops = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop)
     if any(not isinstance(s, str) or not s for s in stops):
@@ -46,8 +49,12 @@ def validate_sampling_params(sp: Any, *, max_logprobs: int, vocab_size: int | No
         raise ValueError(f"with min_tokens > 0, at most {MAX_BANNED - 1} stop_token_ids are "
                          f"supported, got {len(sp.stop_token_ids)}")
     for t in sp.stop_token_ids:
-        if not isinstance(t, int) or t < 0 or (vocab_size is not None and t >= vocab_size):
+        if not _is_int(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
             raise ValueError(f"stop_token_ids must be token ids in [0, vocab), got {t!r}")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int | np.integer) and not isinstance(x, bool)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

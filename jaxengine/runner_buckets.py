@@ -1,0 +1,31 @@
+"""Shape buckets: token counts for the model step, request counts for the sampler."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def _powers_of_two_up_to(start: int, maximum: int) -> tuple[int, ...]:
+    sizes, size = [], start
+    while size < maximum:
+        sizes.append(size)
+        size *= 2
+    return (*sizes, maximum)
+
+
+def token_buckets(max_num_batched_tokens: int, *, smallest: int = 16) -> tuple[int, ...]:
+    """Powers of two from `smallest` below `max_num_batched_tokens`, then the maximum itself."""
+    return _powers_of_two_up_to(min(smallest, max_num_batched_tokens), max_num_batched_tokens)
+
+
+def request_buckets(max_num_seqs: int, *, smallest: int = 8) -> tuple[int, ...]:
+    """Sampler row counts: powers of two from `smallest` below `max_num_seqs`, then it."""
+    return _powers_of_two_up_to(min(smallest, max_num_seqs), max_num_seqs)
+
+
+def pick_bucket(buckets: Sequence[int], n: int) -> int:
+    """The smallest bucket holding `n`; `ValueError` if none does."""
+    for size in buckets:
+        if size >= n:
+            return size
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
