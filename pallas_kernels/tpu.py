@@ -1,0 +1,181 @@
+"""Ragged paged attention as a Pallas Mosaic TPU kernel.
+
+Layout assumptions (see ``pallas_kernels.reference`` for the semantics):
+
+- The token axis is cut into q-blocks of ``block_q`` tokens; the grid has one step per q-block.
+  A q-block may hold many requests (a whole batch of decodes fits in one), so decodes do not
+  waste q-blocks: the kernel walks, inside the step, every request that has tokens in the block.
+- Queries are regrouped by the wrapper into ``[K, T*G, H]`` (row ``t*G + g`` is token t, query
+  head ``k*G + g``), so a kv head's queries are one 2-D tile and no ref is reshaped in the kernel.
+- ``block_tables``, ``seq_lens``, ``query_start_loc``, ``num_seqs``, ``slot_mapping`` and the
+  first request of each q-block are scalar-prefetched into SMEM (``PrefetchScalarGridSpec``).
+- The cache stays in HBM (``memory_space=pl.ANY``); each request's pages are copied to VMEM
+  ``pages_per_block`` at a time with ``make_async_copy`` into a double buffer: the copy of the
+  next (request, kv block) pair starts before the current one is used, across request
+  boundaries inside a step (not across grid steps). Pages are addressed with two-level
+  ``.at[page]`` indexing, never through a reshaped ref (the TPU interpreter cannot DMA through
+  one).
+- The new K/V are written in place: the cache is aliased input→output (``input_output_aliases``)
+  and each q-block first DMAs its own tokens' K/V rows (interleaved by the wrapper to
+  ``[T, 2*K, H]``) to their slots, waits, then attends. The grid runs sequentially
+  (``"arbitrary"``), so every earlier q-block's writes are visible; later tokens of the same
+  request are causally masked anyway. Padding tokens (past ``query_start_loc[num_seqs]``)
+  write nothing.
+- Online softmax in float32, masks applied with ``jnp.where`` (NaN in unused pages stays out).
+
+Checked on CPU in TPU interpret mode only (``interpret=True`` → ``pltpu.InterpretParams()``);
+it has not been compiled by Mosaic for a real TPU yet. ``block_tables`` lives in SMEM, which
+bounds ``max_num_seqs * max_blocks`` (about 128k entries).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels import _tpu_body as body
+
+NUM_LANES = 128  # m / l scratch is lane-replicated, as Mosaic wants full (8, 128) tiles.
+
+
+def default_block_sizes(head_dim: int, page_size: int) -> dict[str, int]:
+    """Default ``block_q`` / ``pages_per_block`` for a head dim and page size."""
+    kv_tokens = 256 if head_dim <= 128 else 128  # keeps the double buffer well under 2 MiB
+    return {"block_q": 16, "pages_per_block": max(1, kv_tokens // page_size)}
+
+
+def check_shapes(q: jax.Array, kv_cache: jax.Array, block_q: int, pages_per_block: int) -> None:
+    """Raise ``ValueError`` for shapes this kernel does not handle."""
+    _, N, H = q.shape
+    _, L, K2, Hk = kv_cache.shape
+    if K2 % 2 or N % (K2 // 2) or Hk != H:
+        raise ValueError(f"bad head layout: q heads {N}, cache head slots {K2}, dims {H}/{Hk}")
+    if H % 64:
+        raise ValueError(f"head_dim must be a multiple of 64 for the TPU kernel, got {H}")
+    if L % 8:
+        raise ValueError(f"page size must be a multiple of 8 for the TPU kernel, got {L}")
+    if block_q * (N * 2 // K2) % 8:
+        raise ValueError(f"block_q * heads per kv head must be a multiple of 8, got {block_q}")
+    if pages_per_block < 1:
+        raise ValueError(f"pages_per_block must be >= 1, got {pages_per_block}")
+
+
+def _first_request_of_blocks(
+    query_start_loc: jax.Array,  # i32[R+1]
+    num_seqs: jax.Array,  # i32[]
+    num_blocks: int,
+    block_q: int,
+) -> jax.Array:  # i32[num_blocks]
+    """The first live request with a token in each q-block (``num_seqs`` when none)."""
+    R = query_start_loc.shape[0] - 1
+    starts = jnp.arange(num_blocks, dtype=jnp.int32) * block_q
+    ends = jnp.where(jnp.arange(R) < num_seqs, query_start_loc[1:], jnp.iinfo(jnp.int32).max)
+    first = jnp.searchsorted(ends, starts, side="right").astype(jnp.int32)
+    return jnp.minimum(first, num_seqs)
+
+
+@functools.partial(
+    jax.jit,
+    # Block sizes shape the grid and the scratch buffers; interpret selects the lowering.
+    static_argnames=("sm_scale", "interpret", "block_q", "pages_per_block", "vmem_limit_bytes"),
+)
+def ragged_paged_attention_tpu(
+    q: jax.Array,  # [T, N, H]
+    k: jax.Array,  # [T, K, H]
+    v: jax.Array,  # [T, K, H]
+    kv_cache: jax.Array,  # [P, L, 2*K, H]
+    slot_mapping: jax.Array,  # i32[T]
+    block_tables: jax.Array,  # i32[R, max_blocks]
+    seq_lens: jax.Array,  # i32[R]
+    query_start_loc: jax.Array,  # i32[R+1]
+    num_seqs: jax.Array,  # i32[]
+    *,
+    sm_scale: float,
+    interpret: bool = False,
+    block_q: int | None = None,
+    pages_per_block: int | None = None,
+    vmem_limit_bytes: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """Ragged paged attention on TPU (same contract as ``ragged_paged_attention``).
+
+    Args:
+      q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, num_seqs: as in
+        ``pallas_kernels.ragged_paged_attention``.
+      sm_scale: softmax scale.
+      interpret: run in the TPU interpreter (``pltpu.InterpretParams()``), e.g. on CPU.
+      block_q: tokens per q-block (grid step).
+      pages_per_block: pages per DMA'd kv block.
+      vmem_limit_bytes: Mosaic scoped-VMEM limit (default: the compiler's).
+
+    Returns:
+      ``(out [T, N, H] in q.dtype, kv_cache)`` with the new K/V written in place.
+
+    Raises:
+      ValueError: for shapes the kernel does not handle (the dispatcher falls back).
+    """
+    T, N, H = q.shape
+    P, L, K2, _ = kv_cache.shape
+    K = K2 // 2
+    defaults = default_block_sizes(H, L)
+    bq = block_q or defaults["block_q"]
+    C = pages_per_block or defaults["pages_per_block"]
+    check_shapes(q, kv_cache, bq, C)
+    G = N // K
+    nb = pl.cdiv(T, bq)
+    Tp = nb * bq
+    # [T, N, H] -> [K, T*G, H]: one kv head's queries form one 2-D tile per q-block.
+    q_k = jnp.pad(q, ((0, Tp - T), (0, 0), (0, 0))).reshape(Tp, K, G, H)
+    q_k = q_k.transpose(1, 0, 2, 3).reshape(K, Tp * G, H)
+    kv_new = jnp.stack([k, v], axis=2).reshape(T, K2, H).astype(kv_cache.dtype)
+    kv_new = jnp.pad(kv_new, ((0, Tp - T), (0, 0), (0, 0)))
+    num_seqs_1 = jnp.reshape(num_seqs, (1,)).astype(jnp.int32)
+    scalars = (
+        seq_lens.astype(jnp.int32),
+        block_tables.astype(jnp.int32),
+        query_start_loc.astype(jnp.int32),
+        num_seqs_1,
+        jnp.pad(slot_mapping.astype(jnp.int32), (0, Tp - T)),
+        _first_request_of_blocks(query_start_loc, num_seqs, nb, bq),
+    )
+    q_spec = pl.BlockSpec((K, bq * G, H), lambda b, *_: (0, b, 0))
+    kernel = pl.pallas_call(
+        functools.partial(body.kernel, sm_scale=sm_scale, block_q=bq),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=len(scalars),
+            grid=(nb,),
+            in_specs=[
+                q_spec,
+                pl.BlockSpec((bq, K2, H), lambda b, *_: (b, 0, 0)),
+                pl.BlockSpec(memory_space=pl.ANY),
+            ],
+            out_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY)],
+            scratch_shapes=[
+                pltpu.VMEM((2, C, L, K2, H), kv_cache.dtype),  # double-buffered kv blocks
+                pltpu.SemaphoreType.DMA((2,)),  # one per kv buffer
+                pltpu.SemaphoreType.DMA(()),  # the K/V writes
+                pltpu.VMEM((K, bq * G, NUM_LANES), jnp.float32),  # m
+                pltpu.VMEM((K, bq * G, NUM_LANES), jnp.float32),  # l
+                pltpu.VMEM((K, bq * G, H), jnp.float32),  # acc
+            ],
+        ),
+        out_shape=[
+            jax.ShapeDtypeStruct((K, Tp * G, H), q.dtype),
+            jax.ShapeDtypeStruct(kv_cache.shape, kv_cache.dtype),
+        ],
+        # Operand 8 = the cache (after 6 scalar-prefetch operands, q and kv_new).
+        input_output_aliases={len(scalars) + 2: 1},
+        compiler_params=pltpu.CompilerParams(
+            # Sequential: a q-block reads K/V that earlier q-blocks wrote.
+            dimension_semantics=("arbitrary",),
+            vmem_limit_bytes=vmem_limit_bytes,
+        ),
+        interpret=pltpu.InterpretParams() if interpret else False,
+        name="ragged_paged_attention_tpu",
+    )
+    out_k, kv_cache = kernel(*scalars, q_k, kv_new, kv_cache)
+    out = out_k.reshape(K, Tp, G, H).transpose(1, 0, 2, 3).reshape(Tp, N, H)
+    return out[:T], kv_cache
