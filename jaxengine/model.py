@@ -1,0 +1,145 @@
+"""The Llama-family decoder in Flax NNX, layers scanned over stacked weights.
+
+Every per-layer weight is one `nnx.Param` with a leading layer axis, and the forward pass is a
+`jax.lax.scan` over them, so compile time does not grow with depth. The KV cache
+(`[layers, P, L, 2*K, H]`, see kv_cache.py) rides in the scan carry: each layer reads its slice,
+lets ragged paged attention write the new K/V at `slot_mapping`, and writes it back.
+Axes: T tokens, D model, N query heads, K kv heads, H head dim, F MLP width, V vocab.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxengine.config import ModelConfig
+from jaxengine.layers import apply_rope, gated_mlp, rms_norm, rope_inv_freq, rope_tables
+from jaxengine.model_batch import ModelBatch
+from pallas_kernels import ragged_paged_attention
+
+
+def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Shape of every weight, by our name; per-layer weights carry a leading layer axis."""
+    Ly, D, F, N, K, H, V = (cfg.num_layers, cfg.hidden_size, cfg.intermediate_size,
+                            cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size)
+    shapes = {
+        "embed": (V, D), "final_norm": (D,),
+        "attn_norm": (Ly, D), "wq": (Ly, D, N, H), "wk": (Ly, D, K, H), "wv": (Ly, D, K, H),
+        "wo": (Ly, N, H, D), "mlp_norm": (Ly, D),
+        "w_gate": (Ly, D, F), "w_up": (Ly, D, F), "w_down": (Ly, F, D),
+    }
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head"] = (D, V)
+    if cfg.qkv_bias:
+        shapes.update(bq=(Ly, N, H), bk=(Ly, K, H), bv=(Ly, K, H))
+    if cfg.qk_norm:
+        shapes.update(q_norm=(Ly, H), k_norm=(Ly, H))
+    return shapes
+
+
+GLOBAL_WEIGHTS = ("embed", "final_norm", "lm_head")  # every other weight is per layer
+
+
+def _random_weight(name: str, shape: tuple[int, ...], rngs: nnx.Rngs, dtype: jnp.dtype
+                   ) -> jax.Array:
+    if name.endswith("norm"):
+        return jnp.ones(shape, dtype)
+    if name.startswith("b"):
+        return jnp.zeros(shape, dtype)
+    return (0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+
+
+class Model(nnx.Module):
+    """Llama / Mistral / Qwen2 / Qwen3 decoder over a paged KV cache."""
+
+    def __init__(self, config: ModelConfig, *, dtype: jnp.dtype = jnp.float32,
+                 rngs: nnx.Rngs | None = None,
+                 weights: Mapping[str, jax.Array] | None = None) -> None:
+        """Build with random weights (`rngs`) or given ones (`weights`, by `weight_shapes` name).
+
+        Args:
+            config: the architecture.
+            dtype: parameter and activation dtype (float32 or bfloat16).
+            rngs: random source for a fresh model; ignored when `weights` is given.
+            weights: loaded arrays; shapes must match `weight_shapes(config)`.
+        """
+        self.config = config
+        self.dtype = jnp.dtype(dtype)
+        shapes = weight_shapes(config)
+        if weights is None:
+            rngs = rngs or nnx.Rngs(0)
+            weights = {n: _random_weight(n, s, rngs, self.dtype) for n, s in shapes.items()}
+        for name, shape in shapes.items():
+            if tuple(weights[name].shape) != shape:
+                raise ValueError(f"weight {name}: shape {tuple(weights[name].shape)}, "
+                                 f"expected {shape}")
+        self.embed = nnx.Param(jnp.asarray(weights["embed"], self.dtype))
+        self.final_norm = nnx.Param(jnp.asarray(weights["final_norm"], self.dtype))
+        self.lm_head = (None if config.tie_word_embeddings
+                        else nnx.Param(jnp.asarray(weights["lm_head"], self.dtype)))
+        self.layer_names = tuple(n for n in shapes if n not in GLOBAL_WEIGHTS)
+        self.layers = nnx.Dict({n: nnx.Param(jnp.asarray(weights[n], self.dtype))
+                                for n in self.layer_names})
+
+    def __call__(self, kv: jax.Array, batch: ModelBatch, *, attn_impl: str = "reference"
+                 ) -> tuple[jax.Array, jax.Array]:
+        """One step over a ragged batch of prefill chunks and decodes.
+
+        Args:
+            kv: [layers, P, L, 2*K, H] the paged KV cache (model dtype).
+            batch: the device batch.
+            attn_impl: ragged paged attention implementation ("reference", "tpu", "gpu").
+        Returns:
+            (new kv cache, hidden [T, D] after the final norm).
+        """
+        cfg = self.config
+        x = jnp.take(self.embed[...], batch.input_ids, axis=0)  # [T, D]
+        inv_freq = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
+        cos, sin = rope_tables(batch.positions, inv_freq)  # f32[T, H]
+        stacked = {n: self.layers[n][...] for n in self.layer_names}
+
+        def body(carry: tuple[jax.Array, jax.Array], xs: tuple[dict[str, jax.Array], jax.Array]
+                 ) -> tuple[tuple[jax.Array, jax.Array], None]:
+            x, kv = carry
+            w, layer = xs
+            layer_kv = jax.lax.dynamic_index_in_dim(kv, layer, axis=0, keepdims=False)
+            x, layer_kv = decoder_layer(x, layer_kv, w, batch, cos, sin, cfg, attn_impl)
+            kv = jax.lax.dynamic_update_index_in_dim(kv, layer_kv, layer, axis=0)
+            return (x, kv), None
+
+        layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+        (x, kv), _ = jax.lax.scan(body, (x, kv), (stacked, layer_ids))
+        return kv, rms_norm(x, self.final_norm[...], cfg.rms_norm_eps)
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """Project hidden [R, D] to f32[R, V] logits (tied embeddings use `embed`)."""
+        if self.lm_head is None:
+            return jnp.einsum("rd,vd->rv", hidden, self.embed[...],
+                              preferred_element_type=jnp.float32)
+        return jnp.einsum("rd,dv->rv", hidden, self.lm_head[...],
+                          preferred_element_type=jnp.float32)
+
+
+def decoder_layer(x: jax.Array, layer_kv: jax.Array, w: Mapping[str, jax.Array],
+                  batch: ModelBatch, cos: jax.Array, sin: jax.Array, cfg: ModelConfig,
+                  attn_impl: str) -> tuple[jax.Array, jax.Array]:
+    """One pre-norm decoder layer: x [T, D], layer_kv [P, L, 2*K, H] -> (x, layer_kv)."""
+    eps = cfg.rms_norm_eps
+    h = rms_norm(x, w["attn_norm"], eps)
+    q = jnp.einsum("td,dnh->tnh", h, w["wq"])  # [T, N, H]
+    k = jnp.einsum("td,dkh->tkh", h, w["wk"])  # [T, K, H]
+    v = jnp.einsum("td,dkh->tkh", h, w["wv"])  # [T, K, H]
+    if cfg.qkv_bias:
+        q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
+    if cfg.qk_norm:
+        q, k = rms_norm(q, w["q_norm"], eps), rms_norm(k, w["k_norm"], eps)
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    out, layer_kv = ragged_paged_attention(
+        q, k, v, layer_kv, batch.slot_mapping, batch.block_tables, batch.seq_lens,
+        batch.query_start_loc, batch.num_seqs, sm_scale=cfg.head_dim**-0.5, impl=attn_impl)
+    x = x + jnp.einsum("tnh,nhd->td", out.astype(x.dtype), w["wo"])
+    h = rms_norm(x, w["mlp_norm"], eps)
+    return x + gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"]), layer_kv
