@@ -43,8 +43,11 @@ class SchedulerConfig:
         return self.num_blocks - 1
 
     def replace(self, **changes) -> "SchedulerConfig":
-        """A copy with `changes` applied (and validated again)."""
+        """A copy with `changes` applied (and validated again). A `max_num_scheduled_tokens`
+        that defaulted to the batched budget follows a changed budget."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        if fields["max_num_scheduled_tokens"] == self.max_num_batched_tokens:
+            fields["max_num_scheduled_tokens"] = None
         return SchedulerConfig(**(fields | changes))
 
 

@@ -68,6 +68,10 @@ class SchedulerState:
         """The KV block ids of a request (empty while it holds none)."""
         return self.pool.read(lambda d: tuple(d.req_blocks.get(request_id, ())))
 
+    def free_block_queue(self) -> tuple[int, ...]:
+        """The free queue, head (next allocated) first; cached free blocks sit at the tail."""
+        return self.pool.read(lambda d: tuple(d.free_list()))
+
     @property
     def stats(self) -> SchedulerStats:
         usable = self.config.num_blocks - 1
