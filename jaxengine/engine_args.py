@@ -1,0 +1,91 @@
+"""`EngineArgs`: every engine setting, with vLLM's names, frozen and validated."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from typing import Any
+
+DTYPES = ("auto", "float32", "bfloat16")
+POLICIES = ("fcfs", "priority")
+ATTENTION_BACKENDS = ("reference", "tpu", "gpu")
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class EngineArgs:
+    """Engine configuration (vLLM's engine-argument names; None = derived at startup)."""
+
+    model: str | None = None  # HF directory or .gguf file; None = embedded SmolLM2-135M-Instruct
+    dtype: str = "auto"  # "auto" (= float32), "float32" or "bfloat16": weights, activations, KV
+    seed: int = 0  # seeds the per-request seeds of requests that give none
+    max_model_len: int | None = None  # None: the model's max positions
+    max_num_batched_tokens: int | None = None  # None: 2048 (max_model_len if not chunking)
+    max_num_seqs: int = 128
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    block_size: int = 16
+    num_gpu_blocks_override: int | None = None  # KV pages, including the null block 0
+    kv_cache_memory_bytes: int | None = None  # KV budget; None: see gpu_memory_utilization
+    gpu_memory_utilization: float = 0.9  # accelerators: fraction of device memory for the run
+    cpu_kv_cache_bytes: int = 1 << 30  # CPU: the KV budget when none is given (1 GiB)
+    long_prefill_token_threshold: int = 0
+    max_num_partial_prefills: int = 1
+    max_long_partial_prefills: int = 1
+    scheduling_policy: str = "fcfs"
+    attention_backend: str | None = None  # None: by jax.default_backend()
+    precompile: bool = False  # compile every token/request bucket at startup
+    debug_recompiles: bool = False  # raise if anything compiles after warm-up
+    max_logprobs: int = 20
+    skip_tokenizer_init: bool = False
+
+    def __post_init__(self) -> None:
+        _check_choice("dtype", self.dtype, DTYPES)
+        _check_choice("scheduling_policy", self.scheduling_policy, POLICIES)
+        if self.attention_backend is not None:
+            _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        for name in ("max_num_seqs", "block_size"):
+            _check_int(name, getattr(self, name), minimum=1)
+        for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), minimum=1)
+        if self.num_gpu_blocks_override is not None:
+            _check_int("num_gpu_blocks_override", self.num_gpu_blocks_override, minimum=2)
+        for name in ("long_prefill_token_threshold", "max_logprobs", "seed"):
+            _check_int(name, getattr(self, name), minimum=0)
+        for name in ("max_num_partial_prefills", "max_long_partial_prefills"):
+            _check_int(name, getattr(self, name), minimum=1)
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
+        """Build from keyword arguments; an unknown name raises `ValueError` naming it."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            hints = []
+            for name in unknown:
+                close = difflib.get_close_matches(name, known, n=1)
+                hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            raise ValueError(f"unknown engine argument(s): {', '.join(hints)}")
+        return cls(**kwargs)
+
+    def resolved_max_num_batched_tokens(self, max_model_len: int) -> int:
+        """The token budget: as given, else 2048 (or max_model_len when prefill is unchunked)."""
+        if self.max_num_batched_tokens is not None:
+            return self.max_num_batched_tokens
+        if not self.enable_chunked_prefill:
+            return max(max_model_len, 2048)
+        return max(2048, self.max_num_seqs)
+
+
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _check_int(name: str, value: Any, *, minimum: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")

@@ -1,0 +1,87 @@
+"""Building an `LLMEngine` from `EngineArgs`: load the model, pick attention, size the KV pool."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from jaxengine.engine import LLMEngine
+from jaxengine.engine_args import EngineArgs
+from jaxengine.runner import ModelFns
+
+# Leave room for activations when sizing the pool from device memory.
+ACTIVATION_RESERVE = 0.1
+
+
+def attention_backend(args: EngineArgs) -> str:
+    """`args.attention_backend`, else Pallas on TPU/GPU and the jnp reference elsewhere."""
+    if args.attention_backend is not None:
+        return args.attention_backend
+    backend = jax.default_backend()
+    return backend if backend in ("tpu", "gpu") else "reference"
+
+
+def model_fns(model: Any, cfg: Any, *, attn_impl: str) -> ModelFns:
+    """`ModelFns` of a loaded `jaxengine.model.Model` (split once into graph and weights)."""
+    from jaxengine.kv_cache import init_kv_cache, kv_cache_bytes_per_block
+    from jaxengine.model_step import make_compute_logits, make_model_step, split_model
+
+    graphdef, state = split_model(model)
+    dtype = model.dtype
+    return ModelFns(
+        params=state,
+        step=make_model_step(graphdef, attn_impl=attn_impl),
+        compute_logits=make_compute_logits(graphdef),
+        init_kv=lambda num_blocks, block_size: init_kv_cache(
+            cfg, num_blocks=num_blocks, block_size=block_size, dtype=dtype),
+        kv_bytes_per_block=lambda block_size: kv_cache_bytes_per_block(
+            cfg, block_size=block_size, dtype=dtype),
+        vocab_size=cfg.vocab_size,
+    )
+
+
+def kv_budget_bytes(args: EngineArgs) -> int:
+    """Bytes for the KV pool: explicit, else a fraction of free device memory, else CPU's."""
+    if args.kv_cache_memory_bytes is not None:
+        return args.kv_cache_memory_bytes
+    stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
+    if not stats or "bytes_limit" not in stats:
+        return args.cpu_kv_cache_bytes
+    free = stats["bytes_limit"] * args.gpu_memory_utilization - stats.get("bytes_in_use", 0)
+    return int(free * (1 - ACTIVATION_RESERVE))
+
+
+def num_kv_blocks(args: EngineArgs, fns: ModelFns) -> int:
+    """Pages in the pool: `num_gpu_blocks_override`, else what the budget holds."""
+    if args.num_gpu_blocks_override is not None:
+        return args.num_gpu_blocks_override
+    budget = kv_budget_bytes(args)
+    blocks = budget // fns.kv_bytes_per_block(args.block_size)
+    if blocks < 2:
+        raise ValueError(f"the KV budget of {budget} bytes holds {blocks} blocks of "
+                         f"{args.block_size} tokens; raise kv_cache_memory_bytes")
+    return int(blocks)
+
+
+def build_engine(args: EngineArgs) -> LLMEngine:
+    """Load `args.model` (never downloads) and build an engine around it.
+
+    Raises:
+      ModelLoadError (a ValueError): bad model path or files.
+      ValueError: settings that do not fit the model.
+    """
+    from jaxengine.loading.load import load_model
+
+    dtype = "float32" if args.dtype == "auto" else args.dtype
+    model, cfg, tokenizer = load_model(args.model, dtype=dtype)
+    fns = model_fns(model, cfg, attn_impl=attention_backend(args))
+    limit = cfg.max_position_embeddings
+    if cfg.sliding_window is not None:
+        limit = min(limit, cfg.sliding_window)  # sliding window attention is not applied
+    max_model_len = args.max_model_len or limit
+    if max_model_len > limit:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's limit of {limit}")
+    return LLMEngine(fns, args, tokenizer=None if args.skip_tokenizer_init else tokenizer,
+                     max_model_len=max_model_len, num_blocks=num_kv_blocks(args, fns))
+

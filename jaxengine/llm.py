@@ -1,0 +1,128 @@
+"""`LLM`: vLLM's offline API — `generate` and `chat` over an `LLMEngine`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from jaxengine.engine import LLMEngine, PromptType
+from jaxengine.engine_args import EngineArgs
+from jaxengine.outputs import RequestOutput
+from scheduler import SamplingParams
+
+Conversation = Sequence[Mapping[str, Any]]
+
+
+class LLM:
+    """An offline engine: `LLM(model=None, **engine_args).generate(prompts, params)`."""
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        """Load `model` (None: the embedded SmolLM2-135M-Instruct) and build the engine.
+
+        Args:
+          model: an HF model directory or a .gguf file; never downloaded.
+          **engine_args: `EngineArgs` fields by vLLM's names (unknown names raise ValueError).
+        """
+        from jaxengine.engine_model import build_engine
+
+        args = EngineArgs.from_kwargs(model=model, **engine_args)
+        self.llm_engine = build_engine(args)
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> LLM:
+        """Wrap an existing engine (e.g. one over a fake model in tests)."""
+        llm = cls.__new__(cls)
+        llm.llm_engine, llm._ids = engine, itertools.count()
+        return llm
+
+    def get_tokenizer(self) -> Any:
+        """The engine's tokenizer."""
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate completions for all prompts with continuous batching.
+
+        Args:
+          prompts: one prompt or a list; each a string or a `{"prompt_token_ids": [...]}` dict.
+          sampling_params: one for all prompts or one per prompt (default `SamplingParams()`).
+          use_tqdm: show a progress bar.
+        Returns:
+          Finished `RequestOutput`s in the order of `prompts`.
+        Raises:
+          ValueError: a bad prompt or parameter; nothing was added to the engine.
+        """
+        prompts = _as_list(prompts)
+        params = _params_list(sampling_params, len(prompts))
+        engine = self.llm_engine
+        ids = [str(next(self._ids)) for _ in prompts]
+        try:
+            for rid, prompt, sp in zip(ids, prompts, params, strict=True):
+                engine.add_request(rid, prompt, sp)
+            return self._run(ids, use_tqdm)
+        except BaseException:
+            engine.abort_request(ids)  # leave the engine empty and its KV blocks free
+            raise
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        wanted = set(ids)
+        with tqdm(total=len(ids), desc="generate", disable=not use_tqdm) as bar:
+            while wanted - done.keys():
+                for out in self.llm_engine.step():
+                    if out.finished and out.request_id in wanted:
+                        done[out.request_id] = out
+                        bar.update(1)
+        return [done[r] for r in ids]
+
+    def chat(self, messages: Conversation | Sequence[Conversation],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, *, add_generation_prompt: bool = True,
+             chat_template_kwargs: Mapping[str, Any] | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them via the chat template.
+
+        Args:
+          messages: `[{"role": ..., "content": ...}, ...]`, or a list of such lists.
+          sampling_params, use_tqdm: as in `generate`.
+          add_generation_prompt: end the prompt with the assistant turn's header.
+          chat_template_kwargs: extra variables for the template.
+        """
+        tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            raise ValueError("chat needs a tokenizer (skip_tokenizer_init=False)")
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
+        prompts = []
+        for conv in conversations:
+            text = tokenizer.apply_chat_template(
+                conv, add_generation_prompt=add_generation_prompt,
+                **dict(chat_template_kwargs or {}))
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+
+def _as_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, str | Mapping):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(p, int) for p in prompts):
+        raise ValueError("pass token ids as {'prompt_token_ids': [...]}, not a bare list")
+    return prompts
+
+
+def _params_list(params: SamplingParams | Sequence[SamplingParams] | None,
+                 n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} sampling params for {n} prompts; pass one or one "
+                         f"per prompt")
+    return params
