@@ -9,6 +9,7 @@ and with `debug_recompiles` a compilation raises `RecompileError`.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -108,18 +109,11 @@ class Runner:
         self.stats = RunnerStats()
         self.warm = False
 
-        def jaxengine_model_step(params: Any, kv: jax.Array, batch: ModelBatch) -> Any:
-            kv, hidden = model.step(params, kv, batch)
-            return kv, hidden[batch.logits_indices]  # [R, D]: fixed shape for the sampler
-
-        def jaxengine_sample(
-            params: Any, hidden: jax.Array, rows: jax.Array, md: SamplingMetadata
-        ) -> SamplerOutput:
-            logits = model.compute_logits(params, hidden[rows])  # f32[Rb, V]
-            return sample_impl(logits, md, max_logprobs=config.max_logprobs)
-
-        self._step = jax.jit(jaxengine_model_step, donate_argnames=("kv",))
-        self._sample = jax.jit(jaxengine_sample)
+        # The model's functions are static arguments of module-level jitted functions, so
+        # runners over the same model object share compiled executables.
+        self._step_statics = dict(step_fn=model.step)
+        self._sample_statics = dict(logits_fn=model.compute_logits,
+                                    max_logprobs=config.max_logprobs)
 
     # ---- compilation -------------------------------------------------------------------
 
@@ -135,14 +129,17 @@ class Runner:
         before, t0 = self.compilations(), time.perf_counter()
         specs = [("step", t) for t in self.token_buckets]
         specs += [("sample", r) for r in self.request_buckets]
-        hidden = jax.eval_shape(self._step, self.model.params, self.kv, self._batch_spec(16))[1]
+        params, kv = self.model.params, self.kv
+        step = functools.partial(jaxengine_model_step, **self._step_statics)
+        hidden = jax.eval_shape(step, params, kv, self._batch_spec(16))[1]
         for kind, size in tqdm(specs, desc="precompile", disable=not progress):
             if kind == "step":
-                self._step.lower(self.model.params, self.kv, self._batch_spec(size)).compile()
+                _jitted_step.lower(params, kv, self._batch_spec(size),
+                                   **self._step_statics).compile()
             else:
                 rows = jax.ShapeDtypeStruct((size,), np.int32)
                 md = jax.tree.map(_spec, build_sampling_metadata([], size))
-                self._sample.lower(self.model.params, hidden, rows, md).compile()
+                _jitted_sample.lower(params, hidden, rows, md, **self._sample_statics).compile()
         self.stats.compilations += self.compilations() - before
         self.stats.compile_seconds += time.perf_counter() - t0
         self.warm = True
@@ -173,7 +170,7 @@ class Runner:
             return {}
         before, t0 = self.compilations(), time.perf_counter()
         batch = self._pack(out, order)
-        self.kv, hidden = self._step(self.model.params, self.kv, batch)
+        self.kv, hidden = _jitted_step(self.model.params, self.kv, batch, **self._step_statics)
         result = self._draw(hidden, order, out.sampling_req_ids, rows)
         total = int(batch.query_start_loc[-1])
         self._account(before, time.perf_counter() - t0, len(batch.input_ids), total)
@@ -200,7 +197,8 @@ class Runner:
         row_index = np.zeros(size, np.int32)
         row_index[: len(sampling_ids)] = [where[r] for r in sampling_ids]
         md = build_sampling_metadata([rows[r] for r in sampling_ids], size, max_banned=MAX_BANNED)
-        res = jax.device_get(self._sample(self.model.params, hidden, row_index, md))
+        res = _jitted_sample(self.model.params, hidden, row_index, md, **self._sample_statics)
+        res = jax.device_get(res)
         out = {}
         for i, r in enumerate(sampling_ids):
             n = rows[r].params.logprobs
@@ -226,6 +224,26 @@ class Runner:
                     f"{new} compilation(s) after warm-up in a step of {num_tokens} tokens; "
                     f"buckets: tokens {self.token_buckets}, requests {self.request_buckets}"
                 )
+
+
+def jaxengine_model_step(params: Any, kv: jax.Array, batch: ModelBatch, *, step_fn: Callable
+                         ) -> tuple[jax.Array, jax.Array]:
+    """The model step, then the hidden rows at `logits_indices` ([R, D], a fixed shape)."""
+    kv, hidden = step_fn(params, kv, batch)
+    return kv, hidden[batch.logits_indices]
+
+
+def jaxengine_sample(params: Any, hidden: jax.Array, rows: jax.Array, md: SamplingMetadata, *,
+                     logits_fn: Callable, max_logprobs: int) -> SamplerOutput:
+    """Logits of the sampling rows (`hidden[rows]`, f32[Rb, V]), then one token each."""
+    return sample_impl(logits_fn(params, hidden[rows]), md, max_logprobs=max_logprobs)
+
+
+# Static: the model's functions (a different model is a different program) and the logprobs
+# width (an output shape). The KV cache is donated so the step updates it in place.
+_jitted_step = jax.jit(jaxengine_model_step, static_argnames=("step_fn",),
+                       donate_argnames=("kv",))
+_jitted_sample = jax.jit(jaxengine_sample, static_argnames=("logits_fn", "max_logprobs"))
 
 
 def _spec(x: Any) -> jax.ShapeDtypeStruct:

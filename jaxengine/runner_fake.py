@@ -8,6 +8,7 @@ changes the output, and the expected greedy continuation is `fake_next_token(pro
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -54,8 +55,12 @@ def _step(params: dict, kv: jax.Array, batch: ModelBatch, vocab_size: int
     return flat.reshape(P, L), nxt[:, None].astype(jnp.float32)
 
 
+@functools.cache
 def fake_model(vocab_size: int = 97) -> ModelFns:
-    """`ModelFns` of the fake model over a `vocab_size` vocabulary."""
+    """`ModelFns` of the fake model over a `vocab_size` vocabulary.
+
+    Cached: the same object each time, so runners over it share compiled executables.
+    """
 
     def step(params: dict, kv: jax.Array, batch: ModelBatch) -> tuple[jax.Array, jax.Array]:
         return _step(params, kv, batch, vocab_size)
