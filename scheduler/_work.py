@@ -28,8 +28,11 @@ class Work:
         self.computed: dict[str, int] = dict(state.computed)
         self.num_tokens: dict[str, int] = dict(state.num_tokens)
         self.tokens: dict[str, list[int]] = dict(state.tokens)
+        self.tables: dict[str, tuple[int, ...]] = dict(state.tables)
+        self.num_cached: dict[str, int] = dict(state.num_cached)
         self.finished: set[str] = set(state.finished_since_last_step)
-        self.counters: dict[str, int] = dataclasses.asdict(state.counters)
+        self.counters: dict[str, int] = {
+            name: getattr(state.counters, name) for name in SchedulerCounters.__slots__}
         self._edit = state.pool.edit()
         self.kv = KVCacheManager(
             self._edit.data, self._edit.journal, block_size=cfg.block_size,
@@ -45,6 +48,7 @@ class Work:
             counters=SchedulerCounters(**self.counters),
             static=MappingProxyType(self.static), computed=MappingProxyType(self.computed),
             num_tokens=MappingProxyType(self.num_tokens), tokens=MappingProxyType(self.tokens),
+            tables=MappingProxyType(self.tables), num_cached=MappingProxyType(self.num_cached),
             finished_since_last_step=frozenset(self.finished), pool=self._edit.commit(),
         )
 
@@ -80,17 +84,38 @@ class Work:
         self.num_tokens[rid] = n + 1
 
     def allocate(self, rid: str, num_slots: int, hit: list[int] | tuple = ()) -> bool:
-        """KV slots for the request's first `num_slots` tokens (see KVCacheManager.allocate)."""
-        req = self.static[rid]
-        return self.kv.allocate(
-            rid, num_slots, num_cacheable=min(num_slots, self.num_tokens[rid]),
-            tokens=self.tokens[rid], salt=req.cache_salt, hit=hit,
-        )
+        """Give the request KV slots for its first `num_slots` tokens (a new request's prefix
+        `hit` blocks first) and register its newly full blocks in the prefix cache. False,
+        changing nothing, if the pool is short."""
+        table = self.tables.get(rid, ())
+        bs = self.config.block_size
+        if hit or num_slots > len(table) * bs:
+            table = self.kv.allocate(table, num_slots, hit)
+            if table is None:
+                return False
+            self.tables[rid] = table
+            if rid not in self.num_cached:
+                self.num_cached[rid] = len(hit)
+        if self.kv.caching:
+            num_full = min(num_slots, self.num_tokens[rid]) // bs
+            done = self.num_cached[rid]
+            if num_full > done:
+                self.kv.register(rid, table, done, num_full, self.tokens[rid],
+                                 self.static[rid].cache_salt)
+                self.num_cached[rid] = num_full
+        return True
+
+    def free_blocks(self, rid: str) -> None:
+        """Release the request's blocks (tail first)."""
+        table = self.tables.pop(rid, None)
+        if table is not None:
+            self.kv.free(table)
+            del self.num_cached[rid]
 
     def preempt(self, rid: str) -> None:
         """Free the request's blocks and send it to the front of `waiting` to recompute."""
         self.running.remove(rid)
-        self.kv.free(rid, forget_hashes=False)
+        self.free_blocks(rid)
         req = self.static[rid]
         self.update(rid, status=RequestStatus.PREEMPTED, spec_token_ids=(),
                     num_preemptions=req.num_preemptions + 1)
@@ -100,7 +125,8 @@ class Work:
 
     def finish(self, rid: str) -> None:
         """Drop a finished request (the caller removes it from its queue) and free its blocks."""
-        self.kv.free(rid, forget_hashes=True)
+        self.free_blocks(rid)
+        self.kv.forget_hashes(rid)
         for column in (self.static, self.computed, self.num_tokens, self.tokens):
             del column[rid]
         self.finished.add(rid)

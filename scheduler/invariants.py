@@ -32,13 +32,14 @@ def _check_pool(state: SchedulerState, d: PoolData) -> None:
     cfg = state.config
     bs = cfg.block_size
     holders: Counter[int] = Counter()
-    for rid, table in d.req_blocks.items():
+    for rid, table in state.tables.items():
         assert rid in state.running, f"{rid} holds blocks but is not running"
         assert 0 not in table, f"{rid} holds the null block"
         assert len(table) >= cdiv(state.computed[rid], bs), f"{rid}: too few blocks"
         holders.update(table)
     for rid in state.running:
-        assert rid in d.req_blocks, f"running {rid} holds no block table"
+        assert rid in state.tables, f"running {rid} holds no block table"
+    assert set(state.num_cached) == set(state.tables), "num_cached must follow the tables"
     assert d.ref[0] == 0, "the null block is referenced"
     for b in range(1, cfg.num_blocks):
         assert d.ref[b] == holders[b], f"block {b}: ref {d.ref[b]} != {holders[b]} holders"

@@ -21,7 +21,10 @@ def cdiv(a: int, b: int) -> int:
 
 
 class PoolData:
-    """All mutable KV bookkeeping of one scheduler lineage (only lists and dicts, see Journal)."""
+    """All mutable KV bookkeeping of one scheduler lineage (only lists and dicts, see Journal).
+
+    Block tables are not here: they are per-request tuples in the scheduler state (a table only
+    changes when a block is appended, and the model runner reads them every step)."""
 
     def __init__(self, num_blocks: int) -> None:
         n = num_blocks
@@ -38,8 +41,6 @@ class PoolData:
             self.prv[1] = self.head
         self.num_free: list[int] = [n - 1]  # a one-element list so the journal can write it
         self.cached: dict[BlockHash, tuple[int, ...]] = {}  # hash -> blocks holding it
-        self.req_blocks: dict[str, list[int]] = {}  # block table per request
-        self.req_num_cached: dict[str, int] = {}  # leading blocks registered in `cached`
         self.req_hashes: dict[str, list[BlockHash]] = {}  # lazily computed full-block hashes
 
     def free_list(self) -> list[int]:
@@ -49,6 +50,9 @@ class PoolData:
             out.append(b)
             b = self.nxt[b]
         return out
+
+
+Table = tuple[int, ...]
 
 
 class KVCacheManager:
@@ -67,10 +71,6 @@ class KVCacheManager:
     def num_free(self) -> int:
         """Free blocks, cached ones included (they are evictable)."""
         return self.d.num_free[0]
-
-    def blocks(self, rid: str) -> list[int]:
-        """The request's block table (do not mutate)."""
-        return self.d.req_blocks.get(rid, [])
 
     # ---- prefix cache -------------------------------------------------------------------
 
@@ -99,73 +99,56 @@ class KVCacheManager:
             self.j.extend(hashes, extend_block_hashes(hashes, tokens, count, self.block_size, salt))
         return hashes
 
-    def num_blocks_needed(self, rid: str, num_slots: int, hit: Sequence[int] = ()) -> int:
-        """Free blocks that giving the request `num_slots` KV slots would take (hit blocks that
+    def forget_hashes(self, rid: str) -> None:
+        """Drop a finished request's hashes (preempted ones keep them: tokens do not change)."""
+        if rid in self.d.req_hashes:
+            self.j.delete(self.d.req_hashes, rid)
+
+    def num_blocks_needed(self, table: Table, num_slots: int, hit: Sequence[int] = ()) -> int:
+        """Free blocks that giving a request `num_slots` KV slots would take (hit blocks that
         sit in the free queue count: taking them removes them from it)."""
-        new = cdiv(min(num_slots, self.max_model_len), self.block_size)
-        new -= len(hit) + len(self.blocks(rid))
+        new = cdiv(min(num_slots, self.max_model_len), self.block_size) - len(hit) - len(table)
         ref = self.d.ref
         return new + sum(1 for b in hit if ref[b] == 0)
 
     # ---- allocation -------------------------------------------------------------------
 
-    def allocate(self, rid: str, num_slots: int, *, num_cacheable: int, tokens: Sequence[int],
-                 salt: str | None, hit: Sequence[int] = ()) -> bool:
-        """Grow the request's table to `num_slots` slots (after adding the `hit` blocks of a new
-        request), then register the hashes of its first `num_cacheable` tokens' full blocks.
-        Returns False, changing nothing, if the pool is short."""
-        if self.num_blocks_needed(rid, num_slots, hit) > self.num_free:
-            return False
+    def allocate(self, table: Table, num_slots: int, hit: Sequence[int] = ()) -> Table | None:
+        """The table grown to `num_slots` slots (a new request's `hit` blocks first), or None,
+        changing nothing, if the pool is short."""
+        if self.num_blocks_needed(table, num_slots, hit) > self.num_free:
+            return None
         d, j = self.d, self.j
-        table = d.req_blocks.get(rid)
-        if table is None:
-            table = []
-            j.set(d.req_blocks, rid, table)
-            j.set(d.req_num_cached, rid, len(hit))
-        if hit:
-            for b in hit:
-                if d.ref[b] == 0:
-                    self._unlink(b)
-                j.set(d.ref, b, d.ref[b] + 1)
-            j.extend(table, list(hit))
+        for b in hit:
+            if d.ref[b] == 0:
+                self._unlink(b)
+            j.set(d.ref, b, d.ref[b] + 1)
+        table = table + tuple(hit)
         num_new = cdiv(min(num_slots, self.max_model_len), self.block_size) - len(table)
         if num_new > 0:
-            j.extend(table, self._take_free(num_new))
-        if self.caching:
-            self._register(rid, table, num_cacheable // self.block_size, tokens, salt)
-        return True
+            table += tuple(self._take_free(num_new))
+        return table
 
-    def free(self, rid: str, *, forget_hashes: bool) -> None:
-        """Release the request's blocks, tail first. Preempted requests keep their hashes (their
-        tokens do not change); finished ones forget them."""
+    def register(self, rid: str, table: Table, num_cached: int, num_full: int,
+                 tokens: Sequence[int], salt: str | None) -> None:
+        """Register the hashes of the table's blocks num_cached..num_full-1 (now full)."""
         d, j = self.d, self.j
-        table = d.req_blocks.get(rid)
-        if table is not None:
-            j.delete(d.req_blocks, rid)
-            j.delete(d.req_num_cached, rid)
-            for b in reversed(table):
-                ref = d.ref[b] - 1
-                j.set(d.ref, b, ref)
-                if ref == 0:
-                    self._push(b, to_head=d.block_hash[b] is None)
-        if forget_hashes and rid in d.req_hashes:
-            j.delete(d.req_hashes, rid)
-
-    def _register(self, rid: str, table: list[int], num_full: int, tokens: Sequence[int],
-                  salt: str | None) -> None:
-        d, j = self.d, self.j
-        done = d.req_num_cached[rid]
-        if num_full <= done:
-            return
         hashes = self._hashes(rid, tokens, num_full, salt)
-        for i in range(done, num_full):
+        for i in range(num_cached, num_full):
             b, h = table[i], hashes[i]
             j.set(d.block_hash, b, h)
             j.set(d.cached, h, d.cached.get(h, ()) + (b,))
-        j.set(d.req_num_cached, rid, num_full)
+
+    def free(self, table: Table) -> None:
+        """Release a request's blocks, tail first."""
+        d, j = self.d, self.j
+        for b in reversed(table):
+            ref = d.ref[b] - 1
+            j.set(d.ref, b, ref)
+            if ref == 0:
+                self._push(b, to_head=d.block_hash[b] is None)
 
     # ---- the free queue -----------------------------------------------------------------
-
     def _take_free(self, n: int) -> list[int]:
         """Pop n blocks off the head, evicting their cached hashes."""
         d, j = self.d, self.j

@@ -44,7 +44,7 @@ class PartialPrefills:
                 waiting_longs += 1
             prefills += 1
         schedulable = max(1, min(prefills, max_prefills))
-        return cls(max_prefills, max_long, threshold, batched_tokens // schedulable)
+        return cls(max_prefills, max_long, threshold, max(1, batched_tokens // schedulable))
 
     def limit(self, remaining: int, n: int) -> tuple[int, str]:
         """Tokens a prefill with `remaining` tokens left may get (`n` asked for), and why not

@@ -78,22 +78,26 @@ def schedule(state: SchedulerState) -> tuple[SchedulerState, SchedulerOutput]:
 
 
 def _schedule_running(w: Work, st: _Step) -> None:
-    cfg = w.config
+    # The hot loop of every step: one iteration per running request, so columns are bound to
+    # locals and the no-new-block case never leaves Work.allocate's fast path.
+    running, computed_of, num_tokens, static = w.running, w.computed, w.num_tokens, w.static
+    last_position = w.config.max_model_len - 1
     i = 0
-    while i < len(w.running) and st.budget > 0:
-        rid = w.running[i]
-        computed = w.computed[rid]
-        n = min(st.cap_long(w.num_tokens_with_spec(rid) - computed), st.budget,
-                cfg.max_model_len - 1 - computed)
+    while i < len(running) and st.budget > 0:
+        rid = running[i]
+        computed = computed_of[rid]
+        spec = static[rid].spec_token_ids
+        n = min(st.cap_long(num_tokens[rid] + len(spec) - computed), st.budget,
+                last_position - computed)
         if st.prefills is not None:
-            n, _ = st.prefills.limit(w.num_tokens[rid] - computed, n)
+            n, _ = st.prefills.limit(num_tokens[rid] - computed, n)
         if n <= 0:
             i += 1
             continue
-        table_len = len(w.kv.blocks(rid))
+        table_len = len(w.tables[rid])
         while not w.allocate(rid, computed + n):
-            victim = w.policy.victim(w.running, w.static)
-            if w.running.index(victim) < i:
+            victim = w.policy.victim(running, static)
+            if running.index(victim) < i:
                 i -= 1  # the current request moves up one place
             if victim in st.tokens:
                 st.unschedule(victim)
@@ -104,9 +108,10 @@ def _schedule_running(w: Work, st: _Step) -> None:
         else:
             st.record(rid, n, computed)
             st.table_len_before[rid] = table_len
-            _take_spec(w, st, rid, n, computed)
+            if spec:
+                _take_spec(w, st, rid, n, computed)
             if st.prefills is not None:
-                st.prefills.record(w.num_tokens[rid] - computed)
+                st.prefills.record(num_tokens[rid] - computed)
             i += 1
             continue
         if w.policy.name == "fcfs":
@@ -152,7 +157,7 @@ def _schedule_waiting(w: Work, st: _Step) -> None:
 def _fits_whole(w: Work, rid: str, num_tokens: int, hit: list[int]) -> bool:
     """Are blocks for the whole sequence (plus the watermark, while anything runs) free?"""
     cfg = w.config
-    need = w.kv.num_blocks_needed(rid, min(num_tokens, cfg.max_model_len), hit)
+    need = w.kv.num_blocks_needed((), min(num_tokens, cfg.max_model_len), hit)
     if w.running:
         need += int(cfg.watermark * cfg.num_blocks)
     return need <= w.kv.num_free
@@ -180,27 +185,33 @@ def _make_output(w: Work, st: _Step, state: SchedulerState) -> SchedulerOutput:
     assert len(w.running) <= cfg.max_num_seqs
     inputs, tables, sampling = {}, {}, []
     cached_ids, cached_resumed, cached_new_blocks, cached_computed = [], [], [], []
+    history, num_tokens, before, table_len_before = (
+        w.tokens, w.num_tokens, st.computed_before, st.table_len_before)
     for rid, n in st.tokens.items():
-        c = st.computed_before[rid]
-        inputs[rid] = w.token_ids(rid, c, c + n)
-        table = tables[rid] = tuple(w.kv.blocks(rid))
-        if c + n >= w.num_tokens[rid]:
+        c = before[rid]
+        end = c + n
+        if end <= num_tokens[rid]:
+            inputs[rid] = (history[rid][c],) if n == 1 else tuple(history[rid][c:end])
+        else:
+            inputs[rid] = w.token_ids(rid, c, end)  # includes draft tokens
+        table = tables[rid] = w.tables[rid]
+        if end >= num_tokens[rid]:
             sampling.append(rid)
-        if rid in st.table_len_before or rid in st.resumed:
+        resumed = rid in st.resumed
+        if resumed or rid in table_len_before:
             cached_ids.append(rid)
-            cached_resumed.append(rid in st.resumed)
-            cached_new_blocks.append(table[st.table_len_before.get(rid, 0):])
+            cached_resumed.append(resumed)
+            cached_new_blocks.append(table[table_len_before.get(rid, 0):])
             cached_computed.append(c)
     new_reqs = tuple(
         NewRequestData(req_id=rid, prompt_token_ids=w.static[rid].prompt_token_ids,
                        sampling_params=w.static[rid].sampling_params, block_ids=tables[rid],
-                       num_computed_tokens=st.computed_before[rid])
+                       num_computed_tokens=before[rid])
         for rid in st.new
     )
     return SchedulerOutput(
         step=state.step, num_scheduled_tokens=MappingProxyType(st.tokens),
-        total_num_scheduled_tokens=total,
-        num_computed_tokens=MappingProxyType(st.computed_before),
+        total_num_scheduled_tokens=total, num_computed_tokens=MappingProxyType(before),
         input_token_ids=MappingProxyType(inputs), block_tables=MappingProxyType(tables),
         sampling_req_ids=tuple(sampling), scheduled_new_reqs=new_reqs,
         scheduled_cached_reqs=CachedRequestData(

@@ -12,6 +12,7 @@ import pickle
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import NamedTuple
 
 from scheduler._versioned import Version
 from scheduler.config import SchedulerConfig
@@ -56,6 +57,8 @@ class SchedulerState:
     computed: Mapping[str, int] = _EMPTY  # num_computed_tokens
     num_tokens: Mapping[str, int] = _EMPTY  # prompt + output length
     tokens: Mapping[str, list[int]] = _EMPTY  # shared append-only token histories
+    tables: Mapping[str, tuple[int, ...]] = _EMPTY  # block table of each request holding blocks
+    num_cached: Mapping[str, int] = _EMPTY  # leading blocks of each table in the prefix cache
     finished_since_last_step: frozenset[str] = frozenset()  # reported by the next schedule()
     pool: Version  # the KV block pool at this state
 
@@ -66,7 +69,7 @@ class SchedulerState:
 
     def block_table(self, request_id: str) -> tuple[int, ...]:
         """The KV block ids of a request (empty while it holds none)."""
-        return self.pool.read(lambda d: tuple(d.req_blocks.get(request_id, ())))
+        return self.tables.get(request_id, ())
 
     def free_block_queue(self) -> tuple[int, ...]:
         """The free queue, head (next allocated) first; cached free blocks sit at the tail."""
@@ -89,7 +92,7 @@ class SchedulerState:
         # so equal states pickle to equal bytes whatever edits happened to other versions.
         plain = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         plain["pool"] = self.pool.read(_canonical_pool)
-        for name in ("static", "computed", "num_tokens"):
+        for name in ("static", "computed", "num_tokens", "tables", "num_cached"):
             plain[name] = dict(sorted(plain[name].items()))
         plain["tokens"] = {r: plain["tokens"][r][: self.num_tokens[r]]
                            for r in sorted(plain["tokens"])}
@@ -116,11 +119,13 @@ def _unpickle_state(plain: dict) -> SchedulerState:
         "computed": MappingProxyType(plain["computed"]),
         "num_tokens": MappingProxyType(plain["num_tokens"]),
         "tokens": MappingProxyType(plain["tokens"]),
+        "tables": MappingProxyType(plain["tables"]),
+        "num_cached": MappingProxyType(plain["num_cached"]),
     }
     return SchedulerState(**plain)
 
 
-_POOL_DICTS = ("cached", "req_blocks", "req_num_cached", "req_hashes")
+_POOL_DICTS = ("cached", "req_hashes")
 
 
 class RequestsView(Mapping[str, Request]):
@@ -195,9 +200,8 @@ class SchedulerOutput:
     finished_req_ids: frozenset[str]  # finished since the previous step (free their state)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RequestDelta:
-    """What one step added to a request."""
+class RequestDelta(NamedTuple):
+    """What one step added to a request (a NamedTuple: one is built per request per step)."""
 
     request_id: str
     new_token_ids: tuple[int, ...]

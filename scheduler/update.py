@@ -78,17 +78,8 @@ def update_from_output(
     """
     w = Work(state)
     try:
-        deltas = []
-        done: set[str] = set()
-        for rid in output.num_scheduled_tokens:
-            if rid not in w.static:
-                continue  # aborted while the model ran
-            delta = _apply_tokens(w, rid, tuple(sampled_token_ids.get(rid, ())),
-                                  output.scheduled_spec_decode_tokens.get(rid))
-            if delta is not None:
-                deltas.append(delta)
-                if delta.finish_reason is not None:
-                    done.add(rid)
+        deltas = _apply_outputs(w, output, sampled_token_ids)
+        done = {d.request_id for d in deltas if d.finish_reason is not None}
         for rid in done:
             w.finish(rid)
         if done:
@@ -103,32 +94,49 @@ def update_from_output(
     return w.freeze(step=state.step), tuple(deltas)
 
 
-def _apply_tokens(w: Work, rid: str, sampled: tuple[int, ...],
-                  spec: tuple[int, ...] | None) -> RequestDelta | None:
-    if spec:
-        w.update(rid, spec_token_ids=())  # the drafts were verified this step
-        if sampled and w.computed[rid] > 0:
-            rejected = len(spec) - (len(sampled) - 1)
-            w.computed[rid] -= rejected
-    kept: list[int] = []
-    status, stop_reason = None, None
-    for token in sampled:
-        w.append_token(rid, token)
-        kept.append(token)
-        status, stop_reason = _check_stop(w, rid, token)
-        if status is not None:
-            break  # tokens after a stop are dropped
-    if not kept:
-        return None
-    return RequestDelta(request_id=rid, new_token_ids=tuple(kept),
-                        finish_reason=status.finish_reason if status else None,
-                        stop_reason=stop_reason)
+def _apply_outputs(w: Work, output: SchedulerOutput,
+                   sampled_token_ids: Mapping[str, Sequence[int]]) -> list[RequestDelta]:
+    # One iteration per scheduled request per step: columns are bound to locals.
+    static, num_tokens, history = w.static, w.num_tokens, w.tokens
+    max_model_len = w.config.max_model_len
+    spec_scheduled = output.scheduled_spec_decode_tokens
+    deltas = []
+    for rid in output.num_scheduled_tokens:
+        req = static.get(rid)
+        if req is None:
+            continue  # aborted while the model ran
+        sampled = sampled_token_ids.get(rid) or ()
+        if spec_scheduled and rid in spec_scheduled:
+            _verify_drafts(w, rid, spec_scheduled[rid], len(sampled))
+        kept: list[int] = []
+        status = stop_reason = None
+        for token in sampled:
+            tokens, n = history[rid], num_tokens[rid]
+            if len(tokens) != n:  # another version appended past our end: copy first
+                tokens = history[rid] = tokens[:n]
+            tokens.append(token)
+            num_tokens[rid] = n + 1
+            kept.append(token)
+            status, stop_reason = _check_stop(req, n + 1, token, max_model_len)
+            if status is not None:
+                break  # tokens after a stop are dropped
+        if kept:
+            deltas.append(RequestDelta(rid, tuple(kept), status and status.finish_reason,
+                                       stop_reason))
+    return deltas
 
 
-def _check_stop(w: Work, rid: str, token: int) -> tuple[RequestStatus | None, int | None]:
-    req = w.static[rid]
+def _verify_drafts(w: Work, rid: str, drafts: tuple[int, ...], num_sampled: int) -> None:
+    """The drafts were verified this step: roll back the KV of rejected ones."""
+    w.update(rid, spec_token_ids=())
+    if num_sampled and w.computed[rid] > 0:
+        rejected = len(drafts) - (num_sampled - 1)
+        w.computed[rid] -= rejected
+
+
+def _check_stop(req: Request, num_tokens: int, token: int,
+                max_model_len: int) -> tuple[RequestStatus | None, int | None]:
     params = req.sampling_params
-    num_tokens = w.num_tokens[rid]
     num_output = num_tokens - len(req.prompt_token_ids)
     if num_output >= params.min_tokens:
         if token == req.eos_token_id and not params.ignore_eos:
@@ -137,6 +145,6 @@ def _check_stop(w: Work, rid: str, token: int) -> tuple[RequestStatus | None, in
             return RequestStatus.FINISHED_STOPPED, token
     if params.max_tokens is not None and num_output >= params.max_tokens:
         return RequestStatus.FINISHED_LENGTH_CAPPED, None
-    if num_tokens >= w.config.max_model_len:
+    if num_tokens >= max_model_len:
         return RequestStatus.FINISHED_LENGTH_CAPPED, None
     return None, None
