@@ -19,17 +19,18 @@ class Work:
     """Mutable copy of a `SchedulerState` (never escapes the function that made it)."""
 
     def __init__(self, state: SchedulerState) -> None:
+        # Columns are MappingProxyType views; .copy() copies the dict underneath at C speed.
         self.config = cfg = state.config
         self.step = state.step
         self.policy = get_policy(cfg.policy)
         self.waiting: list[str] = list(state.waiting)
         self.running: list[str] = list(state.running)
-        self.static: dict[str, Request] = dict(state.static)
-        self.computed: dict[str, int] = dict(state.computed)
-        self.num_tokens: dict[str, int] = dict(state.num_tokens)
-        self.tokens: dict[str, list[int]] = dict(state.tokens)
-        self.tables: dict[str, tuple[int, ...]] = dict(state.tables)
-        self.num_cached: dict[str, int] = dict(state.num_cached)
+        self.static: dict[str, Request] = state.static.copy()
+        self.computed: dict[str, int] = state.computed.copy()
+        self.num_tokens: dict[str, int] = state.num_tokens.copy()
+        self.tokens: dict[str, list[int]] = state.tokens.copy()
+        self.tables: dict[str, tuple[int, ...]] = state.tables.copy()
+        self.num_cached: dict[str, int] = state.num_cached.copy()
         self.finished: set[str] = set(state.finished_since_last_step)
         self.counters: dict[str, int] = {
             name: getattr(state.counters, name) for name in SchedulerCounters.__slots__}
@@ -73,15 +74,17 @@ class Work:
         """Replace fields of the request's static record (status, preemptions, drafts)."""
         self.static[rid] = dataclasses.replace(self.static[rid], **changes)
 
-    def append_token(self, rid: str, token: int) -> None:
-        """Append one output token; copy the shared history first if another version has
-        already appended past this version's end."""
+    def append_token(self, rid: str, token: int) -> int:
+        """Append one output token and return the new token count. The history list is shared
+        with other versions, which read only their own first `num_tokens` entries; if another
+        version has already appended past this version's end, copy first."""
         history, n = self.tokens[rid], self.num_tokens[rid]
         if len(history) != n:
             history = history[:n]
             self.tokens[rid] = history
         history.append(token)
         self.num_tokens[rid] = n + 1
+        return n + 1
 
     def allocate(self, rid: str, num_slots: int, hit: list[int] | tuple = ()) -> bool:
         """Give the request KV slots for its first `num_slots` tokens (a new request's prefix

@@ -11,7 +11,7 @@ from types import MappingProxyType
 from scheduler._work import Work
 from scheduler.partial_prefill import PartialPrefills
 from scheduler.request import RequestStatus
-from scheduler.state import CachedRequestData, NewRequestData, SchedulerOutput, SchedulerState
+from scheduler.state import NewRequestData, SchedulerOutput, SchedulerState
 
 
 class _Step:
@@ -25,7 +25,7 @@ class _Step:
         self.threshold: int = cfg.long_prefill_token_threshold if many else 0
         self.tokens: dict[str, int] = {}  # request -> tokens scheduled, in scheduling order
         self.computed_before: dict[str, int] = {}
-        self.table_len_before: dict[str, int] = {}
+        self.new_blocks: dict[str, tuple[int, ...]] = {}  # blocks running requests gained
         self.spec: dict[str, tuple[int, ...]] = {}
         self.new: list[str] = []  # admitted from waiting for the first time
         self.resumed: set[str] = set()  # admitted again after a preemption
@@ -53,6 +53,7 @@ class _Step:
         self.budget += self.tokens.pop(rid)
         del self.computed_before[rid]
         self.spec.pop(rid, None)
+        self.new_blocks.pop(rid, None)
 
 
 def schedule(state: SchedulerState) -> tuple[SchedulerState, SchedulerOutput]:
@@ -78,44 +79,69 @@ def schedule(state: SchedulerState) -> tuple[SchedulerState, SchedulerOutput]:
 
 
 def _schedule_running(w: Work, st: _Step) -> None:
-    # The hot loop of every step: one iteration per running request, so columns are bound to
-    # locals and the no-new-block case never leaves Work.allocate's fast path.
+    # The hot loop of every step, one iteration per running request: columns are bound to
+    # locals, and a request whose tokens fit in its blocks (no new block, nothing newly full
+    # to register) skips Work.allocate.
     running, computed_of, num_tokens, static = w.running, w.computed, w.num_tokens, w.static
+    tables, num_cached = w.tables, w.num_cached
+    bs, caching = w.config.block_size, w.config.enable_prefix_caching
     last_position = w.config.max_model_len - 1
+    threshold, prefills = st.threshold, st.prefills
     i = 0
     while i < len(running) and st.budget > 0:
         rid = running[i]
         computed = computed_of[rid]
         spec = static[rid].spec_token_ids
-        n = min(st.cap_long(num_tokens[rid] + len(spec) - computed), st.budget,
-                last_position - computed)
-        if st.prefills is not None:
-            n, _ = st.prefills.limit(num_tokens[rid] - computed, n)
+        n = num_tokens[rid] + len(spec) - computed
+        if 0 < threshold < n:
+            n = threshold
+        n = min(n, st.budget, last_position - computed)
+        if prefills is not None:
+            n, _ = prefills.limit(num_tokens[rid] - computed, n)
         if n <= 0:
             i += 1
             continue
-        table_len = len(w.tables[rid])
-        while not w.allocate(rid, computed + n):
-            victim = w.policy.victim(running, static)
-            if running.index(victim) < i:
-                i -= 1  # the current request moves up one place
-            if victim in st.tokens:
-                st.unschedule(victim)
-            w.preempt(victim)
-            st.preempted.append(victim)
-            if victim == rid:
-                break
-        else:
-            st.record(rid, n, computed)
-            st.table_len_before[rid] = table_len
+        end = computed + n
+        table = tables[rid]
+        fits = end <= len(table) * bs and not (
+            caching and min(end, num_tokens[rid]) // bs > num_cached[rid])
+        ok = fits
+        if not fits:
+            ok, shift = _allocate_or_preempt(w, st, rid, end, i)
+            i -= shift  # victims ahead of the request moved it up
+        if ok:
+            st.tokens[rid] = n
+            st.computed_before[rid] = computed
+            st.budget -= n
+            if len(tables[rid]) > len(table):
+                st.new_blocks[rid] = tables[rid][len(table):]
             if spec:
                 _take_spec(w, st, rid, n, computed)
-            if st.prefills is not None:
-                st.prefills.record(num_tokens[rid] - computed)
+            if prefills is not None:
+                prefills.record(num_tokens[rid] - computed)
             i += 1
-            continue
-        if w.policy.name == "fcfs":
+        elif w.policy.name == "fcfs":
             break  # the request preempted itself: nobody after it can run either
+        # else (priority): it preempted itself, and the next request now sits at index i
+
+
+def _allocate_or_preempt(w: Work, st: _Step, rid: str, num_slots: int,
+                         index: int) -> tuple[bool, int]:
+    """Allocate for the request at `running[index]`, preempting the policy's victims until it
+    fits. Returns (allocated: False if the request itself was preempted, how many victims
+    stood ahead of it)."""
+    ahead = 0
+    while not w.allocate(rid, num_slots):
+        victim = w.policy.victim(w.running, w.static)
+        if w.running.index(victim) < index - ahead:
+            ahead += 1
+        if victim in st.tokens:
+            st.unschedule(victim)
+        w.preempt(victim)
+        st.preempted.append(victim)
+        if victim == rid:
+            return False, ahead
+    return True, ahead
 
 
 def _take_spec(w: Work, st: _Step, rid: str, n: int, computed: int) -> None:
@@ -183,10 +209,8 @@ def _make_output(w: Work, st: _Step, state: SchedulerState) -> SchedulerOutput:
     total = sum(st.tokens.values())
     assert total <= cfg.max_num_scheduled_tokens and st.budget >= 0
     assert len(w.running) <= cfg.max_num_seqs
-    inputs, tables, sampling = {}, {}, []
-    cached_ids, cached_resumed, cached_new_blocks, cached_computed = [], [], [], []
-    history, num_tokens, before, table_len_before = (
-        w.tokens, w.num_tokens, st.computed_before, st.table_len_before)
+    inputs, sampling = {}, []
+    history, num_tokens, before, tables = w.tokens, w.num_tokens, st.computed_before, w.tables
     for rid, n in st.tokens.items():
         c = before[rid]
         end = c + n
@@ -194,15 +218,8 @@ def _make_output(w: Work, st: _Step, state: SchedulerState) -> SchedulerOutput:
             inputs[rid] = (history[rid][c],) if n == 1 else tuple(history[rid][c:end])
         else:
             inputs[rid] = w.token_ids(rid, c, end)  # includes draft tokens
-        table = tables[rid] = w.tables[rid]
         if end >= num_tokens[rid]:
             sampling.append(rid)
-        resumed = rid in st.resumed
-        if resumed or rid in table_len_before:
-            cached_ids.append(rid)
-            cached_resumed.append(resumed)
-            cached_new_blocks.append(table[table_len_before.get(rid, 0):])
-            cached_computed.append(c)
     new_reqs = tuple(
         NewRequestData(req_id=rid, prompt_token_ids=w.static[rid].prompt_token_ids,
                        sampling_params=w.static[rid].sampling_params, block_ids=tables[rid],
@@ -212,12 +229,10 @@ def _make_output(w: Work, st: _Step, state: SchedulerState) -> SchedulerOutput:
     return SchedulerOutput(
         step=state.step, num_scheduled_tokens=MappingProxyType(st.tokens),
         total_num_scheduled_tokens=total, num_computed_tokens=MappingProxyType(before),
-        input_token_ids=MappingProxyType(inputs), block_tables=MappingProxyType(tables),
-        sampling_req_ids=tuple(sampling), scheduled_new_reqs=new_reqs,
-        scheduled_cached_reqs=CachedRequestData(
-            req_ids=tuple(cached_ids), resumed_from_preemption=tuple(cached_resumed),
-            new_block_ids=tuple(cached_new_blocks), num_computed_tokens=tuple(cached_computed),
-        ),
+        input_token_ids=MappingProxyType(inputs),
+        block_tables=MappingProxyType({rid: tables[rid] for rid in st.tokens}),
+        new_block_ids=MappingProxyType(st.new_blocks), sampling_req_ids=tuple(sampling),
+        scheduled_new_reqs=new_reqs, resumed_req_ids=frozenset(st.resumed),
         scheduled_spec_decode_tokens=MappingProxyType(st.spec),
         preempted_req_ids=frozenset(st.preempted),
         finished_req_ids=state.finished_since_last_step,

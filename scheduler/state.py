@@ -192,12 +192,26 @@ class SchedulerOutput:
     num_computed_tokens: Mapping[str, int]  # per scheduled request, before this step
     input_token_ids: Mapping[str, tuple[int, ...]]  # the tokens each request computes now
     block_tables: Mapping[str, tuple[int, ...]]  # after this step's allocation
+    new_block_ids: Mapping[str, tuple[int, ...]]  # blocks running requests gained this step
     sampling_req_ids: tuple[str, ...]  # requests whose prompt is complete: they sample
     scheduled_new_reqs: tuple[NewRequestData, ...]
-    scheduled_cached_reqs: CachedRequestData
+    resumed_req_ids: frozenset[str]  # admitted again after a preemption
     scheduled_spec_decode_tokens: Mapping[str, tuple[int, ...]]
     preempted_req_ids: frozenset[str]
     finished_req_ids: frozenset[str]  # finished since the previous step (free their state)
+
+    @property
+    def scheduled_cached_reqs(self) -> CachedRequestData:
+        """vLLM's view of the requests that ran before (built on access)."""
+        new = {r.req_id for r in self.scheduled_new_reqs}
+        ids = tuple(r for r in self.num_scheduled_tokens if r not in new)
+        resumed = tuple(r in self.resumed_req_ids for r in ids)
+        return CachedRequestData(
+            req_ids=ids, resumed_from_preemption=resumed,
+            new_block_ids=tuple(self.block_tables[r] if again else self.new_block_ids.get(r, ())
+                                for r, again in zip(ids, resumed, strict=True)),
+            num_computed_tokens=tuple(self.num_computed_tokens[r] for r in ids),
+        )
 
 
 class RequestDelta(NamedTuple):

@@ -97,7 +97,7 @@ def update_from_output(
 def _apply_outputs(w: Work, output: SchedulerOutput,
                    sampled_token_ids: Mapping[str, Sequence[int]]) -> list[RequestDelta]:
     # One iteration per scheduled request per step: columns are bound to locals.
-    static, num_tokens, history = w.static, w.num_tokens, w.tokens
+    static, append = w.static, w.append_token
     max_model_len = w.config.max_model_len
     spec_scheduled = output.scheduled_spec_decode_tokens
     deltas = []
@@ -108,16 +108,17 @@ def _apply_outputs(w: Work, output: SchedulerOutput,
         sampled = sampled_token_ids.get(rid) or ()
         if spec_scheduled and rid in spec_scheduled:
             _verify_drafts(w, rid, spec_scheduled[rid], len(sampled))
+        if len(sampled) == 1:  # the common case: one token, no list, no loop
+            token = sampled[0]
+            status, stop_reason = _check_stop(req, append(rid, token), token, max_model_len)
+            deltas.append(RequestDelta(rid, (token,), status and status.finish_reason,
+                                       stop_reason))
+            continue
         kept: list[int] = []
         status = stop_reason = None
         for token in sampled:
-            tokens, n = history[rid], num_tokens[rid]
-            if len(tokens) != n:  # another version appended past our end: copy first
-                tokens = history[rid] = tokens[:n]
-            tokens.append(token)
-            num_tokens[rid] = n + 1
             kept.append(token)
-            status, stop_reason = _check_stop(req, n + 1, token, max_model_len)
+            status, stop_reason = _check_stop(req, append(rid, token), token, max_model_len)
             if status is not None:
                 break  # tokens after a stop are dropped
         if kept:
