@@ -57,6 +57,11 @@ class Journal:
         """obj[key] = value."""
         self.records.append((obj, key, _swap(obj, key, value)))
 
+    def set_item(self, lst: list, index: int, value: Any) -> None:
+        """lst[index] = value: `set` for a list, without the type test (the pool's hot path)."""
+        self.records.append((lst, index, lst[index]))
+        lst[index] = value
+
     def delete(self, obj: dict, key: Any) -> None:
         """del obj[key] (the key must exist)."""
         self.records.append((obj, key, obj.pop(key)))

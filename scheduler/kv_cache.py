@@ -122,7 +122,7 @@ class KVCacheManager:
         for b in hit:
             if d.ref[b] == 0:
                 self._unlink(b)
-            j.set(d.ref, b, d.ref[b] + 1)
+            j.set_item(d.ref, b, d.ref[b] + 1)
         table = table + tuple(hit)
         num_new = cdiv(min(num_slots, self.max_model_len), self.block_size) - len(table)
         if num_new > 0:
@@ -136,7 +136,7 @@ class KVCacheManager:
         hashes = self._hashes(rid, tokens, num_full, salt)
         for i in range(num_cached, num_full):
             b, h = table[i], hashes[i]
-            j.set(d.block_hash, b, h)
+            j.set_item(d.block_hash, b, h)
             j.set(d.cached, h, d.cached.get(h, ()) + (b,))
 
     def free(self, table: Table) -> None:
@@ -144,7 +144,7 @@ class KVCacheManager:
         d, j = self.d, self.j
         for b in reversed(table):
             ref = d.ref[b] - 1
-            j.set(d.ref, b, ref)
+            j.set_item(d.ref, b, ref)
             if ref == 0:
                 self._push(b, to_head=d.block_hash[b] is None)
 
@@ -156,11 +156,11 @@ class KVCacheManager:
         for _ in range(n):
             taken.append(b)
             b = d.nxt[b]
-        j.set(d.nxt, d.head, b)
-        j.set(d.prv, b, d.head)
-        j.set(d.num_free, 0, d.num_free[0] - n)
+        j.set_item(d.nxt, d.head, b)
+        j.set_item(d.prv, b, d.head)
+        j.set_item(d.num_free, 0, d.num_free[0] - n)
         for b in taken:
-            j.set(d.ref, b, 1)
+            j.set_item(d.ref, b, 1)
             h = d.block_hash[b]
             if h is not None:
                 self._evict(b, h)
@@ -173,14 +173,14 @@ class KVCacheManager:
             j.set(d.cached, h, rest)
         else:
             j.delete(d.cached, h)
-        j.set(d.block_hash, b, None)
+        j.set_item(d.block_hash, b, None)
 
     def _unlink(self, b: int) -> None:
         d, j = self.d, self.j
         p, n = d.prv[b], d.nxt[b]
-        j.set(d.nxt, p, n)
-        j.set(d.prv, n, p)
-        j.set(d.num_free, 0, d.num_free[0] - 1)
+        j.set_item(d.nxt, p, n)
+        j.set_item(d.prv, n, p)
+        j.set_item(d.num_free, 0, d.num_free[0] - 1)
 
     def _push(self, b: int, *, to_head: bool) -> None:
         d, j = self.d, self.j
@@ -188,8 +188,8 @@ class KVCacheManager:
             p, n = d.head, d.nxt[d.head]
         else:
             p, n = d.prv[d.tail], d.tail
-        j.set(d.nxt, b, n)
-        j.set(d.prv, b, p)
-        j.set(d.nxt, p, b)
-        j.set(d.prv, n, b)
-        j.set(d.num_free, 0, d.num_free[0] + 1)
+        j.set_item(d.nxt, b, n)
+        j.set_item(d.prv, b, p)
+        j.set_item(d.nxt, p, b)
+        j.set_item(d.prv, n, b)
+        j.set_item(d.num_free, 0, d.num_free[0] + 1)
