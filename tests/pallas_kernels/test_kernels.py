@@ -1,0 +1,134 @@
+"""The Pallas kernels (TPU interpreter / Triton interpreter on CPU) against the reference.
+
+Every batch has shuffled block tables, NaN in unused pages and padding tokens. The default run
+covers a reduced grid at tiny shapes (interpret mode is slow); ``-m slow`` runs the full grid:
+decode-only / prefill-only / mixed / long (contexts up to 2k) x page sizes 16, 32 x head_dim
+64, 128 x GQA ratios 1, 3, 8 x float32, bfloat16.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+
+from pallas_kernels import ragged_paged_attention, ragged_paged_attention_reference
+from pallas_kernels.gpu import ragged_paged_attention_gpu
+from pallas_kernels.tpu import ragged_paged_attention_tpu
+from tests.pallas_kernels.cases import assert_cache_equal, make_case, numpy_oracle
+
+# (q_len, context_len) per request.
+BATCHES = {
+    "decode": [(1, 40), (1, 17), (1, 1), (1, 95)],
+    "prefill": [(23, 23), (40, 40), (9, 9)],
+    "mixed": [(1, 33), (20, 20), (9, 70), (1, 2), (3, 16)],
+    "long": [(1, 2000), (48, 1100), (1, 700), (5, 5)],
+}
+HEADS = {1: (2, 2), 3: (6, 2), 8: (8, 1)}  # GQA ratio -> (q heads, kv heads)
+TOL = {"float32": 2e-5, "bfloat16": 3e-2}
+# Small blocks so that tiny batches still cross q-block, kv-block and split boundaries.
+BLOCKS = {
+    "tpu": {"block_q": 8, "pages_per_block": 2},
+    "gpu": {"num_splits": 3},
+}
+KERNELS = {"tpu": ragged_paged_attention_tpu, "gpu": ragged_paged_attention_gpu}
+
+# (impl, batch, page_size, head_dim, gqa, dtype)
+REDUCED = [
+    (impl, *params)
+    for impl in ("tpu", "gpu")
+    for params in [
+        ("mixed", 16, 64, 3, "float32"),
+        ("decode", 32, 128, 8, "bfloat16"),
+        ("prefill", 16, 64, 1, "bfloat16"),
+        ("mixed", 32, 64, 8, "bfloat16"),
+    ]
+]
+FULL = [
+    (impl, *params)
+    for impl in ("tpu", "gpu")
+    for params in itertools.product(BATCHES, (16, 32), (64, 128), HEADS, TOL)
+    if (impl, *params) not in REDUCED
+]
+
+
+def check_against_reference(impl, batch, page_size, head_dim, gqa, dtype_name, **blocks):
+    num_heads, num_kv_heads = HEADS[gqa]
+    case = make_case(BATCHES[batch], num_heads=num_heads, num_kv_heads=num_kv_heads,
+                     head_dim=head_dim, page_size=page_size, seed=page_size + gqa)  # fmt: skip
+    dtype = jnp.dtype(dtype_name)
+    args = case.args(dtype)
+    out, cache = KERNELS[impl](*args, sm_scale=case.sm_scale, interpret=True, **blocks)
+    ref_out, ref_cache = ragged_paged_attention_reference(*args, sm_scale=case.sm_scale)
+    want_out, want_cache = numpy_oracle(case, dtype)
+    T, tol = case.num_tokens, TOL[dtype_name]
+    assert out.dtype == dtype and cache.dtype == dtype and cache.shape == case.kv_cache.shape
+    out = np.asarray(out.astype(jnp.float32))[:T]
+    assert np.all(np.isfinite(out))
+    np.testing.assert_allclose(out, want_out, atol=tol, rtol=tol)
+    np.testing.assert_allclose(out, np.asarray(ref_out.astype(jnp.float32))[:T], atol=tol, rtol=tol)
+    assert_cache_equal(np.asarray(cache.astype(jnp.float32)), want_cache)
+    assert_cache_equal(np.asarray(cache.astype(jnp.float32)),
+                       np.asarray(ref_cache.astype(jnp.float32)))  # fmt: skip
+
+
+@pytest.mark.parametrize(("impl", "batch", "page_size", "head_dim", "gqa", "dtype"), REDUCED)
+def test_kernel_matches_reference(impl, batch, page_size, head_dim, gqa, dtype):
+    check_against_reference(impl, batch, page_size, head_dim, gqa, dtype, **BLOCKS[impl])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("impl", "batch", "page_size", "head_dim", "gqa", "dtype"), FULL)
+def test_kernel_matches_reference_full_grid(impl, batch, page_size, head_dim, gqa, dtype):
+    check_against_reference(impl, batch, page_size, head_dim, gqa, dtype, **BLOCKS[impl])
+
+
+@pytest.mark.parametrize("impl", ["tpu", "gpu"])
+def test_default_block_sizes(impl):
+    check_against_reference(impl, "mixed", 16, 64, 3, "float32")
+
+
+@pytest.mark.parametrize("impl", ["tpu", "gpu"])
+def test_dispatcher_runs_the_kernel_under_jit(impl):
+    case = make_case(BATCHES["mixed"], num_heads=4, num_kv_heads=2, head_dim=64, page_size=16)
+    f = jax.jit(lambda *a: ragged_paged_attention(
+        *a, sm_scale=case.sm_scale, impl=impl, interpret=True, **BLOCKS[impl]))  # fmt: skip
+    out, _ = f(*case.args(jnp.float32))
+    want, _ = numpy_oracle(case)
+    np.testing.assert_allclose(np.asarray(out)[: case.num_tokens], want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize(("impl", "match"), [("tpu", "multiple of 64"), ("gpu", "power of two")])
+def test_unsupported_shape_warns_and_falls_back(impl, match):
+    case = make_case(BATCHES["mixed"], num_heads=4, num_kv_heads=2, head_dim=24, page_size=4)
+    args = case.args(jnp.float32)
+    with pytest.raises(ValueError, match=match):
+        KERNELS[impl](*args, sm_scale=case.sm_scale, interpret=True)
+    with pytest.warns(UserWarning, match=f"the '{impl}' kernel cannot run this shape"):
+        out, _ = ragged_paged_attention(*args, sm_scale=case.sm_scale, impl=impl, interpret=True)
+    want, _ = numpy_oracle(case)
+    np.testing.assert_allclose(np.asarray(out)[: case.num_tokens], want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize(
+    ("impl", "device_kind", "platform", "custom_call"),
+    [
+        ("tpu", "TPU v6 lite", "tpu", "tpu_custom_call"),
+        ("gpu", "NVIDIA H200", "cuda", "__gpu$xla.gpu.triton"),
+    ],
+)
+def test_lowers_for_the_accelerator(impl, device_kind, platform, custom_call):
+    """Lowering to Mosaic / Triton IR runs on CPU for an abstract device (no compile)."""
+    case = make_case(BATCHES["mixed"], num_heads=32, num_kv_heads=8, head_dim=128, page_size=16)
+    f = jax.jit(lambda *a: KERNELS[impl](*a, sm_scale=case.sm_scale))
+    device = AbstractDevice(device_kind=device_kind, num_cores=1, platform=platform.replace(
+        "cuda", "gpu"))  # fmt: skip
+    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
+    args = case.args(jnp.bfloat16)  # concrete arrays, made outside the abstract mesh
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = f.trace(*args).lower(lowering_platforms=(platform,)).as_text()
+    assert custom_call in text
