@@ -25,16 +25,16 @@ class Work:
         self.policy = get_policy(cfg.policy)
         self.waiting: list[str] = list(state.waiting)
         self.running: list[str] = list(state.running)
-        self.static: dict[str, Request] = state.static.copy()
-        self.computed: dict[str, int] = state.computed.copy()
-        self.num_tokens: dict[str, int] = state.num_tokens.copy()
-        self.tokens: dict[str, list[int]] = state.tokens.copy()
-        self.tables: dict[str, tuple[int, ...]] = state.tables.copy()
-        self.num_cached: dict[str, int] = state.num_cached.copy()
-        self.finished: set[str] = set(state.finished_since_last_step)
+        self.static: dict[str, Request] = state._static.copy()
+        self.computed: dict[str, int] = state._computed.copy()
+        self.num_tokens: dict[str, int] = state._num_tokens.copy()
+        self.tokens: dict[str, list[int]] = state._tokens.copy()
+        self.tables: dict[str, tuple[int, ...]] = state._tables.copy()
+        self.num_cached: dict[str, int] = state._num_cached.copy()
+        self.finished: set[str] = set(state._finished)
         self.counters: dict[str, int] = {
             name: getattr(state.counters, name) for name in SchedulerCounters.__slots__}
-        self._edit = state.pool.edit()
+        self._edit = state._pool.edit()
         self.kv = KVCacheManager(
             self._edit.data, self._edit.journal, block_size=cfg.block_size,
             caching=cfg.enable_prefix_caching, max_model_len=cfg.max_model_len,
@@ -47,10 +47,10 @@ class Work:
             config=self.config, step=step, waiting=tuple(self.waiting),
             running=tuple(self.running), num_free_blocks=num_free,
             counters=SchedulerCounters(**self.counters),
-            static=MappingProxyType(self.static), computed=MappingProxyType(self.computed),
-            num_tokens=MappingProxyType(self.num_tokens), tokens=MappingProxyType(self.tokens),
-            tables=MappingProxyType(self.tables), num_cached=MappingProxyType(self.num_cached),
-            finished_since_last_step=frozenset(self.finished), pool=self._edit.commit(),
+            _static=MappingProxyType(self.static), _computed=MappingProxyType(self.computed),
+            _num_tokens=MappingProxyType(self.num_tokens), _tokens=MappingProxyType(self.tokens),
+            _tables=MappingProxyType(self.tables), _num_cached=MappingProxyType(self.num_cached),
+            _finished=frozenset(self.finished), _pool=self._edit.commit(),
         )
 
     def abort(self) -> None:

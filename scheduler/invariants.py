@@ -15,31 +15,31 @@ def check_invariants(state: SchedulerState, output: SchedulerOutput | None = Non
     running, waiting = state.running, state.waiting
     assert len(running) <= cfg.max_num_seqs, f"{len(running)} running > max_num_seqs"
     assert len(set(running)) == len(running) and len(set(waiting)) == len(waiting), "duplicates"
-    assert set(running) | set(waiting) == set(state.static), "queues must hold every request"
+    assert set(running) | set(waiting) == set(state._static), "queues must hold every request"
     assert not set(running) & set(waiting), "a request is both running and waiting"
     for rid in running:
-        assert state.static[rid].status == RequestStatus.RUNNING, f"{rid} running but not RUNNING"
+        assert state._static[rid].status == RequestStatus.RUNNING, f"{rid} running but not RUNNING"
     for rid in waiting:
-        assert state.static[rid].status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-        assert state.computed[rid] == 0, f"waiting {rid} has computed tokens"
+        assert state._static[rid].status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+        assert state._computed[rid] == 0, f"waiting {rid} has computed tokens"
     if output is not None:
         total = sum(output.num_scheduled_tokens.values())
         assert total == output.total_num_scheduled_tokens <= cfg.max_num_scheduled_tokens
-    state.pool.read(lambda d: _check_pool(state, d))
+    state._pool.read(lambda d: _check_pool(state, d))
 
 
 def _check_pool(state: SchedulerState, d: PoolData) -> None:
     cfg = state.config
     bs = cfg.block_size
     holders: Counter[int] = Counter()
-    for rid, table in state.tables.items():
+    for rid, table in state._tables.items():
         assert rid in state.running, f"{rid} holds blocks but is not running"
         assert 0 not in table, f"{rid} holds the null block"
-        assert len(table) >= cdiv(state.computed[rid], bs), f"{rid}: too few blocks"
+        assert len(table) >= cdiv(state._computed[rid], bs), f"{rid}: too few blocks"
         holders.update(table)
     for rid in state.running:
-        assert rid in state.tables, f"running {rid} holds no block table"
-    assert set(state.num_cached) == set(state.tables), "num_cached must follow the tables"
+        assert rid in state._tables, f"running {rid} holds no block table"
+    assert set(state._num_cached) == set(state._tables), "num_cached must follow the tables"
     assert d.ref[0] == 0, "the null block is referenced"
     for b in range(1, cfg.num_blocks):
         assert d.ref[b] == holders[b], f"block {b}: ref {d.ref[b]} != {holders[b]} holders"

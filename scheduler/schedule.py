@@ -235,5 +235,5 @@ def _make_output(w: Work, st: _Step, state: SchedulerState) -> SchedulerOutput:
         scheduled_new_reqs=new_reqs, resumed_req_ids=frozenset(st.resumed),
         scheduled_spec_decode_tokens=MappingProxyType(st.spec),
         preempted_req_ids=frozenset(st.preempted),
-        finished_req_ids=state.finished_since_last_step,
+        finished_req_ids=state._finished,
     )

@@ -53,14 +53,14 @@ class SchedulerState:
     num_free_blocks: int  # free blocks, cached ones included, null block excluded
     counters: SchedulerCounters = field(default_factory=SchedulerCounters)
     # Private columns (see module docstring); never mutated once the state exists.
-    static: Mapping[str, Request] = _EMPTY  # as added, with status/preemptions/spec kept current
-    computed: Mapping[str, int] = _EMPTY  # num_computed_tokens
-    num_tokens: Mapping[str, int] = _EMPTY  # prompt + output length
-    tokens: Mapping[str, list[int]] = _EMPTY  # shared append-only token histories
-    tables: Mapping[str, tuple[int, ...]] = _EMPTY  # block table of each request holding blocks
-    num_cached: Mapping[str, int] = _EMPTY  # leading blocks of each table in the prefix cache
-    finished_since_last_step: frozenset[str] = frozenset()  # reported by the next schedule()
-    pool: Version  # the KV block pool at this state
+    _static: Mapping[str, Request] = _EMPTY  # as added, with status/preemptions/spec kept current
+    _computed: Mapping[str, int] = _EMPTY  # num_computed_tokens
+    _num_tokens: Mapping[str, int] = _EMPTY  # prompt + output length
+    _tokens: Mapping[str, list[int]] = _EMPTY  # shared append-only token histories
+    _tables: Mapping[str, tuple[int, ...]] = _EMPTY  # block table of each request holding blocks
+    _num_cached: Mapping[str, int] = _EMPTY  # leading blocks of each table in the prefix cache
+    _finished: frozenset[str] = frozenset()  # reported by the next schedule()
+    _pool: Version  # the KV block pool at this state
 
     @property
     def requests(self) -> Mapping[str, Request]:
@@ -69,11 +69,11 @@ class SchedulerState:
 
     def block_table(self, request_id: str) -> tuple[int, ...]:
         """The KV block ids of a request (empty while it holds none)."""
-        return self.tables.get(request_id, ())
+        return self._tables.get(request_id, ())
 
     def free_block_queue(self) -> tuple[int, ...]:
         """The free queue, head (next allocated) first; cached free blocks sit at the tail."""
-        return self.pool.read(lambda d: tuple(d.free_list()))
+        return self._pool.read(lambda d: tuple(d.free_list()))
 
     @property
     def stats(self) -> SchedulerStats:
@@ -91,12 +91,12 @@ class SchedulerState:
         # Pickle the logical content: the pool as this version sees it, dicts in sorted order,
         # so equal states pickle to equal bytes whatever edits happened to other versions.
         plain = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        plain["pool"] = self.pool.read(_canonical_pool)
-        for name in ("static", "computed", "num_tokens", "tables", "num_cached"):
+        plain["_pool"] = self._pool.read(_canonical_pool)
+        for name in ("_static", "_computed", "_num_tokens", "_tables", "_num_cached"):
             plain[name] = dict(sorted(plain[name].items()))
-        plain["tokens"] = {r: plain["tokens"][r][: self.num_tokens[r]]
-                           for r in sorted(plain["tokens"])}
-        plain["finished_since_last_step"] = tuple(sorted(plain["finished_since_last_step"]))
+        plain["_tokens"] = {r: plain["_tokens"][r][: self._num_tokens[r]]
+                           for r in sorted(plain["_tokens"])}
+        plain["_finished"] = tuple(sorted(plain["_finished"]))
         return (_unpickle_state, (plain,))
 
 
@@ -110,17 +110,17 @@ def _canonical_pool(d: PoolData) -> bytes:
 
 def _unpickle_state(plain: dict) -> SchedulerState:
     data = PoolData.__new__(PoolData)
-    for name, value in pickle.loads(plain["pool"]).items():
+    for name, value in pickle.loads(plain["_pool"]).items():
         setattr(data, name, dict(value) if name in _POOL_DICTS else value)
     plain = plain | {
-        "pool": Version.initial(data),
-        "finished_since_last_step": frozenset(plain["finished_since_last_step"]),
-        "static": MappingProxyType(plain["static"]),
-        "computed": MappingProxyType(plain["computed"]),
-        "num_tokens": MappingProxyType(plain["num_tokens"]),
-        "tokens": MappingProxyType(plain["tokens"]),
-        "tables": MappingProxyType(plain["tables"]),
-        "num_cached": MappingProxyType(plain["num_cached"]),
+        "_pool": Version.initial(data),
+        "_finished": frozenset(plain["_finished"]),
+        "_static": MappingProxyType(plain["_static"]),
+        "_computed": MappingProxyType(plain["_computed"]),
+        "_num_tokens": MappingProxyType(plain["_num_tokens"]),
+        "_tokens": MappingProxyType(plain["_tokens"]),
+        "_tables": MappingProxyType(plain["_tables"]),
+        "_num_cached": MappingProxyType(plain["_num_cached"]),
     }
     return SchedulerState(**plain)
 
@@ -138,26 +138,26 @@ class RequestsView(Mapping[str, Request]):
 
     def __getitem__(self, rid: str) -> Request:
         s = self._s
-        static = s.static[rid]
-        n = s.num_tokens[rid]
+        static = s._static[rid]
+        n = s._num_tokens[rid]
         return dataclasses.replace(
             static,
-            output_token_ids=tuple(s.tokens[rid][len(static.prompt_token_ids):n]),
-            num_computed_tokens=s.computed[rid],
+            output_token_ids=tuple(s._tokens[rid][len(static.prompt_token_ids):n]),
+            num_computed_tokens=s._computed[rid],
         )
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._s.static)
+        return iter(self._s._static)
 
     def __len__(self) -> int:
-        return len(self._s.static)
+        return len(self._s._static)
 
 
 def init_state(config: SchedulerConfig) -> SchedulerState:
     """The empty state: no requests, every usable block free."""
     return SchedulerState(
         config=config, num_free_blocks=config.num_blocks - 1,
-        pool=Version.initial(PoolData(config.num_blocks)),
+        _pool=Version.initial(PoolData(config.num_blocks)),
     )
 
 
