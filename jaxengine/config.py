@@ -175,10 +175,15 @@ class ModelConfig:
             num_layers=int(get("block_count")), num_heads=heads,
             num_kv_heads=int(get("attention.head_count_kv", heads)),
             head_dim=int(get("attention.key_length", hidden // heads)),
-            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_theta=float(get("rope.freq_base", 10000.0)), rope_scaling=scaling,
+            rms_norm_eps=_f32_value(get("attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=_f32_value(get("rope.freq_base", 10000.0)), rope_scaling=scaling,
             max_position_embeddings=int(get("context_length", 4096)),
             tie_word_embeddings=tied, qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3")
+
+
+def _f32_value(x: Any) -> float:
+    # GGUF stores these as float32 (1e-5 reads back as 9.99999974e-06): keep 7 digits.
+    return float(f"{float(x):.7g}")
 
 
 def _hf_rope_theta(cfg: Mapping[str, Any]) -> float:

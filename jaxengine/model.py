@@ -13,6 +13,7 @@ from collections.abc import Mapping
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxengine.config import ModelConfig
@@ -43,35 +44,42 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 GLOBAL_WEIGHTS = ("embed", "final_norm", "lm_head")  # every other weight is per layer
 
 
-def _random_weight(name: str, shape: tuple[int, ...], rngs: nnx.Rngs, dtype: jnp.dtype
-                   ) -> jax.Array:
-    if name.endswith("norm"):
-        return jnp.ones(shape, dtype)
-    if name.startswith("b"):
-        return jnp.zeros(shape, dtype)
-    return (0.02 * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+def random_weights(cfg: ModelConfig, *, seed: int, dtype: jnp.dtype) -> dict[str, np.ndarray]:
+    """Host weights for a fresh model: N(0, 0.02) matrices, unit norms, zero biases.
+
+    Drawn with numpy on the host: eager `jax.random` would compile once per weight shape.
+    """
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, shape in weight_shapes(cfg).items():
+        if name.endswith("norm"):
+            w = np.ones(shape, np.float32)
+        elif name.startswith("b"):
+            w = np.zeros(shape, np.float32)
+        else:
+            w = 0.02 * rng.standard_normal(shape, np.float32)
+        out[name] = w.astype(dtype)
+    return out
 
 
 class Model(nnx.Module):
     """Llama / Mistral / Qwen2 / Qwen3 decoder over a paged KV cache."""
 
-    def __init__(self, config: ModelConfig, *, dtype: jnp.dtype = jnp.float32,
-                 rngs: nnx.Rngs | None = None,
-                 weights: Mapping[str, jax.Array] | None = None) -> None:
-        """Build with random weights (`rngs`) or given ones (`weights`, by `weight_shapes` name).
+    def __init__(self, config: ModelConfig, *, dtype: jnp.dtype = jnp.float32, seed: int = 0,
+                 weights: Mapping[str, jax.Array | np.ndarray] | None = None) -> None:
+        """Build with random weights (`seed`) or given ones (`weights`, by `weight_shapes` name).
 
         Args:
             config: the architecture.
             dtype: parameter and activation dtype (float32 or bfloat16).
-            rngs: random source for a fresh model; ignored when `weights` is given.
+            seed: seed of a fresh model's weights; ignored when `weights` is given.
             weights: loaded arrays; shapes must match `weight_shapes(config)`.
         """
         self.config = config
         self.dtype = jnp.dtype(dtype)
         shapes = weight_shapes(config)
         if weights is None:
-            rngs = rngs or nnx.Rngs(0)
-            weights = {n: _random_weight(n, s, rngs, self.dtype) for n, s in shapes.items()}
+            weights = random_weights(config, seed=seed, dtype=self.dtype)
         for name, shape in shapes.items():
             if tuple(weights[name].shape) != shape:
                 raise ValueError(f"weight {name}: shape {tuple(weights[name].shape)}, "

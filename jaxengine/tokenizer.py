@@ -116,8 +116,11 @@ class Tokenizer:
         if kind != "gpt2":
             raise ModelLoadError(f"GGUF tokenizer model {kind!r} is not supported (only 'gpt2' "
                                  "byte-level BPE); load the HF directory instead")
+        if "tokenizer.ggml.tokens" not in meta:
+            raise ModelLoadError("GGUF metadata lacks tokenizer.ggml.tokens; the file has no "
+                                 "tokenizer")
         tokens = list(meta["tokenizer.ggml.tokens"])
-        merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
         backend = Backend(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
                                      fuse_unk=False))
         backend.pre_tokenizer = _pre_tokenizer(str(meta.get("tokenizer.ggml.pre", "default")))

@@ -57,6 +57,16 @@ def gguf_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
     return meta
 
 
+def gguf_tensor_name(name: str) -> str | None:
+    """The GGUF name of the HF tensor `name` (None if GGUF has no such tensor)."""
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    if name.startswith("model.layers."):
+        layer, suffix = name[len("model.layers."):].split(".", 1)
+        return f"blk.{layer}.{_LAYER_NAMES[suffix]}" if suffix in _LAYER_NAMES else None
+    return None
+
+
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     """Undo llama.cpp's rotary permutation of Q/K rows (transformers' reverse_permute)."""
     dim = w.shape[0] // n_head // 2
@@ -70,18 +80,9 @@ class GGUFSource:
         self._tensors = {t.name: t for t in reader.tensors}
         self._cfg, self._path = cfg, path
 
-    def gguf_name(self, name: str) -> str | None:
-        """The GGUF name of the HF tensor `name`."""
-        if name in _GLOBAL_NAMES:
-            return _GLOBAL_NAMES[name]
-        if name.startswith("model.layers."):
-            layer, suffix = name[len("model.layers."):].split(".", 1)
-            return f"blk.{layer}.{_LAYER_NAMES[suffix]}" if suffix in _LAYER_NAMES else None
-        return None
-
     def get(self, name: str) -> np.ndarray | None:
         """The tensor `name` in HF layout as float32, or None if the file lacks it."""
-        tensor = self._tensors.get(self.gguf_name(name) or "")
+        tensor = self._tensors.get(gguf_tensor_name(name) or "")
         if tensor is None:
             return None
         try:
