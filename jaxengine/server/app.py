@@ -1,0 +1,78 @@
+"""The FastAPI application: OpenAI routes, /health, /v1/models and /metrics over one engine.
+
+`build_app(engine, model_name=...)` takes a built `LLMEngine`; the engine loop starts and stops
+with the app's lifespan. `app.state.async_engine` is the `AsyncEngine` (tests read the
+scheduler state through `app.state.async_engine.engine.snapshot()`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from jaxengine.engine import LLMEngine
+from jaxengine.server.async_engine import AsyncEngine
+from jaxengine.server.errors import install_error_handlers
+from jaxengine.server.protocol import ChatCompletionRequest, CompletionRequest
+from jaxengine.server.serving import OpenAIServing
+
+
+def build_app(engine: LLMEngine, *, model_name: str, log_interval: float = 10.0) -> FastAPI:
+    """An OpenAI-compatible app serving `engine` as `model_name`.
+
+    Args:
+      engine: a built engine; the app owns it from now on.
+      model_name: the name clients pass as `model` (and `/v1/models` lists).
+      log_interval: seconds between throughput log lines (<= 0: none).
+    """
+    async_engine = AsyncEngine(engine, model_name=model_name, log_interval=log_interval)
+    serving = OpenAIServing(async_engine, model_name)
+    created = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        try:
+            yield
+        finally:
+            await async_engine.stop()
+
+    app = FastAPI(title="jaxengine", lifespan=lifespan)
+    app.state.async_engine = async_engine
+    install_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> Response:
+        """200 while the engine loop runs."""
+        alive = async_engine.is_running()
+        return Response(status_code=200 if alive else 503)
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        """The one served model."""
+        card = {"id": model_name, "object": "model", "created": created, "owned_by": "jaxengine",
+                "root": model_name, "max_model_len": engine.max_model_len}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """Prometheus text exposition."""
+        async_engine.refresh_gauges()
+        return Response(async_engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw: Request) -> Response:
+        """OpenAI completions (SSE when `stream`)."""
+        return await serving.completions(body, raw)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
+        """OpenAI chat completions (SSE when `stream`)."""
+        return await serving.chat(body, raw)
+
+    return app

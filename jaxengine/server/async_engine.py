@@ -1,0 +1,216 @@
+"""`AsyncEngine`: one asyncio task drives `LLMEngine.step()`; HTTP handlers join between steps.
+
+The engine is not thread-safe, so only one party touches it at a time: the loop holds an
+`asyncio.Lock` while a step runs (in a worker thread, so the event loop keeps serving), and
+`add` takes the same lock between steps. New requests therefore join the running batch at the
+next step (continuous batching across clients). Aborts never wait: they are queued and
+applied by the loop before its next step, so a cancelled handler can abort from a `finally`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+
+from jaxengine.engine import LLMEngine, PromptType
+from jaxengine.metrics import LoggingStatLogger, PrometheusStatLogger, StepTracker
+from jaxengine.outputs import RequestOutput
+from scheduler import SamplingParams
+
+logger = logging.getLogger("jaxengine.server")
+
+
+class EngineDeadError(RuntimeError):
+    """A step raised; the requests that were in flight were aborted."""
+
+
+@dataclass(slots=True)
+class RequestStream:
+    """The outputs of one request, in step order; iterate it, or `abort()` it."""
+
+    request_id: str
+    _owner: AsyncEngine
+    _queue: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
+    finished: bool = False
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._iterate()
+
+    async def _iterate(self) -> AsyncIterator[RequestOutput]:
+        while not self.finished:
+            item = await self._queue.get()
+            if isinstance(item, BaseException):
+                self.finished = True
+                raise item
+            self.finished = item.finished
+            yield item
+
+    async def final(self, is_disconnected: Callable[[], object] | None = None,
+                    poll_s: float = 0.25) -> RequestOutput | None:
+        """The finished output; None if `is_disconnected()` (awaited) turned true first.
+
+        A disconnected client's request is aborted before returning None.
+        """
+        last = None
+        while not self.finished:
+            try:
+                item = await asyncio.wait_for(self._queue.get(), poll_s)
+            except TimeoutError:
+                if is_disconnected is not None and await is_disconnected():  # type: ignore[misc]
+                    self.abort()
+                    return None
+                continue
+            if isinstance(item, BaseException):
+                self.finished = True
+                raise item
+            last, self.finished = item, item.finished
+        return last
+
+    def abort(self) -> None:
+        """Stop the request (if it is still running) and free its KV blocks at the next step."""
+        if not self.finished:
+            self.finished = True
+            self._owner.abort(self.request_id)
+
+
+class AsyncEngine:
+    """An `LLMEngine` behind a background loop, with Prometheus metrics and a log line."""
+
+    def __init__(self, engine: LLMEngine, *, model_name: str, log_interval: float = 10.0,
+                 metrics: PrometheusStatLogger | None = None) -> None:
+        """Wrap `engine` (start the loop with `start()` inside a running event loop).
+
+        Args:
+          engine: the engine; nothing else may call it while the loop runs.
+          model_name: the served model name (a metrics label).
+          log_interval: seconds between throughput log lines (<= 0: never).
+          metrics: where to record; default a new `PrometheusStatLogger` (own registry).
+        """
+        self.engine = engine
+        self.model_name = model_name
+        self.log_interval = log_interval
+        stats = engine.snapshot().stats
+        self.metrics = metrics or PrometheusStatLogger(model_name, engine.max_model_len)
+        self.stat_logger = LoggingStatLogger(stats)
+        self._tracker = StepTracker(stats)
+        self._streams: dict[str, RequestStream] = {}
+        self._pending_aborts: set[str] = set()
+        self._lock = asyncio.Lock()
+        self._wakeup = asyncio.Event()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # ---- lifecycle ---------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start the step loop (and the periodic log line) on the running event loop."""
+        self._tasks.append(asyncio.create_task(self._run(), name="jaxengine-step-loop"))
+        if self.log_interval > 0:
+            self._tasks.append(asyncio.create_task(self._log_loop(), name="jaxengine-stat-log"))
+
+    def is_running(self) -> bool:
+        """True while the step loop task is alive."""
+        return bool(self._tasks) and not self._tasks[0].done()
+
+    async def stop(self) -> None:
+        """Cancel the loops and abort whatever is still running."""
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks.clear()
+        self.engine.abort_request(list(self._streams))
+        self._fail_all(EngineDeadError("the server is shutting down"))
+
+    # ---- requests ----------------------------------------------------------------------
+
+    async def add(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
+                  priority: int = 0) -> RequestStream:
+        """Queue a request; it joins the batch at the next step.
+
+        Raises:
+          ValueError: the engine rejected the request (bad prompt or parameters).
+          EngineDeadError: the loop is not running.
+        """
+        if not self.is_running():
+            raise EngineDeadError("the engine loop is not running")
+        stream = RequestStream(request_id, self)
+        async with self._lock:
+            self.engine.add_request(request_id, prompt, params, priority=priority)
+            self._streams[request_id] = stream
+            self._tracker.track(request_id, params.max_tokens)
+            self._wakeup.set()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request at the next step boundary (safe to call from any coroutine)."""
+        if self._streams.pop(request_id, None) is not None:
+            self._pending_aborts.add(request_id)
+            self._wakeup.set()
+
+    def num_unfinished(self) -> int:
+        """Requests the server is still streaming."""
+        return len(self._streams)
+
+    # ---- the loop ----------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        while True:
+            await self._wakeup.wait()
+            async with self._lock:
+                self._apply_aborts()
+                if not self.engine.has_unfinished_requests():
+                    self._wakeup.clear()
+                    continue
+                try:
+                    outputs = await asyncio.to_thread(self.engine.step)
+                except Exception as e:  # a bug or a device error: fail the batch, keep serving
+                    logger.exception("engine step failed; aborting the running requests")
+                    self.engine.abort_request(list(self._streams))
+                    self._tracker.forget(list(self._streams))
+                    self._fail_all(EngineDeadError(f"engine step failed: {e}"))
+                    continue
+                self._record(outputs)
+            self._dispatch(outputs)
+            await asyncio.sleep(0)  # let waiting handlers take the lock before the next step
+
+    def _apply_aborts(self) -> None:
+        if self._pending_aborts:
+            ids, self._pending_aborts = list(self._pending_aborts), set()
+            self.engine.abort_request(ids)
+            self._tracker.forget(ids)
+
+    def _record(self, outputs: Sequence[RequestOutput]) -> None:
+        stats = self.engine.snapshot().stats
+        it = self._tracker.observe(outputs, stats, time.time())
+        self.metrics.record_scheduler(stats)
+        self.metrics.record_iteration(it)
+        self.stat_logger.record(stats, it)
+
+    def _dispatch(self, outputs: Sequence[RequestOutput]) -> None:
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue  # aborted while the step ran
+            stream._queue.put_nowait(out)
+            if out.finished:
+                del self._streams[out.request_id]
+
+    def _fail_all(self, error: BaseException) -> None:
+        for stream in self._streams.values():
+            stream._queue.put_nowait(error)
+        self._streams.clear()
+
+    async def _log_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.log_interval)
+            self.stat_logger.record(self.engine.snapshot().stats)
+            self.stat_logger.log()
+
+    def refresh_gauges(self) -> None:
+        """Set the gauges from the current scheduler state (before a /metrics scrape)."""
+        self.metrics.record_scheduler(self.engine.snapshot().stats)

@@ -1,0 +1,166 @@
+"""OpenAI request bodies (pydantic) and their translation into `SamplingParams`.
+
+Field names and defaults follow OpenAI's API plus vLLM's extra sampling fields (`top_k`,
+`min_p`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `priority`). Unknown fields are
+ignored, as vLLM does; fields we cannot honour (n > 1, penalties, echo) are rejected.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from scheduler import SamplingParams
+
+
+class RequestError(ValueError):
+    """A bad request; `param` names the offending field when known."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class StreamOptions(BaseModel):
+    """`stream_options`: only `include_usage` is honoured."""
+
+    model_config = ConfigDict(extra="ignore")
+    include_usage: bool = False
+
+
+class _SamplingFields(BaseModel):
+    """The fields both endpoints share."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    priority: int = 0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    user: str | None = None
+
+    def check_supported(self) -> None:
+        """Reject what the engine cannot do."""
+        if self.n != 1:
+            raise RequestError(f"only n=1 is supported, got n={self.n}", "n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise RequestError(f"{name} is not supported (use 0 or leave it out)", name)
+
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """The engine's parameters (the engine validates their ranges)."""
+        return SamplingParams(
+            max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
+            stop_token_ids=tuple(self.stop_token_ids or ()), stop=self.stop or (),
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_k=0 if self.top_k is None else self.top_k,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            min_p=0.0 if self.min_p is None else self.min_p, seed=self.seed, logprobs=logprobs)
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a stream ends with a usage chunk."""
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_SamplingFields):
+    """POST /v1/completions."""
+
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+
+    def single_prompt(self) -> str | list[int]:
+        """The one prompt (text or token ids); batches of prompts are rejected."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], str | list):
+            if len(p) != 1:
+                raise RequestError(f"send one prompt per request (got {len(p)})", "prompt")
+            p = p[0]
+        if not p:
+            raise RequestError("the prompt is empty", "prompt")
+        if self.echo:
+            raise RequestError("echo is not supported", "echo")
+        if self.suffix:
+            raise RequestError("suffix is not supported", "suffix")
+        return p
+
+
+class TextPart(BaseModel):
+    """A `{"type": "text", "text": ...}` content part."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """One message of a conversation."""
+
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def as_template_message(self) -> dict[str, Any]:
+        """`{"role", "content"}` with text parts joined, for the chat template."""
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        return {"role": self.role, "content": content or ""}
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """POST /v1/chat/completions."""
+
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+
+    def requested_max_tokens(self) -> int | None:
+        """`max_completion_tokens`, else the deprecated `max_tokens`."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None \
+            else self.max_tokens
+
+    def num_logprobs(self) -> int | None:
+        """Top-n logprobs per token for the engine (None: none asked)."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, *,
+                       prompt_param: str) -> int:
+    """`requested`, checked against the context; None means all that is left of it."""
+    room = max_model_len - prompt_len
+    if room <= 0:
+        raise RequestError(f"This model's maximum context length is {max_model_len} tokens; "
+                           f"the prompt has {prompt_len} tokens. Shorten the prompt.", prompt_param)
+    if requested is None:
+        return room
+    if requested <= 0:
+        raise RequestError(f"max_tokens must be at least 1, got {requested}", "max_tokens")
+    if requested > room:
+        raise RequestError(
+            f"This model's maximum context length is {max_model_len} tokens. However, you "
+            f"requested {prompt_len + requested} tokens ({prompt_len} in the messages, "
+            f"{requested} in the completion). Please reduce the length of the messages or "
+            f"completion.", "max_tokens")
+    return requested
