@@ -33,12 +33,32 @@ _GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight",
 _PERMUTED_ARCHS = ("llama", "mistral")  # llama.cpp permutes Q/K only for these
 
 
+class _Reader(gguf.GGUFReader):
+    """GGUFReader that slices a plain ndarray view of its memory map.
+
+    Slicing an `np.memmap` runs `__array_finalize__` per slice; the reader makes ~250k slices
+    for a 49k-token vocabulary, so parsing took ~4x longer than with a plain view of the same
+    mapped bytes (measured: 12 s -> 2-3 s on a loaded 2-core box). Same bytes, same results.
+    """
+
+    _plain: np.ndarray | None = None
+
+    def _get(self, offset: int, dtype: Any, count: int = 1,
+             override_order: str | None = None) -> np.ndarray:
+        if self._plain is None:
+            self._plain = self.data.view(np.ndarray)
+        dt, count = np.dtype(dtype), int(count)
+        arr = self._plain[offset:offset + dt.itemsize * count].view(dt)[:count]
+        order = self.byte_order if override_order is None else override_order
+        return arr if order == "I" else arr.view(dt.newbyteorder(order))
+
+
 def open_gguf(path: str) -> gguf.GGUFReader:
     """Open and parse a GGUF file, turning any parse failure into ModelLoadError."""
     if not os.path.isfile(path):
         raise ModelLoadError(f"{path}: GGUF file not found")
     try:
-        return gguf.GGUFReader(path)
+        return _Reader(path)
     except Exception as e:  # the reader raises ValueError, struct/numpy errors, ...
         raise ModelLoadError(f"{path}: not a valid GGUF file ({type(e).__name__}: {e}); "
                              "re-download or re-convert it") from None
