@@ -25,6 +25,9 @@ class _Step:
         self.threshold: int = cfg.long_prefill_token_threshold if many else 0
         self.tokens: dict[str, int] = {}  # request -> tokens scheduled, in scheduling order
         self.computed_before: dict[str, int] = {}
+        self.inputs: dict[str, tuple[int, ...]] = {}  # the token ids each request computes
+        self.tables: dict[str, tuple[int, ...]] = {}  # block tables after allocation
+        self.sampling: dict[str, None] = {}  # requests that sample, as an ordered set
         self.new_blocks: dict[str, tuple[int, ...]] = {}  # blocks running requests gained
         self.spec: dict[str, tuple[int, ...]] = {}
         self.new: list[str] = []  # admitted from waiting for the first time
@@ -43,17 +46,28 @@ class _Step:
         """The long-prefill threshold's cap."""
         return self.threshold if 0 < self.threshold < n else n
 
-    def record(self, rid: str, n: int, computed: int) -> None:
+    def record(self, w: Work, rid: str, n: int, computed: int) -> None:
+        """Schedule n tokens of the request, whose first `computed` tokens have KV."""
         self.tokens[rid] = n
         self.computed_before[rid] = computed
         self.budget -= n
+        end = computed + n
+        num_tokens = w.num_tokens[rid]
+        if n == 1 and end <= num_tokens:  # a decode: the one token sampled last step
+            self.inputs[rid] = (w.tokens[rid][computed],)
+        else:
+            self.inputs[rid] = w.token_ids(rid, computed, end)
+        self.tables[rid] = w.tables[rid]
+        if end >= num_tokens:
+            self.sampling[rid] = None
 
     def unschedule(self, rid: str) -> None:
         """A scheduled request was preempted: give its tokens back."""
         self.budget += self.tokens.pop(rid)
-        del self.computed_before[rid]
-        self.spec.pop(rid, None)
-        self.new_blocks.pop(rid, None)
+        for planned in (self.computed_before, self.inputs, self.tables):
+            del planned[rid]
+        for planned in (self.sampling, self.spec, self.new_blocks):
+            planned.pop(rid, None)
 
 
 def schedule(state: SchedulerState) -> tuple[SchedulerState, SchedulerOutput]:
@@ -110,9 +124,7 @@ def _schedule_running(w: Work, st: _Step) -> None:
             ok, shift = _allocate_or_preempt(w, st, rid, end, i)
             i -= shift  # victims ahead of the request moved it up
         if ok:
-            st.tokens[rid] = n
-            st.computed_before[rid] = computed
-            st.budget -= n
+            st.record(w, rid, n, computed)
             if len(tables[rid]) > len(table):
                 st.new_blocks[rid] = tables[rid][len(table):]
             if spec:
@@ -199,7 +211,7 @@ def _admit(w: Work, st: _Step, rid: str, n: int, num_tokens: int, num_hit: int) 
     w.running.append(rid)
     w.update(rid, status=RequestStatus.RUNNING)
     w.computed[rid] = num_hit
-    st.record(rid, n, num_hit)
+    st.record(w, rid, n, num_hit)
     if st.prefills is not None:
         st.prefills.record(num_tokens - num_hit)
 
@@ -209,29 +221,18 @@ def _make_output(w: Work, st: _Step, state: SchedulerState) -> SchedulerOutput:
     total = sum(st.tokens.values())
     assert total <= cfg.max_num_scheduled_tokens and st.budget >= 0
     assert len(w.running) <= cfg.max_num_seqs
-    inputs, sampling = {}, []
-    history, num_tokens, before, tables = w.tokens, w.num_tokens, st.computed_before, w.tables
-    for rid, n in st.tokens.items():
-        c = before[rid]
-        end = c + n
-        if end <= num_tokens[rid]:
-            inputs[rid] = (history[rid][c],) if n == 1 else tuple(history[rid][c:end])
-        else:
-            inputs[rid] = w.token_ids(rid, c, end)  # includes draft tokens
-        if end >= num_tokens[rid]:
-            sampling.append(rid)
     new_reqs = tuple(
         NewRequestData(req_id=rid, prompt_token_ids=w.static[rid].prompt_token_ids,
-                       sampling_params=w.static[rid].sampling_params, block_ids=tables[rid],
-                       num_computed_tokens=before[rid])
+                       sampling_params=w.static[rid].sampling_params, block_ids=st.tables[rid],
+                       num_computed_tokens=st.computed_before[rid])
         for rid in st.new
     )
     return SchedulerOutput(
         step=state.step, num_scheduled_tokens=MappingProxyType(st.tokens),
-        total_num_scheduled_tokens=total, num_computed_tokens=MappingProxyType(before),
-        input_token_ids=MappingProxyType(inputs),
-        block_tables=MappingProxyType({rid: tables[rid] for rid in st.tokens}),
-        new_block_ids=MappingProxyType(st.new_blocks), sampling_req_ids=tuple(sampling),
+        total_num_scheduled_tokens=total,
+        num_computed_tokens=MappingProxyType(st.computed_before),
+        input_token_ids=MappingProxyType(st.inputs), block_tables=MappingProxyType(st.tables),
+        new_block_ids=MappingProxyType(st.new_blocks), sampling_req_ids=tuple(st.sampling),
         scheduled_new_reqs=new_reqs, resumed_req_ids=frozenset(st.resumed),
         scheduled_spec_decode_tokens=MappingProxyType(st.spec),
         preempted_req_ids=frozenset(st.preempted),
