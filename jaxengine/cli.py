@@ -1,0 +1,281 @@
+"""The `jaxengine` command: generate | chat | serve | bench | replay.
+
+Engine flags are generated from the `EngineArgs` dataclass (vLLM's names with dashes:
+`--max-num-seqs`, `--enable-prefix-caching/--no-enable-prefix-caching`, ...), with the help
+text taken from each field's comment, so the CLI never drifts from the engine. A flag that is
+not given is not passed: `EngineArgs` keeps its own defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from jaxengine import engine_args as engine_args_module
+from jaxengine.engine_args import EngineArgs
+
+CHOICES = {"dtype": engine_args_module.DTYPES,
+           "scheduling_policy": engine_args_module.POLICIES,
+           "attention_backend": engine_args_module.ATTENTION_BACKENDS}
+_SCALARS = {"int": int, "float": float, "str": str}
+BENCH_SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "throughput.py"
+
+
+# ---- engine flags from EngineArgs --------------------------------------------------------
+
+def _field_comments() -> dict[str, str]:
+    """`name: type = default  # comment` lines of EngineArgs -> {name: comment}."""
+    try:
+        source = inspect.getsource(EngineArgs)
+    except (OSError, TypeError):  # no source (e.g. a zipped install): flags keep no help
+        return {}
+    pattern = re.compile(r"^\s+(\w+): [^=]+=[^#]*#\s*(.+)$")
+    return {m.group(1): m.group(2).strip() for m in map(pattern.match, source.splitlines()) if m}
+
+
+def _scalar_type(annotation: str) -> tuple[str, bool]:
+    """("int" | "float" | "str" | "bool", optional) of a field annotation like "int | None"."""
+    parts = [p.strip() for p in str(annotation).split("|")]
+    optional = "None" in parts
+    names = [p for p in parts if p != "None"]
+    if len(names) != 1 or names[0] not in (*_SCALARS, "bool"):
+        raise TypeError(f"EngineArgs field type {annotation!r} has no CLI mapping; add one")
+    return names[0], optional
+
+
+def add_engine_flags(parser: argparse.ArgumentParser, *, skip: Sequence[str] = ()) -> None:
+    """Add one flag per `EngineArgs` field (except `skip`) in an "engine arguments" group."""
+    group = parser.add_argument_group("engine arguments (EngineArgs; vLLM's names)")
+    comments = _field_comments()
+    for f in dataclasses.fields(EngineArgs):
+        if f.name in skip:
+            continue
+        kind, optional = _scalar_type(f.type)  # type: ignore[arg-type]
+        default = f.default
+        text = comments.get(f.name, "")
+        help_text = f"{text} (default: {default})" if text else f"(default: {default})"
+        flag = "--" + f.name.replace("_", "-")
+        kw: dict[str, Any] = dict(dest=f.name, default=argparse.SUPPRESS, help=help_text)
+        if kind == "bool":
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
+            continue
+        if f.name in CHOICES:
+            kw["choices"] = CHOICES[f.name]
+        else:
+            kw["metavar"] = f.name.upper()
+        # An optional field (None = derived at startup) is simply left out to keep None.
+        group.add_argument(flag, type=_SCALARS[kind], **kw)
+
+
+def engine_args_from(ns: argparse.Namespace, parser: argparse.ArgumentParser,
+                     **overrides: Any) -> EngineArgs:
+    """`EngineArgs` from the flags that were given; a bad value exits with the engine's message."""
+    names = {f.name for f in dataclasses.fields(EngineArgs)}
+    given = {k: v for k, v in vars(ns).items() if k in names}
+    given.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return EngineArgs(**given)
+    except ValueError as e:
+        parser.error(str(e))
+        raise  # unreachable: parser.error exits
+
+
+# ---- sampling flags ------------------------------------------------------------------------
+
+def add_sampling_flags(parser: argparse.ArgumentParser, *, max_tokens: int) -> None:
+    """Flags for `SamplingParams` (per request; the engine's --seed seeds unseeded requests)."""
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens,
+                   help=f"most tokens to generate (default: {max_tokens})")
+    g.add_argument("--min-tokens", type=int, default=0, help="no EOS before this many tokens")
+    g.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default: 1.0)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (default: 1.0)")
+    g.add_argument("--top-k", type=int, default=0, help="0 = off (default: 0)")
+    g.add_argument("--min-p", type=float, default=0.0, help="0 = off (default: 0.0)")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop string (repeat for several)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+    g.add_argument("--sampling-seed", type=int, default=None,
+                   help="per-request seed (default: derived from the engine's --seed)")
+
+
+def sampling_params_from(ns: argparse.Namespace) -> Any:
+    """`SamplingParams` from the sampling flags."""
+    from scheduler import SamplingParams
+
+    return SamplingParams(max_tokens=ns.max_tokens, min_tokens=ns.min_tokens,
+                          temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,
+                          min_p=ns.min_p, stop=tuple(ns.stop), ignore_eos=ns.ignore_eos,
+                          seed=ns.sampling_seed)
+
+
+# ---- the parser ----------------------------------------------------------------------------
+
+def build_parser() -> argparse.ArgumentParser:
+    """The `jaxengine` parser with its five subcommands."""
+    parser = argparse.ArgumentParser(
+        prog="jaxengine", description="A JAX-native LLM serving engine (vLLM-V1 batching).")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    gen = sub.add_parser("generate", help="complete prompts offline and print the text",
+                         description="Generate completions for PROMPTs with continuous "
+                                     "batching; prints one completion per prompt.")
+    gen.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt text")
+    gen.add_argument("--json", action="store_true",
+                     help="print one JSON object per prompt (text, token ids, finish reason)")
+    add_sampling_flags(gen, max_tokens=64)
+    add_engine_flags(gen)
+
+    chat = sub.add_parser("chat", help="interactive chat on stdin/stdout",
+                          description="Read user turns from stdin (one per line), print each "
+                                      "reply; the conversation and the chat template are kept. "
+                                      "End with EOF (Ctrl-D) or /exit.")
+    chat.add_argument("--system", default=None, help="a system message to start with")
+    add_sampling_flags(chat, max_tokens=256)
+    add_engine_flags(chat)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
+                           description="Serve MODEL over /v1/completions, /v1/chat/completions "
+                                       "(SSE streaming), /v1/models, /health and /metrics.")
+    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                       help="HF directory or .gguf file (default: the embedded SmolLM2)")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="interface to listen on (default: %(default)s; 0.0.0.0 for all)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    serve.add_argument("--served-model-name", default=None,
+                       help="the model name clients use (default: the model path)")
+    serve.add_argument("--log-interval", type=float, default=10.0,
+                       help="seconds between throughput log lines, 0: none (default: 10)")
+    serve.add_argument("--uvicorn-log-level", default="info",
+                       choices=("critical", "error", "warning", "info", "debug"),
+                       help="log level of uvicorn and jaxengine (default: info)")
+    add_engine_flags(serve)
+
+    sub.add_parser("bench", help="throughput benchmark (benchmarks/throughput.py)",
+                   description="Run benchmarks/throughput.py; every argument after `bench` is "
+                               "passed to it (`jaxengine bench -- --help` shows its flags).",
+                   allow_abbrev=False)
+
+    replay = sub.add_parser("replay", help="replay a scheduler trace (SCHEDULING.md §10)",
+                            description="Drive the scheduler with a fake model over TRACE and "
+                                        "print one JSON line per step.")
+    replay.add_argument("trace", metavar="TRACE.json", help="the trace file")
+    replay.add_argument("-o", "--output", help="write the JSON lines here instead of stdout")
+    return parser
+
+
+# ---- commands ------------------------------------------------------------------------------
+
+def _build_llm(args: EngineArgs) -> Any:
+    from jaxengine.llm import LLM
+
+    fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs)}
+    return LLM(**fields)
+
+
+def run_generate(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """`jaxengine generate`: print each prompt's completion (or a JSON line with --json)."""
+    params = sampling_params_from(ns)
+    llm = _build_llm(engine_args_from(ns, parser))
+    for out in llm.generate(list(ns.prompts), params, use_tqdm=False):
+        c = out.outputs[0]
+        if ns.json:
+            print(json.dumps({"prompt": out.prompt, "text": c.text,
+                              "token_ids": list(c.token_ids),
+                              "finish_reason": c.finish_reason}), flush=True)
+        else:
+            print(c.text, flush=True)
+    return 0
+
+
+def run_chat(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """`jaxengine chat`: one reply per stdin line, keeping the conversation."""
+    params = sampling_params_from(ns)
+    llm = _build_llm(engine_args_from(ns, parser))
+    conversation: list[dict[str, str]] = []
+    if ns.system:
+        conversation.append({"role": "system", "content": ns.system})
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            print("> ", end="", file=sys.stderr, flush=True)
+        line = sys.stdin.readline()
+        if not line or line.strip() in ("/exit", "/quit"):
+            return 0
+        if not line.strip():
+            continue
+        conversation.append({"role": "user", "content": line.rstrip("\n")})
+        try:
+            reply = llm.chat(conversation, params, use_tqdm=False)[0].outputs[0].text
+        except ValueError as e:  # e.g. the conversation outgrew max_model_len: say so, go on
+            conversation.pop()
+            print(f"jaxengine chat: error: {e}", file=sys.stderr, flush=True)
+            continue
+        conversation.append({"role": "assistant", "content": reply})
+        print(reply, flush=True)
+
+
+def run_serve(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """`jaxengine serve [MODEL]`: blocks until interrupted."""
+    from jaxengine.server.run import serve
+
+    flag_model = getattr(ns, "model", None)
+    if ns.model_tag is not None and flag_model is not None and ns.model_tag != flag_model:
+        parser.error(f"two models given: {ns.model_tag!r} and --model {flag_model!r}")
+    args = engine_args_from(ns, parser, model=ns.model_tag)
+    serve(args, host=ns.host, port=ns.port, model_name=ns.served_model_name,
+          log_interval=ns.log_interval, log_level=ns.uvicorn_log_level)
+    return 0
+
+
+def run_bench(extra: Sequence[str]) -> int:
+    """`jaxengine bench ARGS...`: run benchmarks/throughput.py with ARGS in a subprocess."""
+    if not BENCH_SCRIPT.is_file():
+        print(f"jaxengine bench: {BENCH_SCRIPT} is missing (bench runs it from a source "
+              "checkout)", file=sys.stderr)
+        return 2
+    args = list(extra[1:] if extra[:1] == ["--"] else extra)
+    env = dict(os.environ)
+    root = str(BENCH_SCRIPT.parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return subprocess.call([sys.executable, str(BENCH_SCRIPT), *args], env=env)
+
+
+def run_replay(ns: argparse.Namespace) -> int:
+    """`jaxengine replay TRACE.json [-o OUT]`: scheduler.replay's main."""
+    from scheduler.replay import main as replay_main
+
+    return replay_main([ns.trace, *(["-o", ns.output] if ns.output else [])])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of `jaxengine` and `python -m jaxengine`; returns the exit status."""
+    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ns, extra = parser.parse_known_args(argv)
+    if ns.command == "bench":
+        return run_bench(extra)
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    try:
+        if ns.command == "generate":
+            return run_generate(ns, parser)
+        if ns.command == "chat":
+            return run_chat(ns, parser)
+        if ns.command == "serve":
+            return run_serve(ns, parser)
+        return run_replay(ns)
+    except ValueError as e:  # bad model path, settings or prompt: a message, not a traceback
+        print(f"jaxengine {ns.command}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,174 @@
+"""The `jaxengine` command: help, flags from EngineArgs, replay, bench, generate, chat, serve."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from jaxengine.cli import build_parser, engine_args_from, main
+from jaxengine.engine_args import EngineArgs
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "tests" / "fixtures" / "tiny" / "llama_tied_mha"
+CONFORMANCE = Path("/work/shared/conformance")
+SMALL = ["--max-num-batched-tokens", "32", "--max-num-seqs", "4", "--block-size", "4",
+         "--max-model-len", "128", "--num-gpu-blocks-override", "80"]
+needs_tiny = pytest.mark.skipif(not TINY.is_dir(), reason="model fixtures not generated")
+
+
+@pytest.mark.parametrize("argv", [[], ["generate"], ["chat"], ["serve"], ["bench"], ["replay"]])
+def test_help_exits_zero(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main([*argv, "--help"])
+    assert info.value.code == 0
+    assert "usage: jaxengine" in capsys.readouterr().out
+
+
+def test_every_engine_arg_has_a_flag_with_vllms_name() -> None:
+    parser = build_parser()
+    serve = parser._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    flags = {s for a in serve._actions for s in a.option_strings}
+    for f in dataclasses.fields(EngineArgs):
+        assert "--" + f.name.replace("_", "-") in flags, f.name
+    for bool_flag in ("--no-enable-prefix-caching", "--no-enable-chunked-prefill"):
+        assert bool_flag in flags
+
+
+def test_flags_given_reach_engine_args_and_the_rest_keep_defaults() -> None:
+    parser = build_parser()
+    ns = parser.parse_args(["serve", "--max-num-seqs", "3", "--no-enable-prefix-caching",
+                            "--scheduling-policy", "priority", "--dtype", "bfloat16",
+                            "--long-prefill-token-threshold", "8"])
+    args = engine_args_from(ns, parser)
+    assert (args.max_num_seqs, args.enable_prefix_caching) == (3, False)
+    assert (args.scheduling_policy, args.dtype, args.long_prefill_token_threshold) == (
+        "priority", "bfloat16", 8)
+    assert args.block_size == EngineArgs().block_size
+    assert args.max_num_batched_tokens is None
+
+
+def test_bad_engine_values_exit_with_the_engines_message(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "hi", "--max-num-seqs", "0"])
+    assert info.value.code == 2
+    assert "max_num_seqs" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["serve", "--dtype", "float64"])
+
+
+@pytest.mark.skipif(not (CONFORMANCE / "c001.json").is_file(), reason="no conformance traces")
+def test_replay_prints_the_expected_lines(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["replay", str(CONFORMANCE / "c001.json")]) == 0
+    got = capsys.readouterr().out.splitlines()
+    expected = (CONFORMANCE / "c001.expected.jsonl").read_text().splitlines()
+    assert [json.loads(x) for x in got] == [json.loads(x) for x in expected]
+
+
+def test_bench_passes_its_arguments_through(monkeypatch: pytest.MonkeyPatch,
+                                            tmp_path: Path) -> None:
+    script = tmp_path / "throughput.py"
+    script.write_text("import sys, json\nprint(json.dumps(sys.argv[1:]))\n"
+                      "sys.exit(3 if '--fail' in sys.argv else 0)\n")
+    monkeypatch.setattr("jaxengine.cli.BENCH_SCRIPT", script)
+    assert main(["bench", "--num-prompts", "5", "--fail"]) == 3
+    assert main(["bench", "--", "--help"]) == 0
+    monkeypatch.setattr("jaxengine.cli.BENCH_SCRIPT", tmp_path / "missing.py")
+    assert main(["bench"]) == 2
+
+
+@needs_tiny
+def test_generate_on_the_tiny_model(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["generate", "hello", "a second prompt", "--model", str(TINY), "--max-tokens", "5",
+            "--temperature", "0", "--ignore-eos", "--json", *SMALL]
+    assert main(argv) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [x["prompt"] for x in lines] == ["hello", "a second prompt"]
+    assert all(len(x["token_ids"]) == 5 and x["finish_reason"] == "length" for x in lines)
+    assert main(argv) == 0  # greedy: the same again
+    assert [json.loads(x) for x in capsys.readouterr().out.splitlines()] == lines
+
+
+@needs_tiny
+def test_generate_reports_a_bad_model_path(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", "hi", "--model", "/nonexistent/model"]) == 1
+    assert "does not exist" in capsys.readouterr().err
+
+
+@needs_tiny
+def test_chat_keeps_the_conversation(monkeypatch: pytest.MonkeyPatch,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    seen: list[list[dict[str, str]]] = []
+    from jaxengine.llm import LLM
+
+    real_chat = LLM.chat
+
+    def spy(self: LLM, messages, *a, **kw):  # type: ignore[no-untyped-def]
+        seen.append([dict(m) for m in messages])
+        return real_chat(self, messages, *a, **kw)
+
+    monkeypatch.setattr(LLM, "chat", spy)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\n\nok\n/exit\nnot read\n"))
+    argv = ["chat", "--model", str(TINY), "--system", "be brief", "--max-tokens", "4",
+            "--temperature", "0", "--ignore-eos", *SMALL]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert len(seen) == 2, printed
+    assert [m["role"] for m in seen[1]] == ["system", "user", "assistant", "user"]
+    assert seen[1][1]["content"] == "hi" and seen[1][3]["content"] == "ok"
+    assert printed.startswith(seen[1][2]["content"] + "\n")  # the first reply, as printed
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@needs_tiny
+def test_serve_subprocess_answers_and_logs_throughput(tmp_path: Path) -> None:
+    port, log = _free_port(), tmp_path / "serve.log"
+    cmd = [sys.executable, "-m", "jaxengine", "serve", str(TINY), "--host", "127.0.0.1",
+           "--port", str(port), "--served-model-name", "tiny", "--log-interval", "1", *SMALL]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    try:
+        base, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, log.read_text()
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.25)
+        r = httpx.post(f"{base}/v1/completions", timeout=120, json={
+            "model": "tiny", "prompt": "hi", "max_tokens": 4, "ignore_eos": True})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+        deadline = time.monotonic() + 20
+        while "Avg generation throughput" not in log.read_text():
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.25)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+    text = log.read_text()
+    for part in ("Running: ", "GPU KV cache usage: ", "Prefix cache hit rate: "):
+        assert part in text
