@@ -14,7 +14,12 @@ from typing import Literal
 
 import jax
 
+# The kernels are imported eagerly although only one is used: importing Pallas defines config
+# options, which changes jax's tracing context; importing it lazily inside the first trace made
+# the caller's jit compile twice (measured).
+from pallas_kernels.gpu import ragged_paged_attention_gpu
 from pallas_kernels.reference import ragged_paged_attention_reference
+from pallas_kernels.tpu import ragged_paged_attention_tpu
 
 Impl = Literal["reference", "tpu", "gpu"]
 IMPLS: tuple[str, ...] = ("reference", "tpu", "gpu")
@@ -31,14 +36,7 @@ def default_impl() -> Impl:
 
 
 def _kernel(impl: str) -> Callable[..., tuple[jax.Array, jax.Array]]:
-    # Imported lazily: the Pallas lowerings are only needed when a kernel is asked for.
-    if impl == "tpu":
-        from pallas_kernels.tpu import ragged_paged_attention_tpu
-
-        return ragged_paged_attention_tpu
-    from pallas_kernels.gpu import ragged_paged_attention_gpu
-
-    return ragged_paged_attention_gpu
+    return ragged_paged_attention_tpu if impl == "tpu" else ragged_paged_attention_gpu
 
 
 def ragged_paged_attention(

@@ -97,9 +97,11 @@ def test_dispatcher_runs_the_kernel_under_jit(impl):
     case = make_case(BATCHES["mixed"], num_heads=4, num_kv_heads=2, head_dim=64, page_size=16)
     f = jax.jit(lambda *a: ragged_paged_attention(
         *a, sm_scale=case.sm_scale, impl=impl, interpret=True, **BLOCKS[impl]))  # fmt: skip
-    out, _ = f(*case.args(jnp.float32))
+    out, cache = f(*case.args(jnp.float32))
     want, _ = numpy_oracle(case)
     np.testing.assert_allclose(np.asarray(out)[: case.num_tokens], want, atol=2e-5, rtol=2e-5)
+    f(*case.args(jnp.float32)[:3], cache, *case.args(jnp.float32)[4:])  # the step's cache back
+    assert f._cache_size() == 1
 
 
 @pytest.mark.parametrize(("impl", "match"), [("tpu", "multiple of 64"), ("gpu", "power of two")])

@@ -1,0 +1,219 @@
+"""Ragged paged attention alone (BENCHMARKS.md §4).
+
+Fixed shapes: 64 requests with contexts U[1k, 8k], Llama-3-8B head geometry (32 q heads, 8 kv
+heads, head_dim 128), page size 16, bfloat16, two batches:
+  decode   64 decodes
+  mixed    56 decodes + 8 prefill chunks of 256 tokens
+
+    python benchmarks/attention.py [--mode auto|check|time] [--impls reference,gpu]
+                                   [--peak-gbps 4300] [--iters 20] [--small]
+
+``check`` (the default on CPU) runs the Pallas kernels in interpret mode against the jnp
+reference at a reduced size and prints their errors. ``time`` (the default on GPU / TPU) times
+each implementation with the cache donated and reports achieved HBM bandwidth — unique bytes
+of KV read + new K/V written + Q + O, divided by the median time — as a fraction of
+``--peak-gbps`` (H200: ~4.3 TB/s measured copy bandwidth), and the speedup over the reference.
+Prints a table and a one-line summary. ``--small`` shrinks the batches (to try ``time`` on CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pallas_kernels import default_impl, ragged_paged_attention  # noqa: E402
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Shape:
+    """One batch to measure."""
+
+    name: str
+    num_decodes: int
+    num_prefills: int
+    chunk: int  # tokens per prefill chunk
+    context: tuple[int, int]  # context length range after the step
+    num_heads: int = 32
+    num_kv_heads: int = 8
+    head_dim: int = 128
+    page_size: int = 16
+
+
+FULL = [
+    Shape(name="decode", num_decodes=64, num_prefills=0, chunk=256, context=(1024, 8192)),
+    Shape(name="mixed", num_decodes=56, num_prefills=8, chunk=256, context=(1024, 8192)),
+]
+SMALL = [  # interpret mode is slow: a few requests, short contexts
+    Shape(name="decode", num_decodes=6, num_prefills=0, chunk=32, context=(64, 512)),
+    Shape(name="mixed", num_decodes=4, num_prefills=2, chunk=32, context=(64, 512)),
+]
+
+
+def make_batch(shape: Shape, dtype: jnp.dtype, seed: int = 0) -> dict[str, jax.Array]:
+    """Random inputs for ``shape`` with shuffled block tables (cache generated on device)."""
+    rng = np.random.default_rng(seed)
+    R = shape.num_decodes + shape.num_prefills
+    L, K, N, H = shape.page_size, shape.num_kv_heads, shape.num_heads, shape.head_dim
+    seq_lens = rng.integers(*shape.context, size=R, endpoint=True).astype(np.int32)
+    q_lens = np.array([shape.chunk] * shape.num_prefills + [1] * shape.num_decodes, np.int32)
+    n_pages = -(-seq_lens // L)
+    max_blocks = int(n_pages.max())
+    perm = 1 + rng.permutation(int(n_pages.sum())).astype(np.int32)  # page 0: null block
+    block_tables = np.zeros((R, max_blocks), np.int32)
+    offsets = np.concatenate([[0], np.cumsum(n_pages)])
+    for r in range(R):
+        block_tables[r, : n_pages[r]] = perm[offsets[r] : offsets[r + 1]]
+    T_live = int(q_lens.sum())
+    T = -(-T_live // 16) * 16  # token buckets are multiples of 16
+    qsl = np.zeros(R + 1, np.int32)
+    qsl[1:] = np.cumsum(q_lens)
+    slots = np.zeros(T, np.int32)
+    for r in range(R):
+        pos = np.arange(seq_lens[r] - q_lens[r], seq_lens[r])
+        slots[qsl[r] : qsl[r + 1]] = block_tables[r, pos // L] * L + pos % L
+    keys = jax.random.split(jax.random.key(seed), 4)
+    P = 1 + int(n_pages.sum())
+    return {
+        "q": jax.random.normal(keys[0], (T, N, H), dtype),
+        "k": jax.random.normal(keys[1], (T, K, H), dtype),
+        "v": jax.random.normal(keys[2], (T, K, H), dtype),
+        "kv_cache": jax.random.normal(keys[3], (P, L, 2 * K, H), dtype),
+        "slot_mapping": jnp.asarray(slots),
+        "block_tables": jnp.asarray(block_tables),
+        "seq_lens": jnp.asarray(seq_lens),
+        "query_start_loc": jnp.asarray(qsl),
+        "num_seqs": jnp.asarray(R, jnp.int32),
+    }
+
+
+def bytes_moved(batch: dict[str, jax.Array]) -> int:
+    """Unique HBM bytes: every live context once, new K/V in and out, Q in, O out."""
+    T, N, H = batch["q"].shape
+    K2 = batch["kv_cache"].shape[2]
+    item = batch["q"].dtype.itemsize
+    kv_read = int(batch["seq_lens"].sum()) * K2 * H
+    kv_new = 2 * T * K2 * H  # read as k, v; written into the cache
+    return (kv_read + kv_new + 2 * T * N * H) * item
+
+
+def attention_fn(impl: str, interpret: bool) -> callable:
+    """``impl`` jitted over the batch dict with the cache donated (updated in place)."""
+    scale = 128**-0.5
+
+    @functools.partial(jax.jit, donate_argnames=("kv_cache",))
+    def run(kv_cache: jax.Array, rest: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        args = dict(rest, kv_cache=kv_cache)
+        return ragged_paged_attention(**args, sm_scale=scale, impl=impl, interpret=interpret)
+
+    return run
+
+
+def time_impl(impl: str, batch: dict, iters: int, interpret: bool) -> tuple[float, jax.Array]:
+    """Median seconds per call (after one warm-up call) and the first output."""
+    fn = attention_fn(impl, interpret)
+    rest = {n: a for n, a in batch.items() if n != "kv_cache"}
+    cache = jnp.copy(batch["kv_cache"])
+    out, cache = fn(cache, rest)  # compile + warm-up; rewriting the same slots is idempotent
+    first = out.block_until_ready()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        out, cache = fn(cache, rest)
+        out.block_until_ready()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), first
+
+
+def live_error(out: jax.Array, ref: jax.Array, batch: dict) -> float:
+    """Max |out - ref| over the live tokens."""
+    T = int(batch["query_start_loc"][int(batch["num_seqs"])])
+    diff = out[:T].astype(jnp.float32) - ref[:T].astype(jnp.float32)
+    return float(jnp.abs(diff).max())
+
+
+def run_time(shapes: list[Shape], impls: list[str], args: argparse.Namespace) -> list[str]:
+    """Time every impl on every shape; print the table rows; return summary fragments."""
+    interpret = jax.default_backend() == "cpu"
+    print(f"{'batch':8} {'impl':10} {'tokens':>6} {'ms':>9} {'GB/s':>8} {'% peak':>7} "
+          f"{'speedup':>8} {'max err':>9}")  # fmt: skip
+    summary = []
+    for shape in shapes:
+        batch = make_batch(shape, jnp.dtype(args.dtype), args.seed)
+        moved = bytes_moved(batch)
+        ref_t, ref_out = time_impl("reference", batch, args.iters, interpret)
+        for impl in impls:
+            t, out = (ref_t, ref_out) if impl == "reference" else time_impl(
+                impl, batch, args.iters, interpret)  # fmt: skip
+            gbps = moved / t / 1e9
+            err = live_error(out, ref_out, batch)
+            print(f"{shape.name:8} {impl:10} {batch['q'].shape[0]:6d} {t * 1e3:9.3f} "
+                  f"{gbps:8.1f} {100 * gbps / args.peak_gbps:6.1f}% {ref_t / t:7.2f}x "
+                  f"{err:9.2e}")  # fmt: skip
+            if impl != "reference":
+                summary.append(f"{shape.name}: {impl} {100 * gbps / args.peak_gbps:.0f}% of peak, "
+                               f"{ref_t / t:.1f}x reference")  # fmt: skip
+    return summary
+
+
+def run_check(shapes: list[Shape], impls: list[str], args: argparse.Namespace) -> list[str]:
+    """Kernels in interpret mode against the reference; print errors; return summary fragments."""
+    print(f"{'batch':8} {'impl':10} {'dtype':9} {'tokens':>6} {'max err':>9} {'s (interp.)':>11}")
+    tol = {"float32": 1e-4, "bfloat16": 5e-2}
+    summary, worst = [], True
+    for dtype in ("float32", "bfloat16"):
+        for shape in shapes:
+            batch = make_batch(shape, jnp.dtype(dtype), args.seed)
+            rest = {n: a for n, a in batch.items() if n != "kv_cache"}
+            ref_out, _ = attention_fn("reference", False)(jnp.copy(batch["kv_cache"]), rest)
+            for impl in impls:
+                t0 = time.perf_counter()
+                out, _ = attention_fn(impl, True)(jnp.copy(batch["kv_cache"]), rest)
+                out.block_until_ready()
+                err = live_error(out, ref_out, batch)
+                worst &= err <= tol[dtype]
+                print(f"{shape.name:8} {impl:10} {dtype:9} {batch['q'].shape[0]:6d} {err:9.2e} "
+                      f"{time.perf_counter() - t0:11.1f}")  # fmt: skip
+    summary.append(f"{', '.join(impls)} (interpret) vs reference: "
+                   f"{'PASS' if worst else 'FAIL'} (tol f32 1e-4, bf16 5e-2)")  # fmt: skip
+    return summary
+
+
+def main() -> None:
+    """Parse flags, run the check or the timing, print the summary line."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--mode", choices=("auto", "check", "time"), default="auto")
+    p.add_argument("--impls", default=None, help="comma-separated (default: by backend)")
+    p.add_argument("--peak-gbps", type=float, default=4300.0, help="HBM peak (H200: ~4300)")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--small", action="store_true", help="reduced batches (for CPU)")
+    args = p.parse_args()
+    backend = jax.default_backend()
+    mode = args.mode if args.mode != "auto" else ("check" if backend == "cpu" else "time")
+    if args.impls:
+        impls = args.impls.split(",")
+    elif mode == "check":
+        impls = ["tpu", "gpu"]
+    else:
+        impls = ["reference", default_impl()] if default_impl() != "reference" else ["reference"]
+    shapes = SMALL if (args.small or mode == "check") else FULL
+    print(f"backend={backend} ({jax.devices()[0].device_kind}) mode={mode} jax={jax.__version__}")
+    run = run_check if mode == "check" else run_time
+    summary = run(shapes, impls, args)
+    print("summary: " + ("; ".join(summary) or "reference only (no kernel for this backend)"))
+
+
+if __name__ == "__main__":
+    main()
