@@ -4,6 +4,8 @@ place; the step compiles once per token bucket and its program does not grow wit
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -112,7 +114,7 @@ def test_program_size_does_not_grow_with_depth() -> None:
         kv = init_kv_cache(model.config, num_blocks=4, block_size=4)
         batch = pack_batch([], num_tokens=16, max_seqs=2, max_blocks=2, block_size=4)
         jaxpr = jax.make_jaxpr(make_model_step(graphdef))(state, kv, batch)
-        return len(str(jaxpr))
+        return len(re.sub(r"\d+", "", str(jaxpr)))  # sizes (digits) differ, structure not
 
     assert jaxpr_len(2) == jaxpr_len(5)
 
