@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from jaxengine.engine import LLMEngine, PromptType
@@ -49,20 +49,25 @@ class RequestStream:
             self.finished = item.finished
             yield item
 
-    async def final(self, is_disconnected: Callable[[], object] | None = None,
+    async def final(self, is_disconnected: Callable[[], Awaitable[bool]] | None = None,
                     poll_s: float = 0.25) -> RequestOutput | None:
         """The finished output; None if `is_disconnected()` (awaited) turned true first.
 
         A disconnected client's request is aborted before returning None.
         """
-        last = None
+        loop = asyncio.get_running_loop()
+        last, next_check = None, loop.time()  # check at once, then every poll_s
         while not self.finished:
-            try:
-                item = await asyncio.wait_for(self._queue.get(), poll_s)
-            except TimeoutError:
-                if is_disconnected is not None and await is_disconnected():  # type: ignore[misc]
+            # Checked by the clock, not only when idle: a busy stream must notice too.
+            if is_disconnected is not None and loop.time() >= next_check:
+                if await is_disconnected():
                     self.abort()
                     return None
+                next_check = loop.time() + poll_s
+            try:
+                item = await asyncio.wait_for(self._queue.get(),
+                                              max(next_check - loop.time(), 0.001))
+            except TimeoutError:
                 continue
             if isinstance(item, BaseException):
                 self.finished = True

@@ -91,3 +91,15 @@ def test_32_streaming_clients_with_a_quarter_leaving_early(pytestconfig: pytest.
     gained = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     assert gained.get("length") == NUM_CLIENTS - NUM_LEAVERS
     assert sum(gained.values()) == NUM_CLIENTS - NUM_LEAVERS  # aborted ones are no success
+
+
+def test_a_non_streaming_client_that_leaves_is_aborted(pytestconfig: pytest.Config) -> None:
+    server: RunningServer = shared_server(pytestconfig)
+    wait_until_idle(server)
+    before = _success_total(server.base_url)
+    body = {"model": MODEL_NAME, "prompt": "x", "max_tokens": 120, "ignore_eos": True}
+    # 120 decode steps take far longer than the client waits (each step is milliseconds)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=0.3)
+    wait_until_idle(server)
+    assert _success_total(server.base_url) == before  # aborted, not finished
