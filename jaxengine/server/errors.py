@@ -7,6 +7,7 @@ missing fields) are converted to that 400 shape.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from http import HTTPStatus
 from typing import Any
@@ -17,6 +18,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxengine.server.protocol import RequestError
+from scheduler import SamplingParams
 
 logger = logging.getLogger("jaxengine.server")
 
@@ -35,21 +37,43 @@ def error_response(message: str, *, code: int = 400, param: str | None = None) -
     return JSONResponse(error_body(message, code=code, param=param), status_code=code)
 
 
+_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after",
+              "function-before", "literal", "model"}
+
+
+def _field_path(loc: Any) -> list[str]:
+    """The field path of a pydantic error location, without "body" and union-member tags."""
+    path = []
+    for part in loc:
+        text = str(part)
+        if text == "body":
+            continue
+        if text.split("[", 1)[0] in _TYPE_TAGS or "[" in text:
+            break  # pydantic names the union member it tried; the field ends here
+        path.append(text)
+    return path
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    """A readable message and the first offending field from pydantic's error list."""
+    """A readable message and the offending top-level field from pydantic's error list."""
     errors = list(exc.errors())
     if not errors:
         return "invalid request", None
     first = errors[0]
     if first.get("type") == "json_invalid":
         return f"the request body is not valid JSON: {first.get('msg', '')}", None
-    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = loc[0] if loc else None
-    where = ".".join(loc) or "body"
-    parts = [f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: "
-             f"{e.get('msg', 'invalid')}" for e in errors[:5]]
-    more = f" (and {len(errors) - 5} more)" if len(errors) > 5 else ""
-    return f"invalid value for {where}: " + "; ".join(parts) + more, param
+    path = _field_path(first.get("loc", ()))
+    if not path:
+        return "the request body must be a JSON object with the request's fields", None
+    field = ".".join(path)
+    same = [e for e in errors if _field_path(e.get("loc", ())) == path]
+    reasons = list(dict.fromkeys(str(e.get("msg", "invalid")) for e in same))
+    others = sorted({".".join(_field_path(e.get("loc", ()))) for e in errors} - {field})
+    message = f"invalid '{field}': " + "; or ".join(reasons)
+    if others:
+        message += f" (also invalid: {', '.join(others)})"
+    return message, path[0]
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -66,7 +90,15 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ValueError)
     async def _value_error(_: Request, exc: ValueError) -> JSONResponse:
-        return error_response(str(exc))
+        # The engine's messages start with the parameter they are about ("top_p must be ...").
+        message = str(exc)
+        first = message.split(" ", 1)[0]
+        return error_response(message, param=first if first in _SAMPLING_FIELDS else None)
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        logger.error("unhandled error in a request", exc_info=exc)
+        return error_response(f"internal error: {type(exc).__name__}: {exc}", code=500)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -160,7 +160,7 @@ def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: in
     if requested > room:
         raise RequestError(
             f"This model's maximum context length is {max_model_len} tokens. However, you "
-            f"requested {prompt_len + requested} tokens ({prompt_len} in the messages, "
+            f"requested {prompt_len + requested} tokens ({prompt_len} in the {prompt_param}, "
             f"{requested} in the completion). Please reduce the length of the messages or "
             f"completion.", "max_tokens")
     return requested
