@@ -7,8 +7,8 @@ copies first); the KV pool is a `_versioned.Version`. `state.requests` rebuilds 
 values from these on access.
 """
 
+import ast
 import dataclasses
-import pickle
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -100,17 +100,19 @@ class SchedulerState:
         return (_unpickle_state, (plain,))
 
 
-def _canonical_pool(d: PoolData) -> bytes:
+def _canonical_pool(d: PoolData) -> str:
+    # A literal, not a pickle: pickle memoizes objects by identity, and rerooting may leave equal
+    # but distinct hash objects where there was one, which would change the bytes, not the state.
     state = dict(vars(d))
     for name, value in state.items():
         if isinstance(value, dict):
             state[name] = sorted(value.items())
-    return pickle.dumps(state)
+    return repr(state)
 
 
 def _unpickle_state(plain: dict) -> SchedulerState:
     data = PoolData.__new__(PoolData)
-    for name, value in pickle.loads(plain["_pool"]).items():
+    for name, value in ast.literal_eval(plain["_pool"]).items():
         setattr(data, name, dict(value) if name in _POOL_DICTS else value)
     plain = plain | {
         "_pool": Version.initial(data),
