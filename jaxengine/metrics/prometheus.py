@@ -7,6 +7,8 @@ servers, or several tests, can live in one process. Labels follow vLLM: `model_n
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from jaxengine.metrics.iteration import IterationStats
@@ -47,62 +49,72 @@ class PrometheusStatLogger:
           registry: where to register; default a new `CollectorRegistry`.
         """
         self.registry = CollectorRegistry() if registry is None else registry
-        labels = {"model_name": model_name, "engine": "0"}
-        self._labels = labels
+        self._labels = {"model_name": model_name, "engine": "0"}
+        self._scheduler_collectors()
+        self._token_collectors(build_1_2_5_buckets(max_model_len))
+        self._latency_collectors()
 
-        def gauge(name: str, doc: str) -> Gauge:
-            return Gauge(PREFIX + name, doc, list(labels), registry=self.registry).labels(**labels)
+    def _gauge(self, name: str, doc: str) -> Gauge:
+        return Gauge(PREFIX + name, doc, list(self._labels),
+                     registry=self.registry).labels(**self._labels)
 
-        def counter(name: str, doc: str) -> Counter:
-            return Counter(PREFIX + name, doc, list(labels),
-                           registry=self.registry).labels(**labels)
+    def _counter(self, name: str, doc: str) -> Counter:
+        return Counter(PREFIX + name, doc, list(self._labels),
+                       registry=self.registry).labels(**self._labels)
 
-        def histogram(name: str, doc: str, buckets: list[float] | list[int]) -> Histogram:
-            return Histogram(PREFIX + name, doc, list(labels), buckets=buckets,
-                             registry=self.registry).labels(**labels)
+    def _histogram(self, name: str, doc: str, buckets: Sequence[float]) -> Histogram:
+        return Histogram(PREFIX + name, doc, list(self._labels), buckets=buckets,
+                         registry=self.registry).labels(**self._labels)
 
-        self.running = gauge("num_requests_running", "Number of requests in model execution "
-                             "batches.")
-        self.waiting = gauge("num_requests_waiting", "Number of requests waiting to be processed.")
-        self.kv_usage = gauge("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
-        self.prefix_queries = counter("prefix_cache_queries", "Prefix cache queries, in terms of "
-                                      "number of queried tokens.")
-        self.prefix_hits = counter("prefix_cache_hits", "Prefix cache hits, in terms of number "
-                                   "of cached tokens.")
-        self.preemptions = counter("num_preemptions", "Cumulative number of preemption from the "
-                                   "engine.")
-        self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
-        self.generation_tokens = counter("generation_tokens", "Number of generation tokens "
-                                         "processed.")
+    def _scheduler_collectors(self) -> None:
+        self.running = self._gauge("num_requests_running",
+                                   "Number of requests in model execution batches.")
+        self.waiting = self._gauge("num_requests_waiting",
+                                   "Number of requests waiting to be processed.")
+        self.kv_usage = self._gauge("kv_cache_usage_perc",
+                                    "KV-cache usage. 1 means 100 percent usage.")
+        self.prefix_queries = self._counter(
+            "prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.")
+        self.prefix_hits = self._counter(
+            "prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        self.preemptions = self._counter("num_preemptions",
+                                         "Cumulative number of preemption from the engine.")
+
+    def _token_collectors(self, token_buckets: Sequence[float]) -> None:
+        self.prompt_tokens = self._counter("prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = self._counter("generation_tokens",
+                                               "Number of generation tokens processed.")
         self._success = Counter(PREFIX + "request_success",
                                 "Count of successfully processed requests.",
-                                [*labels, "finished_reason"], registry=self.registry)
+                                [*self._labels, "finished_reason"], registry=self.registry)
         for reason in FINISH_REASONS:  # every series exists from the start, at 0
-            self._success.labels(**labels, finished_reason=reason)
-        token_buckets = build_1_2_5_buckets(max_model_len)
-        self.request_prompt_tokens = histogram(
+            self._success.labels(**self._labels, finished_reason=reason)
+        self.request_prompt_tokens = self._histogram(
             "request_prompt_tokens", "Number of prefill tokens processed.", token_buckets)
-        self.request_generation_tokens = histogram(
+        self.request_generation_tokens = self._histogram(
             "request_generation_tokens", "Number of generation tokens processed.", token_buckets)
-        self.request_max_tokens = histogram(
+        self.request_max_tokens = self._histogram(
             "request_params_max_tokens", "Histogram of the max_tokens request parameter.",
             token_buckets)
-        self.iteration_tokens = histogram(
+        self.iteration_tokens = self._histogram(
             "iteration_tokens_total", "Histogram of number of tokens per engine_step.",
             ITERATION_TOKEN_BUCKETS)
-        self.ttft = histogram("time_to_first_token_seconds",
-                              "Histogram of time to first token in seconds.", TTFT_BUCKETS)
-        self.itl = histogram("inter_token_latency_seconds",
-                             "Histogram of inter-token latency in seconds.", TOKEN_LATENCY_BUCKETS)
-        self.tpot = histogram("request_time_per_output_token_seconds",
-                              "Histogram of time_per_output_token_seconds per request.",
-                              TOKEN_LATENCY_BUCKETS)
-        self.e2e = histogram("e2e_request_latency_seconds",
-                             "Histogram of e2e request latency in seconds.",
-                             REQUEST_LATENCY_BUCKETS)
-        self.queue_time = histogram("request_queue_time_seconds",
-                                    "Histogram of time spent in WAITING phase for request.",
-                                    REQUEST_LATENCY_BUCKETS)
+
+    def _latency_collectors(self) -> None:
+        self.ttft = self._histogram("time_to_first_token_seconds",
+                                    "Histogram of time to first token in seconds.", TTFT_BUCKETS)
+        self.itl = self._histogram("inter_token_latency_seconds",
+                                   "Histogram of inter-token latency in seconds.",
+                                   TOKEN_LATENCY_BUCKETS)
+        self.tpot = self._histogram("request_time_per_output_token_seconds",
+                                    "Histogram of time_per_output_token_seconds per request.",
+                                    TOKEN_LATENCY_BUCKETS)
+        self.e2e = self._histogram("e2e_request_latency_seconds",
+                                   "Histogram of e2e request latency in seconds.",
+                                   REQUEST_LATENCY_BUCKETS)
+        self.queue_time = self._histogram("request_queue_time_seconds",
+                                          "Histogram of time spent in WAITING phase for request.",
+                                          REQUEST_LATENCY_BUCKETS)
 
     def record_scheduler(self, stats: SchedulerStats) -> None:
         """Set the gauges from a scheduler snapshot."""
