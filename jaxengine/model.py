@@ -92,14 +92,15 @@ class Model(nnx.Module):
         self.layers = nnx.Dict({n: nnx.Param(jnp.asarray(weights[n], self.dtype))
                                 for n in self.layer_names})
 
-    def __call__(self, kv: jax.Array, batch: ModelBatch, *, attn_impl: str = "reference"
-                 ) -> tuple[jax.Array, jax.Array]:
+    def __call__(self, kv: jax.Array, batch: ModelBatch, *, attn_impl: str = "reference",
+                 interpret: bool = False) -> tuple[jax.Array, jax.Array]:
         """One step over a ragged batch of prefill chunks and decodes.
 
         Args:
             kv: [layers, P, L, 2*K, H] the paged KV cache (model dtype).
             batch: the device batch.
             attn_impl: ragged paged attention implementation ("reference", "tpu", "gpu").
+            interpret: run a Pallas kernel in interpret mode (to test "tpu"/"gpu" on CPU).
         Returns:
             (new kv cache, hidden [T, D] after the final norm).
         """
@@ -120,7 +121,8 @@ class Model(nnx.Module):
                  ) -> tuple[tuple[jax.Array, jax.Array], None]:
             x, pages = carry
             w, layer = xs
-            x, pages = decoder_layer(x, pages, layer * P, w, batch, cos, sin, cfg, attn_impl)
+            x, pages = decoder_layer(x, pages, layer * P, w, batch, cos, sin, cfg,
+                                     attn_impl, interpret)
             return (x, pages), None
 
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
@@ -139,7 +141,8 @@ class Model(nnx.Module):
 
 def decoder_layer(x: jax.Array, pages: jax.Array, page_offset: jax.Array,
                   w: Mapping[str, jax.Array], batch: ModelBatch, cos: jax.Array, sin: jax.Array,
-                  cfg: ModelConfig, attn_impl: str) -> tuple[jax.Array, jax.Array]:
+                  cfg: ModelConfig, attn_impl: str, interpret: bool = False
+                  ) -> tuple[jax.Array, jax.Array]:
     """One pre-norm decoder layer.
 
     Args:
@@ -162,7 +165,8 @@ def decoder_layer(x: jax.Array, pages: jax.Array, page_offset: jax.Array,
     slots = batch.slot_mapping + page_offset * pages.shape[1]
     out, pages = ragged_paged_attention(
         q, k, v, pages, slots, batch.block_tables + page_offset, batch.seq_lens,
-        batch.query_start_loc, batch.num_seqs, sm_scale=cfg.head_dim**-0.5, impl=attn_impl)
+        batch.query_start_loc, batch.num_seqs, sm_scale=cfg.head_dim**-0.5, impl=attn_impl,
+        interpret=interpret)
     x = x + jnp.einsum("tnh,nhd->td", out.astype(x.dtype), w["wo"])
     h = rms_norm(x, w["mlp_norm"], eps)
     return x + gated_mlp(h, w["w_gate"], w["w_up"], w["w_down"]), pages
