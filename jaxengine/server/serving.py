@@ -125,8 +125,11 @@ async def _events(stream: RequestStream, fmt: Formatter, *, with_logprobs: bool,
                 yield sse(chunk)
         if include_usage and last is not None:
             yield sse(fmt.usage_chunk(last))
+        yield sse("[DONE]")
     except EngineDeadError as e:
         yield sse(error_body(str(e), code=500))
+        yield sse("[DONE]")
     finally:
-        stream.abort()  # the client disconnected (cancellation) or the engine failed
-    yield sse("[DONE]")
+        # Reached early when the client disconnected (Starlette cancels this generator) or
+        # the body was closed unread: abort, so the KV blocks are freed at the next step.
+        stream.abort()

@@ -40,10 +40,11 @@ def _client(base_url: str, i: int) -> dict[str, object]:
     body = {"model": MODEL_NAME, "prompt": f"client {i} says", "stream": True,
             "max_tokens": LEAVER_MAX_TOKENS if leaver else MAX_TOKENS, "temperature": 0.8,
             "seed": i, "ignore_eos": True, "stream_options": {"include_usage": True}}
-    chunks, finish, usage = 0, None, None
+    chunks, finish, usage, done = 0, None, None, False
     with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=180) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
+            done = done or line == "data: [DONE]"
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             data = json.loads(line[len("data: "):])
@@ -53,7 +54,7 @@ def _client(base_url: str, i: int) -> dict[str, object]:
                 finish = choice["finish_reason"] or finish
             if leaver and chunks >= 2:
                 break  # leaving the `with` closes the connection mid-stream
-    return {"leaver": leaver, "chunks": chunks, "finish": finish, "usage": usage}
+    return {"leaver": leaver, "chunks": chunks, "finish": finish, "usage": usage, "done": done}
 
 
 def test_32_streaming_clients_with_a_quarter_leaving_early(pytestconfig: pytest.Config) -> None:
@@ -78,7 +79,7 @@ def test_32_streaming_clients_with_a_quarter_leaving_early(pytestconfig: pytest.
     stayers = [r for r in results if not r["leaver"]]
     assert len(stayers) == NUM_CLIENTS - NUM_LEAVERS
     for r in stayers:
-        assert r["finish"] == "length"
+        assert r["finish"] == "length" and r["done"]
         assert r["usage"]["completion_tokens"] == MAX_TOKENS  # type: ignore[index]
     assert all(r["finish"] is None for r in results if r["leaver"])
     assert peak_running[0] > 1  # clients shared steps: continuous batching across connections
