@@ -79,6 +79,14 @@ class ModelConfig:
                                  f"rope_theta={self.rope_theta} must be > 0")
 
     @property
+    def max_model_len(self) -> int:
+        """Longest context computed exactly: the position limit, capped by a sliding window
+        (attention here is full, so past the window it would differ from the reference)."""
+        if self.sliding_window is None:
+            return self.max_position_embeddings
+        return min(self.max_position_embeddings, self.sliding_window)
+
+    @property
     def num_params(self) -> int:
         """Number of weights (embedding counted once when tied)."""
         D, F, N, K, H = (self.hidden_size, self.intermediate_size, self.num_heads,

@@ -82,6 +82,14 @@ def test_gguf_metadata() -> None:
         ModelConfig.from_gguf_metadata(meta, tied=False)
 
 
+def test_sliding_window_caps_the_model_length() -> None:
+    cfg = dict(hf("mistral_gqa"), sliding_window=64)
+    assert ModelConfig.from_hf_config(cfg).max_model_len == 64
+    assert ModelConfig.from_hf_config(hf("mistral_gqa")).max_model_len == 256
+    qwen = dict(hf("qwen2_bias_tied"), sliding_window=32, use_sliding_window=False)
+    assert ModelConfig.from_hf_config(qwen).max_model_len == 256
+
+
 def test_presets() -> None:
     assert ModelConfig.smollm2_135m().num_params == 134_515_008
     assert ModelConfig.tiny("qwen3").qk_norm
