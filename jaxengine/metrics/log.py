@@ -20,7 +20,9 @@ class LoggingStatLogger:
         self._prompt_tokens = self._generation_tokens = 0
         self._last_prompt_tput = self._last_generation_tput = 0.0
         self._stats = SchedulerStats() if stats is None else stats
-        self._queries = self._hits = 0  # cumulative prefix-cache tokens (the hit rate's terms)
+        # Prefix-cache tokens since start: the hit rate is cumulative (vLLM's is over its most
+        # recent requests), so a quiet interval does not reset it to zero.
+        self._queries = self._hits = 0
 
     def record(self, stats: SchedulerStats, it: IterationStats | None = None) -> None:
         """Remember the latest scheduler snapshot and add a step's token counts."""

@@ -34,7 +34,7 @@ class Formatter:
 
     kind: Kind
     model: str
-    tokenizer: Any  # decodes token ids for logprobs
+    tokenizer: Any  # decodes token ids for logprobs (None: ids are shown as "token_id:N")
     request_id: str
     created: int = field(default_factory=lambda: int(time.time()))
     sent_text: int = 0  # characters of the visible text already streamed
@@ -100,6 +100,8 @@ class Formatter:
                 "model": self.model}
 
     def _token(self, token_id: int) -> str:
+        if self.tokenizer is None:  # --skip-tokenizer-init: vLLM's placeholder
+            return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
     def _logprobs(self, out: RequestOutput, start: int) -> dict[str, Any] | None:
