@@ -66,6 +66,7 @@ class LLMEngine:
             max_num_batched_tokens=budget, max_num_seqs=args.max_num_seqs,
             max_model_len=max_model_len, block_size=args.block_size, num_blocks=num_blocks,
             max_logprobs=args.max_logprobs,
+            intermediate_token_buckets=args.intermediate_token_buckets,
             debug_recompiles=args.debug_recompiles or debug_recompiles_from_env()))
         if args.precompile:
             self.runner.precompile()

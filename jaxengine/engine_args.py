@@ -36,6 +36,7 @@ class EngineArgs:
     precompile: bool = False  # compile every token/request bucket at startup
     debug_recompiles: bool = False  # raise if anything compiles after warm-up
     max_logprobs: int = 20
+    intermediate_token_buckets: bool = False  # 1.5x token buckets too: less padding
     skip_tokenizer_init: bool = False
 
     def __post_init__(self) -> None:

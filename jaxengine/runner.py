@@ -51,6 +51,7 @@ class RunnerConfig:
     block_size: int  # L
     num_blocks: int  # P, pages in the KV pool (block 0 is the null block)
     max_logprobs: int = 20  # n of the top-logprobs output
+    intermediate_token_buckets: bool = False  # add 1.5x buckets: less padding, more compiles
     debug_recompiles: bool = False  # raise RecompileError on a compilation after warm-up
 
     def __post_init__(self) -> None:
@@ -103,7 +104,8 @@ class Runner:
         ensure_listener()
         self.model = model
         self.config = config
-        self.token_buckets = token_buckets(config.max_num_batched_tokens)
+        self.token_buckets = token_buckets(config.max_num_batched_tokens,
+                                           intermediate=config.intermediate_token_buckets)
         self.request_buckets = request_buckets(config.max_num_seqs)
         self.kv = model.init_kv(config.num_blocks, config.block_size)
         self.stats = RunnerStats()

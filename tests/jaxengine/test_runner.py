@@ -61,6 +61,7 @@ def test_buckets() -> None:
     assert token_buckets(2048) == (16, 32, 64, 128, 256, 512, 1024, 2048)
     assert token_buckets(100) == (16, 32, 64, 100)
     assert token_buckets(8) == (8,)
+    assert token_buckets(100, intermediate=True) == (16, 24, 32, 48, 64, 96, 100)
     assert request_buckets(128) == (8, 16, 32, 64, 128)
     assert request_buckets(5) == (5,)
     assert pick_bucket((16, 32), 17) == 32
