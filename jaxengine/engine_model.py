@@ -76,9 +76,7 @@ def build_engine(args: EngineArgs) -> LLMEngine:
     dtype = "float32" if args.dtype == "auto" else args.dtype
     model, cfg, tokenizer = load_model(args.model, dtype=dtype)
     fns = model_fns(model, cfg, attn_impl=attention_backend(args))
-    limit = cfg.max_position_embeddings
-    if cfg.sliding_window is not None:
-        limit = min(limit, cfg.sliding_window)  # sliding window attention is not applied
+    limit = cfg.max_model_len  # position limit, capped by a sliding window (not applied)
     max_model_len = args.max_model_len or limit
     if max_model_len > limit:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's limit of {limit}")
