@@ -5,7 +5,7 @@ venv with the on-disk CPU torch wheel:
 
     /root/.pyenv/versions/3.11.7/bin/python -m venv .venv311
     .venv311/bin/pip install /opt/wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl \
-        transformers gguf safetensors numpy
+        transformers gguf safetensors numpy accelerate   # accelerate: transformers' GGUF path
     .venv311/bin/python tests/make_fixtures.py            # both parts
     .venv311/bin/python tests/make_fixtures.py --only tiny  # or: --only default
 
