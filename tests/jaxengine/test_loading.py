@@ -8,6 +8,7 @@ import shutil
 from pathlib import Path
 
 import gguf
+import ml_dtypes
 import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
@@ -67,6 +68,20 @@ def test_gguf_file_gives_transformers_logits(tmp_path: Path, src: str, arch: str
     ids = oracle["input_ids"].tolist()
     got = PagedRunner(model).run([RequestChunk(token_ids=ids, start=0, block_table=[2, 1, 3, 4])])
     np.testing.assert_allclose(got[0], oracle["logits"], atol=1e-4, rtol=0)
+
+
+def test_bfloat16_checkpoint(tmp_path: Path) -> None:
+    """Real checkpoints are mostly bf16 safetensors; they load into either dtype."""
+    path = copy_fixture("qwen3_qknorm", tmp_path)
+    tensors = load_file(str(path / "model.safetensors"))
+    save_file({k: v.astype(ml_dtypes.bfloat16) for k, v in tensors.items()},
+              str(path / "model.safetensors"))
+    model, _, _ = load_model(path, dtype="float32")
+    assert model.embed[...].dtype == np.float32
+    oracle = np.load(path / "oracle.npz")
+    ids = oracle["input_ids"].tolist()
+    got = PagedRunner(model).run([RequestChunk(token_ids=ids, start=0, block_table=[1, 2, 3, 4])])
+    assert np.abs(got[0] - oracle["logits"]).max() < 0.1  # weights rounded to bf16
 
 
 def test_default_model_is_found_without_importing_the_package() -> None:
