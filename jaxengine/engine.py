@@ -111,8 +111,11 @@ class LLMEngine:
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(32)
         detok = None
         if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer, ids, stop=params.stop,
-                                           min_tokens=params.min_tokens)
+            # vLLM fields our SamplingParams may lack (a subclass can add them)
+            detok = IncrementalDetokenizer(
+                self.tokenizer, ids, stop=params.stop, min_tokens=params.min_tokens,
+                include_stop_str_in_output=getattr(params, "include_stop_str_in_output", False),
+                skip_special_tokens=getattr(params, "skip_special_tokens", True))
         self._tracked[request_id] = TrackedRequest(
             request_id=request_id, prompt=text, prompt_token_ids=ids, params=params, seed=seed,
             detokenizer=detok, metrics=RequestMetrics(arrival_time=arrival))
@@ -141,14 +144,15 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration; return outputs of requests that progressed or finished."""
-        self.state, plan = schedule(self.state)
+        # Pure scheduler: if the runner raises, self.state is still the consistent old state.
+        state, plan = schedule(self.state)
         now = time.time()
         for rid in plan.num_scheduled_tokens:
             self._tracked[rid].on_scheduled(now, plan.num_computed_tokens[rid])
-        rows = {rid: self._sampling_row(rid) for rid in plan.sampling_req_ids}
+        rows = {rid: self._sampling_row(state, rid) for rid in plan.sampling_req_ids}
         sampled = self.runner.execute(plan, rows)
         self.state, deltas = update_from_output(
-            self.state, plan, {rid: [t.token_id] for rid, t in sampled.items()})
+            state, plan, {rid: [t.token_id] for rid, t in sampled.items()})
         now, stopped, outputs = time.time(), [], []
         for delta in deltas:
             tracked = self._tracked.get(delta.request_id)
@@ -163,9 +167,9 @@ class LLMEngine:
             self.state = abort_requests(self.state, stopped)
         return outputs
 
-    def _sampling_row(self, rid: str) -> SamplingRow:
+    def _sampling_row(self, state: SchedulerState, rid: str) -> SamplingRow:
         tracked = self._tracked[rid]
-        position = len(self.state.requests[rid].output_token_ids)
+        position = len(state.requests[rid].output_token_ids)
         return SamplingRow(params=tracked.params, seed=tracked.seed, position=position,
                            eos_token_id=self.eos_token_id)
 

@@ -69,10 +69,16 @@ class TrackedRequest:
         return stop_hit is not None and delta.finish_reason is None
 
     def _add_logprobs(self, sampled: SampledToken) -> None:
-        entry = {tid: Logprob(lp, rank) for rank, (tid, lp) in
+        tok = self.detokenizer.tokenizer if self.detokenizer is not None else None
+
+        def text(tid: int) -> str | None:
+            return None if tok is None else tok.decode([tid], skip_special_tokens=False)
+
+        entry = {tid: Logprob(lp, rank, text(tid)) for rank, (tid, lp) in
                  enumerate(sampled.top_logprobs, start=1)}
         if sampled.token_id not in entry:
-            entry = {sampled.token_id: Logprob(sampled.logprob or 0.0, None), **entry}
+            entry = {sampled.token_id: Logprob(sampled.logprob or 0.0, None,
+                                               text(sampled.token_id)), **entry}
         if self.logprobs is None:
             self.logprobs, self.cumulative_logprob = [], 0.0
         self.logprobs.append(entry)

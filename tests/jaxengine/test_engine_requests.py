@@ -113,6 +113,7 @@ def test_logprobs_of_the_fake_model() -> None:
         best = entry[token]
         assert best.rank == 1 and best.logprob == pytest.approx(-0.0043, abs=1e-3)
         assert len(entry) == 2
+        assert best.decoded_token == TOK.decode([token])
     assert c.cumulative_logprob == pytest.approx(sum(e[t].logprob for t, e in
                                                      zip(c.token_ids, c.logprobs, strict=True)))
     assert _one(SamplingParams(max_tokens=2, temperature=0.0)).outputs[0].logprobs is None
