@@ -13,11 +13,15 @@ Layout assumptions (shared by every implementation in this package):
 - Pages a request does not own (and slots past ``seq_lens``) may hold anything, NaN included:
   they are masked with ``jnp.where`` (a multiply by zero would keep a NaN).
 
-Memory stays bounded for long contexts: the work is cut into items of one request and up to
-``block_q`` of its tokens; each item walks the request's pages ``pages_per_chunk`` at a time with
-an online softmax (float32), so no ``[T, max_context]`` array is ever built. The number of items
-and the pages each walks are data-dependent (``lax.while_loop``), so decode-only batches cost
-what they read, not ``max_blocks``.
+Memory stays bounded for long contexts; no ``[T, max_context]`` array is ever built:
+
+- Decodes (requests with one scheduled token) go through one pass vectorized over requests:
+  a loop over page chunks gathers each request's next pages (``[R, C*L, 2*K, H]``, about
+  2 MiB by default) and updates an online softmax (float32).
+- Longer requests (prefill chunks) are cut into items of up to ``block_q`` tokens; a
+  ``lax.fori_loop`` over the items walks each item's pages ``pages_per_chunk`` at a time with
+  an online softmax. Items and chunk counts are data-dependent trip counts, so the cost follows
+  the live work, not ``max_blocks`` or the padding.
 """
 
 from __future__ import annotations
@@ -54,21 +58,21 @@ def write_kv(
     return flat.reshape(P, L, K2, H)
 
 
-def _work_items(
-    query_start_loc: jax.Array,  # i32[R+1]
-    num_seqs: jax.Array,  # i32[]
-    block_q: int,
-) -> tuple[jax.Array, jax.Array]:
-    """Cumulative q-block counts per request and the total number of items.
-
-    Returns:
-      ``(cum, total)``: ``cum`` i32[R] inclusive prefix sums of ``cdiv(q_len, block_q)`` (zero
-      for requests past ``num_seqs``); ``total`` i32[] the number of live items.
-    """
+def _live_q_lens(query_start_loc: jax.Array, num_seqs: jax.Array) -> jax.Array:
+    """i32[R] scheduled tokens per request, 0 for rows past ``num_seqs``."""
     R = query_start_loc.shape[0] - 1
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
-    live = jnp.arange(R) < num_seqs
-    n_blocks = jnp.where(live, (q_lens + block_q - 1) // block_q, 0)
+    return jnp.where(jnp.arange(R) < num_seqs, q_lens, 0)
+
+
+def _work_items(q_lens: jax.Array, block_q: int) -> tuple[jax.Array, jax.Array]:
+    """Items of the chunk loop: ``block_q`` tokens of a request with more than one token.
+
+    Returns:
+      ``(cum, total)``: ``cum`` i32[R] inclusive prefix sums of the items per request,
+      ``total`` i32[] the number of items. Decodes (one token) go to ``_decode_pass``.
+    """
+    n_blocks = jnp.where(q_lens > 1, (q_lens + block_q - 1) // block_q, 0)
     cum = jnp.cumsum(n_blocks)
     return cum, cum[-1]
 
@@ -140,10 +144,76 @@ def _attend_item(
     return out.transpose(2, 0, 1, 3).reshape(Bq, N, H)
 
 
+def _decode_pass(
+    q: jax.Array,  # [T, N, H]
+    kv_cache: jax.Array,  # [P, L, 2*K, H]
+    block_tables: jax.Array,  # i32[R, max_blocks]
+    seq_lens: jax.Array,  # i32[R]
+    q_start: jax.Array,  # i32[R] each request's first token
+    is_decode: jax.Array,  # bool[R]
+    *,
+    sm_scale: float,
+    pages_per_chunk: int,
+) -> jax.Array:  # f32[R, N, H]; rows of non-decode requests are zeros
+    """All one-token requests at once: a loop over page chunks, vectorized over requests.
+
+    A decode reads only its own request's pages, so gathering per request wastes nothing; this
+    avoids a loop iteration per decode (the chunk loop's per-item overhead dominated on CPU).
+    """
+    T, N, H = q.shape
+    P, L, K2, _ = kv_cache.shape
+    R, max_blocks = block_tables.shape
+    K, C = K2 // 2, pages_per_chunk
+    G = N // K
+    ctx = jnp.where(is_decode, seq_lens, 0)
+    n_chunks_max = -(-max_blocks // C)
+    tables = jnp.pad(block_tables, ((0, 0), (0, n_chunks_max * C - max_blocks)))
+    q_r = q[jnp.clip(q_start, 0, T - 1)].astype(jnp.float32) * sm_scale
+    q_r = q_r.reshape(R, 1, K, G, H)
+
+    def body(c: jax.Array, carry: tuple) -> tuple:
+        m, l, acc = carry  # f32[R, K, G], f32[R, K, G], f32[R, K, G, H]
+        idx = lax.dynamic_slice_in_dim(tables, c * C, C, axis=1)  # [R, C]
+        kv = kv_cache[jnp.clip(idx, 0, P - 1)].reshape(R, C * L, K, 2, H)
+        valid = c * C * L + jnp.arange(C * L) < ctx[:, None]  # [R, S]
+        # Broadcast-multiply-reduce instead of einsum: XLA fuses it into one pass over the
+        # gathered pages (a batched dot first transposes them; measured ~2x slower on CPU).
+        s = (kv[:, :, :, 0, None, :].astype(jnp.float32) * q_r).sum(-1)  # [R, S, K, G]
+        s = jnp.where(valid[:, :, None, None], s, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
+        p = jnp.exp(s - m_safe[:, None])  # [R, S, K, G]; masked -> 0
+        alpha = jnp.exp(jnp.where(jnp.isneginf(m), -jnp.inf, m - m_safe))
+        v = jnp.where(valid[:, :, None, None], kv[:, :, :, 1].astype(jnp.float32), 0.0)
+        pv = (p[..., None] * v[:, :, :, None, :]).sum(axis=1)  # [R, K, G, H]
+        return m_new, alpha * l + p.sum(axis=1), alpha[..., None] * acc + pv
+
+    init = (
+        jnp.full((R, K, G), -jnp.inf, jnp.float32),
+        jnp.zeros((R, K, G), jnp.float32),
+        jnp.zeros((R, K, G, H), jnp.float32),
+    )
+    n_chunks = (ctx.max() + C * L - 1) // (C * L)
+    _, l, acc = lax.fori_loop(0, n_chunks, body, init)
+    out = acc / jnp.where(l > 0, l, 1.0)[..., None]
+    return out.reshape(R, N, H)
+
+
+def _decode_pages_per_chunk(kv_cache: jax.Array, num_reqs: int) -> int:
+    """Pages per decode-pass step: ~2 MiB gathered, so a step's pages stay in cache.
+
+    Measured on the 2-core CPU machine (48 decodes, contexts 200-1200, SmolLM2 heads): 1 page
+    per step 44 ms, 8 pages 75 ms, 21 pages 149 ms of CPU time per layer.
+    """
+    _, L, K2, H = kv_cache.shape
+    per_page = num_reqs * L * K2 * H * 4  # float32 after the upcast
+    return max(1, min(16, (2 << 20) // per_page))
+
+
 @functools.partial(
     jax.jit,
     # Shapes of the loops depend on these; sm_scale is a per-model constant.
-    static_argnames=("sm_scale", "block_q", "pages_per_chunk"),
+    static_argnames=("sm_scale", "block_q", "pages_per_chunk", "decode_pages_per_chunk"),
 )
 def ragged_paged_attention_reference(
     q: jax.Array,  # [T, N, H]
@@ -159,6 +229,7 @@ def ragged_paged_attention_reference(
     sm_scale: float,
     block_q: int = DEFAULT_BLOCK_Q,
     pages_per_chunk: int | None = None,
+    decode_pages_per_chunk: int | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Ragged paged attention in jnp (see the module docstring for the layout).
 
@@ -173,7 +244,8 @@ def ragged_paged_attention_reference(
       num_seqs: i32[] live requests.
       sm_scale: softmax scale (usually ``H ** -0.5``).
       block_q: query rows per work item.
-      pages_per_chunk: pages per online-softmax step (default: 256 tokens' worth).
+      pages_per_chunk: pages per online-softmax step of an item (default: 256 tokens' worth).
+      decode_pages_per_chunk: pages per step of the decode pass (default: ~2 MiB gathered).
 
     Returns:
       ``(out [T, N, H] in q.dtype, kv_cache [P, L, 2*K, H])``.
@@ -182,10 +254,22 @@ def ragged_paged_attention_reference(
     L = kv_cache.shape[1]
     C = pages_per_chunk or max(1, DEFAULT_KV_TOKENS_PER_CHUNK // L)
     kv_cache = write_kv(kv_cache, k, v, slot_mapping)
-    cum, total = _work_items(query_start_loc, num_seqs, block_q)
-    # Pad the token axis so every item's [start, start + block_q) slice is in bounds.
-    q_pad = jnp.pad(q, ((0, block_q), (0, 0), (0, 0)))
+    q_lens = _live_q_lens(query_start_loc, num_seqs)
+    is_decode = q_lens == 1
+    out_dec = _decode_pass(
+        q, kv_cache, block_tables, seq_lens, query_start_loc[:-1], is_decode,
+        sm_scale=sm_scale,
+        pages_per_chunk=decode_pages_per_chunk
+        or _decode_pages_per_chunk(kv_cache, block_tables.shape[0]),
+    )  # fmt: skip
+    # Decode rows first (non-decodes scatter out of bounds and are dropped); the item loop
+    # then fills the rows of longer requests. The token axis is padded so that every item's
+    # [start, start + block_q) slice is in bounds.
     out = jnp.zeros((T + block_q, N, H), jnp.float32)
+    dec_rows = jnp.where(is_decode, query_start_loc[:-1], T + block_q)
+    out = out.at[dec_rows].set(out_dec, mode="drop")
+    cum, total = _work_items(q_lens, block_q)
+    q_pad = jnp.pad(q, ((0, block_q), (0, 0), (0, 0)))
     rows = jnp.arange(block_q, dtype=jnp.int32)
 
     def item(i: jax.Array, out: jax.Array) -> jax.Array:

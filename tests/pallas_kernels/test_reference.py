@@ -67,10 +67,15 @@ def test_matches_numpy_oracle(batch, page_size, heads, dtype):
     assert_cache_equal(cache, want_cache)
 
 
-@pytest.mark.parametrize(("block_q", "pages_per_chunk"), [(1, 1), (3, 5), (64, 64)])
-def test_block_sizes_do_not_change_the_result(block_q, pages_per_chunk):
+@pytest.mark.parametrize(
+    ("block_q", "pages_per_chunk", "decode_pages_per_chunk"), [(1, 1, 1), (3, 5, 2), (64, 64, 64)]
+)
+def test_block_sizes_do_not_change_the_result(block_q, pages_per_chunk, decode_pages_per_chunk):
     case = make_case(BATCHES["mixed"], num_heads=4, num_kv_heads=2, head_dim=8, page_size=4)
-    out, _ = run(case, jnp.float32, block_q=block_q, pages_per_chunk=pages_per_chunk)
+    out, _ = run(
+        case, jnp.float32, block_q=block_q, pages_per_chunk=pages_per_chunk,
+        decode_pages_per_chunk=decode_pages_per_chunk,
+    )  # fmt: skip
     want, _ = numpy_oracle(case)
     np.testing.assert_allclose(out[: case.num_tokens], want, atol=2e-5, rtol=2e-5)
 
