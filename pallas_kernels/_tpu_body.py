@@ -25,7 +25,7 @@ class Refs(NamedTuple):
     """The kernel's refs and the block's bounds, passed to the helpers."""
 
     seq_lens: Ref  # SMEM i32[R]
-    block_tables: Ref  # SMEM i32[R, max_blocks]
+    block_tables: Ref  # SMEM i32[R * max_blocks]
     cu_q: Ref  # SMEM i32[R+1]
     q: Ref  # VMEM [K, Bq*G, H]
     kv: Ref  # HBM [P, L, 2*K, H] (the aliased output)
@@ -39,11 +39,12 @@ class Refs(NamedTuple):
     blk_end: jax.Array  # i32[] one past its last live token
     sm_scale: float
     block_q: int  # tokens per q-block (rows = block_q * G)
+    max_blocks: int  # row length of the flattened block table
 
 
 def kernel(
     seq_lens_ref: Ref,  # SMEM i32[R]
-    block_tables_ref: Ref,  # SMEM i32[R, max_blocks]
+    block_tables_ref: Ref,  # SMEM i32[R * max_blocks], row-major
     cu_q_ref: Ref,  # SMEM i32[R+1]
     num_seqs_ref: Ref,  # SMEM i32[1]
     slots_ref: Ref,  # SMEM i32[Tp]
@@ -62,6 +63,7 @@ def kernel(
     *,
     sm_scale: float,
     block_q: int,
+    max_blocks: int,
 ) -> None:
     """One q-block: write its K/V, attend over its requests' pages, store the output."""
     del kv_in_ref  # read and written through the aliased output ref
@@ -77,7 +79,7 @@ def kernel(
         seq_lens=seq_lens_ref, block_tables=block_tables_ref, cu_q=cu_q_ref, q=q_ref,
         kv=kv_ref, kv_bufs=kv_bufs, sems=sems, m=m_ref, l=l_ref, acc=acc_ref,
         num_seqs=num_seqs, blk_start=blk_start, blk_end=blk_end, sm_scale=sm_scale,
-        block_q=block_q,
+        block_q=block_q, max_blocks=max_blocks,
     )  # fmt: skip
     _walk_requests(refs, first_seq_ref[b])
     for kh in range(o_ref.shape[0]):
@@ -115,7 +117,7 @@ def _kv_block_copies(refs: Refs, seq: jax.Array, kv_blk: jax.Array, buf: jax.Arr
         idx = kv_blk * C + i
         # Past the request's last page: copy its first page again (masked out by seq_len).
         idx = jnp.where(idx < n_pages, idx, 0)
-        page = refs.block_tables[seq, idx]
+        page = refs.block_tables[seq * refs.max_blocks + idx]
         copies.append(
             pltpu.make_async_copy(refs.kv.at[page], refs.kv_bufs.at[buf, i], refs.sems.at[buf])
         )

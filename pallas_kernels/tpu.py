@@ -24,8 +24,8 @@ Layout assumptions (see ``pallas_kernels.reference`` for the semantics):
 - Online softmax in float32, masks applied with ``jnp.where`` (NaN in unused pages stays out).
 
 Checked on CPU in TPU interpret mode only (``interpret=True`` → ``pltpu.InterpretParams()``);
-it has not been compiled by Mosaic for a real TPU yet. ``block_tables`` lives in SMEM, which
-bounds ``max_num_seqs * max_blocks`` (about 128k entries).
+it has not been compiled by Mosaic for a real TPU yet. ``block_tables`` lives in SMEM
+(flattened to 1-D), which bounds ``max_num_seqs * max_blocks`` to roughly 200k entries.
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def ragged_paged_attention_tpu(
     num_seqs_1 = jnp.reshape(num_seqs, (1,)).astype(jnp.int32)
     scalars = (
         seq_lens.astype(jnp.int32),
-        block_tables.astype(jnp.int32),
+        block_tables.astype(jnp.int32).reshape(-1),  # 1-D: 2-D SMEM arrays pad each row
         query_start_loc.astype(jnp.int32),
         num_seqs_1,
         jnp.pad(slot_mapping.astype(jnp.int32), (0, Tp - T)),
@@ -143,7 +143,9 @@ def ragged_paged_attention_tpu(
     )
     q_spec = pl.BlockSpec((K, bq * G, H), lambda b, *_: (0, b, 0))
     kernel = pl.pallas_call(
-        functools.partial(body.kernel, sm_scale=sm_scale, block_q=bq),
+        functools.partial(
+            body.kernel, sm_scale=sm_scale, block_q=bq, max_blocks=block_tables.shape[1]
+        ),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(scalars),
             grid=(nb,),
