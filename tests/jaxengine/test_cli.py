@@ -149,13 +149,13 @@ def test_serve_subprocess_answers_and_logs_throughput(tmp_path: Path) -> None:
         while True:
             assert proc.poll() is None, log.read_text()
             try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                if httpx.get(f"{base}/health", trust_env=False, timeout=2).status_code == 200:
                     break
             except httpx.TransportError:
                 pass
             assert time.monotonic() < deadline, "server did not come up"
             time.sleep(0.25)
-        r = httpx.post(f"{base}/v1/completions", timeout=120, json={
+        r = httpx.post(f"{base}/v1/completions", trust_env=False, timeout=120, json={
             "model": "tiny", "prompt": "hi", "max_tokens": 4, "ignore_eos": True})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
         deadline = time.monotonic() + 20

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 import httpx
 import openai
@@ -25,13 +26,16 @@ def server(pytestconfig: pytest.Config) -> RunningServer:
 
 
 @pytest.fixture(scope="module")
-def client(server: RunningServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0,
-                         timeout=120)
+def client(server: RunningServer) -> Iterator[openai.OpenAI]:
+    # trust_env=False: never route loopback traffic through a proxy from the environment.
+    # Closed at the end: an unclosed socket is a ResourceWarning, an error under pytest here.
+    with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0,
+                       timeout=120, http_client=httpx.Client(trust_env=False)) as client:
+        yield client
 
 
 def test_health_and_models(server: RunningServer, client: openai.OpenAI) -> None:
-    assert httpx.get(f"{server.base_url}/health", timeout=10).status_code == 200
+    assert httpx.get(f"{server.base_url}/health", trust_env=False, timeout=10).status_code == 200
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL_NAME]
 
@@ -145,7 +149,7 @@ def test_token_id_prompt_and_priority(client: openai.OpenAI, server: RunningServ
 def test_metrics_endpoint_has_vllm_names(server: RunningServer, client: openai.OpenAI) -> None:
     client.completions.create(model=MODEL_NAME, prompt="metrics", max_tokens=2,
                               extra_body={"ignore_eos": True})
-    text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+    text = httpx.get(f"{server.base_url}/metrics", trust_env=False, timeout=10).text
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc",
                  "prefix_cache_queries_total", "prefix_cache_hits_total",
                  "num_preemptions_total", "prompt_tokens_total", "generation_tokens_total",

@@ -28,7 +28,7 @@ LEAVER_MAX_TOKENS = 100  # far more than they read before leaving: they cannot f
 
 
 def _success_total(base_url: str) -> dict[str, float]:
-    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    text = httpx.get(f"{base_url}/metrics", trust_env=False, timeout=10).text
     found = re.findall(r'^jaxengine:request_success_total\{([^}]*)\} (\S+)$', text, re.M)
     return {re.search(r'finished_reason="(\w+)"', labels).group(1): float(v)  # type: ignore
             for labels, v in found}
@@ -41,7 +41,8 @@ def _client(base_url: str, i: int) -> dict[str, object]:
             "max_tokens": LEAVER_MAX_TOKENS if leaver else MAX_TOKENS, "temperature": 0.8,
             "seed": i, "ignore_eos": True, "stream_options": {"include_usage": True}}
     chunks, finish, usage, done = 0, None, None, False
-    with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=180) as r:
+    url = f"{base_url}/v1/completions"
+    with httpx.stream("POST", url, json=body, trust_env=False, timeout=180) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             done = done or line == "data: [DONE]"
@@ -101,6 +102,6 @@ def test_a_non_streaming_client_that_leaves_is_aborted(pytestconfig: pytest.Conf
     body = {"model": MODEL_NAME, "prompt": "x", "max_tokens": 120, "ignore_eos": True}
     # 120 decode steps take far longer than the client waits (each step is milliseconds)
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=0.3)
+        httpx.post(f"{server.base_url}/v1/completions", json=body, trust_env=False, timeout=0.3)
     wait_until_idle(server)
     assert _success_total(server.base_url) == before  # aborted, not finished

@@ -60,8 +60,8 @@ def _post(server: RunningServer, endpoint: str, body: Any) -> httpx.Response:
     url = f"{server.base_url}/v1/{endpoint}"
     if isinstance(body, bytes):
         return httpx.post(url, content=body, headers={"content-type": "application/json"},
-                          timeout=60)
-    return httpx.post(url, json=body, timeout=60)
+                          trust_env=False, timeout=60)
+    return httpx.post(url, json=body, trust_env=False, timeout=60)
 
 
 @pytest.mark.parametrize(("endpoint", "body", "param"), BAD,
@@ -82,12 +82,13 @@ def test_bad_request_is_a_400_and_the_next_request_works(
 
 
 def test_the_openai_client_raises_bad_request_error(server: RunningServer) -> None:
-    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0)
-    with pytest.raises(openai.BadRequestError) as info:
+    with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0,
+                       http_client=httpx.Client(trust_env=False)) as client, \
+            pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=10**6)
     assert "maximum context length" in str(info.value)
 
 
 def test_unknown_route_is_an_openai_style_404(server: RunningServer) -> None:
-    r = httpx.get(f"{server.base_url}/v1/nothing-here", timeout=10)
+    r = httpx.get(f"{server.base_url}/v1/nothing-here", trust_env=False, timeout=10)
     assert r.status_code == 404 and r.json()["error"]["code"] == 404
