@@ -31,6 +31,7 @@ it has not been compiled by Mosaic for a real TPU yet. ``block_tables`` lives in
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -76,6 +77,60 @@ def _first_request_of_blocks(
     ends = jnp.where(jnp.arange(R) < num_seqs, query_start_loc[1:], jnp.iinfo(jnp.int32).max)
     first = jnp.searchsorted(ends, starts, side="right").astype(jnp.int32)
     return jnp.minimum(first, num_seqs)
+
+
+def _pallas_call(
+    q_k: jax.Array,  # [K, Tp*G, H]
+    kv_cache: jax.Array,  # [P, L, 2*K, H]
+    *,
+    num_scalars: int,
+    block_q: int,
+    group: int,
+    pages_per_block: int,
+    max_blocks: int,
+    sm_scale: float,
+    interpret: bool,
+    vmem_limit_bytes: int | None,
+) -> Callable[..., list[jax.Array]]:
+    """The pallas_call: one grid step per q-block, the cache in HBM aliased input -> output."""
+    K, rows_total, H = q_k.shape
+    _, L, K2, _ = kv_cache.shape
+    bq, C, rows = block_q, pages_per_block, block_q * group
+    q_spec = pl.BlockSpec((K, rows, H), lambda b, *_: (0, b, 0))
+    return pl.pallas_call(
+        functools.partial(body.kernel, sm_scale=sm_scale, block_q=bq, max_blocks=max_blocks),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=num_scalars,
+            grid=(rows_total // rows,),
+            in_specs=[
+                q_spec,
+                pl.BlockSpec((bq, K2, H), lambda b, *_: (b, 0, 0)),
+                pl.BlockSpec(memory_space=pl.ANY),
+            ],
+            out_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY)],
+            scratch_shapes=[
+                pltpu.VMEM((2, C, L, K2, H), kv_cache.dtype),  # double-buffered kv blocks
+                pltpu.SemaphoreType.DMA((2,)),  # one per kv buffer
+                pltpu.SemaphoreType.DMA(()),  # the K/V writes
+                pltpu.VMEM((K, rows, NUM_LANES), jnp.float32),  # m
+                pltpu.VMEM((K, rows, NUM_LANES), jnp.float32),  # l
+                pltpu.VMEM((K, rows, H), jnp.float32),  # acc
+            ],
+        ),
+        out_shape=[
+            jax.ShapeDtypeStruct(q_k.shape, q_k.dtype),
+            jax.ShapeDtypeStruct(kv_cache.shape, kv_cache.dtype),
+        ],
+        # The cache comes after the scalar-prefetch operands, q and kv_new.
+        input_output_aliases={num_scalars + 2: 1},
+        compiler_params=pltpu.CompilerParams(
+            # Sequential: a q-block reads K/V that earlier q-blocks wrote.
+            dimension_semantics=("arbitrary",),
+            vmem_limit_bytes=vmem_limit_bytes,
+        ),
+        interpret=pltpu.InterpretParams() if interpret else False,
+        name="ragged_paged_attention_tpu",
+    )
 
 
 @functools.partial(
@@ -141,43 +196,11 @@ def ragged_paged_attention_tpu(
         jnp.pad(slot_mapping.astype(jnp.int32), (0, Tp - T)),
         _first_request_of_blocks(query_start_loc, num_seqs, nb, bq),
     )
-    q_spec = pl.BlockSpec((K, bq * G, H), lambda b, *_: (0, b, 0))
-    kernel = pl.pallas_call(
-        functools.partial(
-            body.kernel, sm_scale=sm_scale, block_q=bq, max_blocks=block_tables.shape[1]
-        ),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=len(scalars),
-            grid=(nb,),
-            in_specs=[
-                q_spec,
-                pl.BlockSpec((bq, K2, H), lambda b, *_: (b, 0, 0)),
-                pl.BlockSpec(memory_space=pl.ANY),
-            ],
-            out_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY)],
-            scratch_shapes=[
-                pltpu.VMEM((2, C, L, K2, H), kv_cache.dtype),  # double-buffered kv blocks
-                pltpu.SemaphoreType.DMA((2,)),  # one per kv buffer
-                pltpu.SemaphoreType.DMA(()),  # the K/V writes
-                pltpu.VMEM((K, bq * G, NUM_LANES), jnp.float32),  # m
-                pltpu.VMEM((K, bq * G, NUM_LANES), jnp.float32),  # l
-                pltpu.VMEM((K, bq * G, H), jnp.float32),  # acc
-            ],
-        ),
-        out_shape=[
-            jax.ShapeDtypeStruct((K, Tp * G, H), q.dtype),
-            jax.ShapeDtypeStruct(kv_cache.shape, kv_cache.dtype),
-        ],
-        # Operand 8 = the cache (after 6 scalar-prefetch operands, q and kv_new).
-        input_output_aliases={len(scalars) + 2: 1},
-        compiler_params=pltpu.CompilerParams(
-            # Sequential: a q-block reads K/V that earlier q-blocks wrote.
-            dimension_semantics=("arbitrary",),
-            vmem_limit_bytes=vmem_limit_bytes,
-        ),
-        interpret=pltpu.InterpretParams() if interpret else False,
-        name="ragged_paged_attention_tpu",
-    )
+    kernel = _pallas_call(
+        q_k, kv_cache, num_scalars=len(scalars), block_q=bq, group=G, pages_per_block=C,
+        max_blocks=block_tables.shape[1], sm_scale=sm_scale, interpret=interpret,
+        vmem_limit_bytes=vmem_limit_bytes,
+    )  # fmt: skip
     out_k, kv_cache = kernel(*scalars, q_k, kv_new, kv_cache)
     out = out_k.reshape(K, Tp, G, H).transpose(1, 0, 2, 3).reshape(Tp, N, H)
     return out[:T], kv_cache
