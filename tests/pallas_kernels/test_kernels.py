@@ -8,6 +8,7 @@ decode-only / prefill-only / mixed / long (contexts up to 2k) x page sizes 16, 3
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import jax
@@ -134,3 +135,21 @@ def test_lowers_for_the_accelerator(impl, device_kind, platform, custom_call):
     with jax.sharding.use_abstract_mesh(mesh):
         text = f.trace(*args).lower(lowering_platforms=(platform,)).as_text()
     assert custom_call in text
+
+
+@pytest.mark.parametrize("impl", ["reference", "tpu", "gpu"])
+def test_nan_in_padding_tokens_does_not_leak(impl):
+    """Padding rows of q/k/v (written into block 0) may be NaN; live rows stay exact."""
+    case = make_case(BATCHES["mixed"], num_heads=4, num_kv_heads=2, head_dim=64, page_size=16)
+    T = case.num_tokens
+    q, k, v = (a.copy() for a in (case.q, case.k, case.v))
+    for a in (q, k, v):
+        a[T:] = np.nan
+    case = dataclasses.replace(case, q=q, k=k, v=v)
+    blocks = BLOCKS.get(impl, {})
+    out, cache = ragged_paged_attention(
+        *case.args(jnp.float32), sm_scale=case.sm_scale, impl=impl, interpret=True, **blocks
+    )
+    want, want_cache = numpy_oracle(case)
+    np.testing.assert_allclose(np.asarray(out)[:T], want, atol=2e-5, rtol=2e-5)
+    assert_cache_equal(np.asarray(cache), want_cache)
