@@ -5,10 +5,12 @@ semantics are documented in ``pallas_kernels.reference``.
 """
 
 from pallas_kernels.attention import IMPLS, default_impl, ragged_paged_attention
+from pallas_kernels.errors import UnsupportedShapeError
 from pallas_kernels.reference import ragged_paged_attention_reference, write_kv
 
 __all__ = [
     "IMPLS",
+    "UnsupportedShapeError",
     "default_impl",
     "ragged_paged_attention",
     "ragged_paged_attention_reference",

@@ -2,8 +2,9 @@
 
 ``impl`` picks the jnp reference, the Pallas Mosaic TPU kernel or the Pallas (Triton) GPU
 kernel; all share one signature and layout (see ``pallas_kernels.reference``). A kernel that
-cannot handle a shape raises ``ValueError``; this dispatcher then warns and runs the reference,
-so a model never fails to trace because of a block-size constraint.
+cannot handle a shape raises ``UnsupportedShapeError`` (a ``ValueError``) while tracing; this
+dispatcher then warns and runs the reference, so a model never fails to trace because of a
+block-size constraint. Any other error propagates.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import jax
 # The kernels are imported eagerly although only one is used: importing Pallas defines config
 # options, which changes jax's tracing context; importing it lazily inside the first trace made
 # the caller's jit compile twice (measured).
+from pallas_kernels.errors import UnsupportedShapeError
 from pallas_kernels.gpu import ragged_paged_attention_gpu
 from pallas_kernels.reference import ragged_paged_attention_reference
 from pallas_kernels.tpu import ragged_paged_attention_tpu
@@ -84,7 +86,7 @@ def ragged_paged_attention(
     if impl != "reference":
         try:
             return _kernel(impl)(*args, sm_scale=sm_scale, interpret=interpret, **block_sizes)
-        except ValueError as e:
+        except UnsupportedShapeError as e:
             warnings.warn(
                 f"ragged_paged_attention: the {impl!r} kernel cannot run this shape ({e}); "
                 "falling back to the jnp reference",

@@ -34,6 +34,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _gpu_body as body
 from pallas_kernels._gpu_items import decode_items, gather_rows, prefill_items
+from pallas_kernels.errors import UnsupportedShapeError
 from pallas_kernels.reference import write_kv
 
 
@@ -55,7 +56,7 @@ def default_block_sizes(
 
 
 def check_shapes(q: jax.Array, kv_cache: jax.Array, sizes: dict[str, int]) -> None:
-    """Raise ``ValueError`` for shapes the Triton kernel does not handle."""
+    """Raise ``UnsupportedShapeError`` for shapes the Triton kernel does not handle."""
     _, N, H = q.shape
     _, L, K2, Hk = kv_cache.shape
     if K2 % 2 or N % (K2 // 2) or Hk != H:
@@ -70,12 +71,16 @@ def check_shapes(q: jax.Array, kv_cache: jax.Array, sizes: dict[str, int]) -> No
     }
     for name, n in tiles.items():
         if n != _pow2(n):
-            raise ValueError(f"{name} must be a power of two for the Triton kernel, got {n}")
+            raise UnsupportedShapeError(
+                f"{name} must be a power of two for the Triton kernel, got {n}"
+            )
     for name in ("head_dim", "decode rows", "prefill rows"):
         if tiles[name] < 16:
-            raise ValueError(f"{name} must be >= 16 for Triton dots, got {tiles[name]}")
+            raise UnsupportedShapeError(f"{name} must be >= 16 for Triton dots, got {tiles[name]}")
     if sizes["pages_per_iter"] * L < 16:
-        raise ValueError(f"pages_per_iter * page_size must be >= 16, got {L}")
+        raise UnsupportedShapeError(
+            f"pages_per_iter * page_size must be >= 16, got {sizes['pages_per_iter'] * L}"
+        )
 
 
 def _launch(
@@ -172,7 +177,8 @@ def ragged_paged_attention_gpu(
       ``(out [T, N, H] in q.dtype, kv_cache)``.
 
     Raises:
-      ValueError: for shapes the kernel does not handle (the dispatcher falls back).
+      UnsupportedShapeError: for shapes the kernel does not handle (the dispatcher falls
+        back); ValueError for inconsistent head layouts.
     """
     T, N, H = q.shape
     _, L, K2, _ = kv_cache.shape

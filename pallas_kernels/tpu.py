@@ -39,6 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels import _tpu_body as body
+from pallas_kernels.errors import UnsupportedShapeError
 
 NUM_LANES = 128  # m / l scratch is lane-replicated, as Mosaic wants full (8, 128) tiles.
 
@@ -50,19 +51,25 @@ def default_block_sizes(head_dim: int, page_size: int) -> dict[str, int]:
 
 
 def check_shapes(q: jax.Array, kv_cache: jax.Array, block_q: int, pages_per_block: int) -> None:
-    """Raise ``ValueError`` for shapes this kernel does not handle."""
+    """Raise ``UnsupportedShapeError`` for shapes this kernel does not handle."""
     _, N, H = q.shape
     _, L, K2, Hk = kv_cache.shape
     if K2 % 2 or N % (K2 // 2) or Hk != H:
         raise ValueError(f"bad head layout: q heads {N}, cache head slots {K2}, dims {H}/{Hk}")
     if H % 64:
-        raise ValueError(f"head_dim must be a multiple of 64 for the TPU kernel, got {H}")
+        raise UnsupportedShapeError(
+            f"head_dim must be a multiple of 64 for the TPU kernel, got {H}"
+        )
     if L % 8:
-        raise ValueError(f"page size must be a multiple of 8 for the TPU kernel, got {L}")
+        raise UnsupportedShapeError(
+            f"page size must be a multiple of 8 for the TPU kernel, got {L}"
+        )
     if block_q * (N * 2 // K2) % 8:
-        raise ValueError(f"block_q * heads per kv head must be a multiple of 8, got {block_q}")
+        raise UnsupportedShapeError(
+            f"block_q * heads per kv head must be a multiple of 8, got {block_q}"
+        )
     if pages_per_block < 1:
-        raise ValueError(f"pages_per_block must be >= 1, got {pages_per_block}")
+        raise UnsupportedShapeError(f"pages_per_block must be >= 1, got {pages_per_block}")
 
 
 def _first_request_of_blocks(
@@ -170,7 +177,8 @@ def ragged_paged_attention_tpu(
       ``(out [T, N, H] in q.dtype, kv_cache)`` with the new K/V written in place.
 
     Raises:
-      ValueError: for shapes the kernel does not handle (the dispatcher falls back).
+      UnsupportedShapeError: for shapes the kernel does not handle (the dispatcher falls
+        back); ValueError for inconsistent head layouts.
     """
     T, N, H = q.shape
     P, L, K2, _ = kv_cache.shape

@@ -117,6 +117,14 @@ def test_unsupported_shape_warns_and_falls_back(impl, match):
     np.testing.assert_allclose(np.asarray(out)[: case.num_tokens], want, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("impl", ["tpu", "gpu"])
+def test_bad_head_layout_is_an_error_not_a_fallback(impl):
+    case = make_case(BATCHES["decode"], num_heads=4, num_kv_heads=2, head_dim=64, page_size=16)
+    q, *rest = case.args(jnp.float32)
+    with pytest.raises(ValueError, match="bad head layout"):  # 3 query heads over 2 kv heads
+        ragged_paged_attention(q[:, :3], *rest, sm_scale=1.0, impl=impl, interpret=True)
+
+
 @pytest.mark.parametrize(
     ("impl", "device_kind", "platform", "custom_call"),
     [
