@@ -7,6 +7,7 @@ heads, head_dim 128), page size 16, bfloat16, two batches:
 
     python benchmarks/attention.py [--mode auto|check|time] [--impls reference,gpu]
                                    [--peak-gbps 4300] [--iters 20] [--small]
+                                   [--blocks pages_per_iter=8,num_splits=4]
 
 ``check`` (the default on CPU) runs the Pallas kernels in interpret mode against the jnp
 reference at a reduced size and prints their errors. ``time`` (the default on GPU / TPU) times
@@ -23,6 +24,7 @@ import functools
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,21 +109,26 @@ def bytes_moved(batch: dict[str, jax.Array]) -> int:
     return (kv_read + kv_new + 2 * T * N * H) * item
 
 
-def attention_fn(impl: str, interpret: bool) -> callable:
+def attention_fn(impl: str, interpret: bool, blocks: dict[str, int] | None = None) -> Callable:
     """``impl`` jitted over the batch dict with the cache donated (updated in place)."""
     scale = 128**-0.5
+    blocks = blocks if impl != "reference" else None
 
     @functools.partial(jax.jit, donate_argnames=("kv_cache",))
     def run(kv_cache: jax.Array, rest: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
         args = dict(rest, kv_cache=kv_cache)
-        return ragged_paged_attention(**args, sm_scale=scale, impl=impl, interpret=interpret)
+        return ragged_paged_attention(
+            **args, sm_scale=scale, impl=impl, interpret=interpret, **(blocks or {})
+        )
 
     return run
 
 
-def time_impl(impl: str, batch: dict, iters: int, interpret: bool) -> tuple[float, jax.Array]:
+def time_impl(
+    impl: str, batch: dict, iters: int, interpret: bool, blocks: dict[str, int] | None = None
+) -> tuple[float, jax.Array]:
     """Median seconds per call (after one warm-up call) and the first output."""
-    fn = attention_fn(impl, interpret)
+    fn = attention_fn(impl, interpret, blocks)
     rest = {n: a for n, a in batch.items() if n != "kv_cache"}
     cache = jnp.copy(batch["kv_cache"])
     out, cache = fn(cache, rest)  # compile + warm-up; rewriting the same slots is idempotent
@@ -154,7 +161,7 @@ def run_time(shapes: list[Shape], impls: list[str], args: argparse.Namespace) ->
         ref_t, ref_out = time_impl("reference", batch, args.iters, interpret)
         for impl in impls:
             t, out = (ref_t, ref_out) if impl == "reference" else time_impl(
-                impl, batch, args.iters, interpret)  # fmt: skip
+                impl, batch, args.iters, interpret, args.blocks)  # fmt: skip
             gbps = moved / t / 1e9
             err = live_error(out, ref_out, batch)
             print(f"{shape.name:8} {impl:10} {batch['q'].shape[0]:6d} {t * 1e3:9.3f} "
@@ -178,7 +185,8 @@ def run_check(shapes: list[Shape], impls: list[str], args: argparse.Namespace) -
             ref_out, _ = attention_fn("reference", False)(jnp.copy(batch["kv_cache"]), rest)
             for impl in impls:
                 t0 = time.perf_counter()
-                out, _ = attention_fn(impl, True)(jnp.copy(batch["kv_cache"]), rest)
+                fn = attention_fn(impl, True, args.blocks)
+                out, _ = fn(jnp.copy(batch["kv_cache"]), rest)
                 out.block_until_ready()
                 err = live_error(out, ref_out, batch)
                 worst &= err <= tol[dtype]
@@ -187,6 +195,12 @@ def run_check(shapes: list[Shape], impls: list[str], args: argparse.Namespace) -
     summary.append(f"{', '.join(impls)} (interpret) vs reference: "
                    f"{'PASS' if worst else 'FAIL'} (tol f32 1e-4, bf16 5e-2)")  # fmt: skip
     return summary
+
+
+def _parse_blocks(text: str) -> dict[str, int]:
+    """``"a=1,b=2"`` -> ``{"a": 1, "b": 2}``."""
+    pairs = (item.split("=") for item in text.split(",") if item)
+    return {name.strip(): int(value) for name, value in pairs}
 
 
 def main() -> None:
@@ -199,6 +213,10 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--small", action="store_true", help="reduced batches (for CPU)")
+    p.add_argument(
+        "--blocks", type=_parse_blocks, default=None,
+        help="kernel block sizes, e.g. pages_per_iter=8,num_splits=4 (gpu) or block_q=32 (tpu)",
+    )  # fmt: skip
     args = p.parse_args()
     backend = jax.default_backend()
     mode = args.mode if args.mode != "auto" else ("check" if backend == "cpu" else "time")
@@ -209,7 +227,8 @@ def main() -> None:
     else:
         impls = ["reference", default_impl()] if default_impl() != "reference" else ["reference"]
     shapes = SMALL if (args.small or mode == "check") else FULL
-    print(f"backend={backend} ({jax.devices()[0].device_kind}) mode={mode} jax={jax.__version__}")
+    print(f"backend={backend} ({jax.devices()[0].device_kind}) mode={mode} jax={jax.__version__}"
+          f" impls={','.join(impls)} blocks={args.blocks or 'default'}")  # fmt: skip
     run = run_check if mode == "check" else run_time
     summary = run(shapes, impls, args)
     print("summary: " + ("; ".join(summary) or "reference only (no kernel for this backend)"))
