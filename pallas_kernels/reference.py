@@ -35,6 +35,9 @@ from jax import lax
 # Defaults: 16 query rows per item, 256 cached tokens per online-softmax step at page size 16.
 DEFAULT_BLOCK_Q = 16
 DEFAULT_KV_TOKENS_PER_CHUNK = 256
+# The oracle must not lose bits on accelerators (float32 dots default to bf16 passes on TPU and
+# TF32 on GPU); on CPU this costs nothing.
+HIGHEST = lax.Precision.HIGHEST
 
 
 def write_kv(
@@ -90,7 +93,7 @@ def _attend_chunk(
     in_ctx = kv_pos < seq_len  # [S]
     kv = jnp.where(in_ctx[:, None, None], kv.astype(jnp.float32), 0.0)
     k_c, v_c = kv[:, 0::2], kv[:, 1::2]  # [S, K, H] each
-    s = jnp.einsum("kgth,skh->kgts", q, k_c)  # f32[K, G, Bq, S]
+    s = jnp.einsum("kgth,skh->kgts", q, k_c, precision=HIGHEST)  # f32[K, G, Bq, S]
     visible = (kv_pos[None, :] <= q_pos[:, None]) & in_ctx[None, :]  # [Bq, S]
     s = jnp.where(visible, s, -jnp.inf)
     m_new = jnp.maximum(m, s.max(axis=-1))
@@ -99,7 +102,7 @@ def _attend_chunk(
     p = jnp.exp(s - m_safe[..., None])  # masked entries: exp(-inf) = 0
     alpha = jnp.exp(jnp.where(jnp.isneginf(m), -jnp.inf, m - m_safe))
     l = alpha * l + p.sum(axis=-1)
-    acc = alpha[..., None] * acc + jnp.einsum("kgts,skh->kgth", p, v_c)
+    acc = alpha[..., None] * acc + jnp.einsum("kgts,skh->kgth", p, v_c, precision=HIGHEST)
     return m_new, l, acc
 
 
