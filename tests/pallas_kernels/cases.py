@@ -59,12 +59,15 @@ def make_case(
     pad_tokens: int = 3,
     pad_reqs: int = 2,
     extra_pages: int = 3,
+    max_blocks: int | None = None,
     seed: int = 0,
 ) -> Case:
     """A batch of requests given as ``(q_len, context_len_after_step)`` pairs.
 
     ``q_len == 1`` is a decode, ``q_len == context_len`` a whole prefill, anything between a
-    chunk of prefill (or a decode over a cached prefix).
+    chunk of prefill (or a decode over a cached prefix). ``pad_tokens``, ``pad_reqs``,
+    ``extra_pages`` and ``max_blocks`` (default: one more than the longest request needs) pad
+    the shapes, e.g. to keep them fixed across cases.
     """
     rng = np.random.default_rng(seed)
     N, K, H, L = num_heads, num_kv_heads, head_dim, page_size
@@ -73,7 +76,8 @@ def make_case(
     seq_lens = np.array([s for _, s in reqs], np.int32)
     assert np.all(q_lens <= seq_lens) and np.all(q_lens >= 1)
     n_pages = -(-seq_lens // L)
-    max_blocks = int(n_pages.max()) + 1
+    max_blocks = max_blocks or int(n_pages.max()) + 1
+    assert max_blocks >= n_pages.max()
     P = 1 + int(n_pages.sum()) + extra_pages  # page 0 is the null block
     perm = rng.permutation(np.arange(1, P)).astype(np.int32)
     block_tables = np.zeros((R, max_blocks), np.int32)

@@ -9,6 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import pallas_kernels
 from pallas_kernels import ragged_paged_attention
@@ -153,3 +155,35 @@ def test_memory_is_bounded_for_8k_contexts():
     f = jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=H**-0.5), donate_argnums=(3,))
     memory = f.lower(*args).compile().memory_analysis()
     assert memory.temp_size_in_bytes < 128 * 2**20
+
+
+# Fixed shapes for the property test, so hypothesis examples share one compilation.
+PROP_T, PROP_R, PROP_PAGES, PROP_MAX_BLOCKS, PROP_L = 96, 6, 130, 30, 4
+_reference_fixed = jax.jit(
+    lambda *a: ragged_paged_attention(*a, sm_scale=8**-0.5, block_q=4, pages_per_chunk=3)
+)
+
+
+@st.composite
+def batches(draw: st.DrawFn) -> list[tuple[int, int]]:
+    """1-5 requests: decodes, whole prefills and chunks over a cached prefix, fitting the shapes."""
+    reqs = draw(st.lists(st.tuples(st.integers(1, 16), st.integers(0, 100)), min_size=1,
+                         max_size=PROP_R - 1))  # fmt: skip
+    return [(q, q + cached) for q, cached in reqs]
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(reqs=batches(), seed=st.integers(0, 2**16))
+def test_property_random_batches_match_numpy_oracle(reqs, seed):
+    T = sum(q for q, _ in reqs)
+    pages = sum(-(-s // PROP_L) for _, s in reqs)
+    case = make_case(
+        reqs, num_heads=4, num_kv_heads=2, head_dim=8, page_size=PROP_L, seed=seed,
+        pad_tokens=PROP_T - T, pad_reqs=PROP_R - len(reqs), extra_pages=PROP_PAGES - 1 - pages,
+        max_blocks=PROP_MAX_BLOCKS,
+    )  # fmt: skip
+    assert case.sm_scale == 8**-0.5  # the one compiled into _reference_fixed
+    out, cache = _reference_fixed(*case.args(jnp.float32))
+    want, want_cache = numpy_oracle(case)
+    np.testing.assert_allclose(np.asarray(out)[:T], want, atol=2e-5, rtol=2e-5)
+    assert_cache_equal(np.asarray(cache), want_cache)
