@@ -23,9 +23,11 @@ Layout assumptions (see ``pallas_kernels.reference`` for the semantics):
   write nothing.
 - Online softmax in float32, masks applied with ``jnp.where`` (NaN in unused pages stays out).
 
-Checked on CPU in TPU interpret mode only (``interpret=True`` → ``pltpu.InterpretParams()``);
-it has not been compiled by Mosaic for a real TPU yet. ``block_tables`` lives in SMEM
+Checked on CPU in the TPU interpreter (``interpret=True`` → ``pltpu.InterpretParams()``), and
+its lowering to Mosaic MLIR for an abstract TPU v6e is checked on CPU too; it has not been
+compiled by the Mosaic compiler nor run on a real TPU yet. ``block_tables`` lives in SMEM
 (flattened to 1-D), which bounds ``max_num_seqs * max_blocks`` to roughly 200k entries.
+Megacore (two TensorCores) is not used: the grid is sequential.
 """
 
 from __future__ import annotations
