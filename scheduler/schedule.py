@@ -94,17 +94,30 @@ def schedule(state: SchedulerState) -> tuple[SchedulerState, SchedulerOutput]:
 
 def _schedule_running(w: Work, st: _Step) -> None:
     # The hot loop of every step, one iteration per running request: columns are bound to
-    # locals, and a request whose tokens fit in its blocks (no new block, nothing newly full
-    # to register) skips Work.allocate.
+    # locals; a plain decode whose slot is already allocated takes a short exact path (n = 1
+    # passes every cap), and a request whose tokens fit in its blocks skips Work.allocate.
     running, computed_of, num_tokens, static = w.running, w.computed, w.num_tokens, w.static
-    tables, num_cached = w.tables, w.num_cached
+    tables, num_cached, history = w.tables, w.num_cached, w.tokens
     bs, caching = w.config.block_size, w.config.enable_prefix_caching
     last_position = w.config.max_model_len - 1
     threshold, prefills = st.threshold, st.prefills
+    planned, before, inputs, sampling = st.tokens, st.computed_before, st.inputs, st.sampling
     i = 0
     while i < len(running) and st.budget > 0:
         rid = running[i]
         computed = computed_of[rid]
+        table = tables[rid]
+        if (num_tokens[rid] - computed == 1 and computed < len(table) * bs
+                and not (caching and (computed + 1) // bs > num_cached[rid])
+                and not static[rid].spec_token_ids):
+            planned[rid] = 1
+            before[rid] = computed
+            inputs[rid] = (history[rid][computed],)
+            st.tables[rid] = table
+            sampling[rid] = None
+            st.budget -= 1
+            i += 1
+            continue
         spec = static[rid].spec_token_ids
         n = num_tokens[rid] + len(spec) - computed
         if 0 < threshold < n:
@@ -116,7 +129,6 @@ def _schedule_running(w: Work, st: _Step) -> None:
             i += 1
             continue
         end = computed + n
-        table = tables[rid]
         fits = end <= len(table) * bs and not (
             caching and min(end, num_tokens[rid]) // bs > num_cached[rid])
         ok = fits
