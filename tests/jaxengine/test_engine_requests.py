@@ -134,3 +134,10 @@ def test_abort_frees_blocks_and_others_finish() -> None:
     assert set(done) == {"b"}
     assert engine.state.num_free_blocks == engine.scheduler_config.num_blocks - 1
     assert set(snapshot.requests) == {"a", "b"}  # an old state stays valid
+
+
+def test_debug_recompiles_env_var_turns_the_guard_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("JAXENGINE_DEBUG_RECOMPILES", "1")
+    assert make_engine().runner.config.debug_recompiles
+    monkeypatch.setenv("JAXENGINE_DEBUG_RECOMPILES", "0")
+    assert not make_engine().runner.config.debug_recompiles
