@@ -69,8 +69,8 @@ def update_from_output(
     Args:
         state: the state `schedule()` returned with `output`.
         output: that step's plan.
-        sampled_token_ids: per request, the tokens it sampled (empty or absent for a partial
-            prefill chunk; 1 + accepted drafts under speculative decoding).
+        sampled_token_ids: per request of `output.sampling_req_ids`, the tokens it sampled (1,
+            or 1 + accepted drafts under speculative decoding); other requests are ignored.
         draft_token_ids: optional new draft tokens per request, verified in the next step.
 
     Returns:
@@ -101,7 +101,7 @@ def _apply_outputs(w: Work, output: SchedulerOutput,
     max_model_len = w.config.max_model_len
     spec_scheduled = output.scheduled_spec_decode_tokens
     deltas = []
-    for rid in output.num_scheduled_tokens:
+    for rid in output.sampling_req_ids:  # a partial prefill chunk samples nothing
         req = static.get(rid)
         if req is None:
             continue  # aborted while the model ran
