@@ -62,6 +62,11 @@ class Journal:
         self.records.append((lst, index, lst[index]))
         lst[index] = value
 
+    def set_key(self, d: dict, key: Any, value: Any) -> None:
+        """d[key] = value: `set` for a dict, without the type test."""
+        self.records.append((d, key, d.get(key, _MISSING)))
+        d[key] = value
+
     def delete(self, obj: dict, key: Any) -> None:
         """del obj[key] (the key must exist)."""
         self.records.append((obj, key, obj.pop(key)))

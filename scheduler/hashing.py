@@ -17,11 +17,7 @@ ROOT_HASH: BlockHash = hashlib.sha256(b"jaxengine prefix cache root").digest()
 
 def hash_block(parent: BlockHash, token_ids: Sequence[int], salt: str | None = None) -> BlockHash:
     """The hash of one full block, chained on its parent's hash."""
-    h = hashlib.sha256(parent)
-    h.update(array("q", token_ids).tobytes())
-    if salt is not None:
-        h.update(b"\x00salt\x00" + salt.encode())
-    return h.digest()
+    return _digest(parent, array("q", token_ids).tobytes(), salt)
 
 
 def extend_block_hashes(
@@ -29,11 +25,21 @@ def extend_block_hashes(
     salt: str | None,
 ) -> list[BlockHash]:
     """The hashes of blocks len(hashes)..count-1 of `token_ids` (which must hold them all)."""
+    first = len(hashes)
+    # One conversion to bytes for all the blocks, then a slice (no copy) per block.
+    data = memoryview(array("q", token_ids[first * block_size:count * block_size]).tobytes())
+    step = 8 * block_size
     new = []
     parent = hashes[-1] if hashes else ROOT_HASH
-    for i in range(len(hashes), count):
-        parent = hash_block(
-            parent, token_ids[i * block_size:(i + 1) * block_size], salt if i == 0 else None
-        )
+    for i in range(count - first):
+        parent = _digest(parent, data[i * step:(i + 1) * step], salt if first + i == 0 else None)
         new.append(parent)
     return new
+
+
+def _digest(parent: BlockHash, tokens: bytes | memoryview, salt: str | None) -> BlockHash:
+    h = hashlib.sha256(parent)
+    h.update(tokens)
+    if salt is not None:
+        h.update(b"\x00salt\x00" + salt.encode())
+    return h.digest()

@@ -137,16 +137,24 @@ class KVCacheManager:
         for i in range(num_cached, num_full):
             b, h = table[i], hashes[i]
             j.set_item(d.block_hash, b, h)
-            j.set(d.cached, h, d.cached.get(h, ()) + (b,))
+            j.set_key(d.cached, h, d.cached.get(h, ()) + (b,))
 
     def free(self, table: Table) -> None:
-        """Release a request's blocks, tail first."""
+        """Release a request's blocks, tail first: each block nobody else holds goes to the
+        head of the free queue if it has no cached hash (reused first), else to the tail."""
         d, j = self.d, self.j
+        to_head, to_tail = [], []
         for b in reversed(table):
             ref = d.ref[b] - 1
             j.set_item(d.ref, b, ref)
             if ref == 0:
-                self._push(b, to_head=d.block_hash[b] is None)
+                (to_head if d.block_hash[b] is None else to_tail).append(b)
+        # Pushing u1, u2, ... one by one to the head leaves ..., u2, u1 first: splice reversed.
+        if to_head:
+            to_head.reverse()
+            self._splice(to_head, d.head, d.nxt[d.head])
+        if to_tail:
+            self._splice(to_tail, d.prv[d.tail], d.tail)
 
     # ---- the free queue -----------------------------------------------------------------
     def _take_free(self, n: int) -> list[int]:
@@ -170,7 +178,7 @@ class KVCacheManager:
         d, j = self.d, self.j
         rest = tuple(x for x in d.cached[h] if x != b)
         if rest:
-            j.set(d.cached, h, rest)
+            j.set_key(d.cached, h, rest)
         else:
             j.delete(d.cached, h)
         j.set_item(d.block_hash, b, None)
@@ -182,14 +190,14 @@ class KVCacheManager:
         j.set_item(d.prv, n, p)
         j.set_item(d.num_free, 0, d.num_free[0] - 1)
 
-    def _push(self, b: int, *, to_head: bool) -> None:
+    def _splice(self, chain: list[int], p: int, n: int) -> None:
+        """Link `chain` (in order) between the adjacent free-list nodes p and n."""
         d, j = self.d, self.j
-        if to_head:
-            p, n = d.head, d.nxt[d.head]
-        else:
-            p, n = d.prv[d.tail], d.tail
-        j.set_item(d.nxt, b, n)
-        j.set_item(d.prv, b, p)
-        j.set_item(d.nxt, p, b)
-        j.set_item(d.prv, n, b)
-        j.set_item(d.num_free, 0, d.num_free[0] + 1)
+        prev = p
+        for b in chain:
+            j.set_item(d.prv, b, prev)
+            j.set_item(d.nxt, prev, b)
+            prev = b
+        j.set_item(d.nxt, prev, n)
+        j.set_item(d.prv, n, prev)
+        j.set_item(d.num_free, 0, d.num_free[0] + len(chain))

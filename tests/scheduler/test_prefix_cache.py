@@ -105,3 +105,14 @@ def test_preempted_request_hits_its_own_blocks_on_readmission():
     stats = res[0].stats
     assert stats.preempted_prefix_cache_queries == 9
     assert stats.preempted_prefix_cache_hits == plan.num_computed_tokens["B"]
+
+
+def test_block_hashes_chain_and_salt_only_the_first_block():
+    from scheduler.hashing import ROOT_HASH, extend_block_hashes, hash_block
+
+    tokens = list(range(40))
+    hashes = extend_block_hashes([], tokens, 2, 16, "s")
+    assert hashes[0] == hash_block(ROOT_HASH, tokens[:16], "s")
+    assert hashes[1] == hash_block(hashes[0], tokens[16:32])  # chained, unsalted
+    assert extend_block_hashes(hashes[:1], tokens, 2, 16, "s") == hashes[1:]
+    assert extend_block_hashes([], tokens, 1, 16, None)[0] != hashes[0]
