@@ -24,7 +24,6 @@ TINY = ROOT / "tests" / "fixtures" / "tiny" / "llama_tied_mha"
 CONFORMANCE = Path("/work/shared/conformance")
 SMALL = ["--max-num-batched-tokens", "32", "--max-num-seqs", "4", "--block-size", "4",
          "--max-model-len", "128", "--num-gpu-blocks-override", "80"]
-needs_tiny = pytest.mark.skipif(not TINY.is_dir(), reason="model fixtures not generated")
 
 
 @pytest.mark.parametrize("argv", [[], ["generate"], ["chat"], ["serve"], ["bench"], ["replay"]])
@@ -68,7 +67,6 @@ def test_bad_engine_values_exit_with_the_engines_message(
         main(["serve", "--dtype", "float64"])
 
 
-@pytest.mark.skipif(not (CONFORMANCE / "c001.json").is_file(), reason="no conformance traces")
 def test_replay_prints_the_expected_lines(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["replay", str(CONFORMANCE / "c001.json")]) == 0
     got = capsys.readouterr().out.splitlines()
@@ -88,7 +86,6 @@ def test_bench_passes_its_arguments_through(monkeypatch: pytest.MonkeyPatch,
     assert main(["bench"]) == 2
 
 
-@needs_tiny
 def test_generate_on_the_tiny_model(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["generate", "hello", "a second prompt", "--model", str(TINY), "--max-tokens", "5",
             "--temperature", "0", "--ignore-eos", "--json", *SMALL]
@@ -99,13 +96,11 @@ def test_generate_on_the_tiny_model(capsys: pytest.CaptureFixture[str]) -> None:
     assert all(isinstance(x["text"], str) for x in lines)
 
 
-@needs_tiny
 def test_generate_reports_a_bad_model_path(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["generate", "hi", "--model", "/nonexistent/model"]) == 1
     assert "does not exist" in capsys.readouterr().err
 
 
-@needs_tiny
 def test_chat_keeps_the_conversation(monkeypatch: pytest.MonkeyPatch,
                                      capsys: pytest.CaptureFixture[str]) -> None:
     seen: list[list[dict[str, str]]] = []
@@ -135,7 +130,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@needs_tiny
 def test_serve_subprocess_answers_and_logs_throughput(tmp_path: Path) -> None:
     port, log = _free_port(), tmp_path / "serve.log"
     cmd = [sys.executable, "-m", "jaxengine", "serve", str(TINY), "--host", "127.0.0.1",

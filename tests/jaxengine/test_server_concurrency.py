@@ -13,13 +13,10 @@ import pytest
 
 from tests.jaxengine.test_server_harness import (
     MODEL_NAME,
-    TINY,
     RunningServer,
     shared_server,
     wait_until_idle,
 )
-
-pytestmark = pytest.mark.skipif(not TINY.is_dir(), reason="model fixtures not generated")
 
 NUM_CLIENTS = 32
 NUM_LEAVERS = NUM_CLIENTS // 4

@@ -10,13 +10,10 @@ import pytest
 
 from tests.jaxengine.test_server_harness import (
     MODEL_NAME,
-    TINY,
     RunningServer,
     shared_server,
     wait_until_idle,
 )
-
-pytestmark = pytest.mark.skipif(not TINY.is_dir(), reason="model fixtures not generated")
 
 GOOD_COMPLETION = {"model": MODEL_NAME, "prompt": "ok", "max_tokens": 2, "ignore_eos": True}
 GOOD_CHAT = {"model": MODEL_NAME, "messages": [{"role": "user", "content": "ok"}],
