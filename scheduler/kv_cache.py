@@ -10,6 +10,7 @@ Freeing releases a request's blocks tail first; a block with no cached hash goes
 Block 0 is the null block: never allocated, freed or counted.
 """
 
+import itertools
 from collections.abc import Sequence
 
 from scheduler._versioned import Journal
@@ -82,8 +83,10 @@ class KVCacheManager:
             return []
         hit: list[int] = []
         cached = self.d.cached
-        for i in range((num_tokens - 1) // self.block_size):
-            blocks = cached.get(self._hashes(rid, tokens, i + 1, salt)[i])
+        # All the hashes at once: admitting the request registers them right after anyway.
+        count = (num_tokens - 1) // self.block_size
+        for h in itertools.islice(self._hashes(rid, tokens, count, salt), count):
+            blocks = cached.get(h)
             if blocks is None:
                 break
             hit.append(blocks[0])
