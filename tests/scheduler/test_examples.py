@@ -108,3 +108,37 @@ def test_example_4_counts_the_hit():
     assert out.block_tables["B"][:62] == out.block_tables["A"][:62]  # shared prefix blocks
     assert s.stats.prefix_cache_queries == 1020 + 1020
     assert s.stats.prefix_cache_hits == 992
+
+
+def test_example_2_via_the_api():
+    cfg = SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=3, num_blocks=100,
+                          max_model_len=64)
+    s = init_state(cfg)
+    for i, rid in enumerate("ABCDE"):
+        s = add_request(s, req(rid, 2, 3, arrival=i * 0.1))
+    s, out, _ = step(s)
+    assert dict(out.num_scheduled_tokens) == {"A": 2, "B": 2, "C": 2}
+    assert out.total_num_scheduled_tokens == 6 and s.waiting == ("D", "E")
+    for _ in range(2):
+        s, out, deltas = step(s)
+        assert dict(out.num_scheduled_tokens) == {"A": 1, "B": 1, "C": 1}
+    assert sorted(d.request_id for d in deltas if d.finish_reason) == ["A", "B", "C"]
+    s, out, _ = step(s)
+    assert dict(out.num_scheduled_tokens) == {"D": 2, "E": 2}
+
+
+def test_example_3_via_the_api():
+    cfg = SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=4, num_blocks=100,
+                          max_model_len=8, enable_chunked_prefill=False)
+    s = init_state(cfg)
+    s = add_request(s, req("A", 3, 4, arrival=0.0))
+    s = add_request(s, req("B", 3, 4, arrival=0.1))
+    s, out, _ = step(s)
+    s = add_request(s, req("C", 7, 1, arrival=1.0))
+    for _ in range(3):
+        s, out, _ = step(s)
+        assert dict(out.num_scheduled_tokens) == {"A": 1, "B": 1}  # 6 left, C needs 7
+        assert s.waiting == ("C",)
+    s, out, deltas = step(s)
+    assert dict(out.num_scheduled_tokens) == {"C": 7}
+    assert deltas[0].finish_reason == "length" and not s.requests
