@@ -264,17 +264,20 @@ def ragged_paged_attention_reference(
     kv_cache = write_kv(kv_cache, k, v, slot_mapping)
     q_lens = _live_q_lens(query_start_loc, num_seqs)
     is_decode = q_lens == 1
+    # Every live request schedules at least one token, so live rows are among the first
+    # min(R, T): the decode pass need not touch the padding rows of a large max_num_seqs.
+    Rd = min(block_tables.shape[0], T)
+    is_decode, q_start = is_decode[:Rd], query_start_loc[:Rd]
     out_dec = _decode_pass(
-        q, kv_cache, block_tables, seq_lens, query_start_loc[:-1], is_decode,
+        q, kv_cache, block_tables[:Rd], seq_lens[:Rd], q_start, is_decode,
         sm_scale=sm_scale,
-        pages_per_chunk=decode_pages_per_chunk
-        or _decode_pages_per_chunk(kv_cache, block_tables.shape[0]),
+        pages_per_chunk=decode_pages_per_chunk or _decode_pages_per_chunk(kv_cache, Rd),
     )  # fmt: skip
     # Decode rows first (non-decodes scatter out of bounds and are dropped); the item loop
     # then fills the rows of longer requests. The token axis is padded so that every item's
     # [start, start + block_q) slice is in bounds.
     out = jnp.zeros((T + block_q, N, H), jnp.float32)
-    dec_rows = jnp.where(is_decode, query_start_loc[:-1], T + block_q)
+    dec_rows = jnp.where(is_decode, q_start, T + block_q)
     out = out.at[dec_rows].set(out_dec, mode="drop")
     cum, total = _work_items(q_lens, block_q)
     q_pad = jnp.pad(q, ((0, block_q), (0, 0), (0, 0)))

@@ -113,6 +113,18 @@ def test_compiles_once_for_all_metadata():
     assert f._cache_size() == 1
 
 
+def test_many_padding_request_rows():
+    # max_num_seqs far above the live requests (and above T): the decode pass only looks at the
+    # first min(R, T) rows, which must hold every live request.
+    case = make_case([(1, 30), (1, 9), (5, 21), (1, 1)], num_heads=4, num_kv_heads=2,
+                     head_dim=16, page_size=4, pad_tokens=2, pad_reqs=40)
+    assert case.args(jnp.float32)[5].shape[0] > case.args(jnp.float32)[0].shape[0]  # R > T
+    out, cache = run(case, jnp.float32)
+    want_out, want_cache = numpy_oracle(case)
+    np.testing.assert_allclose(out[: case.num_tokens], want_out, atol=2e-5, rtol=2e-5)
+    assert_cache_equal(cache, want_cache)
+
+
 def test_sm_scale_is_used():
     case = make_case(BATCHES["mixed"], num_heads=2, num_kv_heads=1, head_dim=8, page_size=4)
     out, _ = ragged_paged_attention(*case.args(jnp.float32), sm_scale=case.sm_scale)
