@@ -20,11 +20,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import scheduler
 from jaxengine import engine_args as engine_args_module
 from jaxengine.engine_args import EngineArgs
 
 CHOICES = {"dtype": engine_args_module.DTYPES,
-           "scheduling_policy": engine_args_module.POLICIES,
+           "scheduling_policy": tuple(scheduler.POLICIES),
            "attention_backend": engine_args_module.ATTENTION_BACKENDS}
 _SCALARS = {"int": int, "float": float, "str": str}
 BENCH_SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "throughput.py"

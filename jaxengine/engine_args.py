@@ -6,8 +6,9 @@ import dataclasses
 import difflib
 from typing import Any
 
+import scheduler
+
 DTYPES = ("auto", "float32", "bfloat16")
-POLICIES = ("fcfs", "priority")
 ATTENTION_BACKENDS = ("reference", "tpu", "gpu")
 
 
@@ -41,7 +42,8 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         _check_choice("dtype", self.dtype, DTYPES)
-        _check_choice("scheduling_policy", self.scheduling_policy, POLICIES)
+        # Any policy registered with the scheduler, research ones included.
+        _check_choice("scheduling_policy", self.scheduling_policy, tuple(scheduler.POLICIES))
         if self.attention_backend is not None:
             _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         for name in ("max_num_seqs", "block_size"):

@@ -16,10 +16,16 @@ ACTIVATION_RESERVE = 0.1
 
 def attention_backend(args: EngineArgs) -> str:
     """`args.attention_backend`, else Pallas on TPU/GPU and the jnp reference elsewhere."""
-    if args.attention_backend is not None:
-        return args.attention_backend
     backend = jax.default_backend()
-    return backend if backend in ("tpu", "gpu") else "reference"
+    chosen = args.attention_backend
+    if chosen is None:
+        return backend if backend in ("tpu", "gpu") else "reference"
+    if chosen != "reference" and chosen != backend:
+        raise ValueError(
+            f"attention_backend={chosen!r} needs a {chosen.upper()}, but jax's default backend "
+            f"is {backend!r}; use attention_backend='reference' (or None to pick by backend)"
+        )
+    return chosen
 
 
 def model_fns(model: Any, cfg: Any, *, attn_impl: str) -> ModelFns:

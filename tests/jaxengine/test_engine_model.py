@@ -20,8 +20,6 @@ TINY = FIXTURES / "tiny" / "llama_tied_mha"
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
 SMALL = dict(max_num_batched_tokens=32, max_num_seqs=4, block_size=4, max_model_len=128)
 
-pytestmark = pytest.mark.skipif(not TINY.is_dir(), reason="model fixtures not generated")
-
 
 @functools.cache
 def _prompts() -> list[list[int]]:

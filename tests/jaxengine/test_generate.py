@@ -64,7 +64,6 @@ def test_sampling_is_seeded() -> None:
     assert not np.array_equal(a, run(jax.random.key(1)))
 
 
-@pytest.mark.skipif(not TINY.is_dir(), reason="model fixtures not generated")
 def test_real_tiny_model_matches_the_engine() -> None:
     from jaxengine.engine_model import model_fns
     from jaxengine.llm import LLM
