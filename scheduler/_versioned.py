@@ -53,17 +53,13 @@ class Journal:
     def __init__(self) -> None:
         self.records: list[Record] = []
 
-    def set(self, obj: Any, key: Any, value: Any) -> None:
-        """obj[key] = value."""
-        self.records.append((obj, key, _swap(obj, key, value)))
-
     def set_item(self, lst: list, index: int, value: Any) -> None:
-        """lst[index] = value: `set` for a list, without the type test (the pool's hot path)."""
+        """lst[index] = value."""
         self.records.append((lst, index, lst[index]))
         lst[index] = value
 
     def set_key(self, d: dict, key: Any, value: Any) -> None:
-        """d[key] = value: `set` for a dict, without the type test."""
+        """d[key] = value."""
         self.records.append((d, key, d.get(key, _MISSING)))
         d[key] = value
 

@@ -21,7 +21,6 @@ class Work:
     def __init__(self, state: SchedulerState) -> None:
         # Columns are MappingProxyType views; .copy() copies the dict underneath at C speed.
         self.config = cfg = state.config
-        self.step = state.step
         self.policy = get_policy(cfg.policy)
         self.waiting: list[str] = list(state.waiting)
         self.running: list[str] = list(state.running)
@@ -58,9 +57,6 @@ class Work:
         self._edit.abort()
 
     # ---- per-request helpers ------------------------------------------------------------
-
-    def num_tokens_with_spec(self, rid: str) -> int:
-        return self.num_tokens[rid] + len(self.static[rid].spec_token_ids)
 
     def token_ids(self, rid: str, start: int, stop: int) -> tuple[int, ...]:
         """Tokens start..stop-1 of prompt + outputs + draft tokens."""

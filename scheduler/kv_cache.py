@@ -97,7 +97,7 @@ class KVCacheManager:
         hashes = self.d.req_hashes.get(rid)
         if hashes is None:
             hashes = []
-            self.j.set(self.d.req_hashes, rid, hashes)
+            self.j.set_key(self.d.req_hashes, rid, hashes)
         if len(hashes) < count:
             self.j.extend(hashes, extend_block_hashes(hashes, tokens, count, self.block_size, salt))
         return hashes

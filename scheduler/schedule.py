@@ -169,10 +169,9 @@ def _allocate_or_preempt(w: Work, st: _Step, rid: str, num_slots: int,
 
 
 def _take_spec(w: Work, st: _Step, rid: str, n: int, computed: int) -> None:
-    spec = w.static[rid].spec_token_ids
     num_spec = n + computed - w.num_tokens[rid]
-    if spec and num_spec > 0:
-        st.spec[rid] = spec[:num_spec]
+    if num_spec > 0:
+        st.spec[rid] = w.static[rid].spec_token_ids[:num_spec]
 
 
 def _schedule_waiting(w: Work, st: _Step) -> None:
