@@ -70,13 +70,13 @@ def test_matches_numpy_oracle(batch, page_size, heads, dtype):
 
 
 @pytest.mark.parametrize(
-    ("block_q", "pages_per_chunk", "decode_pages_per_chunk"), [(1, 1, 1), (3, 5, 2), (64, 64, 64)]
+    ("block_q", "pages_per_chunk", "decode_pages_per_step"), [(1, 1, 1), (3, 5, 2), (64, 64, 64)]
 )
-def test_block_sizes_do_not_change_the_result(block_q, pages_per_chunk, decode_pages_per_chunk):
+def test_block_sizes_do_not_change_the_result(block_q, pages_per_chunk, decode_pages_per_step):
     case = make_case(BATCHES["mixed"], num_heads=4, num_kv_heads=2, head_dim=8, page_size=4)
     out, _ = run(
         case, jnp.float32, block_q=block_q, pages_per_chunk=pages_per_chunk,
-        decode_pages_per_chunk=decode_pages_per_chunk,
+        decode_pages_per_step=decode_pages_per_step,
     )  # fmt: skip
     want, _ = numpy_oracle(case)
     np.testing.assert_allclose(out[: case.num_tokens], want, atol=2e-5, rtol=2e-5)
