@@ -121,10 +121,10 @@ def test_step_scratch_memory_does_not_grow_with_num_blocks(model: Model) -> None
 
 
 def test_program_size_does_not_grow_with_depth() -> None:
-    """Layers are a scan over stacked weights, not unrolled."""
+    """With `scan_layers=True` (the accelerator default) layers are a scan, not unrolled."""
 
     def jaxpr_len(num_layers: int) -> int:
-        model = Model(ModelConfig.tiny(num_layers=num_layers), seed=0)
+        model = Model(ModelConfig.tiny(num_layers=num_layers), seed=0, scan_layers=True)
         graphdef, state = split_model(model)
         kv = init_kv_cache(model.config, num_blocks=4, block_size=4)
         batch = pack_batch([], num_tokens=16, max_seqs=2, max_blocks=2, block_size=4)
@@ -132,6 +132,24 @@ def test_program_size_does_not_grow_with_depth() -> None:
         return len(re.sub(r"\d+", "", str(jaxpr)))  # sizes (digits) differ, structure not
 
     assert jaxpr_len(2) == jaxpr_len(5)
+
+
+def test_looped_and_scanned_layers_agree() -> None:
+    """The CPU default loops over per-layer weights; it computes what the scan computes."""
+    cfg = ModelConfig.tiny("qwen3", num_layers=3)
+    assert not Model(cfg, seed=1).scan_layers  # CPU picks the loop
+    table = shuffled_table(8, 2, seed=2)  # 5 tokens on pages of 4
+    batch = pack_batch([RequestChunk(token_ids=[5, 9, 2, 11, 7], start=0, block_table=table)],
+                       num_tokens=16, max_seqs=2, max_blocks=4, block_size=4)
+    results = []
+    for scan in (False, True):
+        graphdef, state = split_model(Model(cfg, seed=1, scan_layers=scan))
+        kv = init_kv_cache(cfg, num_blocks=8, block_size=4)
+        results.append(jax.jit(make_model_step(graphdef))(state, kv, batch))
+    (kv_loop, h_loop), (kv_scan, h_scan) = results
+    np.testing.assert_allclose(np.asarray(h_loop)[:5], np.asarray(h_scan)[:5], atol=TOL)
+    np.testing.assert_allclose(np.asarray(kv_loop), np.asarray(kv_scan), atol=TOL)
+    assert np.abs(np.asarray(kv_loop)).sum() > 0  # the step wrote the cache
 
 
 def test_kv_cache_helpers() -> None:
