@@ -183,7 +183,8 @@ def _decode_pass(
     def body(i: jax.Array, carry: tuple) -> tuple:
         m, l, acc = carry  # f32[R, K, G], f32[R, K, G], f32[R, K, G, H]
         flat = i * W + jnp.arange(W, dtype=jnp.int32)  # [W] flat page numbers
-        req = jnp.searchsorted(ends, flat, side="right").astype(jnp.int32)  # R past the end
+        # Request of each page; R past the last live page, where the scatters below drop it.
+        req = jnp.searchsorted(ends, flat, side="right").astype(jnp.int32)
         live = req < R
         r = jnp.minimum(req, R - 1)
         page_no = flat - (ends[r] - n_pages[r])  # [W] index into the request's table
@@ -192,15 +193,14 @@ def _decode_pass(
         valid = live[:, None] & (page_no[:, None] * L + offsets < ctx[r][:, None])  # [W, L]
         s = jnp.einsum("wlkh,wkgh->wlkg", kv[:, :, :, 0], q_r[r], precision=HIGHEST)
         s = jnp.where(valid[:, :, None, None], s, -jnp.inf)  # [W, L, K, G]
-        seg = jnp.where(live, req, R)  # scatters drop the pages past the end
-        m_new = m.at[seg].max(s.max(axis=1), mode="drop")
+        m_new = m.at[req].max(s.max(axis=1), mode="drop")
         m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
         p = jnp.exp(s - m_safe[r][:, None])  # [W, L, K, G]; masked -> 0
         alpha = jnp.exp(jnp.where(jnp.isneginf(m), -jnp.inf, m - m_safe))
         v = jnp.where(valid[:, :, None, None], kv[:, :, :, 1], 0.0)  # NaN-safe: masked, not *0
         pv = jnp.einsum("wlkg,wlkh->wkgh", p, v, precision=HIGHEST)
-        l = alpha * l + jnp.zeros_like(l).at[seg].add(p.sum(axis=1), mode="drop")
-        acc = alpha[..., None] * acc + jnp.zeros_like(acc).at[seg].add(pv, mode="drop")
+        l = alpha * l + jnp.zeros_like(l).at[req].add(p.sum(axis=1), mode="drop")
+        acc = alpha[..., None] * acc + jnp.zeros_like(acc).at[req].add(pv, mode="drop")
         return m_new, l, acc
 
     init = (
