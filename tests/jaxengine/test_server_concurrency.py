@@ -97,8 +97,10 @@ def test_a_non_streaming_client_that_leaves_is_aborted(pytestconfig: pytest.Conf
     wait_until_idle(server)
     before = _success_total(server.base_url)
     body = {"model": MODEL_NAME, "prompt": "x", "max_tokens": 120, "ignore_eos": True}
-    # 120 decode steps take far longer than the client waits (each step is milliseconds)
+    # The client waits 0.1 s for the answer and the server polls for a disconnect every 50 ms:
+    # 120 decode steps (milliseconds each) take longer than that.
+    timeout = httpx.Timeout(10.0, read=0.1)
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.base_url}/v1/completions", json=body, trust_env=False, timeout=0.3)
+        httpx.post(f"{server.base_url}/v1/completions", json=body, trust_env=False, timeout=timeout)
     wait_until_idle(server)
     assert _success_total(server.base_url) == before  # aborted, not finished
