@@ -87,7 +87,7 @@ class RunnerStats:
     padded_tokens: int = 0  # bucket padding on top of them
     compilations: int = 0  # of the step and the sampler, during this runner's calls
     compilations_after_warmup: int = 0
-    compile_seconds: float = 0.0
+    compile_seconds: float = 0.0  # precompile, plus the whole of every step that compiled
     step_seconds: list[float] = field(default_factory=list)
 
     @property
@@ -219,6 +219,8 @@ class Runner:
         s.padded_tokens += num_tokens - total
         s.compilations += new
         s.step_seconds.append(seconds)
+        if new:
+            s.compile_seconds += seconds
         if self.warm and new:
             s.compilations_after_warmup += new
             if self.config.debug_recompiles:

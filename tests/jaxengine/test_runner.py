@@ -106,3 +106,15 @@ def test_padding_tokens_write_only_into_the_null_block() -> None:
     kv = np.asarray(runner.kv)
     # the request's two blocks hold its tokens; every other non-null block is untouched
     assert np.count_nonzero(kv[1:]) == 5
+
+
+def test_steps_that_compile_count_as_compile_time() -> None:
+    # shapes no other test uses, so the first steps compile and later ones do not
+    runner = Runner(fake_model(V), _config(max_num_batched_tokens=40, max_model_len=132))
+    _drive(runner, [[1, 2, 3]], max_tokens=6)
+    s = runner.stats
+    assert s.compilations >= 1 and s.steps > s.compilations
+    compiled = s.compile_seconds
+    assert 0 < compiled < sum(s.step_seconds)  # some steps compiled, the rest did not
+    _drive(runner, [[4, 5, 6]], max_tokens=3)  # same shapes: nothing new to compile
+    assert s.compile_seconds == compiled
