@@ -180,8 +180,6 @@ def decoder_layer(x: jax.Array, pages: jax.Array, page_offset: jax.Array | int,
     T, D = x.shape
     N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     # Plain 2-D dots over weights viewed [D, heads*H] / [N*H, D] (free reshapes): with head
-    # axes in the dot, XLA on CPU chose a layout that transposed `wo` in every step.
-    # Plain 2-D dots over weights viewed [D, heads*H] / [N*H, D] (free reshapes): with head
     # axes in the dot, XLA on CPU chose a layout that transposed `wo` in every looped layer.
     q = (h @ w["wq"].reshape(D, N * H)).reshape(T, N, H)
     k = (h @ w["wk"].reshape(D, K * H)).reshape(T, K, H)
