@@ -144,9 +144,10 @@ def _schedule_running(w: Work, st: _Step) -> None:
             if prefills is not None:
                 prefills.record(num_tokens[rid] - computed)
             i += 1
-        elif w.policy.name == "fcfs":
-            break  # the request preempted itself: nobody after it can run either
-        # else (priority): it preempted itself, and the next request now sits at index i
+        else:
+            # The request preempted itself: the RUNNING pass ends under every policy (vLLM
+            # `break`s), so requests after it in `running` get nothing this step.
+            break
 
 
 def _allocate_or_preempt(w: Work, st: _Step, rid: str, num_slots: int,

@@ -50,16 +50,21 @@ def test_no_admissions_in_a_step_that_preempted():
     assert s.waiting == ("B", "C") and "C" not in out.num_scheduled_tokens
 
 
-def test_priority_preempts_the_worst_priority_even_if_it_is_the_request_itself():
+def test_priority_a_request_that_preempts_itself_ends_the_running_pass():
     cfg = TIGHT.replace(policy="priority")
     _, steps = run(cfg, {0: [req("A", 4, 10, arrival=0.0, priority=1)],
                          1: [req("B", 4, 10, arrival=1.0, priority=0)]})
     scheduled = [s[0] for s in steps]
     assert scheduled[:5] == [{"A": 4}, {"A": 1, "B": 4}] + [{"A": 1, "B": 1}] * 3
-    # Step 5: A needs a block; the worst (priority, arrival) running request is A itself, so A
-    # is preempted and the pass continues with B.
-    assert scheduled[5] == {"B": 1} and steps[5][1] == {"A"}
-    assert steps[10][2] == ["B"] and scheduled[11] == {"A": 9}
+    assert [s[3] for s in steps[:5]] == [3, 1, 0, 0, 0]
+    # Step 5: A (first in `running`) needs a third block; the worst (priority, arrival) running
+    # request is A itself, so A is preempted and the RUNNING pass stops there: B, which follows
+    # A in `running` and whose next slot is already allocated, gets nothing this step (vLLM
+    # breaks out of the loop), and nobody is admitted in a step that preempted.
+    assert scheduled[5] == {} and steps[5][1] == {"A"} and steps[5][3] == 2
+    # B decodes alone from step 6; A (9 tokens: 3 blocks) waits for B's blocks.
+    assert scheduled[6:12] == [{"B": 1}] * 6 and steps[11][2] == ["B"]
+    assert scheduled[12] == {"A": 9} and steps[16][2] == ["A"] and steps[-1][3] == 4
 
 
 def test_fcfs_on_the_same_trace_preempts_the_newer_request_instead():
