@@ -1,7 +1,7 @@
 """Offline throughput on a workload (BENCHMARKS.md §2-3): tokens/s, TTFT/TPOT, compilations,
 padding waste, and the step-time ratio of a x8 KV pool to a x1 pool.
 
-    python benchmarks/throughput.py [--workload ../shared/workloads/mix64.json] [--limit N]
+    python benchmarks/throughput.py [--workload benchmarks/workloads/mix64.json] [--limit N]
         [--compare hf --hf-python .venv311/bin/python]
 
 All requests arrive at t=0 (greedy, ignore_eos, exactly max_tokens each). The engine is
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-DEFAULT_WORKLOAD = REPO / ".." / "shared" / "workloads" / "mix64.json"
+DEFAULT_WORKLOAD = REPO / "benchmarks" / "workloads" / "mix64.json"
 
 
 def load_workload(path: Path, limit: int | None) -> list[dict[str, Any]]:

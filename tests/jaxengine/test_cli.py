@@ -21,7 +21,7 @@ from jaxengine.engine_args import EngineArgs
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "tests" / "fixtures" / "tiny" / "llama_tied_mha"
-CONFORMANCE = Path("/work/shared/conformance")
+CONFORMANCE = ROOT / "tests" / "scheduler" / "conformance"
 SMALL = ["--max-num-batched-tokens", "32", "--max-num-seqs", "4", "--block-size", "4",
          "--max-model-len", "128", "--num-gpu-blocks-override", "80"]
 

@@ -10,7 +10,7 @@ import pytest
 
 from scheduler.replay import replay
 
-CONFORMANCE = Path(__file__).resolve().parents[2].parent / "shared" / "conformance"
+CONFORMANCE = Path(__file__).resolve().parent / "conformance"
 TRACES = sorted(CONFORMANCE.glob("c*[0-9].json"))
 
 
