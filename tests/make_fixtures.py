@@ -1,10 +1,10 @@
 """Make the model-correctness fixtures under tests/fixtures/ with HF transformers (the oracle).
 
 Runs OUTSIDE the project venv (the runtime and the test venv never need torch), in a Python 3.11
-venv with the on-disk CPU torch wheel:
+venv with a CPU torch (2.13.0 here, installed from a local wheel file):
 
-    /root/.pyenv/versions/3.11.7/bin/python -m venv .venv311
-    .venv311/bin/pip install /opt/wheels/torch-2.13.0+cpu-cp311-cp311-manylinux_2_28_x86_64.whl \
+    python3.11 -m venv .venv311
+    .venv311/bin/pip install TORCH_CPU_WHEEL_OR_torch==2.13.0 \
         transformers gguf safetensors numpy accelerate   # accelerate: transformers' GGUF path
     .venv311/bin/python tests/make_fixtures.py            # both parts
     .venv311/bin/python tests/make_fixtures.py --only tiny  # or: --only default
