@@ -1,4 +1,4 @@
-"""The `jaxengine` command: generate | chat | serve | bench | replay.
+"""The `jaxengine` command: generate | chat | serve | bench | replay | export-tokenizer.
 
 Engine flags are generated from the `EngineArgs` dataclass (vLLM's names with dashes:
 `--max-num-seqs`, `--enable-prefix-caching/--no-enable-prefix-caching`, ...), with the help
@@ -122,7 +122,7 @@ def sampling_params_from(ns: argparse.Namespace) -> Any:
 # ---- the parser ----------------------------------------------------------------------------
 
 def build_parser() -> argparse.ArgumentParser:
-    """The `jaxengine` parser with its five subcommands."""
+    """The `jaxengine` parser with its six subcommands."""
     parser = argparse.ArgumentParser(
         prog="jaxengine", description="A JAX-native LLM serving engine (vLLM-V1 batching).")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -171,6 +171,15 @@ def build_parser() -> argparse.ArgumentParser:
                                         "print one JSON line per step.")
     replay.add_argument("trace", metavar="TRACE.json", help="the trace file")
     replay.add_argument("-o", "--output", help="write the JSON lines here instead of stdout")
+
+    export = sub.add_parser("export-tokenizer", help="write the model's tokenizer as an HF dir",
+                            description="Write MODEL's tokenizer (tokenizer.json, "
+                                        "tokenizer_config.json with the chat template) to DIR, "
+                                        "for clients that need one, e.g. `vllm bench serve "
+                                        "--tokenizer DIR`.")
+    export.add_argument("directory", metavar="DIR", help="the directory to write (created)")
+    export.add_argument("--model", default=None,
+                        help="HF directory or .gguf file (default: the embedded SmolLM2)")
     return parser
 
 
@@ -251,6 +260,15 @@ def run_bench(extra: Sequence[str]) -> int:
     return subprocess.call([sys.executable, str(BENCH_SCRIPT), *args], env=env)
 
 
+def run_export_tokenizer(ns: argparse.Namespace) -> int:
+    """`jaxengine export-tokenizer DIR [--model PATH]`: print the files written."""
+    from jaxengine.loading import load_tokenizer
+
+    for path in load_tokenizer(ns.model).save_pretrained(ns.directory):
+        print(path)
+    return 0
+
+
 def run_replay(ns: argparse.Namespace) -> int:
     """`jaxengine replay TRACE.json [-o OUT]`: scheduler.replay's main."""
     from scheduler.replay import main as replay_main
@@ -274,6 +292,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_chat(ns, parser)
         if ns.command == "serve":
             return run_serve(ns, parser)
+        if ns.command == "export-tokenizer":
+            return run_export_tokenizer(ns)
         return run_replay(ns)
     except ValueError as e:  # bad model path, settings or prompt: a message, not a traceback
         print(f"jaxengine {ns.command}: error: {e}", file=sys.stderr)

@@ -15,7 +15,7 @@ from typing import Any
 import jinja2
 import jinja2.sandbox
 import numpy as np
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 
 from jaxengine.config import ModelLoadError
@@ -106,6 +106,38 @@ class Tokenizer:
             bos_token=self.token_str(self.bos_token_id),
             eos_token=self.token_str(self.eos_token_id), **kwargs)
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    def save_pretrained(self, directory: str) -> list[str]:
+        """Write this tokenizer as an HF tokenizer directory (`tokenizer.json`,
+        `tokenizer_config.json` with the special tokens and the chat template), so tools that
+        take `--tokenizer DIR` (vLLM's `vllm bench serve`, `AutoTokenizer.from_pretrained`)
+        tokenize exactly as the engine does.
+
+        Returns:
+            The paths of the files written.
+        """
+        from transformers import PreTrainedTokenizerFast
+
+        backend = Backend.from_str(self.backend.to_str())  # a copy: the post-processor below
+        if self.add_bos and self.bos_token_id is not None:  # GGUF's add_bos_token, in-file
+            bos = self.token_str(self.bos_token_id)
+            backend.post_processor = processors.TemplateProcessing(
+                single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                special_tokens=[(bos, self.bos_token_id)])
+        special = {name: self.token_str(i) or None for name, i in (
+            ("bos_token", self.bos_token_id), ("eos_token", self.eos_token_id),
+            ("pad_token", self.pad_token_id))}
+        hf = PreTrainedTokenizerFast(tokenizer_object=backend, chat_template=self.chat_template,
+                                     **{k: v for k, v in special.items() if v is not None})
+        paths = list(hf.save_pretrained(directory))
+        # transformers 5 writes its new class name, which transformers 4 cannot resolve; the
+        # old name loads the same class in both.
+        config_path = os.path.join(directory, "tokenizer_config.json")
+        config = _read_json(config_path)
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+        with open(config_path, "w") as f:
+            json.dump(config, f, indent=2, ensure_ascii=False)
+        return paths
 
     # ---- constructors --------------------------------------------------------------------
 

@@ -1,6 +1,13 @@
 """Weight loading: HF directories (safetensors), GGUF files, and the embedded default model."""
 
 from jaxengine.config import ModelLoadError
-from jaxengine.loading.load import default_model_path, load_gguf, load_hf_dir, load_model
+from jaxengine.loading.load import (
+    default_model_path,
+    load_gguf,
+    load_hf_dir,
+    load_model,
+    load_tokenizer,
+)
 
-__all__ = ["ModelLoadError", "default_model_path", "load_gguf", "load_hf_dir", "load_model"]
+__all__ = ["ModelLoadError", "default_model_path", "load_gguf", "load_hf_dir", "load_model",
+           "load_tokenizer"]

@@ -55,11 +55,29 @@ def load_model(path: str | None = None, *, dtype: str | jnp.dtype = "float32"
             corrupt file; the message says what to fix.
     """
     jdtype = _check_dtype(dtype)
-    path = default_model_path() if path is None else os.fspath(path)
+    path = _existing_model_path(path)
     if os.path.isdir(path):
         return load_hf_dir(path, dtype=jdtype)
-    if os.path.isfile(path) and path.endswith(".gguf"):
-        return load_gguf(path, dtype=jdtype)
+    return load_gguf(path, dtype=jdtype)
+
+
+def load_tokenizer(path: str | None = None) -> Tokenizer:
+    """The tokenizer of a model alone (no weights are read).
+
+    Args:
+        path: as for `load_model`: an HF directory, a .gguf file, or None for the default.
+    """
+    path = _existing_model_path(path)
+    if os.path.isdir(path):
+        return Tokenizer.from_hf_dir(path)
+    return Tokenizer.from_gguf_metadata(gguf_metadata(open_gguf(path)))
+
+
+def _existing_model_path(path: str | None) -> str:
+    """`path` (the default model for None) if it names an HF directory or a .gguf file."""
+    path = default_model_path() if path is None else os.fspath(path)
+    if os.path.isdir(path) or (os.path.isfile(path) and path.endswith(".gguf")):
+        return path
     if not os.path.exists(path):
         raise ModelLoadError(f"model path {path!r} does not exist (downloads are not done: "
                              "pass a local HF directory or .gguf file, or None for the default)")

@@ -26,7 +26,8 @@ SMALL = ["--max-num-batched-tokens", "32", "--max-num-seqs", "4", "--block-size"
          "--max-model-len", "128", "--num-gpu-blocks-override", "80"]
 
 
-@pytest.mark.parametrize("argv", [[], ["generate"], ["chat"], ["serve"], ["bench"], ["replay"]])
+@pytest.mark.parametrize("argv", [[], ["generate"], ["chat"], ["serve"], ["bench"], ["replay"],
+                                  ["export-tokenizer"]])
 def test_help_exits_zero(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         main([*argv, "--help"])
