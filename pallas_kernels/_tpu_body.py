@@ -174,12 +174,17 @@ def _attend_kv_block(refs: Refs, seq: jax.Array, kv_blk: jax.Array, buf: jax.Arr
     tok = refs.blk_start + lax.broadcasted_iota(jnp.int32, (rows, 1), 0) // group
     col = kv_blk * cols + lax.broadcasted_iota(jnp.int32, (1, cols), 1)
     row_in = (tok >= q_start) & (tok < q_end)  # [rows, 1]
-    visible = row_in & (col <= kv_len - (q_end - tok))  # [rows, cols]; implies col < kv_len
-    in_ctx = (kv_blk * cols + lax.broadcasted_iota(jnp.int32, (cols, 1), 0)) < kv_len
+    visible = row_in & (col <= kv_len - (q_end - tok))  # [rows, cols]; implies seen
+    # Columns some row of this block may see: up to the position of the request's last token
+    # in the block. Not `col < kv_len`: the slots of the request's tokens in later q-blocks are
+    # not written yet and hold whatever the page held before (NaN, Inf).
+    seen_end = kv_len - (q_end - jnp.minimum(q_end, refs.blk_end))
+    seen = (kv_blk * cols + lax.broadcasted_iota(jnp.int32, (cols, 1), 0)) < seen_end
     for kh in range(K):
         k = refs.kv_bufs[buf, :, :, 2 * kh, :].reshape(cols, H)
         v = refs.kv_bufs[buf, :, :, 2 * kh + 1, :].reshape(cols, H)
-        v = jnp.where(in_ctx, v, jnp.zeros_like(v))  # NaN in stale slots must not reach p @ v
+        # A select, not p = 0: 0 * NaN and 0 * Inf are NaN in p @ v.
+        v = jnp.where(seen, v, jnp.zeros_like(v))
         _online_softmax_update(refs, kh, k, v, visible, row_in)
 
 

@@ -21,7 +21,9 @@ Layout assumptions (see ``pallas_kernels.reference`` for the semantics):
   (``"arbitrary"``), so every earlier q-block's writes are visible; later tokens of the same
   request are causally masked anyway. Padding tokens (past ``query_start_loc[num_seqs]``)
   write nothing.
-- Online softmax in float32, masks applied with ``jnp.where`` (NaN in unused pages stays out).
+- Online softmax in float32. Masks are selects (``jnp.where``) on the logits and on V, so
+  garbage (NaN, Inf) in unused pages, past a context or in the slots of the request's tokens
+  in later q-blocks (not written yet) never reaches the output; a multiply by zero would.
 
 Checked on CPU in the TPU interpreter (``interpret=True`` → ``pltpu.InterpretParams()``), and
 its lowering to Mosaic MLIR for an abstract TPU v6e is checked on CPU too; it has not been

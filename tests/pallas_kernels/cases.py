@@ -1,8 +1,10 @@
 """Random ragged paged attention batches and a dumb per-request numpy oracle.
 
-Every batch has shuffled block tables, NaN in every page no live request owns (and in the
-slots past each request's context), padding tokens that write into block 0, and request rows
-past ``num_seqs`` with garbage metadata.
+Every batch has shuffled block tables, garbage (NaN by default) in every KV slot that holds no
+cached context before the step: pages no live request owns (block 0 included), the slots past
+each request's context, and the slots this step's tokens are about to write (a recycled page
+holds whatever its last owner left). It also has padding tokens that write into block 0 and
+request rows past ``num_seqs`` with garbage metadata.
 """
 
 from __future__ import annotations
@@ -61,13 +63,15 @@ def make_case(
     extra_pages: int = 3,
     max_blocks: int | None = None,
     seed: int = 0,
+    garbage: float | None = np.nan,
 ) -> Case:
     """A batch of requests given as ``(q_len, context_len_after_step)`` pairs.
 
     ``q_len == 1`` is a decode, ``q_len == context_len`` a whole prefill, anything between a
     chunk of prefill (or a decode over a cached prefix). ``pad_tokens``, ``pad_reqs``,
     ``extra_pages`` and ``max_blocks`` (default: one more than the longest request needs) pad
-    the shapes, e.g. to keep them fixed across cases.
+    the shapes, e.g. to keep them fixed across cases. ``garbage`` fills every slot without
+    cached context (``None`` leaves the random values there: the same case with a clean cache).
     """
     rng = np.random.default_rng(seed)
     N, K, H, L = num_heads, num_kv_heads, head_dim, page_size
@@ -95,11 +99,12 @@ def make_case(
     seq_lens_all = np.concatenate([seq_lens, rng.integers(1, 50, pad_reqs).astype(np.int32)])
 
     kv = rng.standard_normal((P, L, 2 * K, H)).astype(np.float32)
-    owned = np.zeros((P, L), bool)
-    for r, s in enumerate(seq_lens):
-        pos = np.arange(s)
-        owned[block_tables[r, pos // L], pos % L] = True
-    kv[~owned] = np.nan
+    cached = np.zeros((P, L), bool)  # slots holding context from earlier steps
+    for r, (q_len, s) in enumerate(reqs):
+        pos = np.arange(s - q_len)
+        cached[block_tables[r, pos // L], pos % L] = True
+    if garbage is not None:
+        kv[~cached] = garbage
     slot = np.zeros(T, np.int32)
     for r in range(len(reqs)):
         pos = np.arange(seq_lens[r] - q_lens[r], seq_lens[r])
