@@ -1,8 +1,10 @@
-"""Tokenizer without torch: a `tokenizers` backend plus a jinja2 chat template.
+"""Tokenizer without torch: a transformers fast tokenizer, for HF directories and GGUF files.
 
-From an HF directory it loads `tokenizer.json` (+ `tokenizer_config.json` for special tokens and
-the chat template). From GGUF metadata it builds the byte-level BPE itself, because transformers'
-GGUF tokenizer path imports torch.
+An HF directory loads through `PreTrainedTokenizerFast.from_pretrained` (tokenizer.json,
+tokenizer_config.json, the chat template). A GGUF file carries a byte-level BPE in its metadata;
+transformers' GGUF tokenizer path imports torch, so the `tokenizers` model is built here and
+wrapped with `PreTrainedTokenizerFast(tokenizer_object=...)`. Chat templates render through
+transformers' `apply_chat_template`, so they render exactly as transformers renders them.
 """
 
 from __future__ import annotations
@@ -12,11 +14,10 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import jinja2
-import jinja2.sandbox
 import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
+from transformers import PreTrainedTokenizerFast
 
 from jaxengine.config import ModelLoadError
 
@@ -44,31 +45,49 @@ def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
 
 
 class Tokenizer:
-    """Encode/decode text and render chat templates."""
+    """Encode/decode text and render chat templates (a transformers fast tokenizer inside)."""
 
-    def __init__(self, backend: Backend, *, eos_token_ids: Sequence[int],
-                 bos_token_id: int | None = None, pad_token_id: int | None = None,
-                 chat_template: str | None = None, add_bos: bool = False) -> None:
-        """Wrap a `tokenizers.Tokenizer`.
+    def __init__(self, hf: PreTrainedTokenizerFast, *,
+                 eos_token_ids: Sequence[int] | None = None) -> None:
+        """Wrap a transformers fast tokenizer.
 
         Args:
-            backend: the tokenizer proper.
-            eos_token_ids: ids that end generation (the first is `eos_token_id`).
-            bos_token_id, pad_token_id: special ids, if any.
-            chat_template: jinja2 source of the chat template, if any.
-            add_bos: prepend bos in `encode(add_special_tokens=True)` (GGUF's add_bos_token).
+            hf: the tokenizer proper (its `tokenizers` backend does the encoding).
+            eos_token_ids: ids that end generation (default: the tokenizer's eos token); a
+                model's generation_config may add more.
         """
-        if not eos_token_ids:
+        eos = list(eos_token_ids or ())
+        if not eos and hf.eos_token_id is not None:
+            eos = [hf.eos_token_id]
+        if not eos:
             raise ModelLoadError("the tokenizer has no eos token; set eos_token in its config")
-        self.backend = backend
-        self.eos_token_ids = tuple(int(i) for i in eos_token_ids)
-        self.bos_token_id, self.pad_token_id = bos_token_id, pad_token_id
-        self.chat_template, self.add_bos = chat_template, add_bos
+        self.hf = hf
+        self.eos_token_ids = tuple(int(i) for i in eos)
+
+    @property
+    def backend(self) -> Backend:
+        """The `tokenizers.Tokenizer` that encodes and decodes."""
+        return self.hf.backend_tokenizer
 
     @property
     def eos_token_id(self) -> int:
         """The primary end-of-sequence id."""
         return self.eos_token_ids[0]
+
+    @property
+    def bos_token_id(self) -> int | None:
+        """The beginning-of-sequence id, if the tokenizer has one."""
+        return self.hf.bos_token_id
+
+    @property
+    def pad_token_id(self) -> int | None:
+        """The padding id, if the tokenizer has one."""
+        return self.hf.pad_token_id
+
+    @property
+    def chat_template(self) -> str | None:
+        """The jinja source of the chat template, if any."""
+        return self.hf.chat_template
 
     @property
     def vocab_size(self) -> int:
@@ -80,11 +99,9 @@ class Tokenizer:
         return "" if token_id is None else (self.backend.id_to_token(token_id) or "")
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text` (special-token strings in it map to their ids)."""
-        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
-        if add_special_tokens and self.add_bos and self.bos_token_id is not None:
-            ids = [self.bos_token_id, *ids]
-        return ids
+        """Token ids of `text` (special-token strings in it map to their ids; with
+        `add_special_tokens`, the tokenizer's own bos/eos rule applies)."""
+        return self.hf.encode(text, add_special_tokens=add_special_tokens)
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         """Text of `ids`."""
@@ -93,43 +110,30 @@ class Tokenizer:
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *,
                             add_generation_prompt: bool = True, tokenize: bool = False,
                             **kwargs: Any) -> str | list[int]:
-        """Render `messages` ([{"role", "content"}]) with the chat template, as transformers does.
+        """Render `messages` ([{"role", "content"}]) with transformers' `apply_chat_template`.
 
+        Args:
+            kwargs: extra template variables (e.g. `tools`, `documents`), as in transformers.
         Returns:
             The prompt text, or its ids (no extra bos: the template writes its own) if
             `tokenize`.
         """
         if not self.chat_template:
             raise ModelLoadError("this tokenizer has no chat template; pass a plain prompt")
-        text = _compile_template(self.chat_template).render(
-            messages=list(messages), add_generation_prompt=add_generation_prompt,
-            bos_token=self.token_str(self.bos_token_id),
-            eos_token=self.token_str(self.eos_token_id), **kwargs)
+        text = self.hf.apply_chat_template(list(messages), tokenize=False,
+                                           add_generation_prompt=add_generation_prompt, **kwargs)
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
     def save_pretrained(self, directory: str) -> list[str]:
         """Write this tokenizer as an HF tokenizer directory (`tokenizer.json`,
-        `tokenizer_config.json` with the special tokens and the chat template), so tools that
-        take `--tokenizer DIR` (vLLM's `vllm bench serve`, `AutoTokenizer.from_pretrained`)
+        `tokenizer_config.json` with the special tokens, the chat template), so tools that take
+        `--tokenizer DIR` (vLLM's `vllm bench serve`, `AutoTokenizer.from_pretrained`)
         tokenize exactly as the engine does.
 
         Returns:
             The paths of the files written.
         """
-        from transformers import PreTrainedTokenizerFast
-
-        backend = Backend.from_str(self.backend.to_str())  # a copy: the post-processor below
-        if self.add_bos and self.bos_token_id is not None:  # GGUF's add_bos_token, in-file
-            bos = self.token_str(self.bos_token_id)
-            backend.post_processor = processors.TemplateProcessing(
-                single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
-                special_tokens=[(bos, self.bos_token_id)])
-        special = {name: self.token_str(i) or None for name, i in (
-            ("bos_token", self.bos_token_id), ("eos_token", self.eos_token_id),
-            ("pad_token", self.pad_token_id))}
-        hf = PreTrainedTokenizerFast(tokenizer_object=backend, chat_template=self.chat_template,
-                                     **{k: v for k, v in special.items() if v is not None})
-        paths = list(hf.save_pretrained(directory))
+        paths = list(self.hf.save_pretrained(directory))
         # transformers 5 writes its new class name, which transformers 4 cannot resolve; the
         # old name loads the same class in both.
         config_path = os.path.join(directory, "tokenizer_config.json")
@@ -140,6 +144,31 @@ class Tokenizer:
         return paths
 
     # ---- constructors --------------------------------------------------------------------
+
+    @classmethod
+    def from_backend(cls, backend: Backend, *, eos_token_id: int | None,
+                     bos_token_id: int | None = None, pad_token_id: int | None = None,
+                     chat_template: str | None = None, add_bos: bool = False) -> Tokenizer:
+        """Wrap a bare `tokenizers.Tokenizer` whose special ids are known.
+
+        Args:
+            add_bos: prepend bos when special tokens are added (GGUF's add_bos_token); kept in
+                the tokenizer's post-processor, so an exported tokenizer.json does it too.
+        """
+        backend = Backend.from_str(backend.to_str())  # a copy: the post-processor is ours
+        name = {i: backend.id_to_token(i) for i in (eos_token_id, bos_token_id, pad_token_id)
+                if i is not None}
+        if add_bos and bos_token_id is not None:
+            bos = name[bos_token_id]
+            backend.post_processor = processors.TemplateProcessing(
+                single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                special_tokens=[(bos, bos_token_id)])
+        special = {"eos_token": eos_token_id, "bos_token": bos_token_id,
+                   "pad_token": pad_token_id}
+        hf = PreTrainedTokenizerFast(
+            tokenizer_object=backend, chat_template=chat_template,
+            **{key: name[i] for key, i in special.items() if i is not None})
+        return cls(hf, eos_token_ids=[] if eos_token_id is None else [eos_token_id])
 
     @classmethod
     def from_gguf_metadata(cls, meta: Mapping[str, Any]) -> Tokenizer:
@@ -163,40 +192,30 @@ class Tokenizer:
         backend.add_tokens([AddedToken(tokens[i], normalized=False)
                             for i in np.flatnonzero(types == _USER_DEFINED)])
         eos = meta.get("tokenizer.ggml.eos_token_id")
-        return cls(backend, eos_token_ids=[] if eos is None else [int(eos)],
-                   bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-                   pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
-                   chat_template=meta.get("tokenizer.chat_template"),
-                   add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)))
+        return cls.from_backend(
+            backend, eos_token_id=None if eos is None else int(eos),
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
+            chat_template=meta.get("tokenizer.chat_template"),
+            add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)))
 
     @classmethod
     def from_hf_dir(cls, path: str) -> Tokenizer:
-        """From `tokenizer.json` (+ tokenizer_config.json, chat_template.jinja,
-        generation_config.json for extra eos ids)."""
-        tok_file = os.path.join(path, "tokenizer.json")
-        if not os.path.isfile(tok_file):
+        """From an HF directory (tokenizer.json, tokenizer_config.json, the chat template;
+        local files only), with the extra eos ids of generation_config.json."""
+        if not os.path.isfile(os.path.join(path, "tokenizer.json")):
             raise ModelLoadError(f"{path}: no tokenizer.json (only fast-tokenizer files are "
-                                 "supported); add it or pass tokenizer=None handling upstream")
-        backend = Backend.from_file(tok_file)
-        conf = _read_json(os.path.join(path, "tokenizer_config.json"))
-        template = conf.get("chat_template")
-        jinja_file = os.path.join(path, "chat_template.jinja")
-        if template is None and os.path.isfile(jinja_file):
-            with open(jinja_file) as f:
-                template = f.read()
-
-        def tid(key: str) -> int | None:
-            tok = conf.get(key)
-            tok = tok.get("content") if isinstance(tok, dict) else tok
-            return None if tok is None else backend.token_to_id(tok)
-
-        eos = [i for i in (tid("eos_token"),) if i is not None]
+                                 "supported); add it, or pass skip_tokenizer_init=True and "
+                                 "token-id prompts")
+        # tokenizer.json as written, not a model-specific class that may rebuild the pipeline
+        # from the vocabulary (transformers 5's Qwen2Tokenizer does).
+        hf = PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+        eos = [] if hf.eos_token_id is None else [hf.eos_token_id]
         gen_eos = _read_json(os.path.join(path, "generation_config.json")).get("eos_token_id")
         for i in gen_eos if isinstance(gen_eos, list) else [gen_eos]:
             if i is not None and i not in eos:
                 eos.append(int(i))
-        return cls(backend, eos_token_ids=eos, bos_token_id=tid("bos_token"),
-                   pad_token_id=tid("pad_token"), chat_template=template)
+        return cls(hf, eos_token_ids=eos)
 
 
 def _read_json(path: str) -> dict[str, Any]:
@@ -204,15 +223,3 @@ def _read_json(path: str) -> dict[str, Any]:
         return {}
     with open(path) as f:
         return json.load(f)
-
-
-def _raise(message: str) -> None:
-    raise jinja2.TemplateError(message)
-
-
-def _compile_template(source: str) -> jinja2.Template:
-    # The same environment transformers uses for chat templates.
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = _raise
-    env.filters["tojson"] = lambda x, **kw: json.dumps(x, ensure_ascii=False, **kw)
-    return env.from_string(source)

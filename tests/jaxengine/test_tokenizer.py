@@ -3,6 +3,8 @@ template; HF-directory tokenizers load from tokenizer.json."""
 
 from __future__ import annotations
 
+import datetime
+
 import pytest
 
 from jaxengine.config import ModelLoadError
@@ -61,3 +63,18 @@ def test_unsupported_gguf_tokenizer_is_named() -> None:
             "tokenizer.ggml.tokens": ["a"], "tokenizer.ggml.merges": []}
     with pytest.raises(ModelLoadError, match="'jais'"):
         Tokenizer.from_gguf_metadata(meta)
+
+
+def test_chat_templates_render_with_transformers_jinja_extensions() -> None:
+    # `{% break %}` needs jinja's loopcontrols; `strftime_now` is how Llama-3 templates date
+    # their system prompt. transformers provides both; a bare jinja environment does not.
+    template = ("{{ strftime_now('%d %b %Y') }}|{% for m in messages %}{{ m['content'] }}"
+                "{% if m['role'] == 'user' %}{% break %}{% endif %}{% endfor %}")
+    base = default_model()[2]
+    tok = Tokenizer.from_backend(base.backend, eos_token_id=base.eos_token_id,
+                                 chat_template=template)
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                {"role": "assistant", "content": "never"}]
+    before = datetime.datetime.now().strftime("%d %b %Y")
+    text = tok.apply_chat_template(messages)
+    assert text in (f"{before}|su", f"{datetime.datetime.now().strftime('%d %b %Y')}|su")

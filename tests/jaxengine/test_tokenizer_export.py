@@ -54,8 +54,8 @@ def test_our_loader_reads_it_back(exported: Path) -> None:
 
 def test_a_gguf_add_bos_token_is_kept_in_the_file(tmp_path: Path) -> None:
     ours = load_tokenizer(None)
-    with_bos = Tokenizer(ours.backend, eos_token_ids=ours.eos_token_ids,
-                         bos_token_id=ours.bos_token_id, add_bos=True)
+    with_bos = Tokenizer.from_backend(ours.backend, eos_token_id=ours.eos_token_id,
+                                      bos_token_id=ours.bos_token_id, add_bos=True)
     with_bos.save_pretrained(str(tmp_path))
     hf = AutoTokenizer.from_pretrained(str(tmp_path))
     assert hf.encode("hello") == with_bos.encode("hello") == [ours.bos_token_id,
