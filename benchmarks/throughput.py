@@ -97,7 +97,8 @@ def jaxengine_side(args: argparse.Namespace, requests: list[dict[str, Any]]) -> 
 
     t0 = time.time()
     model, cfg, tokenizer = load_model(args.model, dtype=args.dtype)
-    fns = model_fns(model, cfg, attn_impl=attention_backend(EngineArgs()))
+    backend = attention_backend(EngineArgs(block_size=args.block_size), cfg)
+    fns = model_fns(model, cfg, attn_impl=backend)
     print(f"model loaded in {time.time() - t0:.1f}s", file=sys.stderr)
     results = {}
     for factor in (1, 8) if not args.skip_pool_ratio else (1,):

@@ -6,26 +6,54 @@ from typing import Any
 
 import jax
 
+from jaxengine.config import ModelConfig
 from jaxengine.engine import LLMEngine
 from jaxengine.engine_args import EngineArgs
 from jaxengine.runner import ModelFns
+from pallas_kernels import UnsupportedShapeError, check_supported
 
 # Leave room for activations when sizing the pool from device memory.
 ACTIVATION_RESERVE = 0.1
 
 
-def attention_backend(args: EngineArgs) -> str:
-    """`args.attention_backend`, else Pallas on TPU/GPU and the jnp reference elsewhere."""
+def attention_backend(args: EngineArgs, cfg: ModelConfig) -> str:
+    """`args.attention_backend`, else Pallas on TPU/GPU and the jnp reference elsewhere.
+
+    A Pallas kernel must run the model's shapes: there is no silent fallback to the reference
+    at trace time, so an unsupported shape is an error here, at engine build.
+
+    Raises:
+      ValueError: the kernel cannot run the model's heads / head_dim / block_size (checked
+        first: no platform would run them), or it needs another platform.
+    """
     backend = jax.default_backend()
     chosen = args.attention_backend
     if chosen is None:
-        return backend if backend in ("tpu", "gpu") else "reference"
+        chosen = backend if backend in ("tpu", "gpu") else "reference"
+    _check_kernel_shapes(chosen, cfg, block_size=args.block_size)
     if chosen != "reference" and chosen != backend:
         raise ValueError(
             f"attention_backend={chosen!r} needs a {chosen.upper()}, but jax's default backend "
             f"is {backend!r}; use attention_backend='reference' (or None to pick by backend)"
         )
     return chosen
+
+
+def _check_kernel_shapes(impl: str, cfg: ModelConfig, *, block_size: int) -> None:
+    """`ValueError` saying what to change if kernel `impl` cannot run this model."""
+    try:
+        check_supported(impl, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                        head_dim=cfg.head_dim, page_size=block_size)
+    except UnsupportedShapeError as e:
+        shape = (f"num_heads={cfg.num_heads}, num_kv_heads={cfg.num_kv_heads}, "
+                 f"head_dim={cfg.head_dim}, block_size={block_size}")
+        # The kernel's page size is the engine's block_size; everything else is the model's.
+        other = ("a block_size it accepts" if e.field == "page_size"
+                 else "a model whose shapes it accepts")
+        raise ValueError(
+            f"attention_backend={impl!r} cannot run this model ({shape}): {e}. Set "
+            f'attention_backend="reference" to run the jnp reference instead, or use {other}.'
+        ) from e
 
 
 def model_fns(model: Any, cfg: Any, *, attn_impl: str) -> ModelFns:
@@ -81,7 +109,7 @@ def build_engine(args: EngineArgs) -> LLMEngine:
 
     dtype = "float32" if args.dtype == "auto" else args.dtype
     model, cfg, tokenizer = load_model(args.model, dtype=dtype)
-    fns = model_fns(model, cfg, attn_impl=attention_backend(args))
+    fns = model_fns(model, cfg, attn_impl=attention_backend(args, cfg))
     limit = cfg.max_model_len  # position limit, capped by a sliding window (not applied)
     max_model_len = args.max_model_len or limit
     if max_model_len > limit:

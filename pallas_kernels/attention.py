@@ -2,14 +2,13 @@
 
 ``impl`` picks the jnp reference, the Pallas Mosaic TPU kernel or the Pallas (Triton) GPU
 kernel; all share one signature and layout (see ``pallas_kernels.reference``). A kernel that
-cannot handle a shape raises ``UnsupportedShapeError`` (a ``ValueError``) while tracing; this
-dispatcher then warns and runs the reference, so a model never fails to trace because of a
-block-size constraint. Any other error propagates.
+cannot handle a shape raises ``UnsupportedShapeError`` (a ``ValueError``) while tracing, and
+the error propagates: a kernel chosen explicitly never turns into the reference silently. A
+caller checks its shapes up front with ``check_supported`` (the engine does at build).
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Literal
 
@@ -18,13 +17,16 @@ import jax
 # The kernels are imported eagerly although only one is used: importing Pallas defines config
 # options, which changes jax's tracing context; importing it lazily inside the first trace made
 # the caller's jit compile twice (measured).
-from pallas_kernels.errors import UnsupportedShapeError
-from pallas_kernels.gpu import ragged_paged_attention_gpu
+from pallas_kernels import gpu, tpu
 from pallas_kernels.reference import ragged_paged_attention_reference
-from pallas_kernels.tpu import ragged_paged_attention_tpu
 
 Impl = Literal["reference", "tpu", "gpu"]
 IMPLS: tuple[str, ...] = ("reference", "tpu", "gpu")
+_KERNELS: dict[str, Callable[..., tuple[jax.Array, jax.Array]]] = {
+    "tpu": tpu.ragged_paged_attention_tpu,
+    "gpu": gpu.ragged_paged_attention_gpu,
+}
+_CHECKS: dict[str, Callable[..., None]] = {"tpu": tpu.check_supported, "gpu": gpu.check_supported}
 
 
 def default_impl() -> Impl:
@@ -37,8 +39,22 @@ def default_impl() -> Impl:
     return "reference"
 
 
-def _kernel(impl: str) -> Callable[..., tuple[jax.Array, jax.Array]]:
-    return ragged_paged_attention_tpu if impl == "tpu" else ragged_paged_attention_gpu
+def check_supported(
+    impl: Impl, *, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int
+) -> None:
+    """Raise ``UnsupportedShapeError`` if ``impl`` cannot run these shapes (default blocks).
+
+    The reference runs every shape; ``num_heads`` is a multiple of ``num_kv_heads``.
+
+    Raises:
+      UnsupportedShapeError: naming the parameter (``.field``) and its value (``.value``).
+      ValueError: for an unknown ``impl``.
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl != "reference":
+        _CHECKS[impl](num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                      page_size=page_size)  # fmt: skip
 
 
 def ragged_paged_attention(
@@ -78,19 +94,12 @@ def ragged_paged_attention(
       unspecified.
 
     Raises:
+      UnsupportedShapeError: the chosen kernel cannot run these shapes or block sizes.
       ValueError: for an unknown ``impl``.
     """
     args = (q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, num_seqs)
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    if impl != "reference":
-        try:
-            return _kernel(impl)(*args, sm_scale=sm_scale, interpret=interpret, **block_sizes)
-        except UnsupportedShapeError as e:
-            warnings.warn(
-                f"ragged_paged_attention: the {impl!r} kernel cannot run this shape ({e}); "
-                "falling back to the jnp reference",
-                stacklevel=2,
-            )
-            block_sizes = {}
-    return ragged_paged_attention_reference(*args, sm_scale=sm_scale, **block_sizes)
+    if impl == "reference":
+        return ragged_paged_attention_reference(*args, sm_scale=sm_scale, **block_sizes)
+    return _KERNELS[impl](*args, sm_scale=sm_scale, interpret=interpret, **block_sizes)

@@ -2,7 +2,18 @@
 
 
 class UnsupportedShapeError(ValueError):
-    """A Pallas kernel cannot handle these shapes or block sizes (the dispatcher falls back).
+    """A Pallas kernel cannot run these shapes or block sizes.
 
-    Raised at trace time, with a message naming the value and what it must be.
+    Raised by a kernel's ``check_supported`` (and so while tracing a call of the kernel). The
+    offending parameter and its value are kept as data, so a caller can say what to change
+    without parsing the message.
+
+    Attributes:
+      field: the parameter, e.g. ``"head_dim"`` or ``"page_size"``.
+      value: its value.
     """
+
+    def __init__(self, field: str, value: int, requirement: str) -> None:
+        super().__init__(f"{field} must be {requirement}, got {value}")
+        self.field = field
+        self.value = value

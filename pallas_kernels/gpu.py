@@ -55,32 +55,49 @@ def default_block_sizes(
     }
 
 
+def check_supported(
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    decode_tokens: int | None = None,
+    block_q: int | None = None,
+    pages_per_iter: int | None = None,
+) -> None:
+    """Raise ``UnsupportedShapeError`` if the Triton kernel cannot run these shapes.
+
+    Block sizes left ``None`` take ``default_block_sizes``; ``num_heads`` is a multiple of
+    ``num_kv_heads``. (``num_splits`` is free.)
+    """
+    defaults = default_block_sizes(num_heads, num_kv_heads, head_dim, page_size, num_reqs=1)
+    decode_tokens = decode_tokens or defaults["decode_tokens"]
+    block_q = block_q or defaults["block_q"]
+    pages_per_iter = pages_per_iter or defaults["pages_per_iter"]
+    Gp = _pow2(num_heads // num_kv_heads)
+    dot_dims = {  # dimensions of Triton dots
+        "head_dim": head_dim,
+        "decode_tokens * padded heads per kv head": decode_tokens * Gp,
+        "block_q * padded heads per kv head": block_q * Gp,
+    }
+    tiles = dot_dims | {"page_size": page_size, "pages_per_iter": pages_per_iter}
+    for name, n in tiles.items():
+        if n != _pow2(n):
+            raise UnsupportedShapeError(name, n, "a power of two for the Triton kernel")
+    for name, n in (dot_dims | {"pages_per_iter * page_size": pages_per_iter * page_size}).items():
+        if n < 16:
+            raise UnsupportedShapeError(name, n, ">= 16 for Triton dots")
+
+
 def check_shapes(q: jax.Array, kv_cache: jax.Array, sizes: dict[str, int]) -> None:
-    """Raise ``UnsupportedShapeError`` for shapes the Triton kernel does not handle."""
+    """``check_supported`` for these arrays; ``ValueError`` for an inconsistent head layout."""
     _, N, H = q.shape
     _, L, K2, Hk = kv_cache.shape
     if K2 % 2 or N % (K2 // 2) or Hk != H:
         raise ValueError(f"bad head layout: q heads {N}, cache head slots {K2}, dims {H}/{Hk}")
-    Gp = _pow2(N // (K2 // 2))
-    tiles = {
-        "head_dim": H,
-        "page_size": L,
-        "decode rows": sizes["decode_tokens"] * Gp,
-        "prefill rows": sizes["block_q"] * Gp,
-        "pages_per_iter": sizes["pages_per_iter"],
-    }
-    for name, n in tiles.items():
-        if n != _pow2(n):
-            raise UnsupportedShapeError(
-                f"{name} must be a power of two for the Triton kernel, got {n}"
-            )
-    for name in ("head_dim", "decode rows", "prefill rows"):
-        if tiles[name] < 16:
-            raise UnsupportedShapeError(f"{name} must be >= 16 for Triton dots, got {tiles[name]}")
-    if sizes["pages_per_iter"] * L < 16:
-        raise UnsupportedShapeError(
-            f"pages_per_iter * page_size must be >= 16, got {sizes['pages_per_iter'] * L}"
-        )
+    check_supported(num_heads=N, num_kv_heads=K2 // 2, head_dim=H, page_size=L,
+                    decode_tokens=sizes["decode_tokens"], block_q=sizes["block_q"],
+                    pages_per_iter=sizes["pages_per_iter"])  # fmt: skip
 
 
 def _launch(
@@ -177,8 +194,8 @@ def ragged_paged_attention_gpu(
       ``(out [T, N, H] in q.dtype, kv_cache)``.
 
     Raises:
-      UnsupportedShapeError: for shapes the kernel does not handle (the dispatcher falls
-        back); ValueError for inconsistent head layouts.
+      UnsupportedShapeError: for shapes the kernel does not handle (see
+        ``check_supported``); ValueError for inconsistent head layouts.
     """
     T, N, H = q.shape
     _, L, K2, _ = kv_cache.shape

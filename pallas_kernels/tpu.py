@@ -54,26 +54,44 @@ def default_block_sizes(head_dim: int, page_size: int) -> dict[str, int]:
     return {"block_q": 16, "pages_per_block": max(1, kv_tokens // page_size)}
 
 
+def check_supported(
+    *,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    page_size: int,
+    block_q: int | None = None,
+    pages_per_block: int | None = None,
+) -> None:
+    """Raise ``UnsupportedShapeError`` if this kernel cannot run these shapes.
+
+    Block sizes left ``None`` take ``default_block_sizes``; ``num_heads`` is a multiple of
+    ``num_kv_heads``.
+    """
+    defaults = default_block_sizes(head_dim, page_size)
+    block_q = block_q or defaults["block_q"]
+    pages_per_block = pages_per_block or defaults["pages_per_block"]
+    if head_dim % 64:
+        raise UnsupportedShapeError("head_dim", head_dim, "a multiple of 64 for the TPU kernel")
+    if page_size % 8:
+        raise UnsupportedShapeError("page_size", page_size, "a multiple of 8 for the TPU kernel")
+    rows = block_q * (num_heads // num_kv_heads)
+    if rows % 8:
+        raise UnsupportedShapeError(
+            "block_q * heads per kv head", rows, "a multiple of 8 for the TPU kernel"
+        )
+    if pages_per_block < 1:
+        raise UnsupportedShapeError("pages_per_block", pages_per_block, ">= 1")
+
+
 def check_shapes(q: jax.Array, kv_cache: jax.Array, block_q: int, pages_per_block: int) -> None:
-    """Raise ``UnsupportedShapeError`` for shapes this kernel does not handle."""
+    """``check_supported`` for these arrays; ``ValueError`` for an inconsistent head layout."""
     _, N, H = q.shape
     _, L, K2, Hk = kv_cache.shape
     if K2 % 2 or N % (K2 // 2) or Hk != H:
         raise ValueError(f"bad head layout: q heads {N}, cache head slots {K2}, dims {H}/{Hk}")
-    if H % 64:
-        raise UnsupportedShapeError(
-            f"head_dim must be a multiple of 64 for the TPU kernel, got {H}"
-        )
-    if L % 8:
-        raise UnsupportedShapeError(
-            f"page size must be a multiple of 8 for the TPU kernel, got {L}"
-        )
-    if block_q * (N * 2 // K2) % 8:
-        raise UnsupportedShapeError(
-            f"block_q * heads per kv head must be a multiple of 8, got {block_q}"
-        )
-    if pages_per_block < 1:
-        raise UnsupportedShapeError(f"pages_per_block must be >= 1, got {pages_per_block}")
+    check_supported(num_heads=N, num_kv_heads=K2 // 2, head_dim=H, page_size=L,
+                    block_q=block_q, pages_per_block=pages_per_block)  # fmt: skip
 
 
 def _first_request_of_blocks(
@@ -181,8 +199,8 @@ def ragged_paged_attention_tpu(
       ``(out [T, N, H] in q.dtype, kv_cache)`` with the new K/V written in place.
 
     Raises:
-      UnsupportedShapeError: for shapes the kernel does not handle (the dispatcher falls
-        back); ValueError for inconsistent head layouts.
+      UnsupportedShapeError: for shapes the kernel does not handle (see
+        ``check_supported``); ValueError for inconsistent head layouts.
     """
     T, N, H = q.shape
     P, L, K2, _ = kv_cache.shape

@@ -143,17 +143,6 @@ def test_debug_recompiles_env_var_turns_the_guard_on(monkeypatch: pytest.MonkeyP
     assert not make_engine().runner.config.debug_recompiles
 
 
-def test_attention_backend_is_checked_against_the_platform() -> None:
-    from jaxengine.engine_model import attention_backend
-
-    assert attention_backend(EngineArgs()) == "reference"  # CPU: the jnp path
-    assert attention_backend(EngineArgs(attention_backend="reference")) == "reference"
-    with pytest.raises(ValueError, match="attention_backend='tpu' needs a TPU"):
-        attention_backend(EngineArgs(attention_backend="tpu"))
-    with pytest.raises(ValueError, match="must be one of"):
-        EngineArgs(attention_backend="cuda-fast")
-
-
 def test_research_policies_are_engine_choices() -> None:
     assert EngineArgs(scheduling_policy="srpf").scheduling_policy == "srpf"
     with pytest.raises(ValueError, match="fcfs, priority, srpf"):

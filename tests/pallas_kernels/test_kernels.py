@@ -17,7 +17,12 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
-from pallas_kernels import ragged_paged_attention, ragged_paged_attention_reference
+from pallas_kernels import (
+    UnsupportedShapeError,
+    check_supported,
+    ragged_paged_attention,
+    ragged_paged_attention_reference,
+)
 from pallas_kernels.gpu import ragged_paged_attention_gpu
 from pallas_kernels.tpu import ragged_paged_attention_tpu
 from tests.pallas_kernels.cases import assert_cache_equal, make_case, numpy_oracle
@@ -106,23 +111,45 @@ def test_dispatcher_runs_the_kernel_under_jit(impl):
 
 
 @pytest.mark.parametrize(("impl", "match"), [("tpu", "multiple of 64"), ("gpu", "power of two")])
-def test_unsupported_shape_warns_and_falls_back(impl, match):
+def test_unsupported_shape_is_an_error_not_a_fallback(impl, match):
     case = make_case(BATCHES["mixed"], num_heads=4, num_kv_heads=2, head_dim=24, page_size=4)
     args = case.args(jnp.float32)
-    with pytest.raises(ValueError, match=match):
-        KERNELS[impl](*args, sm_scale=case.sm_scale, interpret=True)
-    with pytest.warns(UserWarning, match=f"the '{impl}' kernel cannot run this shape"):
-        out, _ = ragged_paged_attention(*args, sm_scale=case.sm_scale, impl=impl, interpret=True)
-    want, _ = numpy_oracle(case)
-    np.testing.assert_allclose(np.asarray(out)[: case.num_tokens], want, atol=2e-5, rtol=2e-5)
+    with pytest.raises(UnsupportedShapeError, match=f"head_dim must be a {match}.*got 24") as e:
+        jax.jit(lambda *a: ragged_paged_attention(
+            *a, sm_scale=case.sm_scale, impl=impl, interpret=True))(*args)  # fmt: skip
+    assert (e.value.field, e.value.value) == ("head_dim", 24)
+
+
+@pytest.mark.parametrize(
+    ("impl", "shape", "field", "value"),
+    [
+        ("tpu", dict(head_dim=96, page_size=16), "head_dim", 96),
+        ("tpu", dict(head_dim=128, page_size=12), "page_size", 12),
+        ("gpu", dict(head_dim=8, page_size=16), "head_dim", 8),
+        ("gpu", dict(head_dim=128, page_size=24), "page_size", 24),
+    ],
+)
+def test_check_supported_names_the_parameter(impl, shape, field, value):
+    with pytest.raises(UnsupportedShapeError, match=f"{field} must be .*got {value}") as e:
+        check_supported(impl, num_heads=32, num_kv_heads=8, **shape)
+    assert (e.value.field, e.value.value) == (field, value)
+
+
+@pytest.mark.parametrize("impl", ["reference", "tpu", "gpu"])
+def test_check_supported_accepts_common_models(impl):
+    # Llama-3-8B, SmolLM2-135M, Qwen2.5-0.5B, Gemma-7B
+    for heads, head_dim in (((32, 8), 128), ((9, 3), 64), ((14, 2), 64), ((16, 16), 256)):
+        check_supported(impl, num_heads=heads[0], num_kv_heads=heads[1], head_dim=head_dim,
+                        page_size=16)  # fmt: skip
 
 
 @pytest.mark.parametrize("impl", ["tpu", "gpu"])
-def test_bad_head_layout_is_an_error_not_a_fallback(impl):
+def test_bad_head_layout_is_a_plain_value_error(impl):
     case = make_case(BATCHES["decode"], num_heads=4, num_kv_heads=2, head_dim=64, page_size=16)
     q, *rest = case.args(jnp.float32)
-    with pytest.raises(ValueError, match="bad head layout"):  # 3 query heads over 2 kv heads
+    with pytest.raises(ValueError, match="bad head layout") as e:  # 3 query heads, 2 kv heads
         ragged_paged_attention(q[:, :3], *rest, sm_scale=1.0, impl=impl, interpret=True)
+    assert not isinstance(e.value, UnsupportedShapeError)
 
 
 @pytest.mark.parametrize(
