@@ -1,4 +1,4 @@
-"""Scheduler host overhead per step (BENCHMARKS.md §1).
+"""Scheduler host overhead per step (docs/BENCHMARKS.md §1).
 
 Times `schedule()` + `update_from_output()` per step with a fake model (every request whose
 prompt is complete samples token 7, EOS ignored) on seeded synthetic traces:
@@ -31,7 +31,7 @@ from scheduler import (  # noqa: E402
     update_from_output,
 )
 
-VLLM_MS_PER_STEP = (3.0, 5.0)  # BENCHMARKS.md §1, vLLM 0.32 on this kind of machine
+VLLM_MS_PER_STEP = (3.0, 5.0)  # docs/BENCHMARKS.md §1, vLLM 0.32 here
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ class Trace:
 
 
 def make_trace(name: str, num_requests: int, seed: int = 0) -> Trace:
-    """The synthetic traces of BENCHMARKS.md §1."""
+    """The synthetic traces of docs/BENCHMARKS.md §1."""
     rng = random.Random(seed)
     blocks = 16_000 if name in ("tight", "priority") else 200_000
     config = SchedulerConfig(

@@ -1,4 +1,4 @@
-"""Offline throughput on a workload (BENCHMARKS.md §2-3): tokens/s, TTFT/TPOT, compilations,
+"""Offline throughput on a workload (docs/BENCHMARKS.md §2-3): tokens/s, TTFT/TPOT, compilations,
 padding waste, and the step-time ratio of a x8 KV pool to a x1 pool.
 
     python benchmarks/throughput.py [--workload benchmarks/workloads/mix64.json] [--limit N]

@@ -1,4 +1,4 @@
-"""The model's device batch: a registered pytree of fixed-shape int32 arrays (DESIGN.md).
+"""The model's device batch: a registered pytree of fixed-shape int32 arrays (docs/DESIGN.md).
 
 T is the token bucket (scheduled tokens, padding after), R the fixed request capacity
 (`max_num_seqs`). Sampling arrays are the engine's and live elsewhere.

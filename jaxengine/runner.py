@@ -126,7 +126,8 @@ class Runner:
     def precompile(self, *, progress: bool = True) -> None:
         """AOT-compile the step for every token bucket and the sampler for every request bucket.
 
-        Later calls reuse these executables (JAX_NOTES.md), so the runner is warm afterwards.
+        Later calls reuse these executables (docs/JAX_NOTES.md, "Counting compilations"), so
+        the runner is warm afterwards.
         """
         before, t0 = self.compilations(), time.perf_counter()
         specs = [("step", t) for t in self.token_buckets]

@@ -1,4 +1,4 @@
-"""Counting XLA compilations per jitted function (JAX_NOTES.md, "Counting compilations").
+"""Counting XLA compilations per jitted function (docs/JAX_NOTES.md, "Counting compilations").
 
 One process-wide listener on `/jax/core/compile/backend_compile_duration` counts compilations
 by `fun_name` (e.g. `'jit(jaxengine_model_step)'`). JAX has no public way to remove a listener,

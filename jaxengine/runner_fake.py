@@ -1,4 +1,4 @@
-"""A fake model whose next token is a known function of its whole input (STYLE.md rule 10).
+"""A fake model whose next token is a known function of its whole input (docs/STYLE.md rule 10).
 
 The step writes each token id into a paged integer "KV cache" at its slot, then computes, for
 every token, a hash of all tokens of its request up to its position, read back through the

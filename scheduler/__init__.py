@@ -1,4 +1,4 @@
-"""vLLM V1's scheduler as a host-side immutable state machine (SCHEDULING.md is its contract).
+"""vLLM V1's scheduler as a host-side immutable state machine (docs/SCHEDULING.md is its contract).
 
 Pure functions from a state (and requests or model output) to a new state and a plan; no
 function mutates its arguments, so an old state stays valid and can be scheduled again.

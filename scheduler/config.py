@@ -1,4 +1,6 @@
-"""`SchedulerConfig`: every knob of the scheduler, validated on construction (SCHEDULING.md §2)."""
+"""`SchedulerConfig`: every knob of the scheduler, validated on construction
+(docs/SCHEDULING.md §2).
+"""
 
 import dataclasses
 import warnings

@@ -1,4 +1,4 @@
-"""Chained block hashes for automatic prefix caching (SCHEDULING.md §5).
+"""Chained block hashes for automatic prefix caching (docs/SCHEDULING.md §5).
 
 hash(block i) = H(hash(block i-1) or ROOT, token ids of block i, extra keys). The chain makes a
 block's hash name its whole prefix, so one dict lookup per block finds the longest cached prefix.

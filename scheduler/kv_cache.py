@@ -1,4 +1,5 @@
-"""The paged KV block pool and per-request block tables, with automatic prefix caching (§5).
+"""The paged KV block pool and per-request block tables, with automatic prefix caching
+(docs/SCHEDULING.md §5).
 
 `PoolData` is the mutable data; `KVCacheManager` is a working view that mutates it only through a
 `Journal`, so `scheduler._versioned` can keep every old version alive (purity at the boundary).

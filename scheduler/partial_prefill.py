@@ -1,4 +1,4 @@
-"""Concurrent partial prefill limits (SCHEDULING.md §6, from older vLLM), on when
+"""Concurrent partial prefill limits (docs/SCHEDULING.md §6, from older vLLM), on when
 `max_num_partial_prefills > 1`.
 
 A *partial prefill* is a request with more than one known token left to compute. Per step at most

@@ -1,4 +1,4 @@
-"""Scheduling policies as plug-ins (SCHEDULING.md §8).
+"""Scheduling policies as plug-ins (docs/SCHEDULING.md §8).
 
 A policy decides two things and nothing else: (a) where a request goes in `waiting`, (b) which
 running request to preempt when the KV pool is short. Everything else (budgets, blocks, caching)

@@ -1,4 +1,4 @@
-"""Trace replay with a fake model (SCHEDULING.md §10).
+"""Trace replay with a fake model (docs/SCHEDULING.md §10).
 
     python -m scheduler.replay TRACE.json [-o OUT.jsonl]
 
@@ -57,7 +57,7 @@ def _request(r: dict, arrival_time: float) -> Request:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m scheduler.replay", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("trace", help="trace JSON (SCHEDULING.md §10)")
+    parser.add_argument("trace", help="trace JSON (docs/SCHEDULING.md §10)")
     parser.add_argument("-o", "--output", help="write the JSON lines here instead of stdout")
     args = parser.parse_args(argv)
     with open(args.trace) as f:

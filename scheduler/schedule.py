@@ -1,4 +1,4 @@
-"""`schedule()`: one step of vLLM V1's scheduler as a pure function (SCHEDULING.md §3).
+"""`schedule()`: one step of vLLM V1's scheduler as a pure function (docs/SCHEDULING.md §3).
 
 There is no prefill phase and no decode phase. Every request has `num_tokens` (prompt + outputs)
 and `num_computed_tokens`; each step hands out a token budget so that each request's computed

@@ -64,7 +64,7 @@ def update_from_output(
     state: SchedulerState, output: SchedulerOutput, sampled_token_ids: Mapping[str, Sequence[int]],
     draft_token_ids: Mapping[str, Sequence[int]] | None = None,
 ) -> tuple[SchedulerState, tuple[RequestDelta, ...]]:
-    """Apply the tokens sampled in the step `output` planned (SCHEDULING.md §4).
+    """Apply the tokens sampled in the step `output` planned (docs/SCHEDULING.md §4).
 
     Args:
         state: the state `schedule()` returned with `output`.

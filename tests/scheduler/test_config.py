@@ -1,4 +1,4 @@
-"""SchedulerConfig: defaults and every validation rule of SCHEDULING.md §2."""
+"""SchedulerConfig: defaults and every validation rule of docs/SCHEDULING.md §2."""
 
 import pytest
 

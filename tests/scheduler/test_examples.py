@@ -1,4 +1,4 @@
-"""The four shared examples of SCHEDULING.md §7, via replay and via the API step by step."""
+"""The four shared examples of docs/SCHEDULING.md §7, via replay and via the API step by step."""
 
 from scheduler import SchedulerConfig, add_request, init_state
 from scheduler.replay import replay

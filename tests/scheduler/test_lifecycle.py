@@ -1,4 +1,5 @@
-"""Stop conditions, aborts, add_request errors and speculative-decode bookkeeping (§4, §9)."""
+"""Stop conditions, aborts, add_request errors and speculative-decode bookkeeping
+(docs/SCHEDULING.md §4, §9)."""
 
 import pytest
 

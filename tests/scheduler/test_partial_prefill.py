@@ -1,4 +1,4 @@
-"""Concurrent partial prefill limits (SCHEDULING.md §6)."""
+"""Concurrent partial prefill limits (docs/SCHEDULING.md §6)."""
 
 from scheduler import SchedulerConfig
 
