@@ -166,7 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
                                "passed to it (`jaxengine bench -- --help` shows its flags).",
                    allow_abbrev=False)
 
-    replay = sub.add_parser("replay", help="replay a scheduler trace (SCHEDULING.md §10)",
+    replay = sub.add_parser("replay", help="replay a scheduler trace (docs/SCHEDULING.md §10)",
                             description="Drive the scheduler with a fake model over TRACE and "
                                         "print one JSON line per step.")
     replay.add_argument("trace", metavar="TRACE.json", help="the trace file")
