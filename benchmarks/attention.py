@@ -99,14 +99,19 @@ def make_batch(shape: Shape, dtype: jnp.dtype, seed: int = 0) -> dict[str, jax.A
     }
 
 
+def kv_read_bytes(batch: dict[str, jax.Array]) -> int:
+    """Bytes of cached K/V the step must read: every live context once."""
+    _, _, K2, H = batch["kv_cache"].shape
+    return int(batch["seq_lens"].sum()) * K2 * H * batch["kv_cache"].dtype.itemsize
+
+
 def bytes_moved(batch: dict[str, jax.Array]) -> int:
     """Unique HBM bytes: every live context once, new K/V in and out, Q in, O out."""
     T, N, H = batch["q"].shape
     K2 = batch["kv_cache"].shape[2]
     item = batch["q"].dtype.itemsize
-    kv_read = int(batch["seq_lens"].sum()) * K2 * H
     kv_new = 2 * T * K2 * H  # read as k, v; written into the cache
-    return (kv_read + kv_new + 2 * T * N * H) * item
+    return kv_read_bytes(batch) + (kv_new + 2 * T * N * H) * item
 
 
 def attention_fn(impl: str, interpret: bool, blocks: dict[str, int] | None = None) -> Callable:

@@ -1,0 +1,268 @@
+"""One prepared check for a lent accelerator (NVIDIA H200, or a TPU): is the Pallas attention
+kernel correct there, is it what the engine's compiled step runs, and how fast is it?
+
+    python benchmarks/device_check.py [--quick] [--peak-gbps 4800] [--iters 20]
+    python benchmarks/device_check.py --cpu-smoke    # CPU: interpret mode, tiny sizes
+
+Sections, in order; each prints lines tagged with its name:
+  correctness  the kernel against the jnp reference, both on the device, over a small grid of
+               batches x head shapes x dtypes, with NaN / +Inf / -Inf garbage in every KV slot
+               no query may attend to (``tests/pallas_kernels/cases.py``): max |kernel - ref|.
+  engine-hlo   the engine's step (``model_fns`` with ``attention_backend(...)``, as
+               ``build_engine`` makes them, jitted like the runner's) lowered and compiled: the
+               Triton / Mosaic custom call must be in it and the jnp reference must not.
+  timing       kernel vs reference, median ms (``benchmarks/attention.py``'s batches and timer);
+  bandwidth    from the same runs: bytes of cached KV read / kernel time / ``--peak-gbps``.
+It ends with ``summary: PASS`` or ``summary: FAIL (...)`` and exits 1 on any failure; a section
+that raises is a failure, and the later sections still run.
+
+``--cpu-smoke`` runs every section on CPU: both kernels in interpret mode at tiny sizes, and the
+engine step lowered (not compiled) for an abstract H200 and TPU v6e. Its timings mean nothing;
+it exists so that a test keeps this script from rotting between device runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import attention as bench  # noqa: E402
+from jaxengine.config import ModelConfig  # noqa: E402
+from jaxengine.engine_args import EngineArgs  # noqa: E402
+from jaxengine.engine_model import attention_backend, model_fns  # noqa: E402
+from jaxengine.model import Model  # noqa: E402
+from jaxengine.model_step import pack_batch  # noqa: E402
+from jaxengine.runner import jaxengine_model_step  # noqa: E402
+from pallas_kernels import check_supported, default_impl, ragged_paged_attention  # noqa: E402
+from tests.pallas_kernels.cases import make_case  # noqa: E402
+
+PAGE_SIZE = 16
+HEADS = {"llama3-8b": (32, 8, 128), "smollm2": (9, 3, 64), "smoke": (4, 2, 64)}  # N, K, H
+BATCHES = {  # (q_len, context_len) per request
+    "decode": [(1, 3000), (1, 17), (1, 1), (1, 900), (1, 257)],
+    "prefill": [(200, 200), (37, 37), (64, 64)],
+    "mixed": [(1, 33), (96, 96), (40, 700), (1, 2), (3, 16)],
+    "long": [(1, 8000), (128, 4000), (1, 1500)],
+}
+SMOKE_BATCHES = {"decode": [(1, 40), (1, 17), (1, 1)], "mixed": [(1, 33), (20, 20), (9, 40)]}
+GARBAGE = {"nan": np.nan, "+inf": np.inf, "-inf": -np.inf}
+TOL = {"float32": 1e-4, "bfloat16": 5e-2}
+SMOKE_SHAPES = [
+    bench.Shape(name=name, num_decodes=d, num_prefills=p, chunk=16, context=(16, 64),
+                num_heads=4, num_kv_heads=2, head_dim=64, page_size=PAGE_SIZE)
+    for name, d, p in (("decode", 3, 0), ("mixed", 2, 1))
+]  # fmt: skip
+CUSTOM_CALL = {"gpu": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
+KERNEL_NAME = {"gpu": "ragged_paged_attention_gpu", "tpu": "ragged_paged_attention_tpu"}
+FALLBACK = "ragged_paged_attention_reference"  # the jitted reference's name in the HLO
+# The CPU smoke lowers the engine step for these abstract devices: (lowering platform, kind).
+ABSTRACT_DEVICES = {"gpu": ("cuda", "NVIDIA H200"), "tpu": ("tpu", "TPU v6 lite")}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Context:
+    """What every section needs to know about this run."""
+
+    impls: tuple[str, ...]  # kernels to check: the device's, or both in the CPU smoke
+    interpret: bool  # Pallas interpret mode (CPU smoke)
+    smoke: bool  # CPU smoke: tiny sizes, abstract lowering
+    quick: bool  # a smaller grid and fewer timing iterations
+    peak_gbps: float  # HBM peak for the bandwidth fraction
+    iters: int  # timed calls per implementation
+
+
+def _report(section: str, text: str, ok: bool | None = None) -> None:
+    verdict = "" if ok is None else (" PASS" if ok else " FAIL")
+    print(f"[{section}] {text}{verdict}", flush=True)
+
+
+# ---- correctness ----------------------------------------------------------------------------
+
+
+def _grid(ctx: Context) -> list[tuple[str, str, str, str]]:
+    """(batch, heads, dtype, garbage) runs; the garbage value cycles so that all three appear."""
+    if ctx.smoke:
+        return [(b, "smoke", "float32", g) for b in SMOKE_BATCHES for g in ("nan", "+inf")]
+    batches = ("mixed", "long") if ctx.quick else tuple(BATCHES)
+    heads = ("llama3-8b",) if ctx.quick else ("llama3-8b", "smollm2")
+    runs = [(b, h, d) for b in batches for h in heads for d in ("bfloat16", "float32")]
+    return [(*run, tuple(GARBAGE)[i % len(GARBAGE)]) for i, run in enumerate(runs)]
+
+
+def correctness(ctx: Context) -> list[str]:
+    """Each kernel vs the reference on garbage-filled caches; finite and within tolerance."""
+    failures = []
+    for i, (batch, heads, dtype, garbage) in enumerate(_grid(ctx)):
+        N, K, H = HEADS[heads]
+        reqs = (SMOKE_BATCHES if ctx.smoke else BATCHES)[batch]
+        case = make_case(reqs, num_heads=N, num_kv_heads=K, head_dim=H, page_size=PAGE_SIZE,
+                         garbage=GARBAGE[garbage], seed=i)  # fmt: skip
+        args, T = case.args(jnp.dtype(dtype)), case.num_tokens
+        ref, _ = ragged_paged_attention(*args, sm_scale=case.sm_scale, impl="reference")
+        ref = np.asarray(ref[:T].astype(jnp.float32))
+        for impl in ctx.impls:
+            out, _ = ragged_paged_attention(*args, sm_scale=case.sm_scale, impl=impl,
+                                            interpret=ctx.interpret)  # fmt: skip
+            out = np.asarray(out[:T].astype(jnp.float32))
+            err = float(np.abs(out - ref).max())
+            ok = bool(np.isfinite(out).all() and np.isfinite(ref).all()) and err <= TOL[dtype]
+            _report("correctness", f"{impl} {batch:7} {heads:9} {dtype:8} garbage={garbage:4} "
+                    f"max|err| {err:.2e} (tol {TOL[dtype]:.0e})", ok)  # fmt: skip
+            if not ok:
+                failures.append(f"correctness {impl} {batch} {heads} {dtype} {garbage}")
+    return failures
+
+
+# ---- the engine's compiled step -------------------------------------------------------------
+
+
+def _engine_step(cfg: ModelConfig, impl: str, dtype: jnp.dtype) -> tuple[Callable, tuple, dict]:
+    """The step program the engine runs: ``model_fns`` over the model, jitted like the runner.
+
+    Returns ``(jitted, args, statics)`` for ``jitted.lower(*args, **statics)``.
+    """
+    fns = model_fns(Model(cfg, dtype=dtype, seed=0), cfg, attn_impl=impl)
+    kv = fns.init_kv(64, PAGE_SIZE)
+    batch = pack_batch([], num_tokens=64, max_seqs=8, max_blocks=8, block_size=PAGE_SIZE)
+    batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
+    # As jaxengine.runner jits it: the model function static, the cache donated.
+    jitted = jax.jit(jaxengine_model_step, static_argnames=("step_fn",), donate_argnames=("kv",))
+    return jitted, (fns.params, kv, batch), {"step_fn": fns.step}
+
+
+def _lowered_for_abstract_device(impl: str, cfg: ModelConfig) -> str:
+    """The engine step lowered on CPU for an abstract accelerator (no compile possible)."""
+    # Imported here: only the CPU smoke uses them, and the device's jax (older than this
+    # machine's) must not fail at import over a name it never needs.
+    from jax.sharding import AbstractDevice, AbstractMesh, AxisType
+
+    platform, kind = ABSTRACT_DEVICES[impl]
+    jitted, args, statics = _engine_step(cfg, impl, jnp.float32)
+    device = AbstractDevice(device_kind=kind, num_cores=1,
+                            platform=platform.replace("cuda", "gpu"))  # fmt: skip
+    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
+    with jax.sharding.use_abstract_mesh(mesh):
+        return jitted.trace(*args, **statics).lower(lowering_platforms=(platform,)).as_text()
+
+
+def _check_text(impl: str, stage: str, text: str, *, require_call: bool) -> bool:
+    """Report whether ``text`` holds the kernel's custom call and not the reference."""
+    calls, named = text.count(CUSTOM_CALL[impl]), text.count(KERNEL_NAME[impl])
+    fallback = text.count(FALLBACK)
+    # Compiled HLO may rename the custom call; the kernel's name survives in its metadata.
+    ok = (calls > 0 if require_call else calls + named > 0) and fallback == 0
+    _report("engine-hlo", f"{impl} {stage}: {CUSTOM_CALL[impl]} "
+            f"{'found x' + str(calls) if calls else 'NOT FOUND'}, {KERNEL_NAME[impl]} named "
+            f"x{named}, reference {'FOUND x' + str(fallback) if fallback else 'not found'}",
+            ok)  # fmt: skip
+    return ok
+
+
+def engine_hlo(ctx: Context) -> list[str]:
+    """The engine's step contains the Pallas kernel's custom call, not the jnp reference."""
+    if ctx.smoke:
+        cfg = ModelConfig.tiny(hidden_size=64, head_dim=64)
+        failures = []
+        for impl in ctx.impls:
+            N, K, H = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+            check_supported(impl, num_heads=N, num_kv_heads=K, head_dim=H, page_size=PAGE_SIZE)
+            text = _lowered_for_abstract_device(impl, cfg)
+            if not _check_text(impl, "lowered (abstract device)", text, require_call=True):
+                failures.append(f"engine-hlo {impl}")
+        return failures
+    cfg = ModelConfig.smollm2_135m()
+    impl = attention_backend(EngineArgs(block_size=PAGE_SIZE), cfg)
+    if impl == "reference":
+        _report("engine-hlo", f"the engine chose attention_backend={impl!r}", False)
+        return ["engine-hlo: the engine chose the reference"]
+    jitted, args, statics = _engine_step(cfg, impl, jnp.bfloat16)
+    lowered = jitted.lower(*args, **statics)
+    ok = _check_text(impl, "lowered", lowered.as_text(), require_call=True)
+    t0 = time.perf_counter()
+    compiled = lowered.compile().as_text()
+    _report("engine-hlo", f"compiled the SmolLM2-135M step in {time.perf_counter() - t0:.1f}s")
+    ok &= _check_text(impl, "compiled", compiled, require_call=False)
+    return [] if ok else [f"engine-hlo {impl}"]
+
+
+# ---- timing and bandwidth -------------------------------------------------------------------
+
+
+def timing(ctx: Context) -> list[str]:
+    """Median time of each kernel and the reference; KV bytes read per second vs the peak."""
+    failures = []
+    shapes = SMOKE_SHAPES if ctx.smoke else bench.FULL
+    for shape in shapes:
+        batch = bench.make_batch(shape, jnp.dtype("bfloat16"))
+        ref_t, ref_out = bench.time_impl("reference", batch, ctx.iters, interpret=False)
+        kv_bytes = bench.kv_read_bytes(batch)
+        for impl in ctx.impls:
+            t, out = bench.time_impl(impl, batch, ctx.iters, interpret=ctx.interpret)
+            err = bench.live_error(out, ref_out, batch)
+            ok = bool(np.isfinite(err)) and err <= TOL["bfloat16"]
+            _report("timing", f"{shape.name:6} {impl}: {t * 1e3:.3f} ms, reference "
+                    f"{ref_t * 1e3:.3f} ms: {ref_t / t:.2f}x (max|err| {err:.1e})", ok)
+            gbps = kv_bytes / t / 1e9
+            _report("bandwidth", f"{shape.name:6} {impl}: {kv_bytes / 1e6:.1f} MB of KV in "
+                    f"{t * 1e3:.3f} ms = {gbps:.1f} GB/s = {100 * gbps / ctx.peak_gbps:.1f}% "
+                    f"of {ctx.peak_gbps:.0f} GB/s")  # fmt: skip
+            if not ok:
+                failures.append(f"timing {shape.name} {impl}")
+    return failures
+
+
+# Sections in report order: each takes the Context, prints its lines, returns its failures.
+# A tensor-parallel section (decode step time at tp=1, 2, 4, 8 over the lent chips) is one more
+# function of this kind, appended here.
+SECTIONS: list[Callable[[Context], list[str]]] = [correctness, engine_hlo, timing]
+
+
+def _context(args: argparse.Namespace) -> Context:
+    backend = jax.default_backend()
+    if args.cpu_smoke:
+        return Context(impls=("tpu", "gpu"), interpret=True, smoke=True, quick=True,
+                       peak_gbps=args.peak_gbps, iters=1)  # fmt: skip
+    if backend == "cpu":
+        raise SystemExit("device_check: no accelerator here; run with --cpu-smoke")
+    iters = args.iters or (5 if args.quick else 20)
+    return Context(impls=(default_impl(),), interpret=False, smoke=False, quick=args.quick,
+                   peak_gbps=args.peak_gbps, iters=iters)  # fmt: skip
+
+
+def main() -> int:
+    """Run every section; print the summary line; 0 if all passed, else 1."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="a smaller grid, fewer iterations")
+    p.add_argument("--cpu-smoke", action="store_true", help="CPU, interpret mode, tiny sizes")
+    p.add_argument("--peak-gbps", type=float, default=4800.0, help="HBM peak (H200: 4800)")
+    p.add_argument("--iters", type=int, default=None, help="timed calls (default 20, quick 5)")
+    ctx = _context(p.parse_args())
+    print(f"device_check: backend={jax.default_backend()} ({jax.devices()[0].device_kind}) "
+          f"jax={jax.__version__} impls={','.join(ctx.impls)} interpret={ctx.interpret} "
+          f"{'smoke' if ctx.smoke else 'quick' if ctx.quick else 'full'}", flush=True)
+    failures, t0 = [], time.perf_counter()
+    for section in SECTIONS:
+        try:
+            failures += section(ctx)
+        except Exception as e:  # report and go on: one device run should show every section
+            traceback.print_exc()
+            _report(section.__name__, f"raised {type(e).__name__}: {e}", False)
+            failures.append(f"{section.__name__} raised")
+    verdict = "PASS" if not failures else f"FAIL ({'; '.join(failures)})"
+    print(f"summary: {verdict} in {time.perf_counter() - t0:.0f}s")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""benchmarks/device_check.py runs end to end on CPU (--cpu-smoke), so it still works the day
+an accelerator is lent; and its HLO check tells a step with the kernel from one without."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import jax.numpy as jnp
+
+from benchmarks import device_check
+from jaxengine.config import ModelConfig
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "device_check.py"
+
+
+def test_cpu_smoke_prints_every_section_and_passes() -> None:
+    run = subprocess.run([sys.executable, str(SCRIPT), "--cpu-smoke"], capture_output=True,
+                         text=True, timeout=120)  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[0].startswith("device_check: backend=cpu") and "impls=tpu,gpu" in lines[0]
+    tagged = [line for line in lines if line.startswith("[")]
+    for impl in ("tpu", "gpu"):
+        mine = [line for line in tagged if f"] {impl} " in line or f" {impl}: " in line]
+        correct = [line for line in mine if line.startswith("[correctness]")]
+        assert len(correct) == 4 and all(line.endswith("PASS") for line in correct)
+        assert {"garbage=nan", "garbage=+inf"} <= {w for line in correct for w in line.split()}
+        hlo = [line for line in mine if line.startswith("[engine-hlo]")]
+        assert len(hlo) == 1 and device_check.CUSTOM_CALL[impl] + " found x" in hlo[0]
+        assert "reference not found PASS" in hlo[0]
+        assert sum(line.startswith("[timing]") for line in mine) == 2
+        assert sum(line.startswith("[bandwidth]") and "% of 4800 GB/s" in line
+                   for line in mine) == 2  # fmt: skip
+    assert lines[-1].startswith("summary: PASS")
+
+
+def test_hlo_check_fails_on_a_step_over_the_reference(capsys) -> None:
+    cfg = ModelConfig.tiny(hidden_size=64, head_dim=64)
+    jitted, args, statics = device_check._engine_step(cfg, "reference", jnp.float32)
+    text = jitted.lower(*args, **statics).as_text()
+    assert not device_check._check_text("gpu", "lowered", text, require_call=True)
+    assert not device_check._check_text("gpu", "compiled", text, require_call=False)
+    out = capsys.readouterr().out
+    assert "__gpu$xla.gpu.triton NOT FOUND" in out and "reference FOUND" in out
+    assert out.count("FAIL") == 2
