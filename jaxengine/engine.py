@@ -120,13 +120,18 @@ class LLMEngine:
             request_id=request_id, prompt=text, prompt_token_ids=ids, params=params, seed=seed,
             detokenizer=detok, metrics=RequestMetrics(arrival_time=arrival))
 
-    def abort_request(self, request_ids: str | Iterable[str]) -> None:
-        """Finish requests now and free their KV blocks; unknown ids are ignored."""
+    def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
+        """Finish requests now and free their KV blocks; unknown ids are ignored.
+
+        Returns:
+          The final output of each live request aborted (finish_reason "abort"), so that
+          whoever keeps metrics can count it as vLLM does.
+        """
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        live = [r for r in ids if r in self._tracked]
+        live = list(dict.fromkeys(r for r in ids if r in self._tracked))
         self.state = abort_requests(self.state, live)
-        for r in live:
-            del self._tracked[r]
+        now = time.time()
+        return [self._tracked.pop(r).abort(now) for r in live]
 
     def has_unfinished_requests(self) -> bool:
         """True while any request is waiting or running."""

@@ -68,6 +68,12 @@ class TrackedRequest:
             self.metrics = dataclasses.replace(self.metrics, finished_time=now)
         return stop_hit is not None and delta.finish_reason is None
 
+    def abort(self, now: float) -> RequestOutput:
+        """Finish as aborted at `now` (vLLM's finish_reason "abort"); the final output."""
+        self.finish_reason, self.stop_reason = "abort", None
+        self.metrics = dataclasses.replace(self.metrics, finished_time=now)
+        return self.output()
+
     def _add_logprobs(self, sampled: SampledToken) -> None:
         tok = self.detokenizer.tokenizer if self.detokenizer is not None else None
 

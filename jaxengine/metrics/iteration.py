@@ -7,7 +7,7 @@ the engine itself needs no metrics hook: whoever drives `step()` feeds the track
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from jaxengine.outputs import RequestOutput
@@ -18,7 +18,7 @@ from scheduler import SchedulerStats
 class FinishedRequestStats:
     """What a finished request contributes to the request-level histograms."""
 
-    finish_reason: str  # "stop" or "length" (requests aborted by their client are not here)
+    finish_reason: str  # "stop", "length" or "abort" (the client left, or the server stopped it)
     num_prompt_tokens: int
     num_generation_tokens: int
     e2e_latency: float  # seconds, arrival to finish
@@ -61,11 +61,15 @@ class StepTracker:
         """Remember a new request's max_tokens (reported when it finishes)."""
         self._max_tokens[request_id] = max_tokens
 
-    def forget(self, request_ids: Iterable[str]) -> None:
-        """Drop requests that left without finishing (aborted)."""
-        for rid in request_ids:
-            self._seen.pop(rid, None)
-            self._max_tokens.pop(rid, None)
+    def observe_aborted(self, outputs: Sequence[RequestOutput], now: float) -> IterationStats:
+        """The statistics of requests aborted between steps: each one finished, "abort".
+
+        Args:
+          outputs: what `LLMEngine.abort_request()` returned.
+          now: time.time() of the abort.
+        """
+        return IterationStats(timestamp=now,
+                              finished_requests=tuple(self._finished(out) for out in outputs))
 
     def observe(self, outputs: Sequence[RequestOutput], stats: SchedulerStats,
                 now: float) -> IterationStats:
@@ -112,5 +116,7 @@ class StepTracker:
             finish_reason=completion.finish_reason or "stop",
             num_prompt_tokens=len(out.prompt_token_ids),
             num_generation_tokens=len(completion.token_ids), e2e_latency=e2e,
-            queued_time=m.time_in_queue or 0.0, mean_time_per_output_token=m.tpot,
+            # never scheduled (aborted while waiting): it queued all its life
+            queued_time=m.time_in_queue if m.time_in_queue is not None else e2e,
+            mean_time_per_output_token=m.tpot,
             max_tokens_param=max_tokens)

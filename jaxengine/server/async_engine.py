@@ -130,7 +130,7 @@ class AsyncEngine:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks.clear()
-        self.engine.abort_request(list(self._streams))
+        self._abort_in_engine(list(self._streams))
         self._fail_all(EngineDeadError("the server is shutting down"))
 
     # ---- requests ----------------------------------------------------------------------
@@ -177,8 +177,7 @@ class AsyncEngine:
                     outputs = await asyncio.to_thread(self.engine.step)
                 except Exception as e:  # a bug or a device error: fail the batch, keep serving
                     logger.exception("engine step failed; aborting the running requests")
-                    self.engine.abort_request(list(self._streams))
-                    self._tracker.forget(list(self._streams))
+                    self._abort_in_engine(list(self._streams))
                     self._fail_all(EngineDeadError(f"engine step failed: {e}"))
                     continue
                 self._record(outputs)
@@ -188,8 +187,13 @@ class AsyncEngine:
     def _apply_aborts(self) -> None:
         if self._pending_aborts:
             ids, self._pending_aborts = list(self._pending_aborts), set()
-            self.engine.abort_request(ids)
-            self._tracker.forget(ids)
+            self._abort_in_engine(ids)
+
+    def _abort_in_engine(self, request_ids: list[str]) -> None:
+        """Abort in the engine and count each one as finished "abort" (vLLM's metric)."""
+        aborted = self.engine.abort_request(request_ids)
+        if aborted:
+            self.metrics.record_iteration(self._tracker.observe_aborted(aborted, time.time()))
 
     def _record(self, outputs: Sequence[RequestOutput]) -> None:
         stats = self.engine.snapshot().stats

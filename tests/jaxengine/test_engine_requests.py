@@ -127,7 +127,11 @@ def test_abort_frees_blocks_and_others_finish() -> None:
     engine.step()
     engine.step()
     snapshot = engine.snapshot()
-    engine.abort_request("a")
+    (aborted,) = engine.abort_request("a")
+    assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
+    assert list(aborted.outputs[0].token_ids) == fake_greedy(P, 2, V)  # what two steps drew
+    assert aborted.metrics.finished_time is not None
+    assert engine.abort_request("a") == []  # already gone: nothing to report twice
     done = {}
     while engine.has_unfinished_requests():
         done.update({o.request_id: o for o in engine.step() if o.finished})

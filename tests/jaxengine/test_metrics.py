@@ -89,6 +89,31 @@ def test_preemptions_and_prefix_hits_are_counted_once() -> None:
     assert f"Prefix cache hit rate: {rate:.1f}%" in log.log()
 
 
+def test_aborted_requests_count_as_finished_abort() -> None:
+    engine = make_engine()
+    tracker = StepTracker(engine.snapshot().stats)
+    prom = PrometheusStatLogger("fake", engine.max_model_len)
+    params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+    for rid, prompt in (("running", PROMPTS[0]), ("waiting", PROMPTS[1])):
+        engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+        tracker.track(rid, params.max_tokens)
+    never_ran = tracker.observe_aborted(engine.abort_request("waiting"), 0.0)
+    prom.record_iteration(never_ran)
+    (waiting,) = never_ran.finished_requests
+    assert waiting.num_generation_tokens == 0 and waiting.queued_time == waiting.e2e_latency
+    for _ in range(3):
+        prom.record_iteration(tracker.observe(engine.step(), engine.snapshot().stats, 0.0))
+    it = tracker.observe_aborted(engine.abort_request(["running", "unknown"]), 0.0)
+    (running,) = it.finished_requests
+    assert (running.finish_reason, running.num_generation_tokens) == ("abort", 3)
+    assert running.max_tokens_param == 50 and running.num_prompt_tokens == len(PROMPTS[0])
+    prom.record_iteration(it)
+    text = prom.render().decode()
+    assert _value(text, "jaxengine:request_success_total", finished_reason="abort") == 2
+    assert _value(text, "jaxengine:request_success_total", finished_reason="length") == 0
+    assert _value(text, "jaxengine:e2e_request_latency_seconds_count") == 2
+
+
 def test_each_logger_has_its_own_registry() -> None:
     a, b = PrometheusStatLogger("a", 64), PrometheusStatLogger("b", 64)  # no duplicate errors
     a.prompt_tokens.inc(5)
