@@ -198,7 +198,14 @@ class LLMEngine:
 
     def _encode(self, text: str) -> list[int]:
         if self.tokenizer is None:
-            raise ValueError("this engine has no tokenizer: pass {'prompt_token_ids': [...]}")
+            raise ValueError("this engine has no tokenizer (skip_tokenizer_init=True): pass "
+                             "the prompt as {'prompt_token_ids': [...]}, not as text")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # the tokenizer would fail with a cryptic TypeError
+            raise ValueError(f"the prompt text holds a lone surrogate ({text[e.start]!a} at "
+                             f"index {e.start}), which is not valid Unicode; pass valid "
+                             f"text") from None
         return list(self.tokenizer.encode(text))
 
     def _check_ids(self, ids: Any) -> list[int]:

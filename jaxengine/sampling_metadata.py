@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -11,6 +12,10 @@ import numpy as np
 from jaxengine.sampling import SamplingMetadata
 
 MAX_BANNED = 8  # stop token ids (+ EOS) a request with min_tokens may have
+# vLLM's bounds on a request's seed (torch.long). Negative seeds are valid there, so here too;
+# the sampler keys on the low 32 bits (`SamplingRow.seed & 0xFFFFFFFF`).
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+TOP_K_MAX = 2**31 - 1  # i32 in the metadata; any top_k >= V means "off" to the sampler
 
 
 def validate_sampling_params(sp: Any, *, max_logprobs: int, vocab_size: int | None) -> None:
@@ -29,16 +34,19 @@ def validate_sampling_params(sp: Any, *, max_logprobs: int, vocab_size: int | No
         raise ValueError(
             f"min_tokens must be in [0, max_tokens={sp.max_tokens}], got {sp.min_tokens!r}"
         )
-    if not sp.temperature >= 0:  # `not >=` also rejects NaN
-        raise ValueError(f"temperature must be >= 0, got {sp.temperature}")
-    if not 0 < sp.top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {sp.top_p}")
-    if not 0 <= sp.min_p <= 1:
-        raise ValueError(f"min_p must be in [0, 1], got {sp.min_p}")
+    # inf and NaN are refused: a NaN fails every comparison below, inf needs isfinite.
+    if not _is_real(sp.temperature) or not sp.temperature >= 0:
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got "
+                         f"{sp.temperature!r}")
+    if not _is_real(sp.top_p) or not 0 < sp.top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {sp.top_p!r}")
+    if not _is_real(sp.min_p) or not 0 <= sp.min_p <= 1:
+        raise ValueError(f"min_p must be in [0, 1], got {sp.min_p!r}")
     if not _is_int(sp.top_k) or sp.top_k < -1:
         raise ValueError(f"top_k must be -1 or 0 (off) or a positive integer, got {sp.top_k!r}")
-    if sp.seed is not None and not _is_int(sp.seed):
-        raise ValueError(f"seed must be an integer or None, got {sp.seed!r}")
+    if sp.seed is not None and not (_is_int(sp.seed) and SEED_MIN <= sp.seed <= SEED_MAX):
+        raise ValueError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] (int64, as "
+                         f"vLLM), or None; got {sp.seed!r}")
     lp = sp.logprobs
     if lp is not None and (not _is_int(lp) or not 0 <= lp <= max_logprobs):
         raise ValueError(f"logprobs must be in [0, max_logprobs={max_logprobs}], got {sp.logprobs}")
@@ -55,6 +63,12 @@ def validate_sampling_params(sp: Any, *, max_logprobs: int, vocab_size: int | No
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int | np.integer) and not isinstance(x, bool)
+
+
+def _is_real(x: Any) -> bool:
+    """A finite int or float (not a bool, a string, inf or NaN)."""
+    return isinstance(x, int | float | np.integer | np.floating) and not isinstance(x, bool) \
+        and math.isfinite(x)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -92,7 +106,7 @@ def build_sampling_metadata(
     for i, row in enumerate(rows):
         sp = row.params
         temperature[i] = sp.temperature
-        top_k[i] = max(sp.top_k, 0)
+        top_k[i] = min(max(sp.top_k, 0), TOP_K_MAX)  # a huge top_k must not overflow i32
         top_p[i] = sp.top_p
         min_p[i] = sp.min_p
         seeds[i] = row.seed & 0xFFFFFFFF

@@ -29,6 +29,9 @@ _TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedEr
 def error_body(message: str, *, code: int = 400, param: str | None = None) -> dict[str, Any]:
     """The OpenAI error object for `code`."""
     err_type = _TYPES.get(code) or HTTPStatus(code).phrase.replace(" ", "") + "Error"
+    # A message that quotes the request may carry a lone surrogate, which UTF-8 cannot encode:
+    # escape it, or rendering the error would itself fail and drop the connection.
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
@@ -86,7 +89,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestError)
     async def _request_error(_: Request, exc: RequestError) -> JSONResponse:
-        return error_response(str(exc), param=exc.param)
+        return error_response(str(exc), code=exc.code, param=exc.param)
 
     @app.exception_handler(ValueError)
     async def _value_error(_: Request, exc: ValueError) -> JSONResponse:

@@ -15,11 +15,34 @@ from scheduler import SamplingParams
 
 
 class RequestError(ValueError):
-    """A bad request; `param` names the offending field when known."""
+    """A bad request; `param` names the offending field when known, `code` is the HTTP status."""
 
-    def __init__(self, message: str, param: str | None = None) -> None:
+    def __init__(self, message: str, param: str | None = None, *, code: int = 400) -> None:
         super().__init__(message)
         self.param = param
+        self.code = code
+
+
+def has_lone_surrogate(value: Any) -> bool:
+    """True if any string in `value` (nested lists, dicts, models) holds a lone surrogate.
+
+    JSON's `"\\ud800"` escape parses to one: not valid Unicode, so it can be neither tokenized
+    nor sent back as UTF-8. (A valid escaped pair such as `"\\ud83d\\ude00"` parses to one
+    character and passes.)
+    """
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, BaseModel):
+        return any(has_lone_surrogate(getattr(value, f)) for f in type(value).model_fields)
+    if isinstance(value, dict):
+        return any(has_lone_surrogate(k) or has_lone_surrogate(v) for k, v in value.items())
+    if isinstance(value, list | tuple):
+        return any(has_lone_surrogate(v) for v in value)
+    return False
 
 
 class StreamOptions(BaseModel):
@@ -51,6 +74,15 @@ class _SamplingFields(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     user: str | None = None
+
+    def check_text(self) -> None:
+        """Reject text that is not valid Unicode, naming the field (before anything echoes it)."""
+        for name in type(self).model_fields:
+            if has_lone_surrogate(getattr(self, name)):
+                raise RequestError(
+                    f"'{name}' contains a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff "
+                    f"escape), which is not valid Unicode text; send valid characters (an "
+                    f"escaped pair such as \\ud83d\\ude00 is fine)", name)
 
     def check_supported(self) -> None:
         """Reject what the engine cannot do."""
@@ -139,11 +171,19 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens
 
-    def num_logprobs(self) -> int | None:
-        """Top-n logprobs per token for the engine (None: none asked)."""
-        if self.top_logprobs is not None and not self.logprobs:
+    def num_logprobs(self, max_logprobs: int) -> int | None:
+        """Top-n logprobs per token for the engine (None: none asked).
+
+        Checked here, not by the engine, so that the error names `top_logprobs` (the engine
+        only knows its own `logprobs`).
+        """
+        n = self.top_logprobs
+        if n is not None and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
-        return (self.top_logprobs or 0) if self.logprobs else None
+        if n is not None and not 0 <= n <= max_logprobs:
+            raise RequestError(f"top_logprobs must be in [0, {max_logprobs}] (the server's "
+                               f"max_logprobs), got {n}", "top_logprobs")
+        return (n or 0) if self.logprobs else None
 
 
 def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, *,

@@ -36,16 +36,20 @@ class OpenAIServing:
         self.model_name = model_name
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.max_model_len
+        self.max_logprobs = engine.engine.args.max_logprobs
 
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise RequestError(f"The model `{model}` does not exist; this server serves "
-                               f"`{self.model_name}`.", "model")
+    def _check(self, body: CompletionRequest | ChatCompletionRequest) -> None:
+        """The checks both endpoints share, text first: the others may echo a field."""
+        body.check_text()
+        if body.model is not None and body.model != self.model_name:
+            # vLLM's 404 (`OpenAIServing._check_model`), plus what to send instead
+            raise RequestError(f"The model `{body.model}` does not exist; this server serves "
+                               f"`{self.model_name}` (see /v1/models).", "model", code=404)
+        body.check_supported()
 
     async def completions(self, body: CompletionRequest, raw: Request) -> Response:
         """POST /v1/completions."""
-        self._check_model(body.model)
-        body.check_supported()
+        self._check(body)
         prompt = body.single_prompt()
         if isinstance(prompt, str):
             ids = self._encode(prompt)
@@ -62,8 +66,7 @@ class OpenAIServing:
 
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response:
         """POST /v1/chat/completions."""
-        self._check_model(body.model)
-        body.check_supported()
+        self._check(body)
         if self.tokenizer is None:
             raise RequestError("this server has no tokenizer: chat is unavailable")
         messages = [m.as_template_message() for m in body.messages]
@@ -74,7 +77,7 @@ class OpenAIServing:
             raise RequestError("the conversation renders to an empty prompt", "messages")
         max_tokens = resolve_max_tokens(body.requested_max_tokens(), len(ids),
                                         self.max_model_len, prompt_param="messages")
-        params = body.sampling_params(max_tokens, body.num_logprobs())
+        params = body.sampling_params(max_tokens, body.num_logprobs(self.max_logprobs))
         return await self._generate("chat", body, {"prompt": text, "prompt_token_ids": ids},
                                     params, raw, with_logprobs=body.logprobs)
 

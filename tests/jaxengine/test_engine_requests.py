@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -31,6 +32,14 @@ def _one(params: SamplingParams, **kw: Any) -> Any:
         ({"prompt_ids": [1]}, SamplingParams(), "prompt_token_ids"),
         ({"prompt_token_ids": [1]}, SamplingParams(max_tokens=0), "max_tokens"),
         ({"prompt_token_ids": [1]}, SamplingParams(temperature=-0.1), "temperature"),
+        ({"prompt_token_ids": [1]}, SamplingParams(temperature=math.inf), "temperature"),
+        ({"prompt_token_ids": [1]}, SamplingParams(temperature=math.nan), "temperature"),
+        ({"prompt_token_ids": [1]}, SamplingParams(temperature="hot"), "temperature"),
+        ({"prompt_token_ids": [1]}, SamplingParams(top_p=math.nan), "top_p"),
+        ({"prompt_token_ids": [1]}, SamplingParams(min_p=math.inf), "min_p"),
+        ({"prompt_token_ids": [1]}, SamplingParams(seed=2**63), "seed"),
+        ({"prompt_token_ids": [1]}, SamplingParams(seed=-(2**63) - 1), "seed"),
+        ("a\ud800b", SamplingParams(), "lone surrogate"),
         ({"prompt_token_ids": [1]}, SamplingParams(top_p=0.0), "top_p"),
         ({"prompt_token_ids": [1]}, SamplingParams(top_p=1.5), "top_p"),
         ({"prompt_token_ids": [1]}, SamplingParams(min_p=2.0), "min_p"),
