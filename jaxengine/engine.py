@@ -228,6 +228,9 @@ class LLMEngine:
                              f"for output in max_model_len={self.max_model_len}")
         validate_sampling_params(params, max_logprobs=self.args.max_logprobs,
                                  vocab_size=self.vocab_size)
+        if params.stop and self.tokenizer is None:  # vLLM ignores them silently; say so
+            raise ValueError("stop strings need a tokenizer, and this engine has none "
+                             "(skip_tokenizer_init=True): use stop_token_ids instead")
         cfg = self.scheduler_config
         longest = min(len(ids) + (params.max_tokens or self.max_model_len), self.max_model_len)
         need = -(-longest // cfg.block_size)

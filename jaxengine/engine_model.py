@@ -86,16 +86,46 @@ def kv_budget_bytes(args: EngineArgs) -> int:
     return int(free * (1 - ACTIVATION_RESERVE))
 
 
-def num_kv_blocks(args: EngineArgs, fns: ModelFns) -> int:
-    """Pages in the pool: `num_gpu_blocks_override`, else what the budget holds."""
+def num_kv_blocks(args: EngineArgs, fns: ModelFns, max_model_len: int) -> int:
+    """Pages in the pool: `num_gpu_blocks_override`, else what the budget holds.
+
+    Raises:
+      ValueError: the pool cannot hold one request of `max_model_len` tokens. vLLM refuses to
+        start then too; the message gives the numbers and what to change.
+    """
+    bs, per_block = args.block_size, fns.kv_bytes_per_block(args.block_size)
+    need = -(-max_model_len // bs) + 1  # one full-length request, plus the null block 0
     if args.num_gpu_blocks_override is not None:
-        return args.num_gpu_blocks_override
+        blocks = args.num_gpu_blocks_override
+        if blocks < need:
+            raise ValueError(
+                f"num_gpu_blocks_override={blocks} leaves {blocks - 1} usable KV blocks of {bs} "
+                f"tokens, but one request of max_model_len={max_model_len} tokens needs "
+                f"{need - 1} (plus the null block: {need} in all). Raise "
+                f"num_gpu_blocks_override to at least {need}, or lower max_model_len to at most "
+                f"{(blocks - 1) * bs}.")
+        return blocks
     budget = kv_budget_bytes(args)
-    blocks = budget // fns.kv_bytes_per_block(args.block_size)
-    if blocks < 2:
-        raise ValueError(f"the KV budget of {budget} bytes holds {blocks} blocks of "
-                         f"{args.block_size} tokens; raise kv_cache_memory_bytes")
+    blocks = max(budget // per_block, 0)  # a device already full gives a negative budget
+    if blocks < need:
+        shrink = (f"lower max_model_len to at most {(blocks - 1) * bs}, or "
+                  if blocks >= 2 else "")
+        raise ValueError(
+            f"the KV cache budget of {budget} bytes ({_size(budget)}) holds {blocks} blocks of "
+            f"{bs} tokens ({per_block} bytes each, null block included), but one request of "
+            f"max_model_len={max_model_len} tokens needs {need} blocks: {need * per_block} "
+            f"bytes ({_size(need * per_block)}). To start, {shrink}raise the budget "
+            f"(kv_cache_memory_bytes; or gpu_memory_utilization on an accelerator, "
+            f"cpu_kv_cache_bytes on CPU), or set num_gpu_blocks_override >= {need}.")
     return int(blocks)
+
+
+def _size(n: int) -> str:
+    """`n` bytes for a reader: "1.50 GiB", "96.0 KiB"."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n} B"
 
 
 def build_engine(args: EngineArgs) -> LLMEngine:
@@ -103,17 +133,19 @@ def build_engine(args: EngineArgs) -> LLMEngine:
 
     Raises:
       ModelLoadError (a ValueError): bad model path or files.
-      ValueError: settings that do not fit the model.
+      ValueError: settings that do not fit the model, or a KV pool too small for one request
+        of max_model_len tokens.
     """
     from jaxengine.loading.load import load_model
 
     dtype = "float32" if args.dtype == "auto" else args.dtype
-    model, cfg, tokenizer = load_model(args.model, dtype=dtype)
+    model, cfg, tokenizer = load_model(args.model, dtype=dtype,
+                                       with_tokenizer=not args.skip_tokenizer_init)
     fns = model_fns(model, cfg, attn_impl=attention_backend(args, cfg))
     limit = cfg.max_model_len  # position limit, capped by a sliding window (not applied)
     max_model_len = args.max_model_len or limit
     if max_model_len > limit:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's limit of {limit}")
-    return LLMEngine(fns, args, tokenizer=None if args.skip_tokenizer_init else tokenizer,
-                     max_model_len=max_model_len, num_blocks=num_kv_blocks(args, fns))
+    return LLMEngine(fns, args, tokenizer=tokenizer, max_model_len=max_model_len,
+                     num_blocks=num_kv_blocks(args, fns, max_model_len))
 

@@ -40,16 +40,18 @@ def _check_dtype(dtype: str | jnp.dtype) -> jnp.dtype:
     return jnp.dtype(_DTYPES[name])
 
 
-def load_model(path: str | None = None, *, dtype: str | jnp.dtype = "float32"
-               ) -> tuple[Model, ModelConfig, Tokenizer]:
+def load_model(path: str | None = None, *, dtype: str | jnp.dtype = "float32",
+               with_tokenizer: bool = True) -> tuple[Model, ModelConfig, Tokenizer | None]:
     """Load weights, config and tokenizer; never downloads anything.
 
     Args:
         path: an HF model directory (config.json, *.safetensors, tokenizer.json), a .gguf
             file, or None for the embedded default (SmolLM2-135M-Instruct, Q4_1 GGUF).
         dtype: "float32" or "bfloat16" (weights, activations and KV cache).
+        with_tokenizer: False (`skip_tokenizer_init`): the tokenizer is not read at all.
     Returns:
-        (model, config, tokenizer); `jaxengine.model_step.split_model(model)` gives the state.
+        (model, config, tokenizer or None); `jaxengine.model_step.split_model(model)` gives
+        the state.
     Raises:
         ModelLoadError: missing files, wrong tensor shapes, unsupported architecture or a
             corrupt file; the message says what to fix.
@@ -57,8 +59,8 @@ def load_model(path: str | None = None, *, dtype: str | jnp.dtype = "float32"
     jdtype = _check_dtype(dtype)
     path = _existing_model_path(path)
     if os.path.isdir(path):
-        return load_hf_dir(path, dtype=jdtype)
-    return load_gguf(path, dtype=jdtype)
+        return load_hf_dir(path, dtype=jdtype, with_tokenizer=with_tokenizer)
+    return load_gguf(path, dtype=jdtype, with_tokenizer=with_tokenizer)
 
 
 def load_tokenizer(path: str | None = None) -> Tokenizer:
@@ -84,10 +86,11 @@ def _existing_model_path(path: str | None) -> str:
     raise ModelLoadError(f"{path}: expected an HF model directory or a .gguf file")
 
 
-def load_hf_dir(path: str, *, dtype: jnp.dtype) -> tuple[Model, ModelConfig, Tokenizer]:
+def load_hf_dir(path: str, *, dtype: jnp.dtype, with_tokenizer: bool = True
+                ) -> tuple[Model, ModelConfig, Tokenizer | None]:
     """Load an HF directory (safetensors, single or sharded)."""
     cfg = read_hf_config(path)
-    tokenizer = Tokenizer.from_hf_dir(path)
+    tokenizer = Tokenizer.from_hf_dir(path) if with_tokenizer else None
     source = SafetensorsSource(path)
     try:
         weights = load_weights(cfg, source, dtype=dtype, where=path)
@@ -96,12 +99,13 @@ def load_hf_dir(path: str, *, dtype: jnp.dtype) -> tuple[Model, ModelConfig, Tok
     return Model(cfg, dtype=dtype, weights=weights), cfg, tokenizer
 
 
-def load_gguf(path: str, *, dtype: jnp.dtype) -> tuple[Model, ModelConfig, Tokenizer]:
+def load_gguf(path: str, *, dtype: jnp.dtype, with_tokenizer: bool = True
+              ) -> tuple[Model, ModelConfig, Tokenizer | None]:
     """Load a GGUF file, dequantizing tensor by tensor."""
     reader = open_gguf(path)
     meta = gguf_metadata(reader)
     cfg = read_gguf_config(reader, meta)
-    tokenizer = Tokenizer.from_gguf_metadata(meta)
+    tokenizer = Tokenizer.from_gguf_metadata(meta) if with_tokenizer else None
     weights = load_weights(cfg, GGUFSource(reader, cfg, path), dtype=dtype, where=path)
     model = Model(cfg, dtype=dtype, weights=weights)
     return model, cfg, tokenizer

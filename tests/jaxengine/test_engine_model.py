@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -10,11 +13,13 @@ import pytest
 
 from jaxengine.engine import LLMEngine
 from jaxengine.engine_args import EngineArgs
-from jaxengine.engine_model import model_fns
+from jaxengine.engine_model import build_engine, model_fns
 from jaxengine.llm import LLM
 from jaxengine.loading.load import load_model
+from jaxengine.tokenizer import Tokenizer
 from scheduler import SamplingParams
 
+ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 TINY = FIXTURES / "tiny" / "llama_tied_mha"
 GREEDY = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
@@ -67,6 +72,54 @@ def test_preemption_and_prefix_caching_do_not_change_greedy_outputs() -> None:
     cached, plain = _llm(max_num_seqs=2), _llm(enable_prefix_caching=False, max_num_seqs=2)
     assert _tokens(cached, shared) == _tokens(plain, shared)
     assert cached.llm_engine.state.stats.prefix_cache_hits > 0
+
+
+def test_skip_tokenizer_init_reads_no_tokenizer_and_returns_token_ids(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_tokenizer(*args: Any) -> Any:
+        raise AssertionError("skip_tokenizer_init=True, yet the tokenizer was loaded")
+
+    monkeypatch.setattr(Tokenizer, "from_hf_dir", no_tokenizer)
+    llm = LLM(str(TINY), skip_tokenizer_init=True, **SMALL, num_gpu_blocks_override=64)
+    assert llm.get_tokenizer() is None and llm.llm_engine.eos_token_id is None
+    prompt = _prompts()[0]
+    (out,) = llm.generate({"prompt_token_ids": prompt}, GREEDY, use_tqdm=False)
+    assert out.outputs[0].token_ids == _single_request_greedy()[0]  # as with a tokenizer
+    assert out.outputs[0].text == "" and out.prompt is None
+    with pytest.raises(ValueError, match=r"skip_tokenizer_init=True\): pass the prompt as"):
+        llm.generate("a text prompt", GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="stop strings need a tokenizer.*stop_token_ids"):
+        llm.generate({"prompt_token_ids": prompt}, SamplingParams(stop=["x"]), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_a_kv_pool_that_cannot_hold_max_model_len_is_refused_at_build() -> None:
+    # max_model_len=128 in blocks of 4 tokens: 32 blocks, plus the null block
+    small = EngineArgs(model=str(TINY), **{**SMALL, "num_gpu_blocks_override": 20})
+    with pytest.raises(ValueError, match=(
+            r"num_gpu_blocks_override=20 leaves 19 usable KV blocks of 4 tokens, but one "
+            r"request of max_model_len=128 tokens needs 32 .* at least 33, or lower "
+            r"max_model_len to at most 76")):
+        build_engine(small)
+    per_block = _loaded()[0].kv_bytes_per_block(4)
+    budget = EngineArgs(model=str(TINY), **SMALL, kv_cache_memory_bytes=20 * per_block)
+    with pytest.raises(ValueError, match=(
+            rf"budget of {20 * per_block} bytes .* holds 20 blocks .* needs 33 blocks: "
+            rf"{33 * per_block} bytes .* lower max_model_len to at most 76, or raise the "
+            rf"budget \(kv_cache_memory_bytes")):
+        build_engine(budget)
+    fits = build_engine(EngineArgs(model=str(TINY), **SMALL, kv_cache_memory_bytes=33 * per_block))
+    assert fits.scheduler_config.num_blocks == 33
+
+
+def test_serve_with_a_kv_pool_too_small_exits_with_the_numbers() -> None:
+    cmd = [sys.executable, "-m", "jaxengine", "serve", str(TINY), "--port", "0",
+           "--max-model-len", "128", "--block-size", "4", "--num-gpu-blocks-override", "20"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # Were the check missing, the server would start and block: the timeout fails the test.
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    assert proc.returncode == 1, proc.stderr
+    assert "jaxengine serve: error: num_gpu_blocks_override=20 leaves 19 usable" in proc.stderr
 
 
 @pytest.mark.slow
