@@ -1,4 +1,4 @@
-"""Ragged paged attention alone (BENCHMARKS.md §4).
+"""Ragged paged attention alone (docs/BENCHMARKS.md §4).
 
 Fixed shapes: 64 requests with contexts U[1k, 8k], Llama-3-8B head geometry (32 q heads, 8 kv
 heads, head_dim 128), page size 16, bfloat16, two batches:

@@ -1,6 +1,6 @@
 """`LLMEngine`: the continuous-batching loop around the pure scheduler and the runner.
 
-One `step()` is DESIGN.md's data flow: `schedule` (host, pure) -> runner (device: padded
+One `step()` is docs/DESIGN.md's data flow: `schedule` (host, pure) -> runner (device: padded
 batch, model step with the KV cache donated, sampling) -> `update_from_output` (host, pure)
 -> detokenize, stop strings, metrics. The scheduler state is a value held here, so
 `snapshot()` is free. Errors a user can cause raise `ValueError` before anything changes.
