@@ -38,12 +38,12 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import attention as bench  # noqa: E402
-from jaxengine.config import ModelConfig  # noqa: E402
-from jaxengine.engine_args import EngineArgs  # noqa: E402
-from jaxengine.engine_model import attention_backend, model_fns  # noqa: E402
-from jaxengine.model import Model  # noqa: E402
-from jaxengine.model_step import pack_batch  # noqa: E402
-from jaxengine.runner import jaxengine_model_step  # noqa: E402
+from jaxengine.engine.args import EngineArgs  # noqa: E402
+from jaxengine.engine.build import attention_backend, model_fns  # noqa: E402
+from jaxengine.model.config import ModelConfig  # noqa: E402
+from jaxengine.model.llama import Model  # noqa: E402
+from jaxengine.model.step import pack_batch  # noqa: E402
+from jaxengine.runner.runner import jaxengine_model_step  # noqa: E402
 from pallas_kernels import check_supported, default_impl, ragged_paged_attention  # noqa: E402
 from tests.pallas_kernels.cases import make_case  # noqa: E402
 
@@ -136,7 +136,7 @@ def _engine_step(cfg: ModelConfig, impl: str, dtype: jnp.dtype) -> tuple[Callabl
     kv = fns.init_kv(64, PAGE_SIZE)
     batch = pack_batch([], num_tokens=64, max_seqs=8, max_blocks=8, block_size=PAGE_SIZE)
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
-    # As jaxengine.runner jits it: the model function static, the cache donated.
+    # As jaxengine.runner.runner jits it: the model function static, the cache donated.
     jitted = jax.jit(jaxengine_model_step, static_argnames=("step_fn",), donate_argnames=("kv",))
     return jitted, (fns.params, kv, batch), {"step_fn": fns.step}
 

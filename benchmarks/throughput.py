@@ -47,8 +47,8 @@ def percentile(values: list[float], q: float) -> float:
 
 def build_engine(fns: Any, tokenizer: Any, args: argparse.Namespace, num_blocks: int) -> Any:
     """An `LLMEngine` over already-loaded model functions, warmed up (every bucket compiled)."""
-    from jaxengine.engine import LLMEngine
-    from jaxengine.engine_args import EngineArgs
+    from jaxengine.engine.args import EngineArgs
+    from jaxengine.engine.llm_engine import LLMEngine
 
     engine_args = EngineArgs(max_num_seqs=args.max_num_seqs, block_size=args.block_size,
                              max_num_batched_tokens=args.max_num_batched_tokens,
@@ -91,8 +91,8 @@ def run_engine(engine: Any, requests: list[dict[str, Any]]) -> dict[str, Any]:
 
 def jaxengine_side(args: argparse.Namespace, requests: list[dict[str, Any]]) -> dict[str, Any]:
     """Load the model once; run the workload on a x1 and a x8 KV pool."""
-    from jaxengine.engine_args import EngineArgs
-    from jaxengine.engine_model import attention_backend, model_fns
+    from jaxengine.engine.args import EngineArgs
+    from jaxengine.engine.build import attention_backend, model_fns
     from jaxengine.loading.load import load_model
 
     t0 = time.time()

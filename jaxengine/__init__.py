@@ -1,13 +1,13 @@
 """jaxengine: a JAX-native LLM serving engine (vLLM-V1 continuous batching on a pure scheduler)."""
 
-from jaxengine.config import ModelConfig, ModelLoadError
-from jaxengine.engine import LLMEngine
-from jaxengine.engine_args import EngineArgs
+from jaxengine.engine.args import EngineArgs
+from jaxengine.engine.llm_engine import LLMEngine
+from jaxengine.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxengine.generate import GenerateOutput, generate
 from jaxengine.llm import LLM
 from jaxengine.loading import load_model
-from jaxengine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from jaxengine.tokenizer import Tokenizer
+from jaxengine.loading.tokenizer import Tokenizer
+from jaxengine.model.config import ModelConfig, ModelLoadError
 from scheduler import SamplingParams
 
 __all__ = [

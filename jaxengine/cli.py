@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Any
 
 import scheduler
-from jaxengine import engine_args as engine_args_module
-from jaxengine.engine_args import EngineArgs
+from jaxengine.engine import args as engine_args_module
+from jaxengine.engine.args import EngineArgs
 
 CHOICES = {"dtype": engine_args_module.DTYPES,
            "scheduling_policy": tuple(scheduler.POLICIES),

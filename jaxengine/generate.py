@@ -23,9 +23,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxengine.model_batch import ModelBatch
-from jaxengine.runner import ModelFns
-from jaxengine.sampling import SamplingMetadata, sample_impl
+from jaxengine.model.batch import ModelBatch
+from jaxengine.model.fns import ModelFns
+from jaxengine.sampling.sampler import SamplingMetadata, sample_impl
 
 
 @jax.tree_util.register_dataclass

@@ -8,9 +8,9 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
-from jaxengine.engine import LLMEngine, PromptType
-from jaxengine.engine_args import EngineArgs
-from jaxengine.outputs import RequestOutput
+from jaxengine.engine.args import EngineArgs
+from jaxengine.engine.llm_engine import LLMEngine, PromptType
+from jaxengine.engine.outputs import RequestOutput
 from scheduler import SamplingParams
 
 Conversation = Sequence[Mapping[str, Any]]
@@ -26,7 +26,7 @@ class LLM:
           model: an HF model directory or a .gguf file; never downloaded.
           **engine_args: `EngineArgs` fields by vLLM's names (unknown names raise ValueError).
         """
-        from jaxengine.engine_model import build_engine
+        from jaxengine.engine.build import build_engine
 
         args = EngineArgs.from_kwargs(model=model, **engine_args)
         self.llm_engine = build_engine(args)

@@ -1,6 +1,5 @@
 """Weight loading: HF directories (safetensors), GGUF files, and the embedded default model."""
 
-from jaxengine.config import ModelLoadError
 from jaxengine.loading.load import (
     default_model_path,
     load_gguf,
@@ -8,6 +7,7 @@ from jaxengine.loading.load import (
     load_model,
     load_tokenizer,
 )
+from jaxengine.model.config import ModelLoadError
 
 __all__ = ["ModelLoadError", "default_model_path", "load_gguf", "load_hf_dir", "load_model",
            "load_tokenizer"]

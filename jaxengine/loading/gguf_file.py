@@ -13,7 +13,7 @@ from typing import Any
 import gguf
 import numpy as np
 
-from jaxengine.config import ModelConfig, ModelLoadError
+from jaxengine.model.config import ModelConfig, ModelLoadError
 
 # HF per-layer tensor suffix -> GGUF tensor name in block i
 _LAYER_NAMES = {

@@ -9,7 +9,7 @@ from contextlib import ExitStack
 import numpy as np
 from safetensors import safe_open
 
-from jaxengine.config import ModelConfig, ModelLoadError
+from jaxengine.model.config import ModelConfig, ModelLoadError
 
 
 def read_hf_config(path: str) -> ModelConfig:

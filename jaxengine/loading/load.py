@@ -7,12 +7,12 @@ import os
 
 import jax.numpy as jnp
 
-from jaxengine.config import ModelConfig, ModelLoadError
 from jaxengine.loading.gguf_file import GGUFSource, gguf_metadata, open_gguf, read_gguf_config
 from jaxengine.loading.hf import SafetensorsSource, read_hf_config
+from jaxengine.loading.tokenizer import Tokenizer
 from jaxengine.loading.weights import load_weights
-from jaxengine.model import Model
-from jaxengine.tokenizer import Tokenizer
+from jaxengine.model.config import ModelConfig, ModelLoadError
+from jaxengine.model.llama import Model
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -50,7 +50,7 @@ def load_model(path: str | None = None, *, dtype: str | jnp.dtype = "float32",
         dtype: "float32" or "bfloat16" (weights, activations and KV cache).
         with_tokenizer: False (`skip_tokenizer_init`): the tokenizer is not read at all.
     Returns:
-        (model, config, tokenizer or None); `jaxengine.model_step.split_model(model)` gives
+        (model, config, tokenizer or None); `jaxengine.model.step.split_model(model)` gives
         the state.
     Raises:
         ModelLoadError: missing files, wrong tensor shapes, unsupported architecture or a

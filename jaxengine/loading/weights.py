@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxengine.config import ModelConfig, ModelLoadError
-from jaxengine.model import GLOBAL_WEIGHTS, weight_shapes
+from jaxengine.model.config import ModelConfig, ModelLoadError
+from jaxengine.model.llama import GLOBAL_WEIGHTS, weight_shapes
 
 # our name -> HF tensor name (per-layer names get the "model.layers.{i}." prefix)
 HF_NAMES = {

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from jaxengine.outputs import RequestOutput
+from jaxengine.engine.outputs import RequestOutput
 from scheduler import SchedulerStats
 
 

@@ -15,7 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from jaxengine.engine import LLMEngine
+from jaxengine.engine.llm_engine import LLMEngine
 from jaxengine.server.async_engine import AsyncEngine
 from jaxengine.server.errors import install_error_handlers
 from jaxengine.server.protocol import ChatCompletionRequest, CompletionRequest

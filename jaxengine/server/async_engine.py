@@ -16,9 +16,9 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from jaxengine.engine import LLMEngine, PromptType
+from jaxengine.engine.llm_engine import LLMEngine, PromptType
+from jaxengine.engine.outputs import RequestOutput
 from jaxengine.metrics import LoggingStatLogger, PrometheusStatLogger, StepTracker
-from jaxengine.outputs import RequestOutput
 from scheduler import SamplingParams
 
 logger = logging.getLogger("jaxengine.server")

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from jaxengine.outputs import Logprob, RequestOutput
+from jaxengine.engine.outputs import Logprob, RequestOutput
 
 Kind = Literal["completion", "chat"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 
-from jaxengine.engine_args import EngineArgs
+from jaxengine.engine.args import EngineArgs
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -33,7 +33,7 @@ def serve(args: EngineArgs, *, host: str = "127.0.0.1", port: int = 8000,
     """
     import uvicorn
 
-    from jaxengine.engine_model import build_engine
+    from jaxengine.engine.build import build_engine
     from jaxengine.server.app import build_app
 
     logging.basicConfig(level=log_level.upper(),

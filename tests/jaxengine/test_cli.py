@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from jaxengine.cli import build_parser, engine_args_from, main
-from jaxengine.engine_args import EngineArgs
+from jaxengine.engine.args import EngineArgs
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "tests" / "fixtures" / "tiny" / "llama_tied_mha"

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxengine.generate import generate
-from jaxengine.runner_fake import fake_greedy, fake_model
+from jaxengine.model.fake import fake_greedy, fake_model
 from scheduler import SamplingParams
 
 V = 97
@@ -65,7 +65,7 @@ def test_sampling_is_seeded() -> None:
 
 
 def test_real_tiny_model_matches_the_engine() -> None:
-    from jaxengine.engine_model import model_fns
+    from jaxengine.engine.build import model_fns
     from jaxengine.llm import LLM
     from jaxengine.loading.load import load_model
 

@@ -7,12 +7,12 @@ from typing import Any
 
 import pytest
 
-from jaxengine.engine import LLMEngine
-from jaxengine.engine_args import EngineArgs
+from jaxengine.engine.args import EngineArgs
+from jaxengine.engine.llm_engine import LLMEngine
 from jaxengine.llm import LLM
-from jaxengine.runner_fake import fake_greedy, fake_model
+from jaxengine.model.fake import fake_greedy, fake_model
 from scheduler import SamplingParams
-from tests.jaxengine.test_engine import FakeTokenizer, V
+from tests.jaxengine.engine.test_llm_engine import FakeTokenizer, V
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 

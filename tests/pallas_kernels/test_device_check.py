@@ -10,7 +10,7 @@ from pathlib import Path
 import jax.numpy as jnp
 
 from benchmarks import device_check
-from jaxengine.config import ModelConfig
+from jaxengine.model.config import ModelConfig
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "device_check.py"
 

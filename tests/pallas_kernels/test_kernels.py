@@ -23,8 +23,8 @@ from pallas_kernels import (
     ragged_paged_attention,
     ragged_paged_attention_reference,
 )
-from pallas_kernels.gpu import ragged_paged_attention_gpu
-from pallas_kernels.tpu import ragged_paged_attention_tpu
+from pallas_kernels.gpu.kernel import ragged_paged_attention_gpu
+from pallas_kernels.tpu.kernel import ragged_paged_attention_tpu
 from tests.pallas_kernels.cases import assert_cache_equal, make_case, numpy_oracle
 
 # (q_len, context_len) per request.

@@ -1,0 +1,151 @@
+"""Building an `LLMEngine` from `EngineArgs`: load the model, pick attention, size the KV pool."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from jaxengine.engine.args import EngineArgs
+from jaxengine.engine.llm_engine import LLMEngine
+from jaxengine.model.config import ModelConfig
+from jaxengine.model.fns import ModelFns
+from pallas_kernels import UnsupportedShapeError, check_supported
+
+# Leave room for activations when sizing the pool from device memory.
+ACTIVATION_RESERVE = 0.1
+
+
+def attention_backend(args: EngineArgs, cfg: ModelConfig) -> str:
+    """`args.attention_backend`, else Pallas on TPU/GPU and the jnp reference elsewhere.
+
+    A Pallas kernel must run the model's shapes: there is no silent fallback to the reference
+    at trace time, so an unsupported shape is an error here, at engine build.
+
+    Raises:
+      ValueError: the kernel cannot run the model's heads / head_dim / block_size (checked
+        first: no platform would run them), or it needs another platform.
+    """
+    backend = jax.default_backend()
+    chosen = args.attention_backend
+    if chosen is None:
+        chosen = backend if backend in ("tpu", "gpu") else "reference"
+    _check_kernel_shapes(chosen, cfg, block_size=args.block_size)
+    if chosen != "reference" and chosen != backend:
+        raise ValueError(
+            f"attention_backend={chosen!r} needs a {chosen.upper()}, but jax's default backend "
+            f"is {backend!r}; use attention_backend='reference' (or None to pick by backend)"
+        )
+    return chosen
+
+
+def _check_kernel_shapes(impl: str, cfg: ModelConfig, *, block_size: int) -> None:
+    """`ValueError` saying what to change if kernel `impl` cannot run this model."""
+    try:
+        check_supported(impl, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                        head_dim=cfg.head_dim, page_size=block_size)
+    except UnsupportedShapeError as e:
+        shape = (f"num_heads={cfg.num_heads}, num_kv_heads={cfg.num_kv_heads}, "
+                 f"head_dim={cfg.head_dim}, block_size={block_size}")
+        # The kernel's page size is the engine's block_size; everything else is the model's.
+        other = ("a block_size it accepts" if e.field == "page_size"
+                 else "a model whose shapes it accepts")
+        raise ValueError(
+            f"attention_backend={impl!r} cannot run this model ({shape}): {e}. Set "
+            f'attention_backend="reference" to run the jnp reference instead, or use {other}.'
+        ) from e
+
+
+def model_fns(model: Any, cfg: Any, *, attn_impl: str) -> ModelFns:
+    """`ModelFns` of a loaded `jaxengine.model.llama.Model` (split once into graph and weights)."""
+    from jaxengine.model.kv_cache import init_kv_cache, kv_cache_bytes_per_block
+    from jaxengine.model.step import make_compute_logits, make_model_step, split_model
+
+    graphdef, state = split_model(model)
+    dtype = model.dtype
+    return ModelFns(
+        params=state,
+        step=make_model_step(graphdef, attn_impl=attn_impl),
+        compute_logits=make_compute_logits(graphdef),
+        init_kv=lambda num_blocks, block_size: init_kv_cache(
+            cfg, num_blocks=num_blocks, block_size=block_size, dtype=dtype),
+        kv_bytes_per_block=lambda block_size: kv_cache_bytes_per_block(
+            cfg, block_size=block_size, dtype=dtype),
+        vocab_size=cfg.vocab_size,
+    )
+
+
+def kv_budget_bytes(args: EngineArgs) -> int:
+    """Bytes for the KV pool: explicit, else a fraction of free device memory, else CPU's."""
+    if args.kv_cache_memory_bytes is not None:
+        return args.kv_cache_memory_bytes
+    stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
+    if not stats or "bytes_limit" not in stats:
+        return args.cpu_kv_cache_bytes
+    free = stats["bytes_limit"] * args.gpu_memory_utilization - stats.get("bytes_in_use", 0)
+    return int(free * (1 - ACTIVATION_RESERVE))
+
+
+def num_kv_blocks(args: EngineArgs, fns: ModelFns, max_model_len: int) -> int:
+    """Pages in the pool: `num_gpu_blocks_override`, else what the budget holds.
+
+    Raises:
+      ValueError: the pool cannot hold one request of `max_model_len` tokens. vLLM refuses to
+        start then too; the message gives the numbers and what to change.
+    """
+    bs, per_block = args.block_size, fns.kv_bytes_per_block(args.block_size)
+    need = -(-max_model_len // bs) + 1  # one full-length request, plus the null block 0
+    if args.num_gpu_blocks_override is not None:
+        blocks = args.num_gpu_blocks_override
+        if blocks < need:
+            raise ValueError(
+                f"num_gpu_blocks_override={blocks} leaves {blocks - 1} usable KV blocks of {bs} "
+                f"tokens, but one request of max_model_len={max_model_len} tokens needs "
+                f"{need - 1} (plus the null block: {need} in all). Raise "
+                f"num_gpu_blocks_override to at least {need}, or lower max_model_len to at most "
+                f"{(blocks - 1) * bs}.")
+        return blocks
+    budget = kv_budget_bytes(args)
+    blocks = max(budget // per_block, 0)  # a device already full gives a negative budget
+    if blocks < need:
+        shrink = (f"lower max_model_len to at most {(blocks - 1) * bs}, or "
+                  if blocks >= 2 else "")
+        raise ValueError(
+            f"the KV cache budget of {budget} bytes ({_size(budget)}) holds {blocks} blocks of "
+            f"{bs} tokens ({per_block} bytes each, null block included), but one request of "
+            f"max_model_len={max_model_len} tokens needs {need} blocks: {need * per_block} "
+            f"bytes ({_size(need * per_block)}). To start, {shrink}raise the budget "
+            f"(kv_cache_memory_bytes; or gpu_memory_utilization on an accelerator, "
+            f"cpu_kv_cache_bytes on CPU), or set num_gpu_blocks_override >= {need}.")
+    return int(blocks)
+
+
+def _size(n: int) -> str:
+    """`n` bytes for a reader: "1.50 GiB", "96.0 KiB"."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n} B"
+
+
+def build_engine(args: EngineArgs) -> LLMEngine:
+    """Load `args.model` (never downloads) and build an engine around it.
+
+    Raises:
+      ModelLoadError (a ValueError): bad model path or files.
+      ValueError: settings that do not fit the model, or a KV pool too small for one request
+        of max_model_len tokens.
+    """
+    from jaxengine.loading.load import load_model
+
+    dtype = "float32" if args.dtype == "auto" else args.dtype
+    model, cfg, tokenizer = load_model(args.model, dtype=dtype,
+                                       with_tokenizer=not args.skip_tokenizer_init)
+    fns = model_fns(model, cfg, attn_impl=attention_backend(args, cfg))
+    limit = cfg.max_model_len  # position limit, capped by a sliding window (not applied)
+    max_model_len = args.max_model_len or limit
+    if max_model_len > limit:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's limit of {limit}")
+    return LLMEngine(fns, args, tokenizer=tokenizer, max_model_len=max_model_len,
+                     num_blocks=num_kv_blocks(args, fns, max_model_len))
+

@@ -1,0 +1,242 @@
+"""`LLMEngine`: the continuous-batching loop around the pure scheduler and the runner.
+
+One `step()` is docs/DESIGN.md's data flow: `schedule` (host, pure) -> runner (device: padded
+batch, model step with the KV cache donated, sampling) -> `update_from_output` (host, pure)
+-> detokenize, stop strings, metrics. The scheduler state is a value held here, so
+`snapshot()` is free. Errors a user can cause raise `ValueError` before anything changes.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from jaxengine.engine.args import EngineArgs
+from jaxengine.engine.detokenizer import IncrementalDetokenizer
+from jaxengine.engine.outputs import RequestMetrics, RequestOutput
+from jaxengine.engine.request_state import TrackedRequest
+from jaxengine.model.fns import ModelFns
+from jaxengine.runner.compiles import debug_recompiles_from_env
+from jaxengine.runner.runner import Runner, RunnerConfig
+from jaxengine.sampling.metadata import SamplingRow, validate_sampling_params
+from scheduler import (
+    Request,
+    SamplingParams,
+    SchedulerConfig,
+    SchedulerState,
+    abort_requests,
+    add_request,
+    init_state,
+    schedule,
+    update_from_output,
+)
+
+PromptType = str | Mapping[str, Any] | Sequence[int]
+
+
+class LLMEngine:
+    """Continuous batching over one model: add requests, call `step()` until done."""
+
+    def __init__(self, model: ModelFns, args: EngineArgs, *, tokenizer: Any | None,
+                 max_model_len: int, num_blocks: int) -> None:
+        """Build the scheduler state and the runner (allocates the KV pool).
+
+        Args:
+          model: the model's pure functions and weights (real or fake).
+          args: engine arguments.
+          tokenizer: encodes string prompts and decodes outputs; None = token ids only.
+          max_model_len: the resolved longest sequence.
+          num_blocks: KV pages in the pool, including the null block 0.
+        """
+        self.args = args
+        self.tokenizer = tokenizer
+        self.vocab_size = model.vocab_size
+        budget = args.resolved_max_num_batched_tokens(max_model_len)
+        self.scheduler_config = SchedulerConfig(
+            max_num_batched_tokens=budget, max_num_seqs=args.max_num_seqs,
+            max_model_len=max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
+            long_prefill_token_threshold=args.long_prefill_token_threshold,
+            max_num_partial_prefills=args.max_num_partial_prefills,
+            max_long_partial_prefills=args.max_long_partial_prefills,
+            policy=args.scheduling_policy, block_size=args.block_size, num_blocks=num_blocks,
+            enable_prefix_caching=args.enable_prefix_caching)
+        self.state: SchedulerState = init_state(self.scheduler_config)
+        self.runner = Runner(model, RunnerConfig(
+            max_num_batched_tokens=budget, max_num_seqs=args.max_num_seqs,
+            max_model_len=max_model_len, block_size=args.block_size, num_blocks=num_blocks,
+            max_logprobs=args.max_logprobs,
+            intermediate_token_buckets=args.intermediate_token_buckets,
+            debug_recompiles=args.debug_recompiles or debug_recompiles_from_env()))
+        if args.precompile:
+            self.runner.precompile()
+        self._seeds = random.Random(args.seed)
+        self._tracked: dict[str, TrackedRequest] = {}
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest sequence (prompt + output) a request may reach."""
+        return self.scheduler_config.max_model_len
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """The tokenizer's EOS id (None without a tokenizer)."""
+        return None if self.tokenizer is None else self.tokenizer.eos_token_id
+
+    # ---- requests ----------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: PromptType,
+                    params: SamplingParams | None = None, *, arrival_time: float | None = None,
+                    priority: int = 0) -> None:
+        """Queue a request.
+
+        Args:
+          request_id: unique among live requests.
+          prompt: text, `{"prompt_token_ids": [...]}` / `{"prompt": "..."}`, or token ids.
+          params: sampling parameters (default `SamplingParams()`).
+          arrival_time: `time.time()` of arrival (default: now).
+          priority: lower is served first under `scheduling_policy="priority"`.
+        Raises:
+          ValueError: bad prompt or parameters, duplicate id, or a request that can never fit
+            the KV pool; the engine is unchanged.
+        """
+        params = SamplingParams() if params is None else params
+        text, ids = self._resolve_prompt(prompt)
+        self._check_request(request_id, ids, params)
+        arrival = time.time() if arrival_time is None else arrival_time
+        request = Request(request_id=request_id, prompt_token_ids=tuple(ids),
+                          sampling_params=params, arrival_time=arrival, priority=priority,
+                          eos_token_id=self.eos_token_id)
+        self.state = add_request(self.state, request)
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(32)
+        detok = None
+        if self.tokenizer is not None:
+            # vLLM fields our SamplingParams may lack (a subclass can add them)
+            detok = IncrementalDetokenizer(
+                self.tokenizer, ids, stop=params.stop, min_tokens=params.min_tokens,
+                include_stop_str_in_output=getattr(params, "include_stop_str_in_output", False),
+                skip_special_tokens=getattr(params, "skip_special_tokens", True))
+        self._tracked[request_id] = TrackedRequest(
+            request_id=request_id, prompt=text, prompt_token_ids=ids, params=params, seed=seed,
+            detokenizer=detok, metrics=RequestMetrics(arrival_time=arrival))
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
+        """Finish requests now and free their KV blocks; unknown ids are ignored.
+
+        Returns:
+          The final output of each live request aborted (finish_reason "abort"), so that
+          whoever keeps metrics can count it as vLLM does.
+        """
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        live = list(dict.fromkeys(r for r in ids if r in self._tracked))
+        self.state = abort_requests(self.state, live)
+        now = time.time()
+        return [self._tracked.pop(r).abort(now) for r in live]
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request is waiting or running."""
+        return bool(self._tracked)
+
+    def get_num_unfinished_requests(self) -> int:
+        """Requests waiting or running."""
+        return len(self._tracked)
+
+    def snapshot(self) -> SchedulerState:
+        """The scheduler state: an immutable value (schedule it again to replay or fork)."""
+        return self.state
+
+    # ---- the loop ----------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one iteration; return outputs of requests that progressed or finished."""
+        # Pure scheduler: if the runner raises, self.state is still the consistent old state.
+        state, plan = schedule(self.state)
+        now = time.time()
+        for rid in plan.num_scheduled_tokens:
+            self._tracked[rid].on_scheduled(now, plan.num_computed_tokens[rid])
+        rows = {rid: self._sampling_row(state, rid) for rid in plan.sampling_req_ids}
+        sampled = self.runner.execute(plan, rows)
+        self.state, deltas = update_from_output(
+            state, plan, {rid: [t.token_id] for rid, t in sampled.items()})
+        now, stopped, outputs = time.time(), [], []
+        for delta in deltas:
+            tracked = self._tracked.get(delta.request_id)
+            if tracked is None:
+                continue
+            if tracked.apply(delta, sampled.get(delta.request_id), now):
+                stopped.append(delta.request_id)  # a stop string: the scheduler must let go
+            outputs.append(tracked.output())
+            if tracked.finish_reason is not None:
+                del self._tracked[delta.request_id]
+        if stopped:
+            self.state = abort_requests(self.state, stopped)
+        return outputs
+
+    def _sampling_row(self, state: SchedulerState, rid: str) -> SamplingRow:
+        tracked = self._tracked[rid]
+        position = len(state.requests[rid].output_token_ids)
+        return SamplingRow(params=tracked.params, seed=tracked.seed, position=position,
+                           eos_token_id=self.eos_token_id)
+
+    # ---- validation --------------------------------------------------------------------
+
+    def _resolve_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self._encode(prompt)
+        if isinstance(prompt, Mapping):
+            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
+            if unknown or not prompt:
+                raise ValueError(f"a prompt dict takes 'prompt' or 'prompt_token_ids'; got keys "
+                                 f"{sorted(prompt)}")
+            text = prompt.get("prompt")
+            if "prompt_token_ids" in prompt:
+                return text, self._check_ids(prompt["prompt_token_ids"])
+            if not isinstance(text, str):
+                raise ValueError(f"'prompt' must be a string, got {type(text).__name__}")
+            return text, self._encode(text)
+        return None, self._check_ids(prompt)
+
+    def _encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this engine has no tokenizer (skip_tokenizer_init=True): pass "
+                             "the prompt as {'prompt_token_ids': [...]}, not as text")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # the tokenizer would fail with a cryptic TypeError
+            raise ValueError(f"the prompt text holds a lone surrogate ({text[e.start]!a} at "
+                             f"index {e.start}), which is not valid Unicode; pass valid "
+                             f"text") from None
+        return list(self.tokenizer.encode(text))
+
+    def _check_ids(self, ids: Any) -> list[int]:
+        if isinstance(ids, str | bytes) or not isinstance(ids, Sequence | Iterable):
+            raise ValueError(f"prompt_token_ids must be a list of ints, got {type(ids).__name__}")
+        ids = list(ids)
+        for t in ids:
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"prompt_token_ids must be ints in [0, {self.vocab_size}), "
+                                 f"got {t!r}")
+        return ids
+
+    def _check_request(self, request_id: str, ids: list[int], params: SamplingParams) -> None:
+        if request_id in self._tracked:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if not ids:
+            raise ValueError(f"request {request_id!r}: the prompt is empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"request {request_id!r}: prompt of {len(ids)} tokens leaves no room "
+                             f"for output in max_model_len={self.max_model_len}")
+        validate_sampling_params(params, max_logprobs=self.args.max_logprobs,
+                                 vocab_size=self.vocab_size)
+        if params.stop and self.tokenizer is None:  # vLLM ignores them silently; say so
+            raise ValueError("stop strings need a tokenizer, and this engine has none "
+                             "(skip_tokenizer_init=True): use stop_token_ids instead")
+        cfg = self.scheduler_config
+        longest = min(len(ids) + (params.max_tokens or self.max_model_len), self.max_model_len)
+        need = -(-longest // cfg.block_size)
+        if need > cfg.num_blocks - 1:
+            raise ValueError(
+                f"request {request_id!r} can never fit the KV pool: {longest} tokens need {need} "
+                f"blocks of {cfg.block_size}, the pool has {cfg.num_blocks - 1}; lower max_tokens "
+                f"or raise num_gpu_blocks_override / the KV memory budget")

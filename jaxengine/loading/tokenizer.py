@@ -1,0 +1,225 @@
+"""Tokenizer without torch: a transformers fast tokenizer, for HF directories and GGUF files.
+
+An HF directory loads through `PreTrainedTokenizerFast.from_pretrained` (tokenizer.json,
+tokenizer_config.json, the chat template). A GGUF file carries a byte-level BPE in its metadata;
+transformers' GGUF tokenizer path imports torch, so the `tokenizers` model is built here and
+wrapped with `PreTrainedTokenizerFast(tokenizer_object=...)`. Chat templates render through
+transformers' `apply_chat_template`, so they render exactly as transformers renders them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as Backend
+from transformers import PreTrainedTokenizerFast
+
+from jaxengine.model.config import ModelLoadError
+
+# llama.cpp pre-tokenizer names -> split regexes (applied before byte-level mapping)
+_LLAMA3_RE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+"
+              r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2_RE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+"
+             r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_CONTROL, _USER_DEFINED = 3, 4  # GGUF token types
+
+
+def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    if pre == "smollm":
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                        pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    if pre in ("gpt2", "default"):
+        return pre_tokenizers.ByteLevel(add_prefix_space=False)
+    regex = {"llama-bpe": _LLAMA3_RE, "llama3": _LLAMA3_RE, "qwen2": _QWEN2_RE}.get(pre)
+    if regex is None:
+        raise ModelLoadError(f"GGUF pre-tokenizer {pre!r} is not supported (supported: smollm, "
+                             "gpt2, llama-bpe, qwen2); load the HF directory instead")
+    return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(regex), behavior="isolated"),
+                                    byte_level])
+
+
+class Tokenizer:
+    """Encode/decode text and render chat templates (a transformers fast tokenizer inside)."""
+
+    def __init__(self, hf: PreTrainedTokenizerFast, *,
+                 eos_token_ids: Sequence[int] | None = None) -> None:
+        """Wrap a transformers fast tokenizer.
+
+        Args:
+            hf: the tokenizer proper (its `tokenizers` backend does the encoding).
+            eos_token_ids: ids that end generation (default: the tokenizer's eos token); a
+                model's generation_config may add more.
+        """
+        eos = list(eos_token_ids or ())
+        if not eos and hf.eos_token_id is not None:
+            eos = [hf.eos_token_id]
+        if not eos:
+            raise ModelLoadError("the tokenizer has no eos token; set eos_token in its config")
+        self.hf = hf
+        self.eos_token_ids = tuple(int(i) for i in eos)
+
+    @property
+    def backend(self) -> Backend:
+        """The `tokenizers.Tokenizer` that encodes and decodes."""
+        return self.hf.backend_tokenizer
+
+    @property
+    def eos_token_id(self) -> int:
+        """The primary end-of-sequence id."""
+        return self.eos_token_ids[0]
+
+    @property
+    def bos_token_id(self) -> int | None:
+        """The beginning-of-sequence id, if the tokenizer has one."""
+        return self.hf.bos_token_id
+
+    @property
+    def pad_token_id(self) -> int | None:
+        """The padding id, if the tokenizer has one."""
+        return self.hf.pad_token_id
+
+    @property
+    def chat_template(self) -> str | None:
+        """The jinja source of the chat template, if any."""
+        return self.hf.chat_template
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, added tokens included."""
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def token_str(self, token_id: int | None) -> str:
+        """The string of a (special) token, '' for None."""
+        return "" if token_id is None else (self.backend.id_to_token(token_id) or "")
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text` (special-token strings in it map to their ids; with
+        `add_special_tokens`, the tokenizer's own bos/eos rule applies)."""
+        return self.hf.encode(text, add_special_tokens=add_special_tokens)
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        """Text of `ids`."""
+        return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *,
+                            add_generation_prompt: bool = True, tokenize: bool = False,
+                            **kwargs: Any) -> str | list[int]:
+        """Render `messages` ([{"role", "content"}]) with transformers' `apply_chat_template`.
+
+        Args:
+            kwargs: extra template variables (e.g. `tools`, `documents`), as in transformers.
+        Returns:
+            The prompt text, or its ids (no extra bos: the template writes its own) if
+            `tokenize`.
+        """
+        if not self.chat_template:
+            raise ModelLoadError("this tokenizer has no chat template; pass a plain prompt")
+        text = self.hf.apply_chat_template(list(messages), tokenize=False,
+                                           add_generation_prompt=add_generation_prompt, **kwargs)
+        return self.encode(text, add_special_tokens=False) if tokenize else text
+
+    def save_pretrained(self, directory: str) -> list[str]:
+        """Write this tokenizer as an HF tokenizer directory (`tokenizer.json`,
+        `tokenizer_config.json` with the special tokens, the chat template), so tools that take
+        `--tokenizer DIR` (vLLM's `vllm bench serve`, `AutoTokenizer.from_pretrained`)
+        tokenize exactly as the engine does.
+
+        Returns:
+            The paths of the files written.
+        """
+        paths = list(self.hf.save_pretrained(directory))
+        # transformers 5 writes its new class name, which transformers 4 cannot resolve; the
+        # old name loads the same class in both.
+        config_path = os.path.join(directory, "tokenizer_config.json")
+        config = _read_json(config_path)
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+        with open(config_path, "w") as f:
+            json.dump(config, f, indent=2, ensure_ascii=False)
+        return paths
+
+    # ---- constructors --------------------------------------------------------------------
+
+    @classmethod
+    def from_backend(cls, backend: Backend, *, eos_token_id: int | None,
+                     bos_token_id: int | None = None, pad_token_id: int | None = None,
+                     chat_template: str | None = None, add_bos: bool = False) -> Tokenizer:
+        """Wrap a bare `tokenizers.Tokenizer` whose special ids are known.
+
+        Args:
+            add_bos: prepend bos when special tokens are added (GGUF's add_bos_token); kept in
+                the tokenizer's post-processor, so an exported tokenizer.json does it too.
+        """
+        backend = Backend.from_str(backend.to_str())  # a copy: the post-processor is ours
+        name = {i: backend.id_to_token(i) for i in (eos_token_id, bos_token_id, pad_token_id)
+                if i is not None}
+        if add_bos and bos_token_id is not None:
+            bos = name[bos_token_id]
+            backend.post_processor = processors.TemplateProcessing(
+                single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                special_tokens=[(bos, bos_token_id)])
+        special = {"eos_token": eos_token_id, "bos_token": bos_token_id,
+                   "pad_token": pad_token_id}
+        hf = PreTrainedTokenizerFast(
+            tokenizer_object=backend, chat_template=chat_template,
+            **{key: name[i] for key, i in special.items() if i is not None})
+        return cls(hf, eos_token_ids=[] if eos_token_id is None else [eos_token_id])
+
+    @classmethod
+    def from_gguf_metadata(cls, meta: Mapping[str, Any]) -> Tokenizer:
+        """Byte-level BPE from `tokenizer.ggml.*` metadata (model "gpt2")."""
+        kind = meta.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ModelLoadError(f"GGUF tokenizer model {kind!r} is not supported (only 'gpt2' "
+                                 "byte-level BPE); load the HF directory instead")
+        if "tokenizer.ggml.tokens" not in meta:
+            raise ModelLoadError("GGUF metadata lacks tokenizer.ggml.tokens; the file has no "
+                                 "tokenizer")
+        tokens = list(meta["tokenizer.ggml.tokens"])
+        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
+        backend = Backend(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
+                                     fuse_unk=False))
+        backend.pre_tokenizer = _pre_tokenizer(str(meta.get("tokenizer.ggml.pre", "default")))
+        backend.decoder = decoders.ByteLevel()
+        types = np.asarray(meta.get("tokenizer.ggml.token_type", [1] * len(tokens)))
+        backend.add_special_tokens([AddedToken(tokens[i], special=True, normalized=False)
+                                    for i in np.flatnonzero(types == _CONTROL)])
+        backend.add_tokens([AddedToken(tokens[i], normalized=False)
+                            for i in np.flatnonzero(types == _USER_DEFINED)])
+        eos = meta.get("tokenizer.ggml.eos_token_id")
+        return cls.from_backend(
+            backend, eos_token_id=None if eos is None else int(eos),
+            bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+            pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
+            chat_template=meta.get("tokenizer.chat_template"),
+            add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)))
+
+    @classmethod
+    def from_hf_dir(cls, path: str) -> Tokenizer:
+        """From an HF directory (tokenizer.json, tokenizer_config.json, the chat template;
+        local files only), with the extra eos ids of generation_config.json."""
+        if not os.path.isfile(os.path.join(path, "tokenizer.json")):
+            raise ModelLoadError(f"{path}: no tokenizer.json (only fast-tokenizer files are "
+                                 "supported); add it, or pass skip_tokenizer_init=True and "
+                                 "token-id prompts")
+        # tokenizer.json as written, not a model-specific class that may rebuild the pipeline
+        # from the vocabulary (transformers 5's Qwen2Tokenizer does).
+        hf = PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
+        eos = [] if hf.eos_token_id is None else [hf.eos_token_id]
+        gen_eos = _read_json(os.path.join(path, "generation_config.json")).get("eos_token_id")
+        for i in gen_eos if isinstance(gen_eos, list) else [gen_eos]:
+            if i is not None and i not in eos:
+                eos.append(int(i))
+        return cls(hf, eos_token_ids=eos)
+
+
+def _read_json(path: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)

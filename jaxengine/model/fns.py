@@ -1,0 +1,27 @@
+"""`ModelFns`: the model's interface to everything that runs it (runner, `generate`, engine).
+
+A real model (`jaxengine.engine.build.model_fns`) and the fake model (`jaxengine.model.fake`) are
+both just these pure functions and their weights, so the loop above never knows which it has.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+
+from jaxengine.model.batch import ModelBatch
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ModelFns:
+    """What the runner needs from a model: pure functions and their weights."""
+
+    params: Any  # pytree of weights (an nnx.State for the real model)
+    step: Callable[[Any, jax.Array, ModelBatch], tuple[jax.Array, jax.Array]]  # -> kv, [T, D]
+    compute_logits: Callable[[Any, jax.Array], jax.Array]  # hidden [R, D] -> f32[R, V]
+    init_kv: Callable[[int, int], jax.Array]  # (num_blocks, block_size) -> zeroed cache
+    kv_bytes_per_block: Callable[[int], int]  # block_size -> bytes of one page, all layers
+    vocab_size: int

@@ -1,0 +1,61 @@
+"""The jit boundary of the model: pure `model_step` and `compute_logits` over an NNX state.
+
+Built once from `graphdef, state = nnx.split(model)`; the engine jits them with
+`jax.jit(step, donate_argnames=("kv",))` so the KV cache is updated in place, and compiles
+the step once per token bucket (T) since every other batch shape is fixed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+from flax import nnx
+
+from jaxengine.model.batch import ModelBatch, RequestChunk, pack_batch
+from jaxengine.model.llama import Model
+
+__all__ = ["ModelBatch", "RequestChunk", "make_compute_logits", "make_model_step",
+           "pack_batch", "split_model"]
+
+ModelStep = Callable[[nnx.State, jax.Array, ModelBatch], tuple[jax.Array, jax.Array]]
+ComputeLogits = Callable[[nnx.State, jax.Array], jax.Array]
+
+
+def split_model(model: Model) -> tuple[nnx.GraphDef, nnx.State]:
+    """`nnx.split(model)`: the static graph (closed over by the step) and the weight state."""
+    return nnx.split(model)
+
+
+def make_model_step(graphdef: nnx.GraphDef, *, attn_impl: str = "reference",
+                    interpret: bool = False) -> ModelStep:
+    """The pure step `model_step(state, kv, batch) -> (kv, hidden)`.
+
+    Args:
+        graphdef: from `nnx.split(model)`.
+        attn_impl: ragged paged attention implementation; closed over (a static choice).
+        interpret: run a Pallas kernel in interpret mode (CPU tests of "tpu"/"gpu").
+    Returns:
+        A function of (state, kv [layers, P, L, 2*K, H], batch) returning the new cache and the
+        final-norm hidden states [T, D]; jit it with `donate_argnames=("kv",)`.
+    """
+
+    def model_step(state: nnx.State, kv: jax.Array, batch: ModelBatch
+                   ) -> tuple[jax.Array, jax.Array]:
+        model = nnx.merge(graphdef, state)
+        return model(kv, batch, attn_impl=attn_impl, interpret=interpret)
+
+    return model_step
+
+
+def make_compute_logits(graphdef: nnx.GraphDef) -> ComputeLogits:
+    """The pure `compute_logits(state, hidden) -> f32[R, V]`.
+
+    `hidden` is [R, D]: the step's hidden rows at `batch.logits_indices`
+    (`hidden[batch.logits_indices]`), so logits are only computed for sampled tokens.
+    """
+
+    def compute_logits(state: nnx.State, hidden: jax.Array) -> jax.Array:
+        return nnx.merge(graphdef, state).logits(hidden)
+
+    return compute_logits

@@ -1,0 +1,245 @@
+"""The model runner: a `SchedulerOutput` in, one sampled token per sampling request out.
+
+It owns the device side of a step: packing the plan into a padded `ModelBatch` (token count
+bucketed, request arrays at the fixed size `max_num_seqs`), the jitted model step (KV cache
+donated, so it is updated in place), and the jitted sampler (compiled per request bucket).
+With `precompile()` every bucket is compiled up front; after that a workload compiles nothing,
+and with `debug_recompiles` a compilation raises `RecompileError`.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
+from tqdm.auto import tqdm
+
+from jaxengine.model.batch import ModelBatch, RequestChunk, pack_batch
+from jaxengine.model.fns import ModelFns
+from jaxengine.runner.buckets import pick_bucket, request_buckets, token_buckets
+from jaxengine.runner.compiles import RecompileError, compile_count, ensure_listener
+from jaxengine.sampling.metadata import MAX_BANNED, SamplingRow, build_sampling_metadata
+from jaxengine.sampling.sampler import SamplerOutput, SamplingMetadata, sample_impl
+
+STEP_NAME = "jaxengine_model_step"
+SAMPLE_NAME = "jaxengine_sample"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunnerConfig:
+    """Static sizes of the runner (all fixed for its lifetime)."""
+
+    max_num_batched_tokens: int  # largest token bucket
+    max_num_seqs: int  # R, size of every request-indexed array
+    max_model_len: int  # sets the block-table width
+    block_size: int  # L
+    num_blocks: int  # P, pages in the KV pool (block 0 is the null block)
+    max_logprobs: int = 20  # n of the top-logprobs output
+    intermediate_token_buckets: bool = False  # add 1.5x buckets: less padding, more compiles
+    debug_recompiles: bool = False  # raise RecompileError on a compilation after warm-up
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is null), got {self.num_blocks}")
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        """Width of `block_tables`: pages of the longest sequence."""
+        return -(-self.max_model_len // self.block_size)
+
+
+@dataclass(frozen=True, slots=True)
+class SampledToken:
+    """One request's token of this step, with its raw logprobs when asked for."""
+
+    token_id: int
+    logprob: float | None  # of the sampled token; None when the request asked no logprobs
+    top_logprobs: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
+
+
+@dataclass(slots=True)
+class RunnerStats:
+    """Counters over the runner's life (host side, cheap)."""
+
+    steps: int = 0
+    computed_tokens: int = 0  # scheduled (real) tokens
+    padded_tokens: int = 0  # bucket padding on top of them
+    compilations: int = 0  # of the step and the sampler, during this runner's calls
+    compilations_after_warmup: int = 0
+    compile_seconds: float = 0.0  # precompile, plus the whole of every step that compiled
+    step_seconds: list[float] = field(default_factory=list)
+
+    @property
+    def padding_waste(self) -> float:
+        """Padded tokens / computed tokens."""
+        return self.padded_tokens / max(self.computed_tokens, 1)
+
+
+class Runner:
+    """Runs scheduler plans on a model; holds the KV cache as a donated value."""
+
+    def __init__(self, model: ModelFns, config: RunnerConfig) -> None:
+        """Allocate the KV pool and build the two jitted functions (nothing compiles yet)."""
+        ensure_listener()
+        self.model = model
+        self.config = config
+        self.token_buckets = token_buckets(config.max_num_batched_tokens,
+                                           intermediate=config.intermediate_token_buckets)
+        self.request_buckets = request_buckets(config.max_num_seqs)
+        self.kv = model.init_kv(config.num_blocks, config.block_size)
+        self.stats = RunnerStats()
+        self.warm = False
+
+        # The model's functions are static arguments of module-level jitted functions, so
+        # runners over the same model object share compiled executables.
+        self._step_statics = dict(step_fn=model.step)
+        self._sample_statics = dict(logits_fn=model.compute_logits,
+                                    max_logprobs=config.max_logprobs)
+
+    # ---- compilation -------------------------------------------------------------------
+
+    def compilations(self) -> int:
+        """Process-wide compilations of the step and the sampler (all runners)."""
+        return compile_count(STEP_NAME, SAMPLE_NAME)
+
+    def precompile(self, *, progress: bool = True) -> None:
+        """AOT-compile the step for every token bucket and the sampler for every request bucket.
+
+        Later calls reuse these executables (docs/JAX_NOTES.md, "Counting compilations"), so
+        the runner is warm afterwards.
+        """
+        before, t0 = self.compilations(), time.perf_counter()
+        specs = [("step", t) for t in self.token_buckets]
+        specs += [("sample", r) for r in self.request_buckets]
+        params, kv = self.model.params, self.kv
+        step = functools.partial(jaxengine_model_step, **self._step_statics)
+        hidden = jax.eval_shape(step, params, kv, self._batch_spec(16))[1]
+        for kind, size in tqdm(specs, desc="precompile", disable=not progress):
+            if kind == "step":
+                _jitted_step.lower(params, kv, self._batch_spec(size),
+                                   **self._step_statics).compile()
+            else:
+                rows = jax.ShapeDtypeStruct((size,), np.int32)
+                md = jax.tree.map(_spec, build_sampling_metadata([], size))
+                _jitted_sample.lower(params, hidden, rows, md, **self._sample_statics).compile()
+        self.stats.compilations += self.compilations() - before
+        self.stats.compile_seconds += time.perf_counter() - t0
+        self.warm = True
+
+    def mark_warm(self) -> None:
+        """Declare warm-up over: from now on a compilation is counted (and raises in debug)."""
+        self.warm = True
+
+    def _batch_spec(self, num_tokens: int) -> ModelBatch:
+        c = self.config
+        batch = pack_batch([], num_tokens=num_tokens, max_seqs=c.max_num_seqs,
+                           max_blocks=c.max_blocks_per_seq, block_size=c.block_size)
+        return jax.tree.map(_spec, batch)
+
+    # ---- one step ----------------------------------------------------------------------
+
+    def execute(self, out: Any, rows: Mapping[str, SamplingRow]) -> dict[str, SampledToken]:
+        """Run one scheduler plan; return the token of each request in `out.sampling_req_ids`.
+
+        Args:
+          out: a `scheduler.SchedulerOutput`.
+          rows: sampling parameters, seed and output position of each sampling request.
+        Returns:
+          {request id: SampledToken} for the requests that sample this step.
+        """
+        order = list(out.num_scheduled_tokens)
+        if not order:
+            return {}
+        before, t0 = self.compilations(), time.perf_counter()
+        batch = self._pack(out, order)
+        self.kv, hidden = _jitted_step(self.model.params, self.kv, batch, **self._step_statics)
+        result = self._draw(hidden, order, out.sampling_req_ids, rows)
+        total = int(batch.query_start_loc[-1])
+        self._account(before, time.perf_counter() - t0, len(batch.input_ids), total)
+        return result
+
+    def _pack(self, out: Any, order: Sequence[str]) -> ModelBatch:
+        c = self.config
+        chunks = [
+            RequestChunk(token_ids=out.input_token_ids[r], start=out.num_computed_tokens[r],
+                         block_table=out.block_tables[r])
+            for r in order
+        ]
+        total = sum(len(ch.token_ids) for ch in chunks)
+        return pack_batch(chunks, num_tokens=pick_bucket(self.token_buckets, total),
+                          max_seqs=c.max_num_seqs, max_blocks=c.max_blocks_per_seq,
+                          block_size=c.block_size)
+
+    def _draw(self, hidden: jax.Array, order: Sequence[str], sampling_ids: Sequence[str],
+              rows: Mapping[str, SamplingRow]) -> dict[str, SampledToken]:
+        if not sampling_ids:
+            return {}
+        size = pick_bucket(self.request_buckets, len(sampling_ids))
+        where = {r: i for i, r in enumerate(order)}
+        row_index = np.zeros(size, np.int32)
+        row_index[: len(sampling_ids)] = [where[r] for r in sampling_ids]
+        md = build_sampling_metadata([rows[r] for r in sampling_ids], size, max_banned=MAX_BANNED)
+        res = _jitted_sample(self.model.params, hidden, row_index, md, **self._sample_statics)
+        res = jax.device_get(res)
+        out = {}
+        for i, r in enumerate(sampling_ids):
+            n = rows[r].params.logprobs
+            top = tuple(zip(res.top_token_ids[i, :n].tolist(), res.top_logprobs[i, :n].tolist(),
+                            strict=True)) if n else ()
+            lp = None if n is None else float(res.logprobs[i])
+            out[r] = SampledToken(int(res.token_ids[i]), lp, top)
+        return out
+
+    def _account(self, compiles_before: int, seconds: float, num_tokens: int, total: int
+                 ) -> None:
+        s = self.stats
+        new = self.compilations() - compiles_before
+        s.steps += 1
+        s.computed_tokens += total
+        s.padded_tokens += num_tokens - total
+        s.compilations += new
+        s.step_seconds.append(seconds)
+        if new:
+            s.compile_seconds += seconds
+        if self.warm and new:
+            s.compilations_after_warmup += new
+            if self.config.debug_recompiles:
+                raise RecompileError(
+                    f"{new} compilation(s) after warm-up in a step of {num_tokens} tokens; "
+                    f"buckets: tokens {self.token_buckets}, requests {self.request_buckets}"
+                )
+
+
+def jaxengine_model_step(params: Any, kv: jax.Array, batch: ModelBatch, *, step_fn: Callable
+                         ) -> tuple[jax.Array, jax.Array]:
+    """The model step, then the hidden rows at `logits_indices` ([R, D], a fixed shape)."""
+    kv, hidden = step_fn(params, kv, batch)
+    return kv, hidden[batch.logits_indices]
+
+
+def jaxengine_sample(params: Any, hidden: jax.Array, rows: jax.Array, md: SamplingMetadata, *,
+                     logits_fn: Callable, max_logprobs: int) -> SamplerOutput:
+    """Logits of the sampling rows (`hidden[rows]`, f32[Rb, V]), then one token each."""
+    return sample_impl(logits_fn(params, hidden[rows]), md, max_logprobs=max_logprobs)
+
+
+# Static: the model's functions (a different model is a different program) and the logprobs
+# width (an output shape). The KV cache is donated so the step updates it in place.
+_jitted_step = jax.jit(jaxengine_model_step, static_argnames=("step_fn",),
+                       donate_argnames=("kv",))
+_jitted_sample = jax.jit(jaxengine_sample, static_argnames=("logits_fn", "max_logprobs"))
+
+
+def _spec(x: Any) -> jax.ShapeDtypeStruct:
+    x = np.asarray(x)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype)

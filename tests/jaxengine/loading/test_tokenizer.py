@@ -1,0 +1,80 @@
+"""The torch-free tokenizer: the GGUF-built byte-level BPE gives transformers' ids and chat
+template; HF-directory tokenizers load from tokenizer.json."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+
+from jaxengine.loading import load_model
+from jaxengine.loading.tokenizer import Tokenizer
+from jaxengine.model.config import ModelLoadError
+from tests.fixtures.model_helpers import DEFAULT_DIR, FIXTURES, default_model, load_json
+
+EXPECTED = load_json(DEFAULT_DIR / "tokenizer.json")
+CHAT = load_json(DEFAULT_DIR / "greedy.json")
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return default_model()[2]
+
+
+@pytest.mark.parametrize("case", EXPECTED["strings"], ids=lambda c: repr(c["text"][:12]))
+def test_ids_equal_transformers(tok: Tokenizer, case: dict) -> None:
+    ids = tok.encode(case["text"], add_special_tokens=False)
+    assert ids == case["ids"]
+    assert tok.decode(ids, skip_special_tokens=False) == case["decoded"]
+
+
+def test_special_tokens(tok: Tokenizer) -> None:
+    specials = EXPECTED["special_ids"]
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (
+        specials["bos"], specials["eos"], specials["pad"])
+    assert tok.vocab_size == 49152
+    assert tok.encode("hi") == tok.encode("hi", add_special_tokens=False)  # add_bos_token=False
+    ids = tok.encode("<|im_start|>user<|im_end|>")
+    assert tok.decode(ids) == "user"  # specials skipped by default
+
+
+def test_chat_template_equals_transformers(tok: Tokenizer) -> None:
+    text = tok.apply_chat_template(CHAT["messages"], add_generation_prompt=True)
+    assert text == CHAT["chat_text"]
+    assert tok.apply_chat_template(CHAT["messages"], tokenize=True) == CHAT["prompt_ids"]
+    without = tok.apply_chat_template(CHAT["messages"], add_generation_prompt=False)
+    assert not without.endswith("assistant\n")
+
+
+def test_hf_directory_tokenizer() -> None:
+    _, _, tok = load_model(str(FIXTURES / "tiny" / "qwen2_bias_tied"))
+    ids = tok.encode("Hi!\n")
+    assert tok.decode(ids) == "Hi!\n"
+    assert tok.eos_token_id == tok.backend.token_to_id("<|im_end|>")
+    prompt = tok.apply_chat_template([{"role": "user", "content": "yo"}], tokenize=True)
+    assert prompt[0] == tok.backend.token_to_id("<|im_start|>")
+    assert tok.decode(prompt) == "user\nyo\nassistant\n"
+
+
+def test_unsupported_gguf_tokenizer_is_named() -> None:
+    with pytest.raises(ModelLoadError, match="'llama'"):
+        Tokenizer.from_gguf_metadata({"tokenizer.ggml.model": "llama"})
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "jais",
+            "tokenizer.ggml.tokens": ["a"], "tokenizer.ggml.merges": []}
+    with pytest.raises(ModelLoadError, match="'jais'"):
+        Tokenizer.from_gguf_metadata(meta)
+
+
+def test_chat_templates_render_with_transformers_jinja_extensions() -> None:
+    # `{% break %}` needs jinja's loopcontrols; `strftime_now` is how Llama-3 templates date
+    # their system prompt. transformers provides both; a bare jinja environment does not.
+    template = ("{{ strftime_now('%d %b %Y') }}|{% for m in messages %}{{ m['content'] }}"
+                "{% if m['role'] == 'user' %}{% break %}{% endif %}{% endfor %}")
+    base = default_model()[2]
+    tok = Tokenizer.from_backend(base.backend, eos_token_id=base.eos_token_id,
+                                 chat_template=template)
+    messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "u"},
+                {"role": "assistant", "content": "never"}]
+    before = datetime.datetime.now().strftime("%d %b %Y")
+    text = tok.apply_chat_template(messages)
+    assert text in (f"{before}|su", f"{datetime.datetime.now().strftime('%d %b %Y')}|su")

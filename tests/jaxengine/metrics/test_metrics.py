@@ -1,0 +1,145 @@
+"""Metrics over the fake-model engine: step statistics add up, Prometheus text, the log line."""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import pytest
+
+from jaxengine.metrics import LoggingStatLogger, PrometheusStatLogger, StepTracker
+from jaxengine.metrics.prometheus import build_1_2_5_buckets
+from scheduler import SamplingParams
+from tests.jaxengine.engine.test_llm_engine import PROMPTS, make_engine
+
+MAX_TOKENS = 6
+
+
+def _run(engine, prompts, params):  # type: ignore[no-untyped-def]
+    """Step to the end, feeding a tracker, a Prometheus logger and a log-line logger."""
+    tracker = StepTracker(engine.snapshot().stats)
+    prom = PrometheusStatLogger("fake", engine.max_model_len)
+    log = LoggingStatLogger(engine.snapshot().stats)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", {"prompt_token_ids": p}, params)
+        tracker.track(f"r{i}", params.max_tokens)
+    stats = []
+    for _ in range(500):  # bounded: far more steps than the workload needs
+        if not engine.has_unfinished_requests():
+            break
+        outputs = engine.step()
+        it = tracker.observe(outputs, engine.snapshot().stats, 0.0)
+        prom.record_scheduler(engine.snapshot().stats)
+        prom.record_iteration(it)
+        log.record(engine.snapshot().stats, it)
+        stats.append(it)
+    assert not engine.has_unfinished_requests()
+    return stats, prom, log
+
+
+def _value(text: str, name: str, **labels: str) -> float:
+    total = 0.0
+    for line in text.splitlines():
+        m = re.match(rf"^{re.escape(name)}(\{{[^}}]*\}})? (\S+)$", line)
+        if m and all(f'{k}="{v}"' in (m.group(1) or "") for k, v in labels.items()):
+            total += float(m.group(2))
+    return total
+
+
+def test_step_statistics_add_up_to_the_workload() -> None:
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    stats, prom, _ = _run(make_engine(), PROMPTS, params)
+    assert sum(s.num_generation_tokens for s in stats) == MAX_TOKENS * len(PROMPTS)
+    assert sum(s.num_prompt_tokens for s in stats) == sum(map(len, PROMPTS))
+    assert sum(len(s.time_to_first_tokens) for s in stats) == len(PROMPTS)
+    assert sum(len(s.inter_token_latencies) for s in stats) == (MAX_TOKENS - 1) * len(PROMPTS)
+    finished = [f for s in stats for f in s.finished_requests]
+    assert sorted(f.num_prompt_tokens for f in finished) == sorted(map(len, PROMPTS))
+    assert {f.finish_reason for f in finished} == {"length"}
+    assert all(f.max_tokens_param == MAX_TOKENS for f in finished)
+    text = prom.render().decode()
+    assert _value(text, "jaxengine:request_success_total", finished_reason="length") == len(
+        PROMPTS)
+    assert _value(text, "jaxengine:request_success_total", finished_reason="abort") == 0
+    assert _value(text, "jaxengine:generation_tokens_total") == MAX_TOKENS * len(PROMPTS)
+    assert _value(text, "jaxengine:iteration_tokens_total_count") == len(stats)
+    assert _value(text, "jaxengine:e2e_request_latency_seconds_count") == len(PROMPTS)
+    assert _value(text, "jaxengine:num_requests_running") == 0
+    assert _value(text, "jaxengine:kv_cache_usage_perc") == 0
+
+
+def test_preemptions_and_prefix_hits_are_counted_once() -> None:
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    engine = make_engine(num_blocks=18)
+    stats, prom, _ = _run(engine, PROMPTS, params)
+    total = engine.snapshot().stats
+    assert total.num_preemptions > 0
+    assert sum(s.num_preempted_reqs for s in stats) == total.num_preemptions
+    text = prom.render().decode()
+    assert _value(text, "jaxengine:num_preemptions_total") == total.num_preemptions
+    shared = list(range(50, 82))
+    engine = make_engine(max_num_seqs=2)
+    stats, prom, log = _run(engine, [shared + [i] for i in range(4)], params)
+    total = engine.snapshot().stats
+    assert total.prefix_cache_hits > 0
+    text = prom.render().decode()
+    assert _value(text, "jaxengine:prefix_cache_hits_total") == total.prefix_cache_hits
+    assert _value(text, "jaxengine:prefix_cache_queries_total") == total.prefix_cache_queries
+    rate = 100 * total.prefix_cache_hits / total.prefix_cache_queries
+    assert f"Prefix cache hit rate: {rate:.1f}%" in log.log()
+
+
+def test_aborted_requests_count_as_finished_abort() -> None:
+    engine = make_engine()
+    tracker = StepTracker(engine.snapshot().stats)
+    prom = PrometheusStatLogger("fake", engine.max_model_len)
+    params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
+    for rid, prompt in (("running", PROMPTS[0]), ("waiting", PROMPTS[1])):
+        engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+        tracker.track(rid, params.max_tokens)
+    never_ran = tracker.observe_aborted(engine.abort_request("waiting"), 0.0)
+    prom.record_iteration(never_ran)
+    (waiting,) = never_ran.finished_requests
+    assert waiting.num_generation_tokens == 0 and waiting.queued_time == waiting.e2e_latency
+    for _ in range(3):
+        prom.record_iteration(tracker.observe(engine.step(), engine.snapshot().stats, 0.0))
+    it = tracker.observe_aborted(engine.abort_request(["running", "unknown"]), 0.0)
+    (running,) = it.finished_requests
+    assert (running.finish_reason, running.num_generation_tokens) == ("abort", 3)
+    assert running.max_tokens_param == 50 and running.num_prompt_tokens == len(PROMPTS[0])
+    prom.record_iteration(it)
+    text = prom.render().decode()
+    assert _value(text, "jaxengine:request_success_total", finished_reason="abort") == 2
+    assert _value(text, "jaxengine:request_success_total", finished_reason="length") == 0
+    assert _value(text, "jaxengine:e2e_request_latency_seconds_count") == 2
+
+
+def test_each_logger_has_its_own_registry() -> None:
+    a, b = PrometheusStatLogger("a", 64), PrometheusStatLogger("b", 64)  # no duplicate errors
+    a.prompt_tokens.inc(5)
+    assert _value(a.render().decode(), "jaxengine:prompt_tokens_total") == 5
+    assert _value(b.render().decode(), "jaxengine:prompt_tokens_total") == 0
+    assert 'model_name="b"' in b.render().decode()
+
+
+def test_log_line_reports_throughput_and_is_quiet_when_idle(
+        caplog: pytest.LogCaptureFixture) -> None:
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    _, _, log = _run(make_engine(), PROMPTS[:2], params)
+    with caplog.at_level(logging.DEBUG, logger="jaxengine.metrics"):
+        start = log._interval_start
+        busy = log.log(now=start + 2.0)  # a two-second interval
+        log.log(now=start + 4.0)  # after a busy interval still INFO (the rate dropped to 0)
+        idle = log.log(now=start + 6.0)
+    assert busy.startswith(
+        f"Avg prompt throughput: {sum(map(len, PROMPTS[:2])) / 2:.1f} tokens/s, "
+        f"Avg generation throughput: {2 * MAX_TOKENS / 2:.1f} tokens/s, ")
+    assert "Running: 0 reqs, Waiting: 0 reqs, GPU KV cache usage: 0.0%" in busy
+    levels = [r.levelno for r in caplog.records]
+    assert levels == [logging.INFO, logging.INFO, logging.DEBUG]
+    assert idle.startswith("Avg prompt throughput: 0.0 tokens/s")
+
+
+def test_token_buckets_are_1_2_5() -> None:
+    assert build_1_2_5_buckets(100) == [1, 2, 5, 10, 20, 50, 100]
+    assert build_1_2_5_buckets(128) == [1, 2, 5, 10, 20, 50, 100]

@@ -1,0 +1,117 @@
+"""Device sampling: filters never leak, seeds repeat, greedy is argmax, logprobs are exact."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxengine.sampling.sampler import SamplingMetadata, sample
+
+R = 512  # draws per call: one logits row replicated, each with its own output position
+
+
+def _md(n: int, **overrides: object) -> SamplingMetadata:
+    base = dict(
+        temperature=np.ones(n, np.float32),
+        top_k=np.zeros(n, np.int32),
+        top_p=np.ones(n, np.float32),
+        min_p=np.zeros(n, np.float32),
+        seeds=np.full(n, 1234, np.uint32),
+        positions=np.arange(n, dtype=np.int32),
+        num_logprobs=np.full(n, -1, np.int32),
+        banned_token_ids=np.full((n, 2), -1, np.int32),
+    )
+    for name, value in overrides.items():
+        shape = base[name].shape
+        base[name] = np.broadcast_to(np.asarray(value, base[name].dtype), shape).copy()
+    return SamplingMetadata(**base)
+
+
+def _draws(probs: list[float], **overrides: object) -> np.ndarray:
+    logits = np.tile(np.log(np.asarray(probs, np.float32)), (R, 1))
+    return np.asarray(sample(logits, _md(R, **overrides)).token_ids)
+
+
+PROBS = [0.4, 0.25, 0.15, 0.1, 0.05, 0.03, 0.02]
+
+
+def test_greedy_is_argmax() -> None:
+    logits = np.random.default_rng(0).normal(size=(8, 100)).astype(np.float32)
+    out = sample(logits, _md(8, temperature=0.0))
+    np.testing.assert_array_equal(np.asarray(out.token_ids), logits.argmax(-1))
+
+
+def test_top_k_never_leaves_the_top_k() -> None:
+    tokens = _draws(PROBS, top_k=3)
+    assert set(tokens.tolist()) == {0, 1, 2}
+
+
+def test_top_p_keeps_the_smallest_prefix_reaching_p() -> None:
+    # mass before token 2 is 0.65 < 0.7, before token 3 it is 0.8: tokens 0..2 allowed.
+    tokens = _draws(PROBS, top_p=0.7)
+    assert set(tokens.tolist()) == {0, 1, 2}
+    assert set(_draws(PROBS, top_p=0.01).tolist()) == {0}  # the top token always survives
+
+
+def test_min_p_drops_tokens_below_a_fraction_of_the_top() -> None:
+    tokens = _draws(PROBS, min_p=0.3)  # threshold 0.12: tokens 0..2
+    assert set(tokens.tolist()) == {0, 1, 2}
+
+
+def test_filters_compose_and_frequencies_follow_the_renormalised_distribution() -> None:
+    tokens = _draws(PROBS, top_k=4, top_p=0.95, min_p=0.2)  # k: 0..3, p: 0..3, min_p 0.08: 0..3
+    counts = np.bincount(tokens, minlength=len(PROBS))
+    assert counts[4:].sum() == 0
+    expected = np.asarray(PROBS[:4]) / sum(PROBS[:4]) * R
+    assert np.all(np.abs(counts[:4] - expected) < 5 * np.sqrt(expected) + 5)
+
+
+def test_temperature_flattens_the_distribution() -> None:
+    tokens = _draws([0.9, 0.1], temperature=3.0)
+    p1 = (0.1 ** (1 / 3)) / (0.9 ** (1 / 3) + 0.1 ** (1 / 3))  # ~0.32
+    assert abs(np.mean(tokens == 1) - p1) < 0.07
+
+
+def test_same_seed_and_position_give_the_same_token_whatever_the_batch_mates() -> None:
+    rng = np.random.default_rng(1)
+    row = rng.normal(size=(1, 50)).astype(np.float32)
+    alone = sample(row, _md(1, seeds=77, positions=5, top_k=20))
+    mates = rng.normal(size=(8, 50)).astype(np.float32)
+    mates[6] = row[0]
+    md = _md(8, seeds=[1, 2, 3, 4, 5, 6, 77, 8], positions=[0, 1, 2, 3, 4, 5, 5, 7], top_k=20)
+    together = sample(mates, md)
+    assert int(alone.token_ids[0]) == int(together.token_ids[6])
+    again = sample(mates, md)
+    np.testing.assert_array_equal(np.asarray(again.token_ids), np.asarray(together.token_ids))
+
+
+def test_different_positions_draw_differently() -> None:
+    tokens = _draws([1 / 16] * 16)
+    assert len(set(tokens.tolist())) == 16
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_logprobs_are_raw_log_softmax(temperature: float) -> None:
+    logits = np.random.default_rng(2).normal(size=(4, 30)).astype(np.float32)
+    out = sample(logits, _md(4, temperature=temperature, num_logprobs=3), max_logprobs=5)
+    shifted = logits - logits.max(-1, keepdims=True)
+    ref = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    tokens = np.asarray(out.token_ids)
+    np.testing.assert_allclose(out.logprobs, ref[np.arange(4), tokens], atol=1e-5)
+    np.testing.assert_array_equal(out.top_token_ids, np.argsort(-ref, -1)[:, :5])
+    np.testing.assert_allclose(out.top_logprobs, -np.sort(-ref, -1)[:, :5], atol=1e-5)
+
+
+def test_no_top_logprobs_when_nobody_asks() -> None:
+    logits = np.zeros((2, 10), np.float32)
+    out = sample(logits, _md(2, temperature=0.0), max_logprobs=3)
+    assert out.top_logprobs.shape == (2, 3)
+    assert out.top_token_ids.shape == (2, 3)
+
+
+def test_banned_tokens_are_never_drawn() -> None:
+    logits = np.tile(np.log(np.asarray(PROBS, np.float32)), (R, 1))
+    greedy = sample(logits[:4], _md(4, temperature=0.0, banned_token_ids=[0, 2]))
+    assert np.asarray(greedy.token_ids).tolist() == [1] * 4
+    tokens = sample(logits, _md(R, banned_token_ids=[1, -1])).token_ids
+    assert 1 not in set(np.asarray(tokens).tolist())
