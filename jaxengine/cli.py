@@ -2,7 +2,7 @@
 
 Engine flags are generated from the `EngineArgs` dataclass (vLLM's names with dashes:
 `--max-num-seqs`, `--enable-prefix-caching/--no-enable-prefix-caching`, ...), with the help
-text taken from each field's comment, so the CLI never drifts from the engine. A flag that is
+text each field declares, so the CLI never drifts from the engine. A flag that is
 not given is not passed: `EngineArgs` keeps its own defaults.
 """
 
@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import inspect
 import json
 import os
-import re
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -33,16 +31,6 @@ BENCH_SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "throughput.
 
 # ---- engine flags from EngineArgs --------------------------------------------------------
 
-def _field_comments() -> dict[str, str]:
-    """`name: type = default  # comment` lines of EngineArgs -> {name: comment}."""
-    try:
-        source = inspect.getsource(EngineArgs)
-    except (OSError, TypeError):  # no source (e.g. a zipped install): flags keep no help
-        return {}
-    pattern = re.compile(r"^\s+(\w+): [^=]+=[^#]*#\s*(.+)$")
-    return {m.group(1): m.group(2).strip() for m in map(pattern.match, source.splitlines()) if m}
-
-
 def _scalar_type(annotation: str) -> tuple[str, bool]:
     """("int" | "float" | "str" | "bool", optional) of a field annotation like "int | None"."""
     parts = [p.strip() for p in str(annotation).split("|")]
@@ -56,14 +44,12 @@ def _scalar_type(annotation: str) -> tuple[str, bool]:
 def add_engine_flags(parser: argparse.ArgumentParser, *, skip: Sequence[str] = ()) -> None:
     """Add one flag per `EngineArgs` field (except `skip`) in an "engine arguments" group."""
     group = parser.add_argument_group("engine arguments (EngineArgs; vLLM's names)")
-    comments = _field_comments()
     for f in dataclasses.fields(EngineArgs):
         if f.name in skip:
             continue
         kind, optional = _scalar_type(f.type)  # type: ignore[arg-type]
         default = f.default
-        text = comments.get(f.name, "")
-        help_text = f"{text} (default: {default})" if text else f"(default: {default})"
+        help_text = f"{f.metadata['help']} (default: {default})"
         flag = "--" + f.name.replace("_", "-")
         kw: dict[str, Any] = dict(dest=f.name, default=argparse.SUPPRESS, help=help_text)
         if kind == "bool":

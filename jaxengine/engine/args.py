@@ -12,33 +12,50 @@ DTYPES = ("auto", "float32", "bfloat16")
 ATTENTION_BACKENDS = ("reference", "tpu", "gpu")
 
 
+def _arg(default: Any, help: str) -> Any:
+    """A field with its default and the help text the CLI shows for its flag."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class EngineArgs:
     """Engine configuration (vLLM's engine-argument names; None = derived at startup)."""
 
-    model: str | None = None  # HF directory or .gguf file; None = embedded SmolLM2-135M-Instruct
-    dtype: str = "auto"  # "auto" (= float32), "float32" or "bfloat16": weights, activations, KV
-    seed: int = 0  # seeds the per-request seeds of requests that give none
-    max_model_len: int | None = None  # None: the model's max positions
-    max_num_batched_tokens: int | None = None  # None: 2048 (max_model_len if not chunking)
-    max_num_seqs: int = 128
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
-    block_size: int = 16
-    num_gpu_blocks_override: int | None = None  # KV pages, including the null block 0
-    kv_cache_memory_bytes: int | None = None  # KV budget; None: see gpu_memory_utilization
-    gpu_memory_utilization: float = 0.9  # accelerators: fraction of device memory for the run
-    cpu_kv_cache_bytes: int = 1 << 30  # CPU: the KV budget when none is given (1 GiB)
-    long_prefill_token_threshold: int = 0
-    max_num_partial_prefills: int = 1
-    max_long_partial_prefills: int = 1
-    scheduling_policy: str = "fcfs"
-    attention_backend: str | None = None  # None: by jax.default_backend()
-    precompile: bool = False  # compile every token/request bucket at startup
-    debug_recompiles: bool = False  # raise if anything compiles after warm-up
-    max_logprobs: int = 20
-    intermediate_token_buckets: bool = False  # 1.5x token buckets too: less padding
-    skip_tokenizer_init: bool = False
+    model: str | None = _arg(None, "HF directory or .gguf file; None: the embedded "
+                                   "SmolLM2-135M-Instruct")
+    dtype: str = _arg("auto", "weights, activations and KV cache: auto (= float32), float32 "
+                              "or bfloat16")
+    seed: int = _arg(0, "seeds the per-request seeds of requests that give none")
+    max_model_len: int | None = _arg(None, "longest sequence (prompt + output); None: the "
+                                           "model's max positions")
+    max_num_batched_tokens: int | None = _arg(
+        None, "tokens one step may process; None: 2048 (max_model_len if not chunking)")
+    max_num_seqs: int = _arg(128, "most requests running at once")
+    enable_chunked_prefill: bool = _arg(True, "split long prompts over several steps")
+    enable_prefix_caching: bool = _arg(True, "reuse the KV of shared prompt prefixes")
+    block_size: int = _arg(16, "tokens per KV cache page")
+    num_gpu_blocks_override: int | None = _arg(
+        None, "KV pages in the pool, the null block 0 included; None: from the memory budget")
+    kv_cache_memory_bytes: int | None = _arg(
+        None, "KV cache budget in bytes; None: see gpu_memory_utilization / cpu_kv_cache_bytes")
+    gpu_memory_utilization: float = _arg(
+        0.9, "accelerators: fraction of device memory for the run (weights, KV, activations)")
+    cpu_kv_cache_bytes: int = _arg(1 << 30, "CPU: the KV budget when none is given")
+    long_prefill_token_threshold: int = _arg(
+        0, "most tokens one request gets in one step while others wait (0: no cap)")
+    max_num_partial_prefills: int = _arg(1, "prompts partially prefilled at once (>1: "
+                                            "concurrent partial prefill limits)")
+    max_long_partial_prefills: int = _arg(1, "of those, most long ones at once")
+    scheduling_policy: str = _arg("fcfs", "order of waiting requests and preemption victims")
+    attention_backend: str | None = _arg(None, "attention implementation; None: chosen by "
+                                               "jax.default_backend()")
+    precompile: bool = _arg(False, "compile every token/request bucket at startup")
+    debug_recompiles: bool = _arg(False, "raise if anything compiles after warm-up")
+    max_logprobs: int = _arg(20, "most top logprobs a request may ask for")
+    intermediate_token_buckets: bool = _arg(False, "1.5x token buckets too: less padding, "
+                                                   "more compilations")
+    skip_tokenizer_init: bool = _arg(False, "load no tokenizer: prompts are token ids and "
+                                            "outputs have no text")
 
     def __post_init__(self) -> None:
         _check_choice("dtype", self.dtype, DTYPES)

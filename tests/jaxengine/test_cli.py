@@ -39,8 +39,11 @@ def test_every_engine_arg_has_a_flag_with_vllms_name() -> None:
     parser = build_parser()
     serve = parser._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
     flags = {s for a in serve._actions for s in a.option_strings}
+    helps = {s: a.help for a in serve._actions for s in a.option_strings}
     for f in dataclasses.fields(EngineArgs):
-        assert "--" + f.name.replace("_", "-") in flags, f.name
+        flag = "--" + f.name.replace("_", "-")
+        assert flag in flags, f.name
+        assert helps[flag].startswith(f.metadata["help"]) and len(f.metadata["help"]) > 10
     for bool_flag in ("--no-enable-prefix-caching", "--no-enable-chunked-prefill"):
         assert bool_flag in flags
 
