@@ -18,7 +18,8 @@ def add_request(state: SchedulerState, request: Request) -> SchedulerState:
     rid, prompt = request.request_id, request.prompt_token_ids
     max_len = state.config.max_model_len
     if rid in state._static:
-        raise ValueError(f"request {rid!r}: a request with this id is already scheduled")
+        raise ValueError(f"request {rid!r}: this id is already in use by an unfinished "
+                         "request; give each live request its own id")
     if not prompt:
         raise ValueError(f"request {rid!r}: the prompt is empty; give at least one token")
     if len(prompt) >= max_len:
