@@ -1,35 +1,32 @@
 """Load a GGUF file: metadata -> ModelConfig, tensors dequantized one at a time.
 
-`gguf.GGUFReader` memory-maps the file; `gguf.quants.dequantize` turns each tensor (Q4_1, Q8_0,
-F16, ...) into float32 in HF layout. llama.cpp stores Llama/Mistral Q and K rows permuted for its
-interleaved RoPE; `_unpermute` undoes it exactly as transformers' GGUF loader does.
+`gguf.GGUFReader` memory-maps the file; tensors are found under their HF names through the
+`gguf` package's own name map (`gguf.get_tensor_name_map`, the table llama.cpp's converter
+uses), and `gguf.quants.dequantize` turns each (Q4_1, Q8_0, F16, ...) into float32 in HF
+layout. llama.cpp stores Llama/Mistral Q and K rows permuted for its interleaved RoPE;
+`_unpermute` undoes it exactly as transformers' GGUF loader does.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import gguf
 import numpy as np
 
-from jaxengine.model.config import ModelConfig, ModelLoadError
+from jaxengine.model.config import (
+    SUPPORTED_ARCHITECTURES,
+    ModelConfig,
+    ModelLoadError,
+    RopeScaling,
+)
 
-# HF per-layer tensor suffix -> GGUF tensor name in block i
-_LAYER_NAMES = {
-    "input_layernorm.weight": "attn_norm.weight",
-    "post_attention_layernorm.weight": "ffn_norm.weight",
-    "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
-    "self_attn.v_proj.weight": "attn_v.weight", "self_attn.o_proj.weight": "attn_output.weight",
-    "self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
-    "self_attn.v_proj.bias": "attn_v.bias",
-    "self_attn.q_norm.weight": "attn_q_norm.weight",
-    "self_attn.k_norm.weight": "attn_k_norm.weight",
-    "mlp.gate_proj.weight": "ffn_gate.weight", "mlp.up_proj.weight": "ffn_up.weight",
-    "mlp.down_proj.weight": "ffn_down.weight",
-}
-_GLOBAL_NAMES = {"model.embed_tokens.weight": "token_embd.weight",
-                 "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight"}
+# our architecture -> gguf's; llama.cpp converts Mistral as "llama", and a file that says
+# "mistral" has the same tensors
+_GGUF_ARCHS = {"llama": gguf.MODEL_ARCH.LLAMA, "mistral": gguf.MODEL_ARCH.LLAMA,
+               "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3}
 _PERMUTED_ARCHS = ("llama", "mistral")  # llama.cpp permutes Q/K only for these
 
 
@@ -77,14 +74,19 @@ def gguf_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
     return meta
 
 
-def gguf_tensor_name(name: str) -> str | None:
-    """The GGUF name of the HF tensor `name` (None if GGUF has no such tensor)."""
-    if name in _GLOBAL_NAMES:
-        return _GLOBAL_NAMES[name]
-    if name.startswith("model.layers."):
-        layer, suffix = name[len("model.layers."):].split(".", 1)
-        return f"blk.{layer}.{_LAYER_NAMES[suffix]}" if suffix in _LAYER_NAMES else None
-    return None
+def tensor_name_map(cfg: ModelConfig) -> gguf.TensorNameMap:
+    """The `gguf` package's HF -> GGUF tensor-name map for `cfg`'s architecture and depth."""
+    return gguf.get_tensor_name_map(_GGUF_ARCHS[cfg.architecture], cfg.num_layers)
+
+
+def gguf_tensor_name(names: gguf.TensorNameMap, name: str) -> str | None:
+    """The GGUF name of the HF tensor `name` (None if GGUF has no such tensor).
+
+    Args:
+        names: from `tensor_name_map`.
+        name: e.g. "model.layers.3.self_attn.q_proj.weight" -> "blk.3.attn_q.weight".
+    """
+    return names.get_name(name, try_suffixes=(".weight", ".bias"))
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -98,11 +100,12 @@ class GGUFSource:
 
     def __init__(self, reader: gguf.GGUFReader, cfg: ModelConfig, path: str) -> None:
         self._tensors = {t.name: t for t in reader.tensors}
+        self._names = tensor_name_map(cfg)
         self._cfg, self._path = cfg, path
 
     def get(self, name: str) -> np.ndarray | None:
         """The tensor `name` in HF layout as float32, or None if the file lacks it."""
-        tensor = self._tensors.get(gguf_tensor_name(name) or "")
+        tensor = self._tensors.get(gguf_tensor_name(self._names, name) or "")
         if tensor is None:
             return None
         try:
@@ -126,4 +129,47 @@ def read_gguf_config(reader: gguf.GGUFReader, meta: dict[str, Any]) -> ModelConf
     if "rope_freqs.weight" in names:
         raise ModelLoadError("GGUF with rope_freqs (llama3 RoPE scaling) is not supported; "
                              "load the HF checkpoint directory instead")
-    return ModelConfig.from_gguf_metadata(meta, tied="output.weight" not in names)
+    return model_config_from_gguf(meta, tied="output.weight" not in names)
+
+
+def model_config_from_gguf(meta: Mapping[str, Any], *, tied: bool) -> ModelConfig:
+    """Build from GGUF key/value metadata (`general.architecture`, `<arch>.block_count`...).
+
+    Args:
+        meta: GGUF fields as plain Python values.
+        tied: whether the file lacks a separate `output.weight` (tied embeddings).
+    Raises:
+        ModelLoadError: unsupported architecture, or a missing field (named).
+    """
+    arch = str(meta.get("general.architecture", "<missing general.architecture>"))
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(f"unsupported GGUF architecture {arch!r}; supported: "
+                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+
+    def get(key: str, default: Any = None) -> Any:
+        value = meta.get(f"{arch}.{key}", default)
+        if value is None:
+            raise ModelLoadError(f"GGUF metadata lacks {arch}.{key}; the file is incomplete")
+        return value
+
+    hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
+    vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
+    scaling = None
+    if meta.get(f"{arch}.rope.scaling.type", "none") not in ("none", None):
+        scaling = RopeScaling(kind=str(get("rope.scaling.type")),
+                              factor=float(get("rope.scaling.factor")))
+    return ModelConfig(
+        architecture=arch, vocab_size=int(vocab), hidden_size=hidden,
+        intermediate_size=int(get("feed_forward_length")),
+        num_layers=int(get("block_count")), num_heads=heads,
+        num_kv_heads=int(get("attention.head_count_kv", heads)),
+        head_dim=int(get("attention.key_length", hidden // heads)),
+        rms_norm_eps=_f32_value(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=_f32_value(get("rope.freq_base", 10000.0)), rope_scaling=scaling,
+        max_position_embeddings=int(get("context_length", 4096)),
+        tie_word_embeddings=tied, qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3")
+
+
+def _f32_value(x: Any) -> float:
+    # GGUF stores these as float32 (1e-5 reads back as 9.99999974e-06): keep 7 digits.
+    return float(f"{float(x):.7g}")

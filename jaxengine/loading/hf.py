@@ -1,29 +1,112 @@
-"""Load an HF model directory: `config.json` + `*.safetensors` (single or sharded + index)."""
+"""Load an HF model directory: `config.json` + `*.safetensors` (single or sharded + index).
+
+`config.json` is read by transformers' `AutoConfig` (no torch needed), so config drift is
+transformers' to absorb: old top-level `rope_theta` + `rope_scaling` and transformers 5's
+`rope_parameters` both arrive as `rope_parameters`, Qwen's `use_sliding_window=False` clears
+`sliding_window`, a missing `head_dim` or `num_key_value_heads` gets the class default. What
+transformers would fill silently with a 7B model's sizes (a missing `hidden_size`...) is an
+error here instead.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from contextlib import ExitStack
+from typing import Any
 
 import numpy as np
 from safetensors import safe_open
+from transformers import AutoConfig, PretrainedConfig
 
-from jaxengine.model.config import ModelConfig, ModelLoadError
+from jaxengine.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelLoadError, RopeScaling
+
+# config.json fields without a meaningful default (transformers' would be Llama-7B's)
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+             "num_attention_heads")
 
 
-def read_hf_config(path: str) -> ModelConfig:
-    """Parse `path/config.json` into a ModelConfig."""
+def read_hf_config(path: str | os.PathLike[str]) -> ModelConfig:
+    """Parse `path/config.json` into a ModelConfig, through transformers' `AutoConfig`.
+
+    Raises:
+        ModelLoadError: no or unreadable config.json, unsupported architecture or feature,
+            a missing or invalid field; the message names it.
+    """
+    path = os.fspath(path)
     cfg_path = os.path.join(path, "config.json")
+    raw = _read_config_json(path, cfg_path)
+    arch = _supported_model_type(raw)
+    missing = [name for name in _REQUIRED if raw.get(name) is None]
+    if missing:
+        raise ModelLoadError(f"config.json lacks required field {missing[0]!r}")
+    try:
+        hf = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    except Exception as e:  # transformers and huggingface_hub raise their own error types
+        raise ModelLoadError(f"{cfg_path}: transformers cannot read it "
+                             f"({type(e).__name__}: {e})") from None
+    return _model_config(hf, arch)
+
+
+def _model_config(hf: PretrainedConfig, arch: str) -> ModelConfig:
+    """ModelConfig from transformers' parsed config of a supported `arch` (its model_type).
+
+    Raises:
+        ModelLoadError: an unsupported feature (biases, RoPE type) or an invalid value.
+    """
+    if getattr(hf, "mlp_bias", False) or (arch != "qwen2" and getattr(hf, "attention_bias",
+                                                                      False)):
+        raise ModelLoadError(f"{arch}: mlp_bias / attention_bias=True is not supported")
+    rope = hf.rope_parameters  # transformers >= 5: theta and scaling, old configs included
+    return ModelConfig(
+        architecture=arch, vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
+        intermediate_size=hf.intermediate_size, num_layers=hf.num_hidden_layers,
+        num_heads=hf.num_attention_heads, num_kv_heads=hf.num_key_value_heads,
+        # Qwen2's config class has no head_dim; its model uses hidden // heads, as here
+        head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
+        rms_norm_eps=float(hf.rms_norm_eps), rope_theta=float(rope["rope_theta"]),
+        rope_scaling=_rope_scaling(rope), max_position_embeddings=hf.max_position_embeddings,
+        tie_word_embeddings=bool(hf.tie_word_embeddings), qkv_bias=arch == "qwen2",
+        qk_norm=arch == "qwen3", sliding_window=getattr(hf, "sliding_window", None))
+
+
+def _read_config_json(path: str, cfg_path: str) -> dict[str, Any]:
     if not os.path.isfile(cfg_path):
         raise ModelLoadError(f"{path}: no config.json; pass an HF model directory "
                              "(config.json + *.safetensors) or a .gguf file")
     try:
         with open(cfg_path) as f:
-            raw = json.load(f)
+            return json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         raise ModelLoadError(f"{cfg_path}: unreadable config.json ({e})") from None
-    return ModelConfig.from_hf_config(raw)
+
+
+def _supported_model_type(raw: Mapping[str, Any]) -> str:
+    """The config's model_type if we support it (checked before transformers, which knows
+    more architectures than we do and fails on ones it does not know)."""
+    arch = str(raw.get("model_type", "")).lower()
+    if arch not in SUPPORTED_ARCHITECTURES:
+        names = raw.get("architectures") or [arch or "<no model_type>"]
+        raise ModelLoadError(f"unsupported architecture {names[0]!r} (model_type={arch!r}); "
+                             f"supported model_type values: {', '.join(SUPPORTED_ARCHITECTURES)}")
+    return arch
+
+
+def _rope_scaling(rope: Mapping[str, Any]) -> RopeScaling | None:
+    kind = rope.get("rope_type", "default")
+    if kind == "default":
+        return None
+    if kind not in ("llama3", "linear"):
+        raise ModelLoadError(f"rope scaling type {kind!r} is not supported "
+                             "(supported: 'llama3', 'linear', or none)")
+    extra = {}
+    if kind == "llama3":  # transformers has checked these keys are present
+        extra = dict(low_freq_factor=float(rope["low_freq_factor"]),
+                     high_freq_factor=float(rope["high_freq_factor"]),
+                     original_max_position_embeddings=int(
+                         rope["original_max_position_embeddings"]))
+    return RopeScaling(kind=kind, factor=float(rope["factor"]), **extra)
 
 
 def _shard_files(path: str) -> list[str]:

@@ -1,14 +1,15 @@
 """Model configuration: one frozen, validated `ModelConfig` for the Llama family.
 
 Covers Llama 2/3 (incl. llama3 RoPE scaling), SmolLM2, Mistral, Qwen2 (q/k/v bias) and Qwen3
-(q/k RMSNorm), read from an HF `config.json` dict or from GGUF metadata. Anything else raises
-`ModelLoadError` naming the architecture.
+(q/k RMSNorm); any other architecture raises `ModelLoadError` naming it. This is the schema
+only: the readers that fill it live with the formats, `jaxengine/loading/hf.py` (an HF
+`config.json`, through transformers' `AutoConfig`) and `jaxengine/loading/gguf_file.py` (GGUF
+metadata).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
@@ -117,108 +118,3 @@ class ModelConfig:
                    intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3,
                    head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
                    max_position_embeddings=8192, tie_word_embeddings=True)
-
-    # ---- readers -------------------------------------------------------------------------
-
-    @classmethod
-    def from_hf_config(cls, cfg: Mapping[str, Any]) -> ModelConfig:
-        """Build from a parsed HF `config.json`.
-
-        Raises:
-            ModelLoadError: unsupported architecture or feature, or a missing field.
-        """
-        arch = str(cfg.get("model_type", "")).lower()
-        if arch not in SUPPORTED_ARCHITECTURES:
-            names = cfg.get("architectures") or [arch or "<no model_type>"]
-            raise ModelLoadError(f"unsupported architecture {names[0]!r} "
-                                 f"(model_type={arch!r}); supported model_type values: "
-                                 f"{', '.join(SUPPORTED_ARCHITECTURES)}")
-        if cfg.get("mlp_bias") or (arch != "qwen2" and cfg.get("attention_bias")):
-            raise ModelLoadError(f"{arch}: mlp_bias / attention_bias=True is not supported")
-        try:
-            hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-            return cls(
-                architecture=arch, vocab_size=int(cfg["vocab_size"]), hidden_size=hidden,
-                intermediate_size=int(cfg["intermediate_size"]),
-                num_layers=int(cfg["num_hidden_layers"]), num_heads=heads,
-                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-                head_dim=int(cfg.get("head_dim") or hidden // heads),
-                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                rope_theta=_hf_rope_theta(cfg), rope_scaling=_hf_rope_scaling(cfg),
-                max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3",
-                sliding_window=_hf_sliding_window(cfg, arch))
-        except KeyError as e:
-            raise ModelLoadError(f"config.json lacks required field {e.args[0]!r}") from None
-
-    @classmethod
-    def from_gguf_metadata(cls, meta: Mapping[str, Any], *, tied: bool) -> ModelConfig:
-        """Build from GGUF key/value metadata (`general.architecture`, `<arch>.block_count`...).
-
-        Args:
-            meta: GGUF fields as plain Python values.
-            tied: whether the file lacks a separate `output.weight` (tied embeddings).
-        """
-        arch = str(meta.get("general.architecture", "<missing general.architecture>"))
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ModelLoadError(f"unsupported GGUF architecture {arch!r}; supported: "
-                                 f"{', '.join(SUPPORTED_ARCHITECTURES)}")
-
-        def get(key: str, default: Any = None) -> Any:
-            value = meta.get(f"{arch}.{key}", default)
-            if value is None:
-                raise ModelLoadError(f"GGUF metadata lacks {arch}.{key}; the file is incomplete")
-            return value
-
-        hidden, heads = int(get("embedding_length")), int(get("attention.head_count"))
-        vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
-        scaling = None
-        if meta.get(f"{arch}.rope.scaling.type", "none") not in ("none", None):
-            scaling = RopeScaling(kind=str(get("rope.scaling.type")),
-                                  factor=float(get("rope.scaling.factor")))
-        return cls(
-            architecture=arch, vocab_size=int(vocab), hidden_size=hidden,
-            intermediate_size=int(get("feed_forward_length")),
-            num_layers=int(get("block_count")), num_heads=heads,
-            num_kv_heads=int(get("attention.head_count_kv", heads)),
-            head_dim=int(get("attention.key_length", hidden // heads)),
-            rms_norm_eps=_f32_value(get("attention.layer_norm_rms_epsilon", 1e-5)),
-            rope_theta=_f32_value(get("rope.freq_base", 10000.0)), rope_scaling=scaling,
-            max_position_embeddings=int(get("context_length", 4096)),
-            tie_word_embeddings=tied, qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3")
-
-
-def _f32_value(x: Any) -> float:
-    # GGUF stores these as float32 (1e-5 reads back as 9.99999974e-06): keep 7 digits.
-    return float(f"{float(x):.7g}")
-
-
-def _hf_rope_theta(cfg: Mapping[str, Any]) -> float:
-    # transformers >= 5 nests rope_theta under rope_parameters; older configs keep it on top.
-    params = cfg.get("rope_parameters") or {}
-    return float(cfg.get("rope_theta") or params.get("rope_theta") or 10000.0)
-
-
-def _hf_rope_scaling(cfg: Mapping[str, Any]) -> RopeScaling | None:
-    scaling = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-    kind = scaling.get("rope_type") or scaling.get("type") or "default"
-    if kind == "default":
-        return None
-    if kind not in ("llama3", "linear"):
-        raise ModelLoadError(f"rope scaling type {kind!r} is not supported "
-                             "(supported: 'llama3', 'linear', or none)")
-    extra = {}
-    if kind == "llama3":
-        extra = dict(low_freq_factor=float(scaling["low_freq_factor"]),
-                     high_freq_factor=float(scaling["high_freq_factor"]),
-                     original_max_position_embeddings=int(
-                         scaling["original_max_position_embeddings"]))
-    return RopeScaling(kind=kind, factor=float(scaling["factor"]), **extra)
-
-
-def _hf_sliding_window(cfg: Mapping[str, Any], arch: str) -> int | None:
-    window = cfg.get("sliding_window")
-    if arch in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
-        return None
-    return int(window) if window else None

@@ -14,8 +14,9 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from jaxengine.loading import default_model_path, load_model
-from jaxengine.loading.gguf_file import gguf_tensor_name
-from jaxengine.model.config import ModelConfig, ModelLoadError
+from jaxengine.loading.gguf_file import gguf_tensor_name, tensor_name_map
+from jaxengine.loading.hf import read_hf_config
+from jaxengine.model.config import ModelLoadError
 from jaxengine.model.step import RequestChunk
 from tests.fixtures.model_helpers import FIXTURES, PagedRunner, load_json
 
@@ -30,7 +31,8 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def write_gguf(src: Path, path: Path, arch: str) -> None:
     """Convert a tiny HF fixture to an F32 GGUF file the way llama.cpp does."""
-    cfg = ModelConfig.from_hf_config(load_json(src / "config.json"))
+    cfg = read_hf_config(src)
+    names = tensor_name_map(cfg)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg.num_layers)
     w.add_context_length(cfg.max_position_embeddings)
@@ -51,7 +53,7 @@ def write_gguf(src: Path, path: Path, arch: str) -> None:
             arr = _permute(arr, cfg.num_heads)
         elif arch == "llama" and name.endswith("k_proj.weight"):
             arr = _permute(arr, cfg.num_kv_heads)
-        w.add_tensor(gguf_tensor_name(name), arr)
+        w.add_tensor(gguf_tensor_name(names, name), arr)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -1,0 +1,55 @@
+"""GGUF metadata -> ModelConfig, and the gguf package's tensor-name map under our HF names."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxengine.loading.gguf_file import gguf_tensor_name, model_config_from_gguf, tensor_name_map
+from jaxengine.model.config import ModelConfig, ModelLoadError
+
+# llama.cpp's names, as the loader's own table had them before it used gguf's map
+LLAMA_CPP_NAMES = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight",
+    "model.layers.1.input_layernorm.weight": "blk.1.attn_norm.weight",
+    "model.layers.1.post_attention_layernorm.weight": "blk.1.ffn_norm.weight",
+    "model.layers.1.self_attn.q_proj.weight": "blk.1.attn_q.weight",
+    "model.layers.1.self_attn.k_proj.weight": "blk.1.attn_k.weight",
+    "model.layers.1.self_attn.v_proj.weight": "blk.1.attn_v.weight",
+    "model.layers.1.self_attn.o_proj.weight": "blk.1.attn_output.weight",
+    "model.layers.1.self_attn.q_proj.bias": "blk.1.attn_q.bias",
+    "model.layers.1.self_attn.k_proj.bias": "blk.1.attn_k.bias",
+    "model.layers.1.self_attn.v_proj.bias": "blk.1.attn_v.bias",
+    "model.layers.1.mlp.gate_proj.weight": "blk.1.ffn_gate.weight",
+    "model.layers.1.mlp.up_proj.weight": "blk.1.ffn_up.weight",
+    "model.layers.1.mlp.down_proj.weight": "blk.1.ffn_down.weight",
+}
+QK_NORM_NAMES = {"model.layers.1.self_attn.q_norm.weight": "blk.1.attn_q_norm.weight",
+                 "model.layers.1.self_attn.k_norm.weight": "blk.1.attn_k_norm.weight"}
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+def test_tensor_names_are_llama_cpps(arch: str) -> None:
+    names = tensor_name_map(ModelConfig.tiny(arch))
+    expected = {**LLAMA_CPP_NAMES, **(QK_NORM_NAMES if arch == "qwen3" else {})}
+    assert {n: gguf_tensor_name(names, n) for n in expected} == expected
+    assert gguf_tensor_name(names, "model.layers.2.self_attn.q_proj.weight") is None  # 2 layers
+    assert gguf_tensor_name(names, "model.layers.1.mlp.foo.weight") is None
+
+
+def test_gguf_metadata() -> None:
+    meta = {"general.architecture": "qwen2", "qwen2.block_count": 2,
+            "qwen2.embedding_length": 64, "qwen2.feed_forward_length": 96,
+            "qwen2.attention.head_count": 4, "qwen2.attention.head_count_kv": 2,
+            "qwen2.rope.freq_base": 1e6, "qwen2.attention.layer_norm_rms_epsilon": 1e-6,
+            "qwen2.context_length": 512, "tokenizer.ggml.tokens": ["a"] * 100}
+    cfg = model_config_from_gguf(meta, tied=False)
+    assert (cfg.vocab_size, cfg.head_dim, cfg.qkv_bias, cfg.rope_theta) == (100, 16, True, 1e6)
+    del meta["qwen2.block_count"]
+    with pytest.raises(ModelLoadError, match="qwen2.block_count"):
+        model_config_from_gguf(meta, tied=False)
+
+
+def test_unsupported_architecture_is_named() -> None:
+    with pytest.raises(ModelLoadError, match="unsupported GGUF architecture 'falcon'"):
+        model_config_from_gguf({"general.architecture": "falcon"}, tied=True)

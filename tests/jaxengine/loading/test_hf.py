@@ -1,0 +1,96 @@
+"""Reading an HF config.json through transformers' AutoConfig: each supported architecture,
+old and new RoPE fields, and clear errors for what we do not support or cannot read."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from jaxengine.loading.hf import read_hf_config
+from jaxengine.model.config import ModelConfig, ModelLoadError, RopeScaling
+from jaxengine.model.layers import rope_inv_freq
+from tests.fixtures.model_helpers import FIXTURES, load_json
+
+TINY = FIXTURES / "tiny"
+
+
+def read(tmp_path: Path, name: str, *, drop: Sequence[str] = (), **changes: Any) -> ModelConfig:
+    """`read_hf_config` of fixture `name`'s config.json with `changes` set and `drop` removed."""
+    cfg = {**load_json(TINY / name / "config.json"), **changes}
+    for key in drop:
+        del cfg[key]
+    path = tmp_path / name
+    path.mkdir(exist_ok=True)
+    (path / "config.json").write_text(json.dumps(cfg))
+    return read_hf_config(str(path))
+
+
+def test_reads_each_architecture_from_hf_config() -> None:
+    llama3 = read_hf_config(TINY / "llama3_gqa")
+    assert (llama3.architecture, llama3.num_heads, llama3.num_kv_heads) == ("llama", 4, 2)
+    assert llama3.rope_scaling == RopeScaling(kind="llama3", factor=8.0, low_freq_factor=1.0,
+                                              high_freq_factor=4.0,
+                                              original_max_position_embeddings=64)
+    assert not llama3.tie_word_embeddings
+    tied = read_hf_config(TINY / "llama_tied_mha")
+    assert tied.tie_word_embeddings and tied.num_kv_heads == 4 and tied.num_layers == 3
+    mistral = read_hf_config(TINY / "mistral_gqa")
+    assert mistral.architecture == "mistral" and mistral.rope_theta == 1e6
+    qwen2 = read_hf_config(TINY / "qwen2_bias_tied")
+    assert qwen2.qkv_bias and not qwen2.qk_norm and qwen2.sliding_window is None
+    assert qwen2.head_dim == 8  # no head_dim in the file: hidden_size // num_attention_heads
+    qwen3 = read_hf_config(TINY / "qwen3_qknorm")
+    assert qwen3.qk_norm and not qwen3.qkv_bias and qwen3.head_dim == 16
+
+
+def test_old_style_rope_fields(tmp_path: Path) -> None:
+    parsed = read(tmp_path, "llama3_gqa", drop=["rope_parameters"], rope_theta=5e5,
+                  rope_scaling=dict(type="linear", factor=2.0))
+    assert parsed.rope_theta == 5e5 and parsed.rope_scaling.kind == "linear"
+    inv = rope_inv_freq(8, 5e5, parsed.rope_scaling)
+    np.testing.assert_allclose(inv, rope_inv_freq(8, 5e5, None) / 2, rtol=1e-6)
+    llama3 = read(tmp_path, "llama3_gqa", drop=["rope_parameters"], rope_theta=5e5,
+                  rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                    high_freq_factor=4.0, original_max_position_embeddings=64))
+    assert llama3.rope_scaling == read_hf_config(TINY / "llama3_gqa").rope_scaling
+
+
+def test_unsupported_architecture_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="GPT2LMHeadModel"):
+        read(tmp_path, "llama3_gqa", model_type="gpt2", architectures=["GPT2LMHeadModel"])
+    # one transformers does not know either: still our message, not transformers'
+    with pytest.raises(ModelLoadError, match="'FooForCausalLM' \\(model_type='foo'\\)"):
+        read(tmp_path, "llama3_gqa", model_type="foo", architectures=["FooForCausalLM"])
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(rope_parameters=dict(rope_type="yarn", factor=4.0)), "'yarn' is not supported"),
+    (dict(mlp_bias=True), "mlp_bias"),
+    (dict(num_key_value_heads=3), "num_heads=4 must be a multiple of num_kv_heads=3"),
+    (dict(hidden_size=0), "hidden_size must be > 0, got 0"),
+    (dict(rope_parameters=dict(rope_type="llama3", factor=8.0, rope_theta=1e4)),
+     "config.json: transformers cannot read it .*low_freq_factor"),
+])
+def test_invalid_configs_say_what_is_wrong(tmp_path: Path, change: dict, message: str) -> None:
+    drop = ["head_dim"] if "hidden_size" in change else []
+    with pytest.raises(ModelLoadError, match=message):
+        read(tmp_path, "llama3_gqa", drop=drop, **change)
+
+
+def test_missing_field_is_named(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="'intermediate_size'"):
+        read(tmp_path, "mistral_gqa", drop=["intermediate_size"])
+    with pytest.raises(ModelLoadError, match="'hidden_size'"):
+        read(tmp_path, "mistral_gqa", hidden_size=None)
+
+
+def test_sliding_window_caps_the_model_length(tmp_path: Path) -> None:
+    assert read(tmp_path, "mistral_gqa", sliding_window=64).max_model_len == 64
+    assert read_hf_config(TINY / "mistral_gqa").max_model_len == 256
+    qwen = read(tmp_path, "qwen2_bias_tied", sliding_window=32, use_sliding_window=False)
+    assert qwen.max_model_len == 256
