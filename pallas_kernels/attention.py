@@ -29,12 +29,19 @@ _KERNELS: dict[str, Callable[..., tuple[jax.Array, jax.Array]]] = {
 _CHECKS: dict[str, Callable[..., None]] = {"tpu": tpu.check_supported, "gpu": gpu.check_supported}
 
 
-def default_impl() -> Impl:
-    """The implementation for ``jax.default_backend()``: tpu, gpu (cuda), else reference."""
-    backend = jax.default_backend()
-    if backend == "tpu":
+def default_impl(platform: str | None = None) -> Impl:
+    """The implementation for a jax platform: the Pallas kernel on tpu and gpu, else reference.
+
+    The one place that maps platforms to implementations (the engine asks it too).
+
+    Args:
+      platform: a ``jax.default_backend()`` name (``"cpu"``, ``"gpu"``, ``"tpu"``; jax names
+        CUDA and ROCm devices ``"gpu"``); default: ``jax.default_backend()``.
+    """
+    platform = jax.default_backend() if platform is None else platform
+    if platform == "tpu":
         return "tpu"
-    if backend in ("gpu", "cuda"):
+    if platform == "gpu":
         return "gpu"
     return "reference"
 

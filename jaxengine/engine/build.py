@@ -10,14 +10,14 @@ from jaxengine.engine.args import EngineArgs
 from jaxengine.engine.llm_engine import LLMEngine
 from jaxengine.model.config import ModelConfig
 from jaxengine.model.fns import ModelFns
-from pallas_kernels import UnsupportedShapeError, check_supported
+from pallas_kernels import UnsupportedShapeError, check_supported, default_impl
 
 # Leave room for activations when sizing the pool from device memory.
 ACTIVATION_RESERVE = 0.1
 
 
 def attention_backend(args: EngineArgs, cfg: ModelConfig) -> str:
-    """`args.attention_backend`, else Pallas on TPU/GPU and the jnp reference elsewhere.
+    """`args.attention_backend`, else `pallas_kernels.default_impl()` (the platform's kernel).
 
     A Pallas kernel must run the model's shapes: there is no silent fallback to the reference
     at trace time, so an unsupported shape is an error here, at engine build.
@@ -26,15 +26,14 @@ def attention_backend(args: EngineArgs, cfg: ModelConfig) -> str:
       ValueError: the kernel cannot run the model's heads / head_dim / block_size (checked
         first: no platform would run them), or it needs another platform.
     """
-    backend = jax.default_backend()
-    chosen = args.attention_backend
-    if chosen is None:
-        chosen = backend if backend in ("tpu", "gpu") else "reference"
+    native = default_impl()  # the one mapping from platform to kernel
+    chosen = args.attention_backend or native
     _check_kernel_shapes(chosen, cfg, block_size=args.block_size)
-    if chosen != "reference" and chosen != backend:
+    if chosen not in ("reference", native):
         raise ValueError(
             f"attention_backend={chosen!r} needs a {chosen.upper()}, but jax's default backend "
-            f"is {backend!r}; use attention_backend='reference' (or None to pick by backend)"
+            f"is {jax.default_backend()!r}; use attention_backend='reference' (or None to pick "
+            f"by backend)"
         )
     return chosen
 

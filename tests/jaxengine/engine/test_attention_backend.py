@@ -15,7 +15,7 @@ from jaxengine.engine.build import attention_backend, build_engine
 from jaxengine.model.config import ModelConfig
 from jaxengine.model.llama import Model
 from jaxengine.model.step import RequestChunk, make_model_step, pack_batch, split_model
-from pallas_kernels import UnsupportedShapeError
+from pallas_kernels import UnsupportedShapeError, default_impl
 
 TINY = Path(__file__).resolve().parents[2] / "fixtures" / "tiny" / "llama_tied_mha"  # head_dim 8
 KERNEL_OK = ModelConfig.tiny(hidden_size=64, head_dim=64)  # shapes both kernels accept
@@ -28,6 +28,12 @@ def test_the_backend_is_checked_against_the_platform() -> None:
         attention_backend(EngineArgs(attention_backend="tpu"), KERNEL_OK)
     with pytest.raises(ValueError, match="must be one of"):
         EngineArgs(attention_backend="cuda-fast")
+
+
+def test_one_function_maps_platforms_to_kernels() -> None:
+    # jax names CUDA and ROCm devices "gpu"; the engine's default is exactly this mapping
+    assert [default_impl(p) for p in ("tpu", "gpu", "cpu")] == ["tpu", "gpu", "reference"]
+    assert attention_backend(EngineArgs(), KERNEL_OK) == default_impl()
 
 
 @pytest.mark.parametrize(("impl", "rule"), [("tpu", "a multiple of 64"), ("gpu", ">= 16")])
