@@ -22,24 +22,13 @@ def kv_cache_shape(cfg: ModelConfig, *, num_blocks: int, block_size: int) -> tup
 
 
 def kv_cache_bytes_per_block(cfg: ModelConfig, *, block_size: int, dtype: jnp.dtype) -> int:
-    """Bytes one page takes across all layers (for sizing the cache from a memory budget)."""
+    """Bytes one page takes across all layers (`engine.build.num_kv_blocks` sizes the pool)."""
     per_slot = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim
     return per_slot * block_size * jnp.dtype(dtype).itemsize
 
 
-def num_blocks_for_budget(cfg: ModelConfig, budget_bytes: int, *, block_size: int,
-                          dtype: jnp.dtype) -> int:
-    """Largest page count whose cache fits in `budget_bytes`."""
-    blocks = budget_bytes // kv_cache_bytes_per_block(cfg, block_size=block_size, dtype=dtype)
-    if blocks < 2:
-        raise ValueError(f"a KV budget of {budget_bytes} bytes holds {blocks} pages of "
-                         f"{block_size} tokens; at least 2 are needed: raise the budget")
-    return int(blocks)
-
-
 def init_kv_cache(cfg: ModelConfig, *, num_blocks: int, block_size: int,
-                  dtype: jnp.dtype = jnp.float32,
-                  sharding: jax.sharding.Sharding | None = None) -> jax.Array:
+                  dtype: jnp.dtype = jnp.float32) -> jax.Array:
     """A zeroed cache [layers, P, L, 2*K, H] in `dtype` (the model's dtype)."""
     shape = kv_cache_shape(cfg, num_blocks=num_blocks, block_size=block_size)
-    return jnp.zeros(shape, dtype, device=sharding)
+    return jnp.zeros(shape, dtype)

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from jaxengine.engine.args import EngineArgs
-from jaxengine.engine.build import build_engine, model_fns
+from jaxengine.engine.build import build_engine, model_fns, num_kv_blocks
 from jaxengine.engine.llm_engine import LLMEngine
 from jaxengine.llm import LLM
 from jaxengine.loading.load import load_model
@@ -110,6 +110,8 @@ def test_a_kv_pool_that_cannot_hold_max_model_len_is_refused_at_build() -> None:
         build_engine(budget)
     fits = build_engine(EngineArgs(model=str(TINY), **SMALL, kv_cache_memory_bytes=33 * per_block))
     assert fits.scheduler_config.num_blocks == 33
+    almost = EngineArgs(**SMALL, kv_cache_memory_bytes=34 * per_block - 1)  # whole blocks only
+    assert num_kv_blocks(almost, _loaded()[0], max_model_len=128) == 33
 
 
 def test_serve_with_a_kv_pool_too_small_exits_with_the_numbers() -> None:
