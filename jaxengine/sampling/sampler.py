@@ -16,7 +16,6 @@ Axis names: R requests (rows), V vocabulary, n top logprobs.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -135,22 +134,17 @@ def _logprobs(
     return lax.cond(jnp.any(md.num_logprobs >= 0), compute, skip)
 
 
-@functools.partial(jax.jit, static_argnames=("max_logprobs",))
-def sample(logits: jax.Array, md: SamplingMetadata, *, max_logprobs: int = 0) -> SamplerOutput:
-    """Draw one token per row.
+def sample_impl(logits: jax.Array, md: SamplingMetadata, *, max_logprobs: int) -> SamplerOutput:
+    """Draw one token per row; traced inside the caller's jit (the runner's, `generate`'s).
 
     Args:
       logits: f32/bf16[R, V] model output at each row's last scheduled token.
       md: the rows' sampling parameters (arrays of size R).
-      max_logprobs: n, the size of the top-logprobs output (static: it sets an output shape).
+      max_logprobs: n, the size of the top-logprobs output (static for the caller's jit: it
+        sets an output shape).
     Returns:
       SamplerOutput with token ids i32[R], raw logprobs f32[R] and top-n f32/i32[R, n].
     """
-    return sample_impl(logits, md, max_logprobs=max_logprobs)
-
-
-def sample_impl(logits: jax.Array, md: SamplingMetadata, *, max_logprobs: int) -> SamplerOutput:
-    """`sample` without its own jit, for callers that fuse it into a larger jitted function."""
     logits = _ban(logits.astype(jnp.float32), md.banned_token_ids)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     drawn = lax.cond(

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 import pytest
 
-from jaxengine.sampling.sampler import SamplingMetadata, sample
+from jaxengine.sampling.sampler import SamplerOutput, SamplingMetadata, sample_impl
 
 R = 512  # draws per call: one logits row replicated, each with its own output position
+
+# The runner traces sample_impl inside its own jitted sampler; here it is jitted alone.
+_jitted_sample = jax.jit(sample_impl, static_argnames=("max_logprobs",))
+
+
+def sample(logits: np.ndarray, md: SamplingMetadata, *, max_logprobs: int = 0) -> SamplerOutput:
+    return _jitted_sample(logits, md, max_logprobs=max_logprobs)
 
 
 def _md(n: int, **overrides: object) -> SamplingMetadata:
