@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -37,8 +39,21 @@ def test_greedy_under_an_outer_jit_equals_single_request_greedy(cache: str) -> N
         return out.tokens
 
     tokens = np.asarray(research_program(model.params, ids, lens))
-    for b, p in enumerate(PROMPTS):
-        assert tokens[b].tolist() == fake_greedy(p, 6, V)
+    expected = np.asarray([fake_greedy(p, 6, V) for p in PROMPTS], np.int32)  # i32[B, 6]
+    chex.assert_trees_all_equal(tokens, expected, strict=True)  # values, shape and dtype
+
+
+def test_decoding_is_one_loop_not_unrolled() -> None:
+    """The decode steps are a `lax.while_loop`: however many tokens, the model step and the
+    logits are traced twice each (prefill, then the loop body), never once per token."""
+    fake = fake_model(V)
+    model = dataclasses.replace(fake, step=chex.assert_max_traces(fake.step, n=2),
+                                compute_logits=chex.assert_max_traces(fake.compute_logits, n=2))
+    ids, lens = _left_pad(PROMPTS)
+    out = jax.jit(lambda i, n: generate(model, i, n, max_new_tokens=20, block_size=4))(ids, lens)
+    want = np.asarray([fake_greedy(p, 20, V) for p in PROMPTS], np.int32)  # i32[B, 20]
+    chex.assert_trees_all_equal((out.tokens, out.lengths),
+                                (want, np.full(len(PROMPTS), 20, np.int32)), strict=True)
 
 
 def test_eos_stops_a_row_and_pads_it() -> None:
