@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import chex
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -90,7 +92,7 @@ def test_same_seed_and_position_give_the_same_token_whatever_the_batch_mates() -
     together = sample(mates, md)
     assert int(alone.token_ids[0]) == int(together.token_ids[6])
     again = sample(mates, md)
-    np.testing.assert_array_equal(np.asarray(again.token_ids), np.asarray(together.token_ids))
+    chex.assert_trees_all_equal(again, together)  # every field, not just the tokens
 
 
 def test_different_positions_draw_differently() -> None:
@@ -113,8 +115,7 @@ def test_logprobs_are_raw_log_softmax(temperature: float) -> None:
 def test_no_top_logprobs_when_nobody_asks() -> None:
     logits = np.zeros((2, 10), np.float32)
     out = sample(logits, _md(2, temperature=0.0), max_logprobs=3)
-    assert out.top_logprobs.shape == (2, 3)
-    assert out.top_token_ids.shape == (2, 3)
+    chex.assert_shape([out.top_logprobs, out.top_token_ids], (2, 3))
 
 
 def test_banned_tokens_are_never_drawn() -> None:
@@ -123,3 +124,34 @@ def test_banned_tokens_are_never_drawn() -> None:
     assert np.asarray(greedy.token_ids).tolist() == [1] * 4
     tokens = sample(logits, _md(R, banned_token_ids=[1, -1])).token_ids
     assert 1 not in set(np.asarray(tokens).tolist())
+
+
+class TestCompiledOrNot(chex.TestCase):
+    """`sample_impl` runs inside other jitted functions (the runner's sampler, `generate` in the
+    caller's jit), so its draws must not depend on how it is compiled: a seed has to draw the
+    same token op by op as in one fused program."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_mixed_rows_keep_the_contract_and_draw_as_jitted(self) -> None:
+        rng = np.random.default_rng(4)
+        logits = (3 * rng.normal(size=(8, 40))).astype(np.float32)
+        md = _md(8, temperature=[0, 0.7, 1, 1, 1, 1.3, 0, 2], top_k=[0, 0, 5, 0, 0, 3, 0, 0],
+                 top_p=[1, 1, 1, 0.8, 1, 0.9, 1, 1], min_p=[0, 0, 0, 0, 0.1, 0, 0, 0],
+                 seeds=[9, 8, 7, 6, 5, 4, 3, 2], num_logprobs=[-1, 3, 0, -1, 2, -1, 1, 3],
+                 banned_token_ids=[[int(logits[0].argmax()), -1]] + [[-1, -1]] * 7)
+        # jax arrays, as inside a jit (eagerly, numpy logits have no `.at` to ban tokens with)
+        args = jax.tree.map(jnp.asarray, (logits, md))
+        got = self.variant(sample_impl, static_argnames=("max_logprobs",))(*args, max_logprobs=3)
+        tokens = np.asarray(got.token_ids)
+        allowed = logits.copy()
+        allowed[0, logits[0].argmax()] = -np.inf  # row 0's ban
+        assert tokens[0] == allowed[0].argmax() and tokens[6] == allowed[6].argmax()  # greedy
+        assert tokens[2] in np.argsort(-logits[2])[:5] and tokens[5] in np.argsort(-logits[5])[:3]
+        shifted = allowed - allowed.max(-1, keepdims=True)
+        raw = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))  # f32[8, 40]
+        np.testing.assert_allclose(got.logprobs, raw[np.arange(8), tokens], atol=1e-5)
+        want = sample(logits, md, max_logprobs=3)
+        chex.assert_trees_all_equal((got.token_ids, got.top_token_ids),
+                                    (want.token_ids, want.top_token_ids))
+        chex.assert_trees_all_close((got.logprobs, got.top_logprobs),
+                                    (want.logprobs, want.top_logprobs), atol=1e-6, rtol=1e-6)
