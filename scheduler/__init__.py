@@ -11,7 +11,6 @@ from scheduler.policies import POLICIES, Policy, SortedPolicy, register
 from scheduler.request import Request, RequestStatus, SamplingParams
 from scheduler.schedule import schedule
 from scheduler.state import (
-    CachedRequestData,
     NewRequestData,
     RequestDelta,
     SchedulerCounters,
@@ -23,8 +22,8 @@ from scheduler.state import (
 from scheduler.update import abort_requests, add_request, update_from_output
 
 __all__ = [
-    "POLICIES", "CachedRequestData", "NewRequestData", "Policy", "Request", "RequestDelta",
-    "RequestStatus", "SamplingParams", "SchedulerConfig", "SchedulerCounters", "SchedulerOutput",
-    "SchedulerState", "SchedulerStats", "SortedPolicy", "abort_requests", "add_request",
-    "check_invariants", "init_state", "register", "schedule", "update_from_output",
+    "POLICIES", "NewRequestData", "Policy", "Request", "RequestDelta", "RequestStatus",
+    "SamplingParams", "SchedulerConfig", "SchedulerCounters", "SchedulerOutput", "SchedulerState",
+    "SchedulerStats", "SortedPolicy", "abort_requests", "add_request", "check_invariants",
+    "init_state", "register", "schedule", "update_from_output",
 ]

@@ -39,11 +39,6 @@ class SchedulerConfig:
                 self, "long_prefill_token_threshold", int(self.max_model_len * 0.04)
             )
 
-    @property
-    def num_usable_blocks(self) -> int:
-        """Blocks a request can get: all but the null block."""
-        return self.num_blocks - 1
-
     def replace(self, **changes) -> "SchedulerConfig":
         """A copy with `changes` applied (and validated again). A `max_num_scheduled_tokens`
         that defaulted to the batched budget follows a changed budget."""

@@ -28,10 +28,8 @@ class _Step:
         self.inputs: dict[str, tuple[int, ...]] = {}  # the token ids each request computes
         self.tables: dict[str, tuple[int, ...]] = {}  # block tables after allocation
         self.sampling: dict[str, None] = {}  # requests that sample, as an ordered set
-        self.new_blocks: dict[str, tuple[int, ...]] = {}  # blocks running requests gained
         self.spec: dict[str, tuple[int, ...]] = {}
         self.new: list[str] = []  # admitted from waiting for the first time
-        self.resumed: set[str] = set()  # admitted again after a preemption
         self.preempted: list[str] = []
         self.prefills: PartialPrefills | None = None
         if cfg.max_num_partial_prefills > 1:
@@ -66,7 +64,7 @@ class _Step:
         self.budget += self.tokens.pop(rid)
         for planned in (self.computed_before, self.inputs, self.tables):
             del planned[rid]
-        for planned in (self.sampling, self.spec, self.new_blocks):
+        for planned in (self.sampling, self.spec):
             planned.pop(rid, None)
 
 
@@ -137,8 +135,6 @@ def _schedule_running(w: Work, st: _Step) -> None:
             i -= shift  # victims ahead of the request moved it up
         if ok:
             st.record(w, rid, n, computed)
-            if len(tables[rid]) > len(table):
-                st.new_blocks[rid] = tables[rid][len(table):]
             if spec:
                 _take_spec(w, st, rid, n, computed)
             if prefills is not None:
@@ -219,7 +215,8 @@ def _admit(w: Work, st: _Step, rid: str, n: int, num_tokens: int, num_hit: int) 
     prefix = "preempted_" if resumed else ""
     w.counters[prefix + "prefix_cache_queries"] += num_tokens
     w.counters[prefix + "prefix_cache_hits"] += num_hit
-    (st.resumed.add if resumed else st.new.append)(rid)
+    if not resumed:
+        st.new.append(rid)
     w.running.append(rid)
     w.update(rid, status=RequestStatus.RUNNING)
     w.computed[rid] = num_hit
@@ -240,12 +237,11 @@ def _make_output(w: Work, st: _Step, state: SchedulerState) -> SchedulerOutput:
         for rid in st.new
     )
     return SchedulerOutput(
-        step=state.step, num_scheduled_tokens=MappingProxyType(st.tokens),
+        num_scheduled_tokens=MappingProxyType(st.tokens),
         total_num_scheduled_tokens=total,
         num_computed_tokens=MappingProxyType(st.computed_before),
         input_token_ids=MappingProxyType(st.inputs), block_tables=MappingProxyType(st.tables),
-        new_block_ids=MappingProxyType(st.new_blocks), sampling_req_ids=tuple(st.sampling),
-        scheduled_new_reqs=new_reqs, resumed_req_ids=frozenset(st.resumed),
+        sampling_req_ids=tuple(st.sampling), scheduled_new_reqs=new_reqs,
         scheduled_spec_decode_tokens=MappingProxyType(st.spec),
         preempted_req_ids=frozenset(st.preempted),
         finished_req_ids=state._finished,

@@ -165,7 +165,7 @@ def init_state(config: SchedulerConfig) -> SchedulerState:
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class NewRequestData:
-    """A request scheduled for the first time (or again after preemption, see `resumed`)."""
+    """A request scheduled for the first time (a resumed preempted request is not one)."""
 
     req_id: str
     prompt_token_ids: tuple[int, ...]
@@ -175,45 +175,19 @@ class NewRequestData:
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class CachedRequestData:
-    """Requests that ran in an earlier step (struct of tuples, as vLLM)."""
-
-    req_ids: tuple[str, ...] = ()
-    resumed_from_preemption: tuple[bool, ...] = ()
-    new_block_ids: tuple[tuple[int, ...], ...] = ()  # blocks appended in this step
-    num_computed_tokens: tuple[int, ...] = ()
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
 class SchedulerOutput:
     """The plan of one step: everything a model runner needs to build its device batch."""
 
-    step: int
     num_scheduled_tokens: Mapping[str, int]  # in scheduling order: running, then admitted
     total_num_scheduled_tokens: int
     num_computed_tokens: Mapping[str, int]  # per scheduled request, before this step
     input_token_ids: Mapping[str, tuple[int, ...]]  # the tokens each request computes now
     block_tables: Mapping[str, tuple[int, ...]]  # after this step's allocation
-    new_block_ids: Mapping[str, tuple[int, ...]]  # blocks running requests gained this step
     sampling_req_ids: tuple[str, ...]  # requests whose prompt is complete: they sample
-    scheduled_new_reqs: tuple[NewRequestData, ...]
-    resumed_req_ids: frozenset[str]  # admitted again after a preemption
+    scheduled_new_reqs: tuple[NewRequestData, ...]  # admitted for the first time
     scheduled_spec_decode_tokens: Mapping[str, tuple[int, ...]]
     preempted_req_ids: frozenset[str]
     finished_req_ids: frozenset[str]  # finished since the previous step (free their state)
-
-    @property
-    def scheduled_cached_reqs(self) -> CachedRequestData:
-        """vLLM's view of the requests that ran before (built on access)."""
-        new = {r.req_id for r in self.scheduled_new_reqs}
-        ids = tuple(r for r in self.num_scheduled_tokens if r not in new)
-        resumed = tuple(r in self.resumed_req_ids for r in ids)
-        return CachedRequestData(
-            req_ids=ids, resumed_from_preemption=resumed,
-            new_block_ids=tuple(self.block_tables[r] if again else self.new_block_ids.get(r, ())
-                                for r, again in zip(ids, resumed, strict=True)),
-            num_computed_tokens=tuple(self.num_computed_tokens[r] for r in ids),
-        )
 
 
 class RequestDelta(NamedTuple):
