@@ -15,7 +15,12 @@ old state that is scheduled again still sees exactly its own data; the common ca
 editing the newest version) never copies or replays anything; and old versions nobody holds are
 garbage-collected, because pointers run from old to new.
 
-Containers are dicts (a missing key is `_MISSING`) and lists (an int or a slice key).
+Containers are dicts (a missing key is `_MISSING`), lists (an int or a slice key) and, for
+scalars, any other object (an attribute name key). The data must be changed only through the
+`Journal` of an open `Edit`; reads go through `Version.read` or an open edit. Each lineage (a first
+version and every version made from it) has one lock, held for the whole of an edit or a read,
+because rerooting mutates the data every version of the lineage shares: two threads may work on
+versions of the same lineage, one after the other.
 """
 
 import threading
@@ -23,26 +28,40 @@ from collections.abc import Callable
 from typing import Any
 
 _MISSING = object()
+_CUT = object()  # as the value of (list, n, _CUT): the list grew from n items; cut it back
 Record = tuple[Any, Any, Any]  # (container, key, value to put back)
 
 
 def _swap(obj: Any, key: Any, value: Any) -> Any:
-    """Write `value` at obj[key] (delete for _MISSING) and return what was there."""
-    if type(obj) is dict:
+    """Write `value` at obj[key] (delete for _MISSING), or obj.key for an object that is
+    neither a dict nor a list, and return what was there."""
+    kind = type(obj)
+    if kind is dict:
         old = obj.get(key, _MISSING)
         if value is _MISSING:
             del obj[key]
         else:
             obj[key] = value
         return old
-    old = obj[key]
-    obj[key] = value
+    if kind is list:
+        old = obj[key]
+        obj[key] = value
+        return old
+    old = getattr(obj, key)
+    setattr(obj, key, value)
     return old
 
 
 def _apply(diff: list[Record]) -> list[Record]:
-    """Apply a diff (newest write first) and return its inverse, in the same convention."""
-    return [(obj, key, _swap(obj, key, value)) for obj, key, value in reversed(diff)]
+    """Apply a diff (its last record first) and return its inverse, in the same convention."""
+    inverse = []
+    for obj, key, value in reversed(diff):
+        if value is _CUT:
+            inverse.append((obj, slice(key, None), obj[key:]))
+            del obj[key:]
+        else:
+            inverse.append((obj, key, _swap(obj, key, value)))
+    return inverse
 
 
 class Journal:
@@ -67,9 +86,21 @@ class Journal:
         """del obj[key] (the key must exist)."""
         self.records.append((obj, key, obj.pop(key)))
 
+    def set_attr(self, obj: Any, name: str, value: Any) -> None:
+        """obj.name = value (for scalars: `obj` is neither a dict nor a list)."""
+        self.records.append((obj, name, getattr(obj, name)))
+        setattr(obj, name, value)
+
+    def append(self, lst: list, item: Any) -> None:
+        """lst.append(item)."""
+        # The most frequent write (a token per request per step): one small tuple, no slice
+        # or list until it is undone, so it adds no work for the garbage collector.
+        self.records.append((lst, len(lst), _CUT))
+        lst.append(item)
+
     def extend(self, lst: list, items: list) -> None:
         """lst.extend(items)."""
-        self.records.append((lst, slice(len(lst), None), []))
+        self.records.append((lst, len(lst), _CUT))
         lst.extend(items)
 
     def rollback(self) -> None:

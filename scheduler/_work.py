@@ -1,9 +1,11 @@
 """`Work`: the private, mutable working copy a pure function builds its new state in.
 
 This is where purity lives: `Work(state)` copies the state's small columns and opens an edit of
-its KV pool version; the functions in `schedule.py` / `update.py` then read like vLLM's mutable
-scheduler; `freeze()` turns the result into a new frozen `SchedulerState` (or `abort()` undoes
-the pool edit when a function raises, leaving the input state exactly as it was).
+its `StateData` version (the KV pool and the token histories); the functions in `schedule.py` /
+`update.py` then read like vLLM's mutable scheduler; `freeze()` turns the result into a new
+frozen `SchedulerState` (or `abort()` undoes the edit when a function raises, leaving the input
+state exactly as it was). The edited data is written only through the edit's journal: the KV
+pool by `KVCacheManager`, the token histories by the helpers below.
 """
 
 import dataclasses
@@ -12,7 +14,7 @@ from types import MappingProxyType
 from scheduler.kv_cache import KVCacheManager
 from scheduler.policies import get_policy
 from scheduler.request import Request, RequestStatus
-from scheduler.state import SchedulerCounters, SchedulerState
+from scheduler.state import SchedulerCounters, SchedulerState, StateData
 
 
 class Work:
@@ -26,16 +28,18 @@ class Work:
         self.running: list[str] = list(state.running)
         self.static: dict[str, Request] = state._static.copy()
         self.computed: dict[str, int] = state._computed.copy()
-        self.num_tokens: dict[str, int] = state._num_tokens.copy()
-        self.tokens: dict[str, list[int]] = state._tokens.copy()
         self.tables: dict[str, tuple[int, ...]] = state._tables.copy()
         self.num_cached: dict[str, int] = state._num_cached.copy()
         self.finished: set[str] = set(state._finished)
         self.counters: dict[str, int] = {
             name: getattr(state.counters, name) for name in SchedulerCounters.__slots__}
-        self._edit = state._pool.edit()
+        self._edit = state._data.edit()
+        data: StateData = self._edit.data
+        self._journal = self._edit.journal
+        # Read freely; change only through add_history / append_token / finish.
+        self.tokens: dict[str, list[int]] = data.tokens  # prompt + outputs of each request
         self.kv = KVCacheManager(
-            self._edit.data, self._edit.journal, block_size=cfg.block_size,
+            data.kv, self._journal, block_size=cfg.block_size,
             caching=cfg.enable_prefix_caching, max_model_len=cfg.max_model_len,
         )
 
@@ -47,40 +51,38 @@ class Work:
             running=tuple(self.running), num_free_blocks=num_free,
             counters=SchedulerCounters(**self.counters),
             _static=MappingProxyType(self.static), _computed=MappingProxyType(self.computed),
-            _num_tokens=MappingProxyType(self.num_tokens), _tokens=MappingProxyType(self.tokens),
             _tables=MappingProxyType(self.tables), _num_cached=MappingProxyType(self.num_cached),
-            _finished=frozenset(self.finished), _pool=self._edit.commit(),
+            _finished=frozenset(self.finished), _data=self._edit.commit(),
         )
 
     def abort(self) -> None:
-        """Undo the pool edit (the input state stays valid and unchanged)."""
+        """Undo the edit (the input state stays valid and unchanged)."""
         self._edit.abort()
 
     # ---- per-request helpers ------------------------------------------------------------
 
     def token_ids(self, rid: str, start: int, stop: int) -> tuple[int, ...]:
         """Tokens start..stop-1 of prompt + outputs + draft tokens."""
-        n = self.num_tokens[rid]
+        history = self.tokens[rid]
+        n = len(history)
         if stop <= n:
-            return tuple(self.tokens[rid][start:stop])
+            return tuple(history[start:stop])
         spec = self.static[rid].spec_token_ids
-        return tuple(self.tokens[rid][start:n]) + spec[max(0, start - n):stop - n]
+        return tuple(history[start:n]) + spec[max(0, start - n):stop - n]
 
     def update(self, rid: str, **changes) -> None:
         """Replace fields of the request's static record (status, preemptions, drafts)."""
         self.static[rid] = dataclasses.replace(self.static[rid], **changes)
 
+    def add_history(self, rid: str, token_ids: list[int]) -> None:
+        """Start a new request's token history (prompt + any outputs it arrives with)."""
+        self._journal.set_key(self.tokens, rid, token_ids)
+
     def append_token(self, rid: str, token: int) -> int:
-        """Append one output token and return the new token count. The history list is shared
-        with other versions, which read only their own first `num_tokens` entries; if another
-        version has already appended past this version's end, copy first."""
-        history, n = self.tokens[rid], self.num_tokens[rid]
-        if len(history) != n:
-            history = history[:n]
-            self.tokens[rid] = history
-        history.append(token)
-        self.num_tokens[rid] = n + 1
-        return n + 1
+        """Append one output token and return the new token count."""
+        history = self.tokens[rid]
+        self._journal.append(history, token)
+        return len(history)
 
     def allocate(self, rid: str, num_slots: int, hit: list[int] | tuple = ()) -> bool:
         """Give the request KV slots for its first `num_slots` tokens (a new request's prefix
@@ -96,7 +98,7 @@ class Work:
             if rid not in self.num_cached:
                 self.num_cached[rid] = len(hit)
         if self.kv.caching:
-            num_full = min(num_slots, self.num_tokens[rid]) // bs
+            num_full = min(num_slots, len(self.tokens[rid])) // bs
             done = self.num_cached[rid]
             if num_full > done:
                 self.kv.register(rid, table, done, num_full, self.tokens[rid],
@@ -126,6 +128,6 @@ class Work:
         """Drop a finished request (the caller removes it from its queue) and free its blocks."""
         self.free_blocks(rid)
         self.kv.forget_hashes(rid)
-        for column in (self.static, self.computed, self.num_tokens, self.tokens):
-            del column[rid]
+        self._journal.delete(self.tokens, rid)
+        del self.static[rid], self.computed[rid]
         self.finished.add(rid)

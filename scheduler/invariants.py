@@ -4,7 +4,7 @@ from collections import Counter
 
 from scheduler.kv_cache import PoolData, cdiv
 from scheduler.request import RequestStatus
-from scheduler.state import SchedulerOutput, SchedulerState
+from scheduler.state import SchedulerOutput, SchedulerState, StateData
 
 
 def check_invariants(state: SchedulerState, output: SchedulerOutput | None = None) -> None:
@@ -25,7 +25,15 @@ def check_invariants(state: SchedulerState, output: SchedulerOutput | None = Non
     if output is not None:
         total = sum(output.num_scheduled_tokens.values())
         assert total == output.total_num_scheduled_tokens <= cfg.max_num_scheduled_tokens
-    state._pool.read(lambda d: _check_pool(state, d))
+    state._data.read(lambda d: _check_data(state, d))
+
+
+def _check_data(state: SchedulerState, data: StateData) -> None:
+    assert data.tokens.keys() == state._static.keys(), "token histories must follow the requests"
+    for rid, computed in state._computed.items():
+        spec = state._static[rid].spec_token_ids
+        assert computed <= len(data.tokens[rid]) + len(spec), f"{rid}: computed past its tokens"
+    _check_pool(state, data.kv)
 
 
 def _check_pool(state: SchedulerState, d: PoolData) -> None:
@@ -44,7 +52,7 @@ def _check_pool(state: SchedulerState, d: PoolData) -> None:
     for b in range(1, cfg.num_blocks):
         assert d.ref[b] == holders[b], f"block {b}: ref {d.ref[b]} != {holders[b]} holders"
     free = d.free_list()
-    assert len(free) == d.num_free[0] == state.num_free_blocks, "free count mismatch"
+    assert len(free) == d.num_free == state.num_free_blocks, "free count mismatch"
     assert sorted(free) == [b for b in range(1, cfg.num_blocks) if d.ref[b] == 0], "free queue"
     prev = d.head
     for b in free:

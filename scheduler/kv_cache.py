@@ -23,10 +23,13 @@ def cdiv(a: int, b: int) -> int:
 
 
 class PoolData:
-    """All mutable KV bookkeeping of one scheduler lineage (only lists and dicts, see Journal).
+    """All mutable KV bookkeeping of one scheduler lineage (changed only through a `Journal`).
 
     Block tables are not here: they are per-request tuples in the scheduler state (a table only
     changes when a block is appended, and the model runner reads them every step)."""
+
+    __slots__ = ("head", "tail", "ref", "block_hash", "nxt", "prv", "num_free", "cached",
+                 "req_hashes")
 
     def __init__(self, num_blocks: int) -> None:
         n = num_blocks
@@ -41,7 +44,7 @@ class PoolData:
             self.nxt[self.head], self.prv[self.tail] = self.tail, self.head
         else:
             self.prv[1] = self.head
-        self.num_free: list[int] = [n - 1]  # a one-element list so the journal can write it
+        self.num_free: int = n - 1  # blocks in the free list (written with Journal.set_attr)
         self.cached: dict[BlockHash, tuple[int, ...]] = {}  # hash -> blocks holding it
         self.req_hashes: dict[str, list[BlockHash]] = {}  # lazily computed full-block hashes
 
@@ -52,6 +55,13 @@ class PoolData:
             out.append(b)
             b = self.nxt[b]
         return out
+
+    def content(self) -> tuple:
+        """What this pool holds, as immutable values, for comparing states: the free queue, the
+        reference counts, each block's hash and the prefix-cache map. Left out because they
+        change no result: the stale links of allocated blocks and the memo of request hashes."""
+        return (tuple(self.free_list()), tuple(self.ref), tuple(self.block_hash),
+                dict(self.cached))
 
 
 Table = tuple[int, ...]
@@ -72,7 +82,7 @@ class KVCacheManager:
     @property
     def num_free(self) -> int:
         """Free blocks, cached ones included (they are evictable)."""
-        return self.d.num_free[0]
+        return self.d.num_free
 
     # ---- prefix cache -------------------------------------------------------------------
 
@@ -170,7 +180,7 @@ class KVCacheManager:
             b = d.nxt[b]
         j.set_item(d.nxt, d.head, b)
         j.set_item(d.prv, b, d.head)
-        j.set_item(d.num_free, 0, d.num_free[0] - n)
+        j.set_attr(d, "num_free", d.num_free - n)
         for b in taken:
             j.set_item(d.ref, b, 1)
             h = d.block_hash[b]
@@ -192,7 +202,7 @@ class KVCacheManager:
         p, n = d.prv[b], d.nxt[b]
         j.set_item(d.nxt, p, n)
         j.set_item(d.prv, n, p)
-        j.set_item(d.num_free, 0, d.num_free[0] - 1)
+        j.set_attr(d, "num_free", d.num_free - 1)
 
     def _splice(self, chain: list[int], p: int, n: int) -> None:
         """Link `chain` (in order) between the adjacent free-list nodes p and n."""
@@ -204,4 +214,4 @@ class KVCacheManager:
             prev = b
         j.set_item(d.nxt, prev, n)
         j.set_item(d.prv, n, prev)
-        j.set_item(d.num_free, 0, d.num_free[0] + len(chain))
+        j.set_attr(d, "num_free", d.num_free + len(chain))

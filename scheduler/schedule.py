@@ -37,7 +37,7 @@ class _Step:
                 max_prefills=cfg.max_num_partial_prefills,
                 max_long=cfg.max_long_partial_prefills, threshold=self.threshold,
                 batched_tokens=cfg.max_num_batched_tokens, running=w.running, waiting=w.waiting,
-                remaining=lambda r: w.num_tokens[r] - w.computed[r],
+                remaining=lambda r: len(w.tokens[r]) - w.computed[r],
             )
 
     def cap_long(self, n: int) -> int:
@@ -50,9 +50,10 @@ class _Step:
         self.computed_before[rid] = computed
         self.budget -= n
         end = computed + n
-        num_tokens = w.num_tokens[rid]
+        history = w.tokens[rid]
+        num_tokens = len(history)
         if n == 1 and end <= num_tokens:  # a decode: the one token sampled last step
-            self.inputs[rid] = (w.tokens[rid][computed],)
+            self.inputs[rid] = (history[computed],)
         else:
             self.inputs[rid] = w.token_ids(rid, computed, end)
         self.tables[rid] = w.tables[rid]
@@ -94,8 +95,8 @@ def _schedule_running(w: Work, st: _Step) -> None:
     # The hot loop of every step, one iteration per running request: columns are bound to
     # locals; a plain decode whose slot is already allocated takes a short exact path (n = 1
     # passes every cap), and a request whose tokens fit in its blocks skips Work.allocate.
-    running, computed_of, num_tokens, static = w.running, w.computed, w.num_tokens, w.static
-    tables, num_cached, history = w.tables, w.num_cached, w.tokens
+    running, computed_of, static = w.running, w.computed, w.static
+    tables, num_cached, histories = w.tables, w.num_cached, w.tokens
     bs, caching = w.config.block_size, w.config.enable_prefix_caching
     last_position = w.config.max_model_len - 1
     threshold, prefills = st.threshold, st.prefills
@@ -105,30 +106,32 @@ def _schedule_running(w: Work, st: _Step) -> None:
         rid = running[i]
         computed = computed_of[rid]
         table = tables[rid]
-        if (num_tokens[rid] - computed == 1 and computed < len(table) * bs
+        history = histories[rid]
+        num_tokens = len(history)
+        if (num_tokens - computed == 1 and computed < len(table) * bs
                 and not (caching and (computed + 1) // bs > num_cached[rid])
                 and not static[rid].spec_token_ids):
             planned[rid] = 1
             before[rid] = computed
-            inputs[rid] = (history[rid][computed],)
+            inputs[rid] = (history[computed],)
             st.tables[rid] = table
             sampling[rid] = None
             st.budget -= 1
             i += 1
             continue
         spec = static[rid].spec_token_ids
-        n = num_tokens[rid] + len(spec) - computed
+        n = num_tokens + len(spec) - computed
         if 0 < threshold < n:
             n = threshold
         n = min(n, st.budget, last_position - computed)
         if prefills is not None:
-            n, _ = prefills.limit(num_tokens[rid] - computed, n)
+            n, _ = prefills.limit(num_tokens - computed, n)
         if n <= 0:
             i += 1
             continue
         end = computed + n
         fits = end <= len(table) * bs and not (
-            caching and min(end, num_tokens[rid]) // bs > num_cached[rid])
+            caching and min(end, num_tokens) // bs > num_cached[rid])
         ok = fits
         if not fits:
             ok, shift = _allocate_or_preempt(w, st, rid, end, i)
@@ -138,7 +141,7 @@ def _schedule_running(w: Work, st: _Step) -> None:
             if spec:
                 _take_spec(w, st, rid, n, computed)
             if prefills is not None:
-                prefills.record(num_tokens[rid] - computed)
+                prefills.record(num_tokens - computed)
             i += 1
         else:
             # The request preempted itself: the RUNNING pass ends under every policy (vLLM
@@ -166,7 +169,7 @@ def _allocate_or_preempt(w: Work, st: _Step, rid: str, num_slots: int,
 
 
 def _take_spec(w: Work, st: _Step, rid: str, n: int, computed: int) -> None:
-    num_spec = n + computed - w.num_tokens[rid]
+    num_spec = n + computed - len(w.tokens[rid])
     if num_spec > 0:
         st.spec[rid] = w.static[rid].spec_token_ids[:num_spec]
 
@@ -176,7 +179,7 @@ def _schedule_waiting(w: Work, st: _Step) -> None:
     skipped: list[str] = []
     while w.waiting and st.budget > 0 and len(w.running) < cfg.max_num_seqs:
         rid = w.waiting[0]
-        req, num_tokens = w.static[rid], w.num_tokens[rid]
+        req, num_tokens = w.static[rid], len(w.tokens[rid])
         hit = kv.find_cached_prefix(rid, w.tokens[rid], num_tokens, req.cache_salt)
         num_hit = len(hit) * cfg.block_size
         n = st.cap_long(num_tokens - num_hit)  # a resumed request recomputes its outputs too

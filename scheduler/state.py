@@ -1,13 +1,13 @@
 """The scheduler's values: `SchedulerState` (frozen), the plan of one step, and result deltas.
 
-Inside, per-request progress is kept as columns (dicts keyed by request id) that each pure
-function copies before changing; token histories are append-only lists shared between versions
-(a version reads only the first `num_tokens` entries; appending past another version's end
-copies first); the KV pool is a `_versioned.Version`. `state.requests` rebuilds public `Request`
-values from these on access.
+A state keeps per-request progress as small columns (read-only dicts keyed by request id) that
+each pure function copies before changing, and everything large in one `StateData` (the KV pool
+and the token histories) reached through a `scheduler._versioned.Version`: versions share that
+data without copying it, and each sees exactly its own content (the module explains how). Only
+`scheduler/_work.py` changes it, and only through the version's journal. `state.requests`
+rebuilds public `Request` values from both on access.
 """
 
-import ast
 import dataclasses
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -55,12 +55,26 @@ class SchedulerState:
     # Private columns (see module docstring); never mutated once the state exists.
     _static: Mapping[str, Request] = _EMPTY  # as added, with status/preemptions/spec kept current
     _computed: Mapping[str, int] = _EMPTY  # num_computed_tokens
-    _num_tokens: Mapping[str, int] = _EMPTY  # prompt + output length
-    _tokens: Mapping[str, list[int]] = _EMPTY  # shared append-only token histories
     _tables: Mapping[str, tuple[int, ...]] = _EMPTY  # block table of each request holding blocks
     _num_cached: Mapping[str, int] = _EMPTY  # leading blocks of each table in the prefix cache
     _finished: frozenset[str] = frozenset()  # reported by the next schedule()
-    _pool: Version  # the KV block pool at this state
+    _data: Version  # of a StateData: the KV pool and token histories at this state
+
+    __hash__ = None  # equality is by content (below), and a state is not meant as a key
+
+    def __eq__(self, other: object) -> bool:
+        """States are equal when they hold the same content: configuration, step, queues,
+        counters, every request with its tokens and progress, block tables, the ids still to
+        report as finished, and the KV pool (free queue, reference counts, prefix cache)."""
+        if not isinstance(other, SchedulerState):
+            return NotImplemented
+        return self is other or self._content() == other._content()
+
+    def _content(self) -> tuple:
+        # The shared data is copied out under its lock: reading `other` next may reroot it.
+        return (self.config, self.step, self.waiting, self.running, self.num_free_blocks,
+                self.counters, self._static, self._computed, self._tables, self._num_cached,
+                self._finished, self._data.read(StateData.content))
 
     @property
     def requests(self) -> Mapping[str, Request]:
@@ -73,7 +87,7 @@ class SchedulerState:
 
     def free_block_queue(self) -> tuple[int, ...]:
         """The free queue, head (next allocated) first; cached free blocks sit at the tail."""
-        return self._pool.read(lambda d: tuple(d.free_list()))
+        return self._data.read(lambda d: tuple(d.kv.free_list()))
 
     @property
     def stats(self) -> SchedulerStats:
@@ -87,47 +101,22 @@ class SchedulerState:
             kv_cache_usage=used / usable if usable else 0.0,
         )
 
-    def __reduce__(self):
-        # Pickle the logical content: the pool as this version sees it, dicts in sorted order,
-        # so equal states pickle to equal bytes whatever edits happened to other versions.
-        plain = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        plain["_pool"] = self._pool.read(_canonical_pool)
-        for name in ("_static", "_computed", "_num_tokens", "_tables", "_num_cached"):
-            plain[name] = dict(sorted(plain[name].items()))
-        plain["_tokens"] = {r: plain["_tokens"][r][: self._num_tokens[r]]
-                           for r in sorted(plain["_tokens"])}
-        plain["_finished"] = tuple(sorted(plain["_finished"]))
-        return (_unpickle_state, (plain,))
 
+class StateData:
+    """The large, mutable part of a lineage of states, shared through a `Version`.
 
-def _canonical_pool(d: PoolData) -> str:
-    # A literal, not a pickle: pickle memoizes objects by identity, and rerooting may leave equal
-    # but distinct hash objects where there was one, which would change the bytes, not the state.
-    state = dict(vars(d))
-    for name, value in state.items():
-        if isinstance(value, dict):
-            state[name] = sorted(value.items())
-    return repr(state)
+    Changed only through the journal of an open edit (`scheduler/_work.py`), so that every
+    version sees exactly its own content."""
 
+    __slots__ = ("kv", "tokens")
 
-def _unpickle_state(plain: dict) -> SchedulerState:
-    data = PoolData.__new__(PoolData)
-    for name, value in ast.literal_eval(plain["_pool"]).items():
-        setattr(data, name, dict(value) if name in _POOL_DICTS else value)
-    plain = plain | {
-        "_pool": Version.initial(data),
-        "_finished": frozenset(plain["_finished"]),
-        "_static": MappingProxyType(plain["_static"]),
-        "_computed": MappingProxyType(plain["_computed"]),
-        "_num_tokens": MappingProxyType(plain["_num_tokens"]),
-        "_tokens": MappingProxyType(plain["_tokens"]),
-        "_tables": MappingProxyType(plain["_tables"]),
-        "_num_cached": MappingProxyType(plain["_num_cached"]),
-    }
-    return SchedulerState(**plain)
+    def __init__(self, num_blocks: int) -> None:
+        self.kv = PoolData(num_blocks)  # blocks, free queue, prefix cache
+        self.tokens: dict[str, list[int]] = {}  # request id -> prompt + output token ids
 
-
-_POOL_DICTS = ("cached", "req_hashes")
+    def content(self) -> tuple:
+        """What this data holds, as immutable values (see `PoolData.content`)."""
+        return {r: tuple(t) for r, t in self.tokens.items()}, self.kv.content()
 
 
 class RequestsView(Mapping[str, Request]):
@@ -141,10 +130,10 @@ class RequestsView(Mapping[str, Request]):
     def __getitem__(self, rid: str) -> Request:
         s = self._s
         static = s._static[rid]
-        n = s._num_tokens[rid]
+        start = len(static.prompt_token_ids)
         return dataclasses.replace(
             static,
-            output_token_ids=tuple(s._tokens[rid][len(static.prompt_token_ids):n]),
+            output_token_ids=s._data.read(lambda d: tuple(d.tokens[rid][start:])),
             num_computed_tokens=s._computed[rid],
         )
 
@@ -159,7 +148,7 @@ def init_state(config: SchedulerConfig) -> SchedulerState:
     """The empty state: no requests, every usable block free."""
     return SchedulerState(
         config=config, num_free_blocks=config.num_blocks - 1,
-        _pool=Version.initial(PoolData(config.num_blocks)),
+        _data=Version.initial(StateData(config.num_blocks)),
     )
 
 

@@ -35,7 +35,8 @@ def add_request(state: SchedulerState, request: Request) -> SchedulerState:
             output_token_ids=(), spec_token_ids=(), num_computed_tokens=0,
             status=RequestStatus.WAITING, stop_reason=None,
         )
-        w.tokens[rid], w.num_tokens[rid], w.computed[rid] = history, len(history), 0
+        w.add_history(rid, history)
+        w.computed[rid] = 0
         w.policy.enqueue(w.waiting, rid, w.static, front=False)
     except BaseException:
         w.abort()

@@ -1,6 +1,5 @@
-"""Purity at the boundary: no function changes its input; old states can be scheduled again."""
-
-import pickle
+"""Purity at the boundary: no function changes its input; old states can be scheduled again.
+States are values: they compare equal by content (a twin built by the same calls is equal)."""
 
 import pytest
 
@@ -28,16 +27,17 @@ def _busy_state():
 
 
 def test_no_function_changes_its_input():
-    s = _busy_state()
-    before = pickle.dumps(s)
+    s, twin = _busy_state(), _busy_state()
+    assert s == twin and s is not twin
     s2, out = schedule(s)
-    assert pickle.dumps(s) == before
-    mid = pickle.dumps(s2)
+    assert s == twin
+    mid, _ = schedule(twin)
+    assert s2 == mid
     update_from_output(s2, out, {r: [3] for r in out.sampling_req_ids})
-    assert pickle.dumps(s2) == mid
+    assert s2 == mid
     add_request(s, req("D", 3))
     abort_requests(s, ["A"])
-    assert pickle.dumps(s) == before
+    assert s == twin
 
 
 def test_an_old_state_schedules_to_the_same_plan_again():
@@ -47,11 +47,11 @@ def test_an_old_state_schedules_to_the_same_plan_again():
         t, plans = s, []
         for _ in range(8):
             t, out = schedule(t)
-            plans.append((dict(out.num_scheduled_tokens), dict(out.block_tables),
-                          out.preempted_req_ids))
+            plans.append(out)  # every field: tokens, block tables, preemptions, ...
             t, _ = update_from_output(t, out, {r: [5] for r in out.sampling_req_ids})
-        runs.append((plans, pickle.dumps(t)))
-    assert runs[0] == runs[1]
+        runs.append((plans, t))
+    assert runs[0][0] == runs[1][0] and runs[0][1] == runs[1][1]
+    assert runs[0][1] is not runs[1][1]
     check_invariants(s)
 
 
@@ -75,26 +75,60 @@ def test_forks_diverge_independently():
     check_invariants(b)
 
 
-def test_pickle_round_trip_continues_identically():
-    s = _busy_state()
-    clone = pickle.loads(pickle.dumps(s))
-    for state in (s, clone):
-        check_invariants(state)
-    x, out_x = schedule(s)
-    y, out_y = schedule(clone)
-    assert dict(out_x.num_scheduled_tokens) == dict(out_y.num_scheduled_tokens)
-    assert dict(out_x.block_tables) == dict(out_y.block_tables)
-    assert pickle.dumps(x) == pickle.dumps(y)
+def test_forks_keep_their_own_prefix_cache():
+    # Block size 4: A's first block fills with its first output, 100 in one fork, 200 in the
+    # other; each fork hashes and caches its own block, so only fork a has (1, 2, 3, 100).
+    s1, out = schedule(state_with(CFG, req("A", (1, 2, 3), 12)))
+    a, _ = update_from_output(s1, out, {"A": [100]})
+    b, _ = update_from_output(s1, out, {"A": [200]})
+    a, _, _ = step(a)  # a first: its hashes must not leak into b
+    b, _, _ = step(b)
+    hits = []
+    for fork in (a, b):
+        fork = add_request(fork, req("Q", (1, 2, 3, 100, 5), 2, arrival=1.0))
+        fork, out, _ = step(fork)
+        hits.append(out.num_computed_tokens["Q"])
+    assert hits == [4, 0]
+
+
+def test_states_are_equal_by_content():
+    s, twin = _busy_state(), _busy_state()
+    assert s == twin
+    assert schedule(s)[0] != s  # one more step
+    assert s.__eq__(object()) is NotImplemented
+    with pytest.raises(TypeError):
+        hash(s)  # equal states must hash alike; a state is not meant as a key
+    s1, out = schedule(s)
+    a, _ = update_from_output(s1, out, {r: [100] for r in out.sampling_req_ids})
+    b, _ = update_from_output(s1, out, {r: [200] for r in out.sampling_req_ids})
+    assert a != b  # the same everything but one token per request
+    t1, out_t = schedule(twin)
+    assert update_from_output(t1, out_t, {r: [100] for r in out_t.sampling_req_ids})[0] == a
+    assert a != b and s == twin  # after every version was read again (rerooted)
+
+
+def test_equality_sees_the_prefix_cache():
+    # The same steps, prompts of the same length: only the hashes of the cached free blocks
+    # differ once A has finished.
+    x, y = (state_with(CFG, req("A", prompt, 1)) for prompt in ((1, 2, 3, 4, 5), (1, 2, 3, 9, 5)))
+    x, _, _ = step(x)
+    y, _, _ = step(y)
+    assert x.free_block_queue() == y.free_block_queue() and not x.requests and not y.requests
+    assert x != y
+    z, _, _ = step(state_with(CFG, req("A", (1, 2, 3, 4, 5), 1)))
+    assert z == x
 
 
 def test_an_exception_midway_rolls_the_pool_edit_back():
-    s = state_with(CFG, req("A", 3, 1, arrival=0.0), req("B", 3, 5, arrival=0.1))
+    s, twin = (state_with(CFG, req("A", 3, 1, arrival=0.0), req("B", 3, 5, arrival=0.1))
+               for _ in range(2))
     s, out = schedule(s)
-    before = pickle.dumps(s)
+    twin, _ = schedule(twin)
+    assert s == twin
     # A finishes (its blocks are freed in the pool edit), then B's bad output raises.
     with pytest.raises(TypeError):
         update_from_output(s, out, {"A": [1], "B": 5})
-    assert pickle.dumps(s) == before
+    assert s == twin
     check_invariants(s)
     s, deltas = update_from_output(s, out, {"A": [1], "B": [2]})
     assert deltas[0].finish_reason == "length" and s.num_free_blocks == 5
