@@ -185,4 +185,4 @@ class RequestDelta(NamedTuple):
     request_id: str
     new_token_ids: tuple[int, ...]
     finish_reason: str | None  # None, "stop", "length" or "abort"
-    stop_reason: int | str | None  # the stop token id that finished it, if any
+    stop_reason: int | str | None  # the stop token id or stop string that finished it, if any

@@ -64,7 +64,8 @@ def abort_requests(state: SchedulerState, request_ids: Iterable[str]) -> Schedul
 
 def update_from_output(
     state: SchedulerState, output: SchedulerOutput, sampled_token_ids: Mapping[str, Sequence[int]],
-    draft_token_ids: Mapping[str, Sequence[int]] | None = None,
+    draft_token_ids: Mapping[str, Sequence[int]] | None = None, *,
+    stopped: Mapping[str, str] | None = None,
 ) -> tuple[SchedulerState, tuple[RequestDelta, ...]]:
     """Apply the tokens sampled in the step `output` planned (docs/SCHEDULING.md §4).
 
@@ -74,13 +75,21 @@ def update_from_output(
         sampled_token_ids: per request of `output.sampling_req_ids`, the tokens it sampled (1,
             or 1 + accepted drafts under speculative decoding); other requests are ignored.
         draft_token_ids: optional new draft tokens per request, verified in the next step.
+        stopped: request id -> the stop string (`SamplingParams.stop`) that the engine's
+            detokenizer found in the text of the tokens it sampled in this step. Each such
+            request that gets tokens here finishes as stopped with that `stop_reason`, even if
+            it also met EOS, a stop token or a length limit in this step (the string wins, as
+            in vLLM); other ids are ignored.
 
     Returns:
-        The new state and one delta per request that got tokens or finished.
+        The new state and one delta per request that got tokens (in `sampling_req_ids` order).
     """
     w = Work(state)
     try:
         deltas = _apply_outputs(w, output, sampled_token_ids)
+        if stopped:
+            deltas = [RequestDelta(d.request_id, d.new_token_ids, _STOP, stopped[d.request_id])
+                      if d.request_id in stopped else d for d in deltas]
         done = {d.request_id for d in deltas if d.finish_reason is not None}
         for rid in done:
             w.finish(rid)
@@ -94,6 +103,9 @@ def update_from_output(
         w.abort()
         raise
     return w.freeze(step=state.step), tuple(deltas)
+
+
+_STOP = RequestStatus.FINISHED_STOPPED.finish_reason
 
 
 def _apply_outputs(w: Work, output: SchedulerOutput,

@@ -85,14 +85,19 @@ def test_random_traces_keep_invariants_and_return_every_block(trace):
         if out.preempted_req_ids:
             event("preempted")
         sampled, drafts = _fake_model(rng, out, s2)
-        s3, deltas = update_from_output(s2, out, sampled, draft_token_ids=drafts)
+        stopped = {rid: "stop" for rid in sampled if rng.random() < 0.05}  # by the detokenizer
+        s3, deltas = update_from_output(s2, out, sampled, draft_token_ids=drafts, stopped=stopped)
         check_invariants(s3)
         if check_purity:  # s and s2 are intact after the calls on them (and on s3)
             again, out_again = schedule(s)
             assert out_again == out and again == s2
-            assert update_from_output(s2, out, sampled, draft_token_ids=drafts) == (s3, deltas)
+            assert update_from_output(s2, out, sampled, draft_token_ids=drafts,
+                                      stopped=stopped) == (s3, deltas)
         for d in deltas:
             assert len(d.new_token_ids) <= len(sampled[d.request_id])
+            if d.request_id in stopped:
+                assert (d.finish_reason, d.stop_reason) == ("stop", "stop")
+                assert d.request_id not in s3.requests
         s = s3
     else:
         raise AssertionError("requests did not all finish in 3000 steps")

@@ -33,7 +33,8 @@ def test_no_function_changes_its_input():
     assert s == twin
     mid, _ = schedule(twin)
     assert s2 == mid
-    update_from_output(s2, out, {r: [3] for r in out.sampling_req_ids})
+    update_from_output(s2, out, {r: [3] for r in out.sampling_req_ids},
+                       stopped={out.sampling_req_ids[0]: "\n"})
     assert s2 == mid
     add_request(s, req("D", 3))
     abort_requests(s, ["A"])

@@ -1,6 +1,6 @@
 """Helpers for scheduler tests: build requests tersely and drive steps with a fake model."""
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from scheduler import (
     Request,
@@ -38,9 +38,9 @@ def state_with(config: SchedulerConfig, *requests: Request) -> SchedulerState:
 Sampler = Callable[[str, SchedulerOutput], list[int]]
 
 
-def step(s: SchedulerState, sampler: Sampler | int = 7):
-    """One schedule + update with a fake model; checks invariants. Returns (state, plan,
-    deltas)."""
+def step(s: SchedulerState, sampler: Sampler | int = 7, stopped: Mapping[str, str] | None = None):
+    """One schedule + update with a fake model (`stopped`: the stop strings its detokenizer
+    found); checks invariants. Returns (state, plan, deltas)."""
     s, out = schedule(s)
     check_invariants(s, out)
     if isinstance(sampler, int):
@@ -48,7 +48,7 @@ def step(s: SchedulerState, sampler: Sampler | int = 7):
         sampled = {rid: [token] for rid in out.sampling_req_ids}
     else:
         sampled = {rid: sampler(rid, out) for rid in out.sampling_req_ids}
-    s, deltas = update_from_output(s, out, sampled)
+    s, deltas = update_from_output(s, out, sampled, stopped=stopped)
     check_invariants(s)
     return s, out, deltas
 
