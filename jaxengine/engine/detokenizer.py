@@ -1,51 +1,73 @@
 """Incremental detokenization and stop strings, as vLLM V1's detokenizer does them.
 
-Text is decoded a few tokens at a time with two offsets (`prefix_offset`, `read_offset`): the
-window `ids[prefix_offset:]` is decoded and only the text past the already-read part is new.
-A window whose text ends in U+FFFD (an incomplete UTF-8 sequence of byte-level BPE) waits for
-the next token. Stop strings are searched only in the region the new text can touch; a match
+Text is decoded one token at a time by the tokenizer's decode stream (`tokenizers`'
+`DecodeStream`, from `Tokenizer.decode_stream`), which decodes a short window of ids and
+returns only the new text, or None while the window ends in an incomplete UTF-8 character
+(byte-level BPE, byte fallback) or a skipped special token. As vLLM's FastIncrementalDetokenizer
+does, the stream is first fed a few prompt tokens, so the first generated word gets its leading
+space right. Stop strings are searched only in the region the new text can touch; a match
 truncates the text (before the stop string unless `include_stop_str_in_output`) and becomes
 the request's `stop_reason`.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Protocol
 
-# Prompt tokens decoded together with the first outputs so the first word gets its leading
-# space right (vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET).
-PROMPT_CONTEXT = 5
+logger = logging.getLogger("jaxengine.engine")
+
+# The prompt tokens a stream starts from: the shortest suffix of at least this many, of at most
+# the last _MAX_PRIME, that decodes to whole characters (vLLM's choice).
+_MIN_PRIME, _MAX_PRIME = 4, 23
+# What tokenizers' DecodeStream raises when a decoder's output stops extending its earlier
+# output (byte-fallback bytes that no longer form valid UTF-8); vLLM restarts the stream.
+_INVALID_PREFIX = "Invalid prefix encountered"
 
 
-class Decoder(Protocol):
-    """What detokenization needs from a tokenizer."""
+class TokenStream(Protocol):
+    """Incremental decoding of one sequence."""
 
-    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str: ...
+    def step(self, token_id: int) -> str | None:
+        """Feed one token; its new text, or None while nothing printable was completed."""
+        ...
+
+
+class StreamingTokenizer(Protocol):
+    """What detokenization needs from a tokenizer (`jaxengine.loading.tokenizer.Tokenizer`)."""
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        """Text of `ids`."""
+        ...
+
+    def decode_stream(self, *, skip_special_tokens: bool = True) -> TokenStream:
+        """A fresh incremental decoder."""
+        ...
 
 
 class IncrementalDetokenizer:
     """The growing output text of one request, with stop-string handling."""
 
-    def __init__(self, tokenizer: Decoder, prompt_token_ids: Sequence[int], *,
+    def __init__(self, tokenizer: StreamingTokenizer, prompt_token_ids: Sequence[int], *,
                  stop: Sequence[str] = (), min_tokens: int = 0,
                  include_stop_str_in_output: bool = False,
                  skip_special_tokens: bool = True) -> None:
         """Args:
-          tokenizer: anything with `decode(ids, skip_special_tokens=...)`.
+          tokenizer: gives the decode stream (and `decode`, for logprob tokens).
           prompt_token_ids: the prompt; its last few tokens give the first word its context.
           stop: stop strings; checked once more than `min_tokens` tokens were generated.
           include_stop_str_in_output: keep the matched stop string in the text.
-          skip_special_tokens: passed to `decode`.
+          skip_special_tokens: special tokens add no text.
         """
         self.tokenizer = tokenizer
         self.stop = tuple(stop)
         self.min_tokens = min_tokens
         self.include_stop_str_in_output = include_stop_str_in_output
         self.skip_special_tokens = skip_special_tokens
-        self._ids = list(prompt_token_ids[-PROMPT_CONTEXT:])
-        self._prefix_offset = 0
-        self._read_offset = len(self._ids)
+        self._stream = tokenizer.decode_stream(skip_special_tokens=skip_special_tokens)
+        for token in _priming_ids(tokenizer, prompt_token_ids):
+            self._step(token)
         self.num_output_tokens = 0
         self.output_text = ""
 
@@ -69,16 +91,21 @@ class IncrementalDetokenizer:
         return None
 
     def _decode_next(self, token: int) -> str:
-        self._ids.append(token)
-        ids, start, skip = self._ids, self._prefix_offset, self.skip_special_tokens
-        prefix = self.tokenizer.decode(ids[start : self._read_offset], skip_special_tokens=skip)
-        full = self.tokenizer.decode(ids[start:], skip_special_tokens=skip)
-        if len(full) <= len(prefix) or full.endswith("\ufffd"):
-            return ""  # nothing printable yet (a partial UTF-8 character, or a special token)
-        delta = full[len(prefix) :]
-        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        delta = self._step(token) or ""  # None: a partial UTF-8 character, a special token
         self.output_text += delta
         return delta
+
+    def _step(self, token: int) -> str | None:
+        try:
+            return self._stream.step(token)
+        except Exception as e:  # tokenizers raises a plain Exception
+            if not str(e).startswith(_INVALID_PREFIX):
+                raise
+            # vLLM's recovery (vllm#17448): a fresh stream, without context, from this token
+            logger.warning("detokenizer: %s; restarting the decode stream", e)
+            self._stream = self.tokenizer.decode_stream(
+                skip_special_tokens=self.skip_special_tokens)
+            return self._stream.step(token)
 
     def _check_stop(self, new_char_count: int) -> str | None:
         text = self.output_text
@@ -100,3 +127,14 @@ class IncrementalDetokenizer:
             return self.output_text
         hold = max(len(s) for s in self.stop) - 1
         return self.output_text[: max(len(self.output_text) - hold, 0)]
+
+
+def _priming_ids(tokenizer: StreamingTokenizer, prompt: Sequence[int]) -> Sequence[int]:
+    """The prompt tokens a stream starts from, as vLLM's FastIncrementalDetokenizer picks them:
+    the shortest suffix of 4 to 23 tokens that decodes without U+FFFD (so it starts and ends on
+    whole characters), else the whole prompt."""
+    for n in range(_MIN_PRIME, min(len(prompt), _MAX_PRIME) + 1):
+        suffix = prompt[-n:]
+        if "\ufffd" not in tokenizer.decode(suffix):
+            return suffix
+    return prompt

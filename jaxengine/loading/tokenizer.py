@@ -107,6 +107,10 @@ class Tokenizer:
         """Text of `ids`."""
         return self.backend.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
+    def decode_stream(self, *, skip_special_tokens: bool = True) -> DecodeStream:
+        """A fresh incremental decoder of one sequence (`tokenizers`' `DecodeStream`)."""
+        return DecodeStream(self.backend, skip_special_tokens=skip_special_tokens)
+
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *,
                             add_generation_prompt: bool = True, tokenize: bool = False,
                             **kwargs: Any) -> str | list[int]:
@@ -216,6 +220,26 @@ class Tokenizer:
             if i is not None and i not in eos:
                 eos.append(int(i))
         return cls(hf, eos_token_ids=eos)
+
+
+class DecodeStream:
+    """`tokenizers.decoders.DecodeStream` bound to its tokenizer: feed ids one at a time, get
+    the text each completes (None while a UTF-8 character is incomplete or a special token is
+    skipped)."""
+
+    __slots__ = ("_backend", "_stream")
+
+    def __init__(self, backend: Backend, *, skip_special_tokens: bool) -> None:
+        """Args:
+            backend: the tokenizer whose decoder turns ids into text.
+            skip_special_tokens: special tokens add no text.
+        """
+        self._backend = backend
+        self._stream = decoders.DecodeStream(skip_special_tokens=skip_special_tokens)
+
+    def step(self, token_id: int) -> str | None:
+        """Add one token; the new text, if it completed any."""
+        return self._stream.step(self._backend, token_id)
 
 
 def _read_json(path: str) -> dict[str, Any]:

@@ -1,25 +1,23 @@
-"""Incremental detokenization equals a full decode; stop strings trim as vLLM does."""
+"""Incremental detokenization equals a full decode; stop strings trim as vLLM does.
+
+The tokenizers are real `tokenizers` pipelines at tiny sizes (tests/fixtures/char_tokenizer.py),
+so the decode stream the engine uses is the one under test."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+import string
 
 import pytest
+import tokenizers
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
 
 from jaxengine.engine.detokenizer import IncrementalDetokenizer
+from jaxengine.loading.tokenizer import Tokenizer
+from tests.fixtures.char_tokenizer import char_tokenizer
 
-
-class CharTokenizer:
-    """Token t < 26 is the t-th lower-case letter; 26 is a special token decoded to ''."""
-
-    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
-        return "".join("" if t == 26 and skip_special_tokens else chr(97 + t % 26) for t in ids)
-
-    def encode(self, text: str) -> list[int]:
-        return [ord(c) - 97 for c in text]
-
-
-TOK = CharTokenizer()
+# token t < 26 is the t-th lower-case letter; 26 is a special token, no text by default
+TOK = char_tokenizer([*string.ascii_lowercase, "<s>"], eos="<s>")
 
 
 def _run(text: str, **kw: object) -> tuple[IncrementalDetokenizer, str | None, int]:
@@ -73,27 +71,63 @@ def test_running_text_holds_back_a_possible_stop_string_prefix() -> None:
     assert d.visible_text(finished=True) == "hello"
 
 
-@pytest.mark.parametrize("text", ["Hello, world! ünïcödé 日本語 🙂🚀 done.", "  spaces\n\ttabs"])
-def test_byte_level_bpe_incremental_equals_full_decode(text: str) -> None:
-    import tokenizers
-    from tokenizers import decoders, models, pre_tokenizers
-
-    # a byte-level tokenizer with no merges: multi-byte characters span several tokens
+def byte_level() -> Tokenizer:
+    """A byte-level tokenizer with no merges: multi-byte characters span several tokens."""
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
     bpe = tokenizers.Tokenizer(models.BPE(vocab=vocab, merges=[]))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
+    bpe.add_special_tokens([AddedToken("<|eos|>", special=True, normalized=False)])
+    return Tokenizer.from_backend(bpe, eos_token_id=bpe.token_to_id("<|eos|>"))
 
-    class Wrapped:
-        def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
-            return bpe.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    ids = bpe.encode(text).ids
-    d = IncrementalDetokenizer(Wrapped(), [])
+@pytest.mark.parametrize("text", ["Hello, world! ünïcödé 日本語 🙂🚀 done.", "  spaces\n\ttabs"])
+def test_byte_level_bpe_incremental_equals_full_decode(text: str) -> None:
+    bpe = byte_level()
+    ids = bpe.encode(text)
+    d = IncrementalDetokenizer(bpe, [])
     seen = []
     for t in ids:
         d.update([t])
         seen.append(d.output_text)
     assert d.output_text == text
     assert all("\ufffd" not in s for s in seen)  # partial characters never leak
+
+
+@pytest.mark.parametrize("prompt", ["日本語", "x 🙂🚀", "ab", "a long prompt that ends in ü"])
+def test_output_after_a_prompt_is_the_full_decode_past_the_prompt(prompt: str) -> None:
+    """The stream starts from a prompt suffix on a character boundary (4-token suffixes of
+    these prompts start inside a character), so the output is exactly the new text."""
+    bpe = byte_level()
+    prompt_ids, out_ids = bpe.encode(prompt), bpe.encode("🙂 ok, ünï")
+    d = IncrementalDetokenizer(bpe, prompt_ids)
+    for t in out_ids:
+        d.update([t])
+    assert d.output_text == "🙂 ok, ünï"
+
+
+def test_first_word_after_the_prompt_keeps_its_leading_space() -> None:
+    """SentencePiece's Metaspace drops the space of a sequence's first word; decoded after the
+    prompt, as vLLM does, the first generated word keeps it."""
+    tok = char_tokenizer(["▁Hello", "▁world", ",", "</s>"], eos="</s>",
+                         decoder=decoders.Metaspace())
+    assert tok.decode([1]) == "world"
+    d = IncrementalDetokenizer(tok, [0])
+    d.update([1, 2])
+    assert d.output_text == " world,"
+
+
+def test_a_decoder_that_rewrites_its_output_restarts_the_stream(caplog: pytest.LogCaptureFixture
+                                                                ) -> None:
+    """Byte fallback turns E6 97 97 into 旗, but E6 97 97 F0 into four U+FFFD: the decoded text
+    no longer extends what was shown. As vLLM does, the stream restarts instead of failing."""
+    llama2 = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    tok = char_tokenizer(["<0xE6>", "<0x97>", "<0xF0>", "a", "</s>"], eos="</s>",
+                         decoder=llama2)
+    d = IncrementalDetokenizer(tok, [])
+    with caplog.at_level(logging.WARNING, logger="jaxengine.engine"):
+        d.update([0, 1, 1, 2, 3])
+    assert d.output_text == "旗a"
+    assert "restarting the decode stream" in caplog.text

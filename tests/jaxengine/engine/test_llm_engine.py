@@ -2,29 +2,27 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 from jaxengine.engine.args import EngineArgs
 from jaxengine.engine.llm_engine import LLMEngine
 from jaxengine.llm import LLM
+from jaxengine.loading.tokenizer import Tokenizer
 from jaxengine.model.fake import fake_greedy, fake_model
 from scheduler import SamplingParams, check_invariants
+from tests.fixtures.char_tokenizer import char_tokenizer
 
 V = 97
 EOS = 96
 
 
-class FakeTokenizer:
-    """Token t is the character U+0100 + t (one character per token, all printable)."""
+class FakeTokenizer(Tokenizer):
+    """A real tokenizer where token t is the character U+0100 + t (one character per token,
+    all printable); EOS is a special token."""
 
-    eos_token_id = EOS
-
-    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        return [ord(c) - 0x100 for c in text]
-
-    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
-        return "".join(chr(0x100 + t) for t in ids if not (skip_special_tokens and t == EOS))
+    def __init__(self) -> None:
+        chars = char_tokenizer([chr(0x100 + t) for t in range(V)], eos=chr(0x100 + EOS))
+        super().__init__(chars.hf, eos_token_ids=chars.eos_token_ids)
 
 
 def make_engine(*, num_blocks: int = 200, max_model_len: int = 256, **kw: Any) -> LLMEngine:
