@@ -8,10 +8,10 @@ from jaxengine.llm import LLM
 from jaxengine.loading import load_model
 from jaxengine.loading.tokenizer import Tokenizer
 from jaxengine.model.config import ModelConfig, ModelLoadError
-from scheduler import SamplingParams
+from scheduler import SamplingParams, SamplingParamsError
 
 __all__ = [
     "LLM", "CompletionOutput", "EngineArgs", "GenerateOutput", "LLMEngine", "Logprob",
-    "RequestMetrics", "RequestOutput", "SamplingParams", "generate",
+    "RequestMetrics", "RequestOutput", "SamplingParams", "SamplingParamsError", "generate",
     "ModelConfig", "ModelLoadError", "Tokenizer", "load_model",
 ]

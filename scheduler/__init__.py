@@ -8,7 +8,8 @@ No jax here: this package is plain Python.
 from scheduler.config import SchedulerConfig
 from scheduler.invariants import check_invariants
 from scheduler.policies import POLICIES, Policy, SortedPolicy, register
-from scheduler.request import Request, RequestStatus, SamplingParams
+from scheduler.request import Request, RequestStatus
+from scheduler.sampling_params import SamplingParams, SamplingParamsError
 from scheduler.schedule import schedule
 from scheduler.state import (
     NewRequestData,
@@ -23,7 +24,7 @@ from scheduler.update import abort_requests, add_request, update_from_output
 
 __all__ = [
     "POLICIES", "NewRequestData", "Policy", "Request", "RequestDelta", "RequestStatus",
-    "SamplingParams", "SchedulerConfig", "SchedulerCounters", "SchedulerOutput", "SchedulerState",
-    "SchedulerStats", "SortedPolicy", "abort_requests", "add_request", "check_invariants",
-    "init_state", "register", "schedule", "update_from_output",
+    "SamplingParams", "SamplingParamsError", "SchedulerConfig", "SchedulerCounters",
+    "SchedulerOutput", "SchedulerState", "SchedulerStats", "SortedPolicy", "abort_requests",
+    "add_request", "check_invariants", "init_state", "register", "schedule", "update_from_output",
 ]

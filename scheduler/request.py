@@ -1,7 +1,12 @@
-"""Requests as the scheduler sees them: sampling limits, lifecycle status, progress counters."""
+"""Requests as the scheduler sees them: lifecycle status, progress counters.
+
+Their sampling limits are `SamplingParams` (scheduler/sampling_params.py), imported here.
+"""
 
 from dataclasses import dataclass, field
 from enum import IntEnum
+
+from scheduler.sampling_params import SamplingParams
 
 
 class RequestStatus(IntEnum):
@@ -31,33 +36,6 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
 }
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SamplingParams:
-    """Per-request generation parameters, with vLLM's names and defaults.
-
-    The scheduler reads only the stop-related fields (`max_tokens`, `min_tokens`, `ignore_eos`,
-    `stop_token_ids`); the engine validates and uses the rest when sampling.
-    """
-
-    max_tokens: int | None = 16  # most output tokens; None: up to max_model_len
-    min_tokens: int = 0  # EOS and stop token ids are ignored before this many outputs
-    ignore_eos: bool = False  # keep generating past EOS
-    stop_token_ids: tuple[int, ...] = ()  # extra token ids that stop the request
-    stop: tuple[str, ...] = ()  # stop strings (applied by the engine's detokenizer)
-    temperature: float = 1.0  # 0 means greedy
-    top_k: int = 0  # 0 or -1: off
-    top_p: float = 1.0  # nucleus mass in (0, 1]
-    min_p: float = 0.0  # drop tokens below min_p * p(max)
-    seed: int | None = None  # per-request seed: same seed, same tokens
-    logprobs: int | None = None  # top-n logprobs per output token (None: none)
-
-    def __post_init__(self) -> None:
-        # Lists are accepted for convenience; frozen tuples keep the object hashable and pure.
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        object.__setattr__(self, "stop", stop)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -24,6 +24,7 @@ from jaxengine.sampling.metadata import SamplingRow, validate_sampling_params
 from scheduler import (
     Request,
     SamplingParams,
+    SamplingParamsError,
     SchedulerConfig,
     SchedulerState,
     abort_requests,
@@ -98,25 +99,31 @@ class LLMEngine:
           arrival_time: `time.time()` of arrival (default: now).
           priority: lower is served first under `scheduling_policy="priority"`.
         Raises:
-          ValueError: bad prompt or parameters, duplicate id, or a request that can never fit
-            the KV pool; the engine is unchanged.
+          SamplingParamsError: a parameter this engine cannot honour (`param` names it).
+          ValueError: a bad prompt, a duplicate id, or a request that can never fit the KV
+            pool; the engine is unchanged.
         """
         params = SamplingParams() if params is None else params
+        if not isinstance(params, SamplingParams):  # its own checks ran when it was built
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         text, ids = self._resolve_prompt(prompt)
-        self._check_request(request_id, ids, params)
+        self._check_params(params)
         arrival = time.time() if arrival_time is None else arrival_time
         request = Request(request_id=request_id, prompt_token_ids=tuple(ids),
                           sampling_params=params, arrival_time=arrival, priority=priority,
                           eos_token_id=self.eos_token_id)
-        self.state = add_request(self.state, request)
+        # The scheduler refuses duplicate ids, empty prompts and prompts with no room for
+        # output; its new state is a value, kept only once the engine's own check passes too.
+        state = add_request(self.state, request)
+        self._check_fits_pool(request_id, len(ids), params)
+        self.state = state
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(32)
         detok = None
         if self.tokenizer is not None:
-            # vLLM fields our SamplingParams may lack (a subclass can add them)
             detok = IncrementalDetokenizer(
                 self.tokenizer, ids, stop=params.stop, min_tokens=params.min_tokens,
-                include_stop_str_in_output=getattr(params, "include_stop_str_in_output", False),
-                skip_special_tokens=getattr(params, "skip_special_tokens", True))
+                include_stop_str_in_output=params.include_stop_str_in_output,
+                skip_special_tokens=params.skip_special_tokens)
         self._tracked[request_id] = TrackedRequest(
             request_id=request_id, prompt=text, prompt_token_ids=ids, params=params, seed=seed,
             detokenizer=detok, metrics=RequestMetrics(arrival_time=arrival))
@@ -219,21 +226,21 @@ class LLMEngine:
                                  f"got {t!r}")
         return ids
 
-    def _check_request(self, request_id: str, ids: list[int], params: SamplingParams) -> None:
-        if request_id in self._tracked:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        if not ids:
-            raise ValueError(f"request {request_id!r}: the prompt is empty")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"request {request_id!r}: prompt of {len(ids)} tokens leaves no room "
-                             f"for output in max_model_len={self.max_model_len}")
+    def _check_params(self, params: SamplingParams) -> None:
+        """What only this engine knows: its logprobs cap, the vocabulary, the tokenizer."""
         validate_sampling_params(params, max_logprobs=self.args.max_logprobs,
                                  vocab_size=self.vocab_size)
         if params.stop and self.tokenizer is None:  # vLLM ignores them silently; say so
-            raise ValueError("stop strings need a tokenizer, and this engine has none "
-                             "(skip_tokenizer_init=True): use stop_token_ids instead")
+            raise SamplingParamsError(
+                "stop strings need a tokenizer, and this engine has none "
+                "(skip_tokenizer_init=True): use stop_token_ids instead", param="stop",
+                value=params.stop)
+
+    def _check_fits_pool(self, request_id: str, num_prompt_tokens: int,
+                         params: SamplingParams) -> None:
         cfg = self.scheduler_config
-        longest = min(len(ids) + (params.max_tokens or self.max_model_len), self.max_model_len)
+        longest = min(num_prompt_tokens + (params.max_tokens or self.max_model_len),
+                      self.max_model_len)
         need = -(-longest // cfg.block_size)
         if need > cfg.num_blocks - 1:
             raise ValueError(

@@ -1,82 +1,52 @@
-"""Host side of sampling: validate `SamplingParams`, pack rows into fixed-size arrays."""
+"""Host side of sampling: the engine's checks of `SamplingParams`, packing rows into arrays."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from jaxengine.sampling.sampler import SamplingMetadata
+from scheduler import SamplingParams, SamplingParamsError
 
 MAX_BANNED = 8  # stop token ids (+ EOS) a request with min_tokens may have
-# vLLM's bounds on a request's seed (torch.long). Negative seeds are valid there, so here too;
-# the sampler keys on the low 32 bits (`SamplingRow.seed & 0xFFFFFFFF`).
-SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 TOP_K_MAX = 2**31 - 1  # i32 in the metadata; any top_k >= V means "off" to the sampler
 
 
-def validate_sampling_params(sp: Any, *, max_logprobs: int, vocab_size: int | None) -> None:
-    """Raise `ValueError` naming the bad value of a `SamplingParams`.
+def validate_sampling_params(sp: SamplingParams, *, max_logprobs: int,
+                             vocab_size: int | None) -> None:
+    """The checks that need the engine; `SamplingParams` made every other one when built.
 
     Args:
-      sp: a `scheduler.SamplingParams`.
+      sp: the request's parameters.
       max_logprobs: the engine's cap on `logprobs`.
-      vocab_size: when known, `top_k` and stop token ids are checked against it.
+      vocab_size: when known, stop token ids must be below it.
+    Raises:
+      SamplingParamsError: naming the field (`param`) and saying what to change.
     """
-    if sp.max_tokens is not None and (not _is_int(sp.max_tokens) or sp.max_tokens <= 0):
-        raise ValueError(f"max_tokens must be a positive integer or None, got {sp.max_tokens!r}")
-    if not _is_int(sp.min_tokens) or sp.min_tokens < 0 or (
-        sp.max_tokens is not None and sp.min_tokens > sp.max_tokens
-    ):
-        raise ValueError(
-            f"min_tokens must be in [0, max_tokens={sp.max_tokens}], got {sp.min_tokens!r}"
-        )
-    # inf and NaN are refused: a NaN fails every comparison below, inf needs isfinite.
-    if not _is_real(sp.temperature) or not sp.temperature >= 0:
-        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got "
-                         f"{sp.temperature!r}")
-    if not _is_real(sp.top_p) or not 0 < sp.top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {sp.top_p!r}")
-    if not _is_real(sp.min_p) or not 0 <= sp.min_p <= 1:
-        raise ValueError(f"min_p must be in [0, 1], got {sp.min_p!r}")
-    if not _is_int(sp.top_k) or sp.top_k < -1:
-        raise ValueError(f"top_k must be -1 or 0 (off) or a positive integer, got {sp.top_k!r}")
-    if sp.seed is not None and not (_is_int(sp.seed) and SEED_MIN <= sp.seed <= SEED_MAX):
-        raise ValueError(f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] (int64, as "
-                         f"vLLM), or None; got {sp.seed!r}")
-    lp = sp.logprobs
-    if lp is not None and (not _is_int(lp) or not 0 <= lp <= max_logprobs):
-        raise ValueError(f"logprobs must be in [0, max_logprobs={max_logprobs}], got {sp.logprobs}")
-    stops = [sp.stop] if isinstance(sp.stop, str) else list(sp.stop)
-    if any(not isinstance(s, str) or not s for s in stops):
-        raise ValueError(f"stop must be non-empty strings, got {sp.stop!r}")
+    if sp.logprobs is not None and sp.logprobs > max_logprobs:
+        raise SamplingParamsError(
+            f"logprobs must be in [0, max_logprobs={max_logprobs}] (the engine's cap), got "
+            f"{sp.logprobs}", param="logprobs", value=sp.logprobs)
+    # The banned-token array has a fixed width, so that it never recompiles the sampler.
     if sp.min_tokens > 0 and len(sp.stop_token_ids) + 1 > MAX_BANNED:
-        raise ValueError(f"with min_tokens > 0, at most {MAX_BANNED - 1} stop_token_ids are "
-                         f"supported, got {len(sp.stop_token_ids)}")
+        raise SamplingParamsError(
+            f"with min_tokens > 0, at most {MAX_BANNED - 1} stop_token_ids are supported, got "
+            f"{len(sp.stop_token_ids)}", param="stop_token_ids", value=sp.stop_token_ids)
     for t in sp.stop_token_ids:
-        if not _is_int(t) or t < 0 or (vocab_size is not None and t >= vocab_size):
-            raise ValueError(f"stop_token_ids must be token ids in [0, vocab), got {t!r}")
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int | np.integer) and not isinstance(x, bool)
-
-
-def _is_real(x: Any) -> bool:
-    """A finite int or float (not a bool, a string, inf or NaN)."""
-    return isinstance(x, int | float | np.integer | np.floating) and not isinstance(x, bool) \
-        and math.isfinite(x)
+        if vocab_size is not None and t >= vocab_size:
+            raise SamplingParamsError(
+                f"stop_token_ids must be token ids in [0, vocab_size={vocab_size}), got {t}",
+                param="stop_token_ids", value=t)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SamplingRow:
     """What one request contributes to a sampling batch."""
 
-    params: Any  # scheduler.SamplingParams
-    seed: int  # the request's own seed, or one the engine drew for it
+    params: SamplingParams
+    seed: int  # the request's own seed or one the engine drew; the sampler keys on its low 32 bits
     position: int  # index of the output token being drawn
     eos_token_id: int | None = None  # banned with the stop ids while position < min_tokens
 
@@ -127,7 +97,7 @@ def build_sampling_metadata(
     )
 
 
-def banned_ids(sp: Any, eos_token_id: int | None) -> tuple[int, ...]:
+def banned_ids(sp: SamplingParams, eos_token_id: int | None) -> tuple[int, ...]:
     """Tokens `min_tokens` holds back: the stop token ids, and EOS unless `ignore_eos`."""
     ids = tuple(sp.stop_token_ids)
     if eos_token_id is not None and not sp.ignore_eos:

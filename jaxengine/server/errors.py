@@ -7,7 +7,6 @@ missing fields) are converted to that 400 shape.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from http import HTTPStatus
 from typing import Any
@@ -18,7 +17,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxengine.server.protocol import RequestError
-from scheduler import SamplingParams
+from scheduler import SamplingParamsError
 
 logger = logging.getLogger("jaxengine.server")
 
@@ -40,7 +39,6 @@ def error_response(message: str, *, code: int = 400, param: str | None = None) -
     return JSONResponse(error_body(message, code=code, param=param), status_code=code)
 
 
-_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after",
               "function-before", "literal", "model"}
 
@@ -93,10 +91,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ValueError)
     async def _value_error(_: Request, exc: ValueError) -> JSONResponse:
-        # The engine's messages start with the parameter they are about ("top_p must be ...").
-        message = str(exc)
-        first = message.split(" ", 1)[0]
-        return error_response(message, param=first if first in _SAMPLING_FIELDS else None)
+        # The endpoints turn a SamplingParamsError into a RequestError with the request's field
+        # name; one that got past them still names its field, as data. Others name none.
+        param = exc.param if isinstance(exc, SamplingParamsError) else None
+        return error_response(str(exc), param=param)
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:

@@ -1,17 +1,19 @@
 """OpenAI request bodies (pydantic) and their translation into `SamplingParams`.
 
 Field names and defaults follow OpenAI's API plus vLLM's extra sampling fields (`top_k`,
-`min_p`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `priority`). Unknown fields are
-ignored, as vLLM does; fields we cannot honour (n > 1, penalties, echo) are rejected.
+`min_p`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`,
+`skip_special_tokens`, `priority`). Unknown fields are ignored, as vLLM does; fields we cannot
+honour (n > 1, penalties, echo) are rejected. `SamplingParams` checks the values; its error
+names our field, which `request_error` turns into the request's field name.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from scheduler import SamplingParams
+from scheduler import SamplingParams, SamplingParamsError
 
 
 class RequestError(ValueError):
@@ -70,10 +72,15 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     priority: int = 0
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     user: str | None = None
+
+    # SamplingParams field -> this request's field, where the two names differ
+    PARAM_NAMES: ClassVar[dict[str, str]] = {}
 
     def check_text(self) -> None:
         """Reject text that is not valid Unicode, naming the field (before anything echoes it)."""
@@ -93,14 +100,29 @@ class _SamplingFields(BaseModel):
                 raise RequestError(f"{name} is not supported (use 0 or leave it out)", name)
 
     def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """The engine's parameters (the engine validates their ranges)."""
-        return SamplingParams(
-            max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
-            stop_token_ids=tuple(self.stop_token_ids or ()), stop=self.stop or (),
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_k=0 if self.top_k is None else self.top_k,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            min_p=0.0 if self.min_p is None else self.min_p, seed=self.seed, logprobs=logprobs)
+        """The engine's parameters.
+
+        Raises:
+          RequestError: a value `SamplingParams` refuses, naming the request's field.
+        """
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
+                stop_token_ids=self.stop_token_ids, stop=self.stop, seed=self.seed,
+                logprobs=logprobs, include_stop_str_in_output=self.include_stop_str_in_output,
+                skip_special_tokens=self.skip_special_tokens,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_k=0 if self.top_k is None else self.top_k,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                min_p=0.0 if self.min_p is None else self.min_p)
+        except SamplingParamsError as e:
+            raise self.request_error(e) from None
+
+    def request_error(self, error: SamplingParamsError) -> RequestError:
+        """`error` as a 400 whose `param` is this request's name for the field."""
+        name = self.PARAM_NAMES.get(error.param, error.param)
+        message = str(error) if name == error.param else f"{error} (sent as '{name}')"
+        return RequestError(message, name)
 
     @property
     def include_usage(self) -> bool:
@@ -166,23 +188,23 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
 
+    # chat's `logprobs` is a switch; the count SamplingParams calls logprobs is top_logprobs
+    PARAM_NAMES: ClassVar[dict[str, str]] = {"logprobs": "top_logprobs"}
+
     def requested_max_tokens(self) -> int | None:
         """`max_completion_tokens`, else the deprecated `max_tokens`."""
         return self.max_completion_tokens if self.max_completion_tokens is not None \
             else self.max_tokens
 
-    def num_logprobs(self, max_logprobs: int) -> int | None:
+    def num_logprobs(self) -> int | None:
         """Top-n logprobs per token for the engine (None: none asked).
 
-        Checked here, not by the engine, so that the error names `top_logprobs` (the engine
-        only knows its own `logprobs`).
+        Its range is checked where `logprobs` is (SamplingParams, the engine's cap), and
+        `request_error` names `top_logprobs` in the error.
         """
         n = self.top_logprobs
         if n is not None and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
-        if n is not None and not 0 <= n <= max_logprobs:
-            raise RequestError(f"top_logprobs must be in [0, {max_logprobs}] (the server's "
-                               f"max_logprobs), got {n}", "top_logprobs")
         return (n or 0) if self.logprobs else None
 
 

@@ -23,6 +23,7 @@ from jaxengine.server.protocol import (
     resolve_max_tokens,
 )
 from jaxengine.server.responses import Formatter, Kind, random_id, sse
+from scheduler import SamplingParamsError
 
 logger = logging.getLogger("jaxengine.server")
 
@@ -36,7 +37,6 @@ class OpenAIServing:
         self.model_name = model_name
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.max_model_len
-        self.max_logprobs = engine.engine.args.max_logprobs
 
     def _check(self, body: CompletionRequest | ChatCompletionRequest) -> None:
         """The checks both endpoints share, text first: the others may echo a field."""
@@ -58,8 +58,6 @@ class OpenAIServing:
             ids, engine_prompt = list(prompt), {"prompt_token_ids": list(prompt)}
         max_tokens = resolve_max_tokens(body.max_tokens, len(ids), self.max_model_len,
                                         prompt_param="prompt")
-        if body.logprobs is not None and body.logprobs < 0:
-            raise RequestError(f"logprobs must be >= 0, got {body.logprobs}", "logprobs")
         params = body.sampling_params(max_tokens, body.logprobs)
         return await self._generate("completion", body, engine_prompt, params, raw,
                                     with_logprobs=body.logprobs is not None)
@@ -77,7 +75,7 @@ class OpenAIServing:
             raise RequestError("the conversation renders to an empty prompt", "messages")
         max_tokens = resolve_max_tokens(body.requested_max_tokens(), len(ids),
                                         self.max_model_len, prompt_param="messages")
-        params = body.sampling_params(max_tokens, body.num_logprobs(self.max_logprobs))
+        params = body.sampling_params(max_tokens, body.num_logprobs())
         return await self._generate("chat", body, {"prompt": text, "prompt_token_ids": ids},
                                     params, raw, with_logprobs=body.logprobs)
 
@@ -95,6 +93,8 @@ class OpenAIServing:
         request_id = random_id(kind)
         try:
             stream = await self.engine.add(request_id, prompt, params, priority=body.priority)
+        except SamplingParamsError as e:  # a limit of this engine (max_logprobs, vocabulary)
+            raise body.request_error(e) from None
         except EngineDeadError as e:
             return error_response(str(e), code=503)
         fmt = Formatter(kind, self.model_name, self.tokenizer, request_id)

@@ -52,6 +52,11 @@ BAD: list[tuple[str, Any, str | None]] = [
     ("completions", {**GOOD_COMPLETION, "top_p": 0}, "top_p"),
     ("completions", {**GOOD_COMPLETION, "n": 2}, "n"),
     ("completions", {**GOOD_COMPLETION, "logprobs": 1000}, "logprobs"),
+    ("completions", {**GOOD_COMPLETION, "logprobs": -1}, "logprobs"),
+    ("completions", {**GOOD_COMPLETION, "min_tokens": 5}, "min_tokens"),
+    ("completions", {**GOOD_COMPLETION, "stop_token_ids": [3, 100_000]}, "stop_token_ids"),
+    ("completions", {**GOOD_COMPLETION, "stop": ["ok", ""]}, "stop"),
+    ("completions", {**GOOD_COMPLETION, "top_k": -5}, "top_k"),
     ("completions", {**GOOD_COMPLETION, "prompt": [5, 100_000]}, None),
     ("completions", {"model": MODEL_NAME, "max_tokens": 2}, "prompt"),
     ("completions", [1, 2, 3], None),
@@ -140,6 +145,18 @@ def test_unknown_model_is_vllms_404(server: RunningServer, stream: bool) -> None
             pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt="x", max_tokens=2, stream=stream)
     assert _post(server, "completions", GOOD_COMPLETION).status_code == 200
+
+
+@pytest.mark.parametrize("top_logprobs", [21, -1])
+def test_a_param_named_differently_in_chat_is_named_as_sent(server: RunningServer,
+                                                            top_logprobs: int) -> None:
+    # SamplingParams calls the count `logprobs`; in chat it is `top_logprobs`.
+    r = _post(server, "chat/completions", {**GOOD_CHAT, "logprobs": True,
+                                           "top_logprobs": top_logprobs})
+    error = r.json()["error"]
+    assert (r.status_code, error["param"]) == (400, "top_logprobs")
+    assert "(sent as 'top_logprobs')" in error["message"]
+    assert str(top_logprobs) in error["message"]
 
 
 def test_edge_values_vllm_accepts_are_served(server: RunningServer) -> None:

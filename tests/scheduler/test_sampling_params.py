@@ -1,0 +1,95 @@
+"""`SamplingParams` validates itself, and its error names the field as data."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+import pytest
+
+from scheduler import SamplingParams, SamplingParamsError
+
+# (keyword arguments, the field the error names, a word of the message)
+BAD: list[tuple[dict[str, Any], str, str]] = [
+    (dict(max_tokens=0), "max_tokens", "positive integer"),
+    (dict(max_tokens=2.5), "max_tokens", "positive integer"),
+    (dict(max_tokens=True), "max_tokens", "positive integer"),
+    (dict(min_tokens=-1), "min_tokens", "min_tokens"),
+    (dict(max_tokens=5, min_tokens=9), "min_tokens", "max_tokens=5"),
+    (dict(temperature=-0.1), "temperature", ">= 0"),
+    (dict(temperature=math.inf), "temperature", "finite"),
+    (dict(temperature=math.nan), "temperature", "finite"),
+    (dict(temperature="hot"), "temperature", "temperature"),
+    (dict(top_p=0.0), "top_p", r"\(0, 1\]"),
+    (dict(top_p=1.5), "top_p", "top_p"),
+    (dict(top_p=math.nan), "top_p", "top_p"),
+    (dict(min_p=2.0), "min_p", r"\[0, 1\]"),
+    (dict(min_p=math.inf), "min_p", "min_p"),
+    (dict(top_k=-3), "top_k", "-1 or 0"),
+    (dict(top_k=1.5), "top_k", "top_k"),
+    (dict(seed=2**63), "seed", "int64"),
+    (dict(seed=-(2**63) - 1), "seed", "int64"),
+    (dict(seed="7"), "seed", "seed"),
+    (dict(logprobs=-1), "logprobs", ">= 0"),
+    (dict(stop=[""]), "stop", "non-empty"),
+    (dict(stop=["ok", 3]), "stop", "non-empty strings"),
+    (dict(stop_token_ids=[1, -2]), "stop_token_ids", "token ids"),
+    (dict(stop_token_ids=[1.0]), "stop_token_ids", "token ids"),
+    (dict(stop_token_ids=7), "stop_token_ids", "a list"),
+    (dict(ignore_eos="yes"), "ignore_eos", "True or False"),
+    (dict(include_stop_str_in_output=1), "include_stop_str_in_output", "True or False"),
+    (dict(skip_special_tokens=None), "skip_special_tokens", "True or False"),
+]
+
+
+@pytest.mark.parametrize(("kwargs", "param", "message"), BAD,
+                         ids=[f"{p}-{i}" for i, (_, p, _) in enumerate(BAD)])
+def test_a_bad_value_names_its_field(kwargs: dict[str, Any], param: str, message: str) -> None:
+    with pytest.raises(SamplingParamsError, match=message) as info:
+        SamplingParams(**kwargs)
+    assert info.value.param == param
+    assert isinstance(info.value, ValueError)  # callers that catch ValueError still do
+
+
+def test_the_error_keeps_the_offending_value() -> None:
+    with pytest.raises(SamplingParamsError) as info:
+        SamplingParams(stop_token_ids=[4, -2])
+    assert info.value.value == -2
+
+
+def test_replace_validates_again() -> None:
+    sp = SamplingParams(temperature=0.5)
+    with pytest.raises(SamplingParamsError) as info:
+        dataclasses.replace(sp, top_p=0.0)
+    assert info.value.param == "top_p"
+
+
+def test_edges_of_the_ranges_are_accepted() -> None:
+    for kwargs in (dict(max_tokens=None), dict(max_tokens=1, min_tokens=1),
+                   dict(max_tokens=None, min_tokens=10**6), dict(temperature=0),
+                   dict(top_p=1), dict(top_p=1e-9), dict(min_p=0), dict(min_p=1),
+                   dict(top_k=-1), dict(top_k=0), dict(top_k=10**12), dict(seed=-(2**63)),
+                   dict(seed=2**63 - 1), dict(logprobs=0), dict(stop_token_ids=[0])):
+        assert SamplingParams(**kwargs) is not None
+
+
+def test_numpy_numbers_are_accepted() -> None:
+    sp = SamplingParams(max_tokens=np.int64(4), temperature=np.float32(0.5), top_k=np.int32(3),
+                        seed=np.uint32(7), stop_token_ids=np.array([1, 2]))
+    assert sp.stop_token_ids == (1, 2)
+
+
+def test_lists_become_tuples_and_a_single_stop_string_a_tuple() -> None:
+    sp = SamplingParams(stop="end", stop_token_ids=[3, 4])
+    assert sp.stop == ("end",) and sp.stop_token_ids == (3, 4)
+    none = SamplingParams(stop=None, stop_token_ids=None)
+    assert none.stop == () and none.stop_token_ids == ()
+    assert hash(sp) == hash(SamplingParams(stop=["end"], stop_token_ids=(3, 4)))
+
+
+def test_vllm_defaults() -> None:
+    sp = SamplingParams()
+    assert (sp.max_tokens, sp.temperature, sp.top_p, sp.top_k, sp.min_p) == (16, 1.0, 1.0, 0, 0.0)
+    assert sp.include_stop_str_in_output is False and sp.skip_special_tokens is True
