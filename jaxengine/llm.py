@@ -11,6 +11,7 @@ from tqdm.auto import tqdm
 from jaxengine.engine.args import EngineArgs
 from jaxengine.engine.llm_engine import LLMEngine, PromptType
 from jaxengine.engine.outputs import RequestOutput
+from jaxengine.loading.generation_config import diff_sampling_params
 from scheduler import SamplingParams
 
 Conversation = Sequence[Mapping[str, Any]]
@@ -29,15 +30,30 @@ class LLM:
         from jaxengine.engine.build import build_engine
 
         args = EngineArgs.from_kwargs(model=model, **engine_args)
-        self.llm_engine = build_engine(args)
-        self._ids = itertools.count()
+        self._attach(build_engine(args))
 
     @classmethod
     def from_engine(cls, engine: LLMEngine) -> LLM:
         """Wrap an existing engine (e.g. one over a fake model in tests)."""
         llm = cls.__new__(cls)
-        llm.llm_engine, llm._ids = engine, itertools.count()
+        llm._attach(engine)
         return llm
+
+    def _attach(self, engine: LLMEngine) -> None:
+        self.llm_engine, self._ids = engine, itertools.count()
+        args = engine.args
+        self._default_params = SamplingParams(
+            **diff_sampling_params(args.model, args.generation_config))
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` use when given no `sampling_params` (vLLM's name).
+
+        `SamplingParams()` with the model's recommendations from its generation_config.json
+        (`temperature`, `top_p`, `top_k`, `min_p`, `max_new_tokens` as `max_tokens`) unless
+        the engine was built with `generation_config="vllm"`; see
+        `jaxengine.loading.generation_config`.
+        """
+        return self._default_params
 
     def get_tokenizer(self) -> Any:
         """The engine's tokenizer."""
@@ -50,7 +66,8 @@ class LLM:
 
         Args:
           prompts: one prompt or a list; each a string or a `{"prompt_token_ids": [...]}` dict.
-          sampling_params: one for all prompts or one per prompt (default `SamplingParams()`).
+          sampling_params: one for all prompts or one per prompt (default:
+            `get_default_sampling_params()`).
           use_tqdm: show a progress bar.
         Returns:
           Finished `RequestOutput`s in the order of `prompts`.
@@ -58,7 +75,7 @@ class LLM:
           ValueError: a bad prompt or parameter; nothing was added to the engine.
         """
         prompts = _as_list(prompts)
-        params = _params_list(sampling_params, len(prompts))
+        params = _params_list(sampling_params, len(prompts), self._default_params)
         engine = self.llm_engine
         ids = [str(next(self._ids)) for _ in prompts]
         try:
@@ -115,10 +132,10 @@ def _as_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
     return prompts
 
 
-def _params_list(params: SamplingParams | Sequence[SamplingParams] | None,
-                 n: int) -> list[SamplingParams]:
+def _params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int,
+                 default: SamplingParams) -> list[SamplingParams]:
     if params is None:
-        return [SamplingParams()] * n
+        return [default] * n
     if isinstance(params, SamplingParams):
         return [params] * n
     params = list(params)

@@ -56,6 +56,8 @@ class EngineArgs:
                                                    "more compilations")
     skip_tokenizer_init: bool = _arg(False, "load no tokenizer: prompts are token ids and "
                                             "outputs have no text")
+    generation_config: str = _arg("auto", "default sampling parameters: auto (the model's "
+                                          "generation_config.json), vllm (none) or a directory")
 
     def __post_init__(self) -> None:
         _check_choice("dtype", self.dtype, DTYPES)

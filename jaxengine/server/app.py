@@ -2,7 +2,8 @@
 
 `build_app(engine, model_name=...)` takes a built `LLMEngine`; the engine loop starts and stops
 with the app's lifespan. `app.state.async_engine` is the `AsyncEngine` (tests read the
-scheduler state through `app.state.async_engine.engine.snapshot()`).
+scheduler state through `app.state.async_engine.engine.snapshot()`), `app.state.serving` the
+`OpenAIServing` (with the model's `default_sampling_params`).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ def build_app(engine: LLMEngine, *, model_name: str, log_interval: float = 10.0)
 
     app = FastAPI(title="jaxengine", lifespan=lifespan)
     app.state.async_engine = async_engine
+    app.state.serving = serving
     install_error_handlers(app)
 
     @app.get("/health")

@@ -3,17 +3,24 @@
 Field names and defaults follow OpenAI's API plus vLLM's extra sampling fields (`top_k`,
 `min_p`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`,
 `skip_special_tokens`, `priority`). Unknown fields are ignored, as vLLM does; fields we cannot
-honour (n > 1, penalties, echo) are rejected. `SamplingParams` checks the values; its error
-names our field, which `request_error` turns into the request's field name.
+honour (n > 1, penalties, echo) are rejected. A sampling field the request leaves unset takes
+the model's default (its generation_config.json, `jaxengine.loading.generation_config`), else
+`SamplingParams`' own, as vLLM's `to_sampling_params` does. `SamplingParams` checks the values;
+its error names our field, which `request_error` turns into the request's field name.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from scheduler import SamplingParams, SamplingParamsError
+
+# Request fields that, when unset, take the model's default (the loader gives no others but
+# max_tokens, which `resolve_max_tokens` handles).
+MODEL_DEFAULTED = ("temperature", "top_p", "top_k", "min_p")
 
 
 class RequestError(ValueError):
@@ -99,22 +106,27 @@ class _SamplingFields(BaseModel):
             if getattr(self, name):
                 raise RequestError(f"{name} is not supported (use 0 or leave it out)", name)
 
-    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
-        """The engine's parameters.
+    def sampling_params(self, max_tokens: int, logprobs: int | None,
+                        defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        """The engine's parameters: each field as the request set it, else the model's default.
 
+        Args:
+          max_tokens: from `resolve_max_tokens`.
+          logprobs: top logprobs per token (None: none).
+          defaults: the model's defaults by `SamplingParams` field (`diff_sampling_params`);
+            only those in `MODEL_DEFAULTED` are taken here.
         Raises:
           RequestError: a value `SamplingParams` refuses, naming the request's field.
         """
+        chosen = {n: getattr(self, n) for n in MODEL_DEFAULTED if getattr(self, n) is not None}
+        unset = {n: v for n, v in (defaults or {}).items()
+                 if n in MODEL_DEFAULTED and n not in chosen}
         try:
             return SamplingParams(
                 max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
                 stop_token_ids=self.stop_token_ids, stop=self.stop, seed=self.seed,
                 logprobs=logprobs, include_stop_str_in_output=self.include_stop_str_in_output,
-                skip_special_tokens=self.skip_special_tokens,
-                temperature=1.0 if self.temperature is None else self.temperature,
-                top_k=0 if self.top_k is None else self.top_k,
-                top_p=1.0 if self.top_p is None else self.top_p,
-                min_p=0.0 if self.min_p is None else self.min_p)
+                skip_special_tokens=self.skip_special_tokens, **unset, **chosen)
         except SamplingParamsError as e:
             raise self.request_error(e) from None
 
@@ -209,14 +221,18 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, *,
-                       prompt_param: str) -> int:
-    """`requested`, checked against the context; None means all that is left of it."""
+                       prompt_param: str, default: int | None = None) -> int:
+    """`requested`, checked against the context.
+
+    None takes `default` (the model's `max_new_tokens`) capped to what is left of the context,
+    or all that is left without one (vLLM's `get_max_tokens`).
+    """
     room = max_model_len - prompt_len
     if room <= 0:
         raise RequestError(f"This model's maximum context length is {max_model_len} tokens; "
                            f"the prompt has {prompt_len} tokens. Shorten the prompt.", prompt_param)
     if requested is None:
-        return room
+        return room if default is None else min(default, room)
     if requested <= 0:
         raise RequestError(f"max_tokens must be at least 1, got {requested}", "max_tokens")
     if requested > room:

@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from jaxengine.loading.generation_config import diff_sampling_params
 from jaxengine.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from jaxengine.server.errors import error_body, error_response
 from jaxengine.server.protocol import (
@@ -37,6 +38,9 @@ class OpenAIServing:
         self.model_name = model_name
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.max_model_len
+        args = engine.engine.args
+        # vLLM's name: what fills the sampling fields a request leaves unset
+        self.default_sampling_params = diff_sampling_params(args.model, args.generation_config)
 
     def _check(self, body: CompletionRequest | ChatCompletionRequest) -> None:
         """The checks both endpoints share, text first: the others may echo a field."""
@@ -56,9 +60,11 @@ class OpenAIServing:
             engine_prompt: dict[str, Any] = {"prompt": prompt, "prompt_token_ids": ids}
         else:
             ids, engine_prompt = list(prompt), {"prompt_token_ids": list(prompt)}
+        # max_tokens defaults to 16 here (OpenAI's and vLLM's), so the model's default
+        # max_tokens applies only to an explicit null, as in vLLM.
         max_tokens = resolve_max_tokens(body.max_tokens, len(ids), self.max_model_len,
-                                        prompt_param="prompt")
-        params = body.sampling_params(max_tokens, body.logprobs)
+                                        prompt_param="prompt", default=self._default_max_tokens)
+        params = body.sampling_params(max_tokens, body.logprobs, self.default_sampling_params)
         return await self._generate("completion", body, engine_prompt, params, raw,
                                     with_logprobs=body.logprobs is not None)
 
@@ -74,10 +80,16 @@ class OpenAIServing:
         if not ids:
             raise RequestError("the conversation renders to an empty prompt", "messages")
         max_tokens = resolve_max_tokens(body.requested_max_tokens(), len(ids),
-                                        self.max_model_len, prompt_param="messages")
-        params = body.sampling_params(max_tokens, body.num_logprobs())
+                                        self.max_model_len, prompt_param="messages",
+                                        default=self._default_max_tokens)
+        params = body.sampling_params(max_tokens, body.num_logprobs(),
+                                      self.default_sampling_params)
         return await self._generate("chat", body, {"prompt": text, "prompt_token_ids": ids},
                                     params, raw, with_logprobs=body.logprobs)
+
+    @property
+    def _default_max_tokens(self) -> int | None:
+        return self.default_sampling_params.get("max_tokens")
 
     def _encode(self, text: str) -> list[int]:
         if self.tokenizer is None:

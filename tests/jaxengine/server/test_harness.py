@@ -62,8 +62,9 @@ class RunningServer:
 
 
 def start_server(**engine_args: Any) -> RunningServer:
-    """Build an engine on the tiny fixture model and serve it on a free loopback port."""
-    args = EngineArgs(model=str(TINY), **{**ENGINE_ARGS, **engine_args})
+    """Build an engine (on the tiny fixture model unless `model=` says otherwise) and serve it
+    on a free loopback port."""
+    args = EngineArgs(**{"model": str(TINY), **ENGINE_ARGS, **engine_args})
     app = build_app(build_engine(args), model_name=MODEL_NAME, log_interval=0)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
