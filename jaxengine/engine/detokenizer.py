@@ -70,25 +70,32 @@ class IncrementalDetokenizer:
             self._step(token)
         self.num_output_tokens = 0
         self.output_text = ""
+        self._text_before_last = 0  # len(output_text) before the last token was decoded
 
-    def update(self, new_token_ids: Sequence[int], *, skip_last: bool = False) -> str | None:
+    def update(self, new_token_ids: Sequence[int]) -> str | None:
         """Add tokens; return the stop string that matched, if one did (text is then trimmed).
 
         Args:
           new_token_ids: the request's tokens of this step.
-          skip_last: the last token ended the request (EOS or a stop token id): count it but
-            do not decode it, as vLLM does.
         """
-        for i, token in enumerate(new_token_ids):
+        for token in new_token_ids:
             self.num_output_tokens += 1
-            if skip_last and i == len(new_token_ids) - 1:
-                break
+            self._text_before_last = len(self.output_text)
             new_chars = self._decode_next(token)
             if self.stop and self.num_output_tokens > self.min_tokens:
                 hit = self._check_stop(len(new_chars))
                 if hit is not None:
                     return hit
         return None
+
+    def drop_last_token(self) -> None:
+        """Take back the text the last token added; it still counts as an output token.
+
+        For a request that EOS or a stop token id ended: vLLM never decodes that token. The
+        engine decodes each token before the scheduler decides (so that a stop string reaches
+        the scheduler with its token), and takes the text back once the scheduler has said.
+        """
+        self.output_text = self.output_text[: self._text_before_last]
 
     def _decode_next(self, token: int) -> str:
         delta = self._step(token) or ""  # None: a partial UTF-8 character, a special token

@@ -1,8 +1,9 @@
 """`LLMEngine`: the continuous-batching loop around the pure scheduler and the runner.
 
-One `step()` is docs/DESIGN.md's data flow: `schedule` (host, pure) -> runner (device: padded
-batch, model step with the KV cache donated, sampling) -> `update_from_output` (host, pure)
--> detokenize, stop strings, metrics. The scheduler state is a value held here, so
+One `step()` is docs/DESIGN.md's data flow, a straight line: `schedule` (host, pure) -> runner
+(device: padded batch, model step with the KV cache donated, sampling) -> detokenize (stop
+strings) -> `update_from_output` (host, pure; it takes the stop strings too) -> outputs, and
+the step's statistics to `stat_loggers`. The scheduler state is a value held here, so
 `snapshot()` is free. Errors a user can cause raise `ValueError` before anything changes.
 """
 
@@ -11,21 +12,24 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from jaxengine.engine.args import EngineArgs
-from jaxengine.engine.detokenizer import IncrementalDetokenizer
+from jaxengine.engine.detokenizer import IncrementalDetokenizer, StreamingTokenizer
 from jaxengine.engine.outputs import RequestMetrics, RequestOutput
 from jaxengine.engine.request_state import TrackedRequest
+from jaxengine.engine.stats import IterationStats, StatLogger
 from jaxengine.model.fns import ModelFns
 from jaxengine.runner.compiles import debug_recompiles_from_env
-from jaxengine.runner.runner import Runner, RunnerConfig
+from jaxengine.runner.runner import Runner, RunnerConfig, SampledToken
 from jaxengine.sampling.metadata import SamplingRow, validate_sampling_params
 from scheduler import (
     Request,
+    RequestDelta,
     SamplingParams,
     SamplingParamsError,
     SchedulerConfig,
+    SchedulerOutput,
     SchedulerState,
     abort_requests,
     add_request,
@@ -37,11 +41,30 @@ from scheduler import (
 PromptType = str | Mapping[str, Any] | Sequence[int]
 
 
-class LLMEngine:
-    """Continuous batching over one model: add requests, call `step()` until done."""
+class TokenizerLike(StreamingTokenizer, Protocol):
+    """What the engine needs of a tokenizer (`jaxengine.loading.tokenizer.Tokenizer` is one):
+    the detokenizer's decoding, plus encoding prompts and the EOS id."""
 
-    def __init__(self, model: ModelFns, args: EngineArgs, *, tokenizer: Any | None,
-                 max_model_len: int, num_blocks: int) -> None:
+    @property
+    def eos_token_id(self) -> int | None:
+        """The id that ends generation (unless `ignore_eos`)."""
+        ...
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of a prompt."""
+        ...
+
+
+class LLMEngine:
+    """Continuous batching over one model: add requests, call `step()` until done.
+
+    `stat_loggers` (a list; append to it) receive every step's `SchedulerStats` and
+    `IterationStats`, and an `IterationStats` of the requests each `abort_request` finished.
+    """
+
+    def __init__(self, model: ModelFns, args: EngineArgs, *, tokenizer: TokenizerLike | None,
+                 max_model_len: int, num_blocks: int,
+                 stat_loggers: Sequence[StatLogger] = ()) -> None:
         """Build the scheduler state and the runner (allocates the KV pool).
 
         Args:
@@ -50,6 +73,7 @@ class LLMEngine:
           tokenizer: encodes string prompts and decodes outputs; None = token ids only.
           max_model_len: the resolved longest sequence.
           num_blocks: KV pages in the pool, including the null block 0.
+          stat_loggers: receivers of each step's statistics (e.g. `jaxengine.metrics`').
         """
         self.args = args
         self.tokenizer = tokenizer
@@ -74,6 +98,7 @@ class LLMEngine:
             self.runner.precompile()
         self._seeds = random.Random(args.seed)
         self._tracked: dict[str, TrackedRequest] = {}
+        self.stat_loggers: list[StatLogger] = list(stat_loggers)
 
     @property
     def max_model_len(self) -> int:
@@ -132,14 +157,19 @@ class LLMEngine:
         """Finish requests now and free their KV blocks; unknown ids are ignored.
 
         Returns:
-          The final output of each live request aborted (finish_reason "abort"), so that
-          whoever keeps metrics can count it as vLLM does.
+          The final output of each live request aborted (finish_reason "abort"); the stat
+          loggers count them as finished "abort", as vLLM does.
         """
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        live = list(dict.fromkeys(r for r in ids if r in self._tracked))
-        self.state = abort_requests(self.state, live)
-        now = time.time()
-        return [self._tracked.pop(r).abort(now) for r in live]
+        live = [self._tracked.pop(r) for r in dict.fromkeys(ids) if r in self._tracked]
+        if not live:
+            return []
+        self.state = abort_requests(self.state, [t.request_id for t in live])
+        stats = IterationStats(timestamp=time.time())
+        outputs = [t.abort(stats.timestamp) for t in live]
+        stats.finished_requests.extend(t.finished_stats() for t in live)
+        self._record(stats)
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         """True while any request is waiting or running."""
@@ -157,34 +187,61 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration; return outputs of requests that progressed or finished."""
-        # Pure scheduler: if the runner raises, self.state is still the consistent old state.
-        state, plan = schedule(self.state)
+        before = self.state
+        # Pure scheduler: if anything below raises, self.state is still the old, consistent one.
+        state, plan = schedule(before)
+        self._note_scheduled(plan)
+        sampled = self.runner.execute(plan, self._sampling_rows(plan))  # pack, run, sample
+        stopped = self._detokenize(sampled)  # before update: a stop string ends the request there
+        self.state, deltas = update_from_output(
+            state, plan, {rid: [t.token_id] for rid, t in sampled.items()}, stopped=stopped)
+        stats = IterationStats.between(before.counters, self.state.counters,
+                                       timestamp=time.time())
+        outputs = [self._apply(d, sampled.get(d.request_id), stats) for d in deltas]
+        self._record(stats)
+        return outputs
+
+    def _note_scheduled(self, plan: SchedulerOutput) -> None:
         now = time.time()
         for rid in plan.num_scheduled_tokens:
             self._tracked[rid].on_scheduled(now, plan.num_computed_tokens[rid])
-        rows = {rid: self._sampling_row(state, rid) for rid in plan.sampling_req_ids}
-        sampled = self.runner.execute(plan, rows)
-        self.state, deltas = update_from_output(
-            state, plan, {rid: [t.token_id] for rid, t in sampled.items()})
-        now, stopped, outputs = time.time(), [], []
-        for delta in deltas:
-            tracked = self._tracked.get(delta.request_id)
-            if tracked is None:
-                continue
-            if tracked.apply(delta, sampled.get(delta.request_id), now):
-                stopped.append(delta.request_id)  # a stop string: the scheduler must let go
-            outputs.append(tracked.output())
-            if tracked.finish_reason is not None:
-                del self._tracked[delta.request_id]
-        if stopped:
-            self.state = abort_requests(self.state, stopped)
-        return outputs
 
-    def _sampling_row(self, state: SchedulerState, rid: str) -> SamplingRow:
-        tracked = self._tracked[rid]
-        position = len(state.requests[rid].output_token_ids)
-        return SamplingRow(params=tracked.params, seed=tracked.seed, position=position,
-                           eos_token_id=self.eos_token_id)
+    def _sampling_rows(self, plan: SchedulerOutput) -> dict[str, SamplingRow]:
+        """Parameters, seed and output position (what the PRNG key folds in) of each sampler."""
+        rows, eos = {}, self.eos_token_id
+        for rid in plan.sampling_req_ids:
+            t = self._tracked[rid]
+            rows[rid] = SamplingRow(params=t.params, seed=t.seed, position=len(t.token_ids),
+                                    eos_token_id=eos)
+        return rows
+
+    def _detokenize(self, sampled: Mapping[str, SampledToken]) -> dict[str, str]:
+        """Decode each sampled token; request id -> the stop string it completed."""
+        stopped = {}
+        for rid, token in sampled.items():
+            hit = self._tracked[rid].detokenize(token.token_id)
+            if hit is not None:
+                stopped[rid] = hit
+        return stopped
+
+    def _apply(self, delta: RequestDelta, sampled: SampledToken | None,
+               stats: IterationStats) -> RequestOutput:
+        """Take one request's delta into its engine state and the step's statistics."""
+        tracked = self._tracked[delta.request_id]
+        stats.observe_tokens(len(delta.new_token_ids), prompt_len=len(tracked.prompt_token_ids),
+                             before=tracked.metrics)
+        tracked.apply(delta, sampled, stats.timestamp)
+        if tracked.finish_reason is not None:
+            del self._tracked[delta.request_id]
+            stats.finished_requests.append(tracked.finished_stats())
+        return tracked.output()
+
+    def _record(self, stats: IterationStats) -> None:
+        if not self.stat_loggers:
+            return
+        scheduler_stats = self.state.stats
+        for logger in self.stat_loggers:
+            logger.record(scheduler_stats, stats)
 
     # ---- validation --------------------------------------------------------------------
 

@@ -1,18 +1,21 @@
 """Engine-side bookkeeping of one request: text, logprobs, times; turned into `RequestOutput`s.
 
 The scheduler owns token-level progress; this keeps what only the engine knows (the prompt
-text, the detokenizer, logprobs, wall-clock times) and applies each step's `RequestDelta`.
+text, the detokenizer, logprobs, wall-clock times). In a step, `detokenize` decodes the sampled
+token first (so a stop string it completes goes to the scheduler with the token), then `apply`
+takes the scheduler's `RequestDelta`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
 
 from jaxengine.engine.detokenizer import IncrementalDetokenizer
 from jaxengine.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from jaxengine.engine.stats import FinishedRequestStats
 from jaxengine.runner.runner import SampledToken
+from scheduler import RequestDelta, SamplingParams
 
 
 @dataclass(slots=True, kw_only=True)
@@ -22,7 +25,7 @@ class TrackedRequest:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    params: Any  # scheduler.SamplingParams
+    params: SamplingParams
     seed: int
     detokenizer: IncrementalDetokenizer | None
     metrics: RequestMetrics
@@ -39,40 +42,56 @@ class TrackedRequest:
             self.metrics = dataclasses.replace(self.metrics, first_scheduled_time=now)
             self.num_cached_tokens = num_computed_before
 
-    def apply(self, delta: Any, sampled: SampledToken | None, now: float) -> bool:
-        """Apply one step's delta; return True if a stop string ended the request here.
+    def detokenize(self, token_id: int) -> str | None:
+        """Decode this step's sampled token; return the stop string it completes, if any.
+
+        Runs before the scheduler sees the token, which receives the stop string with it.
+        """
+        if self.detokenizer is None:
+            return None
+        return self.detokenizer.update([token_id])
+
+    def apply(self, delta: RequestDelta, sampled: SampledToken | None, now: float) -> None:
+        """Take the scheduler's delta of this step (its token was already detokenized).
 
         Args:
           delta: the scheduler's `RequestDelta` for this request.
           sampled: the runner's token with its logprobs (None if nothing was sampled).
           now: wall-clock time of the step's end.
         """
-        new = list(delta.new_token_ids)
+        new = delta.new_token_ids
         self.token_ids.extend(new)
         if new and sampled is not None and self.params.logprobs is not None:
             self._add_logprobs(sampled)
-        stop_hit = None
-        if self.detokenizer is not None and new:
-            ended_by_token = delta.finish_reason == "stop"
-            stop_hit = self.detokenizer.update(new, skip_last=ended_by_token)
         if new:
             m = self.metrics
             self.metrics = dataclasses.replace(
                 m, first_token_time=m.first_token_time or now, last_token_time=now,
                 num_generation_tokens=len(self.token_ids))
-        if stop_hit is not None:
-            self.finish_reason, self.stop_reason = "stop", stop_hit
-        elif delta.finish_reason is not None:
-            self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
-        if self.finish_reason is not None:
-            self.metrics = dataclasses.replace(self.metrics, finished_time=now)
-        return stop_hit is not None and delta.finish_reason is None
+        if delta.finish_reason is None:
+            return
+        if (delta.finish_reason == "stop" and not isinstance(delta.stop_reason, str)
+                and self.detokenizer is not None):
+            self.detokenizer.drop_last_token()  # EOS or a stop token id: never shown (vLLM)
+        self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+        self.metrics = dataclasses.replace(self.metrics, finished_time=now)
 
     def abort(self, now: float) -> RequestOutput:
         """Finish as aborted at `now` (vLLM's finish_reason "abort"); the final output."""
         self.finish_reason, self.stop_reason = "abort", None
         self.metrics = dataclasses.replace(self.metrics, finished_time=now)
         return self.output()
+
+    def finished_stats(self) -> FinishedRequestStats:
+        """What this finished request adds to the request-level histograms."""
+        m = self.metrics
+        assert self.finish_reason is not None and m.e2e_latency is not None
+        return FinishedRequestStats(
+            finish_reason=self.finish_reason, num_prompt_tokens=len(self.prompt_token_ids),
+            num_generation_tokens=len(self.token_ids), e2e_latency=m.e2e_latency,
+            # never scheduled (aborted while waiting): it queued all its life
+            queued_time=m.time_in_queue if m.time_in_queue is not None else m.e2e_latency,
+            mean_time_per_output_token=m.tpot, max_tokens_param=self.params.max_tokens)
 
     def _add_logprobs(self, sampled: SampledToken) -> None:
         tok = self.detokenizer.tokenizer if self.detokenizer is not None else None

@@ -1,13 +1,7 @@
-"""Engine metrics: per-step statistics, Prometheus collectors (vLLM's names) and a log line."""
+"""Engine metrics: the engine's step statistics (`jaxengine.engine.stats`) recorded as
+Prometheus collectors with vLLM's names, and as vLLM's periodic log line."""
 
-from jaxengine.metrics.iteration import FinishedRequestStats, IterationStats, StepTracker
 from jaxengine.metrics.log import LoggingStatLogger
 from jaxengine.metrics.prometheus import PrometheusStatLogger
 
-__all__ = [
-    "FinishedRequestStats",
-    "IterationStats",
-    "LoggingStatLogger",
-    "PrometheusStatLogger",
-    "StepTracker",
-]
+__all__ = ["LoggingStatLogger", "PrometheusStatLogger"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 
-from jaxengine.metrics.iteration import IterationStats
+from jaxengine.engine.stats import IterationStats
 from scheduler import SchedulerStats
 
 logger = logging.getLogger("jaxengine.metrics")
@@ -24,9 +24,11 @@ class LoggingStatLogger:
         # recent requests), so a quiet interval does not reset it to zero.
         self._queries = self._hits = 0
 
-    def record(self, stats: SchedulerStats, it: IterationStats | None = None) -> None:
+    def record(self, scheduler_stats: SchedulerStats,
+               iteration_stats: IterationStats | None = None) -> None:
         """Remember the latest scheduler snapshot and add a step's token counts."""
-        self._stats = stats
+        self._stats = scheduler_stats
+        it = iteration_stats
         if it is not None:
             self._prompt_tokens += it.num_prompt_tokens
             self._generation_tokens += it.num_generation_tokens

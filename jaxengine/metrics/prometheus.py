@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from jaxengine.metrics.iteration import IterationStats
+from jaxengine.engine.stats import IterationStats
 from scheduler import SchedulerStats
 
 PREFIX = "jaxengine:"
@@ -115,6 +115,13 @@ class PrometheusStatLogger:
         self.queue_time = self._histogram("request_queue_time_seconds",
                                           "Histogram of time spent in WAITING phase for request.",
                                           REQUEST_LATENCY_BUCKETS)
+
+    def record(self, scheduler_stats: SchedulerStats,
+               iteration_stats: IterationStats | None) -> None:
+        """Take one step's statistics (the engine calls this; see `engine.stats.StatLogger`)."""
+        self.record_scheduler(scheduler_stats)
+        if iteration_stats is not None:
+            self.record_iteration(iteration_stats)
 
     def record_scheduler(self, stats: SchedulerStats) -> None:
         """Set the gauges from a scheduler snapshot."""

@@ -25,6 +25,7 @@ from jaxengine.runner.buckets import pick_bucket, request_buckets, token_buckets
 from jaxengine.runner.compiles import RecompileError, compile_count, ensure_listener
 from jaxengine.sampling.metadata import MAX_BANNED, SamplingRow, build_sampling_metadata
 from jaxengine.sampling.sampler import SamplerOutput, SamplingMetadata, sample_impl
+from scheduler import SchedulerOutput
 
 STEP_NAME = "jaxengine_model_step"
 SAMPLE_NAME = "jaxengine_sample"
@@ -148,11 +149,12 @@ class Runner:
 
     # ---- one step ----------------------------------------------------------------------
 
-    def execute(self, out: Any, rows: Mapping[str, SamplingRow]) -> dict[str, SampledToken]:
+    def execute(self, out: SchedulerOutput, rows: Mapping[str, SamplingRow]
+                ) -> dict[str, SampledToken]:
         """Run one scheduler plan; return the token of each request in `out.sampling_req_ids`.
 
         Args:
-          out: a `scheduler.SchedulerOutput`.
+          out: the plan of one step.
           rows: sampling parameters, seed and output position of each sampling request.
         Returns:
           {request id: SampledToken} for the requests that sample this step.
@@ -168,7 +170,7 @@ class Runner:
         self._account(before, time.perf_counter() - t0, len(batch.input_ids), total)
         return result
 
-    def _pack(self, out: Any, order: Sequence[str]) -> ModelBatch:
+    def _pack(self, out: SchedulerOutput, order: Sequence[str]) -> ModelBatch:
         c = self.config
         chunks = [
             RequestChunk(token_ids=out.input_token_ids[r], start=out.num_computed_tokens[r],
@@ -240,6 +242,6 @@ _jitted_step = jax.jit(jaxengine_model_step, static_argnames=("step_fn",),
 _jitted_sample = jax.jit(jaxengine_sample, static_argnames=("logits_fn", "max_logprobs"))
 
 
-def _spec(x: Any) -> jax.ShapeDtypeStruct:
+def _spec(x: np.ndarray) -> jax.ShapeDtypeStruct:
     x = np.asarray(x)
     return jax.ShapeDtypeStruct(x.shape, x.dtype)

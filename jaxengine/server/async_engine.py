@@ -5,6 +5,8 @@ The engine is not thread-safe, so only one party touches it at a time: the loop 
 `add` takes the same lock between steps. New requests therefore join the running batch at the
 next step (continuous batching across clients). Aborts never wait: they are queued and
 applied by the loop before its next step, so a cancelled handler can abort from a `finally`.
+Metrics are the engine's own step statistics: the Prometheus and log-line loggers join its
+`stat_loggers`.
 """
 
 from __future__ import annotations
@@ -12,13 +14,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from jaxengine.engine.llm_engine import LLMEngine, PromptType
 from jaxengine.engine.outputs import RequestOutput
-from jaxengine.metrics import LoggingStatLogger, PrometheusStatLogger, StepTracker
+from jaxengine.metrics import LoggingStatLogger, PrometheusStatLogger
 from scheduler import SamplingParams
 
 logger = logging.getLogger("jaxengine.server")
@@ -92,7 +93,8 @@ class AsyncEngine:
         """Wrap `engine` (start the loop with `start()` inside a running event loop).
 
         Args:
-          engine: the engine; nothing else may call it while the loop runs.
+          engine: the engine; nothing else may call it while the loop runs. Its
+            `stat_loggers` gain `metrics` and the log-line logger.
           model_name: the served model name (a metrics label).
           log_interval: seconds between throughput log lines (<= 0: never).
           metrics: where to record; default a new `PrometheusStatLogger` (own registry).
@@ -100,10 +102,9 @@ class AsyncEngine:
         self.engine = engine
         self.model_name = model_name
         self.log_interval = log_interval
-        stats = engine.snapshot().stats
         self.metrics = metrics or PrometheusStatLogger(model_name, engine.max_model_len)
-        self.stat_logger = LoggingStatLogger(stats)
-        self._tracker = StepTracker(stats)
+        self.stat_logger = LoggingStatLogger(engine.snapshot().stats)
+        engine.stat_loggers += [self.metrics, self.stat_logger]
         self._streams: dict[str, RequestStream] = {}
         self._pending_aborts: set[str] = set()
         self._lock = asyncio.Lock()
@@ -130,7 +131,7 @@ class AsyncEngine:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks.clear()
-        self._abort_in_engine(list(self._streams))
+        self.engine.abort_request(list(self._streams))
         self._fail_all(EngineDeadError("the server is shutting down"))
 
     # ---- requests ----------------------------------------------------------------------
@@ -149,7 +150,6 @@ class AsyncEngine:
         async with self._lock:
             self.engine.add_request(request_id, prompt, params, priority=priority)
             self._streams[request_id] = stream
-            self._tracker.track(request_id, params.max_tokens)
             self._wakeup.set()
         return stream
 
@@ -177,30 +177,16 @@ class AsyncEngine:
                     outputs = await asyncio.to_thread(self.engine.step)
                 except Exception as e:  # a bug or a device error: fail the batch, keep serving
                     logger.exception("engine step failed; aborting the running requests")
-                    self._abort_in_engine(list(self._streams))
+                    self.engine.abort_request(list(self._streams))
                     self._fail_all(EngineDeadError(f"engine step failed: {e}"))
                     continue
-                self._record(outputs)
             self._dispatch(outputs)
             await asyncio.sleep(0)  # let waiting handlers take the lock before the next step
 
     def _apply_aborts(self) -> None:
         if self._pending_aborts:
             ids, self._pending_aborts = list(self._pending_aborts), set()
-            self._abort_in_engine(ids)
-
-    def _abort_in_engine(self, request_ids: list[str]) -> None:
-        """Abort in the engine and count each one as finished "abort" (vLLM's metric)."""
-        aborted = self.engine.abort_request(request_ids)
-        if aborted:
-            self.metrics.record_iteration(self._tracker.observe_aborted(aborted, time.time()))
-
-    def _record(self, outputs: Sequence[RequestOutput]) -> None:
-        stats = self.engine.snapshot().stats
-        it = self._tracker.observe(outputs, stats, time.time())
-        self.metrics.record_scheduler(stats)
-        self.metrics.record_iteration(it)
-        self.stat_logger.record(stats, it)
+            self.engine.abort_request(ids)  # the engine counts them as finished "abort"
 
     def _dispatch(self, outputs: Sequence[RequestOutput]) -> None:
         for out in outputs:
@@ -219,8 +205,10 @@ class AsyncEngine:
     async def _log_loop(self) -> None:
         while True:
             await asyncio.sleep(self.log_interval)
-            self.stat_logger.record(self.engine.snapshot().stats)
-            self.stat_logger.log()
+            # The engine records into stat_logger from the step's worker thread: not meanwhile.
+            async with self._lock:
+                self.stat_logger.record(self.engine.snapshot().stats)
+                self.stat_logger.log()
 
     def refresh_gauges(self) -> None:
         """Set the gauges from the current scheduler state (before a /metrics scrape)."""

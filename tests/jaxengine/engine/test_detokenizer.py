@@ -58,9 +58,11 @@ def test_stop_strings_are_ignored_before_min_tokens() -> None:
     assert hit == "ab" and n == 4 and d.output_text == "ab"
 
 
-def test_skip_last_counts_but_does_not_decode_the_stop_token() -> None:
+def test_a_dropped_stop_token_counts_but_shows_no_text() -> None:
     d = IncrementalDetokenizer(TOK, [1])
-    d.update([7, 8], skip_last=True)
+    d.update([7])
+    d.update([8])  # the engine decodes it before the scheduler says it was a stop token id
+    d.drop_last_token()
     assert d.output_text == "h" and d.num_output_tokens == 2
 
 

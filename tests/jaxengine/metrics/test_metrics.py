@@ -1,4 +1,5 @@
-"""Metrics over the fake-model engine: step statistics add up, Prometheus text, the log line."""
+"""Metrics over the fake-model engine: the engine's step statistics add up, Prometheus text,
+the log line."""
 
 from __future__ import annotations
 
@@ -7,34 +8,52 @@ import re
 
 import pytest
 
-from jaxengine.metrics import LoggingStatLogger, PrometheusStatLogger, StepTracker
+from jaxengine.engine import llm_engine
+from jaxengine.engine.llm_engine import LLMEngine
+from jaxengine.engine.stats import IterationStats
+from jaxengine.metrics import LoggingStatLogger, PrometheusStatLogger
 from jaxengine.metrics.prometheus import build_1_2_5_buckets
-from scheduler import SamplingParams
-from tests.jaxengine.engine.test_llm_engine import PROMPTS, make_engine
+from jaxengine.model.fake import fake_greedy
+from scheduler import RequestDelta, SamplingParams, SchedulerStats, update_from_output
+from tests.jaxengine.engine.test_llm_engine import PROMPTS, FakeTokenizer, V, make_engine
 
 MAX_TOKENS = 6
 
 
-def _run(engine, prompts, params):  # type: ignore[no-untyped-def]
-    """Step to the end, feeding a tracker, a Prometheus logger and a log-line logger."""
-    tracker = StepTracker(engine.snapshot().stats)
+class Kept:
+    """A stat logger that keeps what the engine hands it."""
+
+    def __init__(self) -> None:
+        self.iterations: list[IterationStats] = []
+
+    def record(self, scheduler_stats: SchedulerStats,
+               iteration_stats: IterationStats | None) -> None:
+        assert iteration_stats is not None
+        self.iterations.append(iteration_stats)
+
+
+def _loggers(engine: LLMEngine) -> tuple[Kept, PrometheusStatLogger, LoggingStatLogger]:
+    kept = Kept()
     prom = PrometheusStatLogger("fake", engine.max_model_len)
     log = LoggingStatLogger(engine.snapshot().stats)
+    engine.stat_loggers += [kept, prom, log]
+    return kept, prom, log
+
+
+def _run(engine, prompts, params):  # type: ignore[no-untyped-def]
+    """Step to the end; the engine feeds a keeper, a Prometheus logger and a log-line logger."""
+    kept, prom, log = _loggers(engine)
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", {"prompt_token_ids": p}, params)
-        tracker.track(f"r{i}", params.max_tokens)
-    stats = []
+    steps = 0
     for _ in range(500):  # bounded: far more steps than the workload needs
         if not engine.has_unfinished_requests():
             break
-        outputs = engine.step()
-        it = tracker.observe(outputs, engine.snapshot().stats, 0.0)
-        prom.record_scheduler(engine.snapshot().stats)
-        prom.record_iteration(it)
-        log.record(engine.snapshot().stats, it)
-        stats.append(it)
+        engine.step()
+        steps += 1
     assert not engine.has_unfinished_requests()
-    return stats, prom, log
+    assert len(kept.iterations) == steps  # one IterationStats per step
+    return kept.iterations, prom, log
 
 
 def _value(text: str, name: str, **labels: str) -> float:
@@ -91,27 +110,55 @@ def test_preemptions_and_prefix_hits_are_counted_once() -> None:
 
 def test_aborted_requests_count_as_finished_abort() -> None:
     engine = make_engine()
-    tracker = StepTracker(engine.snapshot().stats)
-    prom = PrometheusStatLogger("fake", engine.max_model_len)
+    kept, prom, _ = _loggers(engine)
     params = SamplingParams(max_tokens=50, temperature=0.0, ignore_eos=True)
     for rid, prompt in (("running", PROMPTS[0]), ("waiting", PROMPTS[1])):
         engine.add_request(rid, {"prompt_token_ids": prompt}, params)
-        tracker.track(rid, params.max_tokens)
-    never_ran = tracker.observe_aborted(engine.abort_request("waiting"), 0.0)
-    prom.record_iteration(never_ran)
-    (waiting,) = never_ran.finished_requests
+    engine.abort_request("waiting")
+    (waiting,) = kept.iterations[-1].finished_requests
     assert waiting.num_generation_tokens == 0 and waiting.queued_time == waiting.e2e_latency
     for _ in range(3):
-        prom.record_iteration(tracker.observe(engine.step(), engine.snapshot().stats, 0.0))
-    it = tracker.observe_aborted(engine.abort_request(["running", "unknown"]), 0.0)
-    (running,) = it.finished_requests
+        engine.step()
+    engine.abort_request(["running", "unknown"])
+    (running,) = kept.iterations[-1].finished_requests
     assert (running.finish_reason, running.num_generation_tokens) == ("abort", 3)
     assert running.max_tokens_param == 50 and running.num_prompt_tokens == len(PROMPTS[0])
-    prom.record_iteration(it)
+    assert engine.abort_request("running") == [] and len(kept.iterations) == 5  # nothing more
     text = prom.render().decode()
     assert _value(text, "jaxengine:request_success_total", finished_reason="abort") == 2
     assert _value(text, "jaxengine:request_success_total", finished_reason="length") == 0
     assert _value(text, "jaxengine:e2e_request_latency_seconds_count") == 2
+
+
+def test_a_stop_string_is_the_schedulers_stop_and_counts_as_stop(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    deltas: list[RequestDelta] = []
+
+    def update_and_keep(*args, **kwargs):  # type: ignore[no-untyped-def]
+        state, step_deltas = update_from_output(*args, **kwargs)
+        deltas.extend(step_deltas)
+        return state, step_deltas
+
+    monkeypatch.setattr(llm_engine, "update_from_output", update_and_keep)
+    engine = make_engine()
+    kept, prom, _ = _loggers(engine)
+    stop = FakeTokenizer().decode(fake_greedy(PROMPTS[0], 5, V)[3:5])  # spans two tokens
+    engine.add_request("s", {"prompt_token_ids": PROMPTS[0]}, SamplingParams(
+        max_tokens=20, temperature=0.0, ignore_eos=True, stop=[stop]))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+        assert engine.snapshot().stats.num_running == int(engine.has_unfinished_requests())
+    final = outputs[-1].outputs[0]
+    assert (final.finish_reason, final.stop_reason, len(final.token_ids)) == ("stop", stop, 5)
+    # the scheduler itself finished it as stopped, in the step that sampled the last token
+    assert deltas[-1] == RequestDelta("s", (final.token_ids[-1],), "stop", stop)
+    assert engine.snapshot().num_free_blocks == engine.scheduler_config.num_blocks - 1
+    (finished,) = kept.iterations[-1].finished_requests
+    assert finished.finish_reason == "stop" and finished.num_generation_tokens == 5
+    text = prom.render().decode()
+    assert _value(text, "jaxengine:request_success_total", finished_reason="stop") == 1
+    assert _value(text, "jaxengine:request_success_total", finished_reason="abort") == 0
 
 
 def test_each_logger_has_its_own_registry() -> None:

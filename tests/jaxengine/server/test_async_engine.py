@@ -11,7 +11,8 @@ import pytest
 from jaxengine.model.fake import fake_greedy
 from jaxengine.server.async_engine import AsyncEngine, EngineDeadError
 from scheduler import SamplingParams
-from tests.jaxengine.engine.test_llm_engine import PROMPTS, V, make_engine
+from tests.jaxengine.engine.test_llm_engine import PROMPTS, FakeTokenizer, V, make_engine
+from tests.jaxengine.metrics.test_metrics import _value
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 LONG = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
@@ -43,6 +44,26 @@ def test_late_requests_join_the_running_batch_and_get_the_same_tokens() -> None:
         assert list(outputs[-1].outputs[0].token_ids) == fake_greedy(PROMPTS[0], 8, V)
         assert list(b_final.outputs[0].token_ids) == fake_greedy(PROMPTS[2], 8, V)
         assert engine.engine.snapshot().stats.num_running == 0 and _all_blocks_free(engine)
+        await engine.stop()
+
+    _run(scenario())
+
+
+def test_a_stop_string_ends_the_stream_as_stop_and_is_counted_so() -> None:
+    async def scenario() -> None:
+        engine = await _started()
+        stop = FakeTokenizer().decode(fake_greedy(PROMPTS[2], 4, V)[2:4])
+        stream = await engine.add("s", {"prompt_token_ids": PROMPTS[2]},
+                                  SamplingParams(max_tokens=50, temperature=0.0, stop=[stop]))
+        final = await stream.final()
+        assert final is not None and final.outputs[0].finish_reason == "stop"
+        assert final.outputs[0].stop_reason == stop and len(final.outputs[0].token_ids) == 4
+        assert _all_blocks_free(engine) and engine.num_unfinished() == 0
+        text = engine.metrics.render().decode()
+        for reason, count in (("stop", 1), ("abort", 0), ("length", 0)):
+            assert _value(text, "jaxengine:request_success_total",
+                          finished_reason=reason) == count
+        assert _value(text, "jaxengine:generation_tokens_total") == 4
         await engine.stop()
 
     _run(scenario())
