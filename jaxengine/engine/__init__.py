@@ -1,10 +1,12 @@
 """The engine: `LLMEngine`'s step loop, its arguments, how one is built, per-request state,
-detokenization and the vLLM-shaped outputs."""
+detokenization, the vLLM-shaped outputs and the step statistics its stat loggers receive."""
 
 from jaxengine.engine.args import EngineArgs
 from jaxengine.engine.build import build_engine
-from jaxengine.engine.llm_engine import LLMEngine
+from jaxengine.engine.llm_engine import LLMEngine, TokenizerLike
 from jaxengine.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from jaxengine.engine.stats import FinishedRequestStats, IterationStats, StatLogger
 
-__all__ = ["CompletionOutput", "EngineArgs", "LLMEngine", "Logprob", "RequestMetrics",
-           "RequestOutput", "build_engine"]
+__all__ = ["CompletionOutput", "EngineArgs", "FinishedRequestStats", "IterationStats",
+           "LLMEngine", "Logprob", "RequestMetrics", "RequestOutput", "StatLogger",
+           "TokenizerLike", "build_engine"]
