@@ -1,8 +1,13 @@
-"""Leaf layers of the Llama-family decoder as pure functions of plain arrays.
+"""Leaf layers of the Llama-family decoder: pure functions of arrays and small NNX modules.
 
-They take plain numbers and arrays (no config), so tests can build them alone. Numerics follow
-HF transformers: norms and RoPE tables in float32, results cast back to the activation dtype.
-Axes: T tokens, D model, N query heads, K kv heads, H head dim, F MLP width.
+The functions (norm, RoPE) take plain arrays; the modules (`RMSNorm`, `Embedder`, `Attention`,
+`MLP`) take plain numbers (no config), so a test can build one alone. Each module's constructor
+is the one place its weights are created (where sharding will be declared, docs/STYLE.md rule
+17); fresh weights are N(0, 0.02) matrices, unit norm scales and zero biases. Numerics follow HF
+transformers: norms and RoPE tables in float32, results cast back to the activation dtype.
+Projections are `nnx.Linear` with 2-D kernels [in, out]: plain dots over free reshapes (with head
+axes in the dot, XLA on CPU chose a layout that transposed the output projection every layer).
+Axes: T tokens, D model, N query heads, K kv heads, H head dim, F MLP width, V vocab, R rows.
 """
 
 from __future__ import annotations
@@ -12,8 +17,11 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
+from jaxengine.model.batch import ModelBatch
 from jaxengine.model.config import RopeScaling
+from pallas_kernels import ragged_paged_attention
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -65,8 +73,115 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return x * cos + rotated * sin
 
 
-def gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
-    """SwiGLU MLP: x [T, D], w_gate/w_up [D, F], w_down [F, D] -> [T, D]."""
-    gate = jnp.einsum("td,df->tf", x, w_gate)
-    up = jnp.einsum("td,df->tf", x, w_up)
-    return jnp.einsum("tf,fd->td", jax.nn.silu(gate) * up, w_down)
+def _normal(key: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype) -> jax.Array:
+    """N(0, 0.02) drawn in float32, then cast (the same values in every dtype)."""
+    return (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+def _zeros(key: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype) -> jax.Array:
+    del key  # an initializer's signature; zeros need no randomness
+    return jnp.zeros(shape, dtype)
+
+
+def linear(in_features: int, out_features: int, *, dtype: jnp.dtype, rngs: nnx.Rngs,
+           use_bias: bool = False, preferred_element_type: jnp.dtype | None = None
+           ) -> nnx.Linear:
+    """`nnx.Linear` with kernel [in, out] and bias [out] in `dtype`, initialised as HF does here.
+
+    Args:
+        preferred_element_type: accumulation and result dtype of the dot (float32 for logits).
+    """
+    return nnx.Linear(in_features, out_features, use_bias=use_bias, dtype=dtype,
+                      param_dtype=dtype, kernel_init=_normal, bias_init=_zeros,
+                      preferred_element_type=preferred_element_type, rngs=rngs)
+
+
+class RMSNorm(nnx.Module):
+    """RMSNorm over the last axis with a learned `scale` [dim] (HF Llama numerics)."""
+
+    def __init__(self, dim: int, *, eps: float, dtype: jnp.dtype) -> None:
+        self.scale = nnx.Param(jnp.ones((dim,), dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x [..., dim] -> normalised and scaled [..., dim] in x's dtype."""
+        return rms_norm(x, self.scale[...], self.eps)
+
+
+class Embedder(nnx.Module):
+    """The token embedding `embedding` [V, D]; with tied weights also the output projection."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, *, dtype: jnp.dtype,
+                 rngs: nnx.Rngs) -> None:
+        self.embedding = nnx.Param(_normal(rngs.params(), (vocab_size, hidden_size), dtype))
+
+    def encode(self, ids: jax.Array) -> jax.Array:
+        """Token ids i32[T] -> embeddings [T, D]."""
+        return jnp.take(self.embedding[...], ids, axis=0)
+
+    def decode(self, hidden: jax.Array) -> jax.Array:
+        """Hidden states [R, D] -> f32[R, V] logits against the embedding (tied head)."""
+        return jnp.einsum("rd,vd->rv", hidden, self.embedding[...],
+                          preferred_element_type=jnp.float32)
+
+
+class Attention(nnx.Module):
+    """Grouped-query self-attention with RoPE over the paged KV cache (q/k/v/o projections,
+    optional q/k bias and q/k RMSNorm)."""
+
+    def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
+                 qkv_bias: bool, qk_norm: bool, eps: float, dtype: jnp.dtype,
+                 rngs: nnx.Rngs) -> None:
+        D, N, K, H = hidden_size, num_heads, num_kv_heads, head_dim
+        self.q_proj = linear(D, N * H, use_bias=qkv_bias, dtype=dtype, rngs=rngs)
+        self.k_proj = linear(D, K * H, use_bias=qkv_bias, dtype=dtype, rngs=rngs)
+        self.v_proj = linear(D, K * H, use_bias=qkv_bias, dtype=dtype, rngs=rngs)
+        self.o_proj = linear(N * H, D, dtype=dtype, rngs=rngs)
+        self.q_norm = RMSNorm(H, eps=eps, dtype=dtype) if qk_norm else None
+        self.k_norm = RMSNorm(H, eps=eps, dtype=dtype) if qk_norm else None
+        self.num_heads, self.num_kv_heads, self.head_dim = N, K, H
+
+    def __call__(self, x: jax.Array, pages: jax.Array, page_offset: jax.Array | int,
+                 batch: ModelBatch, cos: jax.Array, sin: jax.Array, *, attn_impl: str,
+                 interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+        """Attend the batch's tokens to their context, writing their K/V into `pages` first.
+
+        Args:
+            x: [T, D] normalised inputs.
+            pages: [P', L, 2*K, H] pages the kernel sees; page p of the batch is
+                `page_offset + p` (each layer owns a range of pages, see `Model.__call__`).
+            cos, sin: f32[T, H] RoPE tables of the batch's positions.
+            attn_impl: ragged paged attention implementation ("reference", "tpu", "gpu").
+            interpret: run a Pallas kernel in interpret mode (to test "tpu"/"gpu" on CPU).
+        Returns:
+            (output [T, D], updated pages).
+        """
+        T = x.shape[0]
+        N, K, H = self.num_heads, self.num_kv_heads, self.head_dim
+        q = self.q_proj(x).reshape(T, N, H)
+        k = self.k_proj(x).reshape(T, K, H)
+        v = self.v_proj(x).reshape(T, K, H)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        slots = batch.slot_mapping + page_offset * pages.shape[1]
+        out, pages = ragged_paged_attention(
+            q, k, v, pages, slots, batch.block_tables + page_offset, batch.seq_lens,
+            batch.query_start_loc, batch.num_seqs, sm_scale=H**-0.5, impl=attn_impl,
+            interpret=interpret)
+        return self.o_proj(out.astype(x.dtype).reshape(T, N * H)), pages
+
+
+class MLP(nnx.Module):
+    """SwiGLU MLP: gate_proj, up_proj [D, F] and down_proj [F, D]."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, dtype: jnp.dtype,
+                 rngs: nnx.Rngs) -> None:
+        D, F = hidden_size, intermediate_size
+        self.gate_proj = linear(D, F, dtype=dtype, rngs=rngs)
+        self.up_proj = linear(D, F, dtype=dtype, rngs=rngs)
+        self.down_proj = linear(F, D, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x [T, D] -> [T, D]."""
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))

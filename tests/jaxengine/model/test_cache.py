@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxengine.model.config import ModelConfig
 from jaxengine.model.kv_cache import init_kv_cache, kv_cache_bytes_per_block, kv_cache_shape
@@ -152,6 +153,33 @@ def test_looped_and_scanned_layers_agree() -> None:
     np.testing.assert_allclose(np.asarray(h_loop)[:5], np.asarray(h_scan)[:5], atol=TOL)
     np.testing.assert_allclose(np.asarray(kv_loop), np.asarray(kv_scan), atol=TOL)
     assert np.abs(np.asarray(kv_loop)).sum() > 0  # the step wrote the cache
+
+
+def test_given_weights_fill_either_layout_by_module_path() -> None:
+    """`Model(weights=...)` takes arrays by module path in the scanned layout (as the loader
+    returns them); looped layers take their slices; a missing or misshapen one is an error."""
+    cfg = ModelConfig.tiny("qwen2", num_layers=2)
+    source = Model(cfg, seed=4, scan_layers=True)
+    weights = {path: var.get_value()
+               for path, var in nnx.to_flat_state(nnx.state(source, nnx.Param))}
+    batch = pack_batch([RequestChunk(token_ids=[3, 1, 4, 1, 5], start=0, block_table=[2, 5])],
+                       num_tokens=16, max_seqs=2, max_blocks=4, block_size=4)
+
+    def hidden(model: Model) -> np.ndarray:
+        graphdef, state = split_model(model)
+        kv = init_kv_cache(cfg, num_blocks=8, block_size=4)
+        return np.asarray(jax.jit(make_model_step(graphdef))(state, kv, batch)[1])[:5]
+
+    expected = hidden(source)
+    for scan in (False, True):
+        np.testing.assert_allclose(hidden(Model(cfg, weights=weights, scan_layers=scan)),
+                                   expected, atol=TOL, rtol=0)
+    bad = {**weights, ("layers", "mlp", "up_proj", "kernel"): np.zeros((2, 32, 7), np.float32)}
+    with pytest.raises(ValueError, match=r"layers\.0\.mlp\.up_proj\.kernel: shape \(32, 7\)"):
+        Model(cfg, weights=bad, scan_layers=False)
+    del bad[("layers", "mlp", "up_proj", "kernel")]
+    with pytest.raises(ValueError, match=r"weight layers\.mlp\.up_proj\.kernel is missing"):
+        Model(cfg, weights=bad, scan_layers=True)
 
 
 def test_kv_cache_helpers() -> None:
