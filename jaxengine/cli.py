@@ -78,16 +78,21 @@ def engine_args_from(ns: argparse.Namespace, parser: argparse.ArgumentParser,
 
 # ---- sampling flags ------------------------------------------------------------------------
 
+_MODEL_DEFAULT = "default: the model's generation_config.json, else"
+
+
 def add_sampling_flags(parser: argparse.ArgumentParser, *, max_tokens: int) -> None:
-    """Flags for `SamplingParams` (per request; the engine's --seed seeds unseeded requests)."""
+    """Flags for `SamplingParams` (per request; the engine's --seed seeds unseeded requests).
+    A flag not given keeps the model's default (`LLM.get_default_sampling_params()`)."""
     g = parser.add_argument_group("sampling")
     g.add_argument("--max-tokens", type=int, default=max_tokens,
                    help=f"most tokens to generate (default: {max_tokens})")
     g.add_argument("--min-tokens", type=int, default=0, help="no EOS before this many tokens")
-    g.add_argument("--temperature", type=float, default=1.0, help="0 = greedy (default: 1.0)")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus mass (default: 1.0)")
-    g.add_argument("--top-k", type=int, default=0, help="0 = off (default: 0)")
-    g.add_argument("--min-p", type=float, default=0.0, help="0 = off (default: 0.0)")
+    g.add_argument("--temperature", type=float, default=None,
+                   help=f"0 = greedy ({_MODEL_DEFAULT} 1.0)")
+    g.add_argument("--top-p", type=float, default=None, help=f"nucleus mass ({_MODEL_DEFAULT} 1.0)")
+    g.add_argument("--top-k", type=int, default=None, help=f"0 = off ({_MODEL_DEFAULT} 0)")
+    g.add_argument("--min-p", type=float, default=None, help=f"0 = off ({_MODEL_DEFAULT} 0.0)")
     g.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop string (repeat for several)")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
@@ -95,14 +100,17 @@ def add_sampling_flags(parser: argparse.ArgumentParser, *, max_tokens: int) -> N
                    help="per-request seed (default: derived from the engine's --seed)")
 
 
-def sampling_params_from(ns: argparse.Namespace) -> Any:
-    """`SamplingParams` from the sampling flags."""
+def sampling_overrides(ns: argparse.Namespace) -> dict[str, Any]:
+    """The `SamplingParams` fields the sampling flags set, checked now (before any model
+    loads): a bad value raises `SamplingParamsError` naming the flag's field."""
     from scheduler import SamplingParams
 
-    return SamplingParams(max_tokens=ns.max_tokens, min_tokens=ns.min_tokens,
-                          temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,
-                          min_p=ns.min_p, stop=tuple(ns.stop), ignore_eos=ns.ignore_eos,
-                          seed=ns.sampling_seed)
+    given = dict(max_tokens=ns.max_tokens, min_tokens=ns.min_tokens, temperature=ns.temperature,
+                 top_p=ns.top_p, top_k=ns.top_k, min_p=ns.min_p, stop=tuple(ns.stop),
+                 ignore_eos=ns.ignore_eos, seed=ns.sampling_seed)
+    given = {k: v for k, v in given.items() if v is not None or k == "seed"}
+    SamplingParams(**given)
+    return given
 
 
 # ---- the parser ----------------------------------------------------------------------------
@@ -180,8 +188,9 @@ def _build_llm(args: EngineArgs) -> Any:
 
 def run_generate(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """`jaxengine generate`: print each prompt's completion (or a JSON line with --json)."""
-    params = sampling_params_from(ns)
+    overrides = sampling_overrides(ns)
     llm = _build_llm(engine_args_from(ns, parser))
+    params = dataclasses.replace(llm.get_default_sampling_params(), **overrides)
     for out in llm.generate(list(ns.prompts), params, use_tqdm=False):
         c = out.outputs[0]
         if ns.json:
@@ -195,8 +204,9 @@ def run_generate(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int
 
 def run_chat(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """`jaxengine chat`: one reply per stdin line, keeping the conversation."""
-    params = sampling_params_from(ns)
+    overrides = sampling_overrides(ns)
     llm = _build_llm(engine_args_from(ns, parser))
+    params = dataclasses.replace(llm.get_default_sampling_params(), **overrides)
     conversation: list[dict[str, str]] = []
     if ns.system:
         conversation.append({"role": "system", "content": ns.system})

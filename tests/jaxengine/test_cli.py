@@ -6,6 +6,7 @@ import dataclasses
 import io
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -98,6 +99,27 @@ def test_generate_on_the_tiny_model(capsys: pytest.CaptureFixture[str]) -> None:
     assert [x["prompt"] for x in lines] == ["hello", "a second prompt"]
     assert all(len(x["token_ids"]) == 5 and x["finish_reason"] == "length" for x in lines)
     assert all(isinstance(x["text"], str) for x in lines)
+
+
+def test_generate_keeps_the_models_sampling_defaults_for_flags_not_given(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = tmp_path / "tiny"
+    shutil.copytree(TINY, model)
+    (model / "generation_config.json").write_text(json.dumps({"temperature": 0.0}))
+    runs = []
+    for seed in ("1", "2"):  # greedy from the model's default: the seed cannot matter
+        argv = ["generate", "hello", "--model", str(model), "--max-tokens", "8", "--ignore-eos",
+                "--json", "--sampling-seed", seed, *SMALL]
+        assert main(argv) == 0
+        runs.append(json.loads(capsys.readouterr().out)["token_ids"])
+    assert runs[0] == runs[1] and len(runs[0]) == 8
+
+
+def test_a_bad_sampling_flag_is_refused_before_any_model_loads(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", "hi", "--model", "/nonexistent/model", "--top-p", "2"]) == 1
+    err = capsys.readouterr().err
+    assert "top_p" in err and "does not exist" not in err
 
 
 def test_generate_reports_a_bad_model_path(capsys: pytest.CaptureFixture[str]) -> None:
