@@ -58,6 +58,8 @@ class EngineArgs:
                                             "outputs have no text")
     generation_config: str = _arg("auto", "default sampling parameters: auto (the model's "
                                           "generation_config.json), vllm (none) or a directory")
+    tensor_parallel_size: int = _arg(1, "devices one engine replica's model is split over "
+                                        "(tensor parallel, mesh axis tp)")
 
     def __post_init__(self) -> None:
         _check_choice("dtype", self.dtype, DTYPES)
@@ -65,7 +67,7 @@ class EngineArgs:
         _check_choice("scheduling_policy", self.scheduling_policy, tuple(scheduler.POLICIES))
         if self.attention_backend is not None:
             _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
-        for name in ("max_num_seqs", "block_size"):
+        for name in ("max_num_seqs", "block_size", "tensor_parallel_size"):
             _check_int(name, getattr(self, name), minimum=1)
         for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes"):
             if getattr(self, name) is not None:

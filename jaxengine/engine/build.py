@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
+from jax.sharding import Mesh
 
 from jaxengine.engine.args import EngineArgs
 from jaxengine.engine.llm_engine import LLMEngine
 from jaxengine.model.config import ModelConfig
 from jaxengine.model.fns import ModelFns
+from jaxengine.parallel.mesh import engine_devices, make_mesh, replicated, tp_size
 from pallas_kernels import UnsupportedShapeError, check_supported, default_impl
 
 # Leave room for activations when sizing the pool from device memory.
@@ -55,38 +58,55 @@ def _check_kernel_shapes(impl: str, cfg: ModelConfig, *, block_size: int) -> Non
         ) from e
 
 
-def model_fns(model: Any, cfg: Any, *, attn_impl: str) -> ModelFns:
-    """`ModelFns` of a loaded `jaxengine.model.llama.Model` (split once into graph and weights)."""
+def model_fns(model: Any, cfg: Any, *, attn_impl: str, mesh: Mesh | None = None) -> ModelFns:
+    """`ModelFns` of a loaded `jaxengine.model.llama.Model` (split once into graph and weights).
+
+    Args:
+        mesh: the devices the weights and the KV cache live on (default: jax's first device).
+    """
     from jaxengine.model.kv_cache import init_kv_cache, kv_cache_bytes_per_block
     from jaxengine.model.step import make_compute_logits, make_model_step, split_model
 
+    mesh = mesh or make_mesh(jax.devices()[:1])
     graphdef, state = split_model(model)
     dtype = model.dtype
+    init_kv = jax.jit(lambda num_blocks, block_size: init_kv_cache(
+        cfg, num_blocks=num_blocks, block_size=block_size, dtype=dtype),
+        static_argnames=("num_blocks", "block_size"), out_shardings=replicated(mesh))
     return ModelFns(
-        params=state,
+        params=jax.device_put(state, replicated(mesh)),
         step=make_model_step(graphdef, attn_impl=attn_impl),
         compute_logits=make_compute_logits(graphdef),
-        init_kv=lambda num_blocks, block_size: init_kv_cache(
-            cfg, num_blocks=num_blocks, block_size=block_size, dtype=dtype),
+        init_kv=lambda num_blocks, block_size: init_kv(num_blocks=num_blocks,
+                                                       block_size=block_size),
         kv_bytes_per_block=lambda block_size: kv_cache_bytes_per_block(
             cfg, block_size=block_size, dtype=dtype),
         vocab_size=cfg.vocab_size,
     )
 
 
-def kv_budget_bytes(args: EngineArgs) -> int:
-    """Bytes for the KV pool: explicit, else a fraction of free device memory, else CPU's."""
+def kv_budget_bytes(args: EngineArgs, device: jax.Device | None = None) -> int:
+    """Bytes for the KV pool: explicit, else a fraction of free device memory, else CPU's.
+
+    Args:
+        device: whose free memory to measure (default: jax's first device).
+    """
     if args.kv_cache_memory_bytes is not None:
         return args.kv_cache_memory_bytes
-    stats = jax.devices()[0].memory_stats() if jax.default_backend() != "cpu" else None
+    device = device or jax.devices()[0]
+    stats = device.memory_stats() if device.platform != "cpu" else None
     if not stats or "bytes_limit" not in stats:
         return args.cpu_kv_cache_bytes
     free = stats["bytes_limit"] * args.gpu_memory_utilization - stats.get("bytes_in_use", 0)
     return int(free * (1 - ACTIVATION_RESERVE))
 
 
-def num_kv_blocks(args: EngineArgs, fns: ModelFns, max_model_len: int) -> int:
+def num_kv_blocks(args: EngineArgs, fns: ModelFns, max_model_len: int,
+                  device: jax.Device | None = None) -> int:
     """Pages in the pool: `num_gpu_blocks_override`, else what the budget holds.
+
+    Args:
+        device: whose free memory sets the budget (default: jax's first device).
 
     Raises:
       ValueError: the pool cannot hold one request of `max_model_len` tokens. vLLM refuses to
@@ -104,7 +124,7 @@ def num_kv_blocks(args: EngineArgs, fns: ModelFns, max_model_len: int) -> int:
                 f"num_gpu_blocks_override to at least {need}, or lower max_model_len to at most "
                 f"{(blocks - 1) * bs}.")
         return blocks
-    budget = kv_budget_bytes(args)
+    budget = kv_budget_bytes(args, device)
     blocks = max(budget // per_block, 0)  # a device already full gives a negative budget
     if blocks < need:
         shrink = (f"lower max_model_len to at most {(blocks - 1) * bs}, or "
@@ -127,24 +147,36 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
-def build_engine(args: EngineArgs) -> LLMEngine:
-    """Load `args.model` (never downloads) and build an engine around it.
+def build_engine(args: EngineArgs, *, devices: Sequence[jax.Device] | None = None
+                 ) -> LLMEngine:
+    """Load `args.model` (never downloads) and build one engine replica around it.
 
+    The model, the KV cache and the steps live on a mesh over the replica's devices (a
+    1-device mesh for tensor_parallel_size=1: one code path).
+
+    Args:
+      args: engine arguments.
+      devices: the replica's `tensor_parallel_size` devices (global ones in multi-host);
+        default: the first `tensor_parallel_size` of `jax.devices()`.
     Raises:
       ModelLoadError (a ValueError): bad model path or files.
-      ValueError: settings that do not fit the model, or a KV pool too small for one request
-        of max_model_len tokens.
+      ValueError: settings that do not fit the model or the devices, or a KV pool too small
+        for one request of max_model_len tokens.
     """
     from jaxengine.loading.load import load_model
 
+    mesh = make_mesh(engine_devices(args.tensor_parallel_size, devices))
+    if tp_size(mesh) > 1:  # lands in the next commits (issue 12)
+        raise ValueError(f"tensor_parallel_size={args.tensor_parallel_size} is not supported "
+                         "yet; use tensor_parallel_size=1")
     dtype = "float32" if args.dtype == "auto" else args.dtype
     model, cfg, tokenizer = load_model(args.model, dtype=dtype,
                                        with_tokenizer=not args.skip_tokenizer_init)
-    fns = model_fns(model, cfg, attn_impl=attention_backend(args, cfg))
+    fns = model_fns(model, cfg, attn_impl=attention_backend(args, cfg), mesh=mesh)
     limit = cfg.max_model_len  # position limit, capped by a sliding window (not applied)
     max_model_len = args.max_model_len or limit
     if max_model_len > limit:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's limit of {limit}")
     return LLMEngine(fns, args, tokenizer=tokenizer, max_model_len=max_model_len,
-                     num_blocks=num_kv_blocks(args, fns, max_model_len))
+                     num_blocks=num_kv_blocks(args, fns, max_model_len, mesh.devices.flat[0]))
 
