@@ -60,6 +60,13 @@ class EngineArgs:
                                           "generation_config.json), vllm (none) or a directory")
     tensor_parallel_size: int = _arg(1, "devices one engine replica's model is split over "
                                         "(tensor parallel, mesh axis tp)")
+    coordinator_address: str | None = _arg(
+        None, "multi-host: HOST:PORT of process 0's jax.distributed coordinator (the same on "
+              "every process); None with the next two: detected by JAX (Cloud TPU, SLURM, ...) "
+              "or a single process")
+    num_processes: int | None = _arg(None, "multi-host: how many processes (hosts) take part")
+    process_id: int | None = _arg(None, "multi-host: this process's index, 0 .. num_processes-1 "
+                                        "(0 serves HTTP, the others run serve --headless)")
 
     def __post_init__(self) -> None:
         _check_choice("dtype", self.dtype, DTYPES)
@@ -78,6 +85,7 @@ class EngineArgs:
             _check_int(name, getattr(self, name), minimum=0)
         for name in ("max_num_partial_prefills", "max_long_partial_prefills"):
             _check_int(name, getattr(self, name), minimum=1)
+        _check_distributed(self)
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
@@ -103,6 +111,23 @@ class EngineArgs:
         if not self.enable_chunked_prefill:
             return max(max_model_len, 2048)
         return max(2048, self.max_num_seqs)
+
+
+def _check_distributed(args: EngineArgs) -> None:
+    """coordinator_address is HOST:PORT; 0 <= process_id < num_processes where both are given."""
+    if args.num_processes is not None:
+        _check_int("num_processes", args.num_processes, minimum=1)
+    if args.process_id is not None:
+        _check_int("process_id", args.process_id, minimum=0)
+        if args.num_processes is not None and args.process_id >= args.num_processes:
+            raise ValueError(f"process_id must be below num_processes={args.num_processes}, "
+                             f"got {args.process_id}")
+    address = args.coordinator_address
+    if address is not None:
+        host, _, port = str(address).rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"coordinator_address must be HOST:PORT (process 0's address), "
+                             f"got {address!r}")
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
