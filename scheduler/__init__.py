@@ -8,6 +8,7 @@ No jax here: this package is plain Python.
 from scheduler.config import SchedulerConfig
 from scheduler.invariants import check_invariants
 from scheduler.policies import POLICIES, Policy, SortedPolicy, register
+from scheduler.prefix_query import prefix_cache_hit
 from scheduler.request import Request, RequestStatus
 from scheduler.sampling_params import SamplingParams, SamplingParamsError
 from scheduler.schedule import schedule
@@ -26,5 +27,6 @@ __all__ = [
     "POLICIES", "NewRequestData", "Policy", "Request", "RequestDelta", "RequestStatus",
     "SamplingParams", "SamplingParamsError", "SchedulerConfig", "SchedulerCounters",
     "SchedulerOutput", "SchedulerState", "SchedulerStats", "SortedPolicy", "abort_requests",
-    "add_request", "check_invariants", "init_state", "register", "schedule", "update_from_output",
+    "add_request", "check_invariants", "init_state", "prefix_cache_hit", "register", "schedule",
+    "update_from_output",
 ]

@@ -12,7 +12,7 @@ Block 0 is the null block: never allocated, freed or counted.
 """
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 from scheduler._versioned import Journal
 from scheduler.hashing import BlockHash, extend_block_hashes
@@ -20,6 +20,24 @@ from scheduler.hashing import BlockHash, extend_block_hashes
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def num_hittable_blocks(num_tokens: int, block_size: int) -> int:
+    """How many leading blocks of a request of `num_tokens` tokens may come from the prefix
+    cache: full blocks only, and never its last token (it is computed, to produce logits)."""
+    return (num_tokens - 1) // block_size
+
+
+def longest_cached_prefix(cached: Mapping[BlockHash, tuple[int, ...]],
+                          hashes: Iterable[BlockHash]) -> list[int]:
+    """The first block holding each of `hashes`, in order, up to the first one not cached."""
+    hit: list[int] = []
+    for h in hashes:
+        blocks = cached.get(h)
+        if blocks is None:
+            break
+        hit.append(blocks[0])
+    return hit
 
 
 class PoolData:
@@ -92,16 +110,10 @@ class KVCacheManager:
         last token is always computed, to produce logits)."""
         if not self.caching:
             return []
-        hit: list[int] = []
-        cached = self.d.cached
         # All the hashes at once: admitting the request registers them right after anyway.
-        count = (num_tokens - 1) // self.block_size
-        for h in itertools.islice(self._hashes(rid, tokens, count, salt), count):
-            blocks = cached.get(h)
-            if blocks is None:
-                break
-            hit.append(blocks[0])
-        return hit
+        count = num_hittable_blocks(num_tokens, self.block_size)
+        hashes = itertools.islice(self._hashes(rid, tokens, count, salt), count)
+        return longest_cached_prefix(self.d.cached, hashes)
 
     def _hashes(self, rid: str, tokens: Sequence[int], count: int,
                 salt: str | None) -> list[BlockHash]:
