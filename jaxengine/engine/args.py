@@ -60,6 +60,8 @@ class EngineArgs:
                                           "generation_config.json), vllm (none) or a directory")
     tensor_parallel_size: int = _arg(1, "devices one engine replica's model is split over "
                                         "(tensor parallel, mesh axis tp)")
+    data_parallel_size: int = _arg(1, "engine replicas, each on its own tensor_parallel_size "
+                                      "devices, behind a prefix-aware router")
     coordinator_address: str | None = _arg(
         None, "multi-host: HOST:PORT of process 0's jax.distributed coordinator (the same on "
               "every process); None with the next two: detected by JAX (Cloud TPU, SLURM, ...) "
@@ -74,7 +76,7 @@ class EngineArgs:
         _check_choice("scheduling_policy", self.scheduling_policy, tuple(scheduler.POLICIES))
         if self.attention_backend is not None:
             _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
-        for name in ("max_num_seqs", "block_size", "tensor_parallel_size"):
+        for name in ("max_num_seqs", "block_size", "tensor_parallel_size", "data_parallel_size"):
             _check_int(name, getattr(self, name), minimum=1)
         for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes"):
             if getattr(self, name) is not None:
