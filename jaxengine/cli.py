@@ -153,6 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--uvicorn-log-level", default="info",
                        choices=("critical", "error", "warning", "info", "debug"),
                        help="log level of uvicorn and jaxengine (default: info)")
+    serve.add_argument("--headless", action="store_true",
+                       help="multi-host: serve no HTTP, follow process 0's engine step by step "
+                            "(processes 1 .. N-1; process 0 serves)")
     add_engine_flags(serve)
 
     sub.add_parser("bench", help="throughput benchmark (benchmarks/throughput.py)",
@@ -231,7 +234,8 @@ def run_chat(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def run_serve(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """`jaxengine serve [MODEL]`: blocks until interrupted."""
+    """`jaxengine serve [MODEL]`: blocks until interrupted (with --headless: until process 0
+    stops)."""
     from jaxengine.server.run import serve
 
     flag_model = getattr(ns, "model", None)
@@ -239,7 +243,7 @@ def run_serve(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"two models given: {ns.model_tag!r} and --model {flag_model!r}")
     args = engine_args_from(ns, parser, model=ns.model_tag)
     serve(args, host=ns.host, port=ns.port, model_name=ns.served_model_name,
-          log_interval=ns.log_interval, log_level=ns.uvicorn_log_level)
+          log_interval=ns.log_interval, log_level=ns.uvicorn_log_level, headless=ns.headless)
     return 0
 
 

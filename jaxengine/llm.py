@@ -26,10 +26,15 @@ class LLM:
         Args:
           model: an HF model directory or a .gguf file; never downloaded.
           **engine_args: `EngineArgs` fields by vLLM's names (unknown names raise ValueError).
+            Multi-host: run the same script on every host with `coordinator_address`,
+            `num_processes` and `process_id` (or none where JAX detects them); this joins
+            `jax.distributed` first, so no JAX call may come before it.
         """
         from jaxengine.engine.build import build_engine
+        from jaxengine.parallel.distributed import initialize_from_args
 
         args = EngineArgs.from_kwargs(model=model, **engine_args)
+        initialize_from_args(args)  # before anything starts a JAX backend
         self._attach(build_engine(args))
 
     @classmethod

@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from jaxengine.model.batch import ModelBatch, RequestChunk, pack_batch
 from jaxengine.model.fns import ModelFns
+from jaxengine.parallel.distributed import to_host
 from jaxengine.runner.buckets import pick_bucket, request_buckets, token_buckets
 from jaxengine.runner.compiles import RecompileError, compile_count, ensure_listener
 from jaxengine.sampling.metadata import MAX_BANNED, SamplingRow, build_sampling_metadata
@@ -192,7 +193,7 @@ class Runner:
         row_index[: len(sampling_ids)] = [where[r] for r in sampling_ids]
         md = build_sampling_metadata([rows[r] for r in sampling_ids], size, max_banned=MAX_BANNED)
         res = _jitted_sample(self.model.params, hidden, row_index, md, **self._sample_statics)
-        res = jax.device_get(res)
+        res = to_host(res)  # multi-host: replicated over several processes' devices
         out = {}
         for i, r in enumerate(sampling_ids):
             n = rows[r].params.logprobs

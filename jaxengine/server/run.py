@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
+import threading
+from typing import Any
 
 from jaxengine.engine.args import EngineArgs
 
@@ -21,8 +24,12 @@ def served_model_name(args: EngineArgs, explicit: str | None = None) -> str:
 
 def serve(args: EngineArgs, *, host: str = "127.0.0.1", port: int = 8000,
           model_name: str | None = None, log_interval: float = 10.0,
-          log_level: str = "info") -> None:
+          log_level: str = "info", headless: bool = False) -> None:
     """Load the model, then serve it until interrupted (blocks).
+
+    Multi-host (`args.num_processes` > 1, or a cluster JAX detects): every process runs this
+    with the same arguments; process 0 serves HTTP and leads, the others pass `headless` and
+    follow it step by step (`jaxengine.parallel.lockstep`) until process 0 stops.
 
     Args:
       args: engine arguments (the model is `args.model`).
@@ -30,18 +37,74 @@ def serve(args: EngineArgs, *, host: str = "127.0.0.1", port: int = 8000,
       model_name: the served model name (default: see `served_model_name`).
       log_interval: seconds between throughput log lines.
       log_level: uvicorn's and jaxengine's log level.
+      headless: serve no HTTP; follow process 0 (processes 1 .. N-1 of a multi-host run).
+    Raises:
+      ValueError: `headless` on process 0, or not `headless` on another process.
     """
-    import uvicorn
+    import jax
 
     from jaxengine.engine.build import build_engine
-    from jaxengine.server.app import build_app
+    from jaxengine.parallel.distributed import initialize_from_args
 
     logging.basicConfig(level=log_level.upper(),
                         format="%(levelname)s %(asctime)s %(name)s: %(message)s")
+    initialize_from_args(args)  # before anything starts a JAX backend
+    _check_role(jax.process_index(), jax.process_count(), headless=headless)
     name = served_model_name(args, model_name)
     logger.info("loading %s", name)
     engine = build_engine(args)
     logger.info("engine ready: %d KV blocks of %d tokens, max_model_len %d",
                 engine.scheduler_config.num_blocks, args.block_size, engine.max_model_len)
+    if headless:
+        _follow(engine)
+    elif jax.process_count() > 1:
+        _lead(engine, name, host=host, port=port, log_interval=log_interval,
+              log_level=log_level)
+    else:
+        _run_http(engine, name, host=host, port=port, log_interval=log_interval,
+                  log_level=log_level)
+
+
+def _check_role(process: int, processes: int, *, headless: bool) -> None:
+    if headless and process == 0:
+        raise ValueError("--headless is for processes 1 .. N-1 of a multi-host run; process 0 "
+                         "(this one) serves HTTP: drop --headless here")
+    if not headless and process > 0:
+        raise ValueError(f"this is process {process} of {processes}: only process 0 serves "
+                         f"HTTP; run the others with --headless")
+
+
+def _run_http(engine: Any, name: str, *, host: str, port: int, log_interval: float,
+              log_level: str) -> None:
+    import uvicorn
+
+    from jaxengine.server.app import build_app
+
     app = build_app(engine, model_name=name, log_interval=log_interval)
     uvicorn.run(app, host=host, port=port, log_level=log_level)
+
+
+def _lead(engine: Any, name: str, **http: Any) -> None:
+    """Process 0 of a multi-host run: serve HTTP; on the way out, stop the followers."""
+    from jaxengine.parallel.lockstep import LeaderEngine
+
+    leader = LeaderEngine(engine)
+    # uvicorn shuts down gracefully on SIGTERM, then raises it again with the handler it found:
+    # by default that kills the process on the spot, before the followers hear. Make it a
+    # KeyboardInterrupt, as SIGINT is (uvicorn.run swallows that), so `finally` runs.
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        _run_http(leader, name, **http)
+    finally:  # also when uvicorn could not start: the followers must not wait forever
+        leader.shutdown()
+        logger.info("told the followers to shut down")
+
+
+def _follow(engine: Any) -> None:
+    """Processes 1 .. N-1: run process 0's steps until it shuts down."""
+    from jaxengine.parallel.lockstep import follow
+
+    logger.info("headless: following process 0")
+    steps = follow(engine)
+    logger.info("process 0 shut down after %d steps; exiting", steps)

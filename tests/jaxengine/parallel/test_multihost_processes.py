@@ -1,0 +1,196 @@
+"""Two processes on loopback, 2 CPU devices each, joined by `jax.distributed` (gloo
+collectives): offline outputs equal one process's, and `jaxengine serve` with a `--headless`
+follower answers as the offline engine does, then stops both when process 0 stops.
+
+Every child runs in its own process group with a deadline and is killed in `finally`; ports are
+free ones on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from jaxengine.llm import LLM
+from scheduler import SamplingParams
+from tests.jaxengine.parallel import multihost_offline as offline
+from tests.parallel_helpers import REPO, device_env
+
+WORKER = Path(offline.__file__)
+TP = 1  # the engine's devices: the first TP of the 4 global ones
+DEVICES_PER_PROCESS = 2
+SMALL = ["--max-num-batched-tokens", "32", "--max-num-seqs", "4", "--block-size", "4",
+         "--max-model-len", "128", "--num-gpu-blocks-override", "80"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def _processes(commands: Sequence[Sequence[str]], logs: Sequence[Path]
+               ) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """Start each command (stdout and stderr to its log), in its own process group; on the way
+    out kill whichever is still running."""
+    procs = []
+    try:
+        for cmd, log in zip(commands, logs, strict=True):
+            with open(log, "wb") as out:
+                procs.append(subprocess.Popen(
+                    list(cmd), cwd=REPO, env=device_env(DEVICES_PER_PROCESS), stdout=out,
+                    stderr=subprocess.STDOUT, start_new_session=True))
+        yield procs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=10)
+
+
+def _wait_all(procs: Sequence[subprocess.Popen[bytes]], logs: Sequence[Path], timeout: float
+              ) -> list[int]:
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"still running after {timeout:.0f}s:\n"
+                                 + "\n".join(_tail(lg) for lg in logs)) from None
+    return [p.returncode for p in procs]
+
+
+def _tail(log: Path, n: int = 4000) -> str:
+    return f"--- {log.name}\n{log.read_text(errors='replace')[-n:]}"
+
+
+def _run_offline(tmp_path: Path, extra: Sequence[dict[str, Any]] = ({}, {})
+                 ) -> list[tuple[int, str]]:
+    """Both processes of multihost_offline.py; (exit status, the RESULT / VALUE_ERROR line)."""
+    coordinator = f"127.0.0.1:{_free_port()}"
+    cmds = [[sys.executable, str(WORKER), str(i), coordinator, str(TP), json.dumps(extra[i])]
+            for i in range(2)]
+    logs = [tmp_path / f"process{i}.log" for i in range(2)]
+    with _processes(cmds, logs) as procs:
+        codes = _wait_all(procs, logs, timeout=120)
+    lines = []
+    for code, log in zip(codes, logs, strict=True):
+        found = [ln for ln in log.read_text().splitlines()
+                 if ln.startswith(("RESULT ", "VALUE_ERROR "))]
+        assert found, _tail(log)
+        lines.append((code, found[-1]))
+    return lines
+
+
+@pytest.fixture(scope="module")
+def one_process() -> list[dict[str, Any]]:
+    """The offline workload on this process's single device: the reference."""
+    return offline.summarize(LLM(offline.MODEL, **offline.ENGINE))
+
+
+def test_two_processes_give_one_process_outputs(tmp_path: Path,
+                                                one_process: list[dict[str, Any]]) -> None:
+    (code0, line0), (code1, line1) = _run_offline(tmp_path)
+    assert (code0, code1) == (0, 0), (line0, line1)
+    got0, got1 = (json.loads(line.removeprefix("RESULT ")) for line in (line0, line1))
+    assert got0 == got1  # the same script on every host: the same outputs everywhere
+    for got, want in zip(got0, one_process, strict=True):
+        assert got["token_ids"] == want["token_ids"] and got["text"] == want["text"]
+        for a, b in zip(got["logprobs"], want["logprobs"], strict=True):
+            assert (a is None and b is None) or abs(a - b) < 1e-4
+
+
+def test_processes_started_with_different_arguments_all_refuse(tmp_path: Path) -> None:
+    results = _run_offline(tmp_path, extra=({}, {"max_num_seqs": 3}))
+    for code, line in results:
+        assert code == 3 and "different engine arguments" in line, results
+
+
+# ---- serving: process 0 over HTTP, process 1 headless ---------------------------------------
+
+def _serve_commands(coordinator: str, http_port: int) -> list[list[str]]:
+    base = [sys.executable, "-m", "jaxengine", "serve", offline.MODEL, *SMALL,
+            "--tensor-parallel-size", str(TP), "--coordinator-address", coordinator,
+            "--num-processes", "2", "--log-interval", "0", "--served-model-name", "tiny"]
+    return [[*base, "--process-id", "0", "--host", "127.0.0.1", "--port", str(http_port)],
+            [*base, "--process-id", "1", "--headless"]]
+
+
+def _wait_healthy(base: str, procs: Sequence[subprocess.Popen[bytes]],
+                  logs: Sequence[Path]) -> None:
+    deadline = time.monotonic() + 120
+    while True:
+        assert all(p.poll() is None for p in procs), "\n".join(_tail(lg) for lg in logs)
+        try:
+            if httpx.get(f"{base}/health", trust_env=False, timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline, "the server did not come up"
+        time.sleep(0.25)
+
+
+def _complete(base: str, prompt: Any, params: SamplingParams) -> str:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": params.max_tokens,
+            "temperature": params.temperature, "ignore_eos": True}
+    if params.seed is not None:
+        body["seed"] = params.seed
+    r = httpx.post(f"{base}/v1/completions", json=body, trust_env=False, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["text"]
+
+
+def _leave_early(base: str) -> None:
+    """A streaming client that reads one chunk and goes: process 0 aborts its request."""
+    body = {"model": "tiny", "prompt": [4, 4, 4], "max_tokens": 100, "stream": True,
+            "ignore_eos": True, "temperature": 0.0}
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, trust_env=False,
+                      timeout=120) as r:
+        next(r.iter_lines())
+
+
+def test_headless_follower_serves_with_process_0_and_stops_with_it(
+        tmp_path: Path, one_process: list[dict[str, Any]]) -> None:
+    work = [(p["prompt_token_ids"] if isinstance(p, dict) else p, sp)
+            for p, sp in zip(offline.PROMPTS, offline.PARAMS, strict=True)
+            if sp.seed is not None or sp.temperature == 0.0]  # reproducible through HTTP
+    want = [row["text"] for row, (p, sp) in zip(one_process, zip(offline.PROMPTS,
+            offline.PARAMS, strict=True), strict=True) if sp.seed is not None
+            or sp.temperature == 0.0]
+    http_port = _free_port()
+    base = f"http://127.0.0.1:{http_port}"
+    logs = [tmp_path / "serve0.log", tmp_path / "serve1.log"]
+    with _processes(_serve_commands(f"127.0.0.1:{_free_port()}", http_port), logs) as procs:
+        _wait_healthy(base, procs, logs)
+        got: dict[int, str] = {}
+        threads = [threading.Thread(target=lambda i=i, w=w: got.__setitem__(i, _complete(
+            base, *w))) for i, w in enumerate(work)]
+        threads.append(threading.Thread(target=_leave_early, args=(base,)))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert [got.get(i) for i in range(len(work))] == want
+        assert _complete(base, *work[0]) == want[0]  # after the abort, still in lockstep
+        busy = threading.Thread(target=_complete, args=(base, [2, 3], SamplingParams(
+            max_tokens=60, temperature=0.0)), daemon=True)
+        busy.start()
+        time.sleep(0.5)
+        procs[0].send_signal(signal.SIGTERM)  # as a supervisor stops it, steps in flight
+        codes = _wait_all(procs, logs, timeout=60)
+    assert codes == [0, 0], "\n".join(_tail(lg) for lg in logs)
+    assert "process 0 shut down after" in logs[1].read_text()
