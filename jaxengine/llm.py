@@ -1,4 +1,5 @@
-"""`LLM`: vLLM's offline API — `generate` and `chat` over an `LLMEngine`."""
+"""`LLM`: vLLM's offline API — `generate`, `chat` and `get_metrics` over an `LLMEngine`, or
+over `data_parallel_size` replicas of one (`jaxengine.parallel.data_parallel`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,14 @@ from jaxengine.engine.args import EngineArgs
 from jaxengine.engine.llm_engine import LLMEngine, PromptType
 from jaxengine.engine.outputs import RequestOutput
 from jaxengine.loading.generation_config import diff_sampling_params
+from jaxengine.metrics import (
+    Metric,
+    PrometheusStatLogger,
+    aggregate_engines,
+    attach_stat_loggers,
+    get_metrics_snapshot,
+)
+from jaxengine.parallel.data_parallel import DataParallelEngine, replicas_of
 from scheduler import SamplingParams
 
 Conversation = Sequence[Mapping[str, Any]]
@@ -30,25 +39,43 @@ class LLM:
             `num_processes` and `process_id` (or none where JAX detects them); this joins
             `jax.distributed` first, so no JAX call may come before it.
         """
-        from jaxengine.engine.build import build_engine
+        from jaxengine.parallel.data_parallel import build_engines
         from jaxengine.parallel.distributed import initialize_from_args
 
         args = EngineArgs.from_kwargs(model=model, **engine_args)
         initialize_from_args(args)  # before anything starts a JAX backend
-        self._attach(build_engine(args))
+        self._attach(build_engines(args))
 
     @classmethod
-    def from_engine(cls, engine: LLMEngine) -> LLM:
-        """Wrap an existing engine (e.g. one over a fake model in tests)."""
+    def from_engine(cls, engine: LLMEngine | DataParallelEngine) -> LLM:
+        """Wrap an existing engine (e.g. one over a fake model in tests); its stat loggers
+        gain the one `get_metrics` reads."""
         llm = cls.__new__(cls)
         llm._attach(engine)
         return llm
 
-    def _attach(self, engine: LLMEngine) -> None:
+    def _attach(self, engine: LLMEngine | DataParallelEngine) -> None:
         self.llm_engine, self._ids = engine, itertools.count()
         args = engine.args
         self._default_params = SamplingParams(
             **diff_sampling_params(args.model, args.generation_config))
+        self._replicas = replicas_of(engine)
+        model_name = "default" if args.model is None else str(args.model)
+        self._metrics = PrometheusStatLogger(model_name, engine.max_model_len,
+                                             engine_indexes=range(len(self._replicas)))
+        attach_stat_loggers(self._replicas, self._metrics)
+
+    def get_metrics(self) -> list[Metric]:
+        """The engine's metrics now, in vLLM's shape (`vllm.v1.metrics.reader`).
+
+        Returns:
+          `Counter`, `Gauge` and `Histogram` values (`jaxengine.metrics`) under the names
+          `/metrics` serves (`jaxengine:...`), summed over data-parallel replicas (KV cache
+          usage averaged), with the `model_name` label (and `finished_reason` where it has one).
+        """
+        for i, replica in enumerate(self._replicas):  # the gauges as of now, not the last step
+            self._metrics.record_scheduler(replica.snapshot().stats, i)
+        return aggregate_engines(get_metrics_snapshot(self._metrics.registry))
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` use when given no `sampling_params` (vLLM's name).

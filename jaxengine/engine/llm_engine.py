@@ -131,7 +131,7 @@ class LLMEngine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):  # its own checks ran when it was built
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        text, ids = self._resolve_prompt(prompt)
+        text, ids = self.resolve_prompt(prompt)
         self._check_params(params)
         arrival = time.time() if arrival_time is None else arrival_time
         request = Request(request_id=request_id, prompt_token_ids=tuple(ids),
@@ -245,7 +245,13 @@ class LLMEngine:
 
     # ---- validation --------------------------------------------------------------------
 
-    def _resolve_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def resolve_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """A prompt's text (None if given as ids only) and checked token ids, as `add_request`
+        takes it (a data-parallel router reads the ids before it picks a replica).
+
+        Raises:
+          ValueError: what `add_request` raises for a bad prompt; nothing changes.
+        """
         if isinstance(prompt, str):
             return prompt, self._encode(prompt)
         if isinstance(prompt, Mapping):

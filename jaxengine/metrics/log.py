@@ -1,9 +1,14 @@
-"""vLLM's periodic throughput log line, computed from the same statistics as Prometheus."""
+"""vLLM's periodic throughput log line, computed from the same statistics as Prometheus.
+
+With data-parallel replicas one line covers them all (vLLM's aggregated logger): throughputs
+and queue sizes are sums over the replicas, KV usage their mean (replicas have like pools).
+"""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 
 from jaxengine.engine.stats import IterationStats
 from scheduler import SchedulerStats
@@ -14,20 +19,32 @@ logger = logging.getLogger("jaxengine.metrics")
 class LoggingStatLogger:
     """Accumulates token counts between `log()` calls and logs throughput and queue sizes."""
 
-    def __init__(self, stats: SchedulerStats | None = None) -> None:
-        """Start an interval now; `stats` is the scheduler snapshot to report until a step."""
+    def __init__(self, stats: SchedulerStats | None = None, *,
+                 engine_indexes: Sequence[int] = (0,)) -> None:
+        """Start an interval now.
+
+        Args:
+          stats: the scheduler snapshot to report for each replica until it steps.
+          engine_indexes: the data-parallel replicas recorded (`record`'s `engine_idx`).
+        """
+        if not engine_indexes:
+            raise ValueError("LoggingStatLogger needs at least one engine index")
         self._interval_start = time.monotonic()
         self._prompt_tokens = self._generation_tokens = 0
         self._last_prompt_tput = self._last_generation_tput = 0.0
-        self._stats = SchedulerStats() if stats is None else stats
+        initial = SchedulerStats() if stats is None else stats
+        self._stats = dict.fromkeys(engine_indexes, initial)  # the latest, per replica
         # Prefix-cache tokens since start: the hit rate is cumulative (vLLM's is over its most
         # recent requests), so a quiet interval does not reset it to zero.
         self._queries = self._hits = 0
 
     def record(self, scheduler_stats: SchedulerStats,
-               iteration_stats: IterationStats | None = None) -> None:
-        """Remember the latest scheduler snapshot and add a step's token counts."""
-        self._stats = scheduler_stats
+               iteration_stats: IterationStats | None = None, engine_idx: int = 0) -> None:
+        """Remember replica `engine_idx`'s latest scheduler snapshot; add a step's tokens."""
+        if engine_idx not in self._stats:
+            raise ValueError(f"engine_idx {engine_idx} is not one of this logger's "
+                             f"{sorted(self._stats)}")
+        self._stats[engine_idx] = scheduler_stats
         it = iteration_stats
         if it is not None:
             self._prompt_tokens += it.num_prompt_tokens
@@ -49,12 +66,15 @@ class LoggingStatLogger:
                         self._last_generation_tput))
         self._last_prompt_tput, self._last_generation_tput = prompt_tput, generation_tput
         self._interval_start, self._prompt_tokens, self._generation_tokens = now, 0, 0
-        s = self._stats
+        stats = self._stats.values()
+        running = sum(s.num_running for s in stats)
+        waiting = sum(s.num_waiting for s in stats)
+        kv_usage = sum(s.kv_cache_usage for s in stats) / len(stats)
         hit_rate = self._hits / self._queries if self._queries else 0.0
         message = (f"Avg prompt throughput: {prompt_tput:.1f} tokens/s, "
                    f"Avg generation throughput: {generation_tput:.1f} tokens/s, "
-                   f"Running: {s.num_running} reqs, Waiting: {s.num_waiting} reqs, "
-                   f"GPU KV cache usage: {s.kv_cache_usage * 100:.1f}%, "
+                   f"Running: {running} reqs, Waiting: {waiting} reqs, "
+                   f"GPU KV cache usage: {kv_usage * 100:.1f}%, "
                    f"Prefix cache hit rate: {hit_rate * 100:.1f}%")
         # An idle server would repeat the same zeros forever: keep them out of INFO.
         logger.log(logging.DEBUG if idle else logging.INFO, message)

@@ -2,7 +2,9 @@
 
 Each logger owns its `CollectorRegistry` (never prometheus_client's global one), so several
 servers, or several tests, can live in one process. Labels follow vLLM: `model_name` and
-`engine` (always "0": one engine per server), plus `finished_reason` on `request_success`.
+`engine` (the data-parallel replica: "0" .. "M-1"; "0" alone without data parallelism), plus
+`finished_reason` on `request_success`. Every series of every replica exists from the start,
+so summing over `engine` gives the totals.
 """
 
 from __future__ import annotations
@@ -10,11 +12,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics import MetricWrapperBase
 
-from jaxengine.engine.stats import IterationStats
+from jaxengine.engine.stats import FinishedRequestStats, IterationStats
 from scheduler import SchedulerStats
 
 PREFIX = "jaxengine:"
+LABELS = ("model_name", "engine")  # of every collector (vLLM's)
 FINISH_REASONS = ("stop", "length", "abort")  # vLLM's FinishReason values
 ITERATION_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -37,34 +41,46 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
 
 
 class PrometheusStatLogger:
-    """Records scheduler and iteration statistics into its own registry."""
+    """Records scheduler and iteration statistics into its own registry, per engine replica.
+
+    Each collector attribute maps an engine index to that replica's series (vLLM's
+    `make_per_engine`); `record(..., engine_idx=i)` writes replica i's.
+    """
 
     def __init__(self, model_name: str, max_model_len: int,
-                 registry: CollectorRegistry | None = None) -> None:
-        """Create every collector.
+                 registry: CollectorRegistry | None = None,
+                 engine_indexes: Sequence[int] = (0,)) -> None:
+        """Create every collector, with a series for each engine index.
 
         Args:
           model_name: the served model name (the `model_name` label).
           max_model_len: bounds the token-count histogram buckets.
           registry: where to register; default a new `CollectorRegistry`.
+          engine_indexes: the data-parallel replicas recorded (the `engine` label).
         """
         self.registry = CollectorRegistry() if registry is None else registry
-        self._labels = {"model_name": model_name, "engine": "0"}
+        self.engine_indexes = tuple(engine_indexes)
+        if not self.engine_indexes:
+            raise ValueError("PrometheusStatLogger needs at least one engine index")
+        self._model_name = model_name
         self._scheduler_collectors()
         self._token_collectors(build_1_2_5_buckets(max_model_len))
         self._latency_collectors()
 
-    def _gauge(self, name: str, doc: str) -> Gauge:
-        return Gauge(PREFIX + name, doc, list(self._labels),
-                     registry=self.registry).labels(**self._labels)
+    def _per_engine[M: MetricWrapperBase](self, family: M) -> dict[int, M]:
+        return {i: family.labels(model_name=self._model_name, engine=str(i))
+                for i in self.engine_indexes}
 
-    def _counter(self, name: str, doc: str) -> Counter:
-        return Counter(PREFIX + name, doc, list(self._labels),
-                       registry=self.registry).labels(**self._labels)
+    def _gauge(self, name: str, doc: str) -> dict[int, Gauge]:
+        return self._per_engine(Gauge(PREFIX + name, doc, LABELS, registry=self.registry))
 
-    def _histogram(self, name: str, doc: str, buckets: Sequence[float]) -> Histogram:
-        return Histogram(PREFIX + name, doc, list(self._labels), buckets=buckets,
-                         registry=self.registry).labels(**self._labels)
+    def _counter(self, name: str, doc: str) -> dict[int, Counter]:
+        return self._per_engine(Counter(PREFIX + name, doc, LABELS, registry=self.registry))
+
+    def _histogram(self, name: str, doc: str, buckets: Sequence[float]
+                   ) -> dict[int, Histogram]:
+        return self._per_engine(Histogram(PREFIX + name, doc, LABELS, buckets=buckets,
+                                          registry=self.registry))
 
     def _scheduler_collectors(self) -> None:
         self.running = self._gauge("num_requests_running",
@@ -84,11 +100,12 @@ class PrometheusStatLogger:
         self.prompt_tokens = self._counter("prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = self._counter("generation_tokens",
                                                "Number of generation tokens processed.")
-        self._success = Counter(PREFIX + "request_success",
-                                "Count of successfully processed requests.",
-                                [*self._labels, "finished_reason"], registry=self.registry)
-        for reason in FINISH_REASONS:  # every series exists from the start, at 0
-            self._success.labels(**self._labels, finished_reason=reason)
+        success = Counter(PREFIX + "request_success", "Count of successfully processed requests.",
+                          [*LABELS, "finished_reason"], registry=self.registry)
+        self._success = {  # every series exists from the start, at 0
+            (i, reason): success.labels(model_name=self._model_name, engine=str(i),
+                                        finished_reason=reason)
+            for i in self.engine_indexes for reason in FINISH_REASONS}
         self.request_prompt_tokens = self._histogram(
             "request_prompt_tokens", "Number of prefill tokens processed.", token_buckets)
         self.request_generation_tokens = self._histogram(
@@ -117,41 +134,46 @@ class PrometheusStatLogger:
                                           REQUEST_LATENCY_BUCKETS)
 
     def record(self, scheduler_stats: SchedulerStats,
-               iteration_stats: IterationStats | None) -> None:
-        """Take one step's statistics (the engine calls this; see `engine.stats.StatLogger`)."""
-        self.record_scheduler(scheduler_stats)
+               iteration_stats: IterationStats | None, engine_idx: int = 0) -> None:
+        """Take one step's statistics of replica `engine_idx` (see `engine.stats.StatLogger`;
+        `jaxengine.metrics.EngineStatLogger` binds the index for a replica's engine)."""
+        self.record_scheduler(scheduler_stats, engine_idx)
         if iteration_stats is not None:
-            self.record_iteration(iteration_stats)
+            self.record_iteration(iteration_stats, engine_idx)
 
-    def record_scheduler(self, stats: SchedulerStats) -> None:
-        """Set the gauges from a scheduler snapshot."""
-        self.running.set(stats.num_running)
-        self.waiting.set(stats.num_waiting)
-        self.kv_usage.set(stats.kv_cache_usage)
+    def record_scheduler(self, stats: SchedulerStats, engine_idx: int = 0) -> None:
+        """Set replica `engine_idx`'s gauges from its scheduler snapshot."""
+        self.running[engine_idx].set(stats.num_running)
+        self.waiting[engine_idx].set(stats.num_waiting)
+        self.kv_usage[engine_idx].set(stats.kv_cache_usage)
 
-    def record_iteration(self, it: IterationStats) -> None:
-        """Add one step's increments and observations."""
-        self.prefix_queries.inc(it.prefix_cache_queries)
-        self.prefix_hits.inc(it.prefix_cache_hits)
-        self.preemptions.inc(it.num_preempted_reqs)
-        self.prompt_tokens.inc(it.num_prompt_tokens)
-        self.generation_tokens.inc(it.num_generation_tokens)
+    def record_iteration(self, it: IterationStats, engine_idx: int = 0) -> None:
+        """Add one step's increments and observations to replica `engine_idx`'s series."""
+        e = engine_idx
+        self.prefix_queries[e].inc(it.prefix_cache_queries)
+        self.prefix_hits[e].inc(it.prefix_cache_hits)
+        self.preemptions[e].inc(it.num_preempted_reqs)
+        self.prompt_tokens[e].inc(it.num_prompt_tokens)
+        self.generation_tokens[e].inc(it.num_generation_tokens)
         if it.num_tokens:
-            self.iteration_tokens.observe(it.num_tokens)
+            self.iteration_tokens[e].observe(it.num_tokens)
         for t in it.time_to_first_tokens:
-            self.ttft.observe(t)
+            self.ttft[e].observe(t)
         for t in it.inter_token_latencies:
-            self.itl.observe(t)
+            self.itl[e].observe(t)
         for f in it.finished_requests:
-            self._success.labels(**self._labels, finished_reason=f.finish_reason).inc()
-            self.e2e.observe(f.e2e_latency)
-            self.queue_time.observe(f.queued_time)
-            if f.mean_time_per_output_token is not None:
-                self.tpot.observe(f.mean_time_per_output_token)
-            self.request_prompt_tokens.observe(f.num_prompt_tokens)
-            self.request_generation_tokens.observe(f.num_generation_tokens)
-            if f.max_tokens_param:
-                self.request_max_tokens.observe(f.max_tokens_param)
+            self._record_finished(f, e)
+
+    def _record_finished(self, f: FinishedRequestStats, e: int) -> None:
+        self._success[e, f.finish_reason].inc()
+        self.e2e[e].observe(f.e2e_latency)
+        self.queue_time[e].observe(f.queued_time)
+        if f.mean_time_per_output_token is not None:
+            self.tpot[e].observe(f.mean_time_per_output_token)
+        self.request_prompt_tokens[e].observe(f.num_prompt_tokens)
+        self.request_generation_tokens[e].observe(f.num_generation_tokens)
+        if f.max_tokens_param:
+            self.request_max_tokens[e].observe(f.max_tokens_param)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of this registry."""

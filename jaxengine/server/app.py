@@ -1,7 +1,7 @@
 """The FastAPI application: OpenAI routes, /health, /v1/models and /metrics over one engine.
 
-`build_app(engine, model_name=...)` takes a built `LLMEngine`; the engine loop starts and stops
-with the app's lifespan. `app.state.async_engine` is the `AsyncEngine` (tests read the
+`build_app(engine, model_name=...)` takes a built `LLMEngine` (or a `DataParallelEngine` of
+several replicas); the engine loop starts and stops with the app's lifespan. `app.state.async_engine` is the `AsyncEngine` (tests read the
 scheduler state through `app.state.async_engine.engine.snapshot()`), `app.state.serving` the
 `OpenAIServing` (with the model's `default_sampling_params`).
 """
@@ -17,13 +17,15 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from jaxengine.engine.llm_engine import LLMEngine
+from jaxengine.parallel.data_parallel import DataParallelEngine
 from jaxengine.server.async_engine import AsyncEngine
 from jaxengine.server.errors import install_error_handlers
 from jaxengine.server.protocol import ChatCompletionRequest, CompletionRequest
 from jaxengine.server.serving import OpenAIServing
 
 
-def build_app(engine: LLMEngine, *, model_name: str, log_interval: float = 10.0) -> FastAPI:
+def build_app(engine: LLMEngine | DataParallelEngine, *, model_name: str,
+              log_interval: float = 10.0) -> FastAPI:
     """An OpenAI-compatible app serving `engine` as `model_name`.
 
     Args:
@@ -63,7 +65,7 @@ def build_app(engine: LLMEngine, *, model_name: str, log_interval: float = 10.0)
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        """Prometheus text exposition."""
+        """Prometheus text exposition (an `engine` label per data-parallel replica)."""
         async_engine.refresh_gauges()
         return Response(async_engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 

@@ -6,7 +6,8 @@ The engine is not thread-safe, so only one party touches it at a time: the loop 
 next step (continuous batching across clients). Aborts never wait: they are queued and
 applied by the loop before its next step, so a cancelled handler can abort from a `finally`.
 Metrics are the engine's own step statistics: the Prometheus and log-line loggers join its
-`stat_loggers`.
+`stat_loggers`, each replica's under its index when the engine is a `DataParallelEngine`
+(`/metrics` has an `engine` label per replica; the log line sums them).
 """
 
 from __future__ import annotations
@@ -14,13 +15,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from jaxengine.engine.llm_engine import LLMEngine, PromptType
 from jaxengine.engine.outputs import RequestOutput
-from jaxengine.metrics import LoggingStatLogger, PrometheusStatLogger
-from scheduler import SamplingParams
+from jaxengine.metrics import LoggingStatLogger, PrometheusStatLogger, attach_stat_loggers
+from jaxengine.parallel.data_parallel import DataParallelEngine, replicas_of
+from scheduler import SamplingParams, SchedulerStats
 
 logger = logging.getLogger("jaxengine.server")
 
@@ -86,25 +88,38 @@ class RequestStream:
 
 
 class AsyncEngine:
-    """An `LLMEngine` behind a background loop, with Prometheus metrics and a log line."""
+    """An `LLMEngine` (or `DataParallelEngine`) behind a background loop, with Prometheus
+    metrics and a log line."""
 
-    def __init__(self, engine: LLMEngine, *, model_name: str, log_interval: float = 10.0,
-                 metrics: PrometheusStatLogger | None = None) -> None:
+    def __init__(self, engine: LLMEngine | DataParallelEngine, *, model_name: str,
+                 log_interval: float = 10.0, metrics: PrometheusStatLogger | None = None
+                 ) -> None:
         """Wrap `engine` (start the loop with `start()` inside a running event loop).
 
         Args:
-          engine: the engine; nothing else may call it while the loop runs. Its
-            `stat_loggers` gain `metrics` and the log-line logger.
+          engine: the engine; nothing else may call it while the loop runs. Its `stat_loggers`
+            (each replica's) gain `metrics` and the log-line logger.
           model_name: the served model name (a metrics label).
           log_interval: seconds between throughput log lines (<= 0: never).
-          metrics: where to record; default a new `PrometheusStatLogger` (own registry).
+          metrics: where to record; default a new `PrometheusStatLogger` (own registry) with
+            an engine index per replica.
+        Raises:
+          ValueError: `metrics` lacks an engine index of a replica.
         """
         self.engine = engine
         self.model_name = model_name
         self.log_interval = log_interval
-        self.metrics = metrics or PrometheusStatLogger(model_name, engine.max_model_len)
-        self.stat_logger = LoggingStatLogger(engine.snapshot().stats)
-        engine.stat_loggers += [self.metrics, self.stat_logger]
+        self._replicas = replicas_of(engine)
+        indexes = range(len(self._replicas))
+        self.metrics = metrics or PrometheusStatLogger(model_name, engine.max_model_len,
+                                                       engine_indexes=indexes)
+        if not set(indexes) <= set(self.metrics.engine_indexes):
+            raise ValueError(f"metrics records engines {list(self.metrics.engine_indexes)}, "
+                             f"but the engine has {len(indexes)} replicas")
+        self.stat_logger = LoggingStatLogger(engine_indexes=indexes)
+        for i, stats in self._scheduler_stats():
+            self.stat_logger.record(stats, engine_idx=i)
+        attach_stat_loggers(self._replicas, self.metrics, self.stat_logger)
         self._streams: dict[str, RequestStream] = {}
         self._pending_aborts: set[str] = set()
         self._lock = asyncio.Lock()
@@ -207,9 +222,16 @@ class AsyncEngine:
             await asyncio.sleep(self.log_interval)
             # The engine records into stat_logger from the step's worker thread: not meanwhile.
             async with self._lock:
-                self.stat_logger.record(self.engine.snapshot().stats)
+                for i, stats in self._scheduler_stats():
+                    self.stat_logger.record(stats, engine_idx=i)
                 self.stat_logger.log()
 
     def refresh_gauges(self) -> None:
-        """Set the gauges from the current scheduler state (before a /metrics scrape)."""
-        self.metrics.record_scheduler(self.engine.snapshot().stats)
+        """Set the gauges from the current scheduler states (before a /metrics scrape)."""
+        for i, stats in self._scheduler_stats():
+            self.metrics.record_scheduler(stats, i)
+
+    def _scheduler_stats(self) -> Iterator[tuple[int, SchedulerStats]]:
+        """(replica index, its scheduler's statistics now) for each replica."""
+        for i, replica in enumerate(self._replicas):
+            yield i, replica.snapshot().stats

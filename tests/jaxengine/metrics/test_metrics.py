@@ -163,7 +163,7 @@ def test_a_stop_string_is_the_schedulers_stop_and_counts_as_stop(
 
 def test_each_logger_has_its_own_registry() -> None:
     a, b = PrometheusStatLogger("a", 64), PrometheusStatLogger("b", 64)  # no duplicate errors
-    a.prompt_tokens.inc(5)
+    a.prompt_tokens[0].inc(5)
     assert _value(a.render().decode(), "jaxengine:prompt_tokens_total") == 5
     assert _value(b.render().decode(), "jaxengine:prompt_tokens_total") == 0
     assert 'model_name="b"' in b.render().decode()

@@ -65,7 +65,13 @@ def start_server(**engine_args: Any) -> RunningServer:
     """Build an engine (on the tiny fixture model unless `model=` says otherwise) and serve it
     on a free loopback port."""
     args = EngineArgs(**{"model": str(TINY), **ENGINE_ARGS, **engine_args})
-    app = build_app(build_engine(args), model_name=MODEL_NAME, log_interval=0)
+    return serve_engine(build_engine(args))
+
+
+def serve_engine(engine: Any) -> RunningServer:
+    """Serve a built engine (an `LLMEngine` or a `DataParallelEngine`) on a free loopback
+    port as `MODEL_NAME`; `stop()` it when done."""
+    app = build_app(engine, model_name=MODEL_NAME, log_interval=0)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))

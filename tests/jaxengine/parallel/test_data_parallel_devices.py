@@ -1,0 +1,58 @@
+"""Data-parallel replicas on distinct virtual CPU devices, with a real tiny checkpoint: the same
+greedy tokens (and logprobs) as one engine, each replica's arrays on its own device group.
+
+One child process with 4 devices (`tests/parallel_helpers.py`) runs dp=1 and dp=2 one after
+the other, so jax starts once.
+"""
+
+from __future__ import annotations
+
+import json
+
+from tests.parallel_helpers import run_python
+
+CHECKS = """
+import json, jax
+from jaxengine.llm import LLM
+from jaxengine.parallel.data_parallel import DataParallelEngine
+from scheduler import SamplingParams
+
+KW = dict(skip_tokenizer_init=True, num_gpu_blocks_override=64, max_model_len=64,
+          block_size=4, max_num_seqs=4, max_num_batched_tokens=32)
+PROMPTS = [{"prompt_token_ids": list(range(i + 1, 9 + 4 * i))} for i in range(5)]
+PARAMS = SamplingParams(max_tokens=6, temperature=0.0, logprobs=0)
+devices = jax.devices()
+
+def placed(engine):
+    arrays = jax.tree.leaves(engine.runner.model.params) + [engine.runner.kv]
+    return sorted({d.id for x in arrays for d in x.devices()})
+
+results = {}
+for dp, tp in ((1, 1), (2, 1)):
+    llm = LLM("tests/fixtures/tiny/llama_tied_mha", data_parallel_size=dp,
+              tensor_parallel_size=tp, **KW)
+    outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    engine = llm.llm_engine
+    replicas = engine.replicas if isinstance(engine, DataParallelEngine) else (engine,)
+    results[f"{dp}x{tp}"] = dict(
+        tokens=[list(o.outputs[0].token_ids) for o in outs],
+        logprobs=[o.outputs[0].cumulative_logprob for o in outs],
+        devices=[placed(r) for r in replicas],
+        kv_devices=[sorted(d.id for d in r.runner.kv.devices()) for r in replicas],
+        requests=[r.snapshot().counters.prefix_cache_queries > 0 for r in replicas])
+print(json.dumps(results))
+"""
+
+
+def test_replicas_on_their_own_devices_give_one_engines_outputs() -> None:
+    out = run_python(CHECKS, num_devices=4, timeout=240)
+    results = json.loads(out.strip().splitlines()[-1])
+    one = results["1x1"]
+    assert one["devices"] == [[0]]
+    for config, groups in (("2x1", [[0], [1]]),):
+        r = results[config]
+        assert r["tokens"] == one["tokens"], config
+        assert all(abs(a - b) < 1e-4 for a, b in zip(r["logprobs"], one["logprobs"],
+                                                       strict=True)), config
+        assert r["devices"] == groups and r["kv_devices"] == groups, config
+        assert r["requests"] == [True, True], config  # both replicas served some
