@@ -205,11 +205,18 @@ def build_engines(args: EngineArgs, *, devices: Sequence[jax.Device] | None = No
       devices: all replicas' devices (data_parallel_size x tensor_parallel_size of them);
         default: the first ones of `jax.devices()`.
     Raises:
-      ValueError: too few devices, or what `build_engine` raises.
+      ValueError: too few devices, data parallelism over several processes (not supported:
+        every process would run every replica's step, also on devices it cannot address), or
+        what `build_engine` raises.
     """
     from jaxengine.engine.build import build_engine
 
     if args.data_parallel_size == 1:
         return build_engine(args, devices=devices)
+    if jax.process_count() > 1:
+        raise ValueError(f"data_parallel_size={args.data_parallel_size} with "
+                         f"{jax.process_count()} processes is not supported; use "
+                         f"data_parallel_size=1 for multi-host (tensor_parallel_size spans the "
+                         f"hosts)")
     groups = device_groups(args.data_parallel_size, args.tensor_parallel_size, devices)
     return DataParallelEngine([build_engine(args, devices=g) for g in groups])

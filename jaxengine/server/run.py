@@ -43,7 +43,7 @@ def serve(args: EngineArgs, *, host: str = "127.0.0.1", port: int = 8000,
     """
     import jax
 
-    from jaxengine.engine.build import build_engine
+    from jaxengine.parallel.data_parallel import build_engines
     from jaxengine.parallel.distributed import initialize_from_args
 
     logging.basicConfig(level=log_level.upper(),
@@ -52,9 +52,10 @@ def serve(args: EngineArgs, *, host: str = "127.0.0.1", port: int = 8000,
     _check_role(jax.process_index(), jax.process_count(), headless=headless)
     name = served_model_name(args, model_name)
     logger.info("loading %s", name)
-    engine = build_engine(args)
-    logger.info("engine ready: %d KV blocks of %d tokens, max_model_len %d",
-                engine.scheduler_config.num_blocks, args.block_size, engine.max_model_len)
+    engine = build_engines(args)  # data_parallel_size > 1: replicas behind the router
+    logger.info("engine ready: %d replica(s) of %d KV blocks of %d tokens, max_model_len %d",
+                args.data_parallel_size, engine.scheduler_config.num_blocks, args.block_size,
+                engine.max_model_len)
     if headless:
         _follow(engine)
     elif jax.process_count() > 1:

@@ -171,6 +171,14 @@ def test_device_groups_and_their_errors() -> None:
         build_engines(EngineArgs(model="/nonexistent", data_parallel_size=2))
 
 
+def test_data_parallel_over_several_processes_is_refused(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(jax, "process_count", lambda: 2)
+    with pytest.raises(ValueError, match="data_parallel_size=2 with 2 processes is not "
+                                         "supported"):
+        build_engines(EngineArgs(model="/nonexistent", data_parallel_size=2))
+
+
 def test_engine_args_validate_data_parallel_size() -> None:
     with pytest.raises(ValueError, match="data_parallel_size must be an integer >= 1, got 0"):
         EngineArgs(data_parallel_size=0)
