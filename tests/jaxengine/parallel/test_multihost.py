@@ -18,7 +18,7 @@ from jaxengine.engine.args import EngineArgs
 from jaxengine.engine.llm_engine import LLMEngine
 from jaxengine.engine.outputs import RequestOutput
 from jaxengine.model.fake import fake_greedy
-from jaxengine.parallel.distributed import initialize_from_args, to_host
+from jaxengine.parallel.distributed import _detected_cluster, initialize_from_args, to_host
 from jaxengine.parallel.lockstep import (
     LeaderEngine,
     NewRequest,
@@ -77,6 +77,16 @@ def test_to_host_with_one_process_is_device_get() -> None:
 def test_a_plain_machine_joins_nothing() -> None:
     initialize_from_args(EngineArgs())
     assert not jax.distributed.is_initialized()
+
+
+@pytest.mark.parametrize("tasks, found", [("1", None), ("2", "SlurmCluster")])
+def test_a_slurm_job_of_several_tasks_is_detected(monkeypatch: pytest.MonkeyPatch, tasks: str,
+                                                  found: str | None) -> None:
+    assert _detected_cluster() is None  # this machine: no cluster
+    for name, value in {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "node1", "SLURM_NTASKS": tasks,
+                        "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}.items():
+        monkeypatch.setenv(name, value)
+    assert _detected_cluster() == found  # one task: nothing to join
 
 
 def test_multi_host_arguments_after_jax_started_say_to_move_them_first() -> None:
