@@ -30,10 +30,12 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -41,8 +43,10 @@ from benchmarks import attention as bench  # noqa: E402
 from jaxengine.engine.args import EngineArgs  # noqa: E402
 from jaxengine.engine.build import attention_backend, model_fns  # noqa: E402
 from jaxengine.model.config import ModelConfig  # noqa: E402
+from jaxengine.model.kv_cache import kv_cache_shape, kv_cache_sharding  # noqa: E402
 from jaxengine.model.llama import Model  # noqa: E402
 from jaxengine.model.step import pack_batch  # noqa: E402
+from jaxengine.parallel.mesh import TP_AXIS  # noqa: E402
 from jaxengine.runner.runner import jaxengine_model_step  # noqa: E402
 from pallas_kernels import check_supported, default_impl, ragged_paged_attention  # noqa: E402
 from tests.pallas_kernels.cases import make_case  # noqa: E402
@@ -127,13 +131,23 @@ def correctness(ctx: Context) -> list[str]:
 # ---- the engine's compiled step -------------------------------------------------------------
 
 
-def _engine_step(cfg: ModelConfig, impl: str, dtype: jnp.dtype) -> tuple[Callable, tuple, dict]:
+def _engine_step(cfg: ModelConfig, impl: str, dtype: jnp.dtype, mesh: Any = None
+                 ) -> tuple[Callable, tuple, dict]:
     """The step program the engine runs: ``model_fns`` over the model, jitted like the runner.
 
+    Args:
+        mesh: an ``AbstractMesh`` (of an abstract device) to trace the model on, weights
+            abstract; default: a real model on this machine's first device.
     Returns ``(jitted, args, statics)`` for ``jitted.lower(*args, **statics)``.
     """
-    fns = model_fns(Model(cfg, dtype=dtype, seed=0), cfg, attn_impl=impl)
-    kv = fns.init_kv(64, PAGE_SIZE)
+    if mesh is None:
+        model = Model(cfg, dtype=dtype, seed=0)
+    else:
+        model = nnx.eval_shape(lambda: Model(cfg, dtype=dtype, seed=0, mesh=mesh))
+    fns = model_fns(model, cfg, attn_impl=impl)
+    shape = kv_cache_shape(cfg, num_blocks=64, block_size=PAGE_SIZE,
+                           num_kv_heads=model.layout.num_kv_heads)
+    kv = jax.ShapeDtypeStruct(shape, dtype, sharding=kv_cache_sharding(model.mesh))
     batch = pack_batch([], num_tokens=64, max_seqs=8, max_blocks=8, block_size=PAGE_SIZE)
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
     # As jaxengine.runner.runner jits it: the model function static, the cache donated.
@@ -148,11 +162,12 @@ def _lowered_for_abstract_device(impl: str, cfg: ModelConfig) -> str:
     from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
     platform, kind = ABSTRACT_DEVICES[impl]
-    jitted, args, statics = _engine_step(cfg, impl, jnp.float32)
     device = AbstractDevice(device_kind=kind, num_cores=1,
                             platform=platform.replace("cuda", "gpu"))  # fmt: skip
-    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
+    # The engine's own 1-device mesh (axis "tp", Auto), on the abstract device.
+    mesh = AbstractMesh((1,), (TP_AXIS,), (AxisType.Auto,), abstract_device=device)
     with jax.sharding.use_abstract_mesh(mesh):
+        jitted, args, statics = _engine_step(cfg, impl, jnp.float32, mesh=mesh)
         return jitted.trace(*args, **statics).lower(lowering_platforms=(platform,)).as_text()
 
 

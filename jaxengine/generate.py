@@ -123,7 +123,7 @@ def generate(model: ModelFns, prompt_ids: jax.Array, prompt_lens: jax.Array | No
     seeds = (jnp.zeros(B, jnp.uint32) if key is None
              else jax.random.bits(key, (B,), jnp.uint32))
 
-    def draw(hidden: jax.Array, position: Any) -> jax.Array:
+    def draw(params: Any, hidden: jax.Array, position: Any) -> jax.Array:
         md = _metadata(B, position, seeds, temperature, top_k, top_p)
         return sample_impl(model.compute_logits(params, hidden), md, max_logprobs=0).token_ids
 
@@ -132,22 +132,24 @@ def generate(model: ModelFns, prompt_ids: jax.Array, prompt_lens: jax.Array | No
 
     kv, hidden = _prefill(model, params, model.init_kv(1 + B * M, L), prompt_ids, lens,
                           tables, L)
-    first = draw(hidden, 0)
+    first = draw(params, hidden, 0)
     out = jnp.full((B, N), pad_id, jnp.int32).at[:, 0].set(first)
 
     def cond(carry: tuple) -> jax.Array:
-        i, _, _, _, _, done = carry
+        i, _, _, _, _, _, done = carry
         return (i < N) & ~jnp.all(done)
 
+    # The weights ride in the carry, unchanged: a scanned model (`nnx.scan` over its layers)
+    # refuses weights closed over from outside the loop's trace.
     def body(carry: tuple) -> tuple:
-        i, kv, out, last, lengths, done = carry
+        i, params, kv, out, last, lengths, done = carry
         kv, hidden = model.step(params, kv, _decode_batch(last, lengths, tables, L))
-        token = jnp.where(done, pad_id, draw(hidden, i))
+        token = jnp.where(done, pad_id, draw(params, hidden, i))
         out = lax.dynamic_update_index_in_dim(out, token, i, axis=1)
-        return i + 1, kv, out, token, lengths + 1, done | is_eos(token)
+        return i + 1, params, kv, out, token, lengths + 1, done | is_eos(token)
 
-    init = (jnp.asarray(1, jnp.int32), kv, out, first, lens, is_eos(first))
-    steps, _, out, _, _, _ = lax.while_loop(cond, body, init)
+    init = (jnp.asarray(1, jnp.int32), params, kv, out, first, lens, is_eos(first))
+    steps, _, _, out, _, _, _ = lax.while_loop(cond, body, init)
     ended = (out == eos_token_id) if eos_token_id is not None else jnp.zeros((B, N), bool)
     lengths = jnp.where(jnp.any(ended, axis=1), jnp.argmax(ended, axis=1) + 1, steps)
     return GenerateOutput(tokens=out, lengths=lengths.astype(jnp.int32))

@@ -6,13 +6,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-from jax.sharding import Mesh
 
 from jaxengine.engine.args import EngineArgs
 from jaxengine.engine.llm_engine import LLMEngine
 from jaxengine.model.config import ModelConfig
 from jaxengine.model.fns import ModelFns
-from jaxengine.parallel.mesh import engine_devices, make_mesh, replicated, tp_size
+from jaxengine.parallel.mesh import engine_devices, make_mesh
+from jaxengine.parallel.tensor_parallel import tp_layout
 from pallas_kernels import UnsupportedShapeError, check_supported, default_impl
 
 # Leave room for activations when sizing the pool from device memory.
@@ -31,7 +31,8 @@ def attention_backend(args: EngineArgs, cfg: ModelConfig) -> str:
     """
     native = default_impl()  # the one mapping from platform to kernel
     chosen = args.attention_backend or native
-    _check_kernel_shapes(chosen, cfg, block_size=args.block_size)
+    _check_kernel_shapes(chosen, cfg, block_size=args.block_size,
+                         tp=args.tensor_parallel_size)
     if chosen not in ("reference", native):
         raise ValueError(
             f"attention_backend={chosen!r} needs a {chosen.upper()}, but jax's default backend "
@@ -41,14 +42,20 @@ def attention_backend(args: EngineArgs, cfg: ModelConfig) -> str:
     return chosen
 
 
-def _check_kernel_shapes(impl: str, cfg: ModelConfig, *, block_size: int) -> None:
-    """`ValueError` saying what to change if kernel `impl` cannot run this model."""
+def _check_kernel_shapes(impl: str, cfg: ModelConfig, *, block_size: int, tp: int) -> None:
+    """`ValueError` saying what to change if kernel `impl` cannot run this model.
+
+    Under tensor parallelism the kernel runs per device, on that device's heads.
+    """
+    layout = tp_layout(cfg, tp)
+    num_heads, num_kv_heads = cfg.num_heads // tp, layout.kv_heads_per_device
     try:
-        check_supported(impl, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+        check_supported(impl, num_heads=num_heads, num_kv_heads=num_kv_heads,
                         head_dim=cfg.head_dim, page_size=block_size)
     except UnsupportedShapeError as e:
-        shape = (f"num_heads={cfg.num_heads}, num_kv_heads={cfg.num_kv_heads}, "
-                 f"head_dim={cfg.head_dim}, block_size={block_size}")
+        shape = (f"num_heads={num_heads}, num_kv_heads={num_kv_heads}"
+                 f"{' per device' if tp > 1 else ''}, head_dim={cfg.head_dim}, "
+                 f"block_size={block_size}")
         # The kernel's page size is the engine's block_size; everything else is the model's.
         other = ("a block_size it accepts" if e.field == "page_size"
                  else "a model whose shapes it accepts")
@@ -58,29 +65,27 @@ def _check_kernel_shapes(impl: str, cfg: ModelConfig, *, block_size: int) -> Non
         ) from e
 
 
-def model_fns(model: Any, cfg: Any, *, attn_impl: str, mesh: Mesh | None = None) -> ModelFns:
+def model_fns(model: Any, cfg: Any, *, attn_impl: str) -> ModelFns:
     """`ModelFns` of a loaded `jaxengine.model.llama.Model` (split once into graph and weights).
 
-    Args:
-        mesh: the devices the weights and the KV cache live on (default: jax's first device).
+    The weights stay where the model put them (its mesh); the KV cache is made there too, its
+    head axis split over "tp", and `kv_bytes_per_block` counts one device's share.
     """
     from jaxengine.model.kv_cache import init_kv_cache, kv_cache_bytes_per_block
     from jaxengine.model.step import make_compute_logits, make_model_step, split_model
 
-    mesh = mesh or make_mesh(jax.devices()[:1])
     graphdef, state = split_model(model)
-    dtype = model.dtype
-    init_kv = jax.jit(lambda num_blocks, block_size: init_kv_cache(
-        cfg, num_blocks=num_blocks, block_size=block_size, dtype=dtype),
-        static_argnames=("num_blocks", "block_size"), out_shardings=replicated(mesh))
+    dtype, layout = model.dtype, model.layout
     return ModelFns(
-        params=jax.device_put(state, replicated(mesh)),
+        params=state,
         step=make_model_step(graphdef, attn_impl=attn_impl),
         compute_logits=make_compute_logits(graphdef),
-        init_kv=lambda num_blocks, block_size: init_kv(num_blocks=num_blocks,
-                                                       block_size=block_size),
+        init_kv=lambda num_blocks, block_size: init_kv_cache(
+            cfg, num_blocks=num_blocks, block_size=block_size, dtype=dtype,
+            num_kv_heads=layout.num_kv_heads, mesh=model.mesh),
         kv_bytes_per_block=lambda block_size: kv_cache_bytes_per_block(
-            cfg, block_size=block_size, dtype=dtype),
+            cfg, block_size=block_size, dtype=dtype, num_kv_heads=layout.num_kv_heads,
+            shards=layout.tp),
         vocab_size=cfg.vocab_size,
     )
 
@@ -166,13 +171,10 @@ def build_engine(args: EngineArgs, *, devices: Sequence[jax.Device] | None = Non
     from jaxengine.loading.load import load_model
 
     mesh = make_mesh(engine_devices(args.tensor_parallel_size, devices))
-    if tp_size(mesh) > 1:  # lands in the next commits (issue 12)
-        raise ValueError(f"tensor_parallel_size={args.tensor_parallel_size} is not supported "
-                         "yet; use tensor_parallel_size=1")
     dtype = "float32" if args.dtype == "auto" else args.dtype
     model, cfg, tokenizer = load_model(args.model, dtype=dtype,
-                                       with_tokenizer=not args.skip_tokenizer_init)
-    fns = model_fns(model, cfg, attn_impl=attention_backend(args, cfg), mesh=mesh)
+                                       with_tokenizer=not args.skip_tokenizer_init, mesh=mesh)
+    fns = model_fns(model, cfg, attn_impl=attention_backend(args, cfg))
     limit = cfg.max_model_len  # position limit, capped by a sliding window (not applied)
     max_model_len = args.max_model_len or limit
     if max_model_len > limit:

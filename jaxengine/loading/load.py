@@ -6,6 +6,7 @@ import importlib.util
 import os
 
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from jaxengine.loading.gguf_file import GGUFSource, gguf_metadata, open_gguf, read_gguf_config
 from jaxengine.loading.hf import SafetensorsSource, read_hf_config
@@ -41,7 +42,8 @@ def _check_dtype(dtype: str | jnp.dtype) -> jnp.dtype:
 
 
 def load_model(path: str | None = None, *, dtype: str | jnp.dtype = "float32",
-               with_tokenizer: bool = True) -> tuple[Model, ModelConfig, Tokenizer | None]:
+               with_tokenizer: bool = True, mesh: Mesh | None = None
+               ) -> tuple[Model, ModelConfig, Tokenizer | None]:
     """Load weights, config and tokenizer; never downloads anything.
 
     Args:
@@ -49,18 +51,21 @@ def load_model(path: str | None = None, *, dtype: str | jnp.dtype = "float32",
             file, or None for the embedded default (SmolLM2-135M-Instruct, Q4_1 GGUF).
         dtype: "float32" or "bfloat16" (weights, activations and KV cache).
         with_tokenizer: False (`skip_tokenizer_init`): the tokenizer is not read at all.
+        mesh: the devices the model is split over (`jaxengine.parallel.make_mesh`); each
+            weight is loaded straight into its shards. Default: jax's first device.
     Returns:
         (model, config, tokenizer or None); `jaxengine.model.step.split_model(model)` gives
         the state.
     Raises:
         ModelLoadError: missing files, wrong tensor shapes, unsupported architecture or a
             corrupt file; the message says what to fix.
+        ValueError: the model cannot be split over the mesh's tp size.
     """
     jdtype = _check_dtype(dtype)
     path = _existing_model_path(path)
     if os.path.isdir(path):
-        return load_hf_dir(path, dtype=jdtype, with_tokenizer=with_tokenizer)
-    return load_gguf(path, dtype=jdtype, with_tokenizer=with_tokenizer)
+        return load_hf_dir(path, dtype=jdtype, with_tokenizer=with_tokenizer, mesh=mesh)
+    return load_gguf(path, dtype=jdtype, with_tokenizer=with_tokenizer, mesh=mesh)
 
 
 def load_tokenizer(path: str | None = None) -> Tokenizer:
@@ -86,26 +91,27 @@ def _existing_model_path(path: str | None) -> str:
     raise ModelLoadError(f"{path}: expected an HF model directory or a .gguf file")
 
 
-def load_hf_dir(path: str, *, dtype: jnp.dtype, with_tokenizer: bool = True
-                ) -> tuple[Model, ModelConfig, Tokenizer | None]:
-    """Load an HF directory (safetensors, single or sharded)."""
+def load_hf_dir(path: str, *, dtype: jnp.dtype, with_tokenizer: bool = True,
+                mesh: Mesh | None = None) -> tuple[Model, ModelConfig, Tokenizer | None]:
+    """Load an HF directory (safetensors, single or sharded) onto `mesh`."""
     cfg = read_hf_config(path)
     tokenizer = Tokenizer.from_hf_dir(path) if with_tokenizer else None
     source = SafetensorsSource(path)
     try:
-        weights = load_weights(cfg, source, dtype=dtype, where=path)
+        weights = load_weights(cfg, source, dtype=dtype, where=path, mesh=mesh)
     finally:
         source.close()
-    return Model(cfg, dtype=dtype, weights=weights), cfg, tokenizer
+    return Model(cfg, dtype=dtype, weights=weights, mesh=mesh), cfg, tokenizer
 
 
-def load_gguf(path: str, *, dtype: jnp.dtype, with_tokenizer: bool = True
-              ) -> tuple[Model, ModelConfig, Tokenizer | None]:
-    """Load a GGUF file, dequantizing tensor by tensor."""
+def load_gguf(path: str, *, dtype: jnp.dtype, with_tokenizer: bool = True,
+              mesh: Mesh | None = None) -> tuple[Model, ModelConfig, Tokenizer | None]:
+    """Load a GGUF file onto `mesh`, dequantizing tensor by tensor."""
     reader = open_gguf(path)
     meta = gguf_metadata(reader)
     cfg = read_gguf_config(reader, meta)
     tokenizer = Tokenizer.from_gguf_metadata(meta) if with_tokenizer else None
-    weights = load_weights(cfg, GGUFSource(reader, cfg, path), dtype=dtype, where=path)
-    model = Model(cfg, dtype=dtype, weights=weights)
+    weights = load_weights(cfg, GGUFSource(reader, cfg, path), dtype=dtype, where=path,
+                           mesh=mesh)
+    model = Model(cfg, dtype=dtype, weights=weights, mesh=mesh)
     return model, cfg, tokenizer

@@ -4,22 +4,27 @@ The set of weights and their shapes come from the model itself: `load_weights` t
 of the config (`nnx.eval_shape`, nothing allocated) and fills each of its parameters, by module
 path, from the one table below. A source is anything with `get(hf_name) -> np.ndarray | None`
 (HF safetensors, GGUF). Weights are converted one at a time: each stacked array is filled layer
-by layer in the target dtype on the host, moved to the device, and dropped, so the host never
-holds two full copies.
+by layer in the target dtype on the host, laid out for the model's mesh (KV heads repeated
+when tp > K, the vocabulary zero-padded to a multiple of tp: `to_layout`), and handed to
+`jax.make_array_from_callback` with the weight's sharding, which copies to each device only
+its own shard (and, multi-host, asks each process only for its addressable shards); then it is
+dropped, so the host holds one tensor at a time and no device ever holds the whole model.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding
 
 from jaxengine.model.config import ModelConfig, ModelLoadError
 from jaxengine.model.llama import Model, Path
+from jaxengine.parallel.mesh import make_mesh
+from jaxengine.parallel.tensor_parallel import TPLayout
 
 # module path (in the scanned layout, where "layers" holds every layer stacked) -> HF tensor
 # name; {layer} is the layer index. `kernel`s are nn.Linear weights, stored [out, in] by HF and
@@ -54,10 +59,37 @@ class TensorSource(Protocol):
 
 
 def model_weight_shapes(cfg: ModelConfig) -> dict[Path, tuple[int, ...]]:
-    """Every weight of a model of `cfg` by module path (scanned layout: layers stacked)."""
+    """Every weight of a model of `cfg` by module path (scanned layout: layers stacked), at
+    the checkpoint's sizes (one device: no KV head repeated, no vocabulary padding)."""
     abstract = nnx.eval_shape(lambda: Model(cfg, scan_layers=True))
     return {path: tuple(var.get_value().shape)
             for path, var in nnx.to_flat_state(nnx.state(abstract, nnx.Param))}
+
+
+def model_weight_shardings(cfg: ModelConfig, mesh: Mesh
+                           ) -> tuple[TPLayout, dict[Path, NamedSharding]]:
+    """The layout of a model of `cfg` on `mesh`, and each weight's sharding (scanned layout)."""
+    abstract = nnx.eval_shape(lambda: Model(cfg, scan_layers=True, mesh=mesh))
+    shardings = nnx.get_named_sharding(nnx.state(abstract, nnx.Param), mesh)
+    return abstract.layout, {path: s.get_value() for path, s in nnx.to_flat_state(shardings)}
+
+
+def to_layout(path: Path, host: np.ndarray, layout: TPLayout, head_dim: int) -> np.ndarray:
+    """A weight at the checkpoint's sizes laid out as the model on a mesh holds it.
+
+    k/v projections (kernel [..., K*H] and bias [..., K*H]) repeat each head `kv_repeat`
+    times in place; the embedding [V, D] and the LM head [D, V] get zero vocabulary entries
+    up to V'. Anything else, and everything at tp=1, is returned as it is.
+    """
+    if len(path) >= 2 and path[-2] in ("k_proj", "v_proj") and layout.kv_repeat > 1:
+        heads = host.reshape(*host.shape[:-1], -1, head_dim)
+        return np.repeat(heads, layout.kv_repeat, axis=-2).reshape(*host.shape[:-1], -1)
+    axis = {("embed_tokens", "embedding"): 0, ("lm_head", "kernel"): 1}.get(tuple(path))
+    if axis is not None and host.shape[axis] < layout.vocab_size:
+        pad = [(0, 0)] * host.ndim
+        pad[axis] = (0, layout.vocab_size - host.shape[axis])
+        return np.pad(host, pad)
+    return host
 
 
 def _read(source: TensorSource, name: str, transpose: bool, target: tuple[int, ...],
@@ -87,7 +119,7 @@ def load_weight(path: Path, shape: tuple[int, ...], source: TensorSource, dtype:
 
 
 def load_weights(cfg: ModelConfig, source: TensorSource, *, dtype: jnp.dtype, where: str,
-                 put: Callable[[np.ndarray], jax.Array] | None = None) -> dict[Path, jax.Array]:
+                 mesh: Mesh | None = None) -> dict[Path, jax.Array]:
     """All weights of `cfg` as device arrays in `dtype`, by module path, one at a time.
 
     Args:
@@ -95,21 +127,25 @@ def load_weights(cfg: ModelConfig, source: TensorSource, *, dtype: jnp.dtype, wh
         source: checkpoint tensors by HF name.
         dtype: target dtype (float32 or bfloat16).
         where: path shown in error messages.
-        put: host -> device transfer (default `jax.device_put`; pass one with a sharding).
+        mesh: the model's devices (`jaxengine.parallel.make_mesh`); default: jax's first one.
     Returns:
-        Arrays by module path in the scanned layout, for `Model(cfg, weights=...)`.
+        Arrays by module path in the scanned layout, laid out and sharded for a model on
+        `mesh`, for `Model(cfg, weights=..., mesh=mesh)`.
     Raises:
         ModelLoadError: a tensor is missing or has the wrong shape.
+        ValueError: the model cannot be split over the mesh's tp size.
     """
-    put = put or jax.device_put
     np_dtype = jnp.dtype(dtype)
     shapes = model_weight_shapes(cfg)
     unmapped = shapes.keys() - HF_NAMES.keys()
     if unmapped:  # a module gained a weight the table does not know: a bug here, not user error
         raise RuntimeError(f"no checkpoint name for model weights {sorted(unmapped)}")
+    layout, shardings = model_weight_shardings(cfg, mesh or make_mesh(jax.devices()[:1]))
     weights = {}
     for path in (p for p in HF_NAMES if p in shapes):
-        host = load_weight(path, shapes[path], source, np_dtype, where)
-        weights[path] = put(host)
-        del host  # the device copy is the only one kept
+        host = to_layout(path, load_weight(path, shapes[path], source, np_dtype, where),
+                         layout, cfg.head_dim)
+        weights[path] = jax.make_array_from_callback(
+            host.shape, shardings[path], lambda index, host=host: host[index])
+        del host  # the devices' shards are the only copy kept
     return weights

@@ -3,32 +3,70 @@
 Layout `[num_layers, num_blocks, block_size, 2 * num_kv_heads, head_dim]` (P pages of L slots;
 K at even, V at odd head slots, as TPU ragged paged attention expects), in the model dtype.
 Block 0 is the null block: padding tokens write there, so the scheduler never hands it out.
+
+Under tensor parallelism the head axis is split over the mesh axis "tp" (K, V pairs stay
+together: device d holds heads d*K/tp.. of both); K is then the model's laid-out count K'
+(`TPLayout.num_kv_heads`, KV heads repeated when tp > K), so each device holds 1/min(tp, K)
+of the checkpoint's cache.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from jaxengine.model.config import ModelConfig
+from jaxengine.parallel.mesh import TP_AXIS, make_mesh
+
+KV_CACHE_SPEC = P(None, None, None, TP_AXIS, None)  # [layers, P, L, 2*K, H]: split on heads
 
 
-def kv_cache_shape(cfg: ModelConfig, *, num_blocks: int, block_size: int) -> tuple[int, ...]:
-    """Shape of the cache for `cfg`: (layers, P, L, 2*K, H)."""
+def kv_cache_sharding(mesh: Mesh) -> NamedSharding:
+    """The cache's sharding on `mesh`: the head axis split over "tp"."""
+    return NamedSharding(mesh, KV_CACHE_SPEC)
+
+
+def kv_cache_shape(cfg: ModelConfig, *, num_blocks: int, block_size: int,
+                   num_kv_heads: int | None = None) -> tuple[int, ...]:
+    """Shape of the cache for `cfg`: (layers, P, L, 2*K, H).
+
+    Args:
+        num_kv_heads: K as the model lays it out (default: the config's).
+    """
     if num_blocks < 2 or block_size < 1:
         raise ValueError(f"need num_blocks >= 2 (block 0 is the null block) and block_size >= "
                          f"1, got num_blocks={num_blocks}, block_size={block_size}")
-    return (cfg.num_layers, num_blocks, block_size, 2 * cfg.num_kv_heads, cfg.head_dim)
+    K = num_kv_heads or cfg.num_kv_heads
+    return (cfg.num_layers, num_blocks, block_size, 2 * K, cfg.head_dim)
 
 
-def kv_cache_bytes_per_block(cfg: ModelConfig, *, block_size: int, dtype: jnp.dtype) -> int:
-    """Bytes one page takes across all layers (`engine.build.num_kv_blocks` sizes the pool)."""
-    per_slot = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim
+def kv_cache_bytes_per_block(cfg: ModelConfig, *, block_size: int, dtype: jnp.dtype,
+                             num_kv_heads: int | None = None, shards: int = 1) -> int:
+    """Bytes one page takes across all layers on each device (`engine.build.num_kv_blocks`
+    sizes the pool from one device's budget).
+
+    Args:
+        num_kv_heads: K as the model lays it out (default: the config's).
+        shards: devices the head axis is split over (the tp size).
+    """
+    K = num_kv_heads or cfg.num_kv_heads
+    per_slot = cfg.num_layers * 2 * (K // shards) * cfg.head_dim
     return per_slot * block_size * jnp.dtype(dtype).itemsize
 
 
 def init_kv_cache(cfg: ModelConfig, *, num_blocks: int, block_size: int,
-                  dtype: jnp.dtype = jnp.float32) -> jax.Array:
-    """A zeroed cache [layers, P, L, 2*K, H] in `dtype` (the model's dtype)."""
-    shape = kv_cache_shape(cfg, num_blocks=num_blocks, block_size=block_size)
-    return jnp.zeros(shape, dtype)
+                  dtype: jnp.dtype = jnp.float32, num_kv_heads: int | None = None,
+                  mesh: Mesh | None = None) -> jax.Array:
+    """A zeroed cache [layers, P, L, 2*K, H] in `dtype` (the model's dtype), made in place
+    with `kv_cache_sharding(mesh)`: each device zeroes only its own heads.
+
+    Args:
+        num_kv_heads: K as the model lays it out (default: the config's).
+        mesh: the model's mesh (default: a mesh of jax's first device, as `Model`'s).
+    """
+    shape = kv_cache_shape(cfg, num_blocks=num_blocks, block_size=block_size,
+                           num_kv_heads=num_kv_heads)
+    mesh = mesh or make_mesh(jax.devices()[:1])
+    return jnp.zeros(shape, dtype, device=kv_cache_sharding(mesh))

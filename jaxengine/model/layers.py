@@ -2,26 +2,45 @@
 
 The functions (norm, RoPE) take plain arrays; the modules (`RMSNorm`, `Embedder`, `Attention`,
 `MLP`) take plain numbers (no config), so a test can build one alone. Each module's constructor
-is the one place its weights are created (where sharding will be declared, docs/STYLE.md rule
-17); fresh weights are N(0, 0.02) matrices, unit norm scales and zero biases. Numerics follow HF
+is the one place its weights are created and where their sharding over the mesh axis "tp" is
+declared (docs/STYLE.md rule 17): column-parallel q/k/v and gate/up, row-parallel o and down
+(GSPMD adds one all-reduce after each), a vocab-parallel embedding and LM head, norms
+replicated. Modules with sharded weights take the mesh they are placed on; those that need
+collectives of their own (`Embedder.encode`, attention) run per device under `jax.shard_map`.
+Fresh weights are N(0, 0.02) matrices, unit norm scales and zero biases, drawn at the
+checkpoint's sizes, so a model laid out for tp devices (KV heads repeated, vocabulary padded:
+jaxengine/parallel/tensor_parallel.py) holds the same values as for one. Numerics follow HF
 transformers: norms and RoPE tables in float32, results cast back to the activation dtype.
 Projections are `nnx.Linear` with 2-D kernels [in, out]: plain dots over free reshapes (with head
 axes in the dot, XLA on CPU chose a layout that transposed the output projection every layer).
-Axes: T tokens, D model, N query heads, K kv heads, H head dim, F MLP width, V vocab, R rows.
+Axes: T tokens, D model, N query heads, K kv heads, H head dim, F MLP width, V vocab, R rows;
+mesh axis tp.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from jaxengine.model.batch import ModelBatch
 from jaxengine.model.config import RopeScaling
+from jaxengine.parallel.mesh import TP_AXIS
 from pallas_kernels import ragged_paged_attention
+
+Init = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
+Sharding = tuple[str | None, ...]  # mesh axis (or None: not split) of each array axis
+COLUMN: Sharding = (None, TP_AXIS)  # kernel [in, out] split on out: no collective
+ROW: Sharding = (TP_AXIS, None)  # kernel [in, out] split on in: partial sums, one all-reduce
+HEADS = P(None, TP_AXIS, None)  # q/k/v [T, heads, H] under shard_map
+PAGES = P(None, None, TP_AXIS, None)  # one layer's pages [P, L, 2*K, H]: split on heads
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -83,16 +102,47 @@ def _zeros(key: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype) -> jax.Arra
     return jnp.zeros(shape, dtype)
 
 
-def linear(in_features: int, out_features: int, *, dtype: jnp.dtype, rngs: nnx.Rngs,
-           use_bias: bool = False, preferred_element_type: jnp.dtype | None = None
-           ) -> nnx.Linear:
+def padded(init: Init, size: int, axis: int) -> Init:
+    """`init` drawn with `size` entries on `axis`, then zero-padded to the asked shape (the
+    vocabulary padded to a multiple of tp: the padding rows hold zeros)."""
+
+    def draw(key: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype) -> jax.Array:
+        real = init(key, (*shape[:axis], size, *shape[axis + 1:]), dtype)
+        pad = [(0, 0)] * len(shape)
+        pad[axis] = (0, shape[axis] - size)
+        return jnp.pad(real, pad)
+
+    return draw
+
+
+def head_repeated(init: Init, repeat: int, head_dim: int) -> Init:
+    """`init` drawn for 1/`repeat` of the heads on the last axis ([..., heads*H]), each head
+    then repeated `repeat` times in place (KV heads replicated when tp > K)."""
+
+    def draw(key: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype) -> jax.Array:
+        real = init(key, (*shape[:-1], shape[-1] // repeat), dtype)
+        heads = real.reshape(*shape[:-1], -1, head_dim)
+        return jnp.repeat(heads, repeat, axis=-2).reshape(shape)
+
+    return draw
+
+
+def linear(in_features: int, out_features: int, *, sharding: Sharding, mesh: Mesh,
+           dtype: jnp.dtype, rngs: nnx.Rngs, use_bias: bool = False,
+           preferred_element_type: jnp.dtype | None = None,
+           init: Callable[[Init], Init] = lambda f: f) -> nnx.Linear:
     """`nnx.Linear` with kernel [in, out] and bias [out] in `dtype`, initialised as HF does here.
 
     Args:
+        sharding: the kernel's mesh axes, `COLUMN` or `ROW`; the bias follows the out axis.
+        mesh: the devices the weights are placed on.
         preferred_element_type: accumulation and result dtype of the dot (float32 for logits).
+        init: wraps both initializers (`padded`, `head_repeated`) to lay the weights out.
     """
+    kernel = nnx.with_partitioning(init(_normal), sharding, mesh=mesh)
+    bias = nnx.with_partitioning(init(_zeros), sharding[1:], mesh=mesh)
     return nnx.Linear(in_features, out_features, use_bias=use_bias, dtype=dtype,
-                      param_dtype=dtype, kernel_init=_normal, bias_init=_zeros,
+                      param_dtype=dtype, kernel_init=kernel, bias_init=bias,
                       preferred_element_type=preferred_element_type, rngs=rngs)
 
 
@@ -109,18 +159,37 @@ class RMSNorm(nnx.Module):
 
 
 class Embedder(nnx.Module):
-    """The token embedding `embedding` [V, D]; with tied weights also the output projection."""
+    """The token embedding `embedding` [V', D], vocab-parallel (each device holds V'/tp rows);
+    with tied weights also the output projection."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, *, dtype: jnp.dtype,
-                 rngs: nnx.Rngs) -> None:
-        self.embedding = nnx.Param(_normal(rngs.params(), (vocab_size, hidden_size), dtype))
+    def __init__(self, vocab_size: int, hidden_size: int, *, mesh: Mesh, dtype: jnp.dtype,
+                 rngs: nnx.Rngs, padded_vocab_size: int | None = None) -> None:
+        """`padded_vocab_size` V' >= V rows (a multiple of tp), the rows past V zero."""
+        shape = (padded_vocab_size or vocab_size, hidden_size)
+        init = nnx.with_partitioning(padded(_normal, vocab_size, axis=0), ROW, mesh=mesh)
+        self.embedding = nnx.Param(init(rngs.params(), shape, dtype))
+        self.mesh = mesh
 
     def encode(self, ids: jax.Array) -> jax.Array:
-        """Token ids i32[T] -> embeddings [T, D]."""
-        return jnp.take(self.embedding[...], ids, axis=0)
+        """Token ids i32[T] -> embeddings [T, D].
+
+        vLLM's VocabParallelEmbedding: each device looks up the ids in its own rows (zeros for
+        the others) and one all-reduce sums them; exact, since one device adds each row.
+        """
+
+        def local(table: jax.Array, ids: jax.Array) -> jax.Array:  # table [V'/tp, D]
+            rows = table.shape[0]
+            offset = ids - jax.lax.axis_index(TP_AXIS) * rows
+            mine = (offset >= 0) & (offset < rows)
+            x = jnp.take(table, jnp.where(mine, offset, 0), axis=0)
+            return jax.lax.psum(jnp.where(mine[:, None], x, 0), TP_AXIS)
+
+        return jax.shard_map(local, mesh=self.mesh, in_specs=(P(TP_AXIS, None), P()),
+                             out_specs=P())(self.embedding[...], ids)
 
     def decode(self, hidden: jax.Array) -> jax.Array:
-        """Hidden states [R, D] -> f32[R, V] logits against the embedding (tied head)."""
+        """Hidden states [R, D] -> f32[R, V'] logits against the embedding (tied head), split
+        over the vocabulary like the table."""
         return jnp.einsum("rd,vd->rv", hidden, self.embedding[...],
                           preferred_element_type=jnp.float32)
 
@@ -130,16 +199,22 @@ class Attention(nnx.Module):
     optional q/k bias and q/k RMSNorm)."""
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
-                 qkv_bias: bool, qk_norm: bool, eps: float, dtype: jnp.dtype,
-                 rngs: nnx.Rngs) -> None:
-        D, N, K, H = hidden_size, num_heads, num_kv_heads, head_dim
-        self.q_proj = linear(D, N * H, use_bias=qkv_bias, dtype=dtype, rngs=rngs)
-        self.k_proj = linear(D, K * H, use_bias=qkv_bias, dtype=dtype, rngs=rngs)
-        self.v_proj = linear(D, K * H, use_bias=qkv_bias, dtype=dtype, rngs=rngs)
-        self.o_proj = linear(N * H, D, dtype=dtype, rngs=rngs)
+                 qkv_bias: bool, qk_norm: bool, eps: float, mesh: Mesh, dtype: jnp.dtype,
+                 rngs: nnx.Rngs, kv_repeat: int = 1) -> None:
+        """`num_kv_heads` K of the checkpoint; with `kv_repeat` r the k/v projections (and the
+        cache) have K*r heads, each checkpoint head repeated r times (tp > K)."""
+        D, N, K, H = hidden_size, num_heads, num_kv_heads * kv_repeat, head_dim
+        kv_init = functools.partial(head_repeated, repeat=kv_repeat, head_dim=H)
+        column = functools.partial(linear, sharding=COLUMN, mesh=mesh, use_bias=qkv_bias,
+                                   dtype=dtype, rngs=rngs)
+        self.q_proj = column(D, N * H)
+        self.k_proj = column(D, K * H, init=kv_init)
+        self.v_proj = column(D, K * H, init=kv_init)
+        self.o_proj = linear(N * H, D, sharding=ROW, mesh=mesh, dtype=dtype, rngs=rngs)
         self.q_norm = RMSNorm(H, eps=eps, dtype=dtype) if qk_norm else None
         self.k_norm = RMSNorm(H, eps=eps, dtype=dtype) if qk_norm else None
         self.num_heads, self.num_kv_heads, self.head_dim = N, K, H
+        self.mesh = mesh
 
     def __call__(self, x: jax.Array, pages: jax.Array, page_offset: jax.Array | int,
                  batch: ModelBatch, cos: jax.Array, sin: jax.Array, *, attn_impl: str,
@@ -165,22 +240,28 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         slots = batch.slot_mapping + page_offset * pages.shape[1]
-        out, pages = ragged_paged_attention(
-            q, k, v, pages, slots, batch.block_tables + page_offset, batch.seq_lens,
-            batch.query_start_loc, batch.num_seqs, sm_scale=H**-0.5, impl=attn_impl,
-            interpret=interpret)
+        # Per device, over its own heads: the kernels never see the mesh. Query head n reads
+        # KV head n // (N/K) globally, and device d holds query heads d*N/tp.. and KV heads
+        # d*K/tp.., so the local rule n // (N/K) holds too. The batch metadata is replicated.
+        attend = jax.shard_map(
+            functools.partial(ragged_paged_attention, sm_scale=H**-0.5, impl=attn_impl,
+                              interpret=interpret),
+            mesh=self.mesh, in_specs=(HEADS, HEADS, HEADS, PAGES, *[P()] * 5),
+            out_specs=(HEADS, PAGES), check_vma=False)  # kernels' loop carries start unvaried
+        out, pages = attend(q, k, v, pages, slots, batch.block_tables + page_offset,
+                            batch.seq_lens, batch.query_start_loc, batch.num_seqs)
         return self.o_proj(out.astype(x.dtype).reshape(T, N * H)), pages
 
 
 class MLP(nnx.Module):
     """SwiGLU MLP: gate_proj, up_proj [D, F] and down_proj [F, D]."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, *, dtype: jnp.dtype,
-                 rngs: nnx.Rngs) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, *, mesh: Mesh,
+                 dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
         D, F = hidden_size, intermediate_size
-        self.gate_proj = linear(D, F, dtype=dtype, rngs=rngs)
-        self.up_proj = linear(D, F, dtype=dtype, rngs=rngs)
-        self.down_proj = linear(F, D, dtype=dtype, rngs=rngs)
+        self.gate_proj = linear(D, F, sharding=COLUMN, mesh=mesh, dtype=dtype, rngs=rngs)
+        self.up_proj = linear(D, F, sharding=COLUMN, mesh=mesh, dtype=dtype, rngs=rngs)
+        self.down_proj = linear(F, D, sharding=ROW, mesh=mesh, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x [T, D] -> [T, D]."""

@@ -15,7 +15,14 @@ weights come from its own key either way, so a seed gives the same model in both
 The KV cache (`[layers, P, L, 2*K, H]`, see kv_cache.py) is passed in and returned as a value,
 viewed as layers*P pages so each layer's ragged paged attention writes and reads its own pages
 in place.
-Axes: T tokens, D model, N query heads, K kv heads, H head dim, F MLP width, V vocab, R rows.
+
+A model lives on a mesh (jaxengine/parallel/mesh.py; default: one device) and is laid out for
+its "tp" size (`TPLayout`: KV heads repeated when tp > K, vocabulary padded to a multiple of
+tp). Its weights are created where their sharding is declared (layers.py) and placed straight
+into their shards: a fresh model is drawn inside one jit whose outputs have the weights'
+shardings, a loaded one is filled with arrays the loader made shard by shard.
+Axes: T tokens, D model, N query heads, K kv heads, H head dim, F MLP width, V vocab, R rows;
+mesh axis tp.
 """
 
 from __future__ import annotations
@@ -27,18 +34,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh
 
 from jaxengine.model.batch import ModelBatch
 from jaxengine.model.config import ModelConfig
+from jaxengine.model.kv_cache import kv_cache_sharding
 from jaxengine.model.layers import (
+    COLUMN,
     MLP,
     Attention,
     Embedder,
     RMSNorm,
     linear,
+    padded,
     rope_inv_freq,
     rope_tables,
 )
+from jaxengine.parallel.mesh import make_mesh, replicated, tp_size
+from jaxengine.parallel.tensor_parallel import TPLayout, tp_layout
 
 Path = tuple[str | int, ...]  # a weight's module path, e.g. ("layers", "mlp", "up_proj", "kernel")
 
@@ -46,14 +59,16 @@ Path = tuple[str | int, ...]  # a weight's module path, e.g. ("layers", "mlp", "
 class Block(nnx.Module):
     """One pre-norm decoder layer: attention then MLP, each added to the residual stream."""
 
-    def __init__(self, cfg: ModelConfig, *, dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+    def __init__(self, cfg: ModelConfig, layout: TPLayout, *, mesh: Mesh, dtype: jnp.dtype,
+                 rngs: nnx.Rngs) -> None:
         D, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.input_layernorm = RMSNorm(D, eps=eps, dtype=dtype)
         self.self_attn = Attention(D, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                    qkv_bias=cfg.qkv_bias, qk_norm=cfg.qk_norm, eps=eps,
-                                   dtype=dtype, rngs=rngs)
+                                   mesh=mesh, dtype=dtype, rngs=rngs,
+                                   kv_repeat=layout.kv_repeat)
         self.post_attention_layernorm = RMSNorm(D, eps=eps, dtype=dtype)
-        self.mlp = MLP(D, cfg.intermediate_size, dtype=dtype, rngs=rngs)
+        self.mlp = MLP(D, cfg.intermediate_size, mesh=mesh, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array, pages: jax.Array, page_offset: jax.Array | int,
                  batch: ModelBatch, cos: jax.Array, sin: jax.Array, *, attn_impl: str,
@@ -65,7 +80,12 @@ class Block(nnx.Module):
         return x + self.mlp(self.post_attention_layernorm(x)), pages
 
 
-def stacked_blocks(cfg: ModelConfig, keys: jax.Array, *, dtype: jnp.dtype) -> Block:
+# The layer axis of stacked weights is not split: vmap and scan insert / remove None there.
+LAYER_AXIS = {nnx.PARTITION_NAME: None}
+
+
+def stacked_blocks(cfg: ModelConfig, layout: TPLayout, keys: jax.Array, *, mesh: Mesh,
+                   dtype: jnp.dtype) -> Block:
     """One `Block` whose weights have a leading layer axis: `nnx.vmap` of its constructor.
 
     Args:
@@ -73,42 +93,57 @@ def stacked_blocks(cfg: ModelConfig, keys: jax.Array, *, dtype: jnp.dtype) -> Bl
             `Block(cfg, rngs=nnx.Rngs(keys[i]))`, as `looped_blocks` makes them.
     """
 
-    @nnx.vmap(in_axes=0, out_axes=0)
+    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata=LAYER_AXIS)
     def create(key: jax.Array) -> Block:
-        return Block(cfg, dtype=dtype, rngs=nnx.Rngs(key))
+        return Block(cfg, layout, mesh=mesh, dtype=dtype, rngs=nnx.Rngs(key))
 
     return create(keys)
 
 
-def looped_blocks(cfg: ModelConfig, keys: jax.Array, *, dtype: jnp.dtype) -> nnx.List:
+def looped_blocks(cfg: ModelConfig, layout: TPLayout, keys: jax.Array, *, mesh: Mesh,
+                  dtype: jnp.dtype) -> nnx.List:
     """One `Block` per layer, each with its own arrays (the CPU layout); `keys` as above."""
-    return nnx.List([Block(cfg, dtype=dtype, rngs=nnx.Rngs(key)) for key in keys])
+    return nnx.List([Block(cfg, layout, mesh=mesh, dtype=dtype, rngs=nnx.Rngs(key))
+                     for key in keys])
 
 
-def _create_parts(cfg: ModelConfig, *, dtype: jnp.dtype, seed: int, scan_layers: bool
-                  ) -> dict[str, nnx.Module | None]:
+def _create_parts(cfg: ModelConfig, layout: TPLayout, *, mesh: Mesh, dtype: jnp.dtype,
+                  seed: int, scan_layers: bool) -> dict[str, nnx.Module | None]:
     """The submodules of `Model`, by attribute name, with fresh weights drawn from `seed`."""
     key, layer_key = jax.random.split(jax.random.key(seed))
     rngs, layer_keys = nnx.Rngs(key), jax.random.split(layer_key, cfg.num_layers)
     blocks = stacked_blocks if scan_layers else looped_blocks
+    D, V = cfg.hidden_size, cfg.vocab_size
     return {
-        "embed_tokens": Embedder(cfg.vocab_size, cfg.hidden_size, dtype=dtype, rngs=rngs),
-        "layers": blocks(cfg, layer_keys, dtype=dtype),
-        "norm": RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dtype),
+        "embed_tokens": Embedder(V, D, mesh=mesh, dtype=dtype, rngs=rngs,
+                                 padded_vocab_size=layout.vocab_size),
+        "layers": blocks(cfg, layout, layer_keys, mesh=mesh, dtype=dtype),
+        "norm": RMSNorm(D, eps=cfg.rms_norm_eps, dtype=dtype),
         "lm_head": None if cfg.tie_word_embeddings else linear(
-            cfg.hidden_size, cfg.vocab_size, dtype=dtype, rngs=rngs,
-            preferred_element_type=jnp.float32),
+            D, layout.vocab_size, sharding=COLUMN, mesh=mesh, dtype=dtype, rngs=rngs,
+            preferred_element_type=jnp.float32, init=lambda f: padded(f, V, axis=1)),
     }
 
 
+def _fresh(create: functools.partial, mesh: Mesh) -> dict[str, nnx.Module | None]:
+    """`create()` run in one jit whose outputs are the weights' shardings: each device draws
+    only its own shards (jax's partitionable threefry: the values do not depend on the mesh)."""
+    graphdef, abstract = nnx.split(nnx.eval_shape(create))
+    shardings = nnx.get_named_sharding(abstract, mesh)
+    state = jax.jit(lambda: nnx.split(create())[1], out_shardings=shardings)()
+    return nnx.merge(graphdef, state)
+
+
 def _with_weights(abstract: dict[str, nnx.Module | None],
-                  weights: Mapping[Path, jax.Array | np.ndarray], *, dtype: jnp.dtype,
-                  scan_layers: bool) -> dict[str, nnx.Module | None]:
+                  weights: Mapping[Path, jax.Array | np.ndarray], *, mesh: Mesh,
+                  dtype: jnp.dtype, scan_layers: bool) -> dict[str, nnx.Module | None]:
     """Traced parts (`nnx.eval_shape` of `_create_parts`) with every weight from `weights`.
 
     `weights` is in the scanned layout; looped layers take their slice of each stacked array.
+    Each lands in its variable's sharding (a no-op for arrays the loader already placed).
     """
     graphdef, state = nnx.split(abstract)
+    shardings = dict(nnx.to_flat_state(nnx.get_named_sharding(state, mesh)))
     filled = []
     for path, var in nnx.to_flat_state(state):
         looped = path[0] == "layers" and not scan_layers
@@ -120,7 +155,10 @@ def _with_weights(abstract: dict[str, nnx.Module | None],
         if tuple(value.shape) != want:
             raise ValueError(f"weight {'.'.join(map(str, path))}: shape {tuple(value.shape)}, "
                              f"expected {want}")
-        filled.append((path, var.replace(jnp.asarray(value, dtype))))
+        if not isinstance(value, jax.Array):
+            value = np.asarray(value).astype(dtype)
+        value = jax.device_put(value, shardings[path].get_value()).astype(dtype)
+        filled.append((path, var.replace(value)))
     return nnx.merge(graphdef, nnx.from_flat_state(filled))
 
 
@@ -129,29 +167,36 @@ class Model(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, dtype: jnp.dtype = jnp.float32, seed: int = 0,
                  weights: Mapping[Path, jax.Array | np.ndarray] | None = None,
-                 scan_layers: bool | None = None) -> None:
+                 scan_layers: bool | None = None, mesh: Mesh | None = None) -> None:
         """Build with random weights (`seed`) or given ones (`weights`).
 
         Args:
             config: the architecture.
             dtype: parameter and activation dtype (float32 or bfloat16).
-            seed: seed of a fresh model's weights; ignored when `weights` is given.
+            seed: seed of a fresh model's weights; ignored when `weights` is given. The same
+                seed gives the same model on any mesh.
             weights: loaded arrays by module path in the scanned layout (per-layer weights
-                stacked on a leading layer axis), as `jaxengine.loading.weights.load_weights`
+                stacked on a leading layer axis) and in this model's `layout` (KV heads
+                repeated, vocabulary padded), as `jaxengine.loading.weights.load_weights`
                 returns them; a fresh model is then only traced (`nnx.eval_shape`), not drawn.
             scan_layers: scan over stacked weights (True) or loop over per-layer blocks
                 (False); None picks the loop on CPU and the scan elsewhere.
+            mesh: the devices, axis "tp" (`jaxengine.parallel.make_mesh`); default: a mesh of
+                jax's first device.
         Raises:
-            ValueError: a weight is missing from `weights` or has the wrong shape.
+            ValueError: a weight is missing from `weights` or has the wrong shape, or the
+                model cannot be split over the mesh's tp size.
         """
         self.config = config
         self.dtype = jnp.dtype(dtype)
         self.scan_layers = jax.default_backend() != "cpu" if scan_layers is None else scan_layers
-        create = functools.partial(_create_parts, config, dtype=self.dtype, seed=seed,
-                                   scan_layers=self.scan_layers)
-        parts = (create() if weights is None
-                 else _with_weights(nnx.eval_shape(create), weights, dtype=self.dtype,
-                                    scan_layers=self.scan_layers))
+        self.mesh = mesh or make_mesh(jax.devices()[:1])
+        self.layout = tp_layout(config, tp_size(self.mesh))
+        create = functools.partial(_create_parts, config, self.layout, mesh=self.mesh,
+                                   dtype=self.dtype, seed=seed, scan_layers=self.scan_layers)
+        parts = (_fresh(create, self.mesh) if weights is None
+                 else _with_weights(nnx.eval_shape(create), weights, mesh=self.mesh,
+                                    dtype=self.dtype, scan_layers=self.scan_layers))
         self.embed_tokens: Embedder = parts["embed_tokens"]
         self.layers: Block | nnx.List = parts["layers"]
         self.norm: RMSNorm = parts["norm"]
@@ -190,17 +235,27 @@ class Model(nnx.Module):
             for i, block in enumerate(self.layers):
                 x, pages = block(x, pages, i * P, batch, cos, sin, **kw)
         else:
-            @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=nnx.Carry)
+            @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=nnx.Carry,
+                      transform_metadata=LAYER_AXIS)
             def run(carry: tuple[jax.Array, jax.Array], block: Block, layer: jax.Array
                     ) -> tuple[jax.Array, jax.Array]:
                 x, pages = carry
                 return block(x, pages, layer * P, batch, cos, sin, **kw)
 
             x, pages = run((x, pages), self.layers, jnp.arange(Ly, dtype=jnp.int32))
-        return pages.reshape(Ly, P, L, K2, H), self.norm(x)
+        # The cache comes back in the sharding it came in, so its donated buffers are reused.
+        kv = jax.lax.with_sharding_constraint(pages.reshape(Ly, P, L, K2, H),
+                                              kv_cache_sharding(self.mesh))
+        # The residual stream is replicated (each row-parallel projection all-reduces).
+        return kv, jax.lax.with_sharding_constraint(self.norm(x), replicated(self.mesh))
 
     def logits(self, hidden: jax.Array) -> jax.Array:
-        """Project hidden [R, D] to f32[R, V] logits (tied embeddings use `embed_tokens`)."""
-        if self.lm_head is None:
-            return self.embed_tokens.decode(hidden)
-        return self.lm_head(hidden)
+        """Project hidden [R, D] to f32[R, V] logits (tied embeddings use `embed_tokens`).
+
+        The projection is vocab-parallel ([R, V'] split over tp); the logits are then gathered
+        whole onto every device and cut to the real vocabulary, so the sampler sees exactly
+        what one device would (R x V floats: small next to the weights).
+        """
+        head = self.embed_tokens.decode if self.lm_head is None else self.lm_head
+        logits = jax.lax.with_sharding_constraint(head(hidden), replicated(self.mesh))
+        return logits[:, : self.config.vocab_size]

@@ -126,10 +126,17 @@ class Runner:
         params, kv = self.model.params, self.kv
         step = functools.partial(jaxengine_model_step, **self._step_statics)
         hidden = jax.eval_shape(step, params, kv, self._batch_spec(16))[1]
+        # jit's outputs are committed (to their sharding) when an input is: the sampler is
+        # compiled for the hidden rows exactly as the step hands them over (on the mesh), or a
+        # first real call would compile it again.
+        committed = any(getattr(x, "committed", False) for x in jax.tree.leaves((params, kv)))
         for kind, size in tqdm(specs, desc="precompile", disable=not progress):
             if kind == "step":
-                _jitted_step.lower(params, kv, self._batch_spec(size),
-                                   **self._step_statics).compile()
+                compiled = _jitted_step.lower(params, kv, self._batch_spec(size),
+                                              **self._step_statics).compile()
+                if committed:
+                    hidden = jax.ShapeDtypeStruct(hidden.shape, hidden.dtype,
+                                                  sharding=compiled.output_shardings[1])
             else:
                 rows = jax.ShapeDtypeStruct((size,), np.int32)
                 md = jax.tree.map(_spec, build_sampling_metadata([], size))

@@ -1,8 +1,5 @@
-"""Tensor parallelism (issue 12): the mesh, the engine on a chosen device group.
-
-Mesh checks need several devices, so they run in a child process with virtual CPU devices
-(`tests/parallel_helpers.py`).
-"""
+"""Tensor parallelism (issue 12): the layout rules here; the mesh checks on 8 virtual CPU
+devices in a child process (`tensor_parallel_checks.py` via `tests/parallel_helpers.py`)."""
 
 from __future__ import annotations
 
@@ -11,7 +8,12 @@ import json
 import pytest
 
 from jaxengine.engine.args import EngineArgs
-from tests.parallel_helpers import run_python
+from jaxengine.engine.build import build_engine
+from jaxengine.model.config import ModelConfig
+from jaxengine.parallel.tensor_parallel import TPLayout, tp_layout, valid_tp_sizes
+from tests.parallel_helpers import run_pytest, run_python
+
+CHECKS = "tests/jaxengine/parallel/tensor_parallel_checks.py"
 
 PLACEMENT = """
 import json, jax
@@ -42,3 +44,50 @@ def test_an_engine_lives_on_the_devices_it_is_given() -> None:
     """`build_engine(args, devices=[d])`: weights and KV cache on d, and they stay there."""
     out = run_python(PLACEMENT, num_devices=4, timeout=120)
     assert len(json.loads(out.strip().splitlines()[-1])) == 4
+
+
+def test_layout_splits_kv_heads_or_repeats_them_and_pads_the_vocabulary() -> None:
+    cfg = ModelConfig.tiny(num_heads=8, num_kv_heads=2, vocab_size=100)
+    assert tp_layout(cfg, 1) == TPLayout(tp=1, num_kv_heads=2, kv_repeat=1, vocab_size=100)
+    assert tp_layout(cfg, 2) == TPLayout(tp=2, num_kv_heads=2, kv_repeat=1, vocab_size=100)
+    # tp > K: every device holds one KV head, the one its query heads read
+    assert tp_layout(cfg, 8) == TPLayout(tp=8, num_kv_heads=8, kv_repeat=4, vocab_size=104)
+    assert tp_layout(cfg, 8).kv_heads_per_device == 1
+    assert valid_tp_sizes(cfg, up_to=16) == [1, 2, 4, 8]
+
+
+@pytest.mark.parametrize(("overrides", "tp", "message"), [
+    (dict(num_heads=8, num_kv_heads=2), 3, r"tensor_parallel_size=3 does not divide the "
+     r"model's num_heads=8; this model takes tensor_parallel_size 1, 2, 4, 8"),
+    (dict(num_heads=12, num_kv_heads=6, intermediate_size=48), 4,
+     r"tensor_parallel_size=4 and the model's num_kv_heads=6: one must divide the other"),
+    (dict(num_heads=8, num_kv_heads=8, intermediate_size=36), 8,
+     r"does not divide the model's intermediate_size=36"),
+])
+def test_shapes_that_cannot_be_split_are_refused(overrides: dict, tp: int, message: str
+                                                 ) -> None:
+    with pytest.raises(ValueError, match=message):
+        tp_layout(ModelConfig.tiny(**overrides), tp)
+
+
+def test_more_devices_than_exist_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=64 needs 64 devices, but jax "
+                                         r"sees \d+ .*xla_force_host_platform_device_count"):
+        build_engine(EngineArgs(tensor_parallel_size=64))
+
+
+def test_tensor_parallel_on_eight_devices() -> None:
+    """tp = 1, 2, 4, 8 give one device's tokens and logprobs (GQA with K < tp, tied and
+    untied embeddings, padded vocabulary); weights and cache really split; preemption,
+    prefix caching and chunked prefill; zero compilations after warm-up; donation in place;
+    jit generate. See tensor_parallel_checks.py."""
+    out = run_pytest([CHECKS], num_devices=8, timeout=400)
+    assert " passed" in out and "failed" not in out
+
+
+@pytest.mark.slow
+def test_tensor_parallel_on_eight_devices_slow() -> None:
+    """The slow checks: more tp sizes and checkpoints, scanned layers, the Pallas kernels
+    under shard_map (interpret mode), the default SmolLM2 model at tp=3."""
+    out = run_pytest([CHECKS], num_devices=8, timeout=900, args=["-m", "slow"])
+    assert " passed" in out and "failed" not in out

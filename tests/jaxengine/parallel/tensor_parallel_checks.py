@@ -1,0 +1,236 @@
+"""Tensor-parallel checks on 8 virtual CPU devices (issue 12), run in a child process by
+test_tensor_parallel.py: jax must see the devices from its first import, so this module is
+not collected by the default run (no `test_` prefix); pytest collects it when it is named on
+the command line (`tests/parallel_helpers.py`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxengine.engine.args import EngineArgs
+from jaxengine.engine.build import build_engine, model_fns
+from jaxengine.engine.llm_engine import LLMEngine
+from jaxengine.generate import generate
+from jaxengine.model.batch import RequestChunk, pack_batch
+from jaxengine.model.config import ModelConfig
+from jaxengine.model.kv_cache import init_kv_cache
+from jaxengine.model.llama import Model
+from jaxengine.model.step import make_model_step, split_model
+from jaxengine.parallel import make_mesh
+from jaxengine.runner.runner import _jitted_sample, _jitted_step
+from jaxengine.sampling.metadata import build_sampling_metadata
+from scheduler import SamplingParams
+from tests.jaxengine.parallel.checkpoints import write_checkpoint
+
+if len(jax.devices()) < 8:
+    raise RuntimeError(f"these checks need 8 devices, jax sees {len(jax.devices())}: run them "
+                       "through tests/parallel_helpers.py (XLA_FLAGS=--xla_force_host_platform_"
+                       "device_count=8)")
+
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "tiny"
+TOL = 1e-4  # float32 logprobs: only the all-reduces' summation order differs
+PROMPTS = [[5, 6, 7, 8, 9], list(range(10, 40)), [3, 1, 4, 1, 5, 9, 2, 6]]
+PARAMS = [
+    SamplingParams(max_tokens=8, temperature=0.0, logprobs=3, ignore_eos=True),
+    SamplingParams(max_tokens=8, temperature=0.9, top_k=20, top_p=0.9, min_p=0.02, seed=7,
+                   logprobs=2, ignore_eos=True),
+    SamplingParams(max_tokens=8, temperature=1.0, seed=11, logprobs=0, ignore_eos=True),
+]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """name -> HF directory: GQA with K=2 < tp (8 heads, vocabulary 100: padded for tp=8),
+    and the tied-embedding MHA and tied Qwen2 (q/k/v bias, K=2) fixtures (4 heads)."""
+    root = tmp_path_factory.mktemp("tp")
+    return {
+        "gqa_k2": write_checkpoint(root / "gqa_k2", num_heads=8, num_kv_heads=2,
+                                   vocab_size=100, tie=False),
+        "llama_tied_mha": str(FIXTURES / "llama_tied_mha"),
+        "qwen2_bias_tied": str(FIXTURES / "qwen2_bias_tied"),
+    }
+
+
+def engine(model: str | None, tp: int, **kw: object) -> LLMEngine:
+    base = dict(model=model, skip_tokenizer_init=True, tensor_parallel_size=tp,
+                max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
+                num_gpu_blocks_override=40, block_size=4)
+    return build_engine(EngineArgs(**{**base, **kw}))
+
+
+def run(e: LLMEngine, prompts: list[list[int]], params: list[SamplingParams]
+        ) -> dict[str, tuple[list[int], list[dict[int, float]]]]:
+    """Every request to the end: request id -> (token ids, per token {id: logprob})."""
+    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+        e.add_request(str(i), {"prompt_token_ids": p}, sp)
+    done = {}
+    while e.has_unfinished_requests():
+        for out in e.step():
+            if out.finished:
+                c = out.outputs[0]
+                lps = [{t: lp.logprob for t, lp in step.items()} for step in c.logprobs or []]
+                done[out.request_id] = (list(c.token_ids), lps)
+    return done
+
+
+def assert_same(got: dict, want: dict, where: str) -> None:
+    """Same tokens, and every logprob (sampled and top-n) within TOL."""
+    assert got.keys() == want.keys()
+    for r in want:
+        assert got[r][0] == want[r][0], f"{where} request {r}: {got[r][0]} != {want[r][0]}"
+        for a, b in zip(got[r][1], want[r][1], strict=True):
+            assert a.keys() == b.keys(), f"{where} request {r}: top ids {a} != {b}"
+            err = max(abs(a[t] - b[t]) for t in a)
+            assert err <= TOL, f"{where} request {r}: logprob differs by {err:.1e}"
+
+
+@pytest.mark.parametrize(("name", "sizes"), [
+    ("gqa_k2", (1, 2, 4, 8)),
+    ("llama_tied_mha", (1, 4)),
+    pytest.param("llama_tied_mha", (1, 2), marks=pytest.mark.slow),
+    pytest.param("qwen2_bias_tied", (1, 2, 4), marks=pytest.mark.slow),
+])
+def test_every_tp_size_gives_the_tokens_and_logprobs_of_one_device(
+        checkpoints: dict[str, str], name: str, sizes: tuple[int, ...]) -> None:
+    """Greedy, seeded top-k/top-p/min-p and seeded plain sampling, with logprobs."""
+    want = run(engine(checkpoints[name], 1), PROMPTS, PARAMS)
+    assert all(len(t) == 8 for t, _ in want.values())
+    for tp in sizes[1:]:
+        assert_same(run(engine(checkpoints[name], tp), PROMPTS, PARAMS), want,
+                    f"{name} tp={tp}")
+
+
+def test_preemption_prefix_caching_and_chunked_prefill_under_tp(
+        checkpoints: dict[str, str]) -> None:
+    """A small pool (preemptions), shared prefixes (cache hits) and a 16-token budget (long
+    prompts in chunks): tp=4 with K=2 (replicated KV heads) gives what tp=1 gives."""
+    prefix = list(range(40, 64))
+    prompts = [prefix + [1, 2], prefix + [3], list(range(1, 30)), prefix + [4, 5, 6]]
+    params = [SamplingParams(max_tokens=12, temperature=0.0, logprobs=1, ignore_eos=True)] * 4
+    kw = dict(num_gpu_blocks_override=24, max_num_batched_tokens=16)
+    results, counters = {}, {}
+    for tp in (1, 4):
+        e = engine(checkpoints["gqa_k2"], tp, **kw)
+        results[tp], counters[tp] = run(e, prompts, params), e.state.counters
+    assert counters[4].num_preemptions > 0 and counters[4].prefix_cache_hits > 0
+    assert counters[4] == counters[1]  # the scheduler never knows about devices
+    assert_same(results[4], results[1], "tp=4 small pool")
+
+
+def test_weights_and_kv_cache_are_split_across_devices(checkpoints: dict[str, str]) -> None:
+    """At tp=4 every weight matrix is split four ways (norms replicated); the cache holds 1/2
+    of the checkpoint's KV heads per device (K=2: each head on two devices); and the step has
+    one all-reduce per row-parallel projection (plus the embedding's), the sampler one
+    all-gather of the logits."""
+    e = engine(checkpoints["gqa_k2"], 4)
+    params = e.runner.model.params
+    for path, var in nnx.to_flat_state(params):
+        x, name = var.get_value(), ".".join(map(str, path))
+        shard = x.addressable_shards[0].data
+        assert len(x.addressable_shards) == 4 and len(x.sharding.device_set) == 4, name
+        if path[-1] == "scale":  # norms
+            assert shard.shape == x.shape, name
+        else:
+            assert shard.size * 4 == x.size, f"{name}: shard {shard.shape} of {x.shape}"
+    kv = e.runner.kv  # [Ly, P, L, 2*K', H], K' = 4 (each of the 2 heads repeated twice)
+    assert kv.shape[3] == 8 and kv.addressable_shards[0].data.shape[3] == 2
+    assert {s.data.shape for s in kv.addressable_shards} == {(2, 40, 4, 2, 8)}
+    layers = e.runner.model.params["layers"]
+    batch = pack_batch([], num_tokens=16, max_seqs=4, max_blocks=16, block_size=4)
+    step = _jitted_step.lower(params, kv, batch, step_fn=e.runner.model.step).compile()
+    assert _collectives(step.as_text()) == {"all-reduce": 2 * len(layers) + 1}
+    hidden = step.output_shardings[1]
+    hidden = jax.ShapeDtypeStruct((4, 64), np.float32, sharding=hidden)
+    sample = _jitted_sample.lower(params, hidden, np.zeros(4, np.int32),
+                                  build_sampling_metadata([], 4), max_logprobs=2,
+                                  logits_fn=e.runner.model.compute_logits).compile()
+    assert _collectives(sample.as_text()) == {"all-gather": 1}
+
+
+def _collectives(hlo: str) -> dict[str, int]:
+    ops = "all-reduce|all-gather|reduce-scatter|all-to-all|collective-permute"
+    return dict(Counter(re.findall(rf"= \S+ ({ops})\(", hlo)))
+
+
+def test_precompiled_engine_never_compiles_again_and_updates_the_cache_in_place(
+        checkpoints: dict[str, str]) -> None:
+    """tp=8 (vocabulary padded 100 -> 104, KV heads repeated 4x): after precompile a mixed
+    workload compiles nothing (debug_recompiles raises otherwise), and every step donates the
+    sharded cache: the old array is deleted, each device's buffer is reused."""
+    e = engine(checkpoints["gqa_k2"], 8, precompile=True, debug_recompiles=True)
+    pointers = [s.data.unsafe_buffer_pointer() for s in e.runner.kv.addressable_shards]
+    for i, (p, sp) in enumerate(zip(PROMPTS, PARAMS, strict=True)):
+        e.add_request(str(i), {"prompt_token_ids": p}, sp)
+    while e.has_unfinished_requests():
+        old = e.runner.kv
+        e.step()
+        assert old.is_deleted()
+        assert [s.data.unsafe_buffer_pointer() for s in e.runner.kv.addressable_shards] \
+            == pointers
+    assert e.runner.stats.compilations_after_warmup == 0 and e.runner.stats.steps > 5
+
+
+@pytest.mark.parametrize(("scan_layers", "sizes"), [
+    (False, (1, 2)),
+    pytest.param(False, (1, 4), marks=pytest.mark.slow),
+    pytest.param(True, (1, 2, 4), marks=pytest.mark.slow),
+])
+def test_generate_under_an_outer_jit_on_a_mesh(scan_layers: bool, sizes: tuple[int, ...]
+                                               ) -> None:
+    """`jaxengine.generate` over a model split over several devices: the tokens of one device
+    (and the same seed gives the same weights on every mesh)."""
+    cfg = ModelConfig.tiny("qwen2", num_heads=8, num_kv_heads=2, hidden_size=64,
+                           vocab_size=100)
+    ids = np.asarray([[0, 0, 3, 4, 5], [1, 2, 3, 4, 5]], np.int32)
+    lens = np.asarray([3, 5], np.int32)
+    tokens = {}
+    for tp in sizes:
+        model = Model(cfg, seed=3, mesh=make_mesh(jax.devices()[:tp]), scan_layers=scan_layers)
+        fns = model_fns(model, cfg, attn_impl="reference")
+        program = jax.jit(lambda params, i, n, fns=fns: generate(
+            fns, i, n, max_new_tokens=6, params=params, block_size=4, temperature=0.7,
+            key=jax.random.key(1)).tokens)
+        tokens[tp] = np.asarray(program(fns.params, ids, lens))
+    assert tokens[1].shape == (2, 6)
+    for tp in sizes[1:]:
+        np.testing.assert_array_equal(tokens[tp], tokens[1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", ["tpu", "gpu"])
+def test_pallas_kernels_run_per_device_under_shard_map(impl: str) -> None:
+    """The TPU and GPU kernels (interpret mode) inside the tp=2 step give the reference's
+    hidden states and cache at tp=1: each device's kernel sees only its own heads."""
+    cfg = ModelConfig.tiny(hidden_size=128, head_dim=64, num_heads=4, num_kv_heads=2)
+    chunks = [RequestChunk(token_ids=list(range(3, 3 + n)), start=0, block_table=table)
+              for n, table in ((5, [3, 1]), (11, [2, 5, 6]), (1, [4]))]
+    batch = pack_batch(chunks, num_tokens=32, max_seqs=4, max_blocks=4, block_size=16)
+    out = {}
+    for tp, attn in ((1, "reference"), (2, impl)):
+        model = Model(cfg, seed=5, mesh=make_mesh(jax.devices()[:tp]))
+        graphdef, state = split_model(model)
+        kv = init_kv_cache(cfg, num_blocks=8, block_size=16, mesh=model.mesh)
+        step = jax.jit(make_model_step(graphdef, attn_impl=attn, interpret=True))
+        out[tp] = jax.device_get(step(state, kv, batch))
+    np.testing.assert_allclose(out[2][1][:17], out[1][1][:17], atol=TOL)
+    # The cache past the null block 0 (where padding tokens write, whatever a kernel does).
+    np.testing.assert_allclose(out[2][0][:, 1:], out[1][0][:, 1:], atol=TOL)
+
+
+@pytest.mark.slow
+def test_the_default_model_split_three_ways() -> None:
+    """SmolLM2-135M (9 query heads, 3 KV heads; the embedded Q4_1 GGUF) at tp=3: the greedy
+    tokens and logprobs of one device."""
+    prompts = [[1, 504, 3458, 314], [1, 17, 28, 900, 41, 7]]
+    params = [SamplingParams(max_tokens=6, temperature=0.0, logprobs=2, ignore_eos=True)] * 2
+    kw = dict(model=None, max_model_len=64, num_gpu_blocks_override=24)
+    want = run(engine(tp=1, **kw), prompts, params)
+    assert_same(run(engine(tp=3, **kw), prompts, params), want, "SmolLM2 tp=3")
