@@ -1,8 +1,8 @@
 """Data-parallel replicas on distinct virtual CPU devices, with a real tiny checkpoint: the same
 greedy tokens (and logprobs) as one engine, each replica's arrays on its own device group.
 
-One child process with 4 devices (`tests/parallel_helpers.py`) runs dp=1 and dp=2 one after
-the other, so jax starts once.
+One child process with 4 devices (`tests/parallel_helpers.py`) runs dp=1, dp=2 and
+dp=2 x tp=2 one after another, so jax starts once.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def placed(engine):
     return sorted({d.id for x in arrays for d in x.devices()})
 
 results = {}
-for dp, tp in ((1, 1), (2, 1)):
+for dp, tp in ((1, 1), (2, 1), (2, 2)):
     llm = LLM("tests/fixtures/tiny/llama_tied_mha", data_parallel_size=dp,
               tensor_parallel_size=tp, **KW)
     outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
@@ -49,7 +49,7 @@ def test_replicas_on_their_own_devices_give_one_engines_outputs() -> None:
     results = json.loads(out.strip().splitlines()[-1])
     one = results["1x1"]
     assert one["devices"] == [[0]]
-    for config, groups in (("2x1", [[0], [1]]),):
+    for config, groups in (("2x1", [[0], [1]]), ("2x2", [[0, 1], [2, 3]])):
         r = results[config]
         assert r["tokens"] == one["tokens"], config
         assert all(abs(a - b) < 1e-4 for a, b in zip(r["logprobs"], one["logprobs"],
