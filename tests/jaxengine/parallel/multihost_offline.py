@@ -1,15 +1,20 @@
 """One process of the two-process offline test (test_multihost_processes.py); not a test module.
 
 `python multihost_offline.py PROCESS_ID COORDINATOR TP [ENGINE_KWARGS_JSON]`: builds an `LLM`
-joined to the others through `jax.distributed`, generates `PROMPTS` with `PARAMS` and prints one
-line `RESULT {json}`: each output's token ids, text and logprobs. A `ValueError` while building
-prints `VALUE_ERROR message` instead (exit status 3).
+joined to the others through `jax.distributed`, prints `LAYOUT {json}` (which processes hold
+the KV cache and the largest weight, and whether each device holds only a part of them), then
+generates `PROMPTS` with `PARAMS` and prints `RESULT {json}`: each output's token ids, text
+and logprobs. A `ValueError` while building prints `VALUE_ERROR message` instead (exit
+status 3).
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from typing import Any
+
+import jax
 
 from jaxengine.llm import LLM
 from scheduler import SamplingParams
@@ -38,6 +43,16 @@ def summarize(llm: LLM) -> list[dict]:
     return rows
 
 
+def layout(llm: LLM) -> dict[str, Any]:
+    """Where the KV cache and the largest weight live, and whether they are really split."""
+    runner = llm.llm_engine.runner
+    weight = max(jax.tree.leaves(runner.model.params), key=lambda x: x.size)
+    return {name: {"processes": sorted({d.process_index for d in x.sharding.device_set}),
+                   "devices": len(x.sharding.device_set),
+                   "split": x.addressable_shards[0].data.size < x.size}
+            for name, x in (("kv", runner.kv), ("weight", weight))}
+
+
 def main() -> int:
     process_id, coordinator, tp = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
     extra = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
@@ -47,6 +62,7 @@ def main() -> int:
     except ValueError as e:
         print("VALUE_ERROR", e, flush=True)
         return 3
+    print("LAYOUT", json.dumps(layout(llm)), flush=True)
     print("RESULT", json.dumps(summarize(llm)), flush=True)
     return 0
 

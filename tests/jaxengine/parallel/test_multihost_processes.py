@@ -30,7 +30,7 @@ from tests.jaxengine.parallel import multihost_offline as offline
 from tests.parallel_helpers import REPO, device_env
 
 WORKER = Path(offline.__file__)
-TP = 1  # the engine's devices: the first TP of the 4 global ones
+TP = 4  # tensor parallel over all 4 global devices: each process holds half of the model
 DEVICES_PER_PROCESS = 2
 SMALL = ["--max-num-batched-tokens", "32", "--max-num-seqs", "4", "--block-size", "4",
          "--max-model-len", "128", "--num-gpu-blocks-override", "80"]
@@ -79,8 +79,9 @@ def _tail(log: Path, n: int = 4000) -> str:
 
 
 def _run_offline(tmp_path: Path, extra: Sequence[dict[str, Any]] = ({}, {})
-                 ) -> list[tuple[int, str]]:
-    """Both processes of multihost_offline.py; (exit status, the RESULT / VALUE_ERROR line)."""
+                 ) -> list[tuple[int, str, str]]:
+    """Both processes of multihost_offline.py; (exit status, the last RESULT or VALUE_ERROR
+    line, the whole log) of each."""
     coordinator = f"127.0.0.1:{_free_port()}"
     cmds = [[sys.executable, str(WORKER), str(i), coordinator, str(TP), json.dumps(extra[i])]
             for i in range(2)]
@@ -89,11 +90,16 @@ def _run_offline(tmp_path: Path, extra: Sequence[dict[str, Any]] = ({}, {})
         codes = _wait_all(procs, logs, timeout=120)
     lines = []
     for code, log in zip(codes, logs, strict=True):
-        found = [ln for ln in log.read_text().splitlines()
-                 if ln.startswith(("RESULT ", "VALUE_ERROR "))]
+        text = log.read_text()
+        found = [ln for ln in text.splitlines() if ln.startswith(("RESULT ", "VALUE_ERROR "))]
         assert found, _tail(log)
-        lines.append((code, found[-1]))
+        lines.append((code, found[-1], text))
     return lines
+
+
+def _layout(log_text: str) -> dict[str, Any]:
+    line = next(ln for ln in log_text.splitlines() if ln.startswith("LAYOUT "))
+    return json.loads(line.removeprefix("LAYOUT "))
 
 
 @pytest.fixture(scope="module")
@@ -104,8 +110,11 @@ def one_process() -> list[dict[str, Any]]:
 
 def test_two_processes_give_one_process_outputs(tmp_path: Path,
                                                 one_process: list[dict[str, Any]]) -> None:
-    (code0, line0), (code1, line1) = _run_offline(tmp_path)
+    (code0, line0, log0), (code1, line1, log1) = _run_offline(tmp_path)
     assert (code0, code1) == (0, 0), (line0, line1)
+    for log in (log0, log1):  # one mesh over both processes' devices, the model split on it
+        for part in _layout(log).values():
+            assert part == {"processes": [0, 1], "devices": 4, "split": True}, log
     got0, got1 = (json.loads(line.removeprefix("RESULT ")) for line in (line0, line1))
     assert got0 == got1  # the same script on every host: the same outputs everywhere
     for got, want in zip(got0, one_process, strict=True):
@@ -116,7 +125,7 @@ def test_two_processes_give_one_process_outputs(tmp_path: Path,
 
 def test_processes_started_with_different_arguments_all_refuse(tmp_path: Path) -> None:
     results = _run_offline(tmp_path, extra=({}, {"max_num_seqs": 3}))
-    for code, line in results:
+    for code, line, _ in results:
         assert code == 3 and "different engine arguments" in line, results
 
 
