@@ -1,9 +1,10 @@
 """The FastAPI application: OpenAI routes, /health, /v1/models and /metrics over one engine.
 
 `build_app(engine, model_name=...)` takes a built `LLMEngine` (or a `DataParallelEngine` of
-several replicas); the engine loop starts and stops with the app's lifespan. `app.state.async_engine` is the `AsyncEngine` (tests read the
-scheduler state through `app.state.async_engine.engine.snapshot()`), `app.state.serving` the
-`OpenAIServing` (with the model's `default_sampling_params`).
+several replicas); the engine loop starts and stops with the app's lifespan.
+`app.state.async_engine` is the `AsyncEngine` (tests read the scheduler state through
+`app.state.async_engine.engine.snapshot()`), `app.state.serving` the `OpenAIServing` (with
+the model's `default_sampling_params`).
 """
 
 from __future__ import annotations
