@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import logging
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -102,13 +103,25 @@ def _detected_cluster() -> str | None:
 
     jax has no public way to ask, so this walks its cluster registry (`jax._src.clusters`,
     pinned jax 0.12) the way `initialize()` does, skipping opt-in methods (mpi4py) as it does.
-    A one-process job is no multi-host job: nothing to join.
+    A one-process job is no multi-host job: nothing to join. Neither is an environment JAX
+    cannot bootstrap from (Kubernetes without the `kubernetes` package, where jax warns, or
+    a cluster API that fails): this runs on every single-machine start, so it stays quiet.
     """
     from jax._src import clusters
 
     for env in clusters.ClusterEnv._cluster_types:
-        if not env.opt_in_only_method and env.is_env_present():
-            return env.__name__ if env.get_process_count() > 1 else None
+        if env.opt_in_only_method:
+            continue
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                if not env.is_env_present():
+                    continue
+                count = env.get_process_count()
+        except Exception as e:  # any failure of a cluster's own probe: not a job to join
+            logger.debug("multi-host: %s present but unusable: %s", env.__name__, e)
+            continue
+        return env.__name__ if count > 1 else None
     return None
 
 

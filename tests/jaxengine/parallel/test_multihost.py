@@ -5,6 +5,7 @@ test_multihost_processes.py."""
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import queue
 import threading
 from collections.abc import Iterable
@@ -87,6 +88,15 @@ def test_a_slurm_job_of_several_tasks_is_detected(monkeypatch: pytest.MonkeyPatc
                         "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}.items():
         monkeypatch.setenv(name, value)
     assert _detected_cluster() == found  # one task: nothing to join
+
+
+def test_kubernetes_without_its_package_is_no_job_and_no_warning(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    assert importlib.util.find_spec("kubernetes") is None  # as in this project's venv
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")
+    assert _detected_cluster() is None  # jax warns here; pytest would make that an error
+    initialize_from_args(EngineArgs())
+    assert not jax.distributed.is_initialized()
 
 
 def test_multi_host_arguments_after_jax_started_say_to_move_them_first() -> None:
