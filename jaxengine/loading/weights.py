@@ -145,7 +145,8 @@ def load_weights(cfg: ModelConfig, source: TensorSource, *, dtype: jnp.dtype, wh
     for path in (p for p in HF_NAMES if p in shapes):
         host = to_layout(path, load_weight(path, shapes[path], source, np_dtype, where),
                          layout, cfg.head_dim)
+        # dtype: a process holding none of the shards (multi-host) calls no callback at all
         weights[path] = jax.make_array_from_callback(
-            host.shape, shardings[path], lambda index, host=host: host[index])
+            host.shape, shardings[path], lambda index, host=host: host[index], dtype=host.dtype)
         del host  # the devices' shards are the only copy kept
     return weights

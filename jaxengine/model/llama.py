@@ -157,7 +157,8 @@ def _with_weights(abstract: dict[str, nnx.Module | None],
                              f"expected {want}")
         if not isinstance(value, jax.Array):
             value = np.asarray(value).astype(dtype)
-        value = jax.device_put(value, shardings[path].get_value()).astype(dtype)
+        value = jax.device_put(value, shardings[path].get_value())  # no-op if placed already
+        value = value if value.dtype == dtype else value.astype(dtype)
         filled.append((path, var.replace(value)))
     return nnx.merge(graphdef, nnx.from_flat_state(filled))
 
