@@ -13,17 +13,25 @@ Sections, in order; each prints lines tagged with its name:
                Triton / Mosaic custom call must be in it and the jnp reference must not.
   timing       kernel vs reference, median ms (``benchmarks/attention.py``'s batches and timer);
   bandwidth    from the same runs: bytes of cached KV read / kernel time / ``--peak-gbps``.
+  tensor-parallel  the engine's decode step (model step + greedy sampler, as the runner jits
+               them) at tp = 1, 2, 4, 8 over the first tp devices, on a Llama-3-8B-shaped
+               random bf16 model: median ms, and the bytes one device reads per step (its
+               weight shards and its share of the KV cache) / step time / ``--peak-gbps``, the
+               fraction of the HBM roofline. A tp larger than the device count is skipped.
 It ends with ``summary: PASS`` or ``summary: FAIL (...)`` and exits 1 on any failure; a section
 that raises is a failure, and the later sections still run.
 
-``--cpu-smoke`` runs every section on CPU: both kernels in interpret mode at tiny sizes, and the
-engine step lowered (not compiled) for an abstract H200 and TPU v6e. Its timings mean nothing;
-it exists so that a test keeps this script from rotting between device runs.
+``--cpu-smoke`` runs every section on CPU: both kernels in interpret mode at tiny sizes, the
+engine step lowered (not compiled) for an abstract H200 and TPU v6e, and tensor parallel on 4
+virtual CPU devices (tp=8 skipped) with a tiny model. Its timings mean nothing; it exists so
+that a test keeps this script from rotting between device runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
 import sys
 import time
 import traceback
@@ -32,22 +40,29 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from flax import nnx
+SMOKE_DEVICES = 4  # virtual CPU devices of the smoke run, so that tp > 1 runs on CPU too
+if "--cpu-smoke" in sys.argv and "device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +  # before jax is imported
+                               f" --xla_force_host_platform_device_count={SMOKE_DEVICES}")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import attention as bench  # noqa: E402
 from jaxengine.engine.args import EngineArgs  # noqa: E402
 from jaxengine.engine.build import attention_backend, model_fns  # noqa: E402
+from jaxengine.model.batch import ModelBatch, RequestChunk  # noqa: E402
 from jaxengine.model.config import ModelConfig  # noqa: E402
 from jaxengine.model.kv_cache import kv_cache_shape, kv_cache_sharding  # noqa: E402
 from jaxengine.model.llama import Model  # noqa: E402
 from jaxengine.model.step import pack_batch  # noqa: E402
-from jaxengine.parallel.mesh import TP_AXIS  # noqa: E402
-from jaxengine.runner.runner import jaxengine_model_step  # noqa: E402
+from jaxengine.parallel.mesh import TP_AXIS, make_mesh  # noqa: E402
+from jaxengine.runner.runner import _jitted_sample, _jitted_step, jaxengine_model_step  # noqa: E402
+from jaxengine.sampling.metadata import build_sampling_metadata  # noqa: E402
 from pallas_kernels import check_supported, default_impl, ragged_paged_attention  # noqa: E402
 from tests.pallas_kernels.cases import make_case  # noqa: E402
 
@@ -237,10 +252,88 @@ def timing(ctx: Context) -> list[str]:
     return failures
 
 
+# ---- tensor parallel ------------------------------------------------------------------------
+
+TP_SIZES = (1, 2, 4, 8)
+LLAMA3_8B = ModelConfig(architecture="llama", vocab_size=128256, hidden_size=4096,
+                        intermediate_size=14336, num_layers=32, num_heads=32, num_kv_heads=8,
+                        head_dim=128, rope_theta=500000.0, max_position_embeddings=8192)
+TP_DECODE = (32, 1024)  # decoding requests, context tokens of each
+TP_SMOKE_DECODE = (4, 32)
+
+
+def _decode_batch(num_reqs: int, context: int) -> ModelBatch:
+    """One new token per request at position `context - 1`, each on its own pages."""
+    pages = context // PAGE_SIZE
+    chunks = [RequestChunk(token_ids=[7 + r], start=context - 1,
+                           block_table=list(range(1 + r * pages, 1 + (r + 1) * pages)))
+              for r in range(num_reqs)]
+    return pack_batch(chunks, num_tokens=max(16, num_reqs), max_seqs=num_reqs,
+                      max_blocks=pages, block_size=PAGE_SIZE)
+
+
+def _bytes_read(model: Model, fns: Any, num_reqs: int, context: int) -> tuple[int, int]:
+    """(weight bytes, KV bytes) one device reads in a decode step: its weight shards (less the
+    embedding table, of which only a row per token is read, unless it is also the LM head)
+    and its part of the requests' cached KV."""
+    per_device = [x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(fns.params)]
+    weights = sum(per_device)
+    if model.lm_head is not None:
+        weights -= model.embed[...].addressable_shards[0].data.nbytes
+    kv = fns.kv_bytes_per_block(PAGE_SIZE) // PAGE_SIZE * num_reqs * context
+    return weights, kv
+
+
+def _time_decode(cfg: ModelConfig, tp: int, ctx: Context) -> tuple[float, int, int, np.ndarray]:
+    """(median seconds per decode step, weight bytes, KV bytes per device, the step's tokens)."""
+    num_reqs, context = TP_SMOKE_DECODE if ctx.smoke else TP_DECODE
+    model = Model(cfg, dtype=jnp.bfloat16, seed=0, mesh=make_mesh(jax.devices()[:tp]))
+    fns = model_fns(model, cfg, attn_impl="reference" if ctx.smoke else default_impl())
+    kv = fns.init_kv(1 + num_reqs * context // PAGE_SIZE, PAGE_SIZE)
+    batch, rows = _decode_batch(num_reqs, context), np.arange(num_reqs, dtype=np.int32)
+    md = build_sampling_metadata([], num_reqs)  # every row greedy
+
+    def step(kv: jax.Array) -> tuple[jax.Array, jax.Array]:
+        kv, hidden = _jitted_step(fns.params, kv, batch, step_fn=fns.step)
+        out = _jitted_sample(fns.params, hidden, rows, md, logits_fn=fns.compute_logits,
+                             max_logprobs=0)
+        return kv, out.token_ids
+
+    kv, tokens = step(kv)  # compile + warm-up; rewriting the same slots is idempotent
+    first, times = np.asarray(tokens.addressable_data(0)), []
+    for _ in range(ctx.iters):
+        t0 = time.perf_counter()
+        kv, tokens = step(kv)
+        tokens.block_until_ready()
+        times.append(time.perf_counter() - t0)
+    weights, kv_bytes = _bytes_read(model, fns, num_reqs, context)
+    return statistics.median(times), weights, kv_bytes, first
+
+
+def tensor_parallel(ctx: Context) -> list[str]:
+    """Decode step time at each tp the devices allow, as a fraction of the HBM roofline."""
+    cfg = ModelConfig.tiny(num_heads=8, num_kv_heads=2, hidden_size=64, vocab_size=100) \
+        if ctx.smoke else LLAMA3_8B
+    count, reference = len(jax.devices()), None
+    for tp in TP_SIZES:
+        if tp > count:
+            _report("tensor-parallel", f"tp={tp}: skipped ({count} device(s))")
+            continue
+        t, weights, kv_bytes, tokens = _time_decode(cfg, tp, ctx)  # the model is freed after
+        reference = tokens if reference is None else reference
+        gbps = (weights + kv_bytes) / t / 1e9
+        same = int((tokens == reference).sum())
+        _report("tensor-parallel", f"tp={tp}: decode step {t * 1e3:.2f} ms; per device "
+                f"{weights / 1e6:.1f} MB weights + {kv_bytes / 1e6:.1f} MB KV = {gbps:.1f} "
+                f"GB/s = {100 * gbps / ctx.peak_gbps:.1f}% of {ctx.peak_gbps:.0f} GB/s; "
+                f"greedy tokens equal to tp=1's: {same}/{len(tokens)} (bf16, random weights: "
+                f"near ties may flip)")
+    return []  # it fails by raising: a timing has no threshold
+
+
 # Sections in report order: each takes the Context, prints its lines, returns its failures.
-# A tensor-parallel section (decode step time at tp=1, 2, 4, 8 over the lent chips) is one more
-# function of this kind, appended here.
-SECTIONS: list[Callable[[Context], list[str]]] = [correctness, engine_hlo, timing]
+SECTIONS: list[Callable[[Context], list[str]]] = [correctness, engine_hlo, timing,
+                                                  tensor_parallel]
 
 
 def _context(args: argparse.Namespace) -> Context:

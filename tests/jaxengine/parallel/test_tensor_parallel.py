@@ -35,6 +35,25 @@ print(json.dumps(list(outs[0].outputs[0].token_ids)))
 """
 
 
+DEVICE_CHECK = """
+from benchmarks import device_check as dc
+ctx = dc.Context(impls=(), interpret=True, smoke=True, quick=True, peak_gbps=4800.0, iters=1)
+assert dc.tensor_parallel(ctx) == []
+"""
+
+
+def test_device_checks_tensor_parallel_section_skips_what_the_devices_cannot_hold() -> None:
+    """benchmarks/device_check.py's section in its smoke sizes on 2 devices: tp=1 and 2 timed
+    against the roofline, 4 and 8 skipped."""
+    lines = [line for line in run_python(DEVICE_CHECK, num_devices=2).splitlines()
+             if line.startswith("[tensor-parallel]")]
+    assert len(lines) == 4
+    for tp, line in zip((1, 2), lines, strict=False):
+        assert line.startswith(f"[tensor-parallel] tp={tp}: decode step ")
+        assert "% of 4800 GB/s" in line and "equal to tp=1's: 4/4" in line
+    assert lines[2:] == [f"[tensor-parallel] tp={tp}: skipped (2 device(s))" for tp in (4, 8)]
+
+
 def test_tensor_parallel_size_is_validated() -> None:
     with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
         EngineArgs(tensor_parallel_size=0)
