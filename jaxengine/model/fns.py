@@ -23,5 +23,5 @@ class ModelFns:
     step: Callable[[Any, jax.Array, ModelBatch], tuple[jax.Array, jax.Array]]  # -> kv, [T, D]
     compute_logits: Callable[[Any, jax.Array], jax.Array]  # hidden [R, D] -> f32[R, V]
     init_kv: Callable[[int, int], jax.Array]  # (num_blocks, block_size) -> zeroed cache
-    kv_bytes_per_block: Callable[[int], int]  # block_size -> bytes of one page, all layers
+    kv_bytes_per_block: Callable[[int], int]  # block_size -> a page's bytes on one device
     vocab_size: int

@@ -19,8 +19,8 @@ in place.
 A model lives on a mesh (jaxengine/parallel/mesh.py; default: one device) and is laid out for
 its "tp" size (`TPLayout`: KV heads repeated when tp > K, vocabulary padded to a multiple of
 tp). Its weights are created where their sharding is declared (layers.py) and placed straight
-into their shards: a fresh model is drawn inside one jit whose outputs have the weights'
-shardings, a loaded one is filled with arrays the loader made shard by shard.
+into their shards: a fresh model is drawn by jits whose outputs have the weights' shardings
+(`on_mesh`), a loaded one is filled with arrays the loader made shard by shard.
 Axes: T tokens, D model, N query heads, K kv heads, H head dim, F MLP width, V vocab, R rows;
 mesh axis tp.
 """
@@ -28,7 +28,8 @@ mesh axis tp.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -100,24 +101,32 @@ def stacked_blocks(cfg: ModelConfig, layout: TPLayout, keys: jax.Array, *, mesh:
     return create(keys)
 
 
+Build = Callable[[Callable[..., Any]], Callable[..., Any]]  # wraps a module constructor
+
+
+def _as_is(create: Callable[..., Any]) -> Callable[..., Any]:
+    return create
+
+
 def looped_blocks(cfg: ModelConfig, layout: TPLayout, keys: jax.Array, *, mesh: Mesh,
-                  dtype: jnp.dtype) -> nnx.List:
-    """One `Block` per layer, each with its own arrays (the CPU layout); `keys` as above."""
-    return nnx.List([Block(cfg, layout, mesh=mesh, dtype=dtype, rngs=nnx.Rngs(key))
-                     for key in keys])
+                  dtype: jnp.dtype, build: Build = _as_is) -> nnx.List:
+    """One `Block` per layer, each with its own arrays (the CPU layout); `keys` as above.
+
+    Args:
+        build: wraps the one-block constructor (`on_mesh`: each layer is drawn by the same
+            compiled program).
+    """
+    block = build(lambda key: Block(cfg, layout, mesh=mesh, dtype=dtype, rngs=nnx.Rngs(key)))
+    return nnx.List([block(key) for key in keys])
 
 
-def _create_parts(cfg: ModelConfig, layout: TPLayout, *, mesh: Mesh, dtype: jnp.dtype,
-                  seed: int, scan_layers: bool) -> dict[str, nnx.Module | None]:
-    """The submodules of `Model`, by attribute name, with fresh weights drawn from `seed`."""
-    key, layer_key = jax.random.split(jax.random.key(seed))
-    rngs, layer_keys = nnx.Rngs(key), jax.random.split(layer_key, cfg.num_layers)
-    blocks = stacked_blocks if scan_layers else looped_blocks
-    D, V = cfg.hidden_size, cfg.vocab_size
+def _outer_parts(cfg: ModelConfig, layout: TPLayout, key: jax.Array, *, mesh: Mesh,
+                 dtype: jnp.dtype) -> dict[str, nnx.Module | None]:
+    """The submodules of `Model` around the layers, drawn from `key`."""
+    rngs, D, V = nnx.Rngs(key), cfg.hidden_size, cfg.vocab_size
     return {
         "embed_tokens": Embedder(V, D, mesh=mesh, dtype=dtype, rngs=rngs,
                                  padded_vocab_size=layout.vocab_size),
-        "layers": blocks(cfg, layout, layer_keys, mesh=mesh, dtype=dtype),
         "norm": RMSNorm(D, eps=cfg.rms_norm_eps, dtype=dtype),
         "lm_head": None if cfg.tie_word_embeddings else linear(
             D, layout.vocab_size, sharding=COLUMN, mesh=mesh, dtype=dtype, rngs=rngs,
@@ -125,13 +134,41 @@ def _create_parts(cfg: ModelConfig, layout: TPLayout, *, mesh: Mesh, dtype: jnp.
     }
 
 
-def _fresh(create: functools.partial, mesh: Mesh) -> dict[str, nnx.Module | None]:
-    """`create()` run in one jit whose outputs are the weights' shardings: each device draws
-    only its own shards (jax's partitionable threefry: the values do not depend on the mesh)."""
-    graphdef, abstract = nnx.split(nnx.eval_shape(create))
-    shardings = nnx.get_named_sharding(abstract, mesh)
-    state = jax.jit(lambda: nnx.split(create())[1], out_shardings=shardings)()
-    return nnx.merge(graphdef, state)
+def _create_parts(cfg: ModelConfig, layout: TPLayout, *, mesh: Mesh, dtype: jnp.dtype,
+                  seed: int, scan_layers: bool, build: Build = _as_is
+                  ) -> dict[str, nnx.Module | None]:
+    """The submodules of `Model`, by attribute name, with fresh weights drawn from `seed`.
+
+    Args:
+        build: wraps each constructor (the outer parts, the stacked layers or one layer).
+    """
+    key, layer_key = jax.random.split(jax.random.key(seed))
+    layer_keys = jax.random.split(layer_key, cfg.num_layers)
+    if scan_layers:
+        layers = build(lambda keys: stacked_blocks(cfg, layout, keys, mesh=mesh, dtype=dtype))(
+            layer_keys)
+    else:
+        layers = looped_blocks(cfg, layout, layer_keys, mesh=mesh, dtype=dtype, build=build)
+    outer = build(functools.partial(_outer_parts, cfg, layout, mesh=mesh, dtype=dtype))(key)
+    return {**outer, "layers": layers}
+
+
+def on_mesh(create: Callable[..., Any], mesh: Mesh) -> Callable[..., Any]:
+    """`create(*args)` (a module constructor) run in a jit whose outputs have the weights'
+    shardings: each device draws only its own shards (jax's partitionable threefry: the values
+    do not depend on the mesh). Traced once, at the first call, for every call after it: one
+    compiled program draws all the layers of a looped model."""
+    program: dict[str, Any] = {}
+
+    def run(*args: Any) -> Any:
+        if not program:
+            graphdef, abstract = nnx.split(nnx.eval_shape(create, *args))
+            program["graphdef"] = graphdef
+            program["jit"] = jax.jit(lambda *a: nnx.split(create(*a))[1],
+                                     out_shardings=nnx.get_named_sharding(abstract, mesh))
+        return nnx.merge(program["graphdef"], program["jit"](*args))
+
+    return run
 
 
 def _with_weights(abstract: dict[str, nnx.Module | None],
@@ -195,7 +232,7 @@ class Model(nnx.Module):
         self.layout = tp_layout(config, tp_size(self.mesh))
         create = functools.partial(_create_parts, config, self.layout, mesh=self.mesh,
                                    dtype=self.dtype, seed=seed, scan_layers=self.scan_layers)
-        parts = (_fresh(create, self.mesh) if weights is None
+        parts = (create(build=functools.partial(on_mesh, mesh=self.mesh)) if weights is None
                  else _with_weights(nnx.eval_shape(create), weights, mesh=self.mesh,
                                     dtype=self.dtype, scan_layers=self.scan_layers))
         self.embed_tokens: Embedder = parts["embed_tokens"]
