@@ -8,7 +8,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import pytest
 
 from jaxengine.cli import build_parser, engine_args_from, main
 from jaxengine.engine.args import EngineArgs
+from tests.server_processes import free_port, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "tests" / "fixtures" / "tiny" / "llama_tied_mha"
@@ -150,30 +150,16 @@ def test_chat_keeps_the_conversation(monkeypatch: pytest.MonkeyPatch,
     assert printed.startswith(seen[1][2]["content"] + "\n")  # the first reply, as printed
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_serve_subprocess_answers_and_logs_throughput(tmp_path: Path) -> None:
-    port, log = _free_port(), tmp_path / "serve.log"
+    port, log = free_port(), tmp_path / "serve.log"
     cmd = [sys.executable, "-m", "jaxengine", "serve", str(TINY), "--host", "127.0.0.1",
            "--port", str(port), "--served-model-name", "tiny", "--log-interval", "1", *SMALL]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     try:
-        base, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, log.read_text()
-            try:
-                if httpx.get(f"{base}/health", trust_env=False, timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.25)
+        base = f"http://127.0.0.1:{port}"
+        wait_healthy(base, [proc], log.read_text)
         r = httpx.post(f"{base}/v1/completions", trust_env=False, timeout=120, json={
             "model": "tiny", "prompt": "hi", "max_tokens": 4, "ignore_eos": True})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4

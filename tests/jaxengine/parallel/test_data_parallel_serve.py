@@ -5,28 +5,21 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 
 import httpx
 
 from tests.jaxengine.metrics.test_metrics import _value
 from tests.parallel_helpers import REPO, device_env
+from tests.server_processes import free_port, wait_healthy
 
 TINY = "tests/fixtures/tiny/llama_tied_mha"
 START_TIMEOUT_S = 120.0
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_serve_with_two_replicas(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    port = _free_port()
+    port = free_port()
     log = tmp_path / "serve.log"
     cmd = [sys.executable, "-m", "jaxengine", "serve", TINY, "--host", "127.0.0.1", "--port",
            str(port), "--data-parallel-size", "2", "--max-model-len", "64", "--block-size", "4",
@@ -38,16 +31,8 @@ def test_serve_with_two_replicas(tmp_path) -> None:  # type: ignore[no-untyped-d
                                 stderr=subprocess.STDOUT, start_new_session=True)
     try:
         base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            assert proc.poll() is None, log.read_text(errors="replace")[-4000:]
-            assert time.monotonic() < deadline, log.read_text(errors="replace")[-4000:]
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
+        wait_healthy(base, [proc], lambda: log.read_text(errors="replace")[-4000:],
+                     timeout=START_TIMEOUT_S)
         body = {"model": "tiny", "prompt": "hello", "max_tokens": 4, "temperature": 0,
                 "ignore_eos": True}
         reply = httpx.post(f"{base}/v1/completions", json=body, timeout=60).json()

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -28,18 +27,13 @@ from jaxengine.llm import LLM
 from scheduler import SamplingParams
 from tests.jaxengine.parallel import multihost_offline as offline
 from tests.parallel_helpers import REPO, device_env
+from tests.server_processes import free_port, wait_healthy
 
 WORKER = Path(offline.__file__)
 TP = 4  # tensor parallel over all 4 global devices: each process holds half of the model
 DEVICES_PER_PROCESS = 2
 SMALL = ["--max-num-batched-tokens", "32", "--max-num-seqs", "4", "--block-size", "4",
          "--max-model-len", "128", "--num-gpu-blocks-override", "80"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager
@@ -82,7 +76,7 @@ def _run_offline(tmp_path: Path, extra: Sequence[dict[str, Any]] = ({}, {})
                  ) -> list[tuple[int, str, str]]:
     """Both processes of multihost_offline.py; (exit status, the last RESULT or VALUE_ERROR
     line, the whole log) of each."""
-    coordinator = f"127.0.0.1:{_free_port()}"
+    coordinator = f"127.0.0.1:{free_port()}"
     cmds = [[sys.executable, str(WORKER), str(i), coordinator, str(TP), json.dumps(extra[i])]
             for i in range(2)]
     logs = [tmp_path / f"process{i}.log" for i in range(2)]
@@ -139,20 +133,6 @@ def _serve_commands(coordinator: str, http_port: int) -> list[list[str]]:
             [*base, "--process-id", "1", "--headless"]]
 
 
-def _wait_healthy(base: str, procs: Sequence[subprocess.Popen[bytes]],
-                  logs: Sequence[Path]) -> None:
-    deadline = time.monotonic() + 120
-    while True:
-        assert all(p.poll() is None for p in procs), "\n".join(_tail(lg) for lg in logs)
-        try:
-            if httpx.get(f"{base}/health", trust_env=False, timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "the server did not come up"
-        time.sleep(0.25)
-
-
 def _complete(base: str, prompt: Any, params: SamplingParams) -> str:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": params.max_tokens,
             "temperature": params.temperature, "ignore_eos": True}
@@ -180,11 +160,11 @@ def test_headless_follower_serves_with_process_0_and_stops_with_it(
     want = [row["text"] for row, (p, sp) in zip(one_process, zip(offline.PROMPTS,
             offline.PARAMS, strict=True), strict=True) if sp.seed is not None
             or sp.temperature == 0.0]
-    http_port = _free_port()
+    http_port = free_port()
     base = f"http://127.0.0.1:{http_port}"
     logs = [tmp_path / "serve0.log", tmp_path / "serve1.log"]
-    with _processes(_serve_commands(f"127.0.0.1:{_free_port()}", http_port), logs) as procs:
-        _wait_healthy(base, procs, logs)
+    with _processes(_serve_commands(f"127.0.0.1:{free_port()}", http_port), logs) as procs:
+        wait_healthy(base, procs, lambda: "\n".join(_tail(lg) for lg in logs))
         got: dict[int, str] = {}
         threads = [threading.Thread(target=lambda i=i, w=w: got.__setitem__(i, _complete(
             base, *w))) for i, w in enumerate(work)]
