@@ -50,6 +50,10 @@ class EngineArgs:
     attention_backend: str | None = _arg(None, "attention implementation; None: chosen by "
                                                "jax.default_backend()")
     precompile: bool = _arg(False, "compile every token/request bucket at startup")
+    async_scheduling: bool = _arg(False, "schedule step N+1 on the host while the device runs "
+                                         "step N (same outputs as the synchronous loop)")
+    compilation_cache_dir: str | None = _arg(
+        None, "JAX's persistent compilation cache; None: ~/.cache/jaxengine/jax, '' disables")
     debug_recompiles: bool = _arg(False, "raise if anything compiles after warm-up")
     max_logprobs: int = _arg(20, "most top logprobs a request may ask for")
     intermediate_token_buckets: bool = _arg(False, "1.5x token buckets too: less padding, "

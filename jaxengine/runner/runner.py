@@ -10,6 +10,7 @@ and with `debug_recompiles` a compilation raises `RecompileError`.
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -27,6 +28,8 @@ from jaxengine.runner.compiles import RecompileError, compile_count, ensure_list
 from jaxengine.sampling.metadata import MAX_BANNED, SamplingRow, build_sampling_metadata
 from jaxengine.sampling.sampler import SamplerOutput, SamplingMetadata, sample_impl
 from scheduler import SchedulerOutput
+
+logger = logging.getLogger("jaxengine.runner")
 
 STEP_NAME = "jaxengine_model_step"
 SAMPLE_NAME = "jaxengine_sample"
@@ -131,6 +134,7 @@ class Runner:
         # first real call would compile it again.
         committed = any(getattr(x, "committed", False) for x in jax.tree.leaves((params, kv)))
         for kind, size in tqdm(specs, desc="precompile", disable=not progress):
+            t_spec = time.perf_counter()
             if kind == "step":
                 compiled = _jitted_step.lower(params, kv, self._batch_spec(size),
                                               **self._step_statics).compile()
@@ -141,8 +145,13 @@ class Runner:
                 rows = jax.ShapeDtypeStruct((size,), np.int32)
                 md = jax.tree.map(_spec, build_sampling_metadata([], size))
                 _jitted_sample.lower(params, hidden, rows, md, **self._sample_statics).compile()
+            logger.info("compiled %s for %d %s in %.2f s", kind, size,
+                        "tokens" if kind == "step" else "requests", time.perf_counter() - t_spec)
         self.stats.compilations += self.compilations() - before
         self.stats.compile_seconds += time.perf_counter() - t0
+        logger.info("compiled %d programs (%d token buckets, %d request buckets) in %.2f s",
+                    len(specs), len(self.token_buckets), len(self.request_buckets),
+                    time.perf_counter() - t0)
         self.warm = True
 
     def mark_warm(self) -> None:
