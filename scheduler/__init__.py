@@ -13,6 +13,7 @@ from scheduler.request import Request, RequestStatus
 from scheduler.sampling_params import SamplingParams, SamplingParamsError
 from scheduler.schedule import schedule
 from scheduler.state import (
+    PLACEHOLDER_TOKEN_ID,
     NewRequestData,
     RequestDelta,
     SchedulerCounters,
@@ -24,9 +25,9 @@ from scheduler.state import (
 from scheduler.update import abort_requests, add_request, update_from_output
 
 __all__ = [
-    "POLICIES", "NewRequestData", "Policy", "Request", "RequestDelta", "RequestStatus",
-    "SamplingParams", "SamplingParamsError", "SchedulerConfig", "SchedulerCounters",
-    "SchedulerOutput", "SchedulerState", "SchedulerStats", "SortedPolicy", "abort_requests",
-    "add_request", "check_invariants", "init_state", "prefix_cache_hit", "register", "schedule",
-    "update_from_output",
+    "PLACEHOLDER_TOKEN_ID", "POLICIES", "NewRequestData", "Policy", "Request", "RequestDelta",
+    "RequestStatus", "SamplingParams", "SamplingParamsError", "SchedulerConfig",
+    "SchedulerCounters", "SchedulerOutput", "SchedulerState", "SchedulerStats", "SortedPolicy",
+    "abort_requests", "add_request", "check_invariants", "init_state", "prefix_cache_hit",
+    "register", "schedule", "update_from_output",
 ]

@@ -30,6 +30,7 @@ class Work:
         self.computed: dict[str, int] = state._computed.copy()
         self.tables: dict[str, tuple[int, ...]] = state._tables.copy()
         self.num_cached: dict[str, int] = state._num_cached.copy()
+        self.placeholders: dict[str, int] = state._placeholders.copy()
         self.finished: set[str] = set(state._finished)
         self.counters: dict[str, int] = {
             name: getattr(state.counters, name) for name in SchedulerCounters.__slots__}
@@ -52,6 +53,7 @@ class Work:
             counters=SchedulerCounters(**self.counters),
             _static=MappingProxyType(self.static), _computed=MappingProxyType(self.computed),
             _tables=MappingProxyType(self.tables), _num_cached=MappingProxyType(self.num_cached),
+            _placeholders=MappingProxyType(self.placeholders),
             _finished=frozenset(self.finished), _data=self._edit.commit(),
         )
 
@@ -130,4 +132,5 @@ class Work:
         self.kv.forget_hashes(rid)
         self._journal.delete(self.tokens, rid)
         del self.static[rid], self.computed[rid]
+        self.placeholders.pop(rid, None)  # a token still in flight for it is dropped
         self.finished.add(rid)

@@ -29,6 +29,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True  # automatic prefix caching (§5)
     reserve_full_prompt: bool = True  # admit only if the whole sequence's blocks are free
     watermark: float = 0.0  # fraction of blocks kept free when admitting
+    async_scheduling: bool = False  # schedule the next step before this one's tokens (§4.1)
 
     def __post_init__(self) -> None:
         _validate(self)

@@ -32,7 +32,8 @@ def _check_data(state: SchedulerState, data: StateData) -> None:
     assert data.tokens.keys() == state._static.keys(), "token histories must follow the requests"
     for rid, computed in state._computed.items():
         spec = state._static[rid].spec_token_ids
-        assert computed <= len(data.tokens[rid]) + len(spec), f"{rid}: computed past its tokens"
+        ahead = len(spec) + state._placeholders.get(rid, 0)
+        assert computed <= len(data.tokens[rid]) + ahead, f"{rid}: computed past its tokens"
     _check_pool(state, data.kv)
 
 

@@ -57,6 +57,7 @@ class Request:
     output_token_ids: tuple[int, ...] = ()  # sampled so far
     spec_token_ids: tuple[int, ...] = ()  # draft tokens to verify in the next step
     num_computed_tokens: int = 0  # tokens with KV in the cache
+    num_output_placeholders: int = 0  # async scheduling: scheduled outputs not yet sampled
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0  # times preempted (each one recomputes everything)
     stop_reason: int | str | None = None  # stop token id or stop string that finished it

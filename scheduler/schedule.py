@@ -10,8 +10,13 @@ from types import MappingProxyType
 
 from scheduler._work import Work
 from scheduler.partial_prefill import PartialPrefills
-from scheduler.request import RequestStatus
-from scheduler.state import NewRequestData, SchedulerOutput, SchedulerState
+from scheduler.request import Request, RequestStatus
+from scheduler.state import (
+    PLACEHOLDER_TOKEN_ID,
+    NewRequestData,
+    SchedulerOutput,
+    SchedulerState,
+)
 
 
 class _Step:
@@ -44,20 +49,23 @@ class _Step:
         """The long-prefill threshold's cap."""
         return self.threshold if 0 < self.threshold < n else n
 
-    def record(self, w: Work, rid: str, n: int, computed: int) -> None:
-        """Schedule n tokens of the request, whose first `computed` tokens have KV."""
+    def record(self, w: Work, rid: str, n: int, computed: int, placeholders: int = 0) -> None:
+        """Schedule n tokens of the request, whose first `computed` tokens have KV and whose
+        last `placeholders` tokens are still being sampled (async scheduling)."""
         self.tokens[rid] = n
         self.computed_before[rid] = computed
         self.budget -= n
         end = computed + n
         history = w.tokens[rid]
-        num_tokens = len(history)
-        if n == 1 and end <= num_tokens:  # a decode: the one token sampled last step
+        known = len(history)
+        if n == 1 and end <= known:  # a decode: the one token sampled last step
             self.inputs[rid] = (history[computed],)
-        else:
+        elif end <= known or not placeholders:
             self.inputs[rid] = w.token_ids(rid, computed, end)
+        else:  # the step in flight samples the rest
+            self.inputs[rid] = (*history[computed:known], *(PLACEHOLDER_TOKEN_ID,) * (end - known))
         self.tables[rid] = w.tables[rid]
-        if end >= num_tokens:
+        if end >= known + placeholders:
             self.sampling[rid] = None
 
     def unschedule(self, rid: str) -> None:
@@ -84,6 +92,9 @@ def schedule(state: SchedulerState) -> tuple[SchedulerState, SchedulerOutput]:
         plan = _make_output(w, st, state)
         for rid, n in st.tokens.items():
             w.computed[rid] += n  # advance at schedule time
+        if w.config.async_scheduling:  # each sampler's token is owed until its update
+            for rid in st.sampling:
+                w.placeholders[rid] = w.placeholders.get(rid, 0) + 1
         w.finished = set()
     except BaseException:
         w.abort()
@@ -97,6 +108,7 @@ def _schedule_running(w: Work, st: _Step) -> None:
     # passes every cap), and a request whose tokens fit in its blocks skips Work.allocate.
     running, computed_of, static = w.running, w.computed, w.static
     tables, num_cached, histories = w.tables, w.num_cached, w.tokens
+    placeholders = w.placeholders  # empty unless async scheduling has a step in flight
     bs, caching = w.config.block_size, w.config.enable_prefix_caching
     last_position = w.config.max_model_len - 1
     threshold, prefills = st.threshold, st.prefills
@@ -107,13 +119,18 @@ def _schedule_running(w: Work, st: _Step) -> None:
         computed = computed_of[rid]
         table = tables[rid]
         history = histories[rid]
-        num_tokens = len(history)
+        known = len(history)  # tokens whose ids are known
+        ph = placeholders.get(rid, 0) if placeholders else 0
+        if ph and _finishes_in_flight(static[rid], known + ph, last_position):
+            i += 1  # the step in flight surely ends it: no extra step (as vLLM)
+            continue
+        num_tokens = known + ph
         if (num_tokens - computed == 1 and computed < len(table) * bs
-                and not (caching and (computed + 1) // bs > num_cached[rid])
+                and not (caching and (computed + 1 - ph) // bs > num_cached[rid])
                 and not static[rid].spec_token_ids):
             planned[rid] = 1
             before[rid] = computed
-            inputs[rid] = (history[computed],)
+            inputs[rid] = (PLACEHOLDER_TOKEN_ID,) if ph else (history[computed],)
             st.tables[rid] = table
             sampling[rid] = None
             st.budget -= 1
@@ -131,13 +148,13 @@ def _schedule_running(w: Work, st: _Step) -> None:
             continue
         end = computed + n
         fits = end <= len(table) * bs and not (
-            caching and min(end, num_tokens) // bs > num_cached[rid])
+            caching and min(end, known) // bs > num_cached[rid])
         ok = fits
         if not fits:
             ok, shift = _allocate_or_preempt(w, st, rid, end, i)
             i -= shift  # victims ahead of the request moved it up
         if ok:
-            st.record(w, rid, n, computed)
+            st.record(w, rid, n, computed, ph)
             if spec:
                 _take_spec(w, st, rid, n, computed)
             if prefills is not None:
@@ -147,6 +164,14 @@ def _schedule_running(w: Work, st: _Step) -> None:
             # The request preempted itself: the RUNNING pass ends under every policy (vLLM
             # `break`s), so requests after it in `running` get nothing this step.
             break
+
+
+def _finishes_in_flight(req: Request, num_tokens: int, last_position: int) -> bool:
+    """Will the request surely finish by length once its tokens in flight arrive (it then has
+    `num_tokens`)? Then async scheduling plans no step for it."""
+    max_tokens = req.sampling_params.max_tokens
+    return num_tokens > last_position or (
+        max_tokens is not None and num_tokens - len(req.prompt_token_ids) >= max_tokens)
 
 
 def _allocate_or_preempt(w: Work, st: _Step, rid: str, num_slots: int,
@@ -177,8 +202,14 @@ def _take_spec(w: Work, st: _Step, rid: str, n: int, computed: int) -> None:
 def _schedule_waiting(w: Work, st: _Step) -> None:
     cfg, kv = w.config, w.kv
     skipped: list[str] = []
+    placeholders = w.placeholders
     while w.waiting and st.budget > 0 and len(w.running) < cfg.max_num_seqs:
         rid = w.waiting[0]
+        if placeholders and placeholders.get(rid):
+            # Preempted while a step that samples for it was in flight: it resumes once that
+            # token is known (schedule() again before updating is the only way to see this).
+            skipped.append(w.waiting.pop(0))
+            continue
         req, num_tokens = w.static[rid], len(w.tokens[rid])
         hit = kv.find_cached_prefix(rid, w.tokens[rid], num_tokens, req.cache_salt)
         num_hit = len(hit) * cfg.block_size

@@ -21,6 +21,10 @@ from scheduler.request import Request, SamplingParams
 
 _EMPTY: Mapping = MappingProxyType({})
 
+# An input token the plan cannot name yet: under async scheduling, the token the step in flight
+# is sampling. The runner fills it on the device from that step's output.
+PLACEHOLDER_TOKEN_ID = -1
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SchedulerCounters:
@@ -57,6 +61,7 @@ class SchedulerState:
     _computed: Mapping[str, int] = _EMPTY  # num_computed_tokens
     _tables: Mapping[str, tuple[int, ...]] = _EMPTY  # block table of each request holding blocks
     _num_cached: Mapping[str, int] = _EMPTY  # leading blocks of each table in the prefix cache
+    _placeholders: Mapping[str, int] = _EMPTY  # async: tokens scheduled but not yet sampled
     _finished: frozenset[str] = frozenset()  # reported by the next schedule()
     _data: Version  # of a StateData: the KV pool and token histories at this state
 
@@ -74,7 +79,7 @@ class SchedulerState:
         # The shared data is copied out under its lock: reading `other` next may reroot it.
         return (self.config, self.step, self.waiting, self.running, self.num_free_blocks,
                 self.counters, self._static, self._computed, self._tables, self._num_cached,
-                self._finished, self._data.read(StateData.content))
+                self._placeholders, self._finished, self._data.read(StateData.content))
 
     @property
     def requests(self) -> Mapping[str, Request]:
@@ -135,6 +140,7 @@ class RequestsView(Mapping[str, Request]):
             static,
             output_token_ids=s._data.read(lambda d: tuple(d.tokens[rid][start:])),
             num_computed_tokens=s._computed[rid],
+            num_output_placeholders=s._placeholders.get(rid, 0),
         )
 
     def __iter__(self) -> Iterator[str]:
@@ -170,7 +176,9 @@ class SchedulerOutput:
     num_scheduled_tokens: Mapping[str, int]  # in scheduling order: running, then admitted
     total_num_scheduled_tokens: int
     num_computed_tokens: Mapping[str, int]  # per scheduled request, before this step
-    input_token_ids: Mapping[str, tuple[int, ...]]  # the tokens each request computes now
+    input_token_ids: Mapping[str, tuple[int, ...]]  # the tokens each request computes now;
+    # under async scheduling a decode's one token may be PLACEHOLDER_TOKEN_ID (sampled by the
+    # step in flight, which the runner knows)
     block_tables: Mapping[str, tuple[int, ...]]  # after this step's allocation
     sampling_req_ids: tuple[str, ...]  # requests whose prompt is complete: they sample
     scheduled_new_reqs: tuple[NewRequestData, ...]  # admitted for the first time

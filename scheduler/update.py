@@ -112,6 +112,7 @@ def _apply_outputs(w: Work, output: SchedulerOutput,
                    sampled_token_ids: Mapping[str, Sequence[int]]) -> list[RequestDelta]:
     # One iteration per scheduled request per step: columns are bound to locals.
     static, append = w.static, w.append_token
+    placeholders = w.placeholders
     max_model_len = w.config.max_model_len
     spec_scheduled = output.scheduled_spec_decode_tokens
     deltas = []
@@ -120,6 +121,8 @@ def _apply_outputs(w: Work, output: SchedulerOutput,
         if req is None:
             continue  # aborted while the model ran
         sampled = sampled_token_ids.get(rid) or ()
+        if placeholders and rid in placeholders:  # async: the owed tokens have arrived
+            _settle_placeholders(placeholders, rid, len(sampled))
         if spec_scheduled and rid in spec_scheduled:
             _verify_drafts(w, rid, spec_scheduled[rid], len(sampled))
         if len(sampled) == 1:  # the common case: one token, no list, no loop
@@ -139,6 +142,14 @@ def _apply_outputs(w: Work, output: SchedulerOutput,
             deltas.append(RequestDelta(rid, tuple(kept), status and status.finish_reason,
                                        stop_reason))
     return deltas
+
+
+def _settle_placeholders(placeholders: dict[str, int], rid: str, num_sampled: int) -> None:
+    left = placeholders[rid] - num_sampled
+    if left > 0:
+        placeholders[rid] = left
+    else:
+        del placeholders[rid]
 
 
 def _verify_drafts(w: Work, rid: str, drafts: tuple[int, ...], num_sampled: int) -> None:
