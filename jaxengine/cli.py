@@ -9,13 +9,17 @@ not given is not passed: `EngineArgs` keeps its own defaults.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
+import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import scheduler
@@ -123,17 +127,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="complete prompts offline and print the text",
                          description="Generate completions for PROMPTs with continuous "
-                                     "batching; prints one completion per prompt.")
+                                     "batching; prints one completion per prompt, in prompt "
+                                     "order, streamed as it is produced.")
     gen.add_argument("prompts", nargs="+", metavar="PROMPT", help="prompt text")
     gen.add_argument("--json", action="store_true",
-                     help="print one JSON object per prompt (text, token ids, finish reason)")
+                     help="print one JSON object per prompt (text, token ids, finish reason), "
+                          "not streamed")
     add_sampling_flags(gen, max_tokens=64)
     add_engine_flags(gen)
 
     chat = sub.add_parser("chat", help="interactive chat on stdin/stdout",
-                          description="Read user turns from stdin (one per line), print each "
+                          description="Read user turns from stdin (one per line), stream each "
                                       "reply; the conversation and the chat template are kept. "
-                                      "End with EOF (Ctrl-D) or /exit.")
+                                      "Ctrl-C during a reply aborts it; end with EOF (Ctrl-D) "
+                                      "or /exit.")
     chat.add_argument("--system", default=None, help="a system message to start with")
     add_sampling_flags(chat, max_tokens=256)
     add_engine_flags(chat)
@@ -190,23 +197,35 @@ def _build_llm(args: EngineArgs) -> Any:
 
 
 def run_generate(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """`jaxengine generate`: print each prompt's completion (or a JSON line with --json)."""
+    """`jaxengine generate`: stream each prompt's completion as it is produced (with --json:
+    one JSON line per prompt once all are done).
+
+    The prompts run batched, but a terminal shows them one after another, in prompt order:
+    the first streams live, each later one prints its text so far when the one before it is
+    done and streams live from then on. So the output is the same text, in the same order,
+    as if nothing streamed (a pipe reading it sees completions whole and in order), and the
+    first tokens show as soon as they exist.
+    """
+    from jaxengine.streaming import in_prompt_order, stream
+
     overrides = sampling_overrides(ns)
     llm = _build_llm(engine_args_from(ns, parser))
     params = dataclasses.replace(llm.get_default_sampling_params(), **overrides)
+    if not ns.json:
+        with stream(llm, list(ns.prompts), params) as pieces:
+            for piece in in_prompt_order(pieces):
+                _write(piece.text + ("\n" if piece.finished else ""))
+        return 0
     for out in llm.generate(list(ns.prompts), params, use_tqdm=False):
         c = out.outputs[0]
-        if ns.json:
-            print(json.dumps({"prompt": out.prompt, "text": c.text,
-                              "token_ids": list(c.token_ids),
-                              "finish_reason": c.finish_reason}), flush=True)
-        else:
-            print(c.text, flush=True)
+        print(json.dumps({"prompt": out.prompt, "text": c.text, "token_ids": list(c.token_ids),
+                          "finish_reason": c.finish_reason}), flush=True)
     return 0
 
 
 def run_chat(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    """`jaxengine chat`: one reply per stdin line, keeping the conversation."""
+    """`jaxengine chat`: one streamed reply per stdin line, keeping the conversation; Ctrl-C
+    during a reply aborts it (the turn is dropped from the conversation), EOF ends."""
     overrides = sampling_overrides(ns)
     llm = _build_llm(engine_args_from(ns, parser))
     params = dataclasses.replace(llm.get_default_sampling_params(), **overrides)
@@ -224,13 +243,75 @@ def run_chat(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             continue
         conversation.append({"role": "user", "content": line.rstrip("\n")})
         try:
-            reply = llm.chat(conversation, params, use_tqdm=False)[0].outputs[0].text
+            reply = _stream_reply(llm, conversation, params)
         except ValueError as e:  # e.g. the conversation outgrew max_model_len: say so, go on
             conversation.pop()
             print(f"jaxengine chat: error: {e}", file=sys.stderr, flush=True)
             continue
+        if reply is None:
+            conversation.pop()
+            print("[reply aborted; this turn is not kept]", file=sys.stderr, flush=True)
+            continue
         conversation.append({"role": "assistant", "content": reply})
-        print(reply, flush=True)
+
+
+def _stream_reply(llm: Any, conversation: list[dict[str, str]], params: Any) -> str | None:
+    """Write the reply to `conversation` to stdout as it is produced, then a newline.
+
+    Returns:
+      The reply's text (what was written), or None if Ctrl-C aborted it.
+    Raises:
+      ValueError: the engine refused the conversation (nothing was written).
+    """
+    from jaxengine import streaming
+
+    with (streaming.stream_chat(llm, conversation, params) as pieces,
+          _first_sigint_caught() as interrupted):
+        reply = ""
+        while pieces.live:
+            for piece in pieces.step():
+                _write(piece.text)
+                reply += piece.text
+            if interrupted():
+                _write("\n")
+                return None  # leaving `with` aborts the request and frees its KV blocks
+    _write("\n")
+    return reply
+
+
+@contextlib.contextmanager
+def _first_sigint_caught() -> Iterator[Callable[[], bool]]:
+    """While open, the first SIGINT (Ctrl-C) only sets a flag, read by calling what this
+    yields, and puts the previous handler back, so a second Ctrl-C acts as usual.
+
+    Why not let KeyboardInterrupt fly: it could land inside `engine.step()`, between the KV
+    cache's donation to the device step and the scheduler's update, and chat goes on using
+    that engine. The flag is read between steps, so an abort waits for the step in flight.
+    Outside the main thread no handler can be set, and the flag stays False.
+    """
+    caught: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: False
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    previous = signal.default_int_handler if previous is None else previous
+
+    def on_sigint(signum: int, frame: FrameType | None) -> None:
+        caught.append(signum)
+        signal.signal(signal.SIGINT, previous)
+
+    signal.signal(signal.SIGINT, on_sigint)
+    try:
+        yield lambda: bool(caught)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _write(text: str) -> None:
+    """Write `text` to stdout now (a streamed piece must not wait in the buffer)."""
+    if text:
+        sys.stdout.write(text)
+        sys.stdout.flush()
 
 
 def run_serve(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -101,6 +101,27 @@ def test_generate_on_the_tiny_model(capsys: pytest.CaptureFixture[str]) -> None:
     assert all(isinstance(x["text"], str) for x in lines)
 
 
+def test_generate_streams_exactly_the_final_texts_on_the_tiny_model(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from jaxengine import streaming
+
+    finals, pieces, real = [], [], streaming.in_prompt_order
+
+    def spy(deltas):  # type: ignore[no-untyped-def]
+        for d in real(deltas):
+            pieces.append(d.text)
+            if d.finished:
+                finals.append(d.output.outputs[0].text)
+            yield d
+
+    monkeypatch.setattr(streaming, "in_prompt_order", spy)
+    argv = ["generate", "hello", "a second prompt", "--model", str(TINY), "--max-tokens", "12",
+            "--temperature", "0", "--ignore-eos", *SMALL]
+    assert main(argv) == 0
+    assert capsys.readouterr().out == "".join(t + "\n" for t in finals)  # a real BPE's bytes
+    assert len(finals) == 2 and len(pieces) > 4
+
+
 def test_generate_keeps_the_models_sampling_defaults_for_flags_not_given(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     model = tmp_path / "tiny"
@@ -130,15 +151,15 @@ def test_generate_reports_a_bad_model_path(capsys: pytest.CaptureFixture[str]) -
 def test_chat_keeps_the_conversation(monkeypatch: pytest.MonkeyPatch,
                                      capsys: pytest.CaptureFixture[str]) -> None:
     seen: list[list[dict[str, str]]] = []
-    from jaxengine.llm import LLM
+    from jaxengine import streaming
 
-    real_chat = LLM.chat
+    real_stream_chat = streaming.stream_chat
 
-    def spy(self: LLM, messages, *a, **kw):  # type: ignore[no-untyped-def]
+    def spy(llm, messages, *a, **kw):  # type: ignore[no-untyped-def]
         seen.append([dict(m) for m in messages])
-        return real_chat(self, messages, *a, **kw)
+        return real_stream_chat(llm, messages, *a, **kw)
 
-    monkeypatch.setattr(LLM, "chat", spy)
+    monkeypatch.setattr(streaming, "stream_chat", spy)
     monkeypatch.setattr(sys, "stdin", io.StringIO("hi\n\nok\n/exit\nnot read\n"))
     argv = ["chat", "--model", str(TINY), "--system", "be brief", "--max-tokens", "4",
             "--temperature", "0", "--ignore-eos", *SMALL]
