@@ -53,7 +53,9 @@ class EngineArgs:
     async_scheduling: bool = _arg(False, "schedule step N+1 on the host while the device runs "
                                          "step N (same outputs as the synchronous loop)")
     compilation_cache_dir: str | None = _arg(
-        None, "JAX's persistent compilation cache; None: ~/.cache/jaxengine/jax, '' disables")
+        None, "directory of JAX's persistent compilation cache (process-wide); None: "
+              "$JAXENGINE_COMPILATION_CACHE_DIR, else JAX's own setting, else "
+              "$XDG_CACHE_HOME/jaxengine/jax (~/.cache/jaxengine/jax); '' disables")
     debug_recompiles: bool = _arg(False, "raise if anything compiles after warm-up")
     max_logprobs: int = _arg(20, "most top logprobs a request may ask for")
     intermediate_token_buckets: bool = _arg(False, "1.5x token buckets too: less padding, "

@@ -13,6 +13,7 @@ from jaxengine.model.config import ModelConfig
 from jaxengine.model.fns import ModelFns
 from jaxengine.parallel.mesh import engine_devices, make_mesh
 from jaxengine.parallel.tensor_parallel import tp_layout
+from jaxengine.runner import compilation_cache
 from pallas_kernels import UnsupportedShapeError, check_supported, default_impl
 
 # Leave room for activations when sizing the pool from device memory.
@@ -157,7 +158,9 @@ def build_engine(args: EngineArgs, *, devices: Sequence[jax.Device] | None = Non
     """Load `args.model` (never downloads) and build one engine replica around it.
 
     The model, the KV cache and the steps live on a mesh over the replica's devices (a
-    1-device mesh for tensor_parallel_size=1: one code path).
+    1-device mesh for tensor_parallel_size=1: one code path). JAX's persistent compilation
+    cache is pointed at `args.compilation_cache_dir` first, before anything compiles
+    (`jaxengine.runner.compilation_cache`; process-global).
 
     Args:
       args: engine arguments.
@@ -170,6 +173,7 @@ def build_engine(args: EngineArgs, *, devices: Sequence[jax.Device] | None = Non
     """
     from jaxengine.loading.load import load_model
 
+    compilation_cache.configure(args.compilation_cache_dir)
     mesh = make_mesh(engine_devices(args.tensor_parallel_size, devices))
     dtype = "float32" if args.dtype == "auto" else args.dtype
     model, cfg, tokenizer = load_model(args.model, dtype=dtype,

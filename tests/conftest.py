@@ -1,0 +1,37 @@
+"""Suite-wide setup: JAX's persistent compilation cache in a fresh temporary directory.
+
+The engine turns the cache on by default (`jaxengine/runner/compilation_cache.py`), and child
+processes (serve, the CLI) inherit the setting. A directory of its own per run keeps the suite
+from writing into the user's ~/.cache and from depending on entries a stale run left behind; the
+cache itself still runs, as it does for users. To run warm or without it, set
+JAXENGINE_COMPILATION_CACHE_DIR yourself (a directory, or '' to disable): it is left alone.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import pytest
+
+# jaxengine.runner.compilation_cache.ENV, spelled out so that collecting the pure-Python
+# scheduler tests does not import jax; test_compilation_cache.py checks the two agree.
+CACHE_ENV = "JAXENGINE_COMPILATION_CACHE_DIR"
+_made: list[str] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Point the compilation cache at a new temporary directory unless one is set."""
+    del config
+    if CACHE_ENV not in os.environ:
+        _made.append(tempfile.mkdtemp(prefix="jaxengine-jax-cache-"))
+        os.environ[CACHE_ENV] = _made[0]
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Remove the directory `pytest_configure` made."""
+    del config
+    for path in _made:
+        shutil.rmtree(path, ignore_errors=True)
+        os.environ.pop(CACHE_ENV, None)
