@@ -34,8 +34,10 @@ def _text(prompt: list[int], params: SamplingParams) -> str:
     return outs[0].outputs[0].text
 
 
-def test_pieces_concatenate_to_the_final_text_and_come_before_the_finish() -> None:
-    llm = _llm_over()
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_pieces_concatenate_to_the_final_text_and_come_before_the_finish(
+        async_scheduling: bool) -> None:
+    llm = _llm_over(async_scheduling=async_scheduling)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     with stream(llm, prompts, GREEDY) as pieces:
         deltas = list(pieces)
@@ -83,8 +85,9 @@ def test_a_stop_token_and_min_tokens_stream_the_final_text() -> None:
         assert len(deltas) == num_pieces
 
 
-def test_close_aborts_what_is_left_and_frees_the_blocks() -> None:
-    llm = _llm_over()
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_close_aborts_what_is_left_and_frees_the_blocks(async_scheduling: bool) -> None:
+    llm = _llm_over(async_scheduling=async_scheduling)
     engine = llm.llm_engine
     pieces = stream(llm, [{"prompt_token_ids": p} for p in PROMPTS[:3]], GREEDY)
     first = next(pieces)
@@ -95,6 +98,8 @@ def test_close_aborts_what_is_left_and_frees_the_blocks() -> None:
     assert not engine.has_unfinished_requests() and not pieces.live
     assert engine.state.num_free_blocks == engine.scheduler_config.num_blocks - 1
     assert list(pieces) == [] and pieces.close() == []
+    again = stream(llm, [{"prompt_token_ids": PROMPTS[0]}], GREEDY)  # the engine goes on
+    assert "".join(d.text for d in again) == TOK.decode(fake_greedy(PROMPTS[0], 12, V))
 
 
 def test_an_interrupted_step_aborts_the_streams_requests() -> None:
