@@ -5,6 +5,12 @@ One `step()` is docs/DESIGN.md's data flow, a straight line: `schedule` (host, p
 strings) -> `update_from_output` (host, pure; it takes the stop strings too) -> outputs, and
 the step's statistics to `stat_loggers`. The scheduler state is a value held here, so
 `snapshot()` is free. Errors a user can cause raise `ValueError` before anything changes.
+
+With `async_scheduling` (docs/DESIGN.md, "Async scheduling") one `step()` call is: schedule
+step N+1 (its decodes read placeholders), dispatch it — JAX enqueues it behind step N and
+returns — then wait for step N's tokens and detokenize and update them. The host's scheduling
+and packing of N+1 overlap the device's step N, and its output work for N overlaps step N+1;
+no thread is involved. Outputs are those of the synchronous loop, one call later.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from jaxengine.engine.request_state import TrackedRequest
 from jaxengine.engine.stats import IterationStats, StatLogger
 from jaxengine.model.fns import ModelFns
 from jaxengine.runner.compiles import debug_recompiles_from_env
-from jaxengine.runner.runner import Runner, RunnerConfig, SampledToken
+from jaxengine.runner.runner import InFlight, Runner, RunnerConfig, SampledToken
 from jaxengine.sampling.metadata import SamplingRow, validate_sampling_params
 from scheduler import (
     Request,
@@ -86,7 +92,8 @@ class LLMEngine:
             max_num_partial_prefills=args.max_num_partial_prefills,
             max_long_partial_prefills=args.max_long_partial_prefills,
             policy=args.scheduling_policy, block_size=args.block_size, num_blocks=num_blocks,
-            enable_prefix_caching=args.enable_prefix_caching)
+            enable_prefix_caching=args.enable_prefix_caching,
+            async_scheduling=args.async_scheduling)
         self.state: SchedulerState = init_state(self.scheduler_config)
         self.runner = Runner(model, RunnerConfig(
             max_num_batched_tokens=budget, max_num_seqs=args.max_num_seqs,
@@ -99,6 +106,8 @@ class LLMEngine:
         self._seeds = random.Random(args.seed)
         self._tracked: dict[str, TrackedRequest] = {}
         self.stat_loggers: list[StatLogger] = list(stat_loggers)
+        self._in_flight: InFlight | None = None  # async: the step dispatched last
+        self._dropped: set[str] = set()  # ids whose tokens in `_in_flight` are stale
 
     @property
     def max_model_len(self) -> int:
@@ -164,6 +173,7 @@ class LLMEngine:
         live = [self._tracked.pop(r) for r in dict.fromkeys(ids) if r in self._tracked]
         if not live:
             return []
+        self._drop_in_flight(t.request_id for t in live)
         self.state = abort_requests(self.state, [t.request_id for t in live])
         stats = IterationStats(timestamp=time.time())
         outputs = [t.abort(stats.timestamp) for t in live]
@@ -186,12 +196,32 @@ class LLMEngine:
     # ---- the loop ----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; return outputs of requests that progressed or finished."""
+        """Run one iteration; return outputs of requests that progressed or finished.
+
+        With `async_scheduling` the outputs are those of the step dispatched by the call
+        before (the first call returns none; a call that schedules nothing still collects).
+        """
         before = self.state
         # Pure scheduler: if anything below raises, self.state is still the old, consistent one.
         state, plan = schedule(before)
         self._note_scheduled(plan)
-        sampled = self.runner.execute(plan, self._sampling_rows(plan))  # pack, run, sample
+        if not self.args.async_scheduling:
+            sampled = self.runner.execute(plan, self._sampling_rows(plan))  # pack, run, sample
+            return self._update(state, before, plan, sampled, dropped=set())
+        prev = self._in_flight
+        self._in_flight = self.runner.dispatch(plan, self._sampling_rows(plan), prev)
+        self.state = state
+        dropped, self._dropped = self._dropped, set()
+        if prev is None:
+            return []
+        return self._update(state, before, prev.plan, self.runner.collect(prev), dropped=dropped)
+
+    def _update(self, state: SchedulerState, before: SchedulerState, plan: SchedulerOutput,
+                sampled: dict[str, SampledToken], *, dropped: set[str]) -> list[RequestOutput]:
+        """Take one step's tokens (of `plan`) into `state`; its outputs. Stale tokens (of
+        requests that left while the step was in flight) are dropped first."""
+        if dropped:
+            sampled = {r: t for r, t in sampled.items() if r not in dropped}
         stopped = self._detokenize(sampled)  # before update: a stop string ends the request there
         self.state, deltas = update_from_output(
             state, plan, {rid: [t.token_id] for rid, t in sampled.items()}, stopped=stopped)
@@ -201,6 +231,13 @@ class LLMEngine:
         self._record(stats)
         return outputs
 
+    def _drop_in_flight(self, request_ids: Iterable[str]) -> None:
+        """These requests left: tokens the step in flight samples for them are stale (an id
+        may be reused by a new request before that step is collected)."""
+        if self._in_flight is not None:
+            self._dropped.update(r for r in request_ids
+                                 if r in self._in_flight.plan.num_scheduled_tokens)
+
     def _note_scheduled(self, plan: SchedulerOutput) -> None:
         now = time.time()
         for rid in plan.num_scheduled_tokens:
@@ -209,9 +246,14 @@ class LLMEngine:
     def _sampling_rows(self, plan: SchedulerOutput) -> dict[str, SamplingRow]:
         """Parameters, seed and output position (what the PRNG key folds in) of each sampler."""
         rows, eos = {}, self.eos_token_id
+        spec = plan.scheduled_spec_decode_tokens
         for rid in plan.sampling_req_ids:
             t = self._tracked[rid]
-            rows[rid] = SamplingRow(params=t.params, seed=t.seed, position=len(t.token_ids),
+            # The sampled token's index among the outputs, from the plan: the host may not
+            # have the tokens before it yet (async scheduling).
+            end = plan.num_computed_tokens[rid] + plan.num_scheduled_tokens[rid]
+            position = end - len(t.prompt_token_ids) - len(spec.get(rid, ()))
+            rows[rid] = SamplingRow(params=t.params, seed=t.seed, position=position,
                                     eos_token_id=eos)
         return rows
 
@@ -233,6 +275,7 @@ class LLMEngine:
         tracked.apply(delta, sampled, stats.timestamp)
         if tracked.finish_reason is not None:
             del self._tracked[delta.request_id]
+            self._drop_in_flight((delta.request_id,))
             stats.finished_requests.append(tracked.finished_stats())
         return tracked.output()
 

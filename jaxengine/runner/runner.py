@@ -5,6 +5,12 @@ bucketed, request arrays at the fixed size `max_num_seqs`), the jitted model ste
 donated, so it is updated in place), and the jitted sampler (compiled per request bucket).
 With `precompile()` every bucket is compiled up front; after that a workload compiles nothing,
 and with `debug_recompiles` a compilation raises `RecompileError`.
+
+A step is `dispatch` (pack, then enqueue the step and the sampler: JAX dispatches them
+asynchronously and returns at once) and `collect` (wait for the tokens, copy them to the host).
+Async scheduling puts host work between the two; `execute` is both at once. A placeholder input
+(`scheduler.PLACEHOLDER_TOKEN_ID`) is filled inside the step from the previous step's sampled
+tokens, which never leave the device for it.
 """
 
 from __future__ import annotations
@@ -13,11 +19,13 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
 from jaxengine.model.batch import ModelBatch, RequestChunk, pack_batch
@@ -27,7 +35,7 @@ from jaxengine.runner.buckets import pick_bucket, request_buckets, token_buckets
 from jaxengine.runner.compiles import RecompileError, compile_count, ensure_listener
 from jaxengine.sampling.metadata import MAX_BANNED, SamplingRow, build_sampling_metadata
 from jaxengine.sampling.sampler import SamplerOutput, SamplingMetadata, sample_impl
-from scheduler import SchedulerOutput
+from scheduler import PLACEHOLDER_TOKEN_ID, SchedulerOutput
 
 logger = logging.getLogger("jaxengine.runner")
 
@@ -72,6 +80,19 @@ class SampledToken:
     top_logprobs: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
 
 
+@dataclass(frozen=True, slots=True)
+class InFlight:
+    """A dispatched step: its plan and its sampler's results, still on the device."""
+
+    plan: SchedulerOutput
+    rows: Mapping[str, SamplingRow]  # of plan.sampling_req_ids
+    result: SamplerOutput | None  # device arrays; None when nobody samples
+    tokens: jax.Array  # i32[R]  sampled tokens in sampling_req_ids order, zeros after
+    started: float  # perf_counter() at dispatch
+    num_tokens: int  # the token bucket
+    total: int  # scheduled (real) tokens
+
+
 @dataclass(slots=True)
 class RunnerStats:
     """Counters over the runner's life (host side, cheap)."""
@@ -81,8 +102,8 @@ class RunnerStats:
     padded_tokens: int = 0  # bucket padding on top of them
     compilations: int = 0  # of the step and the sampler, during this runner's calls
     compilations_after_warmup: int = 0
-    compile_seconds: float = 0.0  # precompile, plus the whole of every step that compiled
-    step_seconds: list[float] = field(default_factory=list)
+    compile_seconds: float = 0.0  # precompile, plus the dispatch of every step that compiled
+    step_seconds: list[float] = field(default_factory=list)  # dispatch to tokens on the host
 
     @property
     def padding_waste(self) -> float:
@@ -104,12 +125,23 @@ class Runner:
         self.kv = model.init_kv(config.num_blocks, config.block_size)
         self.stats = RunnerStats()
         self.warm = False
+        # The sampled tokens a step reads its placeholders from live where the sampler puts
+        # them: replicated over the model's mesh (or uncommitted, for an unsharded model), so
+        # the step has one signature whether it reads a real step's tokens or none.
+        sharding = getattr(self.kv, "sharding", None)
+        self._token_sharding = (NamedSharding(sharding.mesh, PartitionSpec())
+                                if isinstance(sharding, NamedSharding) else None)
+        no_tokens = np.zeros(config.max_num_seqs, np.int32)
+        self._no_tokens = (jnp.asarray(no_tokens) if self._token_sharding is None
+                           else jax.device_put(no_tokens, self._token_sharding))
 
         # The model's functions are static arguments of module-level jitted functions, so
         # runners over the same model object share compiled executables.
         self._step_statics = dict(step_fn=model.step)
         self._sample_statics = dict(logits_fn=model.compute_logits,
-                                    max_logprobs=config.max_logprobs)
+                                    max_logprobs=config.max_logprobs,
+                                    num_rows=config.max_num_seqs,
+                                    token_sharding=self._token_sharding)
 
     # ---- compilation -------------------------------------------------------------------
 
@@ -128,7 +160,10 @@ class Runner:
         specs += [("sample", r) for r in self.request_buckets]
         params, kv = self.model.params, self.kv
         step = functools.partial(jaxengine_model_step, **self._step_statics)
-        hidden = jax.eval_shape(step, params, kv, self._batch_spec(16))[1]
+        prev = jax.ShapeDtypeStruct(self._no_tokens.shape, np.int32,
+                                    sharding=self._token_sharding)
+        hidden = jax.eval_shape(step, params, kv, self._batch_spec(16), prev,
+                                self._fill_spec(16))[1]
         # jit's outputs are committed (to their sharding) when an input is: the sampler is
         # compiled for the hidden rows exactly as the step hands them over (on the mesh), or a
         # first real call would compile it again.
@@ -136,7 +171,8 @@ class Runner:
         for kind, size in tqdm(specs, desc="precompile", disable=not progress):
             t_spec = time.perf_counter()
             if kind == "step":
-                compiled = _jitted_step.lower(params, kv, self._batch_spec(size),
+                compiled = _jitted_step.lower(params, kv, self._batch_spec(size), prev,
+                                              self._fill_spec(size),
                                               **self._step_statics).compile()
                 if committed:
                     hidden = jax.ShapeDtypeStruct(hidden.shape, hidden.dtype,
@@ -158,6 +194,10 @@ class Runner:
         """Declare warm-up over: from now on a compilation is counted (and raises in debug)."""
         self.warm = True
 
+    @staticmethod
+    def _fill_spec(num_tokens: int) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct((num_tokens,), np.int32)
+
     def _batch_spec(self, num_tokens: int) -> ModelBatch:
         c = self.config
         batch = pack_batch([], num_tokens=num_tokens, max_seqs=c.max_num_seqs,
@@ -171,23 +211,64 @@ class Runner:
         """Run one scheduler plan; return the token of each request in `out.sampling_req_ids`.
 
         Args:
-          out: the plan of one step.
+          out: the plan of one step (no placeholders: see `dispatch`).
           rows: sampling parameters, seed and output position of each sampling request.
         Returns:
           {request id: SampledToken} for the requests that sample this step.
         """
+        step = self.dispatch(out, rows)
+        return {} if step is None else self.collect(step)
+
+    def dispatch(self, out: SchedulerOutput, rows: Mapping[str, SamplingRow],
+                 prev: InFlight | None = None) -> InFlight | None:
+        """Enqueue one plan's step and sampler on the device; return without waiting.
+
+        Args:
+          out: the plan of one step.
+          rows: sampling parameters, seed and output position of each sampling request.
+          prev: the step before, if its tokens are not on the host yet: each placeholder in
+            `out.input_token_ids` is the token that step sampled for the same request.
+        Returns:
+          The step in flight (pass it to `collect`), or None if the plan schedules nothing.
+        Raises:
+          ValueError: a placeholder for a request that `prev` does not sample.
+        """
         order = list(out.num_scheduled_tokens)
         if not order:
-            return {}
+            return None
         before, t0 = self.compilations(), time.perf_counter()
-        batch = self._pack(out, order)
-        self.kv, hidden = _jitted_step(self.model.params, self.kv, batch, **self._step_statics)
-        result = self._draw(hidden, order, out.sampling_req_ids, rows)
-        total = int(batch.query_start_loc[-1])
-        self._account(before, time.perf_counter() - t0, len(batch.input_ids), total)
-        return result
+        batch, fill = self._pack(out, order, prev)
+        prev_tokens = self._no_tokens if prev is None else prev.tokens
+        self.kv, hidden = _jitted_step(self.model.params, self.kv, batch, prev_tokens, fill,
+                                       **self._step_statics)
+        result, tokens = self._draw(hidden, order, out.sampling_req_ids, rows)
+        step = InFlight(plan=out, rows=rows, result=result, tokens=tokens, started=t0,
+                        num_tokens=len(batch.input_ids), total=int(batch.query_start_loc[-1]))
+        self._account_compiles(before, time.perf_counter() - t0, step.num_tokens)
+        return step
 
-    def _pack(self, out: SchedulerOutput, order: Sequence[str]) -> ModelBatch:
+    def collect(self, step: InFlight) -> dict[str, SampledToken]:
+        """Wait for a dispatched step's tokens; {request id: SampledToken} of its samplers."""
+        out = {}
+        if step.result is not None:
+            res = to_host(step.result)  # multi-host: replicated over several processes' devices
+            for i, r in enumerate(step.plan.sampling_req_ids):
+                n = step.rows[r].params.logprobs
+                top = tuple(zip(res.top_token_ids[i, :n].tolist(),
+                                res.top_logprobs[i, :n].tolist(), strict=True)) if n else ()
+                lp = None if n is None else float(res.logprobs[i])
+                out[r] = SampledToken(int(res.token_ids[i]), lp, top)
+        s = self.stats
+        s.steps += 1
+        s.computed_tokens += step.total
+        s.padded_tokens += step.num_tokens - step.total
+        s.step_seconds.append(time.perf_counter() - step.started)
+        return out
+
+    def _pack(self, out: SchedulerOutput, order: Sequence[str], prev: InFlight | None
+              ) -> tuple[ModelBatch, np.ndarray]:
+        """The padded batch, and for each of its tokens the row of `prev.tokens` a placeholder
+        takes (-1: not a placeholder). Shapes: ModelBatch of T tokens; fill i32[T]."""
         c = self.config
         chunks = [
             RequestChunk(token_ids=out.input_token_ids[r], start=out.num_computed_tokens[r],
@@ -195,39 +276,40 @@ class Runner:
             for r in order
         ]
         total = sum(len(ch.token_ids) for ch in chunks)
-        return pack_batch(chunks, num_tokens=pick_bucket(self.token_buckets, total),
-                          max_seqs=c.max_num_seqs, max_blocks=c.max_blocks_per_seq,
-                          block_size=c.block_size)
+        num_tokens = pick_bucket(self.token_buckets, total)
+        batch = pack_batch(chunks, num_tokens=num_tokens, max_seqs=c.max_num_seqs,
+                           max_blocks=c.max_blocks_per_seq, block_size=c.block_size)
+        fill = np.full(num_tokens, -1, np.int32)
+        holes = np.flatnonzero(batch.input_ids[:total] == PLACEHOLDER_TOKEN_ID)
+        if len(holes):
+            sampled_by_prev = {} if prev is None else {
+                r: i for i, r in enumerate(prev.plan.sampling_req_ids)}
+            starts = batch.query_start_loc[: len(order)]
+            for hole in holes:
+                rid = order[int(np.searchsorted(starts, hole, side="right")) - 1]
+                if rid not in sampled_by_prev:
+                    raise ValueError(f"request {rid!r} has a placeholder input but the step "
+                                     f"before does not sample it")
+                fill[hole] = sampled_by_prev[rid]
+        return batch, fill
 
     def _draw(self, hidden: jax.Array, order: Sequence[str], sampling_ids: Sequence[str],
-              rows: Mapping[str, SamplingRow]) -> dict[str, SampledToken]:
+              rows: Mapping[str, SamplingRow]) -> tuple[SamplerOutput | None, jax.Array]:
+        """Enqueue the sampler on the hidden rows of `sampling_ids`: (its device results,
+        the tokens padded to i32[R]); (None, no tokens) when nobody samples."""
         if not sampling_ids:
-            return {}
+            return None, self._no_tokens
         size = pick_bucket(self.request_buckets, len(sampling_ids))
         where = {r: i for i, r in enumerate(order)}
         row_index = np.zeros(size, np.int32)
         row_index[: len(sampling_ids)] = [where[r] for r in sampling_ids]
         md = build_sampling_metadata([rows[r] for r in sampling_ids], size, max_banned=MAX_BANNED)
-        res = _jitted_sample(self.model.params, hidden, row_index, md, **self._sample_statics)
-        res = to_host(res)  # multi-host: replicated over several processes' devices
-        out = {}
-        for i, r in enumerate(sampling_ids):
-            n = rows[r].params.logprobs
-            top = tuple(zip(res.top_token_ids[i, :n].tolist(), res.top_logprobs[i, :n].tolist(),
-                            strict=True)) if n else ()
-            lp = None if n is None else float(res.logprobs[i])
-            out[r] = SampledToken(int(res.token_ids[i]), lp, top)
-        return out
+        return _jitted_sample(self.model.params, hidden, row_index, md, **self._sample_statics)
 
-    def _account(self, compiles_before: int, seconds: float, num_tokens: int, total: int
-                 ) -> None:
+    def _account_compiles(self, compiles_before: int, seconds: float, num_tokens: int) -> None:
         s = self.stats
         new = self.compilations() - compiles_before
-        s.steps += 1
-        s.computed_tokens += total
-        s.padded_tokens += num_tokens - total
         s.compilations += new
-        s.step_seconds.append(seconds)
         if new:
             s.compile_seconds += seconds
         if self.warm and new:
@@ -239,24 +321,38 @@ class Runner:
                 )
 
 
-def jaxengine_model_step(params: Any, kv: jax.Array, batch: ModelBatch, *, step_fn: Callable
-                         ) -> tuple[jax.Array, jax.Array]:
-    """The model step, then the hidden rows at `logits_indices` ([R, D], a fixed shape)."""
-    kv, hidden = step_fn(params, kv, batch)
+def jaxengine_model_step(params: Any, kv: jax.Array, batch: ModelBatch, prev_tokens: jax.Array,
+                         fill: jax.Array, *, step_fn: Callable) -> tuple[jax.Array, jax.Array]:
+    """The model step, then the hidden rows at `logits_indices` ([R, D], a fixed shape).
+
+    Placeholder inputs (`fill` >= 0, i32[T]) take `prev_tokens[fill]` (i32[R]: the previous
+    step's sampled tokens, still on the device).
+    """
+    ids = jnp.where(fill >= 0, prev_tokens[jnp.maximum(fill, 0)], batch.input_ids)
+    kv, hidden = step_fn(params, kv, replace(batch, input_ids=ids))
     return kv, hidden[batch.logits_indices]
 
 
 def jaxengine_sample(params: Any, hidden: jax.Array, rows: jax.Array, md: SamplingMetadata, *,
-                     logits_fn: Callable, max_logprobs: int) -> SamplerOutput:
-    """Logits of the sampling rows (`hidden[rows]`, f32[Rb, V]), then one token each."""
-    return sample_impl(logits_fn(params, hidden[rows]), md, max_logprobs=max_logprobs)
+                     logits_fn: Callable, max_logprobs: int, num_rows: int,
+                     token_sharding: NamedSharding | None
+                     ) -> tuple[SamplerOutput, jax.Array]:
+    """Logits of the sampling rows (`hidden[rows]`, f32[Rb, V]), then one token each; and the
+    tokens again, padded to i32[num_rows] where the next step's placeholders read them."""
+    out = sample_impl(logits_fn(params, hidden[rows]), md, max_logprobs=max_logprobs)
+    tokens = jnp.zeros(num_rows, jnp.int32).at[: rows.shape[0]].set(out.token_ids)
+    if token_sharding is not None:
+        tokens = jax.lax.with_sharding_constraint(tokens, token_sharding)
+    return out, tokens
 
 
-# Static: the model's functions (a different model is a different program) and the logprobs
-# width (an output shape). The KV cache is donated so the step updates it in place.
+# Static: the model's functions (a different model is a different program), the logprobs
+# width and R (output shapes), and where the tokens go. The KV cache is donated so the step
+# updates it in place.
 _jitted_step = jax.jit(jaxengine_model_step, static_argnames=("step_fn",),
                        donate_argnames=("kv",))
-_jitted_sample = jax.jit(jaxengine_sample, static_argnames=("logits_fn", "max_logprobs"))
+_jitted_sample = jax.jit(jaxengine_sample, static_argnames=(
+    "logits_fn", "max_logprobs", "num_rows", "token_sharding"))
 
 
 def _spec(x: np.ndarray) -> jax.ShapeDtypeStruct:

@@ -178,6 +178,18 @@ def test_precompiled_engine_never_compiles_again_and_updates_the_cache_in_place(
     assert e.runner.stats.compilations_after_warmup == 0 and e.runner.stats.steps > 5
 
 
+def test_async_scheduling_under_tp_matches_sync_and_compiles_nothing_new(
+        checkpoints: dict[str, str]) -> None:
+    """tp=4 with async scheduling: the placeholders read the sampled tokens where the sampler
+    leaves them (replicated on the mesh), through the precompiled programs; the tokens and
+    logprobs are one device's synchronous ones."""
+    want = run(engine(checkpoints["gqa_k2"], 1), PROMPTS, PARAMS)
+    e = engine(checkpoints["gqa_k2"], 4, async_scheduling=True, precompile=True,
+               debug_recompiles=True)
+    assert_same(run(e, PROMPTS, PARAMS), want, "tp=4 async")
+    assert e.runner.stats.compilations_after_warmup == 0
+
+
 @pytest.mark.parametrize(("scan_layers", "sizes"), [
     (False, (1, 2)),
     pytest.param(False, (1, 4), marks=pytest.mark.slow),
