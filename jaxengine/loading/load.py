@@ -42,8 +42,8 @@ def _check_dtype(dtype: str | jnp.dtype) -> jnp.dtype:
 
 
 def load_model(path: str | None = None, *, dtype: str | jnp.dtype = "float32",
-               with_tokenizer: bool = True, mesh: Mesh | None = None
-               ) -> tuple[Model, ModelConfig, Tokenizer | None]:
+               with_tokenizer: bool = True, mesh: Mesh | None = None,
+               progress: bool | None = None) -> tuple[Model, ModelConfig, Tokenizer | None]:
     """Load weights, config and tokenizer; never downloads anything.
 
     Args:
@@ -53,6 +53,7 @@ def load_model(path: str | None = None, *, dtype: str | jnp.dtype = "float32",
         with_tokenizer: False (`skip_tokenizer_init`): the tokenizer is not read at all.
         mesh: the devices the model is split over (`jaxengine.parallel.make_mesh`); each
             weight is loaded straight into its shards. Default: jax's first device.
+        progress: a tqdm bar over the tensors read; None: only when stderr is a terminal.
     Returns:
         (model, config, tokenizer or None); `jaxengine.model.step.split_model(model)` gives
         the state.
@@ -64,8 +65,10 @@ def load_model(path: str | None = None, *, dtype: str | jnp.dtype = "float32",
     jdtype = _check_dtype(dtype)
     path = _existing_model_path(path)
     if os.path.isdir(path):
-        return load_hf_dir(path, dtype=jdtype, with_tokenizer=with_tokenizer, mesh=mesh)
-    return load_gguf(path, dtype=jdtype, with_tokenizer=with_tokenizer, mesh=mesh)
+        return load_hf_dir(path, dtype=jdtype, with_tokenizer=with_tokenizer, mesh=mesh,
+                           progress=progress)
+    return load_gguf(path, dtype=jdtype, with_tokenizer=with_tokenizer, mesh=mesh,
+                     progress=progress)
 
 
 def load_tokenizer(path: str | None = None) -> Tokenizer:
@@ -92,26 +95,31 @@ def _existing_model_path(path: str | None) -> str:
 
 
 def load_hf_dir(path: str, *, dtype: jnp.dtype, with_tokenizer: bool = True,
-                mesh: Mesh | None = None) -> tuple[Model, ModelConfig, Tokenizer | None]:
-    """Load an HF directory (safetensors, single or sharded) onto `mesh`."""
+                mesh: Mesh | None = None, progress: bool | None = None
+                ) -> tuple[Model, ModelConfig, Tokenizer | None]:
+    """Load an HF directory (safetensors, single or sharded) onto `mesh` (`progress`: as for
+    `load_model`)."""
     cfg = read_hf_config(path)
     tokenizer = Tokenizer.from_hf_dir(path) if with_tokenizer else None
     source = SafetensorsSource(path)
     try:
-        weights = load_weights(cfg, source, dtype=dtype, where=path, mesh=mesh)
+        weights = load_weights(cfg, source, dtype=dtype, where=path, mesh=mesh,
+                               progress=progress)
     finally:
         source.close()
     return Model(cfg, dtype=dtype, weights=weights, mesh=mesh), cfg, tokenizer
 
 
 def load_gguf(path: str, *, dtype: jnp.dtype, with_tokenizer: bool = True,
-              mesh: Mesh | None = None) -> tuple[Model, ModelConfig, Tokenizer | None]:
-    """Load a GGUF file onto `mesh`, dequantizing tensor by tensor."""
+              mesh: Mesh | None = None, progress: bool | None = None
+              ) -> tuple[Model, ModelConfig, Tokenizer | None]:
+    """Load a GGUF file onto `mesh`, dequantizing tensor by tensor (`progress`: as for
+    `load_model`)."""
     reader = open_gguf(path)
     meta = gguf_metadata(reader)
     cfg = read_gguf_config(reader, meta)
     tokenizer = Tokenizer.from_gguf_metadata(meta) if with_tokenizer else None
     weights = load_weights(cfg, GGUFSource(reader, cfg, path), dtype=dtype, where=path,
-                           mesh=mesh)
+                           mesh=mesh, progress=progress)
     model = Model(cfg, dtype=dtype, weights=weights, mesh=mesh)
     return model, cfg, tokenizer

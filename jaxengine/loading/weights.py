@@ -13,6 +13,7 @@ dropped, so the host holds one tensor at a time and no device ever holds the who
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import jax
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
+from tqdm.auto import tqdm
 
 from jaxengine.model.config import ModelConfig, ModelLoadError
 from jaxengine.model.llama import Model, Path
@@ -106,20 +108,32 @@ def _read(source: TensorSource, name: str, transpose: bool, target: tuple[int, .
     return arr.T if transpose else arr
 
 
+def num_tensors(path: Path, shape: tuple[int, ...]) -> int:
+    """Checkpoint tensors behind the weight at module `path`: one per layer when stacked."""
+    return shape[0] if path[0] == "layers" else 1
+
+
 def load_weight(path: Path, shape: tuple[int, ...], source: TensorSource, dtype: jnp.dtype,
-                where: str) -> np.ndarray:
-    """The weight at module `path`, assembled on the host in `dtype` (layers on axis 0)."""
+                where: str, on_tensor: Callable[[], object] = lambda: None) -> np.ndarray:
+    """The weight at module `path`, assembled on the host in `dtype` (layers on axis 0).
+
+    `on_tensor()` is called after each checkpoint tensor is read (a progress bar's tick).
+    """
     name, transpose = HF_NAMES[path], path[-1] == "kernel"
     if path[0] != "layers":
-        return _read(source, name, transpose, shape, where).astype(dtype)
+        out = _read(source, name, transpose, shape, where).astype(dtype)
+        on_tensor()
+        return out
     out = np.empty(shape, dtype)
     for layer in range(shape[0]):
         out[layer] = _read(source, name.format(layer=layer), transpose, shape[1:], where)
+        on_tensor()
     return out
 
 
 def load_weights(cfg: ModelConfig, source: TensorSource, *, dtype: jnp.dtype, where: str,
-                 mesh: Mesh | None = None) -> dict[Path, jax.Array]:
+                 mesh: Mesh | None = None, progress: bool | None = None
+                 ) -> dict[Path, jax.Array]:
     """All weights of `cfg` as device arrays in `dtype`, by module path, one at a time.
 
     Args:
@@ -128,6 +142,8 @@ def load_weights(cfg: ModelConfig, source: TensorSource, *, dtype: jnp.dtype, wh
         dtype: target dtype (float32 or bfloat16).
         where: path shown in error messages.
         mesh: the model's devices (`jaxengine.parallel.make_mesh`); default: jax's first one.
+        progress: a tqdm bar over the checkpoint's tensors; None: only when stderr is a
+            terminal (tqdm's rule), so server logs and captured output get none.
     Returns:
         Arrays by module path in the scanned layout, laid out and sharded for a model on
         `mesh`, for `Model(cfg, weights=..., mesh=mesh)`.
@@ -141,12 +157,16 @@ def load_weights(cfg: ModelConfig, source: TensorSource, *, dtype: jnp.dtype, wh
     if unmapped:  # a module gained a weight the table does not know: a bug here, not user error
         raise RuntimeError(f"no checkpoint name for model weights {sorted(unmapped)}")
     layout, shardings = model_weight_shardings(cfg, mesh or make_mesh(jax.devices()[:1]))
+    paths = [p for p in HF_NAMES if p in shapes]
     weights = {}
-    for path in (p for p in HF_NAMES if p in shapes):
-        host = to_layout(path, load_weight(path, shapes[path], source, np_dtype, where),
-                         layout, cfg.head_dim)
-        # dtype: a process holding none of the shards (multi-host) calls no callback at all
-        weights[path] = jax.make_array_from_callback(
-            host.shape, shardings[path], lambda index, host=host: host[index], dtype=host.dtype)
-        del host  # the devices' shards are the only copy kept
+    with tqdm(total=sum(num_tensors(p, shapes[p]) for p in paths), desc="loading weights",
+              unit="tensor", disable=None if progress is None else not progress) as bar:
+        for path in paths:
+            host = to_layout(path, load_weight(path, shapes[path], source, np_dtype, where,
+                                               on_tensor=bar.update), layout, cfg.head_dim)
+            # dtype: a process holding none of the shards (multi-host) calls no callback at all
+            weights[path] = jax.make_array_from_callback(
+                host.shape, shardings[path], lambda index, host=host: host[index],
+                dtype=host.dtype)
+            del host  # the devices' shards are the only copy kept
     return weights
