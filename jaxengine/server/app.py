@@ -1,7 +1,10 @@
 """The FastAPI application: OpenAI routes, /health, /v1/models and /metrics over one engine.
 
 `build_app(engine, model_name=...)` takes a built `LLMEngine` (or a `DataParallelEngine` of
-several replicas); the engine loop starts and stops with the app's lifespan.
+several replicas); the engine loop starts and stops with the app's lifespan. The lifespan first
+compiles every bucket of a cold engine (`jaxengine.server.warmup`): uvicorn listens only once
+the lifespan has started, so `/health` is never 200, and no request is taken, before the
+engine is warm.
 `app.state.async_engine` is the `AsyncEngine` (tests read the scheduler state through
 `app.state.async_engine.engine.snapshot()`), `app.state.serving` the `OpenAIServing` (with
 the model's `default_sampling_params`).
@@ -9,6 +12,7 @@ the model's `default_sampling_params`).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
@@ -23,16 +27,20 @@ from jaxengine.server.async_engine import AsyncEngine
 from jaxengine.server.errors import install_error_handlers
 from jaxengine.server.protocol import ChatCompletionRequest, CompletionRequest
 from jaxengine.server.serving import OpenAIServing
+from jaxengine.server.warmup import warm_up as warm_up_engine
 
 
 def build_app(engine: LLMEngine | DataParallelEngine, *, model_name: str,
-              log_interval: float = 10.0) -> FastAPI:
+              log_interval: float = 10.0, warm_up: bool = True) -> FastAPI:
     """An OpenAI-compatible app serving `engine` as `model_name`.
 
     Args:
       engine: a built engine; the app owns it from now on.
       model_name: the name clients pass as `model` (and `/v1/models` lists).
       log_interval: seconds between throughput log lines (<= 0: none).
+      warm_up: compile every bucket of each cold replica when the app starts, before the
+        engine loop (a warm engine costs nothing); False: requests compile what they need,
+        stalling the batch when they do (tests that are not about warm-up).
     """
     async_engine = AsyncEngine(engine, model_name=model_name, log_interval=log_interval)
     serving = OpenAIServing(async_engine, model_name)
@@ -40,6 +48,8 @@ def build_app(engine: LLMEngine | DataParallelEngine, *, model_name: str,
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if warm_up:  # in a worker thread: the event loop stays free for signals meanwhile
+            await asyncio.to_thread(warm_up_engine, engine)
         async_engine.start()
         try:
             yield
@@ -53,7 +63,7 @@ def build_app(engine: LLMEngine | DataParallelEngine, *, model_name: str,
 
     @app.get("/health")
     async def health() -> Response:
-        """200 while the engine loop runs."""
+        """200 while the engine loop runs (it starts after the warm-up)."""
         alive = async_engine.is_running()
         return Response(status_code=200 if alive else 503)
 

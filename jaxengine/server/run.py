@@ -1,11 +1,14 @@
-"""`serve`: build the engine from `EngineArgs` and run the app under uvicorn."""
+"""`serve`: build the engine from `EngineArgs`, compile every bucket, then run the app under
+uvicorn (so `/health` answers at all only once nothing is left to compile)."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
 import threading
+import time
 from typing import Any
 
 from jaxengine.engine.args import EngineArgs
@@ -25,7 +28,12 @@ def served_model_name(args: EngineArgs, explicit: str | None = None) -> str:
 def serve(args: EngineArgs, *, host: str = "127.0.0.1", port: int = 8000,
           model_name: str | None = None, log_interval: float = 10.0,
           log_level: str = "info", headless: bool = False) -> None:
-    """Load the model, then serve it until interrupted (blocks).
+    """Load the model, compile every bucket, then serve it until interrupted (blocks).
+
+    The warm-up (`jaxengine.server.warmup`) runs whatever `args.precompile` says, on every
+    replica and every process, before uvicorn starts: while it runs nothing listens, and
+    afterwards no request compiles. It logs one line per bucket with its time and a summary
+    (no progress bars: server output is a log).
 
     Multi-host (`args.num_processes` > 1, or a cluster JAX detects): every process runs this
     with the same arguments; process 0 serves HTTP and leads, the others pass `headless` and
@@ -45,6 +53,7 @@ def serve(args: EngineArgs, *, host: str = "127.0.0.1", port: int = 8000,
 
     from jaxengine.parallel.data_parallel import build_engines
     from jaxengine.parallel.distributed import initialize_from_args
+    from jaxengine.server.warmup import warm_up
 
     logging.basicConfig(level=log_level.upper(),
                         format="%(levelname)s %(asctime)s %(name)s: %(message)s")
@@ -52,10 +61,15 @@ def serve(args: EngineArgs, *, host: str = "127.0.0.1", port: int = 8000,
     _check_role(jax.process_index(), jax.process_count(), headless=headless)
     name = served_model_name(args, model_name)
     logger.info("loading %s", name)
-    engine = build_engines(args)  # data_parallel_size > 1: replicas behind the router
-    logger.info("engine ready: %d replica(s) of %d KV blocks of %d tokens, max_model_len %d",
-                args.data_parallel_size, engine.scheduler_config.num_blocks, args.block_size,
-                engine.max_model_len)
+    t0 = time.perf_counter()
+    # Built cold (precompile=False: the engine's own precompile draws a bar), then warmed here.
+    # data_parallel_size > 1: replicas behind the router.
+    engine = build_engines(dataclasses.replace(args, precompile=False))
+    logger.info("loaded in %.1f s: %d replica(s) of %d KV blocks of %d tokens, max_model_len "
+                "%d", time.perf_counter() - t0, args.data_parallel_size,
+                engine.scheduler_config.num_blocks, args.block_size, engine.max_model_len)
+    warm_up(engine)
+    logger.info("ready %.1f s after loading began", time.perf_counter() - t0)
     if headless:
         _follow(engine)
     elif jax.process_count() > 1:

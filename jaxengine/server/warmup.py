@@ -1,0 +1,75 @@
+"""Warm-up before serving: every bucket of every replica is compiled before `/health` is 200.
+
+`serve` calls `warm_up` before uvicorn listens (on every process of a multi-host run), and
+`build_app`'s lifespan calls it before the engine loop starts, so an app built over a cold
+engine compiles first as well; a replica that is warm already costs nothing. Progress goes to
+the log, not to a bar: `jaxengine.runner` logs one line per bucket with its time and a line per
+replica, and `warm_up` a summary with how many programs came from the compilation cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from jaxengine.parallel.data_parallel import replicas_of
+from jaxengine.runner.compilation_cache import active_dir
+from jaxengine.runner.compiles import cache_hit_count
+from jaxengine.runner.runner import SAMPLE_NAME, STEP_NAME
+
+logger = logging.getLogger("jaxengine.server")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class WarmUp:
+    """What one `warm_up` did."""
+
+    replicas: int  # replicas compiled now (those warm before are not counted)
+    programs: int  # step and sampler programs compiled or loaded, over those replicas
+    cache_hits: int  # of those, loaded from the persistent compilation cache
+    seconds: float  # wall time of the whole warm-up
+
+
+def warm_up(engine: Any) -> WarmUp:
+    """Precompile every replica of `engine` whose runner is not warm yet; log the summary.
+
+    Args:
+      engine: an `LLMEngine`, a `DataParallelEngine`, or a wrapper with an engine's surface
+        (`jaxengine.parallel.lockstep.LeaderEngine`).
+    Returns:
+      The counts and time of this warm-up (all zero when every replica was warm).
+    """
+    replicas = replicas_of(engine)
+    cold = [i for i, r in enumerate(replicas) if not r.runner.warm]
+    if not cold:
+        return WarmUp(replicas=0, programs=0, cache_hits=0, seconds=0.0)
+    t0, hits0 = time.perf_counter(), cache_hit_count(STEP_NAME, SAMPLE_NAME)
+    programs = 0
+    for i in cold:
+        runner = replicas[i].runner
+        before = runner.stats.compilations
+        logger.info("warm-up: compiling replica %d of %d (%d token buckets %s, %d request "
+                    "buckets %s)", i, len(replicas), len(runner.token_buckets),
+                    list(runner.token_buckets), len(runner.request_buckets),
+                    list(runner.request_buckets))
+        runner.precompile(progress=False)
+        programs += runner.stats.compilations - before
+    done = WarmUp(replicas=len(cold), programs=programs,
+                  cache_hits=cache_hit_count(STEP_NAME, SAMPLE_NAME) - hits0,
+                  seconds=time.perf_counter() - t0)
+    logger.info("warm-up done in %.1f s: %d programs over %d replica(s), %s; no request "
+                "compiles from now on", done.seconds, done.programs, done.replicas,
+                _cache_words(done))
+    return done
+
+
+def _cache_words(done: WarmUp) -> str:
+    """How the persistent compilation cache served this warm-up, for the log line."""
+    where = active_dir()
+    if where is None:
+        return "persistent compilation cache disabled"
+    state = ("cold" if done.cache_hits == 0
+             else "warm" if done.cache_hits >= done.programs else "partly warm")
+    return f"{done.cache_hits} loaded from the compilation cache {where} ({state})"
