@@ -95,6 +95,12 @@ def configure(setting: str | None) -> str | None:
     return path
 
 
+def active_dir() -> str | None:
+    """The directory the engine's last `configure` put JAX's cache in; None: disabled or
+    never configured."""
+    return _applied
+
+
 def _jax_dir() -> str | None:
     """JAX's current cache directory setting (None: none set)."""
     return jax.config.jax_compilation_cache_dir or None
