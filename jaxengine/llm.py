@@ -3,6 +3,7 @@ over `data_parallel_size` replicas of one (`jaxengine.parallel.data_parallel`)."
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -30,7 +31,15 @@ class LLM:
     """An offline engine: `LLM(model=None, **engine_args).generate(prompts, params)`."""
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
-        """Load `model` (None: the embedded SmolLM2-135M-Instruct) and build the engine.
+        """Load `model` (None: the embedded SmolLM2-135M-Instruct), build the engine and
+        compile it, showing progress.
+
+        Loading draws a bar over the checkpoint's tensors (when stderr is a terminal), and
+        compiling one over the buckets (`precompile`, on by default here, as vLLM captures its
+        graphs at startup): `generate` then compiles nothing and its bar moves from the first
+        step. With JAX's persistent compilation cache (`compilation_cache_dir`) a later process
+        loads those programs instead of compiling them. `precompile=False` compiles each bucket
+        when a step first needs it instead, inside `generate`.
 
         Args:
           model: an HF model directory or a .gguf file; never downloaded.
@@ -43,6 +52,8 @@ class LLM:
         from jaxengine.parallel.distributed import initialize_from_args
 
         args = EngineArgs.from_kwargs(model=model, **engine_args)
+        if args.precompile is None:  # EngineArgs leaves it to the caller: LLM() warms up
+            args = dataclasses.replace(args, precompile=True)
         initialize_from_args(args)  # before anything starts a JAX backend
         self._attach(build_engines(args))
 

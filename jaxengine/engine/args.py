@@ -49,7 +49,9 @@ class EngineArgs:
     scheduling_policy: str = _arg("fcfs", "order of waiting requests and preemption victims")
     attention_backend: str | None = _arg(None, "attention implementation; None: chosen by "
                                                "jax.default_backend()")
-    precompile: bool = _arg(False, "compile every token/request bucket at startup")
+    precompile: bool | None = _arg(
+        None, "compile every token/request bucket at startup; None: LLM() does, with a progress "
+              "bar, a bare LLMEngine does not (serve always warms up before /health is 200)")
     async_scheduling: bool = _arg(False, "schedule step N+1 on the host while the device runs "
                                          "step N (same outputs as the synchronous loop)")
     compilation_cache_dir: str | None = _arg(
