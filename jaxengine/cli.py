@@ -255,7 +255,8 @@ def run_chat(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         conversation.append({"role": "assistant", "content": reply})
 
 
-def _stream_reply(llm: Any, conversation: list[dict[str, str]], params: Any) -> str | None:
+def _stream_reply(llm: Any, conversation: list[dict[str, str]],
+                  params: scheduler.SamplingParams) -> str | None:
     """Write the reply to `conversation` to stdout as it is produced, then a newline.
 
     Returns:

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from jaxengine.engine.llm_engine import PromptType
 from jaxengine.engine.outputs import RequestOutput
 from scheduler import SamplingParams
 
@@ -121,7 +122,7 @@ class TextStream:
         self.close()
 
 
-def stream(llm: LLM, prompts: Any | Sequence[Any],
+def stream(llm: LLM, prompts: PromptType | Sequence[PromptType],
            sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
            ) -> TextStream:
     """Add `prompts` to `llm`'s engine now and stream their text.

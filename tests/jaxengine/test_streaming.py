@@ -9,6 +9,7 @@ import pytest
 
 from jaxengine.llm import LLM
 from jaxengine.model.fake import fake_greedy
+from jaxengine.parallel.data_parallel import DataParallelEngine
 from jaxengine.streaming import TextDelta, in_prompt_order, stream, stream_chat
 from scheduler import SamplingParams
 from tests.jaxengine.engine.test_llm_engine import PROMPTS, FakeTokenizer, V, make_engine
@@ -160,3 +161,17 @@ def test_stream_chat_renders_the_conversation_as_llm_chat_does() -> None:
     assert got.prompt_token_ids == want.prompt_token_ids == [1, 10, 11, 2]
     assert got.prompt == want.prompt
     assert "".join(d.text for d in deltas) == want.outputs[0].text != ""
+
+
+def test_a_data_parallel_engine_streams_and_aborts_alike() -> None:
+    dp = DataParallelEngine([make_engine(), make_engine()])
+    llm = LLM.from_engine(dp)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS[:4]]
+    with stream(llm, prompts, GREEDY) as pieces:
+        assert {dp.replica_of(r) for r in pieces.request_ids} == {0, 1}
+        texts = ["".join(d.text for d in in_prompt_order(pieces))]
+    assert texts[0] == "".join(TOK.decode(fake_greedy(p, 12, V)) for p in PROMPTS[:4])
+    with stream(llm, prompts, GREEDY) as pieces:
+        next(pieces)
+    assert not dp.has_unfinished_requests()
+    assert all(r.state.num_free_blocks == r.scheduler_config.num_blocks - 1 for r in dp.replicas)
