@@ -8,10 +8,12 @@ from jaxengine.llm import LLM
 from jaxengine.loading import load_model
 from jaxengine.loading.tokenizer import Tokenizer
 from jaxengine.model.config import ModelConfig, ModelLoadError
+from jaxengine.streaming import TextDelta, TextStream, stream, stream_chat
 from scheduler import SamplingParams, SamplingParamsError
 
 __all__ = [
     "LLM", "CompletionOutput", "EngineArgs", "GenerateOutput", "LLMEngine", "Logprob",
     "RequestMetrics", "RequestOutput", "SamplingParams", "SamplingParamsError", "generate",
-    "ModelConfig", "ModelLoadError", "Tokenizer", "load_model",
+    "ModelConfig", "ModelLoadError", "TextDelta", "TextStream", "Tokenizer", "load_model",
+    "stream", "stream_chat",
 ]
