@@ -65,11 +65,12 @@ def serve(args: EngineArgs, *, host: str = "127.0.0.1", port: int = 8000,
     # Built cold (precompile=False: the engine's own precompile draws a bar), then warmed here.
     # data_parallel_size > 1: replicas behind the router.
     engine = build_engines(dataclasses.replace(args, precompile=False))
-    logger.info("loaded in %.1f s: %d replica(s) of %d KV blocks of %d tokens, max_model_len "
-                "%d", time.perf_counter() - t0, args.data_parallel_size,
-                engine.scheduler_config.num_blocks, args.block_size, engine.max_model_len)
+    logger.info("loaded in %.1f s; warming up", time.perf_counter() - t0)
     warm_up(engine)
-    logger.info("ready %.1f s after loading began", time.perf_counter() - t0)
+    logger.info("engine ready: %d replica(s) of %d KV blocks of %d tokens, max_model_len %d; "
+                "%.1f s after loading began", args.data_parallel_size,
+                engine.scheduler_config.num_blocks, args.block_size, engine.max_model_len,
+                time.perf_counter() - t0)
     if headless:
         _follow(engine)
     elif jax.process_count() > 1:

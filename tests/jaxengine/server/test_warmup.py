@@ -167,4 +167,5 @@ def test_serve_warms_every_replica_before_it_listens(tmp_path: Path) -> None:
                  "compiled sample for 4 requests in "):
         assert warm.count(line) == 2, warm  # once per replica
     assert "warm-up done in " in warm and "no request compiles from now on" in warm
+    assert warm.index("warm-up done in ") < warm.index("engine ready: 2 replica(s)")
     assert "RecompileError" not in log.read_text()
