@@ -61,6 +61,9 @@ def serve(args: EngineArgs, *, host: str = "127.0.0.1", port: int = 8000,
     _check_role(jax.process_index(), jax.process_count(), headless=headless)
     name = served_model_name(args, model_name)
     logger.info("loading %s", name)
+    if args.precompile is False:
+        logger.info("precompile=False does not apply to serve: it always warms up, so that no "
+                    "request compiles after /health is 200")
     t0 = time.perf_counter()
     # Built cold (precompile=False: the engine's own precompile draws a bar), then warmed here.
     # data_parallel_size > 1: replicas behind the router.
