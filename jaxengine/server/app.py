@@ -2,9 +2,9 @@
 
 `build_app(engine, model_name=...)` takes a built `LLMEngine` (or a `DataParallelEngine` of
 several replicas); the engine loop starts and stops with the app's lifespan. The lifespan first
-compiles every bucket of a cold engine (`jaxengine.server.warmup`): uvicorn listens only once
-the lifespan has started, so `/health` is never 200, and no request is taken, before the
-engine is warm.
+compiles every bucket of a cold engine (`jaxengine.server.warmup`): uvicorn opens its socket
+only after the lifespan's startup is done, so `/health` is never 200, and no request is taken,
+before the engine is warm.
 `app.state.async_engine` is the `AsyncEngine` (tests read the scheduler state through
 `app.state.async_engine.engine.snapshot()`), `app.state.serving` the `OpenAIServing` (with
 the model's `default_sampling_params`).
