@@ -32,10 +32,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-# Defaults: 64 query tokens per item, 256 cached tokens per online-softmax step. Measured on
-# the 2-core CPU machine (SmolLM2 heads, CPU ms per layer, block_q 16 / 64): a 512-token
-# prefill 24 / 15, prefills of 1280 + 256 tokens 103 / 65, 32 decodes + a 256-token chunk 52 / 47.
-DEFAULT_BLOCK_Q = 64
+# Defaults: 128 query tokens per item, 256 cached tokens per online-softmax step. Measured on
+# the 2-core CPU machine (SmolLM2 heads, f32, best-of-7 CPU ms per layer; G heads stacked as
+# rows of one product per KV head, block_q 64 before / 128 now): a 512-token prefill 11.8 /
+# 9.4, prefills of 1280 + 256 tokens 43.2 / 35.5, a 768-token chunk after 512 cached 38.2 /
+# 32.8, 32 decodes + a 256-token chunk 17.8 / 18.6; 512 cached tokens per step was slower
+# (11.6, 47.5, 39.5, 21.8). Earlier, block_q 16 against 64: 24 / 15, 103 / 65, -, 52 / 47.
+DEFAULT_BLOCK_Q = 128
 DEFAULT_KV_TOKENS_PER_CHUNK = 256
 # The oracle must not lose bits on accelerators (float32 dots default to bf16 passes on TPU and
 # TF32 on GPU); on CPU this costs nothing.
@@ -55,6 +58,12 @@ def write_kv(
       which no request reads.
     """
     P, L, K2, H = kv_cache.shape
+    if k.shape[0] == 1:
+        # XLA on CPU made the one-row scatter a fusion it duplicated, copying the whole cache
+        # several times a layer (a 1-token SmolLM2 step took 32 s with a 2048-page pool, 0.1 s
+        # at 2 tokens); a second row that writes into the null block 0 keeps it in place.
+        k, v = (jnp.concatenate([x, jnp.zeros_like(x)]) for x in (k, v))
+        slot_mapping = jnp.concatenate([slot_mapping, jnp.zeros_like(slot_mapping)])
     T, K, _ = k.shape
     # Interleave to [T, 2*K, H]: K at even head slots, V at odd ones.
     kv_new = jnp.stack([k, v], axis=2).reshape(T, K2, H).astype(kv_cache.dtype)
@@ -84,19 +93,26 @@ def _work_items(q_lens: jax.Array, block_q: int) -> tuple[jax.Array, jax.Array]:
 
 def _attend_chunk(
     carry: tuple[jax.Array, jax.Array, jax.Array],
-    q: jax.Array,  # f32[K, G, Bq, H], already scaled
-    kv: jax.Array,  # [C*L, 2*K, H]
-    kv_pos: jax.Array,  # i32[C*L]
-    q_pos: jax.Array,  # i32[Bq]; -1 for rows outside the item
+    q: jax.Array,  # f32[K, G*Bq, H], already scaled; row g*Bq + t is head g of token t
+    kv: jax.Array,  # [S, 2*K, H] with S = C*L
+    kv_pos: jax.Array,  # i32[S]
+    q_pos: jax.Array,  # i32[G*Bq]; -1 for rows outside the item
     seq_len: jax.Array,  # i32[]
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One online-softmax step over a chunk of cached tokens."""
-    m, l, acc = carry  # f32[K, G, Bq], f32[K, G, Bq], f32[K, G, Bq, H]
+    """One online-softmax step over a chunk of cached tokens.
+
+    The G query heads of a KV head are stacked as rows, so each KV head is one
+    [G*Bq, H] x [H, S] product (XLA on CPU runs a few large dots much faster than many small
+    ones). Only V is masked before its product: a NaN key only reaches scores that the
+    ``where`` on ``s`` replaces.
+    """
+    m, l, acc = carry  # f32[K, G*Bq], f32[K, G*Bq], f32[K, G*Bq, H]
     in_ctx = kv_pos < seq_len  # [S]
-    kv = jnp.where(in_ctx[:, None, None], kv.astype(jnp.float32), 0.0)
-    k_c, v_c = kv[:, 0::2], kv[:, 1::2]  # [S, K, H] each
-    s = jnp.einsum("kgth,skh->kgts", q, k_c, precision=HIGHEST)  # f32[K, G, Bq, S]
-    visible = (kv_pos[None, :] <= q_pos[:, None]) & in_ctx[None, :]  # [Bq, S]
+    kv = kv.astype(jnp.float32)
+    k_c = kv[:, 0::2].transpose(1, 2, 0)  # [K, H, S]
+    v_c = jnp.where(in_ctx[:, None, None], kv[:, 1::2], 0.0).transpose(1, 0, 2)  # [K, S, H]
+    s = jnp.matmul(q, k_c, precision=HIGHEST)  # f32[K, G*Bq, S]
+    visible = (kv_pos[None, :] <= q_pos[:, None]) & in_ctx[None, :]  # [G*Bq, S]
     s = jnp.where(visible, s, -jnp.inf)
     m_new = jnp.maximum(m, s.max(axis=-1))
     # Rows that have seen nothing yet keep m = -inf; shift by 0 there so exp() stays finite.
@@ -104,7 +120,7 @@ def _attend_chunk(
     p = jnp.exp(s - m_safe[..., None])  # masked entries: exp(-inf) = 0
     alpha = jnp.exp(jnp.where(jnp.isneginf(m), -jnp.inf, m - m_safe))
     l = alpha * l + p.sum(axis=-1)
-    acc = alpha[..., None] * acc + jnp.einsum("kgts,skh->kgth", p, v_c, precision=HIGHEST)
+    acc = alpha[..., None] * acc + jnp.matmul(p, v_c, precision=HIGHEST)
     return m_new, l, acc
 
 
@@ -129,7 +145,8 @@ def _attend_item(
     n_chunks_max = -(-max_blocks // C)
     pages = jnp.pad(pages, (0, n_chunks_max * C - max_blocks))
     q = q_item.astype(jnp.float32) * sm_scale
-    q = q.reshape(Bq, K, G, H).transpose(1, 2, 0, 3)  # [K, G, Bq, H]
+    q = q.reshape(Bq, K, G, H).transpose(1, 2, 0, 3).reshape(K, G * Bq, H)
+    q_rows = jnp.tile(q_pos, G)  # [G*Bq], the position of each row of q
     last_pos = q_pos.max()
     n_chunks = jnp.clip(last_pos // (C * L) + 1, 0, n_chunks_max)
 
@@ -137,16 +154,16 @@ def _attend_item(
         idx = lax.dynamic_slice(pages, (c * C,), (C,))
         kv = jnp.take(kv_cache, jnp.clip(idx, 0, P - 1), axis=0).reshape(C * L, K2, H)
         kv_pos = c * C * L + jnp.arange(C * L, dtype=jnp.int32)
-        return _attend_chunk(carry, q, kv, kv_pos, q_pos, seq_len)
+        return _attend_chunk(carry, q, kv, kv_pos, q_rows, seq_len)
 
     init = (
-        jnp.full((K, G, Bq), -jnp.inf, jnp.float32),
-        jnp.zeros((K, G, Bq), jnp.float32),
-        jnp.zeros((K, G, Bq, H), jnp.float32),
+        jnp.full((K, G * Bq), -jnp.inf, jnp.float32),
+        jnp.zeros((K, G * Bq), jnp.float32),
+        jnp.zeros((K, G * Bq, H), jnp.float32),
     )
     _, l, acc = lax.fori_loop(0, n_chunks, body, init)
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # rows with no visible key -> 0
-    return out.transpose(2, 0, 1, 3).reshape(Bq, N, H)
+    return out.reshape(K, G, Bq, H).transpose(2, 0, 1, 3).reshape(Bq, N, H)
 
 
 def _decode_pass(
