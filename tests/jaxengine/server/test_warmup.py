@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from jaxengine.parallel.data_parallel import DataParallelEngine
 from jaxengine.runner.compiles import DEBUG_ENV
@@ -129,6 +131,7 @@ def test_warm_up_compiles_only_the_cold_replicas() -> None:
     assert (again.replicas, again.programs, again.cache_hits) == (0, 0, 0)
 
 
+@pytest.mark.slow  # about 35 s on 2 busy cores: two replicas compile 7 programs each
 def test_serve_warms_every_replica_before_it_listens(tmp_path: Path) -> None:
     """`jaxengine serve` with two data-parallel replicas and debug_recompiles from the
     environment: the log has a line per bucket of each replica and the summary, all before
@@ -161,11 +164,14 @@ def test_serve_warms_every_replica_before_it_listens(tmp_path: Path) -> None:
             proc.wait(timeout=10)
     startup = text.index("Application startup complete")
     warm = text[:startup]
-    for replica in (0, 1):
-        assert f"warm-up: compiling replica {replica} of 2" in warm
-    for line in ("compiled step for 16 tokens in ", "compiled step for 32 tokens in ",
-                 "compiled sample for 4 requests in "):
-        assert warm.count(line) == 2, warm  # once per replica
+    plans = re.findall(r"warm-up: compiling replica (\d) of 2 \(\d+ token buckets \[([\d, ]+)\], "
+                       r"\d+ request buckets \[([\d, ]+)\]\)", warm)
+    assert [p[0] for p in plans] == ["0", "1"], warm
+    assert plans[0][1:] == plans[1][1:] and "32" in plans[0][1].split(", ")
+    for kind, sizes, unit in (("step", plans[0][1], "tokens"), ("sample", plans[0][2],
+                                                                "requests")):
+        for size in sizes.split(", "):  # every bucket, once per replica, with its time
+            assert len(re.findall(rf"compiled {kind} for {size} {unit} in [\d.]+ s", warm)) == 2
     assert "warm-up done in " in warm and "no request compiles from now on" in warm
     assert warm.index("warm-up done in ") < warm.index("engine ready: 2 replica(s)")
     assert "RecompileError" not in log.read_text()
