@@ -93,10 +93,10 @@ def test_health_is_503_until_the_warm_up_is_over() -> None:
     runner, entered, release = engine.runner, threading.Event(), threading.Event()
     precompile = runner.precompile
 
-    def held_precompile(**kw: Any) -> None:  # a hook: the real precompile, once released
+    def held_precompile(*args: Any, **kw: Any) -> None:  # a hook: the real one, once released
         entered.set()
         assert release.wait(timeout=120)
-        precompile(**kw)
+        precompile(*args, **kw)
 
     runner.precompile = held_precompile  # type: ignore[method-assign]
     app = build_app(engine, model_name=MODEL_NAME, log_interval=0)
