@@ -32,7 +32,12 @@ from jaxengine.model.batch import ModelBatch, RequestChunk, pack_batch
 from jaxengine.model.fns import ModelFns
 from jaxengine.parallel.distributed import to_host
 from jaxengine.runner.buckets import pick_bucket, request_buckets, token_buckets
-from jaxengine.runner.compiles import RecompileError, compile_count, ensure_listener
+from jaxengine.runner.compiles import (
+    RecompileError,
+    cache_hit_count,
+    compile_count,
+    ensure_listener,
+)
 from jaxengine.sampling.metadata import MAX_BANNED, SamplingRow, build_sampling_metadata
 from jaxengine.sampling.sampler import SamplerOutput, SamplingMetadata, sample_impl
 from scheduler import PLACEHOLDER_TOKEN_ID, SchedulerOutput
@@ -169,7 +174,7 @@ class Runner:
         # first real call would compile it again.
         committed = any(getattr(x, "committed", False) for x in jax.tree.leaves((params, kv)))
         for kind, size in tqdm(specs, desc="precompile", disable=not progress):
-            t_spec = time.perf_counter()
+            t_spec, hits = time.perf_counter(), cache_hit_count(STEP_NAME, SAMPLE_NAME)
             if kind == "step":
                 compiled = _jitted_step.lower(params, kv, self._batch_spec(size), prev,
                                               self._fill_spec(size),
@@ -181,8 +186,10 @@ class Runner:
                 rows = jax.ShapeDtypeStruct((size,), np.int32)
                 md = jax.tree.map(_spec, build_sampling_metadata([], size))
                 _jitted_sample.lower(params, hidden, rows, md, **self._sample_statics).compile()
-            logger.info("compiled %s for %d %s in %.2f s", kind, size,
-                        "tokens" if kind == "step" else "requests", time.perf_counter() - t_spec)
+            loaded = cache_hit_count(STEP_NAME, SAMPLE_NAME) > hits
+            logger.info("compiled %s for %d %s in %.2f s%s", kind, size,
+                        "tokens" if kind == "step" else "requests", time.perf_counter() - t_spec,
+                        " (loaded from the compilation cache)" if loaded else "")
         self.stats.compilations += self.compilations() - before
         self.stats.compile_seconds += time.perf_counter() - t0
         logger.info("compiled %d programs (%d token buckets, %d request buckets) in %.2f s",
