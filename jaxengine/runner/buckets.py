@@ -13,16 +13,25 @@ def _powers_of_two_up_to(start: int, maximum: int) -> tuple[int, ...]:
     return (*sizes, maximum)
 
 
-def token_buckets(max_num_batched_tokens: int, *, smallest: int = 16,
+# The smallest token bucket, as vLLM's capture sizes start at 1: a step of one or a few decodes
+# costs far less in a small bucket (SmolLM2 f32 on the 2-core CPU, one live decode, CPU ms per
+# step: see docs/BENCHMARKS.md §3 for the table and the choice).
+SMALLEST_TOKEN_BUCKET = 1
+
+
+def token_buckets(max_num_batched_tokens: int, *, smallest: int = SMALLEST_TOKEN_BUCKET,
                   intermediate: bool = False) -> tuple[int, ...]:
     """Powers of two from `smallest` below `max_num_batched_tokens`, then the maximum itself.
 
-    With `intermediate`, also 1.5x each power of two (24, 48, 96, ...): about twice the
-    compilations for about half the padding (on mix64: 12% instead of 19% padded tokens).
+    With `intermediate`, also 1.5x each power of two from 2 on (3, 6, 12, 24, 48, ...): about
+    twice the compilations for less padding. docs/BENCHMARKS.md §3 has the measured compile
+    time per bucket and the padding cost that chose the default.
     """
+    if smallest < 1:
+        raise ValueError(f"smallest must be >= 1, got {smallest}")
     sizes = _powers_of_two_up_to(min(smallest, max_num_batched_tokens), max_num_batched_tokens)
     if intermediate:
-        extra = {s * 3 // 2 for s in sizes[:-1] if s * 3 // 2 < max_num_batched_tokens}
+        extra = {s * 3 // 2 for s in sizes[:-1] if s > 1 and s * 3 // 2 < max_num_batched_tokens}
         sizes = tuple(sorted(set(sizes) | extra))
     return sizes
 
