@@ -5,7 +5,7 @@ heads, head_dim 128), page size 16, bfloat16, two batches:
   decode   64 decodes
   mixed    56 decodes + 8 prefill chunks of 256 tokens
 
-    python benchmarks/attention.py [--mode auto|check|time] [--impls reference,gpu]
+    python benchmarks/attention.py [--mode auto|check|time|cpu] [--impls reference,gpu]
                                    [--peak-gbps 4300] [--iters 20] [--small]
                                    [--blocks pages_per_iter=8,num_splits=4]
 
@@ -15,6 +15,8 @@ each implementation with the cache donated and reports achieved HBM bandwidth �
 of KV read + new K/V written + Q + O, divided by the median time — as a fraction of
 ``--peak-gbps`` (H200: ~4.3 TB/s measured copy bandwidth), and the speedup over the reference.
 Prints a table and a one-line summary. ``--small`` shrinks the batches (to try ``time`` on CPU).
+``cpu`` times the jnp reference alone on CPU at SmolLM2's heads in float32 (prefills, a chunk
+after a cached prefix, decodes): best-of CPU ms per layer, and its FLOPs against the sgemm rate.
 """
 
 from __future__ import annotations
@@ -202,6 +204,73 @@ def run_check(shapes: list[Shape], impls: list[str], args: argparse.Namespace) -
     return summary
 
 
+# --mode cpu: the reference alone on CPU at SmolLM2's heads (9 q, 3 kv, head_dim 64), float32,
+# 16-token pages; (name, [(scheduled tokens, context after the step)] per request).
+CPU_CASES = [
+    ("prefill 512", [(512, 512)]),
+    ("prefills 1280+256", [(1280, 1280), (256, 256)]),
+    ("chunk 768 after 512", [(768, 1280)]),
+    ("32 decodes@1000 + 256", [(256, 256)] + [(1, 1000)] * 32),
+    ("64 decodes@300", [(1, 300)] * 64),
+]
+
+
+def cpu_batch(reqs: list[tuple[int, int]], seed: int = 0) -> tuple[dict, float]:
+    """A float32 batch for ``reqs`` (shuffled pages) and its useful attention FLOPs."""
+    rng = np.random.default_rng(seed)
+    N, K, H, L = 9, 3, 64, 16
+    n_pages = [-(-c // L) for _, c in reqs]
+    perm = 1 + rng.permutation(sum(n_pages)).astype(np.int32)
+    tables = np.zeros((len(reqs), max(n_pages)), np.int32)
+    starts = np.cumsum([0] + n_pages)
+    for r in range(len(reqs)):
+        tables[r, : n_pages[r]] = perm[starts[r] : starts[r + 1]]
+    qsl = np.cumsum([0] + [q for q, _ in reqs]).astype(np.int32)
+    T = -(-int(qsl[-1]) // 16) * 16
+    slots = np.zeros(T, np.int32)
+    for r, (q, c) in enumerate(reqs):
+        pos = np.arange(c - q, c)
+        slots[qsl[r] : qsl[r + 1]] = tables[r, pos // L] * L + pos % L
+    f32 = lambda *shape: jnp.asarray(rng.standard_normal(shape, dtype=np.float32))  # noqa: E731
+    batch = dict(q=f32(T, N, H), k=f32(T, K, H), v=f32(T, K, H),
+                 kv_cache=f32(int(perm.max()) + 1, L, 2 * K, H), slot_mapping=jnp.asarray(slots),
+                 block_tables=jnp.asarray(tables),
+                 seq_lens=jnp.asarray(np.array([c for _, c in reqs], np.int32)),
+                 query_start_loc=jnp.asarray(qsl), num_seqs=jnp.asarray(np.int32(len(reqs))))
+    # QK^T and PV: 4·N·H per (query, visible key) pair; query i of q sees c - q + i + 1 keys.
+    flops = sum(4 * N * H * (q * (c - q) + q * (q + 1) / 2) for q, c in reqs)
+    return batch, flops
+
+
+def run_cpu(args: argparse.Namespace) -> list[str]:
+    """The reference on CPU: best-of CPU ms per layer, GFLOP/s and share of the sgemm rate."""
+    a = jnp.asarray(np.random.default_rng(0).standard_normal((2048, 2048), dtype=np.float32))
+    mm = jax.jit(lambda x: x @ x)
+    mm(a).block_until_ready()
+    rate = 2 * 2048**3 / min(_cpu_seconds(lambda: mm(a).block_until_ready()) for _ in range(5))
+    print(f"sgemm (2048^2 f32, jax, per CPU second): {rate / 1e9:.0f} GFLOP/s")
+    print(f"{'batch':24} {'CPU ms':>8} {'GFLOP':>7} {'GFLOP/s':>8} {'of sgemm':>8}")
+    summary = []
+    fn = jax.jit(functools.partial(ragged_paged_attention, sm_scale=64**-0.5,
+                                   **(args.blocks or {})))
+    for name, reqs in CPU_CASES:
+        batch, flops = cpu_batch(reqs, args.seed)
+        fn(**batch)[0].block_until_ready()
+        t = min(_cpu_seconds(lambda b=batch: fn(**b)[0].block_until_ready())
+                for _ in range(args.iters))
+        print(f"{name:24} {1e3 * t:8.1f} {flops / 1e9:7.3f} {flops / t / 1e9:8.1f} "
+              f"{100 * flops / t / rate:7.1f}%")
+        summary.append(f"{name} {1e3 * t:.1f} ms")
+    return summary
+
+
+def _cpu_seconds(fn: Callable[[], object]) -> float:
+    """This process's CPU seconds for one call (less disturbed by neighbours than wall time)."""
+    t0 = time.process_time()
+    fn()
+    return time.process_time() - t0
+
+
 def _parse_blocks(text: str) -> dict[str, int]:
     """``"a=1,b=2"`` -> ``{"a": 1, "b": 2}``."""
     pairs = (item.split("=") for item in text.split(",") if item)
@@ -211,7 +280,8 @@ def _parse_blocks(text: str) -> dict[str, int]:
 def main() -> None:
     """Parse flags, run the check or the timing, print the summary line."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--mode", choices=("auto", "check", "time"), default="auto")
+    p.add_argument("--mode", choices=("auto", "check", "time", "cpu"), default="auto",
+                   help="cpu: the reference alone at SmolLM2's heads, float32, CPU time")
     p.add_argument("--impls", default=None, help="comma-separated (default: by backend)")
     p.add_argument("--peak-gbps", type=float, default=4300.0, help="HBM peak (H200: ~4300)")
     p.add_argument("--iters", type=int, default=20)
@@ -234,7 +304,7 @@ def main() -> None:
     shapes = SMALL if (args.small or mode == "check") else FULL
     print(f"backend={backend} ({jax.devices()[0].device_kind}) mode={mode} jax={jax.__version__}"
           f" impls={','.join(impls)} blocks={args.blocks or 'default'}")  # fmt: skip
-    run = run_check if mode == "check" else run_time
+    run = {"check": run_check, "time": run_time, "cpu": run_cpu}[mode]
     summary = run(shapes, impls, args)
     print("summary: " + ("; ".join(summary) or "reference only (no kernel for this backend)"))
 

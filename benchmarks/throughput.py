@@ -1,13 +1,17 @@
-"""Offline throughput on a workload (docs/BENCHMARKS.md §2-3): tokens/s, TTFT/TPOT, compilations,
-padding waste, and the step-time ratio of a x8 KV pool to a x1 pool.
+"""Offline throughput as a user runs it (docs/BENCHMARKS.md §2-3): jaxengine with `LLM()`'s
+defaults beside transformers' continuous batching, the share of the CPU's FLOP roofline,
+compilations, padding, and optionally sync against async scheduling and a x8 KV pool.
 
-    python benchmarks/throughput.py [--workload benchmarks/workloads/mix64.json] [--limit N]
-        [--compare hf --hf-python .venv311/bin/python]
+    python benchmarks/throughput.py [--workload benchmarks/workloads/mix64.json] [--limits 16,64]
+        [--compare hf --hf-python .venv311/bin/python] [--async-compare] [--pool-ratio]
+        [--max-num-seqs N ...]   # engine overrides; default: EngineArgs' own defaults
 
-All requests arrive at t=0 (greedy, ignore_eos, exactly max_tokens each). The engine is
-warmed up first (`precompile=True`), so every compilation during the run is a failure of the
-bucketing. `--compare hf` runs HF transformers on the same GGUF weights, float32, in another
-interpreter (a Python 3.11 venv with torch; this file doubles as its worker via `--hf-worker`).
+All requests arrive at t=0 (greedy, ignore_eos, exactly max_tokens each). The engine is built
+as `LLM(dtype=...)` builds it (`EngineArgs` defaults, the KV pool from the memory budget) and
+warmed up first, so every compilation during a run is a failure of the bucketing. Each limit
+(the first N requests) runs on the same warm engine. `--compare hf` runs HF transformers on the
+same GGUF weights, float32, in another interpreter (a Python 3.11 venv with torch; this file
+doubles as its worker via `--hf-worker`), on the same limits.
 """
 
 from __future__ import annotations
@@ -24,6 +28,9 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_WORKLOAD = REPO / "benchmarks" / "workloads" / "mix64.json"
+# Engine settings a flag may override; None keeps EngineArgs' default (what LLM() uses).
+OVERRIDES = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
+             "num_gpu_blocks_override")
 
 
 def load_workload(path: Path, limit: int | None) -> list[dict[str, Any]]:
@@ -42,22 +49,106 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
 
 
+# ---- the roofline -------------------------------------------------------------------------
+
+
+def sgemm_rate(n: int = 2048, repeat: int = 5) -> dict[str, float]:
+    """FLOP/s of a float32 n x n matmul, best of `repeat`, in jax (jitted) and numpy."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    a = np.random.default_rng(0).standard_normal((n, n), dtype=np.float32)
+    rates = {}
+    mm = jax.jit(lambda x, y: x @ y)
+    x = jnp.asarray(a)
+    for name, run in (("jax", lambda: mm(x, x).block_until_ready()), ("numpy", lambda: a @ a)):
+        run()
+        best = min(_seconds(run) for _ in range(repeat))
+        rates[name] = 2 * n**3 / best
+    return rates
+
+
+def _seconds(fn: Any) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def useful_flops(cfg: Any, requests: list[dict[str, Any]]) -> dict[str, float]:
+    """FLOPs the workload needs, padding excluded: matmuls, LM head and attention.
+
+    A request of P prompt tokens and M outputs runs P + M - 1 tokens through the layers (the
+    last output is sampled, never fed back) and M rows through the LM head. Per token and
+    layer the projections and MLP cost 2 x their weights; attention at position p (0-based)
+    costs 4·N·H·(p + 1) (QK^T and PV over the p + 1 visible keys).
+    """
+    D, F, N, K, H = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
+                     cfg.head_dim)
+    weights = D * (N + 2 * K) * H + N * H * D + 3 * D * F  # one layer's matrices
+    tokens = outputs = positions = 0
+    for r in requests:
+        n = len(r["prompt_token_ids"]) + r["max_tokens"] - 1
+        tokens, outputs = tokens + n, outputs + r["max_tokens"]
+        positions += n * (n + 1) // 2  # sum of (p + 1) over p < n
+    matmul = 2.0 * weights * cfg.num_layers * tokens
+    head = 2.0 * D * cfg.vocab_size * outputs
+    attention = 4.0 * N * H * cfg.num_layers * positions
+    return dict(matmul=matmul, head=head, attention=attention,
+                total=matmul + head + attention)
+
+
 # ---- the jaxengine side -------------------------------------------------------------------
 
 
-def build_engine(fns: Any, tokenizer: Any, args: argparse.Namespace, num_blocks: int) -> Any:
-    """An `LLMEngine` over already-loaded model functions, warmed up (every bucket compiled)."""
+def engine_args(args: argparse.Namespace, **extra: Any) -> Any:
+    """`EngineArgs` as `LLM(dtype=...)` gets them, with the command line's overrides."""
     from jaxengine.engine.args import EngineArgs
-    from jaxengine.engine.llm_engine import LLMEngine
 
-    engine_args = EngineArgs(max_num_seqs=args.max_num_seqs, block_size=args.block_size,
-                             max_num_batched_tokens=args.max_num_batched_tokens,
-                             max_model_len=args.max_model_len, num_gpu_blocks_override=num_blocks,
-                             intermediate_token_buckets=not args.pow2_buckets, precompile=False)
-    engine = LLMEngine(fns, engine_args, tokenizer=tokenizer, max_model_len=args.max_model_len,
-                       num_blocks=num_blocks)
-    engine.runner.precompile(progress=not args.quiet)
-    return engine
+    given = {k: getattr(args, k) for k in OVERRIDES if getattr(args, k) is not None}
+    return EngineArgs(model=args.model, dtype=args.dtype, precompile=False, **given, **extra)
+
+
+def load(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """The model's functions, config and tokenizer, loaded once as `build_engine` does."""
+    from jaxengine.engine.build import attention_backend, model_fns
+    from jaxengine.loading.load import load_model
+    from jaxengine.parallel.mesh import engine_devices, make_mesh
+
+    ea = engine_args(args)
+    model, cfg, tokenizer = load_model(ea.model, dtype=ea.dtype, mesh=make_mesh(
+        engine_devices(1)))
+    return model_fns(model, cfg, attn_impl=attention_backend(ea, cfg)), cfg, tokenizer
+
+
+def build_engine(fns: Any, cfg: Any, tokenizer: Any, ea: Any, *, buckets: tuple[int, ...]
+                 | None = None, progress: bool = True, precompile: bool = True
+                 ) -> tuple[Any, float]:
+    """An `LLMEngine` built as `jaxengine.engine.build.build_engine` builds it over loaded
+    functions, warmed up (every bucket compiled); and the warm-up's seconds.
+
+    `buckets` replaces the runner's token buckets (to compare bucket sets in one run). With
+    `precompile=False` the engine is only declared warm: an engine of the same shapes over the
+    same functions was warmed up before, and jit's cache holds its programs.
+    """
+    import jax
+
+    from jaxengine.engine.build import num_kv_blocks
+    from jaxengine.engine.llm_engine import LLMEngine
+    from jaxengine.runner.compilation_cache import configure
+
+    configure(ea.compilation_cache_dir)
+    max_model_len = ea.max_model_len or cfg.max_model_len
+    engine = LLMEngine(fns, ea, tokenizer=tokenizer, max_model_len=max_model_len,
+                       num_blocks=num_kv_blocks(ea, fns, max_model_len, jax.devices()[0]))
+    if buckets is not None:
+        engine.runner.token_buckets = buckets
+    t0 = time.perf_counter()
+    if precompile:
+        engine.runner.precompile(progress=progress)
+    else:
+        engine.runner.mark_warm()
+    return engine, time.perf_counter() - t0
 
 
 def run_engine(engine: Any, requests: list[dict[str, Any]]) -> dict[str, Any]:
@@ -65,8 +156,8 @@ def run_engine(engine: Any, requests: list[dict[str, Any]]) -> dict[str, Any]:
     from scheduler import SamplingParams
 
     stats = engine.runner.stats
-    steps_before, padded_before, computed_before = stats.steps, stats.padded_tokens, \
-        stats.computed_tokens
+    before = (stats.steps, stats.padded_tokens, stats.computed_tokens,
+              stats.compilations_after_warmup)
     start = time.time()
     for r in requests:
         params = SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True)
@@ -76,64 +167,85 @@ def run_engine(engine: Any, requests: list[dict[str, Any]]) -> dict[str, Any]:
     while engine.has_unfinished_requests():
         finished += [o for o in engine.step() if o.finished]
     elapsed = time.time() - start
-    out_tokens = sum(len(o.outputs[0].token_ids) for o in finished)
-    prompt_tokens = sum(len(r["prompt_token_ids"]) for r in requests)
     return dict(
-        elapsed=elapsed, output_tokens=out_tokens, prompt_tokens=prompt_tokens,
+        elapsed=elapsed, output_tokens=sum(len(o.outputs[0].token_ids) for o in finished),
+        prompt_tokens=sum(len(r["prompt_token_ids"]) for r in requests),
         ttft=[o.metrics.ttft for o in finished if o.metrics.ttft is not None],
         tpot=[o.metrics.tpot for o in finished if o.metrics.tpot is not None],
-        steps=stats.steps - steps_before,
-        padding_waste=(stats.padded_tokens - padded_before)
-        / max(stats.computed_tokens - computed_before, 1),
+        steps=stats.steps - before[0],
+        padding_waste=(stats.padded_tokens - before[1]) / max(stats.computed_tokens - before[2],
+                                                              1),
+        after_warmup=stats.compilations_after_warmup - before[3],
         outputs={o.request_id: list(o.outputs[0].token_ids) for o in finished},
     )
 
 
-def jaxengine_side(args: argparse.Namespace, requests: list[dict[str, Any]]) -> dict[str, Any]:
-    """Load the model once; run the workload on a x1 and a x8 KV pool."""
-    from jaxengine.engine.args import EngineArgs
-    from jaxengine.engine.build import attention_backend, model_fns
-    from jaxengine.loading.load import load_model
+def tokens_per_s(res: dict[str, Any]) -> float:
+    """Output tokens per second of one run."""
+    return res["output_tokens"] / res["elapsed"]
 
-    t0 = time.time()
-    model, cfg, tokenizer = load_model(args.model, dtype=args.dtype)
-    backend = attention_backend(EngineArgs(block_size=args.block_size), cfg)
-    fns = model_fns(model, cfg, attn_impl=backend)
-    print(f"model loaded in {time.time() - t0:.1f}s", file=sys.stderr)
-    results = {}
-    for factor in (1, 8) if not args.skip_pool_ratio else (1,):
-        t0 = time.time()
-        engine = build_engine(fns, tokenizer, args, args.num_blocks * factor)
-        warmup = time.time() - t0
-        res = run_engine(engine, requests)
-        res.update(warmup=warmup, compilations=engine.runner.stats.compilations,
-                   buckets=engine.runner.token_buckets,
-                   after_warmup=engine.runner.stats.compilations_after_warmup)
-        results[factor] = res
-        del engine
-    return results
+
+# ---- sync against async scheduling ---------------------------------------------------------
+
+
+def tiny_model(vocab_size: int) -> tuple[Any, Any]:
+    """A random 2-layer model of width 32 over the workload's vocabulary: host-bound steps."""
+    from jaxengine.engine.build import model_fns
+    from jaxengine.model.config import ModelConfig
+    from jaxengine.model.llama import Model
+
+    cfg = ModelConfig.tiny(vocab_size=vocab_size, max_position_embeddings=4096)
+    return model_fns(Model(cfg), cfg, attn_impl="reference"), cfg
+
+
+def async_compare(args: argparse.Namespace, loaded: tuple[Any, Any, Any],
+                  requests: list[dict[str, Any]]) -> list[tuple[str, dict, dict]]:
+    """The same requests with async_scheduling False then True, on the loaded model (its
+    first `--async-limit` requests) and on a tiny random one (all); (name, sync, async)."""
+    fns, cfg, tokenizer = loaded
+    tiny_fns, tiny_cfg = tiny_model(cfg.vocab_size)
+    # (name, functions, config, tokenizer, requests, token buckets, compiled already)
+    cases = [(f"default model, {args.async_limit} requests", fns, cfg, tokenizer,
+              requests[:args.async_limit], args.token_buckets, True),
+             (f"tiny random model, {len(requests)} requests", tiny_fns, tiny_cfg, None,
+              requests, None, False)]
+    out = []
+    for name, f, c, tok, reqs, buckets, compiled in cases:
+        runs = {}
+        for mode in (False, True):  # sync and async share every program
+            ea = engine_args(args, async_scheduling=mode, skip_tokenizer_init=tok is None)
+            engine, _ = build_engine(f, c, tok, ea, buckets=buckets, progress=False,
+                                     precompile=not (compiled or mode))
+            runs[mode] = run_engine(engine, reqs)
+            del engine
+        out.append((name, runs[False], runs[True]))
+    return out
 
 
 # ---- the transformers side (runs under --hf-python) ---------------------------------------
 
 
 def hf_worker(args: argparse.Namespace) -> None:
-    """Run the workload with transformers; print one JSON line of results."""
+    """Run each limit of the workload with transformers; print one JSON line of results."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
 
-    requests = load_workload(Path(args.workload), args.limit)
     folder, fname = os.path.split(args.gguf)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname,
                                                  dtype=torch.float32).eval()
-    result: dict[str, Any] = {"torch_threads": torch.get_num_threads()}
-    config = GenerationConfig(do_sample=False, max_new_tokens=max(r["max_tokens"] for r in
-                                                                  requests))
-    try:
-        result["cb"] = _hf_continuous_batching(model, config, requests)
-    except Exception as e:  # report and go on: the static-batch figure is still useful
-        result["cb_error"] = f"{type(e).__name__}: {e}"
-    result["static8"] = _hf_static_batches(model, requests, batch_size=8)
+    result: dict[str, Any] = {"torch_threads": torch.get_num_threads(), "limits": {}}
+    for limit in _limits(args.limits):
+        requests = load_workload(Path(args.workload), limit)
+        res: dict[str, Any] = {}
+        config = GenerationConfig(do_sample=False,
+                                  max_new_tokens=max(r["max_tokens"] for r in requests))
+        try:
+            res["cb"] = _hf_continuous_batching(model, config, requests)
+        except Exception as e:  # report and go on: the other limits are still useful
+            res["cb_error"] = f"{type(e).__name__}: {e}"
+        if args.hf_static:
+            res["static8"] = _hf_static_batches(model, requests, batch_size=8)
+        result["limits"][str(len(requests))] = res
     print("HF_RESULT " + json.dumps(result))
 
 
@@ -156,8 +268,7 @@ def _hf_continuous_batching(model: Any, config: Any, requests: list[dict[str, An
                 tokens += len(out.generated_tokens)
     finally:
         manager.stop(block=True)
-    elapsed = time.time() - start
-    return {"elapsed": elapsed, "output_tokens": tokens}
+    return {"elapsed": time.time() - start, "output_tokens": tokens}
 
 
 def _hf_static_batches(model: Any, requests: list[dict[str, Any]], batch_size: int
@@ -188,7 +299,8 @@ def run_hf(args: argparse.Namespace) -> dict[str, Any] | None:
 
     gguf = args.model if args.model and args.model.endswith(".gguf") else default_model_path()
     cmd = [args.hf_python, __file__, "--hf-worker", "--gguf", gguf, "--workload",
-           str(args.workload)] + (["--limit", str(args.limit)] if args.limit else [])
+           str(args.workload), "--limits", args.limits] + (["--hf-static"] if args.hf_static
+                                                           else [])
     proc = subprocess.run(cmd, capture_output=True, text=True)
     for line in proc.stdout.splitlines():
         if line.startswith("HF_RESULT "):
@@ -201,67 +313,129 @@ def run_hf(args: argparse.Namespace) -> dict[str, Any] | None:
 # ---- report -------------------------------------------------------------------------------
 
 
-def report(results: dict[int, dict[str, Any]], hf: dict[str, Any] | None) -> None:
-    """Print the table and the one-line summary."""
-    r = results[1]
-    tps = r["output_tokens"] / r["elapsed"]
-    rows = [
-        ("requests / steps", f"{len(r['outputs'])} / {r['steps']}"),
-        ("output tokens/s", f"{tps:.1f}"),
-        ("total tokens/s", f"{(r['output_tokens'] + r['prompt_tokens']) / r['elapsed']:.1f}"),
-        ("TTFT p50 / p99 (s)",
-         f"{percentile(r['ttft'], 50):.2f} / {percentile(r['ttft'], 99):.2f}"),
-        ("TPOT p50 / p99 (ms)",
-         f"{1e3 * percentile(r['tpot'], 50):.0f} / {1e3 * percentile(r['tpot'], 99):.0f}"),
-        ("compilations (warm-up) / after", f"{r['compilations']} / {r['after_warmup']}"),
-        ("padding waste", f"{100 * r['padding_waste']:.1f}%"),
-        ("token buckets", " ".join(map(str, r["buckets"]))),
-        ("peak RSS", f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB"),
-    ]
-    ratio = None
-    if 8 in results:
-        ratio = results[8]["elapsed"] / r["elapsed"]
-        same = results[8]["outputs"] == r["outputs"]
-        rows.append(("x8 / x1 pool time (same outputs)", f"{ratio:.2f} ({same})"))
-    summary = f"jaxengine {tps:.1f} out tok/s"
-    if hf is not None:
-        for key, name in (("cb", "transformers continuous batching"),
-                          ("static8", "transformers generate, batches of 8")):
-            if key in hf:
-                hf_tps = hf[key]["output_tokens"] / hf[key]["elapsed"]
-                rows.append((f"{name} tok/s", f"{hf_tps:.1f} (x{tps / hf_tps:.2f})"))
-                summary += f"; {tps / hf_tps:.2f}x {key}"
-        if "cb_error" in hf:
-            rows.append(("transformers continuous batching", hf["cb_error"][:80]))
+def _limits(text: str) -> list[int | None]:
+    """`--limits` as request counts; 0 means all."""
+    return [int(x) or None for x in text.split(",")]
+
+
+def print_table(rows: list[tuple[str, str]]) -> None:
+    """Two aligned columns."""
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
-    extra = f", pool ratio {ratio:.2f}" if ratio is not None else ""
-    print(f"SUMMARY: {summary}, {r['after_warmup']} compilations after warm-up, padding "
-          f"{100 * r['padding_waste']:.1f}%{extra}")
+
+
+def run_rows(n: int, r: dict[str, Any], flops: dict[str, float], rate: float,
+             hf: dict[str, Any] | None) -> tuple[list[tuple[str, str]], str]:
+    """Table rows of one limit, and its part of the summary line."""
+    tps = tokens_per_s(r)
+    roof = flops["total"] / (r["elapsed"] * rate)
+    rows = [
+        (f"[{n} requests] steps", str(r["steps"])),
+        ("  output / total tokens/s",
+         f"{tps:.1f} / {(r['output_tokens'] + r['prompt_tokens']) / r['elapsed']:.1f}"),
+        ("  TTFT p50 / p99 (s)",
+         f"{percentile(r['ttft'], 50):.2f} / {percentile(r['ttft'], 99):.2f}"),
+        ("  TPOT p50 / p99 (ms)",
+         f"{1e3 * percentile(r['tpot'], 50):.0f} / {1e3 * percentile(r['tpot'], 99):.0f}"),
+        ("  padding waste", f"{100 * r['padding_waste']:.1f}%"),
+        ("  compilations during the run", str(r["after_warmup"])),
+        ("  useful GFLOP (matmul+head+attn)",
+         f"{flops['total'] / 1e9:.0f} ({flops['matmul'] / 1e9:.0f}+{flops['head'] / 1e9:.0f}"
+         f"+{flops['attention'] / 1e9:.0f})"),
+        ("  roofline share", f"{100 * roof:.1f}% (of {rate / 1e9:.0f} GFLOP/s)"),
+    ]
+    summary = f"{n} req: {tps:.1f} tok/s, {100 * roof:.0f}% roofline"
+    if "baseline" in r:
+        b = r["baseline"]
+        rows.append(("  baseline buckets: tok/s, padding",
+                     f"{tokens_per_s(b):.1f}, {100 * b['padding_waste']:.1f}% (this run "
+                     f"x{tps / tokens_per_s(b):.2f}; same outputs: "
+                     f"{b['outputs'] == r['outputs']})"))
+        summary += f", x{tps / tokens_per_s(b):.2f} baseline buckets"
+    cb = (hf or {}).get("limits", {}).get(str(n), {})
+    for key, name in (("cb", "transformers continuous batching"),
+                      ("static8", "transformers generate, batches of 8")):
+        if key in cb:
+            hf_tps = cb[key]["output_tokens"] / cb[key]["elapsed"]
+            rows.append((f"  {name} tok/s", f"{hf_tps:.1f} (jaxengine x{tps / hf_tps:.2f})"))
+            summary += f", x{tps / hf_tps:.2f} {key}"
+    if "cb_error" in cb:
+        rows.append(("  transformers continuous batching", cb["cb_error"][:80]))
+    return rows, summary
+
+
+def report(args: argparse.Namespace, setup: dict[str, Any], runs: dict[int, dict[str, Any]],
+           flops: dict[int, dict[str, float]], hf: dict[str, Any] | None,
+           asyncs: list[tuple[str, dict, dict]], pool: tuple[float, bool] | None) -> None:
+    """Print the tables and the one-line summary."""
+    rate = max(setup["sgemm"].values())
+    rows = [
+        ("engine", setup["engine"]),
+        ("token buckets", " ".join(map(str, setup["buckets"]))),
+        ("warm-up (compile every bucket)", f"{setup['warmup']:.1f} s"),
+        ("sgemm rate jax / numpy (2048^2 f32)",
+         " / ".join(f"{v / 1e9:.0f}" for v in setup["sgemm"].values()) + " GFLOP/s"),
+        ("load average at start", setup["load"]),
+    ]
+    summary = []
+    for n, r in runs.items():
+        more, part = run_rows(n, r, flops[n], rate, hf)
+        rows += more
+        summary.append(part)
+    if hf is not None:
+        rows.append(("transformers torch threads", str(hf.get("torch_threads"))))
+    for name, sync, asy in asyncs:
+        ratio = tokens_per_s(asy) / tokens_per_s(sync)
+        rows.append((f"async / sync, {name}",
+                     f"{tokens_per_s(asy):.1f} / {tokens_per_s(sync):.1f} tok/s = x{ratio:.2f}"
+                     f" (same outputs: {asy['outputs'] == sync['outputs']})"))
+        summary.append(f"async x{ratio:.2f} ({name.split(',')[0]})")
+    if pool is not None:
+        rows.append(("x8 / x1 pool time (same outputs)", f"{pool[0]:.2f} ({pool[1]})"))
+        summary.append(f"pool ratio {pool[0]:.2f}")
+    rows.append(("peak RSS",
+                 f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB"))
+    print_table(rows)
+    print("SUMMARY: " + "; ".join(summary))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--workload", type=Path, default=DEFAULT_WORKLOAD)
-    p.add_argument("--limit", type=int, default=None, help="run the first N requests")
+    p.add_argument("--limits", default="16,0",
+                   help="comma-separated request counts to run (first N; 0: all)")
     p.add_argument("--model", default=None, help="HF dir or .gguf (default: SmolLM2-135M)")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-model-len", type=int, default=2048)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-blocks", type=int, default=1024, help="KV pages of the x1 pool")
-    p.add_argument("--pow2-buckets", action="store_true",
-                   help="powers of two only (default adds 1.5x buckets: less padding)")
-    p.add_argument("--skip-pool-ratio", action="store_true", help="skip the x8 pool run")
+    for name in OVERRIDES:
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=None,
+                       help="engine override (default: EngineArgs' default)")
+    p.add_argument("--token-buckets", default=None,
+                   help="comma-separated token buckets replacing the engine's (e.g. 16,32,...)")
+    p.add_argument("--baseline-buckets", default=None,
+                   help="also run each limit with these token buckets, side by side")
+    p.add_argument("--pool-ratio", action="store_true",
+                   help="run the largest limit again on a x8 KV pool (docs/BENCHMARKS.md §3)")
+    p.add_argument("--async-compare", action="store_true",
+                   help="async_scheduling False vs True, default and tiny model")
+    p.add_argument("--async-limit", type=int, default=16,
+                   help="requests of the default model's sync/async runs")
     p.add_argument("--compare", choices=["hf"], default=None)
+    p.add_argument("--hf-static", action="store_true", help="also HF generate, batches of 8")
     p.add_argument("--hf-python", default=str(REPO / ".venv311" / "bin" / "python"))
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--hf-worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--gguf", default=None, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    try:
+        _limits(args.limits)
+        for name in ("token_buckets", "baseline_buckets"):
+            if getattr(args, name):
+                setattr(args, name, tuple(int(x) for x in getattr(args, name).split(",")))
+    except ValueError:
+        p.error("--limits and --token-buckets take comma-separated integers, e.g. 16,0")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -271,10 +445,47 @@ def main(argv: list[str] | None = None) -> int:
         hf_worker(args)
         return 0
     sys.path.insert(0, str(REPO))
-    requests = load_workload(args.workload, args.limit)
-    results = jaxengine_side(args, requests)
+    setup: dict[str, Any] = {"load": " ".join(f"{x:.1f}" for x in os.getloadavg())}
+    loaded = load(args)
+    fns, cfg, tokenizer = loaded
+    ea = engine_args(args)
+    engine, setup["warmup"] = build_engine(fns, cfg, tokenizer, ea, buckets=args.token_buckets,
+                                           progress=not args.quiet)
+    rc = engine.runner.config
+    setup.update(buckets=engine.runner.token_buckets, sgemm=sgemm_rate(), engine=(
+        f"max_num_seqs={rc.max_num_seqs} budget={rc.max_num_batched_tokens} "
+        f"max_model_len={rc.max_model_len} blocks={rc.num_blocks} "
+        f"async_scheduling={ea.async_scheduling}"))
+    runs, flops = {}, {}
+    for limit in _limits(args.limits):
+        # A fresh engine each time (the programs compiled once): no prefix-cache hits on the
+        # prompts of an earlier limit.
+        engine = engine or build_engine(fns, cfg, tokenizer, ea, buckets=args.token_buckets,
+                                        precompile=False)[0]
+        requests = load_workload(args.workload, limit)
+        runs[len(requests)] = run_engine(engine, requests)
+        flops[len(requests)] = useful_flops(cfg, requests)
+        engine = None
+        if args.baseline_buckets:  # its buckets compile here unless the run's set has them
+            new = not set(args.baseline_buckets) <= set(setup["buckets"])
+            base, _ = build_engine(fns, cfg, tokenizer, ea, buckets=args.baseline_buckets,
+                                   progress=False, precompile=new)
+            runs[len(requests)]["baseline"] = run_engine(base, requests)
+            del base
+    pool = None
+    if args.pool_ratio:
+        requests = load_workload(args.workload, max(runs))
+        big = engine_args(args, num_gpu_blocks_override=8 * rc.num_blocks)
+        engine, _ = build_engine(fns, cfg, tokenizer, big, buckets=args.token_buckets,
+                                 progress=False)
+        r8 = run_engine(engine, requests)
+        del engine
+        pool = (r8["elapsed"] / runs[max(runs)]["elapsed"], r8["outputs"] ==
+                runs[max(runs)]["outputs"])
+    asyncs = async_compare(args, loaded, load_workload(args.workload, None)) \
+        if args.async_compare else []
     hf = run_hf(args) if args.compare == "hf" else None
-    report(results, hf)
+    report(args, setup, runs, flops, hf, asyncs, pool)
     return 0
 
 

@@ -1,0 +1,40 @@
+"""benchmarks/throughput.py's arithmetic: the useful FLOPs behind its roofline share."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from jaxengine.model.config import ModelConfig
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "throughput.py"
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("throughput_benchmark", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_useful_flops_counts_weights_head_and_attention_by_hand() -> None:
+    cfg = ModelConfig.tiny(vocab_size=10, hidden_size=4, intermediate_size=6, num_layers=2,
+                           num_heads=2, num_kv_heads=1, head_dim=2)
+    # prompt of 3, 2 outputs: 4 tokens through the layers (positions 0..3), 2 LM-head rows.
+    flops = _script().useful_flops(cfg, [{"prompt_token_ids": [1, 2, 3], "max_tokens": 2}])
+    weights = 4 * (2 + 2) * 2 + 2 * 2 * 4 + 3 * 4 * 6  # q,k,v + o + gate, up, down = 120
+    assert flops["matmul"] == 2 * weights * 2 * 4
+    assert flops["head"] == 2 * 4 * 10 * 2
+    assert flops["attention"] == 4 * 2 * 2 * 2 * (1 + 2 + 3 + 4)
+    assert flops["total"] == pytest.approx(flops["matmul"] + flops["head"] + flops["attention"])
+
+
+def test_limits_and_bucket_flags_are_parsed() -> None:
+    script = _script()
+    args = script.parse_args(["--limits", "16,0", "--baseline-buckets", "16,32"])
+    assert script._limits(args.limits) == [16, None]
+    assert args.baseline_buckets == (16, 32)
+    with pytest.raises(SystemExit):
+        script.parse_args(["--token-buckets", "16,x"])
