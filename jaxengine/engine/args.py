@@ -52,8 +52,8 @@ class EngineArgs:
     precompile: bool | None = _arg(
         None, "compile every token/request bucket at startup; None: LLM() does, with a progress "
               "bar, a bare LLMEngine does not (serve always warms up before /health is 200)")
-    async_scheduling: bool = _arg(False, "schedule step N+1 on the host while the device runs "
-                                         "step N (same outputs as the synchronous loop)")
+    async_scheduling: bool = _arg(True, "schedule step N+1 on the host while the device runs "
+                                        "step N (same outputs as the synchronous loop)")
     compilation_cache_dir: str | None = _arg(
         None, "directory of JAX's persistent compilation cache (process-wide); None: "
               "$JAXENGINE_COMPILATION_CACHE_DIR, else JAX's own setting, else "
