@@ -165,9 +165,11 @@ def _engine_step(cfg: ModelConfig, impl: str, dtype: jnp.dtype, mesh: Any = None
     kv = jax.ShapeDtypeStruct(shape, dtype, sharding=kv_cache_sharding(model.mesh))
     batch = pack_batch([], num_tokens=64, max_seqs=8, max_blocks=8, block_size=PAGE_SIZE)
     batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), batch)
+    prev_tokens = jax.ShapeDtypeStruct((8,), np.int32)  # the last step's tokens, i32[R]
+    fill = jax.ShapeDtypeStruct((64,), np.int32)  # no placeholders: all -1
     # As jaxengine.runner.runner jits it: the model function static, the cache donated.
     jitted = jax.jit(jaxengine_model_step, static_argnames=("step_fn",), donate_argnames=("kv",))
-    return jitted, (fns.params, kv, batch), {"step_fn": fns.step}
+    return jitted, (fns.params, kv, batch, prev_tokens, fill), {"step_fn": fns.step}
 
 
 def _lowered_for_abstract_device(impl: str, cfg: ModelConfig) -> str:
@@ -292,11 +294,13 @@ def _time_decode(cfg: ModelConfig, tp: int, ctx: Context) -> tuple[float, int, i
     kv = fns.init_kv(1 + num_reqs * context // PAGE_SIZE, PAGE_SIZE)
     batch, rows = _decode_batch(num_reqs, context), np.arange(num_reqs, dtype=np.int32)
     md = build_sampling_metadata([], num_reqs)  # every row greedy
+    no_tokens = np.zeros(num_reqs, np.int32)  # no placeholders to fill from the last step
+    fill = np.full(len(batch.input_ids), -1, np.int32)
 
     def step(kv: jax.Array) -> tuple[jax.Array, jax.Array]:
-        kv, hidden = _jitted_step(fns.params, kv, batch, step_fn=fns.step)
-        out = _jitted_sample(fns.params, hidden, rows, md, logits_fn=fns.compute_logits,
-                             max_logprobs=0)
+        kv, hidden = _jitted_step(fns.params, kv, batch, no_tokens, fill, step_fn=fns.step)
+        out, _ = _jitted_sample(fns.params, hidden, rows, md, logits_fn=fns.compute_logits,
+                                max_logprobs=0, num_rows=num_reqs, token_sharding=None)
         return kv, out.token_ids
 
     kv, tokens = step(kv)  # compile + warm-up; rewriting the same slots is idempotent

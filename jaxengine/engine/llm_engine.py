@@ -212,7 +212,9 @@ class LLMEngine:
         self._in_flight = self.runner.dispatch(plan, self._sampling_rows(plan), prev)
         self.state = state
         dropped, self._dropped = self._dropped, set()
-        if prev is None:
+        if prev is None:  # nothing to collect yet; the step's statistics are its scheduling
+            self._record(IterationStats.between(before.counters, state.counters,
+                                                timestamp=time.time()))
             return []
         return self._update(state, before, prev.plan, self.runner.collect(prev), dropped=dropped)
 

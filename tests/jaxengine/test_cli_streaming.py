@@ -59,9 +59,11 @@ class Log:
 
     def engine(self) -> LLMEngine:
         """A fresh engine over the fake model, its steps logged; a prompt prefills at most 8
-        tokens a step, so short prompts overtake a long one."""
+        tokens a step, so short prompts overtake a long one. The tests count steps exactly,
+        so the loop is the synchronous one (a step's tokens come out of that step's call;
+        streaming under async scheduling is tested in test_streaming.py)."""
         args = EngineArgs(max_num_batched_tokens=32, max_num_seqs=4, block_size=4,
-                          long_prefill_token_threshold=8)
+                          long_prefill_token_threshold=8, async_scheduling=False)
         engine = LLMEngine(fake_model(V), args, tokenizer=TOK, max_model_len=128,
                            num_blocks=64)
         real_step = engine.step

@@ -145,13 +145,16 @@ def test_weights_and_kv_cache_are_split_across_devices(checkpoints: dict[str, st
     assert {s.data.shape for s in kv.addressable_shards} == {(2, 40, 4, 2, 8)}
     layers = e.runner.model.params["layers"]
     batch = pack_batch([], num_tokens=16, max_seqs=4, max_blocks=16, block_size=4)
-    step = _jitted_step.lower(params, kv, batch, step_fn=e.runner.model.step).compile()
+    no_placeholders = np.full(16, -1, np.int32)
+    step = _jitted_step.lower(params, kv, batch, e.runner._no_tokens, no_placeholders,
+                              step_fn=e.runner.model.step).compile()
     assert _collectives(step.as_text()) == {"all-reduce": 2 * len(layers) + 1}
     hidden = step.output_shardings[1]
     hidden = jax.ShapeDtypeStruct((4, 64), np.float32, sharding=hidden)
     sample = _jitted_sample.lower(params, hidden, np.zeros(4, np.int32),
                                   build_sampling_metadata([], 4), max_logprobs=2,
-                                  logits_fn=e.runner.model.compute_logits).compile()
+                                  logits_fn=e.runner.model.compute_logits, num_rows=4,
+                                  token_sharding=e.runner._token_sharding).compile()
     assert _collectives(sample.as_text()) == {"all-gather": 1}
 
 
@@ -169,13 +172,18 @@ def test_precompiled_engine_never_compiles_again_and_updates_the_cache_in_place(
     pointers = [s.data.unsafe_buffer_pointer() for s in e.runner.kv.addressable_shards]
     for i, (p, sp) in enumerate(zip(PROMPTS, PARAMS, strict=True)):
         e.add_request(str(i), {"prompt_token_ids": p}, sp)
+    donated = 0
     while e.has_unfinished_requests():
         old = e.runner.kv
         e.step()
-        assert old.is_deleted()
+        # A call that ran the model donated the cache (under async scheduling a call may
+        # only collect the step in flight, and then the cache is the same array).
+        assert e.runner.kv is old or old.is_deleted()
+        donated += e.runner.kv is not old
         assert [s.data.unsafe_buffer_pointer() for s in e.runner.kv.addressable_shards] \
             == pointers
     assert e.runner.stats.compilations_after_warmup == 0 and e.runner.stats.steps > 5
+    assert donated - e.runner.stats.steps in (0, 1)  # the last step may still be in flight
 
 
 def test_async_scheduling_under_tp_matches_sync_and_compiles_nothing_new(
