@@ -60,11 +60,8 @@ def _drive(runner: Runner, prompts: list[list[int]], max_tokens: int) -> dict[st
 PROMPTS = [[5, 6, 7], list(range(1, 30)), [9] * 11, list(range(40, 47)), [3, 1, 4, 1, 5, 9]]
 
 
-def test_buckets() -> None:
-    assert token_buckets(2048) == (16, 32, 64, 128, 256, 512, 1024, 2048)
-    assert token_buckets(100) == (16, 32, 64, 100)
-    assert token_buckets(8) == (8,)
-    assert token_buckets(100, intermediate=True) == (16, 24, 32, 48, 64, 96, 100)
+def test_request_buckets_and_picking() -> None:
+    """(Token buckets: test_buckets.py.)"""
     assert request_buckets(128) == (8, 16, 32, 64, 128)
     assert request_buckets(5) == (5,)
     assert pick_bucket((16, 32), 17) == 32
