@@ -400,6 +400,18 @@ def report(args: argparse.Namespace, setup: dict[str, Any], runs: dict[int, dict
     print("SUMMARY: " + "; ".join(summary))
 
 
+def run_baseline(args: argparse.Namespace, loaded: tuple[Any, Any, Any], ea: Any,
+                 setup: dict[str, Any], requests: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The requests on an engine with `--baseline-buckets`; None without that flag."""
+    if not args.baseline_buckets:
+        return None
+    fns, cfg, tokenizer = loaded
+    new = not set(args.baseline_buckets) <= set(setup["buckets"])  # else compiled already
+    engine, _ = build_engine(fns, cfg, tokenizer, ea, buckets=args.baseline_buckets,
+                             progress=False, precompile=new)
+    return run_engine(engine, requests)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -457,21 +469,21 @@ def main(argv: list[str] | None = None) -> int:
         f"max_model_len={rc.max_model_len} blocks={rc.num_blocks} "
         f"async_scheduling={ea.async_scheduling}"))
     runs, flops = {}, {}
-    for limit in _limits(args.limits):
+    for i, limit in enumerate(_limits(args.limits)):
+        requests = load_workload(args.workload, limit)
+        # The baseline runs before the measured engine on every other limit, so a drift in the
+        # machine's load does not favour one side.
+        baseline = run_baseline(args, loaded, ea, setup, requests) if i % 2 else None
         # A fresh engine each time (the programs compiled once): no prefix-cache hits on the
         # prompts of an earlier limit.
         engine = engine or build_engine(fns, cfg, tokenizer, ea, buckets=args.token_buckets,
                                         precompile=False)[0]
-        requests = load_workload(args.workload, limit)
         runs[len(requests)] = run_engine(engine, requests)
         flops[len(requests)] = useful_flops(cfg, requests)
         engine = None
-        if args.baseline_buckets:  # its buckets compile here unless the run's set has them
-            new = not set(args.baseline_buckets) <= set(setup["buckets"])
-            base, _ = build_engine(fns, cfg, tokenizer, ea, buckets=args.baseline_buckets,
-                                   progress=False, precompile=new)
-            runs[len(requests)]["baseline"] = run_engine(base, requests)
-            del base
+        baseline = baseline or run_baseline(args, loaded, ea, setup, requests)
+        if baseline is not None:
+            runs[len(requests)]["baseline"] = baseline
     pool = None
     if args.pool_ratio:
         requests = load_workload(args.workload, max(runs))
