@@ -242,8 +242,9 @@ def cpu_batch(reqs: list[tuple[int, int]], seed: int = 0) -> tuple[dict, float]:
     return batch, flops
 
 
-def run_cpu(args: argparse.Namespace) -> list[str]:
-    """The reference on CPU: best-of CPU ms per layer, GFLOP/s and share of the sgemm rate."""
+def run_cpu(shapes: list[Shape], impls: list[str], args: argparse.Namespace) -> list[str]:
+    """The reference on CPU at ``CPU_CASES`` (``shapes`` and ``impls`` do not apply): best-of
+    CPU ms per layer, GFLOP/s and share of the sgemm rate."""
     a = jnp.asarray(np.random.default_rng(0).standard_normal((2048, 2048), dtype=np.float32))
     mm = jax.jit(lambda x: x @ x)
     mm(a).block_until_ready()

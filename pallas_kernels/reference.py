@@ -36,8 +36,8 @@ from jax import lax
 # the 2-core CPU machine (SmolLM2 heads, f32, best-of-7 CPU ms per layer; G heads stacked as
 # rows of one product per KV head, block_q 64 before / 128 now): a 512-token prefill 11.8 /
 # 9.4, prefills of 1280 + 256 tokens 43.2 / 35.5, a 768-token chunk after 512 cached 38.2 /
-# 32.8, 32 decodes + a 256-token chunk 17.8 / 18.6; 512 cached tokens per step was slower
-# (11.6, 47.5, 39.5, 21.8). Earlier, block_q 16 against 64: 24 / 15, 103 / 65, -, 52 / 47.
+# 32.8; 512 cached tokens per step was slower (11.6, 47.5, 39.5). Earlier, block_q 16 against
+# 64: 24 / 15, 103 / 65. The decode pass is untouched (benchmarks/attention.py --mode cpu).
 DEFAULT_BLOCK_Q = 128
 DEFAULT_KV_TOKENS_PER_CHUNK = 256
 # The oracle must not lose bits on accelerators (float32 dots default to bf16 passes on TPU and
