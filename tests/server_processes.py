@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import socket
 import subprocess
 import time
@@ -31,3 +32,13 @@ def wait_healthy(base: str, procs: Sequence[subprocess.Popen[bytes]],
             pass
         assert time.monotonic() < deadline, "the server did not come up\n" + describe()
         time.sleep(0.25)
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """Stop a `jaxengine serve` child as Ctrl-C would; kill it if it lingers past 30 s."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=10)

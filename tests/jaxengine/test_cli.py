@@ -7,7 +7,6 @@ import io
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -18,7 +17,7 @@ import pytest
 
 from jaxengine.cli import build_parser, engine_args_from, main
 from jaxengine.engine.args import EngineArgs
-from tests.server_processes import free_port, wait_healthy
+from tests.server_processes import free_port, stop, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "tests" / "fixtures" / "tiny" / "llama_tied_mha"
@@ -189,12 +188,7 @@ def test_serve_subprocess_answers_and_logs_throughput(tmp_path: Path) -> None:
             assert time.monotonic() < deadline, log.read_text()
             time.sleep(0.25)
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        stop(proc)
     text = log.read_text()
     for part in ("Running: ", "GPU KV cache usage: ", "Prefix cache hit rate: "):
         assert part in text

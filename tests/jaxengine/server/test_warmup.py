@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import json
 import re
-import signal
 import subprocess
 import sys
 import threading
@@ -30,7 +29,7 @@ from tests.jaxengine.server.test_harness import (
     wait_until_idle,
 )
 from tests.parallel_helpers import REPO, device_env
-from tests.server_processes import free_port, wait_healthy
+from tests.server_processes import free_port, stop, wait_healthy
 
 # Three token buckets and two request buckets (whatever the bucket rule makes of these sizes);
 # a 100-token prompt is prefilled in two chunks.
@@ -156,12 +155,7 @@ def test_serve_warms_every_replica_before_it_listens(tmp_path: Path) -> None:
                                                     stream=True), range(1, 7)))
         assert got == [6] * 6
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+        stop(proc)
     startup = text.index("Application startup complete")
     warm = text[:startup]
     plans = re.findall(r"warm-up: compiling replica (\d) of 2 \(\d+ token buckets \[([\d, ]+)\], "
