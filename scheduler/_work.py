@@ -14,7 +14,7 @@ from types import MappingProxyType
 from scheduler.kv_cache import KVCacheManager
 from scheduler.policies import get_policy
 from scheduler.request import Request, RequestStatus
-from scheduler.state import SchedulerCounters, SchedulerState, StateData
+from scheduler.state import PLACEHOLDER_TOKEN_ID, SchedulerCounters, SchedulerState, StateData
 
 
 class Work:
@@ -64,13 +64,15 @@ class Work:
     # ---- per-request helpers ------------------------------------------------------------
 
     def token_ids(self, rid: str, start: int, stop: int) -> tuple[int, ...]:
-        """Tokens start..stop-1 of prompt + outputs + draft tokens."""
+        """Tokens start..stop-1 of prompt + outputs + placeholders (async scheduling: outputs
+        the step in flight samples, `PLACEHOLDER_TOKEN_ID`) + draft tokens."""
         history = self.tokens[rid]
         n = len(history)
         if stop <= n:
             return tuple(history[start:stop])
-        spec = self.static[rid].spec_token_ids
-        return tuple(history[start:n]) + spec[max(0, start - n):stop - n]
+        ahead = ((PLACEHOLDER_TOKEN_ID,) * self.placeholders.get(rid, 0)
+                 + self.static[rid].spec_token_ids)
+        return tuple(history[start:n]) + ahead[max(0, start - n):stop - n]
 
     def update(self, rid: str, **changes) -> None:
         """Replace fields of the request's static record (status, preemptions, drafts)."""

@@ -49,23 +49,20 @@ class _Step:
         """The long-prefill threshold's cap."""
         return self.threshold if 0 < self.threshold < n else n
 
-    def record(self, w: Work, rid: str, n: int, computed: int, placeholders: int = 0) -> None:
-        """Schedule n tokens of the request, whose first `computed` tokens have KV and whose
-        last `placeholders` tokens are still being sampled (async scheduling)."""
+    def record(self, w: Work, rid: str, n: int, computed: int) -> None:
+        """Schedule n tokens of the request, whose first `computed` tokens have KV."""
         self.tokens[rid] = n
         self.computed_before[rid] = computed
         self.budget -= n
         end = computed + n
         history = w.tokens[rid]
-        known = len(history)
-        if n == 1 and end <= known:  # a decode: the one token sampled last step
+        num_tokens = len(history)
+        if n == 1 and end <= num_tokens:  # a decode: the one token sampled last step
             self.inputs[rid] = (history[computed],)
-        elif end <= known or not placeholders:
+        else:  # with the placeholders and drafts past the known tokens
             self.inputs[rid] = w.token_ids(rid, computed, end)
-        else:  # the step in flight samples the rest
-            self.inputs[rid] = (*history[computed:known], *(PLACEHOLDER_TOKEN_ID,) * (end - known))
         self.tables[rid] = w.tables[rid]
-        if end >= known + placeholders:
+        if end >= num_tokens + w.placeholders.get(rid, 0):
             self.sampling[rid] = None
 
     def unschedule(self, rid: str) -> None:
@@ -154,7 +151,7 @@ def _schedule_running(w: Work, st: _Step) -> None:
             ok, shift = _allocate_or_preempt(w, st, rid, end, i)
             i -= shift  # victims ahead of the request moved it up
         if ok:
-            st.record(w, rid, n, computed, ph)
+            st.record(w, rid, n, computed)
             if spec:
                 _take_spec(w, st, rid, n, computed)
             if prefills is not None:
