@@ -117,17 +117,34 @@ class LLM:
         Raises:
           ValueError: a bad prompt or parameter; nothing was added to the engine.
         """
+        ids = self.add_requests(prompts, sampling_params)
+        try:
+            return self._run(ids, use_tqdm)
+        except BaseException:
+            self.llm_engine.abort_request(ids)  # leave the engine empty and its KV blocks free
+            raise
+
+    def add_requests(self, prompts: PromptType | Sequence[PromptType],
+                     sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
+                     ) -> list[str]:
+        """Queue prompts on the engine without stepping it (`generate` and
+        `jaxengine.streaming` step it); the arguments are `generate`'s.
+
+        Returns:
+          The new requests' ids, in the order of `prompts`.
+        Raises:
+          ValueError: a bad prompt or parameter; nothing was added to the engine.
+        """
         prompts = _as_list(prompts)
         params = _params_list(sampling_params, len(prompts), self._default_params)
-        engine = self.llm_engine
         ids = [str(next(self._ids)) for _ in prompts]
         try:
             for rid, prompt, sp in zip(ids, prompts, params, strict=True):
-                engine.add_request(rid, prompt, sp)
-            return self._run(ids, use_tqdm)
+                self.llm_engine.add_request(rid, prompt, sp)
         except BaseException:
-            engine.abort_request(ids)  # leave the engine empty and its KV blocks free
+            self.llm_engine.abort_request(ids)  # the ones added before the bad one
             raise
+        return ids
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         done: dict[str, RequestOutput] = {}
@@ -152,18 +169,26 @@ class LLM:
           add_generation_prompt: end the prompt with the assistant turn's header.
           chat_template_kwargs: extra variables for the template.
         """
-        tokenizer = self.get_tokenizer()
-        if tokenizer is None:
-            raise ValueError("chat needs a tokenizer (skip_tokenizer_init=False)")
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else messages
-        prompts = []
-        for conv in conversations:
-            text = tokenizer.apply_chat_template(
-                conv, add_generation_prompt=add_generation_prompt,
-                **dict(chat_template_kwargs or {}))
-            ids = tokenizer.encode(text, add_special_tokens=False)
-            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        prompts = [chat_prompt(self.get_tokenizer(), conv,
+                               add_generation_prompt=add_generation_prompt,
+                               chat_template_kwargs=chat_template_kwargs)
+                   for conv in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+
+def chat_prompt(tokenizer: Any, conversation: Conversation, *, add_generation_prompt: bool = True,
+                chat_template_kwargs: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The prompt of one conversation as `LLM.chat` makes it: its chat template's text and ids.
+
+    Raises:
+      ValueError: no tokenizer (the engine was built with `skip_tokenizer_init=True`).
+    """
+    if tokenizer is None:
+        raise ValueError("chat needs a tokenizer (skip_tokenizer_init=False)")
+    text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
+                                         **dict(chat_template_kwargs or {}))
+    return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
 
 
 def _as_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:

@@ -14,20 +14,15 @@ stop string, EOS and stop tokens never appear in a piece).
 
 from __future__ import annotations
 
-import uuid
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from jaxengine.engine.llm_engine import PromptType
 from jaxengine.engine.outputs import RequestOutput
+from jaxengine.llm import LLM, Conversation, chat_prompt
 from scheduler import SamplingParams
-
-if TYPE_CHECKING:  # llm imports the whole engine; this module only needs its methods
-    from jaxengine.llm import LLM
-
-Conversation = Sequence[Mapping[str, Any]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,38 +132,7 @@ def stream(llm: LLM, prompts: PromptType | Sequence[PromptType],
     Raises:
       ValueError: a bad prompt or parameter; nothing is left in the engine.
     """
-    prompts = [prompts] if isinstance(prompts, str | Mapping) else list(prompts)
-    if sampling_params is None or isinstance(sampling_params, SamplingParams):
-        one = llm.get_default_sampling_params() if sampling_params is None else sampling_params
-        params = [one] * len(prompts)
-    else:
-        params = list(sampling_params)
-        if len(params) != len(prompts):
-            raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts; "
-                             f"pass one or one per prompt")
-    engine, tag = llm.llm_engine, uuid.uuid4().hex[:8]
-    ids = [f"stream-{tag}-{i}" for i in range(len(prompts))]
-    try:
-        for rid, prompt, sp in zip(ids, prompts, params, strict=True):
-            engine.add_request(rid, prompt, sp)
-    except BaseException:
-        engine.abort_request(ids)  # the ones added before the bad one
-        raise
-    return TextStream(engine, ids)
-
-
-def chat_prompt(tokenizer: Any, conversation: Conversation, *, add_generation_prompt: bool = True,
-                chat_template_kwargs: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The prompt `LLM.chat` makes of one conversation: its chat template's text and ids.
-
-    Raises:
-      ValueError: no tokenizer (the engine was built with `skip_tokenizer_init=True`).
-    """
-    if tokenizer is None:
-        raise ValueError("chat needs a tokenizer (skip_tokenizer_init=False)")
-    text = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt,
-                                         **dict(chat_template_kwargs or {}))
-    return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+    return TextStream(llm.llm_engine, llm.add_requests(prompts, sampling_params))
 
 
 def stream_chat(llm: LLM, conversation: Conversation,
