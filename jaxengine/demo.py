@@ -73,15 +73,18 @@ def compile_summary(programs: int, loaded: int, seconds: float, cache_dir: str |
       seconds: time in precompile and the steps that compiled.
       cache_dir: the cache directory; None: the cache is disabled.
     """
+    from jaxengine.runner.compilation_cache import cache_state
+
     if cache_dir is None:
         return f"compiled {programs} programs in {seconds:.1f}s (persistent cache disabled)"
     where = _home_short(cache_dir)
     if programs == 0:
         return f"no programs compiled (cache: {where})"
-    if loaded == 0:
+    state = cache_state(loaded, programs)
+    if state == "cold":
         return (f"compiled {programs} programs in {seconds:.1f}s (cache cold: {where}; the "
                 f"next run loads them)")
-    if loaded == programs:
+    if state == "warm":
         return f"loaded {programs} programs from the cache in {seconds:.1f}s (cache warm: {where})"
     return (f"compiled {programs - loaded} and loaded {loaded} programs from the cache in "
             f"{seconds:.1f}s (cache partly warm: {where})")

@@ -95,6 +95,12 @@ def configure(setting: str | None) -> str | None:
     return path
 
 
+def cache_state(loaded: int, programs: int) -> str:
+    """How warm the cache was for `programs` programs of which `loaded` came from it: "cold"
+    (none), "warm" (all) or "partly warm"."""
+    return "cold" if loaded == 0 else "warm" if loaded >= programs else "partly warm"
+
+
 def active_dir() -> str | None:
     """The directory the engine's last `configure` put JAX's cache in; None: disabled or
     never configured."""

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaxengine.parallel.data_parallel import replicas_of
-from jaxengine.runner.compilation_cache import active_dir
+from jaxengine.runner.compilation_cache import active_dir, cache_state
 from jaxengine.runner.compiles import cache_hit_count
 from jaxengine.runner.runner import SAMPLE_NAME, STEP_NAME
 
@@ -70,6 +70,5 @@ def _cache_words(done: WarmUp) -> str:
     where = active_dir()
     if where is None:
         return "persistent compilation cache disabled"
-    state = ("cold" if done.cache_hits == 0
-             else "warm" if done.cache_hits >= done.programs else "partly warm")
+    state = cache_state(done.cache_hits, done.programs)
     return f"{done.cache_hits} loaded from the compilation cache {where} ({state})"
