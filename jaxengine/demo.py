@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -73,11 +72,11 @@ def compile_summary(programs: int, loaded: int, seconds: float, cache_dir: str |
       seconds: time in precompile and the steps that compiled.
       cache_dir: the cache directory; None: the cache is disabled.
     """
-    from jaxengine.runner.compilation_cache import cache_state
+    from jaxengine.runner.compilation_cache import cache_state, shown
 
     if cache_dir is None:
         return f"compiled {programs} programs in {seconds:.1f}s (persistent cache disabled)"
-    where = _home_short(cache_dir)
+    where = shown(cache_dir)
     if programs == 0:
         return f"no programs compiled (cache: {where})"
     state = cache_state(loaded, programs)
@@ -88,12 +87,6 @@ def compile_summary(programs: int, loaded: int, seconds: float, cache_dir: str |
         return f"loaded {programs} programs from the cache in {seconds:.1f}s (cache warm: {where})"
     return (f"compiled {programs - loaded} and loaded {loaded} programs from the cache in "
             f"{seconds:.1f}s (cache partly warm: {where})")
-
-
-def _home_short(path: str) -> str:
-    """`path` with the home directory written `~`."""
-    home = str(Path.home())
-    return "~" + path[len(home):] if path == home or path.startswith(home + "/") else path
 
 
 if __name__ == "__main__":

@@ -101,6 +101,12 @@ def cache_state(loaded: int, programs: int) -> str:
     return "cold" if loaded == 0 else "warm" if loaded >= programs else "partly warm"
 
 
+def shown(path: str) -> str:
+    """`path` as logs show it: the home directory written `~`."""
+    home = str(Path.home())
+    return "~" + path[len(home):] if path == home or path.startswith(home + "/") else path
+
+
 def active_dir() -> str | None:
     """The directory the engine's last `configure` put JAX's cache in; None: disabled or
     never configured."""

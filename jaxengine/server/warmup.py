@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaxengine.parallel.data_parallel import replicas_of
-from jaxengine.runner.compilation_cache import active_dir, cache_state
+from jaxengine.runner.compilation_cache import active_dir, cache_state, shown
 from jaxengine.runner.compiles import cache_hit_count
 from jaxengine.runner.runner import SAMPLE_NAME, STEP_NAME
 
@@ -71,4 +71,4 @@ def _cache_words(done: WarmUp) -> str:
     if where is None:
         return "persistent compilation cache disabled"
     state = cache_state(done.cache_hits, done.programs)
-    return f"{done.cache_hits} loaded from the compilation cache {where} ({state})"
+    return f"{done.cache_hits} loaded from the compilation cache {shown(where)} ({state})"
