@@ -10,8 +10,8 @@ All requests arrive at t=0 (greedy, ignore_eos, exactly max_tokens each). The en
 as `LLM(dtype=...)` builds it (`EngineArgs` defaults, the KV pool from the memory budget) and
 warmed up first, so every compilation during a run is a failure of the bucketing. Each limit
 (the first N requests) runs on the same warm engine. `--compare hf` runs HF transformers on the
-same GGUF weights, float32, in another interpreter (a Python 3.11 venv with torch; this file
-doubles as its worker via `--hf-worker`), on the same limits.
+same GGUF weights, float32, in another interpreter (a Python 3.11 venv with torch, running
+`benchmarks/hf_baseline.py`), on the same limits.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_WORKLOAD = REPO / "benchmarks" / "workloads" / "mix64.json"
+HF_WORKER = Path(__file__).with_name("hf_baseline.py")  # the transformers side, own interpreter
 # Engine settings a flag may override; None keeps EngineArgs' default (what LLM() uses).
 OVERRIDES = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "block_size",
              "num_gpu_blocks_override")
@@ -222,83 +223,15 @@ def async_compare(args: argparse.Namespace, loaded: tuple[Any, Any, Any],
     return out
 
 
-# ---- the transformers side (runs under --hf-python) ---------------------------------------
-
-
-def hf_worker(args: argparse.Namespace) -> None:
-    """Run each limit of the workload with transformers; print one JSON line of results."""
-    import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
-    folder, fname = os.path.split(args.gguf)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=fname,
-                                                 dtype=torch.float32).eval()
-    result: dict[str, Any] = {"torch_threads": torch.get_num_threads(), "limits": {}}
-    for limit in _limits(args.limits):
-        requests = load_workload(Path(args.workload), limit)
-        res: dict[str, Any] = {}
-        config = GenerationConfig(do_sample=False,
-                                  max_new_tokens=max(r["max_tokens"] for r in requests))
-        try:
-            res["cb"] = _hf_continuous_batching(model, config, requests)
-        except Exception as e:  # report and go on: the other limits are still useful
-            res["cb_error"] = f"{type(e).__name__}: {e}"
-        if args.hf_static:
-            res["static8"] = _hf_static_batches(model, requests, batch_size=8)
-        result["limits"][str(len(requests))] = res
-    print("HF_RESULT " + json.dumps(result))
-
-
-def _hf_continuous_batching(model: Any, config: Any, requests: list[dict[str, Any]]
-                            ) -> dict[str, Any]:
-    manager = model.init_continuous_batching(generation_config=config)
-    manager.start()
-    start = time.time()
-    try:
-        for r in requests:
-            manager.add_request(r["prompt_token_ids"], request_id=r["id"],
-                                max_new_tokens=r["max_tokens"], eos_token_id=-1)
-        tokens, done = 0, set()
-        while len(done) < len(requests):
-            out = manager.get_result(timeout=600)
-            if out is None:
-                raise RuntimeError("continuous batching stopped before finishing")
-            if out.is_finished() and out.request_id not in done:
-                done.add(out.request_id)
-                tokens += len(out.generated_tokens)
-    finally:
-        manager.stop(block=True)
-    return {"elapsed": time.time() - start, "output_tokens": tokens}
-
-
-def _hf_static_batches(model: Any, requests: list[dict[str, Any]], batch_size: int
-                       ) -> dict[str, Any]:
-    import torch
-
-    start, tokens = time.time(), 0
-    for i in range(0, len(requests), batch_size):
-        batch = requests[i:i + batch_size]
-        width = max(len(r["prompt_token_ids"]) for r in batch)
-        ids = torch.zeros((len(batch), width), dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for b, r in enumerate(batch):
-            p = r["prompt_token_ids"]
-            ids[b, width - len(p):] = torch.tensor(p)
-            mask[b, width - len(p):] = 1
-        n = max(r["max_tokens"] for r in batch)
-        with torch.no_grad():
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=n,
-                           min_new_tokens=n, do_sample=False, pad_token_id=0)
-        tokens += sum(r["max_tokens"] for r in batch)  # useful tokens only
-    return {"elapsed": time.time() - start, "output_tokens": tokens}
+# ---- the transformers side ------------------------------------------------------------------
 
 
 def run_hf(args: argparse.Namespace) -> dict[str, Any] | None:
-    """Run `hf_worker` under `--hf-python`; its parsed result, or None on failure."""
+    """Run `hf_baseline.py` under `--hf-python`; its parsed result, or None on failure."""
     from jaxengine.loading.load import default_model_path
 
     gguf = args.model if args.model and args.model.endswith(".gguf") else default_model_path()
-    cmd = [args.hf_python, __file__, "--hf-worker", "--gguf", gguf, "--workload",
+    cmd = [args.hf_python, str(HF_WORKER), "--gguf", gguf, "--workload",
            str(args.workload), "--limits", args.limits] + (["--hf-static"] if args.hf_static
                                                            else [])
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -313,7 +246,7 @@ def run_hf(args: argparse.Namespace) -> dict[str, Any] | None:
 # ---- report -------------------------------------------------------------------------------
 
 
-def _limits(text: str) -> list[int | None]:
+def parse_limits(text: str) -> list[int | None]:
     """`--limits` as request counts; 0 means all."""
     return [int(x) or None for x in text.split(",")]
 
@@ -437,11 +370,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hf-static", action="store_true", help="also HF generate, batches of 8")
     p.add_argument("--hf-python", default=str(REPO / ".venv311" / "bin" / "python"))
     p.add_argument("--quiet", action="store_true")
-    p.add_argument("--hf-worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--gguf", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     try:
-        _limits(args.limits)
+        parse_limits(args.limits)
         for name in ("token_buckets", "baseline_buckets"):
             if getattr(args, name):
                 setattr(args, name, tuple(int(x) for x in getattr(args, name).split(",")))
@@ -453,9 +384,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; returns the exit status."""
     args = parse_args(argv)
-    if args.hf_worker:
-        hf_worker(args)
-        return 0
     sys.path.insert(0, str(REPO))
     setup: dict[str, Any] = {"load": " ".join(f"{x:.1f}" for x in os.getloadavg())}
     loaded = load(args)
@@ -469,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
         f"max_model_len={rc.max_model_len} blocks={rc.num_blocks} "
         f"async_scheduling={ea.async_scheduling}"))
     runs, flops = {}, {}
-    for i, limit in enumerate(_limits(args.limits)):
+    for i, limit in enumerate(parse_limits(args.limits)):
         requests = load_workload(args.workload, limit)
         # The baseline runs before the measured engine on every other limit, so a drift in the
         # machine's load does not favour one side.

@@ -34,7 +34,7 @@ def test_useful_flops_counts_weights_head_and_attention_by_hand() -> None:
 def test_limits_and_bucket_flags_are_parsed() -> None:
     script = _script()
     args = script.parse_args(["--limits", "16,0", "--baseline-buckets", "16,32"])
-    assert script._limits(args.limits) == [16, None]
+    assert script.parse_limits(args.limits) == [16, None]
     assert args.baseline_buckets == (16, 32)
     with pytest.raises(SystemExit):
         script.parse_args(["--token-buckets", "16,x"])
