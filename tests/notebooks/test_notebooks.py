@@ -1,4 +1,8 @@
-"""Every notebook executes top to bottom (its own asserts check what it shows)."""
+"""Every notebook executes top to bottom (its own asserts check what it shows).
+
+A notebook whose metadata says `"jaxengine": {"slow": true}` (one that compiles a real model)
+runs only with the slow tests.
+"""
 
 from pathlib import Path
 
@@ -7,8 +11,15 @@ import pytest
 from nbclient import NotebookClient
 
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
-# Notebooks that need only the scheduler; engine notebooks compile a model and are slow.
-FAST = ["scheduling_timeline.ipynb", "policy_experiments.ipynb"]
+
+
+def _is_slow(path: Path) -> bool:
+    return bool(nbformat.read(path, as_version=4).metadata.get("jaxengine", {}).get("slow"))
+
+
+def _cases() -> list:
+    return [pytest.param(p.name, marks=[pytest.mark.slow] if _is_slow(p) else [])
+            for p in sorted(NOTEBOOKS.glob("*.ipynb"))]
 
 
 def _execute(path: Path) -> nbformat.NotebookNode:
@@ -18,17 +29,10 @@ def _execute(path: Path) -> nbformat.NotebookNode:
     return nb
 
 
-@pytest.mark.parametrize("name", FAST)
-def test_scheduler_notebooks_run(name):
+@pytest.mark.parametrize("name", _cases())
+def test_notebook_runs(name):
     nb = _execute(NOTEBOOKS / name)
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
     assert not [o for o in outputs if o.output_type == "error"]
-    assert any(o.output_type == "stream" and o.text.strip() for o in outputs)
-
-
-def test_every_notebook_is_tested():
-    tested = set(FAST) | set(SLOW)
-    assert {p.name for p in NOTEBOOKS.glob("*.ipynb")} <= tested
-
-
-SLOW: list[str] = []
+    assert any((o.output_type == "stream" and o.text.strip()) or o.output_type == "display_data"
+               for o in outputs)
