@@ -7,6 +7,7 @@ No jax here: this package is plain Python.
 
 from scheduler.config import SchedulerConfig
 from scheduler.invariants import check_invariants
+from scheduler.metadata import RequestMetadata
 from scheduler.policies import POLICIES, Policy, SortedPolicy, register
 from scheduler.prefix_query import prefix_cache_hit
 from scheduler.request import Request, RequestStatus
@@ -26,7 +27,7 @@ from scheduler.update import abort_requests, add_request, update_from_output
 
 __all__ = [
     "PLACEHOLDER_TOKEN_ID", "POLICIES", "NewRequestData", "Policy", "Request", "RequestDelta",
-    "RequestStatus", "SamplingParams", "SamplingParamsError", "SchedulerConfig",
+    "RequestMetadata", "RequestStatus", "SamplingParams", "SamplingParamsError", "SchedulerConfig",
     "SchedulerCounters", "SchedulerOutput", "SchedulerState", "SchedulerStats", "SortedPolicy",
     "abort_requests", "add_request", "check_invariants", "init_state", "prefix_cache_hit",
     "register", "schedule", "update_from_output",

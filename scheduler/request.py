@@ -3,9 +3,11 @@
 Their sampling limits are `SamplingParams` (scheduler/sampling_params.py), imported here.
 """
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import IntEnum
 
+from scheduler.metadata import NO_METADATA, RequestMetadata
 from scheduler.sampling_params import SamplingParams
 
 
@@ -40,7 +42,7 @@ _FINISH_REASONS = {
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Request:
-    """One request: what was asked (first seven fields) and how far it has got.
+    """One request: what was asked (first eight fields) and how far it has got.
 
     Progress is two counters, never phase flags: `num_tokens` (prompt + outputs) and
     `num_computed_tokens` (tokens whose KV is in the cache). Users create requests with the
@@ -54,6 +56,9 @@ class Request:
     priority: int = 0  # lower runs first under the priority policy
     eos_token_id: int | None = None  # stops the request unless ignore_eos
     cache_salt: str | None = None  # isolates this request's prefix-cache entries
+    # Who asked, for policies (e.g. {"tenant": "a", "user": "u1"}); any mapping of str keys to
+    # str/int/float/bool values is stored as a read-only `RequestMetadata`.
+    metadata: Mapping[str, str | int | float | bool] = field(default=NO_METADATA, hash=False)
     output_token_ids: tuple[int, ...] = ()  # sampled so far
     spec_token_ids: tuple[int, ...] = ()  # draft tokens to verify in the next step
     num_computed_tokens: int = 0  # tokens with KV in the cache
@@ -66,6 +71,9 @@ class Request:
         object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))
         object.__setattr__(self, "output_token_ids", tuple(self.output_token_ids))
         object.__setattr__(self, "spec_token_ids", tuple(self.spec_token_ids))
+        if type(self.metadata) is not RequestMetadata:  # a copy keeps it read-only
+            object.__setattr__(self, "metadata", RequestMetadata(self.metadata,
+                                                                 owner=self.request_id))
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -123,7 +123,8 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: PromptType,
                     params: SamplingParams | None = None, *, arrival_time: float | None = None,
-                    priority: int = 0) -> None:
+                    priority: int = 0,
+                    metadata: Mapping[str, str | int | float | bool] | None = None) -> None:
         """Queue a request.
 
         Args:
@@ -132,6 +133,8 @@ class LLMEngine:
           params: sampling parameters (default `SamplingParams()`).
           arrival_time: `time.time()` of arrival (default: now).
           priority: lower is served first under `scheduling_policy="priority"`.
+          metadata: who sent it, e.g. `{"tenant": "a", "user": "u1"}` (str keys; str, int,
+            float or bool values), for scheduling policies such as `fair`.
         Raises:
           SamplingParamsError: a parameter this engine cannot honour (`param` names it).
           ValueError: a bad prompt, a duplicate id, or a request that can never fit the KV
@@ -145,7 +148,8 @@ class LLMEngine:
         arrival = time.time() if arrival_time is None else arrival_time
         request = Request(request_id=request_id, prompt_token_ids=tuple(ids),
                           sampling_params=params, arrival_time=arrival, priority=priority,
-                          eos_token_id=self.eos_token_id)
+                          eos_token_id=self.eos_token_id,
+                          metadata={} if metadata is None else metadata)
         # The scheduler refuses duplicate ids, empty prompts and prompts with no room for
         # output; its new state is a value, kept only once the engine's own check passes too.
         state = add_request(self.state, request)
