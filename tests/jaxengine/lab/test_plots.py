@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 from matplotlib.collections import PathCollection
 
+from jaxengine.engine.args import EngineArgs
+from jaxengine.engine.llm_engine import LLMEngine
 from jaxengine.lab.plots import (
     LatencySamples,
     ParetoPoint,
@@ -16,7 +18,8 @@ from jaxengine.lab.plots import (
     pareto_indices,
     timeline,
 )
-from jaxengine.lab.timeline import StepRecord, step_record
+from jaxengine.lab.timeline import EngineTimeline, StepRecord, step_record
+from jaxengine.model.fake import fake_greedy, fake_model
 from scheduler import (
     Request,
     SamplingParams,
@@ -222,3 +225,26 @@ def test_figures_do_not_accumulate_in_pyplot() -> None:
     before = len(plt.get_fignums())
     latency_cdfs({"a": LatencySamples(ttft_s=np.linspace(0.1, 1.0, 10))})
     assert len(plt.get_fignums()) == before
+
+
+def test_engine_timeline_records_a_real_engine_run() -> None:
+    engine = LLMEngine(fake_model(97), EngineArgs(max_num_batched_tokens=16, max_num_seqs=4,
+                                                  block_size=4),
+                       tokenizer=None, max_model_len=64, num_blocks=40)
+    prompts = [list(range(1, 21)), [5, 6, 7], list(range(30, 39))]
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", {"prompt_token_ids": p}, params)
+    recorder, done, steps = EngineTimeline(engine), {}, 0
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o) for o in recorder.step() if o.finished)
+        steps += 1
+    assert [list(done[f"r{i}"].outputs[0].token_ids) for i in range(3)] == [
+        fake_greedy(p, 5, 97) for p in prompts]  # recording changed nothing
+    recs = recorder.records
+    assert [r.step for r in recs] == list(range(steps))
+    assert sum(r.prefill_tokens for r in recs) == 20 + 3 + 9
+    assert sum(r.decode_tokens for r in recs) == 3 * 4
+    assert recs[0].prefill_tokens == 16 and recs[0].num_waiting == 2  # the budget, r0 first
+    times = [r.time_s for r in recs]
+    assert times == sorted(times) and times[0] >= 0.0
