@@ -14,6 +14,7 @@ from types import MappingProxyType
 from scheduler.kv_cache import KVCacheManager
 from scheduler.policies import get_policy
 from scheduler.request import Request, RequestStatus
+from scheduler.request_view import RequestViews
 from scheduler.state import PLACEHOLDER_TOKEN_ID, SchedulerCounters, SchedulerState, StateData
 
 
@@ -43,6 +44,7 @@ class Work:
             data.kv, self._journal, block_size=cfg.block_size,
             caching=cfg.enable_prefix_caching, max_model_len=cfg.max_model_len,
         )
+        self.views = RequestViews(self)  # what the policy is shown
 
     def freeze(self, *, step: int) -> SchedulerState:
         """The new state; this Work must not be used afterwards."""
@@ -126,7 +128,7 @@ class Work:
                     num_preemptions=req.num_preemptions + 1)
         self.computed[rid] = 0
         self.counters["num_preemptions"] += 1
-        self.policy.enqueue(self.waiting, rid, self.static, front=True)
+        self.policy.enqueue(self.waiting, rid, self.views, front=True)
 
     def finish(self, rid: str) -> None:
         """Drop a finished request (the caller removes it from its queue) and free its blocks."""

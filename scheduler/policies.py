@@ -2,24 +2,30 @@
 
 A policy decides two things and nothing else: (a) where a request goes in `waiting`, (b) which
 running request to preempt when the KV pool is short. Everything else (budgets, blocks, caching)
-is the shared mechanism in `scheduler.schedule`, which never looks at the policy's name. To add a
-research policy, subclass `Policy` (or `SortedPolicy`) and `register` it:
+is the shared mechanism in `scheduler.schedule`, which never looks at the policy's name. A policy
+sees each request as a `RequestView` (scheduler/request_view.py): what was asked, its metadata
+and its progress now. To add a research policy, subclass `Policy` (or `SortedPolicy`) and
+`register` it:
 
     @register
     class ShortestPromptFirst(SortedPolicy):
         name = "sjf"
-        def sort_key(self, r): return (len(r.prompt_token_ids), r.arrival_time, r.request_id)
+        def sort_key(self, r): return (r.num_prompt_tokens, r.arrival_time, r.request_id)
 
-then `SchedulerConfig(policy="sjf", ...)`.
+then `SchedulerConfig(policy="sjf", ...)`. A policy whose keys can change while requests wait
+(progress, the prefix cache, other requests' service) sets `dynamic = True`: `schedule()` then
+re-orders `waiting` (`reorder`) before each step; static policies pay nothing for it.
 """
 
 import bisect
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import ClassVar
 
-from scheduler.request import Request
+from scheduler.request_view import RequestView
 
 POLICIES: dict[str, "Policy"] = {}
+
+Views = Mapping[str, RequestView]  # request id -> view, every unfinished request
 
 
 def register[P: type["Policy"]](cls: P) -> P:
@@ -36,9 +42,11 @@ class Policy:
     """First come, first served order for `waiting`; preempted requests go to its front."""
 
     name: ClassVar[str]
+    # True when a waiting request's place can change while it waits: `reorder` runs at the
+    # start of every schedule(). False: `waiting` is ordered by `enqueue` alone.
+    dynamic: ClassVar[bool] = False
 
-    def enqueue(self, waiting: list[str], rid: str, requests: Mapping[str, Request], *,
-                front: bool) -> None:
+    def enqueue(self, waiting: list[str], rid: str, requests: Views, *, front: bool) -> None:
         """Put `rid` into `waiting` (in place). `front` is set for preempted and skipped
         requests, which keep their place ahead of newer arrivals."""
         if front:
@@ -46,9 +54,12 @@ class Policy:
         else:
             waiting.append(rid)
 
-    def victim(self, running: Sequence[str], requests: Mapping[str, Request]) -> str:
+    def victim(self, running: Sequence[str], requests: Views) -> str:
         """The running request to preempt when the pool is short."""
         return running[-1]
+
+    def reorder(self, waiting: list[str], requests: Views) -> None:
+        """Re-order `waiting` in place before a step; called only when `dynamic` is set."""
 
 
 @register
@@ -61,17 +72,23 @@ class FCFS(Policy):
 class SortedPolicy(Policy):
     """`waiting` kept sorted by `sort_key` (lowest first); the victim is the highest key."""
 
-    def sort_key(self, request: Request) -> tuple:
+    def sort_key(self, request: RequestView) -> tuple:
         raise NotImplementedError
 
-    def enqueue(self, waiting: list[str], rid: str, requests: Mapping[str, Request], *,
-                front: bool) -> None:
+    def key_function(self, requests: Views) -> Callable[[str], tuple]:
+        """Request id -> its key now. Override to compute something over all requests once
+        per call (see `FairShare`)."""
         key = self.sort_key
-        bisect.insort(waiting, rid, key=lambda r: key(requests[r]))
+        return lambda rid: key(requests[rid])
 
-    def victim(self, running: Sequence[str], requests: Mapping[str, Request]) -> str:
-        key = self.sort_key
-        return max(running, key=lambda r: key(requests[r]))
+    def enqueue(self, waiting: list[str], rid: str, requests: Views, *, front: bool) -> None:
+        bisect.insort(waiting, rid, key=self.key_function(requests))
+
+    def victim(self, running: Sequence[str], requests: Views) -> str:
+        return max(running, key=self.key_function(requests))
+
+    def reorder(self, waiting: list[str], requests: Views) -> None:
+        waiting.sort(key=self.key_function(requests))
 
 
 @register
@@ -80,22 +97,44 @@ class Priority(SortedPolicy):
 
     name = "priority"
 
-    def sort_key(self, request: Request) -> tuple:
+    def sort_key(self, request: RequestView) -> tuple:
         return (request.priority, request.arrival_time, request.request_id)
 
 
 @register
 class ShortestRemainingPromptFirst(SortedPolicy):
-    """Research policy: admit the request with the least prompt left to compute first.
+    """Research policy: admit the request with the least left to compute first.
 
-    Short prompts stop queueing behind long ones (lower mean TTFT, at the risk of starving
-    long prompts). Preemption still takes the most recently admitted request, as FCFS does.
+    What is left is `num_tokens_to_compute`: the prompt minus its prefix-cache hit now, plus,
+    for a resumed (preempted) request, the outputs it must recompute. Short work stops queueing
+    behind long work (lower mean TTFT, at the risk of starving long prompts). The hit changes
+    as the cache fills and empties, so `waiting` is re-sorted every step. Preemption still takes
+    the most recently admitted request, as FCFS does.
     """
 
     name = "srpf"
+    dynamic = True
 
-    def sort_key(self, request: Request) -> tuple:
-        return (len(request.prompt_token_ids), request.arrival_time, request.request_id)
+    def sort_key(self, request: RequestView) -> tuple:
+        return (request.num_tokens_to_compute, request.arrival_time, request.request_id)
 
-    def victim(self, running: Sequence[str], requests: Mapping[str, Request]) -> str:
+    def victim(self, running: Sequence[str], requests: Views) -> str:
         return running[-1]
+
+
+@register
+class LeastAttainedService(SortedPolicy):
+    """Research policy: the request served the fewest tokens so far goes first.
+
+    Attained service is `num_output_tokens` (kept across preemptions), so new requests go
+    ahead of resumed ones that already got tokens, and the victim is the running request with
+    the most outputs: without knowing output lengths, the one that has run longest is taken to
+    be the one with most left to run. Ties by arrival time, then id. Re-sorted every step (under
+    async scheduling a waiting request's in-flight token can arrive while it waits).
+    """
+
+    name = "las"
+    dynamic = True
+
+    def sort_key(self, request: RequestView) -> tuple:
+        return (request.num_output_tokens, request.arrival_time, request.request_id)

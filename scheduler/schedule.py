@@ -82,6 +82,8 @@ def schedule(state: SchedulerState) -> tuple[SchedulerState, SchedulerOutput]:
     """
     w = Work(state)
     try:
+        if w.policy.dynamic:  # keys may have changed since the last step (docs §8)
+            w.policy.reorder(w.waiting, w.views)
         st = _Step(w)
         _schedule_running(w, st)
         if not st.preempted:  # a step that had to preempt admits nobody
@@ -178,7 +180,7 @@ def _allocate_or_preempt(w: Work, st: _Step, rid: str, num_slots: int,
     stood ahead of it)."""
     ahead = 0
     while not w.allocate(rid, num_slots):
-        victim = w.policy.victim(w.running, w.static)
+        victim = w.policy.victim(w.running, w.views)
         if w.running.index(victim) < index - ahead:
             ahead += 1
         if victim in st.tokens:
@@ -228,7 +230,7 @@ def _schedule_waiting(w: Work, st: _Step) -> None:
         w.waiting.pop(0)
         _admit(w, st, rid, n, num_tokens, num_hit)
     for rid in reversed(skipped):
-        w.policy.enqueue(w.waiting, rid, w.static, front=True)
+        w.policy.enqueue(w.waiting, rid, w.views, front=True)
 
 
 def _fits_whole(w: Work, rid: str, num_tokens: int, hit: list[int]) -> bool:

@@ -37,7 +37,7 @@ def add_request(state: SchedulerState, request: Request) -> SchedulerState:
         )
         w.add_history(rid, history)
         w.computed[rid] = 0
-        w.policy.enqueue(w.waiting, rid, w.static, front=False)
+        w.policy.enqueue(w.waiting, rid, w.views, front=False)
     except BaseException:
         w.abort()
         raise

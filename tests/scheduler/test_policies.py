@@ -2,8 +2,19 @@
 
 import importlib
 import inspect
+from types import SimpleNamespace
 
-from scheduler import POLICIES, SchedulerConfig, SortedPolicy, register
+from scheduler import (
+    POLICIES,
+    Request,
+    RequestStatus,
+    SamplingParams,
+    SchedulerConfig,
+    SortedPolicy,
+    add_request,
+    register,
+)
+from scheduler._work import Work
 
 from .util import req, run, state_with, step
 
@@ -60,3 +71,137 @@ def test_priority_ties_break_by_arrival_then_id():
     assert s.waiting == ("c", "a", "b")
     s, out, _ = step(s)
     assert list(out.num_scheduled_tokens) == ["c"]
+
+
+# ---- progress-aware policies (docs/SCHEDULING.md §8) -----------------------------------------
+
+SMALL = SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=2, max_model_len=32,
+                        block_size=4, num_blocks=6, enable_prefix_caching=False)
+
+
+def _steps(s, n, arrivals=None):
+    """n steps; `arrivals` maps a step index to requests added before it. Returns the state
+    and the plan of every step."""
+    plans = []
+    for i in range(n):
+        for r in (arrivals or {}).get(i, ()):
+            s = add_request(s, r)
+        s, out, _ = step(s)
+        plans.append(out)
+    return s, plans
+
+
+def test_srpf_counts_the_prefix_cache_hit_and_resorts_as_the_cache_fills():
+    cfg = SMALL.replace(policy="srpf", num_blocks=40, enable_prefix_caching=True)
+    warm = req("warm", 8, 1)  # its two full blocks stay cached after it finishes
+    a = req("a", list(warm.prompt_token_ids) + list(range(500, 506)), 1)  # 14 tokens, 8 cached
+    s = state_with(cfg, req("busy", 2, 10), warm, req("b", 10, 1), a)
+    # Cold cache: left to compute is the whole prompt: busy 2, warm 8, b 10, a 14.
+    assert s.waiting == ("busy", "warm", "b", "a")
+    s, out, _ = step(s)
+    assert list(out.num_scheduled_tokens) == ["busy", "warm"]  # two seats
+    assert s.waiting == ("b", "a")  # as sorted when warm was not cached yet
+    views = {rid: _view(s, rid) for rid in ("a", "b")}
+    assert views["a"].num_cached_tokens == 8 and views["a"].num_tokens_to_compute == 6
+    assert views["b"].num_cached_tokens == 0 and views["b"].num_tokens_to_compute == 10
+    s, out, _ = step(s)  # warm finished: a (6 left) now goes before b (10 left)
+    assert [r.req_id for r in out.scheduled_new_reqs] == ["a"]
+    assert out.num_scheduled_tokens["a"] == 6 and out.num_computed_tokens["a"] == 8
+
+
+def test_srpf_makes_a_resumed_request_count_the_outputs_it_recomputes():
+    cfg = SMALL.replace(policy="srpf", num_blocks=7)
+    s = state_with(cfg, req("first", 4, 20), req("r", 8, 20))
+    s, plans = _steps(s, 6, {3: [req("n", 10, 2)]})
+    # Step 5: the pool is short; srpf's victim is the last admitted, r, with 8 + 5 tokens.
+    assert plans[5].preempted_req_ids == {"r"}
+    assert _view(s, "r").num_tokens_to_compute == 13 and _view(s, "r").num_prompt_tokens == 8
+    assert s.waiting == ("n", "r")  # 10 < 13, though r's prompt (8) is shorter than n's
+    s, out, _ = step(s)
+    assert [r.req_id for r in out.scheduled_new_reqs] == ["n"]
+
+
+def _las_run(policy):
+    s = state_with(SMALL.replace(policy=policy), req("old", 4, 20, arrival=0.0))
+    return _steps(s, 9, {2: [req("young", 4, 20, arrival=2.0)],
+                         4: [req("new", 4, 2, arrival=4.0)]})
+
+
+def test_las_preempts_the_most_served_and_puts_it_behind_new_requests():
+    s, plans = _las_run("las")
+    # Step 7: old has 7 outputs, young 5; the pool is short, so old (most served) goes.
+    assert plans[7].preempted_req_ids == {"old"}
+    assert _view(s, "old").num_output_tokens == 7
+    assert s.waiting == ("old",) and s.running == ("young", "new")
+    assert [r.req_id for r in plans[8].scheduled_new_reqs] == ["new"]  # 0 served < old's 7
+
+
+def test_fcfs_in_the_same_run_preempts_the_youngest_and_resumes_it_first():
+    s, plans = _las_run("fcfs")
+    assert plans[7].preempted_req_ids == {"young"}
+    assert s.waiting == ("young", "new")
+
+
+def _view(s, rid):
+    """What a policy would see of `rid` at state `s` (read from a working copy, then undone)."""
+    w = Work(s)
+    try:
+        v = w.views[rid]
+        return SimpleNamespace(**{name: getattr(v, name) for name in _VIEW_FIELDS})
+    finally:
+        w.abort()
+
+
+_VIEW_FIELDS = ("request_id", "num_prompt_tokens", "num_tokens", "num_output_tokens",
+                "output_token_ids", "num_computed_tokens", "num_cached_tokens",
+                "num_tokens_to_compute", "num_preemptions", "arrival_time", "priority",
+                "metadata", "status")
+
+
+def test_a_view_shows_progress_and_metadata():
+    r = Request(request_id="x", prompt_token_ids=tuple(range(1, 11)), arrival_time=1.5,
+                priority=2, sampling_params=SamplingParams(max_tokens=8),
+                metadata={"tenant": "a"})
+    s = state_with(SMALL.replace(max_num_batched_tokens=6, long_prefill_token_threshold=0), r)
+    s, _, _ = step(s)  # 6 of 10 prompt tokens
+    v = _view(s, "x")
+    assert (v.status, v.num_computed_tokens, v.num_output_tokens, v.num_tokens_to_compute) == (
+        RequestStatus.RUNNING, 6, 0, 4)
+    s, _, _ = step(s, sampler=9)  # the rest of the prompt, and a first token
+    v = _view(s, "x")
+    assert (v.num_tokens, v.num_output_tokens, v.output_token_ids, v.num_tokens_to_compute) == (
+        11, 1, (9,), 1)
+    assert (v.request_id, v.num_prompt_tokens, v.arrival_time, v.priority, v.num_preemptions,
+            v.metadata, v.num_cached_tokens) == ("x", 10, 1.5, 2, 0, {"tenant": "a"}, 0)
+
+
+def test_static_policies_are_never_reordered_dynamic_ones_before_every_step():
+    calls = []
+
+    class Reversing(SortedPolicy):
+        def sort_key(self, r):
+            return (r.arrival_time, r.request_id)
+
+        def reorder(self, waiting, requests):
+            calls.append(self.name)
+            waiting.reverse()
+
+    @register
+    class StaticReversing(Reversing):
+        name = "test-static"
+
+    @register
+    class DynamicReversing(Reversing):
+        name = "test-dynamic"
+        dynamic = True
+
+    try:
+        reqs = [req("a", 4, 1, arrival=0.0), req("b", 4, 1, arrival=1.0)]
+        for name, first in (("test-static", "a"), ("test-dynamic", "b")):
+            s = state_with(CFG.replace(policy=name), *reqs)
+            assert s.waiting == ("a", "b")  # enqueue sorts either way
+            s, out, _ = step(s)
+            assert list(out.num_scheduled_tokens) == [first]
+        assert calls == ["test-dynamic"]
+    finally:
+        del POLICIES["test-static"], POLICIES["test-dynamic"]
