@@ -12,7 +12,7 @@ Needs the `[lab]` extra (`pip install -e '.[lab]'`, matplotlib).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from os import PathLike
 from typing import Any
@@ -34,6 +34,15 @@ class LatencySamples:
     tpot_s: Sequence[float] = ()  # time per output token after the first, seconds (requests
     # with one output token have none)
 
+    @classmethod
+    def of(cls, requests: Iterable[Any]) -> LatencySamples:
+        """The samples of per-request results with `ttft` and `tpot` attributes (as
+        `jaxengine.lab.results.RequestResult`); None values (no token yet, one token) are
+        left out."""
+        requests = list(requests)
+        return cls(ttft_s=[r.ttft for r in requests if r.ttft is not None],
+                   tpot_s=[r.tpot for r in requests if r.tpot is not None])
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ParetoPoint:
@@ -54,7 +63,8 @@ def timeline(records: Sequence[StepRecord | Mapping[str, Any]], *, x: str = "ste
     running and waiting queue lengths.
 
     Args:
-      records: one `StepRecord` (or dict of its fields) per step, in order; at least one.
+      records: one `StepRecord` per step, in order; at least one. A dict with its fields
+        will do (other keys, such as the simulator's `seconds`, are ignored).
       x: "step" (the step index) or "time" (`time_s`; each bar spans until the next step).
       title: the figure's title.
       save: write the figure there (PNG unless the suffix names another format).
@@ -63,7 +73,7 @@ def timeline(records: Sequence[StepRecord | Mapping[str, Any]], *, x: str = "ste
     Raises:
       ValueError: no records, a record with missing or unknown fields, or an unknown `x`.
     """
-    recs = [_coerce(StepRecord, r, "records") for r in records]
+    recs = [_coerce(StepRecord, r, "records", extra_ok=True) for r in records]
     if not recs:
         raise ValueError("timeline needs at least one StepRecord; got none")
     xs, widths, xlabel = _positions(recs, x)
@@ -228,8 +238,10 @@ def pareto_indices(points: Sequence[ParetoPoint]) -> list[int]:
         and (q.throughput, q.latency_s) != (p.throughput, p.latency_s) for q in points)]
 
 
-def _coerce[T](cls: type[T], item: T | Mapping[str, Any], where: str) -> T:
-    """A dataclass from itself or from a dict of its fields, with an error naming the keys."""
+def _coerce[T](cls: type[T], item: T | Mapping[str, Any], where: str, *,
+               extra_ok: bool = False) -> T:
+    """A dataclass from itself or from a dict of its fields, with an error naming the keys;
+    `extra_ok` ignores keys that are not fields."""
     if isinstance(item, cls):
         return item
     if not isinstance(item, Mapping):
@@ -238,11 +250,11 @@ def _coerce[T](cls: type[T], item: T | Mapping[str, Any], where: str) -> T:
     names = {f.name for f in dataclasses.fields(cls)}
     required = {f.name for f in dataclasses.fields(cls)
                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
-    unknown, missing = set(item) - names, required - set(item)
+    unknown, missing = set() if extra_ok else set(item) - names, required - set(item)
     if unknown or missing:
         raise ValueError(f"{where}: a {cls.__name__} dict takes the keys {sorted(names)}; "
                          f"missing {sorted(missing)}, unknown {sorted(unknown)}")
-    return cls(**item)
+    return cls(**{k: v for k, v in item.items() if k in names})
 
 
 def _finish(fig: Figure, save: str | PathLike | None) -> Figure:

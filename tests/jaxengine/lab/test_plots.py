@@ -142,7 +142,8 @@ def test_timeline_marks_prefix_hits_and_takes_dicts_on_a_time_axis() -> None:
             StepRecord(step=1, time_s=0.25, decode_tokens=1, prefill_tokens=4,
                        kv_cache_usage=0.5, num_preempted=0, prefix_hit_tokens=32,
                        num_running=2, num_waiting=0)]
-    fig = timeline([dataclasses.asdict(r) for r in recs], x="time")
+    # as the simulator keeps them: dicts with one more key
+    fig = timeline([{**dataclasses.asdict(r), "seconds": 0.25} for r in recs], x="time")
     ax_tok = fig.axes[0]
     assert [b.get_x() for b in ax_tok.containers[0]] == [0.0, 0.25]
     (hits,) = ax_tok.collections
@@ -175,6 +176,15 @@ def test_latency_cdfs_one_curve_per_run(tmp_path) -> None:
     assert [line.get_label() for line in ax_tpot.get_lines()] == ["fcfs"]
     with pytest.raises(ValueError, match="tpot_s"):
         latency_cdfs({"x": {"ttft": [0.1]}})
+
+
+def test_latency_samples_of_request_results() -> None:
+    class Result:  # what jaxengine.lab.results.RequestResult carries
+        def __init__(self, ttft: float | None, tpot: float | None) -> None:
+            self.ttft, self.tpot = ttft, tpot
+
+    samples = LatencySamples.of([Result(0.1, 0.02), Result(0.3, None), Result(None, None)])
+    assert samples == LatencySamples(ttft_s=[0.1, 0.3], tpot_s=[0.02])
 
 
 POINTS = [ParetoPoint(label="seqs=8", throughput=100.0, latency_s=0.2),
