@@ -4,11 +4,14 @@ Times `schedule()` + `update_from_output()` per step with a fake model (every re
 prompt is complete samples token 7, EOS ignored) on seeded synthetic traces:
 
     python benchmarks/scheduler_overhead.py [--traces ample,tight,...] [--requests 1000]
+        [--policy srpf]
 
 Prints mean / p50 / p99 microseconds per step, wall clock and this process's CPU time (the CPU
 figure is robust to other processes on a shared machine), and CPU per scheduled request, of the
 median of `--repeat` runs per trace, then a one-line summary against vLLM's V1 scheduler
-reference point here (3-5 ms per step).
+reference point here (3-5 ms per step). `--policy` runs every trace under one scheduling policy
+(default: each trace's own, `priority` for the priority trace and `fcfs` for the others), e.g. a
+dynamic one (docs/SCHEDULING.md §8) to see what re-sorting `waiting` every step costs.
 """
 
 import argparse
@@ -22,6 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scheduler import (  # noqa: E402
+    POLICIES,
     Request,
     SamplingParams,
     SchedulerConfig,
@@ -41,14 +45,14 @@ class Trace:
     arrivals: dict[int, list[Request]]
 
 
-def make_trace(name: str, num_requests: int, seed: int = 0) -> Trace:
-    """The synthetic traces of docs/BENCHMARKS.md §1."""
+def make_trace(name: str, num_requests: int, seed: int = 0, policy: str | None = None) -> Trace:
+    """The synthetic traces of docs/BENCHMARKS.md §1 (`policy` overrides the trace's own)."""
     rng = random.Random(seed)
     blocks = 16_000 if name in ("tight", "priority") else 200_000
     config = SchedulerConfig(
         max_num_batched_tokens=8192, max_num_seqs=256, max_model_len=4096, block_size=16,
         num_blocks=blocks, enable_prefix_caching=name == "prefix",
-        policy="priority" if name == "priority" else "fcfs",
+        policy=policy or ("priority" if name == "priority" else "fcfs"),
     )
     prefix = [rng.randrange(50_000) for _ in range(512)]
     arrivals: dict[int, list[Request]] = {}
@@ -101,6 +105,8 @@ def main() -> int:
     parser.add_argument("--traces", default="ample,tight,prefix,priority,decode256")
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--policy", choices=sorted(POLICIES),
+                        help="run every trace under this policy instead of its own")
     parser.add_argument("--repeat", type=int, default=3,
                         help="runs per trace; the run with the median mean CPU time is shown")
     args = parser.parse_args()
@@ -108,7 +114,7 @@ def main() -> int:
           f"{'p50':>6} {'p99':>6} {'cpu/req':>7} {'preempt':>7} {'hit tok':>8}   (us)")
     worst_wall = worst_cpu = 0.0
     for name in args.traces.split(","):
-        trace = make_trace(name, args.requests, args.seed)
+        trace = make_trace(name, args.requests, args.seed, args.policy)
         runs = sorted((run(trace) for _ in range(args.repeat)),
                       key=lambda r: statistics.fmean(r["cpu_ns"]))
         result = runs[len(runs) // 2]

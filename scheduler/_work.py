@@ -44,7 +44,12 @@ class Work:
             data.kv, self._journal, block_size=cfg.block_size,
             caching=cfg.enable_prefix_caching, max_model_len=cfg.max_model_len,
         )
-        self.views = RequestViews(self)  # what the policy is shown
+
+    @property
+    def views(self) -> RequestViews:
+        """What the policy is shown of each request. Built per call, not kept: a Work that
+        held it would be a reference cycle, left for the garbage collector to find."""
+        return RequestViews(self)
 
     def freeze(self, *, step: int) -> SchedulerState:
         """The new state; this Work must not be used afterwards."""

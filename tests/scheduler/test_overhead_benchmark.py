@@ -17,3 +17,15 @@ def test_benchmark_runs_on_small_traces():
     assert lines[1].startswith("tight") and lines[2].startswith("prefix")
     assert int(lines[2].split()[-1]) > 0  # the shared 512-token prefix is hit
     assert lines[-1].startswith("summary: worst trace mean")
+
+
+def test_benchmark_runs_every_trace_under_a_chosen_policy():
+    out = subprocess.run(
+        [sys.executable, str(SCRIPT), "--traces", "tight", "--requests", "20", "--repeat", "1",
+         "--policy", "srpf"],
+        check=True, capture_output=True, text=True, timeout=300,
+    ).stdout
+    assert out.splitlines()[1].startswith("tight")
+    refused = subprocess.run([sys.executable, str(SCRIPT), "--policy", "lifo"],
+                             capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "invalid choice: 'lifo'" in refused.stderr
