@@ -57,37 +57,40 @@ def timeline(records: Sequence[StepRecord | Mapping[str, Any]], *, x: str = "ste
              title: str | None = None, save: str | PathLike | None = None) -> Figure:
     """A run step by step, in three panels sharing the x axis.
 
-    Top: scheduled tokens per step as stacked bars, decode tokens below prefill tokens, with
-    markers above the bar of each step that preempted (red x) or found prefix-cache hits
-    (green triangle). Middle: KV-cache usage (fraction of usable blocks) as a line. Bottom: the
-    running and waiting queue lengths.
+    Top: scheduled tokens per step as stacked areas (one stair per step, drawn as two patches
+    so that thousands of steps stay fast), decode tokens below prefill tokens, with markers
+    above each step that preempted (red x) or found prefix-cache hits (green triangle).
+    Middle: KV-cache usage (fraction of usable blocks) as a line. Bottom: the running and
+    waiting queue lengths.
 
     Args:
       records: one `StepRecord` per step, in order; at least one. A dict with its fields
         will do (other keys, such as the simulator's `seconds`, are ignored).
-      x: "step" (the step index) or "time" (`time_s`; each bar spans until the next step).
+      x: "step" (the step index; each stair spans step - 0.5 to the next record's) or
+        "time" (`time_s`; each stair spans until the next step's time).
       title: the figure's title.
       save: write the figure there (PNG unless the suffix names another format).
     Returns:
       The figure; its axes are (tokens, kv usage, queues).
     Raises:
-      ValueError: no records, a record with missing or unknown fields, or an unknown `x`.
+      ValueError: no records, a record with missing fields, records out of order, or an
+        unknown `x`.
     """
     recs = [_coerce(StepRecord, r, "records", extra_ok=True) for r in records]
     if not recs:
         raise ValueError("timeline needs at least one StepRecord; got none")
-    xs, widths, xlabel = _positions(recs, x)
+    edges, xlabel = _edges(recs, x)  # f[steps + 1]
+    mid = (edges[:-1] + edges[1:]) / 2
     decode = np.array([r.decode_tokens for r in recs])
-    prefill = np.array([r.prefill_tokens for r in recs])
+    tops = decode + np.array([r.prefill_tokens for r in recs])
     fig = Figure(figsize=(10, 6.5), layout="constrained")
     ax_tok, ax_kv, ax_q = fig.subplots(3, 1, sharex=True, height_ratios=(3, 1.2, 1.2))
-    ax_tok.bar(xs, decode, widths, align="edge", color=DECODE_COLOR, label="decode tokens")
-    ax_tok.bar(xs, prefill, widths, bottom=decode, align="edge", color=PREFILL_COLOR,
-               label="prefill tokens")
-    _event_markers(ax_tok, recs, xs + widths / 2, decode + prefill)
+    ax_tok.stairs(decode, edges, fill=True, color=DECODE_COLOR, label="decode tokens")
+    ax_tok.stairs(tops, edges, baseline=decode, fill=True, color=PREFILL_COLOR,
+                  label="prefill tokens")
+    _event_markers(ax_tok, recs, mid, tops)
     ax_tok.set_ylabel("scheduled tokens")
     ax_tok.legend(loc="upper right", fontsize="small")
-    mid = xs + widths / 2
     ax_kv.plot(mid, [r.kv_cache_usage for r in recs], color="tab:purple", label="KV usage")
     ax_kv.set_ylim(0, 1.05)
     ax_kv.set_ylabel("KV blocks used")
@@ -101,18 +104,20 @@ def timeline(records: Sequence[StepRecord | Mapping[str, Any]], *, x: str = "ste
     return _finish(fig, save)
 
 
-def _positions(recs: list[StepRecord], x: str) -> tuple[np.ndarray, np.ndarray, str]:
-    """Left edges and widths of the bars, and the x label."""
+def _edges(recs: list[StepRecord], x: str) -> tuple[np.ndarray, str]:
+    """The stairs' edges, f[steps + 1] (step i spans edges[i]..edges[i + 1]), and the x label."""
     if x == "step":
-        return np.array([r.step for r in recs], float) - 0.4, np.full(len(recs), 0.8), "step"
-    if x == "time":
-        t = np.array([r.time_s for r in recs], float)
-        if np.any(np.diff(t) < 0):
-            raise ValueError("timeline(x='time') needs records in time order; time_s decreases")
-        gaps = np.diff(t)
-        last = gaps[-1] if len(gaps) else 1.0
-        return t, np.append(gaps, last), "time (s)"
-    raise ValueError(f"x must be 'step' or 'time', got {x!r}")
+        starts, last, label = np.array([r.step for r in recs], float) - 0.5, 1.0, "step"
+    elif x == "time":
+        starts = np.array([r.time_s for r in recs], float)
+        gaps = np.diff(starts)
+        last, label = (float(np.median(gaps)) if len(gaps) else 1.0), "time (s)"
+    else:
+        raise ValueError(f"x must be 'step' or 'time', got {x!r}")
+    # Steps must increase; times may repeat (a step the cost model gives no time).
+    if np.any(np.diff(starts) < (1e-9 if x == "step" else 0.0)):
+        raise ValueError(f"timeline(x={x!r}) needs records in order of increasing {x}")
+    return np.append(starts, starts[-1] + max(last, 1e-9)), label
 
 
 def _event_markers(ax, recs: list[StepRecord], mid: np.ndarray, tops: np.ndarray) -> None:

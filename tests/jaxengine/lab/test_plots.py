@@ -121,11 +121,12 @@ def test_timeline_figure_draws_the_records(tmp_path) -> None:
     fig = timeline(recs, title="preemption", save=path)
     assert path.read_bytes().startswith(PNG_MAGIC)
     ax_tok, ax_kv, ax_q = fig.axes
-    decode, prefill = ax_tok.containers
-    assert [b.get_height() for b in decode] == [r.decode_tokens for r in recs]
-    assert [b.get_height() for b in prefill] == [r.prefill_tokens for r in recs]
-    assert [b.get_y() for b in prefill] == [r.decode_tokens for r in recs]  # stacked
-    assert [b.get_x() + b.get_width() / 2 for b in decode] == pytest.approx(range(len(recs)))
+    decode, prefill = (p.get_data() for p in ax_tok.patches)  # two stairs
+    assert decode.values.tolist() == [r.decode_tokens for r in recs]
+    assert decode.baseline == 0
+    assert (prefill.values - prefill.baseline).tolist() == [r.prefill_tokens for r in recs]
+    assert prefill.baseline.tolist() == [r.decode_tokens for r in recs]  # stacked
+    assert decode.edges.tolist() == [s - 0.5 for s in range(len(recs) + 1)]
     (preempts,) = [c for c in ax_tok.collections if isinstance(c, PathCollection)]
     assert preempts.get_offsets()[:, 0].tolist() == [5.0]  # one marker, at step 5
     assert preempts.get_label() == "preemption (1)"
@@ -145,7 +146,7 @@ def test_timeline_marks_prefix_hits_and_takes_dicts_on_a_time_axis() -> None:
     # as the simulator keeps them: dicts with one more key
     fig = timeline([{**dataclasses.asdict(r), "seconds": 0.25} for r in recs], x="time")
     ax_tok = fig.axes[0]
-    assert [b.get_x() for b in ax_tok.containers[0]] == [0.0, 0.25]
+    assert ax_tok.patches[0].get_data().edges.tolist() == [0.0, 0.25, 0.5]
     (hits,) = ax_tok.collections
     assert hits.get_label() == "prefix hit (32 tokens)"
     assert hits.get_offsets()[:, 0].tolist() == pytest.approx([0.375])  # the bar's middle
@@ -158,6 +159,11 @@ def test_timeline_rejects_bad_input() -> None:
         timeline([])
     with pytest.raises(ValueError, match="'step' or 'time'"):
         timeline([rec], x="seconds")
+    with pytest.raises(ValueError, match="increasing step"):
+        timeline([rec, rec])
+    late = dataclasses.replace(rec, step=1, time_s=rec.time_s - 1.0)
+    with pytest.raises(ValueError, match="increasing time"):
+        timeline([rec, late], x="time")
     with pytest.raises(ValueError, match=r"missing \['time_s'\]"):
         timeline([{k: v for k, v in dataclasses.asdict(rec).items() if k != "time_s"}])
 
