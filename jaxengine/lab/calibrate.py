@@ -1,0 +1,213 @@
+"""Calibration: time real `LLMEngine.step()` calls over a designed grid, fit a `CostModel`.
+
+The engine is built from the given `EngineArgs` (real weights, the real runner, sampler and
+host work) and warmed up first (`Runner.precompile`), so no compilation is timed. The grid is a
+list of scenes; a scene starts `decodes` requests with prompts of `context` tokens, lets them
+prefill (chunked at the engine's budget) and decode for a few steps, then adds prompts of each
+`inject` length while they keep decoding (a prefill mixed into a decode batch, chunked if
+longer than the budget), and ends by aborting everything. Every call is timed end to end and
+paired with the plan it completed (`scheduler.schedule` of the engine's snapshot is exactly the
+plan its next step computes: the scheduler is pure). Held-out scenes (every `hold_out_every`-th)
+measure the fit's error on points it did not see; the saved coefficients are then refitted on
+all scenes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from jaxengine.engine.args import EngineArgs
+from jaxengine.lab.cost_model import (
+    FEATURES,
+    CostModel,
+    fit_coefficients,
+    fit_report,
+    plan_features,
+)
+from scheduler import SamplingParams, SchedulerOutput, schedule
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Scene:
+    """One calibration run: `decodes` requests of `context`-token prompts, then injections."""
+
+    decodes: int
+    context: int
+    inject: tuple[int, ...] = ()  # prompt lengths added one at a time while the batch decodes
+    decode_steps: int = 4  # decode-only calls timed before the injections and after each
+
+
+def default_grid(*, max_num_seqs: int, budget: int, max_model_len: int,
+                 max_prefill_tokens: int = 8192) -> list[Scene]:
+    """Scenes over decode batch sizes, contexts and injected prefills that fit the engine.
+
+    A scene's prefill work is kept below `max_prefill_tokens` (it sets the calibration time).
+    """
+    limit = max_model_len // 2
+    decodes = sorted({d for d in (1, 4, 16, 48, max(max_num_seqs // 2, 1), max_num_seqs)
+                      if d <= max_num_seqs})
+    contexts = sorted({c for c in (16, 128, 512, 1536, limit // 4, limit) if 1 <= c <= limit})
+    injects = sorted({p for p in (32, 256, budget, budget + budget // 2) if 2 <= p <= limit})
+    scenes = []
+    for d in decodes:
+        for c in contexts:
+            if d * c > max_prefill_tokens:
+                continue
+            # Injections in every other scene, so half the scenes time pure decode batches.
+            inject = tuple(injects) if (len(scenes) % 2 == 0 and d < max_num_seqs) else ()
+            scenes.append(Scene(decodes=d, context=c, inject=inject))
+    return scenes
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One timed call: the features of the plan it completed (None: none), its seconds."""
+
+    scene: int
+    features: np.ndarray | None  # f64[len(FEATURES)]
+    seconds: float
+
+
+def time_scene(engine, scene: Scene, index: int, *, rng: np.random.Generator,
+               buckets: Sequence[int]) -> list[Sample]:
+    """Run one scene on `engine` (idle before and after); every call's `Sample`."""
+    samples: list[Sample] = []
+    vocab = engine.vocab_size
+    max_tokens = engine.max_model_len - max((scene.context, *scene.inject)) - 1
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    ids = [f"c{index}-{k}" for k in range(scene.decodes)]
+    for rid in ids:
+        engine.add_request(rid, rng.integers(1, vocab, scene.context).tolist(), params)
+    state = {"in_flight": None}
+
+    def call() -> None:
+        _, plan = schedule(engine.snapshot())
+        completed = _completed(engine, plan, state)
+        t0 = time.perf_counter()
+        engine.step()
+        seconds = time.perf_counter() - t0
+        feats = None if completed is None else plan_features(completed, buckets)
+        samples.append(Sample(index, feats, seconds))
+
+    def decoding(rids: Sequence[str]) -> bool:
+        s = engine.snapshot()
+        return all(s.requests[r].num_computed_tokens >= s.requests[r].num_prompt_tokens
+                   for r in rids if r in s.requests)
+
+    while not decoding(ids):
+        call()
+    for _ in range(scene.decode_steps):
+        call()
+    for k, length in enumerate(scene.inject):
+        rid = f"c{index}-p{k}"
+        engine.add_request(rid, rng.integers(1, vocab, length).tolist(),
+                           dataclasses.replace(params, max_tokens=2))
+        while not decoding([rid]):
+            call()
+        for _ in range(scene.decode_steps):
+            call()
+    engine.abort_request(list(engine.snapshot().requests))
+    while engine.has_unfinished_requests():  # nothing left; collects a step still in flight
+        engine.step()
+    return samples
+
+
+def _completed(engine, plan: SchedulerOutput, state: dict) -> SchedulerOutput | None:
+    """The plan the coming `step()` call completes (see `jaxengine.lab.cost_model`)."""
+    live = plan if plan.num_scheduled_tokens else None
+    if not engine.args.async_scheduling:
+        return live
+    completed, state["in_flight"] = state["in_flight"], live
+    return completed
+
+
+def calibrate(args: EngineArgs, *, scenes: Sequence[Scene] | None = None,
+              hold_out_every: int = 4, seed: int = 0,
+              log: Callable[[str], None] = print) -> CostModel:
+    """Build an engine from `args`, time `scenes` (default: `default_grid`), fit a cost model.
+
+    Raises:
+      ValueError: what `build_engine` raises for bad arguments, or too few timed calls.
+    """
+    import jax
+
+    from jaxengine.engine.build import kv_budget_bytes
+    from jaxengine.lab.bench import build_warm_engine
+
+    t_start = time.perf_counter()
+    engine = build_warm_engine(dataclasses.replace(args, precompile=True))
+    cfg = engine.scheduler_config
+    log(f"calibrate: engine ready in {time.perf_counter() - t_start:.1f} s "
+        f"(budget {cfg.max_num_batched_tokens} tokens, {cfg.max_num_seqs} seqs, "
+        f"{cfg.num_blocks} blocks)")
+    grid = list(scenes) if scenes is not None else default_grid(
+        max_num_seqs=cfg.max_num_seqs, budget=cfg.max_num_batched_tokens,
+        max_model_len=cfg.max_model_len)
+    rng = np.random.default_rng(seed)
+    samples: list[Sample] = []
+    for i, scene in enumerate(grid):
+        t0 = time.perf_counter()
+        samples += time_scene(engine, scene, i, rng=rng, buckets=engine.runner.token_buckets)
+        log(f"calibrate: scene {i + 1}/{len(grid)} {scene.decodes} x {scene.context} tokens"
+            f"{' + ' + str(list(scene.inject)) if scene.inject else ''}: "
+            f"{time.perf_counter() - t0:.1f} s")
+    model = fit_samples(samples, hold_out_every=hold_out_every)
+    per_block = engine.runner.model.kv_bytes_per_block(cfg.block_size)
+    device = jax.devices()[0]
+    return dataclasses.replace(
+        model, engine_args=dataclasses.asdict(args), backend=jax.default_backend(),
+        device=getattr(device, "device_kind", str(device)), num_blocks=cfg.num_blocks,
+        kv_bytes_per_token=per_block // cfg.block_size, kv_budget_bytes=kv_budget_bytes(args),
+        max_model_len=cfg.max_model_len,
+        model_max_model_len=_model_limit(args), vocab_size=engine.vocab_size,
+        info={**model.info, "scenes": [dataclasses.asdict(s) for s in grid],
+              "seconds": round(time.perf_counter() - t_start, 1),
+              "date": time.strftime("%Y-%m-%d %H:%M:%S")})
+
+
+def _model_limit(args: EngineArgs) -> int:
+    """The model's own max_model_len (the engine only knows the resolved one), read from its
+    config alone."""
+    import os
+
+    from jaxengine.loading.gguf_file import gguf_metadata, open_gguf, read_gguf_config
+    from jaxengine.loading.hf import read_hf_config
+    from jaxengine.loading.load import default_model_path
+
+    path = args.model or default_model_path()
+    if os.path.isdir(path):
+        return read_hf_config(path).max_model_len
+    reader = open_gguf(path)
+    return read_gguf_config(reader, gguf_metadata(reader)).max_model_len
+
+
+def fit_samples(samples: Sequence[Sample], *, hold_out_every: int = 4) -> CostModel:
+    """Fit on the scenes not held out, report on the held-out ones, refit on all.
+
+    Returns:
+      A `CostModel` with coefficients, `idle_call_seconds` and `fit`; the fields about the
+      engine are placeholders for `calibrate` to fill.
+    """
+    timed = [s for s in samples if s.features is not None]
+    idle = [s.seconds for s in samples if s.features is None]
+    x = np.stack([s.features for s in timed])
+    y = np.array([s.seconds for s in timed])
+    test = np.array([hold_out_every > 0 and s.scene % hold_out_every == hold_out_every - 1
+                     for s in timed])
+    if test.any() and (~test).sum() >= x.shape[1]:
+        report = fit_report(fit_coefficients(x[~test], y[~test]), x[~test], x[test], y[test])
+    else:
+        report = None
+    coef = fit_coefficients(x, y)
+    return CostModel(
+        coefficients=dict(zip(FEATURES, map(float, coef), strict=True)),
+        idle_call_seconds=statistics.median(idle) if idle else float(coef[0]),
+        engine_args={}, backend="", device="", num_blocks=0, kv_bytes_per_token=0,
+        kv_budget_bytes=0, max_model_len=0, model_max_model_len=0, vocab_size=0, fit=report,
+        info={"timed_calls": len(timed), "idle_calls": len(idle)})
