@@ -18,7 +18,12 @@ from os import PathLike
 from typing import Any
 
 import numpy as np
-from matplotlib.figure import Figure
+
+try:
+    from matplotlib.figure import Figure
+except ImportError as e:  # an optional extra: say how to get it
+    raise ImportError("jaxengine.lab.plots needs matplotlib: pip install -e '.[lab]' "
+                      "(or pip install 'matplotlib>=3.8')") from e
 
 from jaxengine.lab.timeline import StepRecord
 
