@@ -1,155 +1,185 @@
 """`generate`: a fully jit-compiled, fixed-batch generation loop for research code.
 
 No scheduler, no host round trips: one prefill step over all prompts, then a `lax.while_loop`
-of decode steps, all traceable, so it can sit inside the caller's own `jax.jit`. It drives the
-same pure model step and sampler as the engine, over a private paged KV cache:
-
-- `cache="contiguous"`: sequence b owns pages `1 + b*M ... (b+1)*M` (M pages per sequence), so
-  its cache is one contiguous stretch (a `[B, M*L]` cache viewed as pages);
-- `cache="paged"`: pages are interleaved across sequences (page j of b is `1 + j*B + b`), the
-  scattered layout a paged pool produces.
-Both give the same tokens; block 0 is the null page where padding writes.
+of decode steps, all traceable, so it can sit inside the caller's own `jax.jit` (or be called
+as is: it is a `jax.jit` program itself, `jaxengine_generate`). It drives the same pure model
+step and sampler as the engine (`jaxengine.sampling.sampler.sample_impl`), over a private paged
+KV cache (`jaxengine.fixed_batch`), and returns each generated token's logprob of the raw model
+distribution, as the engine's `SamplingParams(logprobs=...)` does (vLLM's "raw_logprobs").
 
 Prompts are right-aligned in `prompt_ids` rows of width S (left padding); `prompt_lens` says
-how many trailing entries are real.
+how many trailing entries are real. `jaxengine.encode_batch` makes both from strings,
+`jaxengine.decode_batch` turns the output back into text, and `jaxengine.load_model_fns` /
+`jaxengine.model_fns_of(llm)` give the model.
+
+Retrace rules (what makes a new program):
+- static, a new program for each new value: the batch size B and prompt width S (shapes: pad
+  prompts to a fixed width, `encode_batch(..., width=S)`, to reuse one program),
+  `max_new_tokens`, `logprobs` (the top-n count), `cache`, `block_size`, the number of EOS
+  ids (none and one are the same program), and the model itself (its functions: config and
+  dtype; another `ModelFns` object is another program);
+- traced, any value reuses the program: `params` (weights of the same shapes and dtypes),
+  `prompt_ids` and `prompt_lens` values, `key`, the values of `temperature`, `top_k`, `top_p`
+  and `min_p` (scalars or [B]; always converted to [B] arrays, so a scalar and an array are
+  the same program), the EOS ids' values and `pad_id`.
+Under an outer `jax.jit` the same rules hold for the outer program, for the arguments passed
+through its traced inputs; a Python value closed over by the outer function is a constant of it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxengine.model.batch import ModelBatch
+from jaxengine.fixed_batch import (
+    block_tables,
+    check_layout,
+    check_rows,
+    decode_batch,
+    pages_per_row,
+    prefill,
+)
 from jaxengine.model.fns import ModelFns
-from jaxengine.sampling.sampler import SamplingMetadata, sample_impl
+from jaxengine.sampling.sampler import SamplerOutput, SamplingMetadata, sample_impl
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class GenerateOutput:
-    """Generated tokens of a fixed batch."""
+    """Generated tokens of a fixed batch and their raw logprobs.
+
+    Positions a row did not generate (after its EOS, or after the loop ended) hold `pad_id`
+    tokens and zero logprobs.
+    """
 
     tokens: jax.Array  # i32[B, N]  generated ids; after EOS (or beyond the length) = pad_id
     lengths: jax.Array  # i32[B]  tokens generated per row (EOS included)
-
-
-def _block_tables(B: int, M: int, cache: str) -> jax.Array:
-    """i32[B, M] page ids of every sequence (never the null page 0)."""
-    b, j = jnp.arange(B)[:, None], jnp.arange(M)[None, :]
-    if cache == "contiguous":
-        return (1 + b * M + j).astype(jnp.int32)
-    if cache == "paged":
-        return (1 + j * B + b).astype(jnp.int32)
-    raise ValueError(f"cache must be 'contiguous' or 'paged', got {cache!r}")
-
-
-def _slots(tables: jax.Array, positions: jax.Array, L: int) -> jax.Array:
-    """Flat KV slot of each (row, position); negative positions go to the null page."""
-    page = jnp.take_along_axis(tables, jnp.maximum(positions, 0) // L, axis=1)
-    return jnp.where(positions >= 0, page * L + positions % L, positions % L)
-
-
-def _metadata(B: int, position: jax.Array, seeds: jax.Array, temperature: Any,
-              top_k: Any, top_p: Any) -> SamplingMetadata:
-    full = lambda x, dt: jnp.broadcast_to(jnp.asarray(x, dt), (B,))  # noqa: E731
-    return SamplingMetadata(
-        temperature=full(temperature, jnp.float32), top_k=full(top_k, jnp.int32),
-        top_p=full(top_p, jnp.float32), min_p=jnp.zeros(B, jnp.float32), seeds=seeds,
-        positions=full(position, jnp.int32), num_logprobs=jnp.full(B, -1, jnp.int32),
-        banned_token_ids=jnp.full((B, 1), -1, jnp.int32))
-
-
-def _prefill(model: ModelFns, params: Any, kv: jax.Array, prompt_ids: jax.Array,
-             lens: jax.Array, tables: jax.Array, L: int) -> tuple[jax.Array, jax.Array]:
-    """One step over all prompts (B*S tokens, left padding); returns (kv, hidden [B, D])."""
-    B, S = prompt_ids.shape
-    pos = jnp.arange(S)[None, :] - (S - lens)[:, None]  # i32[B, S]; < 0 on padding
-    batch = ModelBatch(
-        input_ids=prompt_ids.reshape(-1).astype(jnp.int32),
-        positions=jnp.maximum(pos, 0).reshape(-1).astype(jnp.int32),
-        slot_mapping=_slots(tables, pos, L).reshape(-1).astype(jnp.int32),
-        block_tables=tables, seq_lens=lens.astype(jnp.int32),
-        query_start_loc=(jnp.arange(B + 1) * S).astype(jnp.int32),
-        num_seqs=jnp.asarray(B, jnp.int32),
-        logits_indices=(jnp.arange(B) * S + S - 1).astype(jnp.int32))
-    kv, hidden = model.step(params, kv, batch)
-    return kv, hidden[batch.logits_indices]
-
-
-def _decode_batch(tokens: jax.Array, lengths: jax.Array, tables: jax.Array, L: int
-                  ) -> ModelBatch:
-    """One token per row: `tokens` at position `lengths` (the current context length)."""
-    B = tokens.shape[0]
-    ar = jnp.arange(B, dtype=jnp.int32)
-    return ModelBatch(
-        input_ids=tokens, positions=lengths, slot_mapping=_slots(tables, lengths[:, None], L)[:, 0],
-        block_tables=tables, seq_lens=lengths + 1,
-        query_start_loc=jnp.arange(B + 1, dtype=jnp.int32), num_seqs=jnp.asarray(B, jnp.int32),
-        logits_indices=ar)
+    logprobs: jax.Array  # f32[B, N]  raw logprob of each generated token
+    top_logprobs: jax.Array  # f32[B, N, n]  best n raw logprobs per position, descending
+    top_token_ids: jax.Array  # i32[B, N, n]  their ids (pad_id where nothing was generated)
 
 
 def generate(model: ModelFns, prompt_ids: jax.Array, prompt_lens: jax.Array | None = None, *,
              max_new_tokens: int, params: Any = None, key: jax.Array | None = None,
-             temperature: Any = 0.0, top_k: Any = 0, top_p: Any = 1.0,
-             eos_token_id: int | None = None, pad_id: int = 0, cache: str = "contiguous",
-             block_size: int = 16) -> GenerateOutput:
+             temperature: Any = 0.0, top_k: Any = 0, top_p: Any = 1.0, min_p: Any = 0.0,
+             logprobs: int = 0, eos_token_id: int | Sequence[int] | None = None,
+             pad_id: int = 0, cache: str = "contiguous", block_size: int = 16
+             ) -> GenerateOutput:
     """Generate up to `max_new_tokens` for a fixed batch, entirely on device (jit-able).
 
     Args:
-      model: the model's pure functions (`engine_model.model_fns(...)` or a fake).
+      model: the model's pure functions (`load_model_fns(path)`, `model_fns_of(llm)`, or a
+        fake).
       prompt_ids: i32[B, S] prompts, right-aligned (left padding).
-      prompt_lens: i32[B] real prompt lengths (default: all S).
+      prompt_lens: i32[B] real prompt lengths, each in [1, S] (default: all S).
       max_new_tokens: N; static (it sets the output shape and the cache size).
       params: the weights (default `model.params`); pass them as a traced argument under jit.
-      key: PRNG key for sampling (each row draws from its own seed; default seed 0).
-      temperature, top_k, top_p: scalars or [B]; temperature 0 = greedy.
-      eos_token_id: a row stops after emitting it (None: never).
+      key: PRNG key for sampling (each row draws from its own seed; default: seed 0 for all).
+      temperature, top_k, top_p, min_p: scalars or [B], as `SamplingParams`; temperature 0 =
+        greedy.
+      logprobs: n, how many top logprobs to return per position besides the sampled token's
+        (vLLM's `SamplingParams.logprobs`); static.
+      eos_token_id: an id or ids after which a row stops (None: never).
       pad_id: fills positions after a row stopped.
       cache: "contiguous" or "paged" page layout (same results).
       block_size: L, tokens per page.
     Returns:
-      GenerateOutput(tokens i32[B, N], lengths i32[B]).
+      GenerateOutput(tokens i32[B, N], lengths i32[B], logprobs f32[B, N],
+      top_logprobs f32[B, N, n], top_token_ids i32[B, N, n]).
+    Raises:
+      ValueError: a bad argument (checked values: shapes, and ids and lengths when concrete).
     """
+    _check_static(max_new_tokens, logprobs, cache, block_size)
+    prompt_ids = jnp.asarray(prompt_ids)
+    lens = None if prompt_lens is None else jnp.asarray(prompt_lens)
+    check_rows("prompt_ids", prompt_ids, lens, model.vocab_size)
     B, S = prompt_ids.shape
-    N, L = max_new_tokens, block_size
-    params = model.params if params is None else params
-    lens = jnp.full(B, S, jnp.int32) if prompt_lens is None else prompt_lens.astype(jnp.int32)
-    M = -(-(S + N) // L)
-    tables = _block_tables(B, M, cache)
+    lens = jnp.full(B, S, jnp.int32) if lens is None else lens.astype(jnp.int32)
+    full = lambda x, dt: jnp.broadcast_to(jnp.asarray(x, dt), (B,))  # noqa: E731
     seeds = (jnp.zeros(B, jnp.uint32) if key is None
              else jax.random.bits(key, (B,), jnp.uint32))
+    # No EOS is the id -1, which is never drawn: the same program as one EOS id.
+    eos = jnp.asarray(-1 if eos_token_id is None else eos_token_id, jnp.int32).reshape(-1)
+    return jaxengine_generate(
+        model.params if params is None else params, prompt_ids.astype(jnp.int32), lens, seeds,
+        full(temperature, jnp.float32), full(top_k, jnp.int32), full(top_p, jnp.float32),
+        full(min_p, jnp.float32), eos, jnp.asarray(pad_id, jnp.int32),
+        step_fn=model.step, logits_fn=model.compute_logits, init_kv_fn=model.init_kv,
+        max_new_tokens=max_new_tokens, logprobs=logprobs, cache=cache, block_size=block_size)
 
-    def draw(params: Any, hidden: jax.Array, position: Any) -> jax.Array:
-        md = _metadata(B, position, seeds, temperature, top_k, top_p)
-        return sample_impl(model.compute_logits(params, hidden), md, max_logprobs=0).token_ids
+
+def _check_static(max_new_tokens: Any, logprobs: Any, cache: str, block_size: Any) -> None:
+    for name, value, low in (("max_new_tokens", max_new_tokens, 1), ("logprobs", logprobs, 0)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{name} must be an int >= {low} (it is static: it sets an output "
+                             f"shape), got {value!r}")
+    check_layout(cache, block_size)
+
+
+# Static: the model's functions (another model is another program), and what sets the output
+# and cache shapes or the loop's structure (N, the top-n count, the page layout and size).
+@functools.partial(jax.jit, static_argnames=("step_fn", "logits_fn", "init_kv_fn",
+                                             "max_new_tokens", "logprobs", "cache",
+                                             "block_size"))
+def jaxengine_generate(params: Any, prompt_ids: jax.Array, lens: jax.Array, seeds: jax.Array,
+                       temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                       min_p: jax.Array, eos: jax.Array, pad_id: jax.Array, *,
+                       step_fn: Callable, logits_fn: Callable, init_kv_fn: Callable,
+                       max_new_tokens: int, logprobs: int, cache: str, block_size: int
+                       ) -> GenerateOutput:
+    """The compiled loop behind `generate` (its arguments already arrays of fixed shapes)."""
+    B, S = prompt_ids.shape
+    N, L, n = max_new_tokens, block_size, logprobs
+    M = pages_per_row(S + N, L)
+    tables = block_tables(B, M, cache)
+
+    def draw(params: Any, hidden: jax.Array, position: Any) -> SamplerOutput:
+        md = SamplingMetadata(
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seeds=seeds,
+            positions=jnp.full(B, position, jnp.int32),
+            num_logprobs=jnp.full(B, n, jnp.int32),  # >= 0: the sampled token's at least
+            banned_token_ids=jnp.full((B, 1), -1, jnp.int32))
+        return sample_impl(logits_fn(params, hidden), md, max_logprobs=n)
 
     def is_eos(tokens: jax.Array) -> jax.Array:
-        return jnp.zeros(B, bool) if eos_token_id is None else tokens == eos_token_id
+        return jnp.any(tokens[:, None] == eos[None, :], axis=1)  # bool[B]
 
-    kv, hidden = _prefill(model, params, model.init_kv(1 + B * M, L), prompt_ids, lens,
-                          tables, L)
-    first = draw(params, hidden, 0)
-    out = jnp.full((B, N), pad_id, jnp.int32).at[:, 0].set(first)
+    def record(out: tuple, i: Any, s: SamplerOutput, live: jax.Array) -> tuple:
+        """Write step i's draws into the outputs; rows not `live` get padding."""
+        tokens, lps, top_lps, top_ids = out
+        put = lambda buf, x: lax.dynamic_update_index_in_dim(buf, x, i, axis=1)  # noqa: E731
+        tok = jnp.where(live, s.token_ids, pad_id)
+        return (put(tokens, tok), put(lps, jnp.where(live, s.logprobs, 0.0)),
+                put(top_lps, jnp.where(live[:, None], s.top_logprobs, 0.0)),
+                put(top_ids, jnp.where(live[:, None], s.top_token_ids, pad_id))), tok
+
+    kv, hidden = prefill(step_fn, params, init_kv_fn(1 + B * M, L), prompt_ids, lens, tables, L)
+    out = (jnp.full((B, N), pad_id, jnp.int32), jnp.zeros((B, N), jnp.float32),
+           jnp.zeros((B, N, n), jnp.float32), jnp.full((B, N, n), pad_id, jnp.int32))
+    out, first = record(out, 0, draw(params, hidden[:, -1], 0), jnp.ones(B, bool))
 
     def cond(carry: tuple) -> jax.Array:
-        i, _, _, _, _, _, done = carry
+        i, *_, done = carry
         return (i < N) & ~jnp.all(done)
 
     # The weights ride in the carry, unchanged: a scanned model (`nnx.scan` over its layers)
     # refuses weights closed over from outside the loop's trace.
     def body(carry: tuple) -> tuple:
-        i, params, kv, out, last, lengths, done = carry
-        kv, hidden = model.step(params, kv, _decode_batch(last, lengths, tables, L))
-        token = jnp.where(done, pad_id, draw(params, hidden, i))
-        out = lax.dynamic_update_index_in_dim(out, token, i, axis=1)
-        return i + 1, params, kv, out, token, lengths + 1, done | is_eos(token)
+        i, params, kv, out, last, ctx, count, done = carry
+        kv, hidden = step_fn(params, kv, decode_batch(last, ctx, tables, L))
+        out, token = record(out, i, draw(params, hidden, i), ~done)
+        return i + 1, params, kv, out, token, ctx + 1, count + ~done, done | is_eos(token)
 
-    init = (jnp.asarray(1, jnp.int32), params, kv, out, first, lens, is_eos(first))
-    steps, _, _, out, _, _, _ = lax.while_loop(cond, body, init)
-    ended = (out == eos_token_id) if eos_token_id is not None else jnp.zeros((B, N), bool)
-    lengths = jnp.where(jnp.any(ended, axis=1), jnp.argmax(ended, axis=1) + 1, steps)
-    return GenerateOutput(tokens=out, lengths=lengths.astype(jnp.int32))
+    init = (jnp.asarray(1, jnp.int32), params, kv, out, first, lens, jnp.ones(B, jnp.int32),
+            is_eos(first))
+    *_, out, _, _, count, _ = lax.while_loop(cond, body, init)
+    tokens, lps, top_lps, top_ids = out
+    return GenerateOutput(tokens=tokens, lengths=count, logprobs=lps, top_logprobs=top_lps,
+                          top_token_ids=top_ids)
+

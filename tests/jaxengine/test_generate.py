@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from jaxengine.generate import generate
-from jaxengine.model.fake import fake_greedy, fake_model
+from jaxengine.model.fake import LOGIT, fake_greedy, fake_model
+from jaxengine.runner.compiles import compile_count, ensure_listener
 from scheduler import SamplingParams
 
 V = 97
@@ -79,19 +80,102 @@ def test_sampling_is_seeded() -> None:
     assert not np.array_equal(a, run(jax.random.key(1)))
 
 
-def test_real_tiny_model_matches_the_engine() -> None:
-    from jaxengine.engine.build import model_fns
-    from jaxengine.llm import LLM
-    from jaxengine.loading.load import load_model
+def test_logprobs_of_the_fake_model_by_hand() -> None:
+    """The fake model puts LOGIT on its next token and 0 elsewhere, so every greedy token's raw
+    logprob is LOGIT - log(e^LOGIT + V - 1), and the best of the rest is -log(e^LOGIT + V - 1)."""
+    model = fake_model(V)
+    ids, lens = _left_pad(PROMPTS)
+    out = generate(model, ids, lens, max_new_tokens=4, logprobs=2, block_size=4)
+    norm = np.log(np.exp(LOGIT) + V - 1)
+    close = dict(rtol=0, atol=1e-6)  # f32 rounding of a log-softmax over logits of 10
+    np.testing.assert_allclose(out.logprobs, np.full((4, 4), LOGIT - norm), **close)
+    np.testing.assert_allclose(out.top_logprobs[..., 0], out.logprobs, **close)
+    np.testing.assert_allclose(out.top_logprobs[..., 1], np.full((4, 4), -norm), **close)
+    np.testing.assert_array_equal(out.top_token_ids[..., 0], out.tokens)
+    assert out.top_logprobs.shape == (4, 4, 2) and out.top_token_ids.dtype == np.int32
 
-    model, cfg, _ = load_model(str(TINY))
-    fns = model_fns(model, cfg, attn_impl="reference")
-    prompts = [[(5 * b + 3 * j) % 100 + 1 for j in range(n)] for b, n in enumerate((4, 11, 7))]
-    ids, lens = _left_pad(prompts)
-    out = jax.jit(lambda p, i, n: generate(fns, i, n, max_new_tokens=6, params=p, cache="paged",
-                                           block_size=4).tokens)(fns.params, ids, lens)
+
+def test_stopped_rows_have_no_logprobs_and_any_eos_id_stops() -> None:
+    model = fake_model(V)
+    ids, lens = _left_pad(PROMPTS)
+    want = [fake_greedy(p, 6, V) for p in PROMPTS]
+    eos = [want[0][1], want[2][3]]  # row 0 stops after 2 tokens, row 2 after 4 (or earlier)
+    out = generate(model, ids, lens, max_new_tokens=6, logprobs=1, eos_token_id=eos, pad_id=-1,
+                   block_size=4)
+    for b, row in enumerate(want):
+        n = next((i + 1 for i, t in enumerate(row) if t in eos), 6)
+        assert int(out.lengths[b]) == n
+        assert np.asarray(out.tokens[b]).tolist() == row[:n] + [-1] * (6 - n)
+        assert np.all(np.asarray(out.logprobs[b, :n]) < 0)
+        assert np.all(np.asarray(out.logprobs[b, n:]) == 0)
+        assert np.all(np.asarray(out.top_token_ids[b, n:]) == -1)
+
+
+def test_retrace_rules_by_the_compile_counter() -> None:
+    """Values (prompts of one shape, temperature, key, an EOS id or none) reuse the program; a
+    new max_new_tokens or batch shape compiles a new one."""
+    ensure_listener()
+    model = fake_model(V)
+    ids, lens = _left_pad(PROMPTS)
+    count = lambda: compile_count("jaxengine_generate")  # noqa: E731
+    run = lambda i, n, **kw: generate(model, i, n, block_size=4, **kw).tokens.block_until_ready()  # noqa: E731
+    run(ids, lens, max_new_tokens=5)
+    first = count()
+    other = (ids + 1) % V
+    run(other, np.asarray([9, 2, 5, 1], np.int32), max_new_tokens=5, temperature=0.7,
+        key=jax.random.key(3), eos_token_id=4)
+    run(ids, lens, max_new_tokens=5, temperature=np.asarray([0.0, 1.0, 2.0, 0.5], np.float32),
+        top_k=3, top_p=0.9, eos_token_id=7, pad_id=5)
+    assert count() == first
+    run(ids, lens, max_new_tokens=6)
+    assert count() == first + 1
+    run(ids[:2], lens[:2], max_new_tokens=6)
+    assert count() == first + 2
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(max_new_tokens=0), "max_new_tokens must be an int >= 1"),
+    (dict(max_new_tokens=3, logprobs=-1), "logprobs must be an int >= 0"),
+    (dict(max_new_tokens=3, cache="ring"), "cache must be"),
+    (dict(max_new_tokens=3, prompt_lens=np.asarray([3, 9, 0, 5])), r"lengths must be in \[1, 9\]"),
+    (dict(max_new_tokens=3, prompt_ids=np.asarray([1, 2, 3])), "must be 2-D"),
+    (dict(max_new_tokens=3, prompt_ids=np.full((4, 9), V)), r"token ids in \[0, 97\)"),
+])
+def test_bad_arguments_say_what_to_change(bad: dict, match: str) -> None:
+    ids, lens = _left_pad(PROMPTS)
+    kw = dict(prompt_ids=ids, prompt_lens=lens) | bad
+    with pytest.raises(ValueError, match=match):
+        generate(fake_model(V), kw.pop("prompt_ids"), kw.pop("prompt_lens"), **kw)
+
+
+def test_real_tiny_model_matches_the_engine_tokens_logprobs_and_text() -> None:
+    """Greedy tokens, raw logprobs (sampled and top 3) and text equal `LLM.generate`'s with
+    SamplingParams(logprobs=3), over the LLM's own model (`model_fns_of`) and over one loaded
+    alone (`load_model_fns`)."""
+    from jaxengine import LLM, decode_batch, encode_batch, load_model_fns, model_fns_of
+
     llm = LLM(str(TINY), max_num_batched_tokens=32, max_num_seqs=4, block_size=4,
-              max_model_len=64, num_gpu_blocks_override=64)
-    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
-    ref = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    assert np.asarray(out).tolist() == [list(o.outputs[0].token_ids) for o in ref]
+              max_model_len=64, num_gpu_blocks_override=64, precompile=False)
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=3)
+    texts = ["Hello", "The quick brown fox", "ab"]
+    ref = llm.generate(texts, params, use_tqdm=False)
+    shared, tokenizer = model_fns_of(llm)
+    alone, _ = load_model_fns(str(TINY), attention_backend="reference")
+    ids, lens = encode_batch(tokenizer, texts)
+    for fns in (shared, alone):
+        out = jax.jit(lambda p, i, n, fns=fns: generate(
+            fns, i, n, max_new_tokens=6, params=p, cache="paged", block_size=4, logprobs=3,
+            eos_token_id=tokenizer.eos_token_ids))(fns.params, ids, lens)
+        assert decode_batch(tokenizer, out) == [o.outputs[0].text for o in ref]
+        for b, o in enumerate(ref):
+            c = o.outputs[0]
+            n = len(c.token_ids)
+            assert int(out.lengths[b]) == n
+            assert np.asarray(out.tokens[b, :n]).tolist() == list(c.token_ids)
+            sampled = [c.logprobs[i][t].logprob for i, t in enumerate(c.token_ids)]
+            np.testing.assert_allclose(out.logprobs[b, :n], sampled, rtol=1e-5, atol=1e-5)
+            for i, entry in enumerate(c.logprobs):
+                top = sorted((lp.rank, tid, lp.logprob) for tid, lp in entry.items() if lp.rank)
+                assert np.asarray(out.top_token_ids[b, i]).tolist() == [t for _, t, _ in top]
+                np.testing.assert_allclose(out.top_logprobs[b, i], [lp for *_, lp in top],
+                                           rtol=1e-5, atol=1e-5)
