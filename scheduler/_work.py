@@ -33,6 +33,7 @@ class Work:
         self.num_cached: dict[str, int] = state._num_cached.copy()
         self.placeholders: dict[str, int] = state._placeholders.copy()
         self.finished: set[str] = set(state._finished)
+        self.served: dict[str | None, int] = state._served.copy()
         self.counters: dict[str, int] = {
             name: getattr(state.counters, name) for name in SchedulerCounters.__slots__}
         self._edit = state._data.edit()
@@ -61,7 +62,8 @@ class Work:
             _static=MappingProxyType(self.static), _computed=MappingProxyType(self.computed),
             _tables=MappingProxyType(self.tables), _num_cached=MappingProxyType(self.num_cached),
             _placeholders=MappingProxyType(self.placeholders),
-            _finished=frozenset(self.finished), _data=self._edit.commit(),
+            _finished=frozenset(self.finished), _served=MappingProxyType(self.served),
+            _data=self._edit.commit(),
         )
 
     def abort(self) -> None:
@@ -136,7 +138,12 @@ class Work:
         self.policy.enqueue(self.waiting, rid, self.views, front=True)
 
     def finish(self, rid: str) -> None:
-        """Drop a finished request (the caller removes it from its queue) and free its blocks."""
+        """Drop a finished request (the caller removes it from its queue) and free its blocks;
+        what it was served is added to its tenant's total."""
+        served = self.views[rid].num_served_tokens
+        if served:
+            tenant = self.static[rid].metadata.get("tenant")
+            self.served[tenant] = self.served.get(tenant, 0) + served
         self.free_blocks(rid)
         self.kv.forget_hashes(rid)
         self._journal.delete(self.tokens, rid)

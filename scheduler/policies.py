@@ -18,14 +18,14 @@ re-orders `waiting` (`reorder`) before each step; static policies pay nothing fo
 """
 
 import bisect
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import ClassVar
 
-from scheduler.request_view import RequestView
+from scheduler.request_view import RequestView, RequestViews
 
 POLICIES: dict[str, "Policy"] = {}
 
-Views = Mapping[str, RequestView]  # request id -> view, every unfinished request
+Views = RequestViews  # a read-only Mapping: request id -> view, every unfinished request
 
 
 def register[P: type["Policy"]](cls: P) -> P:
@@ -129,12 +129,62 @@ class LeastAttainedService(SortedPolicy):
     Attained service is `num_output_tokens` (kept across preemptions), so new requests go
     ahead of resumed ones that already got tokens, and the victim is the running request with
     the most outputs: without knowing output lengths, the one that has run longest is taken to
-    be the one with most left to run. Ties by arrival time, then id. Re-sorted every step (under
-    async scheduling a waiting request's in-flight token can arrive while it waits).
+    be the one with most left to run. Ties by arrival time, then id. Static: a request's outputs
+    do not grow while it waits, so its key is the one it was inserted with (one exception, under
+    async scheduling: a request preempted while a step samples for it is placed by its count
+    before that token arrives).
     """
 
     name = "las"
-    dynamic = True
 
     def sort_key(self, request: RequestView) -> tuple:
         return (request.num_output_tokens, request.arrival_time, request.request_id)
+
+
+@register
+class FairShare(Policy):
+    """Research policy: per-tenant fair share of served tokens (`metadata["tenant"]`).
+
+    A tenant's service is `num_served_tokens` summed over its finished and unfinished requests.
+    Before each step `waiting` is ordered by start-time fair queuing over tokens: a request's
+    tag is its tenant's service plus the prompt tokens not yet served of that tenant's requests
+    ahead of it in `waiting` (in arrival order), so the tenant with the least service goes
+    first and tenants interleave by tokens even within one step. Ties by arrival time, then
+    id. The victim is the latest-arrived running request of the tenant with the most service.
+    Requests without a tenant share one (None). Between steps, new arrivals wait at the back
+    (preempted and set-aside ones at the front) until the next `schedule()` re-orders `waiting`.
+    """
+
+    name = "fair"
+    dynamic = True
+
+    def victim(self, running: Sequence[str], requests: Views) -> str:
+        service = _tenant_service(requests)
+        views = [requests[r] for r in running]
+        return max(views, key=lambda v: (service[_tenant(v)], v.arrival_time,
+                                         v.request_id)).request_id
+
+    def reorder(self, waiting: list[str], requests: Views) -> None:
+        service = _tenant_service(requests)
+        views = sorted((requests[r] for r in waiting),
+                       key=lambda v: (v.arrival_time, v.request_id))
+        tags = {}
+        for v in views:  # a tenant's earlier waiting requests are served before this one
+            tenant = _tenant(v)
+            tags[v.request_id] = (service[tenant], v.arrival_time, v.request_id)
+            service[tenant] += v.num_prompt_tokens - min(v.num_served_tokens, v.num_prompt_tokens)
+        waiting.sort(key=tags.__getitem__)
+
+
+def _tenant(request: RequestView) -> str | None:
+    return request.metadata.get("tenant")
+
+
+def _tenant_service(requests: Views) -> dict[str | None, int]:
+    """Tokens served so far per tenant: its finished requests and every unfinished one."""
+    service = dict(requests.finished_served)
+    for rid in requests:
+        v = requests[rid]
+        tenant = _tenant(v)
+        service[tenant] = service.get(tenant, 0) + v.num_served_tokens
+    return service

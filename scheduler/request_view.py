@@ -8,6 +8,7 @@ passed to (it reads the working copy, which changes as the step goes on).
 """
 
 from collections.abc import Iterator, Mapping
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from scheduler.metadata import RequestMetadata
@@ -116,6 +117,18 @@ class RequestView:
             return self.num_tokens - self.num_computed_tokens
         return self.num_tokens - self.num_cached_tokens
 
+    @property
+    def num_served_tokens(self) -> int:
+        """Tokens served so far, each counted once: prompt tokens computed (all of them once it
+        has an output, else `min(num_computed_tokens, num_prompt_tokens)`; a prefix-cache hit
+        counts as served) plus `num_output_tokens`. Recomputation after a preemption adds
+        nothing; a request preempted before its first output is back to 0."""
+        num_output = self.num_output_tokens
+        num_prompt = len(self._req.prompt_token_ids)
+        if num_output:
+            return num_prompt + num_output
+        return min(self._w.computed[self._rid], num_prompt)
+
     def __repr__(self) -> str:
         return (f"RequestView({self._rid!r}, status={self.status.name}, "
                 f"num_tokens={self.num_tokens}, num_computed_tokens={self.num_computed_tokens})")
@@ -138,3 +151,9 @@ class RequestViews(Mapping[str, RequestView]):
 
     def __len__(self) -> int:
         return len(self._w.static)
+
+    @property
+    def finished_served(self) -> Mapping[str | None, int]:
+        """`num_served_tokens` summed over the finished requests of each tenant
+        (`metadata["tenant"]`; None for requests without one), since the first state."""
+        return MappingProxyType(self._w.served)

@@ -63,6 +63,8 @@ class SchedulerState:
     _num_cached: Mapping[str, int] = _EMPTY  # leading blocks of each table in the prefix cache
     _placeholders: Mapping[str, int] = _EMPTY  # async: tokens scheduled but not yet sampled
     _finished: frozenset[str] = frozenset()  # reported by the next schedule()
+    _served: Mapping[str | None, int] = _EMPTY  # tokens served to finished requests, by
+    # metadata["tenant"] (None: no tenant), for fair-share policies (docs/SCHEDULING.md §8)
     _data: Version  # of a StateData: the KV pool and token histories at this state
 
     __hash__ = None  # equality is by content (below), and a state is not meant as a key
@@ -79,7 +81,8 @@ class SchedulerState:
         # The shared data is copied out under its lock: reading `other` next may reroot it.
         return (self.config, self.step, self.waiting, self.running, self.num_free_blocks,
                 self.counters, self._static, self._computed, self._tables, self._num_cached,
-                self._placeholders, self._finished, self._data.read(StateData.content))
+                self._placeholders, self._finished, self._served,
+                self._data.read(StateData.content))
 
     @property
     def requests(self) -> Mapping[str, Request]:

@@ -1,5 +1,6 @@
 """Policies are plug-ins: a research policy is added without touching schedule()."""
 
+import dataclasses
 import gc
 import importlib
 import inspect
@@ -158,7 +159,7 @@ def _view(s, rid):
 _VIEW_FIELDS = ("request_id", "num_prompt_tokens", "num_tokens", "num_output_tokens",
                 "output_token_ids", "num_computed_tokens", "num_cached_tokens",
                 "num_tokens_to_compute", "num_preemptions", "arrival_time", "priority",
-                "metadata", "status")
+                "num_served_tokens", "metadata", "status")
 
 
 def test_a_view_shows_progress_and_metadata():
@@ -210,7 +211,7 @@ def test_static_policies_are_never_reordered_dynamic_ones_before_every_step():
         del POLICIES["test-static"], POLICIES["test-dynamic"]
 
 
-@pytest.mark.parametrize("policy", ["fcfs", "priority", "srpf", "las"])
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "srpf", "las", "fair"])
 def test_steps_leave_no_cyclic_garbage(policy):
     # Host time: a reference cycle (say a Work holding its views) would leave every step's
     # columns to the garbage collector, whose passes then cost more than the step itself.
@@ -224,3 +225,37 @@ def test_steps_leave_no_cyclic_garbage(policy):
         assert gc.collect() == 0
     finally:
         gc.enable()
+
+
+def _of(tenant, r):
+    return dataclasses.replace(r, metadata={"tenant": tenant})
+
+
+def test_fair_serves_the_tenant_with_least_service_first_finished_requests_included():
+    reqs = [_of("A", req("a1", 8, 1, arrival=0.0)), _of("A", req("a2", 2, 1, arrival=0.1)),
+            _of("B", req("b1", 2, 1, arrival=0.2)), req("n", 2, 1, arrival=0.3)]
+    assert _admission_order(CFG, reqs) == ["a1", "a2", "b1", "n"]
+    s = state_with(CFG.replace(policy="fair"), *reqs)
+    s, out, _ = step(s)  # tags: a1 0, b1 0, n 0 (no tenant), a2 8 (a1's prompt ahead of it)
+    assert list(out.num_scheduled_tokens) == ["a1"] and s.waiting == ("b1", "n", "a2")
+    assert dict(s._served) == {"A": 9}  # a1 finished: 8 prompt + 1 output tokens
+    assert _admission_order(CFG.replace(policy="fair"), reqs) == ["a1", "b1", "n", "a2"]
+
+
+def test_fair_interleaves_tenants_within_one_step():
+    cfg = CFG.replace(policy="fair", max_num_seqs=2, max_num_batched_tokens=32)
+    reqs = [_of("A", req(f"a{i}", 4, 1, arrival=0.1 * i)) for i in range(3)] + [
+        _of("B", req(f"b{i}", 4, 1, arrival=1 + 0.1 * i)) for i in range(2)]
+    s, out, _ = step(state_with(cfg, *reqs))
+    assert list(out.num_scheduled_tokens) == ["a0", "b0"]  # tags a0 0, b0 0, a1 4, b1 4, a2 8
+    assert s.waiting == ("a1", "b1", "a2")
+
+
+def test_fair_preempts_the_most_served_tenant_and_resumes_it_after_a_new_tenant():
+    s = state_with(SMALL.replace(policy="fair"), _of("A", req("old", 4, 20, arrival=0.0)))
+    s, plans = _steps(s, 9, {2: [_of("B", req("young", 4, 20, arrival=2.0))],
+                             4: [_of("C", req("new", 4, 2, arrival=4.0))]})
+    # Step 7: A was served 4 + 7 tokens, B 4 + 5: A's request goes (fcfs would take young).
+    assert plans[7].preempted_req_ids == {"old"}
+    assert _view(s, "old").num_served_tokens == 11  # kept while it waits to recompute
+    assert [r.req_id for r in plans[8].scheduled_new_reqs] == ["new"]  # C: 0 < A: 11
