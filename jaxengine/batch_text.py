@@ -2,7 +2,8 @@
 
 `encode_batch` tokenizes prompts as `LLM.generate` and `LLM.chat` do (plain text with the
 tokenizer's special-token rule, conversations through the chat template) and left-pads them
-into `(prompt_ids i32[B, S], prompt_lens i32[B])`; `decode_batch` turns a `GenerateOutput`
+into `(prompt_ids i32[B, S], prompt_lens i32[B])` (or right-pads the continuations `score`
+takes); `decode_batch` turns a `GenerateOutput`
 back into each row's text, stopping at its length and leaving out the EOS, as the engine's
 `CompletionOutput.text` does.
 """
@@ -22,11 +23,11 @@ BatchPrompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
 
 
 def encode_batch(tokenizer: Any, prompts: BatchPrompt | Sequence[BatchPrompt], *,
-                 width: int | None = None, pad_id: int = 0,
-                 add_generation_prompt: bool = True,
+                 width: int | None = None, pad_id: int = 0, padding_side: str = "left",
+                 add_special_tokens: bool = True, add_generation_prompt: bool = True,
                  chat_template_kwargs: Mapping[str, Any] | None = None
                  ) -> tuple[np.ndarray, np.ndarray]:
-    """Tokenize and left-pad a batch of prompts for `generate` / `score`.
+    """Tokenize and pad a batch of prompts (or continuations) for `generate` / `score`.
 
     Args:
       tokenizer: the model's tokenizer (`load_model_fns(path)[1]`, `llm.get_tokenizer()`).
@@ -35,14 +36,19 @@ def encode_batch(tokenizer: Any, prompts: BatchPrompt | Sequence[BatchPrompt], *
       width: S, the padded width (default: the longest prompt). A fixed width keeps one
         compiled program for batches of different lengths (S is static).
       pad_id: the id the padding holds (it is never attended to).
+      padding_side: "left" for prompts (right-aligned rows), "right" for the continuations
+        of `score` (transformers' name).
+      add_special_tokens: the tokenizer's bos/eos rule for text (False for continuations).
       add_generation_prompt, chat_template_kwargs: for conversations, as in `LLM.chat`.
     Returns:
-      (prompt_ids i32[B, S] right-aligned, prompt_lens i32[B]), numpy arrays.
+      (ids i32[B, S], lens i32[B]), numpy arrays.
     Raises:
-      ValueError: an empty batch or prompt, a prompt longer than `width`, or a prompt of
-        another type.
+      ValueError: an empty batch or prompt, a prompt longer than `width`, a prompt of
+        another type, or an unknown `padding_side`.
     """
-    ids = [_ids(tokenizer, p, add_generation_prompt, chat_template_kwargs)
+    if padding_side not in ("left", "right"):
+        raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
+    ids = [_ids(tokenizer, p, add_special_tokens, add_generation_prompt, chat_template_kwargs)
            for p in _as_batch(prompts)]
     if not ids:
         raise ValueError("encode_batch got no prompts; pass at least one")
@@ -56,7 +62,10 @@ def encode_batch(tokenizer: Any, prompts: BatchPrompt | Sequence[BatchPrompt], *
                          f"width or shorten the prompt")
     out = np.full((len(ids), S), pad_id, np.int32)
     for b, row in enumerate(ids):
-        out[b, S - len(row):] = row
+        if padding_side == "left":
+            out[b, S - len(row):] = row
+        else:
+            out[b, :len(row)] = row
     return out, np.asarray([len(r) for r in ids], np.int32)
 
 
@@ -95,10 +104,11 @@ def _as_batch(prompts: BatchPrompt | Sequence[BatchPrompt]) -> list[BatchPrompt]
     return prompts
 
 
-def _ids(tokenizer: Any, prompt: BatchPrompt, add_generation_prompt: bool,
-         chat_template_kwargs: Mapping[str, Any] | None) -> list[int]:
-    if isinstance(prompt, str):
-        return list(tokenizer.encode(prompt))  # what the engine does with a text prompt
+def _ids(tokenizer: Any, prompt: BatchPrompt, add_special_tokens: bool,
+         add_generation_prompt: bool, chat_template_kwargs: Mapping[str, Any] | None
+         ) -> list[int]:
+    if isinstance(prompt, str):  # by default what the engine does with a text prompt
+        return list(tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
     if isinstance(prompt, Sequence) and all(_is_int(t) for t in prompt):
         return [int(t) for t in prompt]
     if isinstance(prompt, Sequence) and all(isinstance(m, Mapping) for m in prompt):

@@ -38,6 +38,15 @@ def test_one_prompt_is_a_batch_of_one_and_width_pads_further(tokenizer) -> None:
     assert encode_batch(tokenizer, conv)[0].tolist() == encode_batch(tokenizer, [conv])[0].tolist()
 
 
+def test_continuations_are_right_padded(tokenizer) -> None:
+    ids, lens = encode_batch(tokenizer, ["ab", "c"], padding_side="right", pad_id=-1,
+                             add_special_tokens=False)
+    assert ids.tolist() == [tokenizer.encode("ab"), tokenizer.encode("c") + [-1]]
+    assert lens.tolist() == [2, 1]
+    with pytest.raises(ValueError, match="padding_side must be 'left' or 'right'"):
+        encode_batch(tokenizer, ["ab"], padding_side="middle")
+
+
 @pytest.mark.parametrize("prompts, width, match", [
     (["hello world"], 4, "has 11 tokens, more than width=4"),
     ([], None, "no prompts"),
