@@ -11,7 +11,10 @@ figure is robust to other processes on a shared machine), and CPU per scheduled 
 median of `--repeat` runs per trace, then a one-line summary against vLLM's V1 scheduler
 reference point here (3-5 ms per step). `--policy` runs every trace under one scheduling policy
 (default: each trace's own, `priority` for the priority trace and `fcfs` for the others), e.g. a
-dynamic one (docs/SCHEDULING.md §8) to see what re-sorting `waiting` every step costs.
+dynamic one (docs/SCHEDULING.md §8) to see what re-sorting `waiting` every step costs. The
+`backlog` trace, not in the default set, keeps a long `waiting` for that: every request arrives
+at step 0 with prompts U[32, 512], outputs U[16, 64], tenants t0..t3 in turn and every other
+prompt starting with one common 256-token prefix (prefix caching on), `max_num_seqs=64`.
 """
 
 import argparse
@@ -49,9 +52,10 @@ def make_trace(name: str, num_requests: int, seed: int = 0, policy: str | None =
     """The synthetic traces of docs/BENCHMARKS.md §1 (`policy` overrides the trace's own)."""
     rng = random.Random(seed)
     blocks = 16_000 if name in ("tight", "priority") else 200_000
+    backlog = name == "backlog"
     config = SchedulerConfig(
-        max_num_batched_tokens=8192, max_num_seqs=256, max_model_len=4096, block_size=16,
-        num_blocks=blocks, enable_prefix_caching=name == "prefix",
+        max_num_batched_tokens=8192, max_num_seqs=64 if backlog else 256, max_model_len=4096,
+        block_size=16, num_blocks=blocks, enable_prefix_caching=name in ("prefix", "backlog"),
         policy=policy or ("priority" if name == "priority" else "fcfs"),
     )
     prefix = [rng.randrange(50_000) for _ in range(512)]
@@ -60,17 +64,22 @@ def make_trace(name: str, num_requests: int, seed: int = 0, policy: str | None =
     for i in range(count):
         if name == "decode256":
             prompt_len, output_len, step = 16, 1000, 0
+        elif backlog:
+            prompt_len, output_len, step = rng.randint(32, 512), rng.randint(16, 64), 0
         else:
             prompt_len, output_len = rng.randint(32, 2048), rng.randint(16, 512)
             step = rng.randrange(200)
         prompt = [rng.randrange(50_000) for _ in range(prompt_len)]
         if name == "prefix" and i % 2 == 0:
             prompt = (prefix + prompt)[:max(prompt_len, 513)]
+        if backlog and i % 2 == 0:
+            prompt = prefix[:256] + prompt
         arrivals.setdefault(step, []).append(Request(
             request_id=f"r{i}", prompt_token_ids=tuple(prompt),
             sampling_params=SamplingParams(max_tokens=output_len, ignore_eos=True),
             arrival_time=step + 1e-6 * i,
             priority=rng.randrange(4) if name == "priority" else 0,
+            metadata={"tenant": f"t{i % 4}"} if backlog else {},
         ))
     return Trace(name, config, arrivals)
 

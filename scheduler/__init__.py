@@ -11,6 +11,7 @@ from scheduler.metadata import RequestMetadata
 from scheduler.policies import POLICIES, Policy, SortedPolicy, register
 from scheduler.prefix_query import prefix_cache_hit
 from scheduler.request import Request, RequestStatus
+from scheduler.request_view import RequestView
 from scheduler.sampling_params import SamplingParams, SamplingParamsError
 from scheduler.schedule import schedule
 from scheduler.state import (
@@ -27,8 +28,9 @@ from scheduler.update import abort_requests, add_request, update_from_output
 
 __all__ = [
     "PLACEHOLDER_TOKEN_ID", "POLICIES", "NewRequestData", "Policy", "Request", "RequestDelta",
-    "RequestMetadata", "RequestStatus", "SamplingParams", "SamplingParamsError", "SchedulerConfig",
-    "SchedulerCounters", "SchedulerOutput", "SchedulerState", "SchedulerStats", "SortedPolicy",
+    "RequestMetadata", "RequestStatus", "RequestView", "SamplingParams", "SamplingParamsError",
+    "SchedulerConfig", "SchedulerCounters", "SchedulerOutput", "SchedulerState", "SchedulerStats",
+    "SortedPolicy",
     "abort_requests", "add_request", "check_invariants", "init_state", "prefix_cache_hit",
     "register", "schedule", "update_from_output",
 ]

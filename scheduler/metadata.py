@@ -7,6 +7,7 @@ The scheduler itself never reads it.
 
 from collections.abc import Iterator, Mapping
 from types import MappingProxyType
+from typing import Any
 
 _VALUE_TYPES = (str, int, float, bool)
 
@@ -42,6 +43,13 @@ class RequestMetadata(Mapping[str, str | int | float | bool]):
 
     def __getitem__(self, key: str) -> str | int | float | bool:
         return self._items[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        """`self[key]`, or `default` if absent (at C speed: policies call it per request)."""
+        return self._items.get(key, default)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._items
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._items)

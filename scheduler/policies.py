@@ -172,7 +172,8 @@ class FairShare(Policy):
         for v in views:  # a tenant's earlier waiting requests are served before this one
             tenant = _tenant(v)
             tags[v.request_id] = (service[tenant], v.arrival_time, v.request_id)
-            service[tenant] += v.num_prompt_tokens - min(v.num_served_tokens, v.num_prompt_tokens)
+            if not v.num_output_tokens:  # in `waiting` no prompt token is served before then
+                service[tenant] += v.num_prompt_tokens
         waiting.sort(key=tags.__getitem__)
 
 
@@ -183,8 +184,9 @@ def _tenant(request: RequestView) -> str | None:
 def _tenant_service(requests: Views) -> dict[str | None, int]:
     """Tokens served so far per tenant: its finished requests and every unfinished one."""
     service = dict(requests.finished_served)
+    get = service.get
     for rid in requests:
         v = requests[rid]
-        tenant = _tenant(v)
-        service[tenant] = service.get(tenant, 0) + v.num_served_tokens
+        tenant = v.metadata.get("tenant")
+        service[tenant] = get(tenant, 0) + v.num_served_tokens
     return service
