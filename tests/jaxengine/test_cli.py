@@ -27,7 +27,8 @@ SMALL = ["--max-num-batched-tokens", "32", "--max-num-seqs", "4", "--block-size"
 
 
 @pytest.mark.parametrize("argv", [[], ["generate"], ["chat"], ["serve"], ["bench"], ["replay"],
-                                  ["export-tokenizer"]])
+                                  ["export-tokenizer"], ["calibrate"], ["simulate"], ["tune"],
+                                  ["workload"]])
 def test_help_exits_zero(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         main([*argv, "--help"])

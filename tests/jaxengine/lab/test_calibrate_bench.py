@@ -1,0 +1,54 @@
+"""Calibration, the real replay and the simulator against it, on the tiny test model."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from jaxengine.engine.args import EngineArgs
+from jaxengine.lab.bench import bench
+from jaxengine.lab.calibrate import Scene, calibrate
+from jaxengine.lab.cost_model import CostModel
+from jaxengine.lab.generators import scenario
+from jaxengine.lab.results import summary
+from jaxengine.lab.simulate import simulate, simulation_args
+
+ROOT = Path(__file__).resolve().parents[3]
+TINY = str(ROOT / "tests" / "fixtures" / "tiny" / "llama_tied_mha")
+ARGS = EngineArgs(model=TINY, max_num_batched_tokens=32, max_num_seqs=4, block_size=4,
+                  max_model_len=128, num_gpu_blocks_override=80)
+SCENES = [Scene(decodes=d, context=c, inject=(32, 48) if d < 4 else ())
+          for d in (1, 2, 4) for c in (16, 64)]
+
+
+@pytest.fixture(scope="module")
+def cost() -> CostModel:
+    return calibrate(ARGS, scenes=SCENES, log=lambda _: None)
+
+
+def test_calibration_saves_what_it_was_calibrated_for(cost: CostModel) -> None:
+    assert cost.engine_args["model"] == TINY and cost.backend == "cpu"
+    assert cost.num_blocks == 80 and cost.max_model_len == 128
+    assert cost.model_max_model_len == 256 and cost.vocab_size == 128
+    assert cost.kv_bytes_per_token > 0 and cost.idle_call_seconds > 0
+    assert cost.fit is not None and cost.fit.held_out_points > 0
+    assert all(v >= 0 for v in cost.coefficients.values())
+    assert cost.coefficients["const"] > 0  # every call costs host time
+    assert simulation_args(cost) == dataclasses.replace(ARGS, precompile=None)
+
+
+def test_simulated_duration_is_near_the_real_replay(cost: CostModel) -> None:
+    # All at t=0: the duration is the engine's own work, not the arrival process.
+    w = scenario("srb_mix", num_requests=24, rate=float("inf"), seed=2, vocab_size=128,
+                 scale=0.06)
+    real = bench(w, ARGS)
+    sim = simulate(w, cost, simulation_args(cost))
+    assert [r.id for r in real.requests] == [r.id for r in sim.requests]
+    assert [r.num_output_tokens for r in real.requests] == [r.max_tokens for r in w.requests]
+    assert real.info["kind"] == "real" and len(real.steps) > 10
+    # Generous: the 2-core machine is shared, and the tiny model's steps take about 1 ms of
+    # host time, so scheduling noise of other processes is a large share of a step.
+    ratio = summary(sim)["duration"] / summary(real)["duration"]
+    assert 1 / 3 < ratio < 3, ratio

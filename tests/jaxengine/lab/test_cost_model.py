@@ -1,0 +1,109 @@
+"""The step-time cost model: features of a plan, the fit, the file."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jaxengine.lab.calibrate import Sample, default_grid, fit_samples
+from jaxengine.lab.cost_model import (
+    FEATURES,
+    CostModel,
+    fit_coefficients,
+    load_cost_model,
+    plan_features,
+    save_cost_model,
+)
+from scheduler import (
+    Request,
+    SamplingParams,
+    SchedulerConfig,
+    add_request,
+    init_state,
+    schedule,
+    update_from_output,
+)
+
+
+def test_features_of_a_mixed_plan_by_hand() -> None:
+    cfg = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=128,
+                          num_blocks=64, block_size=4, enable_prefix_caching=False)
+    s = init_state(cfg)
+    for rid, n in (("a", 20), ("b", 30)):
+        s = add_request(s, Request(request_id=rid, prompt_token_ids=(1,) * n,
+                                   sampling_params=SamplingParams(max_tokens=4)))
+    s, plan = schedule(s)  # a: 20 tokens; b: 30 tokens (both from 0)
+    f = dict(zip(FEATURES, plan_features(plan, (1, 2, 4, 8, 16, 32, 64)), strict=True))
+    assert f["const"] == 1 and f["padded_tokens"] == 64 and f["num_seqs"] == 2
+    assert f["decode_kilotokens"] == 0
+    assert f["prefill_attention"] == pytest.approx((20 * 10.5 + 30 * 15.5) / 1e6)
+    s, _ = update_from_output(s, plan, {"a": [5], "b": [5]})
+    s, plan = schedule(s)  # two decodes: contexts 21 and 31
+    f = dict(zip(FEATURES, plan_features(plan, (1, 2, 4, 8, 16, 32, 64)), strict=True))
+    assert (f["padded_tokens"], f["num_seqs"]) == (2, 2)
+    assert f["decode_kilotokens"] == pytest.approx((21 + 31) / 1e3)
+    assert f["prefill_attention"] == 0
+
+
+def test_fit_recovers_known_coefficients_and_keeps_them_non_negative() -> None:
+    rng = np.random.default_rng(0)
+    x = np.column_stack([np.ones(200), rng.choice([1, 8, 64, 512], 200),
+                         rng.integers(1, 64, 200), rng.random(200) * 10, rng.random(200)])
+    true = np.array([2e-3, 1e-5, 5e-5, 3e-3, 0.0])
+    y = x @ true * rng.normal(1.0, 0.01, 200)
+    coef = fit_coefficients(x, y)
+    assert coef[:4] == pytest.approx(true[:4], rel=0.1)
+    assert (coef >= 0).all() and coef[4] < 1e-4
+    # A feature that only lowers the time would get a negative weight: it is dropped.
+    y2 = x[:, 0] * 0.01 * (1 - 0.01 * x[:, 3])
+    assert (fit_coefficients(x, y2) >= 0).all()
+    with pytest.raises(ValueError, match="positive times"):
+        fit_coefficients(x[:3], y[:3])
+
+
+def test_fit_samples_reports_held_out_scenes() -> None:
+    rng = np.random.default_rng(1)
+    true = np.array([1e-3, 2e-5, 1e-4, 1e-3, 0.5])
+    samples = [Sample(scene, None, 4e-4) for scene in range(8)]
+    for scene in range(8):
+        for _ in range(10):
+            f = np.array([1.0, rng.choice([1, 16, 128]), rng.integers(1, 16), rng.random(),
+                          rng.random() * 0.01])
+            samples.append(Sample(scene, f, float(f @ true) * rng.normal(1, 0.02)))
+    model = fit_samples(samples, hold_out_every=4)
+    assert model.fit is not None and model.fit.held_out_points == 20
+    assert model.fit.train_points == 60 and model.fit.median_rel_error < 0.05
+    assert model.idle_call_seconds == 4e-4
+
+
+def test_default_grid_fits_the_engine() -> None:
+    grid = default_grid(max_num_seqs=128, budget=2048, max_model_len=8192)
+    assert any(s.inject for s in grid) and any(not s.inject for s in grid)
+    assert all(s.decodes * s.context <= 8192 and s.decodes <= 128 for s in grid)
+    assert {1, 4, 16} <= {s.decodes for s in grid}
+    tiny = default_grid(max_num_seqs=4, budget=32, max_model_len=128)
+    assert len(tiny) >= 4 and all(max((s.context, *s.inject)) <= 64 for s in tiny)
+
+
+def test_save_and_load_round_trip(tmp_path: Path) -> None:
+    model = CostModel(coefficients={f: 0.1 * i for i, f in enumerate(FEATURES)},
+                      idle_call_seconds=0.01, engine_args={"max_num_seqs": 4}, backend="cpu",
+                      device="cpu", num_blocks=80, kv_bytes_per_token=512,
+                      kv_budget_bytes=1 << 30, max_model_len=128, model_max_model_len=256,
+                      vocab_size=128)
+    model = dataclasses.replace(model, fit=fit_samples(
+        [Sample(i % 8, np.array([1.0, 2, 1, 0, 0]) * (1 + i % 3), 0.1 * (1 + i % 3))
+         for i in range(40)]).fit)
+    save_cost_model(model, tmp_path / "c.json")
+    assert load_cost_model(tmp_path / "c.json") == model
+    data = json.loads((tmp_path / "c.json").read_text())
+    data["version"] = 0
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="run `jaxengine calibrate` again"):
+        load_cost_model(tmp_path / "old.json")
+    with pytest.raises(ValueError, match="does not exist"):
+        load_cost_model(tmp_path / "none.json")

@@ -1,0 +1,162 @@
+"""The simulator: the engine's scheduling call for call, times priced by the cost model."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import pytest
+
+from jaxengine.engine.args import EngineArgs
+from jaxengine.engine.llm_engine import LLMEngine
+from jaxengine.lab.cost_model import FEATURES, CostModel
+from jaxengine.lab.generators import scenario
+from jaxengine.lab.simulate import Simulation, scheduler_config, simulate, simulation_args
+from jaxengine.lab.workloads import Workload, WorkloadRequest, parse_workload
+from jaxengine.model.fake import fake_model
+from scheduler import SamplingParams, schedule
+
+V = 97
+SMALL = dict(max_num_batched_tokens=32, max_num_seqs=4, block_size=4, max_model_len=112,
+             num_gpu_blocks_override=40)
+
+
+def cost_model(*, async_scheduling: bool = True, **coefficients: float) -> CostModel:
+    """A hand-made cost model (seconds per unit of each feature) for the fake model."""
+    coefs = {f: 0.0 for f in FEATURES} | coefficients
+    idle = coefs.pop("idle", 0.0)
+    args = EngineArgs(**SMALL, async_scheduling=async_scheduling)
+    return CostModel(coefficients=coefs, idle_call_seconds=idle,
+                     engine_args=dataclasses.asdict(args), backend="cpu",
+                     device="cpu", num_blocks=40, kv_bytes_per_token=4, kv_budget_bytes=1 << 20,
+                     max_model_len=112, model_max_model_len=256, vocab_size=V)
+
+
+def workload(n: int = 12, seed: int = 0) -> Workload:
+    """Mixed lengths and priorities, all at t=0: a pool of 40 blocks must preempt."""
+    return scenario("srb_mix", num_requests=n, rate=float("inf"), seed=seed, vocab_size=V,
+                    scale=0.08)
+
+
+def engine_plans(w: Workload, args: EngineArgs, num_blocks: int) -> list[Any]:
+    """Every plan a fake-model LLMEngine computes for `w` (all added before the first step)."""
+    engine = LLMEngine(fake_model(V), args, tokenizer=None, max_model_len=args.max_model_len,
+                       num_blocks=num_blocks)
+    for r in w.requests:
+        engine.add_request(r.request_id, list(r.prompt_token_ids),
+                           SamplingParams(max_tokens=r.max_tokens, temperature=0.0,
+                                          ignore_eos=True), arrival_time=0.0,
+                           priority=r.priority)
+    plans = []
+    while engine.has_unfinished_requests():
+        plans.append(schedule(engine.snapshot())[1])  # the scheduler is pure: the same plan
+        engine.step()
+    return plans
+
+
+def summary_of(plan: Any) -> tuple:
+    return (tuple(plan.num_scheduled_tokens.items()), tuple(sorted(plan.preempted_req_ids)),
+            plan.sampling_req_ids)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_the_simulator_schedules_exactly_what_the_engine_schedules(
+        async_scheduling: bool, policy: str) -> None:
+    args = EngineArgs(**SMALL, async_scheduling=async_scheduling, scheduling_policy=policy)
+    cost = cost_model(const=1e-3, async_scheduling=async_scheduling)
+    w = workload()
+    sim = Simulation(w, cost, args, keep_plans=True)
+    result = sim.run()
+    expected = engine_plans(w, args, num_blocks=40)
+    assert [summary_of(p) for p in sim.plans] == [summary_of(p) for p in expected]
+    # The pool is small enough to hold requests back (reserve_full_prompt admits a request
+    # only when its whole sequence fits, so the engine does not preempt here).
+    assert max(s["num_waiting"] for s in result.steps) > 0
+    assert max(s["kv_cache_usage"] for s in result.steps) > 0.8
+    assert all(r.num_output_tokens == q.max_tokens
+               for r, q in zip(result.requests, w.requests, strict=True))
+
+
+def test_config_matches_the_engines() -> None:
+    cost = cost_model()
+    for extra in ({}, {"enable_chunked_prefill": False, "max_num_batched_tokens": 112},
+                  {"max_num_partial_prefills": 2, "long_prefill_token_threshold": 8}):
+        args = EngineArgs(**(SMALL | extra))
+        engine = LLMEngine(fake_model(V), args, tokenizer=None, max_model_len=112,
+                           num_blocks=40)
+        assert scheduler_config(args, cost) == engine.scheduler_config
+
+
+def test_pool_is_sized_from_the_calibrated_budget() -> None:
+    cost = cost_model()
+    args = dataclasses.replace(EngineArgs(**SMALL), num_gpu_blocks_override=None)
+    assert scheduler_config(args, cost).num_blocks == (1 << 20) // (4 * 4)
+    with pytest.raises(ValueError, match="cannot hold one request"):
+        scheduler_config(dataclasses.replace(args, num_gpu_blocks_override=5), cost)
+
+
+def one_request(arrival: float) -> Workload:
+    return Workload(requests=(WorkloadRequest(request_id="a", prompt_token_ids=(1,) * 10,
+                                              max_tokens=3, arrival_time=arrival),))
+
+
+def test_times_of_one_request_by_hand_synchronous() -> None:
+    cost = cost_model(const=0.1, async_scheduling=False)
+    r = simulate(one_request(5.0), cost)
+    (a,) = r.requests
+    # Calls at 5.0 (prefill: token 1 at 5.1), 5.1 (token 2 at 5.2), 5.2 (token 3, done, 5.3).
+    assert a.queue == 0.0
+    assert a.ttft == pytest.approx(0.1) and a.tpot == pytest.approx(0.1)
+    assert a.e2e == pytest.approx(0.3) and r.duration == pytest.approx(5.3)
+    assert [s["seconds"] for s in r.steps] == pytest.approx([0.1] * 3)
+
+
+def test_times_of_one_request_by_hand_async() -> None:
+    cost = cost_model(const=0.1, idle=0.05)
+    r = simulate(one_request(2.0), cost)
+    (a,) = r.requests
+    # Call 1 dispatches the prefill (idle: 0.05); calls 2-4 complete one plan each (0.1).
+    assert a.ttft == pytest.approx(0.15) and a.e2e == pytest.approx(0.35)
+    assert r.duration == pytest.approx(2.35)
+    assert [s["seconds"] for s in r.steps] == pytest.approx([0.05, 0.1, 0.1, 0.1])
+
+
+def test_arrivals_wait_for_the_clock_and_costs_follow_the_features() -> None:
+    w = parse_workload([{"id": "late", "prompt_token_ids": [3] * 8, "max_tokens": 2,
+                         "arrival_time": 1.0},
+                        {"id": "early", "prompt_token_ids": [2] * 8, "max_tokens": 2}])
+    cost = cost_model(padded_tokens=0.01, async_scheduling=False)
+    r = simulate(w, cost)
+    late, early = r.requests
+    assert (late.id, early.id) == ("late", "early")  # workload order
+    assert early.ttft == pytest.approx(0.08)  # the 8-token prefill runs in bucket 8
+    assert early.e2e == pytest.approx(0.09)  # then one decode in bucket 1
+    assert late.queue == 0.0 and late.e2e == pytest.approx(0.09)
+    assert r.duration == pytest.approx(1.09)
+
+
+def test_simulation_args_keep_the_calibration_and_refuse_another_model() -> None:
+    cost = cost_model()
+    args = simulation_args(cost, {"max_num_seqs": 2})
+    assert (args.max_num_seqs, args.block_size) == (2, 4)
+    with pytest.raises(ValueError, match="calibrated with model=None"):
+        simulation_args(cost, {"model": "other.gguf"})
+    with pytest.raises(ValueError, match="async_scheduling=True, not False"):
+        simulation_args(cost, {"async_scheduling": False})
+
+
+def test_the_simulator_is_fast() -> None:
+    import time
+
+    w = scenario("srb_mix", num_requests=200, rate=50.0, seed=1, vocab_size=V, scale=0.08)
+    cost = cost_model(const=1e-3, padded_tokens=1e-5)
+    args = simulation_args(cost, {"max_num_batched_tokens": 64, "max_num_seqs": 16,
+                                  "num_gpu_blocks_override": 400})
+    t0 = time.perf_counter()
+    r = simulate(w, cost, args)
+    seconds = time.perf_counter() - t0
+    assert len(r.steps) > 500
+    assert len(r.steps) / seconds > 1000  # steps per second
+    assert np.isfinite(r.duration)
