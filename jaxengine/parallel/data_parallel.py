@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -75,7 +75,7 @@ class DataParallelEngine:
 
     def add_request(self, request_id: str, prompt: PromptType,
                     params: SamplingParams | None = None, *, arrival_time: float | None = None,
-                    priority: int = 0) -> Route:
+                    priority: int = 0, metadata: Mapping[str, Any] | None = None) -> Route:
         """Route a request to a replica and queue it there (`LLMEngine.add_request`'s args).
 
         Returns:
@@ -98,7 +98,7 @@ class DataParallelEngine:
         try:
             self.replicas[where.replica].add_request(
                 request_id, {"prompt": text, "prompt_token_ids": ids}, params,
-                arrival_time=arrival_time, priority=priority)
+                arrival_time=arrival_time, priority=priority, metadata=metadata)
         except BaseException:
             self._seeds.setstate(seeds)  # a refused request takes no seed, as in one engine
             raise

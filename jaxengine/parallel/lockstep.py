@@ -49,6 +49,7 @@ class NewRequest:
     params: SamplingParams
     arrival_time: float  # process 0's clock: it orders FCFS and priority ties
     priority: int
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)  # tenant, user, ...
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -147,16 +148,17 @@ class LeaderEngine:
 
     def add_request(self, request_id: str, prompt: PromptType,
                     params: SamplingParams | None = None, *, arrival_time: float | None = None,
-                    priority: int = 0) -> None:
+                    priority: int = 0, metadata: Mapping[str, Any] | None = None) -> None:
         """`LLMEngine.add_request`; a request it accepts is recorded for the followers."""
         params = SamplingParams() if params is None else params
         arrival = time.time() if arrival_time is None else arrival_time
         with self._lock:
             self._check_open()
             self._engine.add_request(request_id, prompt, params, arrival_time=arrival,
-                                     priority=priority)
+                                     priority=priority, metadata=metadata)
             self._new.append(NewRequest(request_id=request_id, prompt=_plain(prompt),
-                                        params=params, arrival_time=arrival, priority=priority))
+                                        params=params, arrival_time=arrival, priority=priority,
+                                        metadata=dict(metadata or {})))
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
         """`LLMEngine.abort_request`, recorded for the followers."""
@@ -204,7 +206,7 @@ def apply_inputs(engine: LLMEngine, inputs: StepInputs) -> None:
     """Do to a follower's engine what process 0 did to its own (additions, then aborts)."""
     for r in inputs.new_requests:
         engine.add_request(r.request_id, r.prompt, r.params, arrival_time=r.arrival_time,
-                           priority=r.priority)
+                           priority=r.priority, metadata=r.metadata)
     if inputs.aborts:
         engine.abort_request(list(inputs.aborts))
 

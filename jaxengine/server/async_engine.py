@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from jaxengine.engine.llm_engine import LLMEngine, PromptType
@@ -152,8 +152,9 @@ class AsyncEngine:
     # ---- requests ----------------------------------------------------------------------
 
     async def add(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
-                  priority: int = 0) -> RequestStream:
-        """Queue a request; it joins the batch at the next step.
+                  priority: int = 0, metadata: Mapping[str, str] | None = None) -> RequestStream:
+        """Queue a request; it joins the batch at the next step (`metadata`: see
+        `LLMEngine.add_request`).
 
         Raises:
           ValueError: the engine rejected the request (bad prompt or parameters).
@@ -163,7 +164,8 @@ class AsyncEngine:
             raise EngineDeadError("the engine loop is not running")
         stream = RequestStream(request_id, self)
         async with self._lock:
-            self.engine.add_request(request_id, prompt, params, priority=priority)
+            self.engine.add_request(request_id, prompt, params, priority=priority,
+                                    metadata=metadata)
             self._streams[request_id] = stream
             self._wakeup.set()
         return stream

@@ -2,7 +2,9 @@
 
 Field names and defaults follow OpenAI's API plus vLLM's extra sampling fields (`top_k`,
 `min_p`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`,
-`skip_special_tokens`, `priority`). Unknown fields are ignored, as vLLM does; fields we cannot
+`skip_special_tokens`, `priority`) and one jaxengine extension, `tenant`: with OpenAI's `user` it
+goes into the request's `metadata` for scheduling policies such as `fair`
+(docs/SCHEDULING.md §8). Unknown fields are ignored, as vLLM does; fields we cannot
 honour (n > 1, penalties, echo) are rejected. A sampling field the request leaves unset takes
 the model's default (its generation_config.json, `jaxengine.loading.generation_config`), else
 `SamplingParams`' own, as vLLM's `to_sampling_params` does. `SamplingParams` checks the values;
@@ -84,7 +86,8 @@ class _SamplingFields(BaseModel):
     priority: int = 0
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    user: str | None = None
+    user: str | None = None  # OpenAI's end-user id: metadata["user"]
+    tenant: str | None = None  # jaxengine extension: metadata["tenant"] (the `fair` policy)
 
     # SamplingParams field -> this request's field, where the two names differ
     PARAM_NAMES: ClassVar[dict[str, str]] = {}
@@ -129,6 +132,11 @@ class _SamplingFields(BaseModel):
                 skip_special_tokens=self.skip_special_tokens, **unset, **chosen)
         except SamplingParamsError as e:
             raise self.request_error(e) from None
+
+    def metadata(self) -> dict[str, str]:
+        """The scheduler request's metadata: `user` and `tenant`, where the body sets them."""
+        return {name: value for name in ("user", "tenant")
+                if (value := getattr(self, name)) is not None}
 
     def request_error(self, error: SamplingParamsError) -> RequestError:
         """`error` as a 400 whose `param` is this request's name for the field."""

@@ -104,7 +104,8 @@ class OpenAIServing:
                         raw: Request, *, with_logprobs: bool) -> Response:
         request_id = random_id(kind)
         try:
-            stream = await self.engine.add(request_id, prompt, params, priority=body.priority)
+            stream = await self.engine.add(request_id, prompt, params, priority=body.priority,
+                                           metadata=body.metadata())
         except SamplingParamsError as e:  # a limit of this engine (max_logprobs, vocabulary)
             raise body.request_error(e) from None
         except EngineDeadError as e:

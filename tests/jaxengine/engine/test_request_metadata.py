@@ -24,3 +24,20 @@ def test_bad_metadata_is_refused_and_the_engine_is_unchanged() -> None:
     with pytest.raises(ValueError, match="use str keys"):
         engine.add_request("a", P, metadata={1: "x"})
     assert not engine.has_unfinished_requests()
+
+
+def test_data_parallel_and_lockstep_engines_pass_metadata_on() -> None:
+    from jaxengine.parallel.data_parallel import DataParallelEngine
+    from jaxengine.parallel.lockstep import NewRequest, StepInputs, apply_inputs, decode, encode
+    from scheduler import SamplingParams
+
+    dp = DataParallelEngine([make_engine(), make_engine()])
+    where = dp.add_request("a", P, metadata={"tenant": "t"})
+    assert dp.replicas[where.replica].state.requests["a"].metadata == {"tenant": "t"}
+
+    sent = StepInputs(new_requests=(NewRequest(
+        request_id="b", prompt=[5, 6], params=SamplingParams(), arrival_time=1.0, priority=0,
+        metadata={"tenant": "t", "user": "u"}),))
+    follower = make_engine()
+    apply_inputs(follower, decode(encode(sent)))  # what a follower process does
+    assert follower.state.requests["b"].metadata == {"tenant": "t", "user": "u"}
