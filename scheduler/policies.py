@@ -73,11 +73,12 @@ class SortedPolicy(Policy):
     """`waiting` kept sorted by `sort_key` (lowest first); the victim is the highest key."""
 
     def sort_key(self, request: RequestView) -> tuple:
+        """The request's place: smaller keys are admitted first."""
         raise NotImplementedError
 
     def key_function(self, requests: Views) -> Callable[[str], tuple]:
         """Request id -> its key now. Override to compute something over all requests once
-        per call (see `FairShare`)."""
+        per call (a tenant's total, say) instead of once per key."""
         key = self.sort_key
         return lambda rid: key(requests[rid])
 
