@@ -3,16 +3,21 @@
 Every rule that needs no model lives here, as vLLM's `SamplingParams._verify_args` does: types,
 ranges and the relations between fields. The engine adds the few that need the model or the
 engine's build (`jaxengine/sampling/metadata.py`: the `max_logprobs` cap, stop token ids below
-the vocabulary size, how many stop ids `min_tokens` can hold back) and raises the same error.
+the vocabulary size, how many stop ids `min_tokens` can hold back, logit_bias and
+allowed_token_ids below the vocabulary size, bad_words as tokens) and raises the same error.
 """
 
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from numbers import Integral, Real
+from types import MappingProxyType
 from typing import Any
 
 # vLLM's bounds on a request's seed (torch.long). Negative seeds are valid there, so here too.
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+# vLLM's OpenAI server clamps each logit_bias value to this range; we clamp here for every caller.
+LOGIT_BIAS_MIN, LOGIT_BIAS_MAX = -100.0, 100.0
 
 
 class SamplingParamsError(ValueError):
@@ -56,6 +61,14 @@ class SamplingParams:
     logprobs: int | None = None  # top-n logprobs per output token (None: none)
     include_stop_str_in_output: bool = False  # keep the matched stop string in the text
     skip_special_tokens: bool = True  # leave special tokens out of the output text
+    presence_penalty: float = 0.0  # in [-2, 2]: minus this once for a token in the output
+    frequency_penalty: float = 0.0  # in [-2, 2]: minus this per occurrence in the output
+    repetition_penalty: float = 1.0  # > 0: tokens of the prompt or output, logit / or * it
+    # token id -> bias added to its logit, clamped to [-100, 100]; a read-only mapping (None:
+    # none). Left out of the hash (a mapping has none); equality still compares it.
+    logit_bias: Mapping[int, float] | None = field(default=None, hash=False)
+    allowed_token_ids: tuple[int, ...] | None = None  # only these may be drawn (None: all)
+    bad_words: tuple[str, ...] = ()  # words never generated (tokenized by the engine)
 
     def __post_init__(self) -> None:
         # Lists (or None) are accepted for convenience; tuples keep the object hashable and pure.
@@ -66,6 +79,8 @@ class SamplingParams:
         _check_lengths(self)
         _check_sampling(self)
         _check_stops(self)
+        _check_penalties(self)
+        _normalize_logits_fields(self)
 
 
 def _fail(param: str, value: Any, message: str) -> SamplingParamsError:
@@ -134,3 +149,49 @@ def _check_stops(sp: SamplingParams) -> None:
         if not isinstance(getattr(sp, name), bool):
             raise _fail(name, getattr(sp, name),
                         f"{name} must be True or False, got {getattr(sp, name)!r}")
+
+
+def _check_penalties(sp: SamplingParams) -> None:
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = getattr(sp, name)
+        if not _is_real(v) or not -2 <= v <= 2:
+            raise _fail(name, v, f"{name} must be a number in [-2, 2] (0: off), got {v!r}")
+    v = sp.repetition_penalty
+    if not _is_real(v) or not v > 0:
+        raise _fail("repetition_penalty", v,
+                    f"repetition_penalty must be a finite number > 0 (1: off), got {v!r}")
+
+
+def _normalize_logits_fields(sp: SamplingParams) -> None:
+    """logit_bias becomes a read-only, clamped {int: float}; allowed_token_ids and bad_words
+    tuples (vLLM's checks; the engine checks ids against the vocabulary)."""
+    if sp.logit_bias is not None:
+        if not isinstance(sp.logit_bias, Mapping):
+            raise _fail("logit_bias", sp.logit_bias,
+                        f"logit_bias must be a dict of token id -> bias, got {sp.logit_bias!r}")
+        bias = {}
+        for t, b in sp.logit_bias.items():
+            if not _is_int(t) or t < 0:
+                raise _fail("logit_bias", t, f"logit_bias keys must be token ids (integers "
+                                             f">= 0; convert JSON's string keys), got {t!r}")
+            if not _is_real(b):
+                raise _fail("logit_bias", b,
+                            f"logit_bias values must be finite numbers, got {b!r} for {t}")
+            bias[int(t)] = min(LOGIT_BIAS_MAX, max(LOGIT_BIAS_MIN, float(b)))
+        object.__setattr__(sp, "logit_bias", MappingProxyType(bias))
+    if sp.allowed_token_ids is not None:
+        ids = _as_tuple("allowed_token_ids", sp.allowed_token_ids)
+        if not ids:
+            raise _fail("allowed_token_ids", ids, "allowed_token_ids must not be empty (None: "
+                                                  "every token allowed)")
+        for t in ids:
+            if not _is_int(t) or t < 0:
+                raise _fail("allowed_token_ids", t, f"allowed_token_ids must be token ids "
+                                                    f"(integers >= 0), got {t!r}")
+        object.__setattr__(sp, "allowed_token_ids", tuple(int(t) for t in ids))
+    words = (sp.bad_words,) if isinstance(sp.bad_words, str) else _as_tuple("bad_words",
+                                                                              sp.bad_words)
+    if any(not isinstance(w, str) or not w.strip() for w in words):
+        raise _fail("bad_words", words,
+                    f"bad_words must be non-blank strings, got {list(words)!r}")
+    object.__setattr__(sp, "bad_words", words)

@@ -41,6 +41,21 @@ BAD: list[tuple[dict[str, Any], str, str]] = [
     (dict(ignore_eos="yes"), "ignore_eos", "True or False"),
     (dict(include_stop_str_in_output=1), "include_stop_str_in_output", "True or False"),
     (dict(skip_special_tokens=None), "skip_special_tokens", "True or False"),
+    (dict(presence_penalty=2.5), "presence_penalty", r"\[-2, 2\]"),
+    (dict(presence_penalty=math.nan), "presence_penalty", "presence_penalty"),
+    (dict(frequency_penalty=-2.01), "frequency_penalty", r"\[-2, 2\]"),
+    (dict(frequency_penalty="1"), "frequency_penalty", "frequency_penalty"),
+    (dict(repetition_penalty=0.0), "repetition_penalty", "> 0"),
+    (dict(repetition_penalty=math.inf), "repetition_penalty", "finite"),
+    (dict(logit_bias=[(1, 2.0)]), "logit_bias", "dict"),
+    (dict(logit_bias={"5": 1.0}), "logit_bias", "string keys"),
+    (dict(logit_bias={-1: 1.0}), "logit_bias", ">= 0"),
+    (dict(logit_bias={3: math.nan}), "logit_bias", "finite"),
+    (dict(allowed_token_ids=[]), "allowed_token_ids", "not be empty"),
+    (dict(allowed_token_ids=[1, -1]), "allowed_token_ids", "token ids"),
+    (dict(allowed_token_ids=5), "allowed_token_ids", "a list"),
+    (dict(bad_words=["ok", " "]), "bad_words", "non-blank"),
+    (dict(bad_words=[3]), "bad_words", "non-blank"),
 ]
 
 
@@ -71,7 +86,11 @@ def test_edges_of_the_ranges_are_accepted() -> None:
                    dict(max_tokens=None, min_tokens=10**6), dict(temperature=0),
                    dict(top_p=1), dict(top_p=1e-9), dict(min_p=0), dict(min_p=1),
                    dict(top_k=-1), dict(top_k=0), dict(top_k=10**12), dict(seed=-(2**63)),
-                   dict(seed=2**63 - 1), dict(logprobs=0), dict(stop_token_ids=[0])):
+                   dict(seed=2**63 - 1), dict(logprobs=0), dict(stop_token_ids=[0]),
+                   dict(presence_penalty=-2), dict(presence_penalty=2),
+                   dict(frequency_penalty=-2.0), dict(frequency_penalty=2.0),
+                   dict(repetition_penalty=1e-3), dict(repetition_penalty=50.0),
+                   dict(logit_bias={}), dict(allowed_token_ids=[0])):
         assert SamplingParams(**kwargs) is not None
 
 
@@ -93,3 +112,26 @@ def test_vllm_defaults() -> None:
     sp = SamplingParams()
     assert (sp.max_tokens, sp.temperature, sp.top_p, sp.top_k, sp.min_p) == (16, 1.0, 1.0, 0, 0.0)
     assert sp.include_stop_str_in_output is False and sp.skip_special_tokens is True
+
+
+def test_penalty_defaults_are_vllms_and_off() -> None:
+    sp = SamplingParams()
+    assert (sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty) == (0.0, 0.0, 1.0)
+    assert sp.logit_bias is None and sp.allowed_token_ids is None and sp.bad_words == ()
+
+
+def test_logit_bias_is_clamped_read_only_and_compared() -> None:
+    sp = SamplingParams(logit_bias={np.int64(3): 250, 4: -1e9, 5: 0.5})
+    assert dict(sp.logit_bias) == {3: 100.0, 4: -100.0, 5: 0.5}
+    with pytest.raises(TypeError):
+        sp.logit_bias[3] = 1.0  # type: ignore[index]
+    assert sp == SamplingParams(logit_bias={3: 100.0, 4: -100.0, 5: 0.5})
+    assert sp != SamplingParams(logit_bias={3: 100.0})
+    assert hash(sp) == hash(SamplingParams(logit_bias={3: 1.0}))  # hashable; bias left out
+
+
+def test_allowed_token_ids_and_bad_words_become_tuples() -> None:
+    sp = SamplingParams(allowed_token_ids=np.array([4, 2]), bad_words=["a b", "c"])
+    assert sp.allowed_token_ids == (4, 2) and sp.bad_words == ("a b", "c")
+    assert SamplingParams(bad_words="word").bad_words == ("word",)
+    assert SamplingParams(bad_words=None).bad_words == ()
