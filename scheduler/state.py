@@ -89,6 +89,10 @@ class SchedulerState:
         """Every unfinished request, with its progress fields filled in."""
         return RequestsView(self)
 
+    def num_prompt_tokens(self, request_id: str) -> int:
+        """The prompt length of an unfinished request, without building its `Request`."""
+        return len(self._static[request_id].prompt_token_ids)
+
     def block_table(self, request_id: str) -> tuple[int, ...]:
         """The KV block ids of a request (empty while it holds none)."""
         return self._tables.get(request_id, ())
