@@ -1,16 +1,16 @@
 """jaxengine: a JAX-native LLM serving engine (vLLM-V1 continuous batching on a pure scheduler)."""
 
-from jaxengine.batch_text import decode_batch, encode_batch
 from jaxengine.engine.args import EngineArgs
 from jaxengine.engine.llm_engine import LLMEngine
 from jaxengine.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from jaxengine.generate import GenerateOutput, generate
-from jaxengine.jit_model import load_model_fns, model_fns_of
+from jaxengine.jit.generate import GenerateOutput, generate
+from jaxengine.jit.model import load_model_fns, model_fns_of
+from jaxengine.jit.score import ScoreOutput, score
+from jaxengine.jit.text import decode_batch, encode_batch
 from jaxengine.llm import LLM
 from jaxengine.loading import load_model
 from jaxengine.loading.tokenizer import Tokenizer
 from jaxengine.model.config import ModelConfig, ModelLoadError
-from jaxengine.score import ScoreOutput, score
 from jaxengine.streaming import TextDelta, TextStream, stream, stream_chat
 from scheduler import SamplingParams, SamplingParamsError
 
@@ -19,6 +19,6 @@ __all__ = [
     "RequestMetrics", "RequestOutput", "SamplingParams", "SamplingParamsError", "generate",
     "ModelConfig", "ModelLoadError", "TextDelta", "TextStream", "Tokenizer", "load_model",
     "stream", "stream_chat",
-    # generation inside your own jit (jaxengine/generate.py)
+    # generation inside your own jit (jaxengine/jit/generate.py)
     "ScoreOutput", "decode_batch", "encode_batch", "load_model_fns", "model_fns_of", "score",
 ]

@@ -13,7 +13,7 @@ from jaxengine import encode_batch, generate, load_model_fns, score
 from jaxengine.model.fake import LOGIT, fake_greedy, fake_model
 
 V = 97
-TINY = Path(__file__).resolve().parents[1] / "fixtures" / "tiny" / "llama_tied_mha"
+TINY = Path(__file__).resolve().parents[2] / "fixtures" / "tiny" / "llama_tied_mha"
 PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9], [42]]
 
 

@@ -12,7 +12,7 @@ from jaxengine import GenerateOutput, decode_batch, encode_batch
 from jaxengine.llm import chat_prompt
 from jaxengine.loading import load_tokenizer
 
-TINY = Path(__file__).resolve().parents[1] / "fixtures" / "tiny" / "llama_tied_mha"
+TINY = Path(__file__).resolve().parents[2] / "fixtures" / "tiny" / "llama_tied_mha"
 
 
 @pytest.fixture(scope="module")

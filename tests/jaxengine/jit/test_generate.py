@@ -10,14 +10,14 @@ import jax
 import numpy as np
 import pytest
 
-from jaxengine.generate import generate
+from jaxengine.jit.generate import generate
 from jaxengine.model.fake import LOGIT, fake_greedy, fake_model
 from jaxengine.runner.compiles import compile_count, ensure_listener
 from scheduler import SamplingParams
 
 V = 97
 PROMPTS = [[5, 6, 7], [1, 2, 3, 4, 5, 6, 7, 8, 9], [42], [3, 1, 4, 1, 5]]
-TINY = Path(__file__).resolve().parents[1] / "fixtures" / "tiny" / "llama_tied_mha"
+TINY = Path(__file__).resolve().parents[2] / "fixtures" / "tiny" / "llama_tied_mha"
 
 
 def _left_pad(prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:

@@ -4,7 +4,7 @@ No scheduler, no host round trips: one prefill step over all prompts, then a `la
 of decode steps, all traceable, so it can sit inside the caller's own `jax.jit` (or be called
 as is: it is a `jax.jit` program itself, `jaxengine_generate`). It drives the same pure model
 step and sampler as the engine (`jaxengine.sampling.sampler.sample_impl`), over a private paged
-KV cache (`jaxengine.fixed_batch`), and returns each generated token's logprob of the raw model
+KV cache (`jaxengine.jit.layout`), and returns each generated token's logprob of the raw model
 distribution, as the engine's `SamplingParams(logprobs=...)` does (vLLM's "raw_logprobs").
 
 Prompts are right-aligned in `prompt_ids` rows of width S (left padding); `prompt_lens` says
@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxengine.fixed_batch import (
+from jaxengine.jit.layout import (
     block_tables,
     check_layout,
     check_rows,
