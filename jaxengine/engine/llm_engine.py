@@ -28,6 +28,7 @@ from jaxengine.engine.stats import IterationStats, StatLogger
 from jaxengine.model.fns import ModelFns
 from jaxengine.runner.compiles import debug_recompiles_from_env
 from jaxengine.runner.runner import InFlight, Runner, RunnerConfig, SampledToken
+from jaxengine.sampling.bad_words import tokenize_bad_words
 from jaxengine.sampling.metadata import SamplingRow, validate_sampling_params
 from scheduler import (
     Request,
@@ -145,6 +146,9 @@ class LLMEngine:
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         text, ids = self.resolve_prompt(prompt)
         self._check_params(params)
+        bad_words = (tokenize_bad_words(self.tokenizer, params.bad_words,
+                                        vocab_size=self.vocab_size)
+                     if params.bad_words and self.tokenizer is not None else ())
         arrival = time.time() if arrival_time is None else arrival_time
         request = Request(request_id=request_id, prompt_token_ids=tuple(ids),
                           sampling_params=params, arrival_time=arrival, priority=priority,
@@ -164,7 +168,8 @@ class LLMEngine:
                 skip_special_tokens=params.skip_special_tokens)
         self._tracked[request_id] = TrackedRequest(
             request_id=request_id, prompt=text, prompt_token_ids=ids, params=params, seed=seed,
-            detokenizer=detok, metrics=RequestMetrics(arrival_time=arrival))
+            detokenizer=detok, metrics=RequestMetrics(arrival_time=arrival),
+            bad_words_token_ids=bad_words)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
         """Finish requests now and free their KV blocks; unknown ids are ignored.
@@ -260,7 +265,9 @@ class LLMEngine:
             end = plan.num_computed_tokens[rid] + plan.num_scheduled_tokens[rid]
             position = end - len(t.prompt_token_ids) - len(spec.get(rid, ()))
             rows[rid] = SamplingRow(params=t.params, seed=t.seed, position=position,
-                                    eos_token_id=eos)
+                                    eos_token_id=eos, prompt_token_ids=t.prompt_token_ids,
+                                    output_token_ids=t.token_ids,
+                                    bad_words_token_ids=t.bad_words_token_ids)
         return rows
 
     def _detokenize(self, sampled: Mapping[str, SampledToken]) -> dict[str, str]:
@@ -339,7 +346,8 @@ class LLMEngine:
         return ids
 
     def _check_params(self, params: SamplingParams) -> None:
-        """What only this engine knows: its logprobs cap, the vocabulary, the tokenizer."""
+        """What only this engine knows: its logprobs cap, the vocabulary, the tokenizer
+        (bad_words are checked as they are tokenized)."""
         validate_sampling_params(params, max_logprobs=self.args.max_logprobs,
                                  vocab_size=self.vocab_size)
         if params.stop and self.tokenizer is None:  # vLLM ignores them silently; say so
@@ -347,6 +355,11 @@ class LLMEngine:
                 "stop strings need a tokenizer, and this engine has none "
                 "(skip_tokenizer_init=True): use stop_token_ids instead", param="stop",
                 value=params.stop)
+        if params.bad_words and self.tokenizer is None:
+            raise SamplingParamsError(
+                "bad_words need a tokenizer, and this engine has none "
+                "(skip_tokenizer_init=True): ban single tokens with logit_bias or "
+                "allowed_token_ids instead", param="bad_words", value=params.bad_words)
 
     def _check_fits_pool(self, request_id: str, num_prompt_tokens: int,
                          params: SamplingParams) -> None:

@@ -35,6 +35,7 @@ class TrackedRequest:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # params.bad_words, tokenized
 
     def on_scheduled(self, now: float, num_computed_before: int) -> None:
         """Record the first time the request is scheduled (and its prefix-cache hit)."""

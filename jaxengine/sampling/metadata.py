@@ -21,7 +21,8 @@ def validate_sampling_params(sp: SamplingParams, *, max_logprobs: int,
     Args:
       sp: the request's parameters.
       max_logprobs: the engine's cap on `logprobs`.
-      vocab_size: when known, stop token ids must be below it.
+      vocab_size: when known, the token ids of stop_token_ids, logit_bias and
+        allowed_token_ids must be below it.
     Raises:
       SamplingParamsError: naming the field (`param`) and saying what to change.
     """
@@ -34,11 +35,16 @@ def validate_sampling_params(sp: SamplingParams, *, max_logprobs: int,
         raise SamplingParamsError(
             f"with min_tokens > 0, at most {MAX_BANNED - 1} stop_token_ids are supported, got "
             f"{len(sp.stop_token_ids)}", param="stop_token_ids", value=sp.stop_token_ids)
-    for t in sp.stop_token_ids:
-        if vocab_size is not None and t >= vocab_size:
-            raise SamplingParamsError(
-                f"stop_token_ids must be token ids in [0, vocab_size={vocab_size}), got {t}",
-                param="stop_token_ids", value=t)
+    if vocab_size is None:
+        return
+    for name, ids in (("stop_token_ids", sp.stop_token_ids),
+                      ("logit_bias", sp.logit_bias or ()),
+                      ("allowed_token_ids", sp.allowed_token_ids or ())):
+        for t in ids:
+            if t >= vocab_size:
+                raise SamplingParamsError(
+                    f"{name} must hold token ids in [0, vocab_size={vocab_size}), got {t}",
+                    param=name, value=t)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -49,6 +55,11 @@ class SamplingRow:
     seed: int  # the request's own seed or one the engine drew; the sampler keys on its low 32 bits
     position: int  # index of the output token being drawn
     eos_token_id: int | None = None  # banned with the stop ids while position < min_tokens
+    # For penalties and bad words (read, not copied; the runner reads them while packing):
+    prompt_token_ids: Sequence[int] = ()  # the repetition penalty counts them
+    output_token_ids: Sequence[int] = ()  # outputs on the host: `position`, or one fewer
+    # while the last is in flight (async scheduling)
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # of `params.bad_words`
 
 
 def build_sampling_metadata(

@@ -9,6 +9,8 @@ mates are, and a preempted-and-resumed request redraws exactly what it drew befo
 Order of the transforms (as vLLM V1): temperature, then top-k, top-p and min-p on the scaled
 distribution. Logprobs (the sampled token's and the top-n) are those of the raw model output,
 before any of these transforms, which is vLLM's default (`logprobs_mode="raw_logprobs"`).
+Penalties, `logit_bias`, `allowed_token_ids` and bad words come in through `adjust`
+(`logits_processors.py`), before the temperature, as in vLLM.
 
 Axis names: R requests (rows), V vocabulary, n top logprobs.
 """
@@ -16,6 +18,7 @@ Axis names: R requests (rows), V vocabulary, n top logprobs.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -134,7 +137,8 @@ def _logprobs(
     return lax.cond(jnp.any(md.num_logprobs >= 0), compute, skip)
 
 
-def sample_impl(logits: jax.Array, md: SamplingMetadata, *, max_logprobs: int) -> SamplerOutput:
+def sample_impl(logits: jax.Array, md: SamplingMetadata, *, max_logprobs: int,
+                adjust: Callable[[jax.Array], jax.Array] | None = None) -> SamplerOutput:
     """Draw one token per row; traced inside the caller's jit (the runner's, `generate`'s).
 
     Args:
@@ -142,14 +146,18 @@ def sample_impl(logits: jax.Array, md: SamplingMetadata, *, max_logprobs: int) -
       md: the rows' sampling parameters (arrays of size R).
       max_logprobs: n, the size of the top-logprobs output (static for the caller's jit: it
         sets an output shape).
+      adjust: f32[R, V] -> f32[R, V], applied after min_tokens' bans and before drawing
+        (the runner's penalties, biases and bad words, `logits_processors.py`); the logprobs
+        do not see it, as vLLM's raw logprobs do not.
     Returns:
       SamplerOutput with token ids i32[R], raw logprobs f32[R] and top-n f32/i32[R, n].
     """
-    logits = _ban(logits.astype(jnp.float32), md.banned_token_ids)
+    raw = _ban(logits.astype(jnp.float32), md.banned_token_ids)
+    logits = raw if adjust is None else adjust(raw)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     drawn = lax.cond(
         jnp.all(md.temperature <= 0), lambda: greedy, lambda: _sample_random(logits, md)
     )
     tokens = jnp.where(md.temperature <= 0, greedy, drawn)
-    token_lp, top_lp, top_ids = _logprobs(logits, tokens, md, max_logprobs)
+    token_lp, top_lp, top_ids = _logprobs(raw, tokens, md, max_logprobs)
     return SamplerOutput(tokens, token_lp, top_lp, top_ids)
