@@ -1,4 +1,5 @@
-"""The FastAPI application: OpenAI routes, /health, /v1/models and /metrics over one engine.
+"""The FastAPI application over one engine: OpenAI routes, /health, /v1/models, /metrics, and
+vLLM's /ping, /version, /tokenize and /detokenize.
 
 `build_app(engine, model_name=...)` takes a built `LLMEngine` (or a `DataParallelEngine` of
 several replicas); the engine loop starts and stops with the app's lifespan. The lifespan first
@@ -16,18 +17,24 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator
+from importlib.metadata import version as package_version
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Request
+from fastapi import Body, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from jaxengine.engine.llm_engine import LLMEngine
 from jaxengine.parallel.data_parallel import DataParallelEngine
+from jaxengine.server import tokenization
 from jaxengine.server.async_engine import AsyncEngine
 from jaxengine.server.errors import install_error_handlers
 from jaxengine.server.protocol import ChatCompletionRequest, CompletionRequest
 from jaxengine.server.serving import OpenAIServing
+from jaxengine.server.tokenization import DetokenizeRequest, parse_tokenize
 from jaxengine.server.warmup import warm_up as warm_up_engine
+
+__version__ = package_version("jaxengine")
 
 
 def build_app(engine: LLMEngine | DataParallelEngine, *, model_name: str,
@@ -79,6 +86,30 @@ def build_app(engine: LLMEngine | DataParallelEngine, *, model_name: str,
         """Prometheus text exposition (an `engine` label per data-parallel replica)."""
         async_engine.refresh_gauges()
         return Response(async_engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        """vLLM's /ping (GET and POST, for load balancers that expect it): /health."""
+        return await health()
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        """The server's version (vLLM answers its own; this is jaxengine's)."""
+        return JSONResponse({"version": __version__})
+
+    @app.post("/tokenize")
+    async def tokenize(body: Annotated[Any, Body()]) -> JSONResponse:
+        """vLLM's /tokenize: a prompt, or a conversation through the chat template."""
+        request = parse_tokenize(body)
+        serving.check_model(request.model)
+        return JSONResponse(tokenization.tokenize(request, serving.tokenizer,
+                                                  engine.max_model_len))
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> JSONResponse:
+        """vLLM's /detokenize: token ids to text."""
+        serving.check_model(body.model)
+        return JSONResponse(tokenization.detokenize(body, serving.tokenizer))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:

@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
 
 from jaxengine.engine.llm_engine import LLMEngine, PromptType
 from jaxengine.engine.outputs import RequestOutput
@@ -31,38 +30,56 @@ class EngineDeadError(RuntimeError):
     """A step raised; the requests that were in flight were aborted."""
 
 
-@dataclass(slots=True)
-class RequestStream:
-    """The outputs of one request, in step order; iterate it, or `abort()` it."""
+class RequestGroup:
+    """The outputs of requests submitted together (n samples, a list of prompts), in step
+    order; iterate it, or `abort()` it. Each output names its request (`request_id`)."""
 
-    request_id: str
-    _owner: AsyncEngine
-    _queue: asyncio.Queue[RequestOutput | BaseException] = field(default_factory=asyncio.Queue)
-    finished: bool = False
+    __slots__ = ("_live", "_owner", "_queue", "request_ids")
+
+    def __init__(self, request_ids: Sequence[str], owner: AsyncEngine) -> None:
+        """Outputs of `request_ids` (added to `owner` by `AsyncEngine.add_all`)."""
+        self.request_ids = tuple(request_ids)
+        self._owner = owner
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._live = set(self.request_ids)  # requests whose final output has not come yet
+
+    @property
+    def finished(self) -> bool:
+        """True once every request has finished (or the group was aborted or failed)."""
+        return not self._live
+
+    def index(self, request_id: str) -> int:
+        """The position of `request_id` in the group (the choice's index)."""
+        return self.request_ids.index(request_id)
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self._iterate()
 
     async def _iterate(self) -> AsyncIterator[RequestOutput]:
-        while not self.finished:
-            item = await self._queue.get()
-            if isinstance(item, BaseException):
-                self.finished = True
-                raise item
-            self.finished = item.finished
-            yield item
+        while self._live:
+            yield self._take(await self._queue.get())
 
-    async def final(self, is_disconnected: Callable[[], Awaitable[bool]] | None = None,
-                    poll_s: float = 0.05) -> RequestOutput | None:
-        """The finished output; None if `is_disconnected()` (awaited) turned true first.
+    def _take(self, item: RequestOutput | BaseException) -> RequestOutput:
+        if isinstance(item, BaseException):
+            self._live.clear()
+            raise item
+        if item.finished:
+            self._live.discard(item.request_id)
+        return item
 
-        A disconnected client's request is aborted before returning None. The check (Starlette
+    async def final_all(self, is_disconnected: Callable[[], Awaitable[bool]] | None = None,
+                        poll_s: float = 0.05) -> list[RequestOutput] | None:
+        """Each request's finished output, in `request_ids` order; None if `is_disconnected()`
+        (awaited) turned true first.
+
+        A disconnected client's requests are aborted before returning None. The check (Starlette
         peeks at the ASGI receive channel) is cheap, so it runs every `poll_s` = 50 ms: a leaver
         stops costing decode steps within a few of them.
         """
         loop = asyncio.get_running_loop()
-        last, next_check = None, loop.time()  # check at once, then every poll_s
-        while not self.finished:
+        last: dict[str, RequestOutput] = {}
+        next_check = loop.time()  # check at once, then every poll_s
+        while self._live:
             # Checked by the clock, not only when idle: a busy stream must notice too.
             if is_disconnected is not None and loop.time() >= next_check:
                 if await is_disconnected():
@@ -74,17 +91,36 @@ class RequestStream:
                                               max(next_check - loop.time(), 0.001))
             except TimeoutError:
                 continue
-            if isinstance(item, BaseException):
-                self.finished = True
-                raise item
-            last, self.finished = item, item.finished
-        return last
+            out = self._take(item)
+            last[out.request_id] = out
+        return [last[r] for r in self.request_ids]
 
     def abort(self) -> None:
-        """Stop the request (if it is still running) and free its KV blocks at the next step."""
-        if not self.finished:
-            self.finished = True
-            self._owner.abort(self.request_id)
+        """Stop the requests still running and free their KV blocks at the next step."""
+        for request_id in self._live:
+            self._owner.abort(request_id)
+        self._live.clear()
+
+
+class RequestStream(RequestGroup):
+    """The outputs of one request, in step order; iterate it, or `abort()` it."""
+
+    __slots__ = ()
+
+    def __init__(self, request_id: str, owner: AsyncEngine) -> None:
+        """Outputs of `request_id` (added to `owner` by `AsyncEngine.add`)."""
+        super().__init__((request_id,), owner)
+
+    @property
+    def request_id(self) -> str:
+        """The request's id."""
+        return self.request_ids[0]
+
+    async def final(self, is_disconnected: Callable[[], Awaitable[bool]] | None = None,
+                    poll_s: float = 0.05) -> RequestOutput | None:
+        """The finished output; None if the client left first (see `final_all`)."""
+        outs = await self.final_all(is_disconnected, poll_s)
+        return None if outs is None else outs[0]
 
 
 class AsyncEngine:
@@ -120,7 +156,7 @@ class AsyncEngine:
         for i, stats in self._scheduler_stats():
             self.stat_logger.record(stats, engine_idx=i)
         attach_stat_loggers(self._replicas, self.metrics, self.stat_logger)
-        self._streams: dict[str, RequestStream] = {}
+        self._streams: dict[str, RequestGroup] = {}
         self._pending_aborts: set[str] = set()
         self._lock = asyncio.Lock()
         self._wakeup = asyncio.Event()
@@ -160,15 +196,47 @@ class AsyncEngine:
           ValueError: the engine rejected the request (bad prompt or parameters).
           EngineDeadError: the loop is not running.
         """
+        stream = RequestStream(request_id, self)
+        await self._add(stream, [(request_id, prompt, params)], priority, metadata)
+        return stream
+
+    async def add_all(self, requests: Sequence[tuple[str, PromptType, SamplingParams]], *,
+                      priority: int = 0, metadata: Mapping[str, str] | None = None
+                      ) -> RequestGroup:
+        """Queue several requests (id, prompt, params) at once: all join the same step (n
+        samples of one prompt then share its prefix-cache blocks as soon as they are full),
+        or none does.
+
+        Raises:
+          ValueError: the engine rejected one of them; those already added are aborted.
+          EngineDeadError: the loop is not running.
+        """
+        group = RequestGroup([r[0] for r in requests], self)
+        await self._add(group, requests, priority, metadata)
+        return group
+
+    def is_live(self, request_id: str) -> bool:
+        """True while the server streams a request of this id."""
+        return request_id in self._streams
+
+    async def _add(self, group: RequestGroup,
+                   requests: Sequence[tuple[str, PromptType, SamplingParams]], priority: int,
+                   metadata: Mapping[str, str] | None) -> None:
         if not self.is_running():
             raise EngineDeadError("the engine loop is not running")
-        stream = RequestStream(request_id, self)
         async with self._lock:
-            self.engine.add_request(request_id, prompt, params, priority=priority,
-                                    metadata=metadata)
-            self._streams[request_id] = stream
+            added: list[str] = []
+            try:
+                for request_id, prompt, params in requests:
+                    self.engine.add_request(request_id, prompt, params, priority=priority,
+                                            metadata=metadata)
+                    added.append(request_id)
+            except BaseException:
+                self.engine.abort_request(added)
+                raise
+            for request_id in added:
+                self._streams[request_id] = group
             self._wakeup.set()
-        return stream
 
     def abort(self, request_id: str) -> None:
         """Abort a request at the next step boundary (safe to call from any coroutine)."""
@@ -215,8 +283,8 @@ class AsyncEngine:
                 del self._streams[out.request_id]
 
     def _fail_all(self, error: BaseException) -> None:
-        for stream in self._streams.values():
-            stream._queue.put_nowait(error)
+        for group in set(self._streams.values()):
+            group._queue.put_nowait(error)
         self._streams.clear()
 
     async def _log_loop(self) -> None:

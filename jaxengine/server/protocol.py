@@ -2,10 +2,12 @@
 
 Field names and defaults follow OpenAI's API plus vLLM's extra sampling fields (`top_k`,
 `min_p`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`,
-`skip_special_tokens`, `priority`) and one jaxengine extension, `tenant`: with OpenAI's `user` it
-goes into the request's `metadata` for scheduling policies such as `fair`
-(docs/SCHEDULING.md §8). Unknown fields are ignored, as vLLM does; fields we cannot
-honour (n > 1, penalties, echo) are rejected. A sampling field the request leaves unset takes
+`skip_special_tokens`, `priority`, ...) and one jaxengine extension, `tenant`: with OpenAI's
+`user` and `metadata` it goes into the request's `metadata` for scheduling policies such as
+`fair` (docs/SCHEDULING.md §8). Nothing is silently ignored: an unknown field is a 400 naming it
+(`extra="forbid"`; vLLM only logs it), and a known field we cannot honour is declared here and
+refused with a 400 naming it unless its value asks for nothing (`jaxengine.server.refused`).
+A sampling field the request leaves unset takes
 the model's default (its generation_config.json, `jaxengine.loading.generation_config`), else
 `SamplingParams`' own, as vLLM's `to_sampling_params` does. `SamplingParams` checks the values;
 its error names our field, which `request_error` turns into the request's field name.
@@ -13,12 +15,16 @@ its error names our field, which `request_error` turns into the request's field 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from jaxengine.server import refused
+from jaxengine.server.refused import Refused
 from scheduler import SamplingParams, SamplingParamsError
+from scheduler.sampling_params import SEED_MIN
 
 # Request fields that, when unset, take the model's default (the loader gives no others but
 # max_tokens, which `resolve_max_tokens` handles).
@@ -57,19 +63,28 @@ def has_lone_surrogate(value: Any) -> bool:
 
 
 class StreamOptions(BaseModel):
-    """`stream_options`: only `include_usage` is honoured."""
+    """`stream_options`: `include_usage` and vLLM's `continuous_usage_stats` are honoured."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM: every chunk carries the usage so far
+    # OpenAI pads deltas with random characters when true; this server does not.
+    include_obfuscation: Literal[False] | None = None
+
+
+def _seed_of_child(seed: int, index: int) -> int:
+    """vLLM V1's seed of the `index`-th of n samples (`seed + index`), kept within int64."""
+    return (seed + index - SEED_MIN) % 2**64 + SEED_MIN
 
 
 class _SamplingFields(BaseModel):
     """The fields both endpoints share."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     n: int = 1
+    best_of: int | None = None  # vLLM V1: only best_of == n (no extra samples to rank)
     stream: bool = False
     stream_options: StreamOptions | None = None
     temperature: float | None = None
@@ -83,12 +98,47 @@ class _SamplingFields(BaseModel):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    truncate_prompt_tokens: Annotated[int, Field(ge=1)] | None = None  # keep the last k
+    return_tokens_as_token_ids: bool = False  # logprobs' tokens as "token_id:N"
+    request_id: str | None = None  # vLLM: the response's id is made from it
     priority: int = 0
+    user: str | None = None  # OpenAI's end-user id: metadata["user"]
+    safety_identifier: str | None = None  # OpenAI's newer end-user id: metadata too
+    tenant: str | None = None  # jaxengine extension: metadata["tenant"] (the `fair` policy)
+    # OpenAI: up to 16 string pairs labelling the request; carried into its metadata (below
+    # user and tenant, which win), where scheduling policies can read them.
+    metadata: Annotated[dict[str, str], Field(max_length=16)] | None = None
+    # OpenAI: a routing hint for its prompt caches. Accepted: our prefix cache matches prompts
+    # by content whatever the key, and no output depends on it.
+    prompt_cache_key: str | None = None
+
+    # Known fields we cannot honour (`jaxengine.server.refused`); typed where vLLM types them.
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    user: str | None = None  # OpenAI's end-user id: metadata["user"]
-    tenant: str | None = None  # jaxengine extension: metadata["tenant"] (the `fair` policy)
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    prompt_logprobs: Any = None
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
+    logits_processors: Any = None
+    spaces_between_special_tokens: Any = None
+    cache_salt: Any = None
+    kv_transfer_params: Any = None
+    vllm_xargs: Any = None
+    store: Any = None
+    service_tier: Any = None
 
+    REFUSED: ClassVar[Mapping[str, Refused]] = refused.COMMON
     # SamplingParams field -> this request's field, where the two names differ
     PARAM_NAMES: ClassVar[dict[str, str]] = {}
 
@@ -102,12 +152,20 @@ class _SamplingFields(BaseModel):
                     f"escaped pair such as \\ud83d\\ude00 is fine)", name)
 
     def check_supported(self) -> None:
-        """Reject what the engine cannot do."""
-        if self.n != 1:
-            raise RequestError(f"only n=1 is supported, got n={self.n}", "n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise RequestError(f"{name} is not supported (use 0 or leave it out)", name)
+        """Reject the known fields we cannot honour, and values vLLM refuses, naming each."""
+        for name, why in type(self).REFUSED.items():
+            value = getattr(self, name)
+            if not refused.is_neutral(value, why):
+                raise RequestError(f"'{name}' is not supported by this server ({why}); got "
+                                   f"{value!r}", name)
+        if self.n < 1:
+            raise RequestError(f"n must be at least 1, got {self.n}", "n")
+        if self.best_of is not None and self.best_of != self.n:
+            raise RequestError(f"best_of must equal n (got best_of={self.best_of}, n={self.n}): "
+                               f"as in vLLM V1, no extra samples are drawn to rank", "best_of")
+        if self.stream_options is not None and not self.stream:
+            raise RequestError("stream_options can only be defined when stream=true",
+                               "stream_options")
 
     def sampling_params(self, max_tokens: int, logprobs: int | None,
                         defaults: Mapping[str, Any] | None = None) -> SamplingParams:
@@ -133,10 +191,20 @@ class _SamplingFields(BaseModel):
         except SamplingParamsError as e:
             raise self.request_error(e) from None
 
-    def metadata(self) -> dict[str, str]:
-        """The scheduler request's metadata: `user` and `tenant`, where the body sets them."""
-        return {name: value for name in ("user", "tenant")
-                if (value := getattr(self, name)) is not None}
+    def child_params(self, params: SamplingParams) -> list[SamplingParams]:
+        """The n samples' parameters: `params`, with seed `seed + i` for sample i when seeded
+        (vLLM V1's rule, so a seeded request is reproducible and its samples differ)."""
+        if params.seed is None:
+            return [params] * self.n  # the engine draws each request's own seed
+        return [dataclasses.replace(params, seed=_seed_of_child(params.seed, i))
+                for i in range(self.n)]
+
+    def metadata_of_request(self) -> dict[str, str]:
+        """The scheduler request's metadata: `metadata`, then `user`, `safety_identifier` and
+        `tenant` where the body sets them."""
+        named = {name: value for name in ("user", "safety_identifier", "tenant")
+                 if (value := getattr(self, name)) is not None}
+        return {**(self.metadata or {}), **named}
 
     def request_error(self, error: SamplingParamsError) -> RequestError:
         """`error` as a 400 whose `param` is this request's name for the field."""
@@ -149,6 +217,11 @@ class _SamplingFields(BaseModel):
         """Whether a stream ends with a usage chunk."""
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def continuous_usage(self) -> bool:
+        """Whether every streamed chunk carries the usage so far (vLLM's extension)."""
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
 
 class CompletionRequest(_SamplingFields):
     """POST /v1/completions."""
@@ -156,60 +229,140 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = None
-    echo: bool = False
-    suffix: str | None = None
+    echo: bool = False  # the prompt's text before each choice's
+    add_special_tokens: bool = True  # vLLM: the tokenizer's BOS (etc.) on text prompts
+    suffix: Any = None
+    prompt_embeds: Any = None
 
-    def single_prompt(self) -> str | list[int]:
-        """The one prompt (text or token ids); batches of prompts are rejected."""
+    REFUSED: ClassVar[Mapping[str, Refused]] = refused.COMPLETION
+
+    def check_supported(self) -> None:
+        """The shared checks, and echo's: its prompt logprobs are not available yet."""
+        super().check_supported()
+        if self.echo and self.logprobs is not None:
+            raise RequestError("echo with logprobs returns the prompt's logprobs, and prompt "
+                               "logprobs are not available in the engine yet: send echo "
+                               "without logprobs, or logprobs without echo", "echo")
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each text or token ids (a batch gives one choice per prompt and n)."""
         p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], str | list):
-            if len(p) != 1:
-                raise RequestError(f"send one prompt per request (got {len(p)})", "prompt")
-            p = p[0]
-        if not p:
-            raise RequestError("the prompt is empty", "prompt")
-        if self.echo:
-            raise RequestError("echo is not supported", "echo")
-        if self.suffix:
-            raise RequestError("suffix is not supported", "suffix")
-        return p
+        batch = p if isinstance(p, list) and p and isinstance(p[0], str | list) else [p]
+        if not batch or any(not one for one in batch):
+            raise RequestError("the prompt is empty" if len(batch) <= 1 else
+                               "a prompt of the list is empty", "prompt")
+        return batch
 
 
 class TextPart(BaseModel):
     """A `{"type": "text", "text": ...}` content part."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    """One message of a conversation."""
+    """One message of a conversation; `name`, `tool_calls` and `tool_call_id` go to the chat
+    template as vLLM passes them (the template decides what to render)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    def text(self) -> str:
+        """The content as one string (text parts joined, as vLLM joins them: by newlines)."""
+        if isinstance(self.content, list):
+            return "\n".join(part.text for part in self.content)
+        return self.content or ""
 
     def as_template_message(self) -> dict[str, Any]:
-        """`{"role", "content"}` with text parts joined, for the chat template."""
-        content = self.content
-        if isinstance(content, list):
-            content = "".join(part.text for part in content)
-        return {"role": self.role, "content": content or ""}
+        """`{"role", "content", ...}` for the chat template."""
+        message: dict[str, Any] = {"role": self.role, "content": self.text()}
+        for key in ("name", "tool_calls", "tool_call_id"):
+            if (value := getattr(self, key)) is not None:
+                message[key] = value
+        return message
 
 
-class ChatCompletionRequest(_SamplingFields):
-    """POST /v1/chat/completions."""
+class ChatTemplateFields(BaseModel):
+    """What renders a conversation: shared by chat completions and /tokenize's chat form."""
+
+    model_config = ConfigDict(extra="forbid")
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    add_generation_prompt: bool = True
+    # vLLM: render the last message open-ended, so the model continues it
+    continue_final_message: bool = False
+    add_special_tokens: bool = False  # vLLM: special tokens on top of the template's own
+    chat_template: str | None = None  # a Jinja template for this request (transformers')
+    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables
+    documents: list[dict[str, str]] | None = None  # the template's RAG documents, if it has any
+    tools: list[dict[str, Any]] | None = None  # shown to the model by its chat template
+
+    def generation_prompt(self) -> bool:
+        """`add_generation_prompt`, off when continuing the final message (and not set)."""
+        if self.continue_final_message:
+            if "add_generation_prompt" in self.model_fields_set and self.add_generation_prompt:
+                raise RequestError("cannot set both continue_final_message and "
+                                   "add_generation_prompt to true", "continue_final_message")
+            return False
+        return self.add_generation_prompt
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """The chat template's keyword arguments besides `add_generation_prompt`."""
+        kwargs = dict(self.chat_template_kwargs or {})
+        if self.continue_final_message:
+            if self.messages[-1].role != "assistant":
+                raise RequestError("continue_final_message continues the last message, which "
+                                   "must then be the assistant's", "continue_final_message")
+            kwargs["continue_final_message"] = True
+        for key in ("chat_template", "documents", "tools"):
+            if (value := getattr(self, key)) is not None:
+                kwargs[key] = value
+        return kwargs
+
+
+class ChatCompletionRequest(ChatTemplateFields, _SamplingFields):
+    """POST /v1/chat/completions."""
+
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    add_generation_prompt: bool = True
+    echo: bool = False  # vLLM: the last message's content before the reply, if the assistant's
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
+    structural_tag: Any = None
+    reasoning_effort: Any = None
+    include_reasoning: Any = None
+    verbosity: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    moderation: Any = None
+    mm_processor_kwargs: Any = None
+    prompt_cache_retention: Any = None
+    prompt_cache_options: Any = None
 
+    REFUSED: ClassVar[Mapping[str, Refused]] = refused.CHAT
     # chat's `logprobs` is a switch; the count SamplingParams calls logprobs is top_logprobs
     PARAM_NAMES: ClassVar[dict[str, str]] = {"logprobs": "top_logprobs"}
+
+    def check_supported(self) -> None:
+        """The shared checks, and tool_choice's: "auto" (the default with tools) needs a tool
+        parser, so tools are accepted with tool_choice "none" only."""
+        if self.tools and self.tool_choice is None:
+            raise RequestError(f"tools without tool_choice means tool_choice \"auto\", which "
+                               f"is not supported ({refused.CHAT['tool_choice'].reason})",
+                               "tool_choice")
+        super().check_supported()
 
     def requested_max_tokens(self) -> int | None:
         """`max_completion_tokens`, else the deprecated `max_tokens`."""
@@ -226,6 +379,12 @@ class ChatCompletionRequest(_SamplingFields):
         if n is not None and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
         return (n or 0) if self.logprobs else None
+
+    def echo_text(self) -> str:
+        """What `echo` puts before each reply: the last message's content if it is the
+        assistant's (the role of the reply), else nothing (vLLM's rule)."""
+        last = self.messages[-1]
+        return last.text() if self.echo and last.role == "assistant" else ""
 
 
 def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, *,

@@ -1,7 +1,7 @@
 """OpenAI response objects (completions and chat, whole and streamed) from `RequestOutput`s.
 
 `Formatter` holds what one request's chunks share (id, creation time, model, endpoint) and
-what has been sent so far, so each streamed chunk carries only the new text and logprobs.
+what each choice has sent so far, so each streamed chunk carries only the new text and logprobs.
 """
 
 from __future__ import annotations
@@ -18,9 +18,10 @@ from jaxengine.engine.outputs import Logprob, RequestOutput
 Kind = Literal["completion", "chat"]
 
 
-def random_id(kind: Kind) -> str:
-    """`cmpl-...` or `chatcmpl-...`, as OpenAI names them."""
-    return ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
+def random_id(kind: Kind, base: str | None = None) -> str:
+    """`cmpl-...` or `chatcmpl-...`, as OpenAI names them; `base` (vLLM's `request_id`
+    field) instead of a random part when given."""
+    return ("cmpl-" if kind == "completion" else "chatcmpl-") + (base or uuid.uuid4().hex)
 
 
 def sse(data: dict[str, Any] | str) -> str:
@@ -29,67 +30,116 @@ def sse(data: dict[str, Any] | str) -> str:
 
 
 @dataclass(slots=True)
+class _Sent:
+    """What one choice has streamed so far."""
+
+    text: int = 0  # characters of the visible text
+    tokens: int = 0  # logprob entries
+    text_offset: int = 0  # completions' logprobs.text_offset of the next token
+    echoed: bool = False  # its echo (the prompt's text) went out
+
+
+@dataclass(slots=True)
 class Formatter:
-    """Builds one request's response objects; remembers what was streamed already."""
+    """Builds one request's response objects; remembers what each choice streamed already.
+
+    Choice i is the i-th request of the group (`RequestGroup.index`): prompt p's n samples are
+    choices p*n .. p*n+n-1, as in vLLM.
+    """
 
     kind: Kind
     model: str
     tokenizer: Any  # decodes token ids for logprobs (None: ids are shown as "token_id:N")
     request_id: str
+    echo: Sequence[str] = ()  # per choice, the text before its own (vLLM's `echo`)
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: "token_id:N" tokens
     created: int = field(default_factory=lambda: int(time.time()))
-    sent_text: int = 0  # characters of the visible text already streamed
-    sent_tokens: int = 0  # logprob entries already streamed
-    text_offset: int = 0  # completions' logprobs.text_offset of the next token
+    sent: dict[int, _Sent] = field(default_factory=dict)
 
     # ---- whole responses ---------------------------------------------------------------
 
-    def response(self, out: RequestOutput, *, with_logprobs: bool) -> dict[str, Any]:
-        """The non-streaming response body."""
-        c = out.outputs[0]
-        logprobs = self._logprobs(out, 0) if with_logprobs else None
-        if self.kind == "completion":
-            choice: dict[str, Any] = {"index": 0, "text": c.text, "logprobs": logprobs}
-        else:
-            choice = {"index": 0, "message": {"role": "assistant", "content": c.text},
-                      "logprobs": logprobs}
-        choice.update(finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-        return {**self._header(chunk=False), "choices": [choice], "usage": usage(out)}
+    def response(self, outs: Sequence[RequestOutput], *, with_logprobs: bool,
+                 prompt_tokens: int) -> dict[str, Any]:
+        """The non-streaming response body (`prompt_tokens`: the prompts' tokens, each prompt
+        counted once however many samples it has)."""
+        choices = []
+        for i, out in enumerate(outs):
+            c = out.outputs[0]
+            logprobs = self._logprobs(i, out, 0) if with_logprobs else None
+            text = self._echo(i) + c.text
+            if self.kind == "completion":
+                choice: dict[str, Any] = {"index": i, "text": text, "logprobs": logprobs}
+            else:
+                choice = {"index": i, "message": {"role": "assistant", "content": text},
+                          "logprobs": logprobs}
+            choice.update(finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+            choices.append(choice)
+        return {**self._header(chunk=False), "choices": choices,
+                "usage": usage(prompt_tokens, outs)}
 
     # ---- streaming ---------------------------------------------------------------------
 
-    def first_chunk(self) -> dict[str, Any] | None:
-        """Chat streams open with the assistant role (completions have no such chunk)."""
+    def first_chunks(self, num_choices: int, *,
+                     usage_of: Sequence[dict[str, int]] | None = None) -> list[dict[str, Any]]:
+        """Chat streams open with the assistant role for each choice, then each choice's echo
+        (vLLM's order); completions have no such chunks. `usage_of`: each choice's usage so
+        far (vLLM's continuous_usage_stats)."""
         if self.kind != "chat":
-            return None
-        delta = {"role": "assistant", "content": ""}
-        return {**self._header(chunk=True),
-                "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                             "finish_reason": None}]}
+            return []
+        chunks = [self._chat_chunk(i, {"role": "assistant", "content": ""}, usage_of)
+                  for i in range(num_choices)]
+        for i in range(num_choices):
+            if self._echo(i):
+                chunks.append(self._chat_chunk(i, {"content": self._echo(i)}, usage_of))
+            self._sent_of(i).echoed = True
+        return chunks
 
-    def chunk(self, out: RequestOutput, *, with_logprobs: bool) -> dict[str, Any] | None:
-        """The chunk for the text (and logprobs) new in `out`; None if there is nothing new."""
-        c = out.outputs[0]
-        text = c.text[self.sent_text:]
+    def chunk(self, index: int, out: RequestOutput, *, with_logprobs: bool,
+              usage_so_far: dict[str, int] | None = None) -> dict[str, Any] | None:
+        """Choice `index`'s chunk for the text (and logprobs) new in `out`; None if there is
+        nothing new. `usage_so_far`: added to the chunk (continuous_usage_stats)."""
+        c, sent = out.outputs[0], self._sent_of(index)
+        text = c.text[sent.text:]
         logprobs = None
-        if with_logprobs and c.logprobs is not None and len(c.logprobs) > self.sent_tokens:
-            logprobs = self._logprobs(out, self.sent_tokens)
-            self.sent_tokens = len(c.logprobs)
+        if with_logprobs and c.logprobs is not None and len(c.logprobs) > sent.tokens:
+            logprobs = self._logprobs(index, out, sent.tokens)
+            sent.tokens = len(c.logprobs)
         if not text and logprobs is None and not out.finished:
             return None
-        self.sent_text = len(c.text)
+        sent.text = len(c.text)
+        if not sent.echoed:  # completions: the prompt goes out with the first text
+            text, sent.echoed = self._echo(index) + text, True
         if self.kind == "completion":
-            choice: dict[str, Any] = {"index": 0, "text": text, "logprobs": logprobs}
+            choice: dict[str, Any] = {"index": index, "text": text, "logprobs": logprobs}
         else:
-            choice = {"index": 0, "delta": {"content": text} if text else {},
+            choice = {"index": index, "delta": {"content": text} if text else {},
                       "logprobs": logprobs}
         choice.update(finish_reason=c.finish_reason, stop_reason=c.stop_reason)
-        return {**self._header(chunk=True), "choices": [choice]}
+        body = {**self._header(chunk=True), "choices": [choice]}
+        if usage_so_far is not None:
+            body["usage"] = usage_so_far
+        return body
 
-    def usage_chunk(self, out: RequestOutput) -> dict[str, Any]:
-        """The final `stream_options.include_usage` chunk."""
-        return {**self._header(chunk=True), "choices": [], "usage": usage(out)}
+    def usage_chunk(self, prompt_tokens: int, outs: Sequence[RequestOutput]) -> dict[str, Any]:
+        """The final `stream_options.include_usage` chunk (counts as in `response`)."""
+        return {**self._header(chunk=True), "choices": [], "usage": usage(prompt_tokens, outs)}
 
     # ---- pieces ------------------------------------------------------------------------
+
+    def _sent_of(self, index: int) -> _Sent:
+        return self.sent.setdefault(index, _Sent())
+
+    def _echo(self, index: int) -> str:
+        return self.echo[index] if index < len(self.echo) else ""
+
+    def _chat_chunk(self, index: int, delta: dict[str, Any],
+                    usage_of: Sequence[dict[str, int]] | None) -> dict[str, Any]:
+        body = {**self._header(chunk=True),
+                "choices": [{"index": index, "delta": delta, "logprobs": None,
+                             "finish_reason": None}]}
+        if usage_of is not None:
+            body["usage"] = usage_of[index]
+        return body
 
     def _header(self, *, chunk: bool) -> dict[str, Any]:
         if self.kind == "completion":
@@ -100,11 +150,11 @@ class Formatter:
                 "model": self.model}
 
     def _token(self, token_id: int) -> str:
-        if self.tokenizer is None:  # --skip-tokenizer-init: vLLM's placeholder
+        if self.tokenizer is None or self.tokens_as_ids:  # vLLM's placeholder
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _logprobs(self, out: RequestOutput, start: int) -> dict[str, Any] | None:
+    def _logprobs(self, index: int, out: RequestOutput, start: int) -> dict[str, Any] | None:
         c = out.outputs[0]
         if c.logprobs is None:
             return None
@@ -112,13 +162,14 @@ class Formatter:
         if self.kind == "chat":
             return {"content": [self._chat_entry(t, e) for t, e in zip(ids, entries,
                                                                       strict=False)]}
+        sent = self._sent_of(index)
         tokens, token_lps, tops, offsets = [], [], [], []
         for t, e in zip(ids, entries, strict=False):
             tokens.append(self._token(t))
             token_lps.append(_finite(_sampled(t, e).logprob))
             tops.append({self._token(i): _finite(lp.logprob) for i, lp in _top(e)})
-            offsets.append(self.text_offset)
-            self.text_offset += len(tokens[-1])
+            offsets.append(sent.text_offset)
+            sent.text_offset += len(tokens[-1])
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
                 "text_offset": offsets}
 
@@ -145,8 +196,13 @@ def _top(entry: dict[int, Logprob]) -> Sequence[tuple[int, Logprob]]:
     return sorted(ranked, key=lambda item: item[1].rank or 0)
 
 
-def usage(out: RequestOutput) -> dict[str, int]:
-    """Token counts of a request."""
-    prompt, completion = len(out.prompt_token_ids), len(out.outputs[0].token_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": completion,
-            "total_tokens": prompt + completion}
+def usage(prompt_tokens: int, outs: Sequence[RequestOutput]) -> dict[str, int]:
+    """Token counts: `prompt_tokens`, and every choice's completion tokens."""
+    completion = sum(len(out.outputs[0].token_ids) for out in outs)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
+            "total_tokens": prompt_tokens + completion}
+
+
+def usage_of_choice(out: RequestOutput) -> dict[str, int]:
+    """One choice's counts so far: its prompt and its completion (continuous_usage_stats)."""
+    return usage(len(out.prompt_token_ids), [out])

@@ -8,29 +8,43 @@ at the next step. A non-streamed request polls for a disconnect while it waits.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from jaxengine.engine.outputs import RequestOutput
 from jaxengine.loading.generation_config import diff_sampling_params
-from jaxengine.server.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from jaxengine.server.async_engine import AsyncEngine, EngineDeadError, RequestGroup
 from jaxengine.server.errors import error_body, error_response
+from jaxengine.server.prompts import (
+    EnginePrompt,
+    chat_prompt,
+    completion_prompts,
+    prompt_text,
+    truncated,
+)
 from jaxengine.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     RequestError,
     resolve_max_tokens,
 )
-from jaxengine.server.responses import Formatter, Kind, random_id, sse
-from scheduler import SamplingParamsError
+from jaxengine.server.responses import Formatter, Kind, random_id, sse, usage, usage_of_choice
+from scheduler import SamplingParams, SamplingParamsError
 
 logger = logging.getLogger("jaxengine.server")
 
 
 class OpenAIServing:
-    """Serves `/v1/completions` and `/v1/chat/completions` for one model."""
+    """Serves `/v1/completions` and `/v1/chat/completions` for one model.
+
+    A request with n samples (and, for completions, a list of prompts) becomes one engine
+    request per choice, all added in one step (`AsyncEngine.add_all`): the n samples of a
+    prompt share its prefix-cache blocks, and a seeded request gives sample i the seed
+    `seed + i` (vLLM V1's rule), so it is reproducible.
+    """
 
     def __init__(self, engine: AsyncEngine, model_name: str) -> None:
         """Serve `engine` under the name `model_name`."""
@@ -42,105 +56,121 @@ class OpenAIServing:
         # vLLM's name: what fills the sampling fields a request leaves unset
         self.default_sampling_params = diff_sampling_params(args.model, args.generation_config)
 
+    def check_model(self, model: str | None) -> None:
+        """vLLM's 404 for a `model` this server does not serve (`OpenAIServing._check_model`),
+        plus what to send instead."""
+        if model is not None and model != self.model_name:
+            raise RequestError(f"The model `{model}` does not exist; this server serves "
+                               f"`{self.model_name}` (see /v1/models).", "model", code=404)
+
     def _check(self, body: CompletionRequest | ChatCompletionRequest) -> None:
         """The checks both endpoints share, text first: the others may echo a field."""
         body.check_text()
-        if body.model is not None and body.model != self.model_name:
-            # vLLM's 404 (`OpenAIServing._check_model`), plus what to send instead
-            raise RequestError(f"The model `{body.model}` does not exist; this server serves "
-                               f"`{self.model_name}` (see /v1/models).", "model", code=404)
+        self.check_model(body.model)
         body.check_supported()
 
     async def completions(self, body: CompletionRequest, raw: Request) -> Response:
         """POST /v1/completions."""
         self._check(body)
-        prompt = body.single_prompt()
-        if isinstance(prompt, str):
-            ids = self._encode(prompt)
-            engine_prompt: dict[str, Any] = {"prompt": prompt, "prompt_token_ids": ids}
-        else:
-            ids, engine_prompt = list(prompt), {"prompt_token_ids": list(prompt)}
-        # max_tokens defaults to 16 here (OpenAI's and vLLM's), so the model's default
-        # max_tokens applies only to an explicit null, as in vLLM.
-        max_tokens = resolve_max_tokens(body.max_tokens, len(ids), self.max_model_len,
-                                        prompt_param="prompt", default=self._default_max_tokens)
-        params = body.sampling_params(max_tokens, body.logprobs, self.default_sampling_params)
-        return await self._generate("completion", body, engine_prompt, params, raw,
+        children, echo = [], []
+        prompts = completion_prompts(body, self.tokenizer)
+        for prompt in prompts:
+            # max_tokens defaults to 16 here (OpenAI's and vLLM's), so the model's default
+            # max_tokens applies only to an explicit null, as in vLLM.
+            max_tokens = resolve_max_tokens(body.max_tokens, len(prompt["prompt_token_ids"]),
+                                            self.max_model_len, prompt_param="prompt",
+                                            default=self._default_max_tokens)
+            params = body.sampling_params(max_tokens, body.logprobs,
+                                          self.default_sampling_params)
+            text = prompt_text(prompt, self.tokenizer,
+                               skip_special_tokens=body.skip_special_tokens) if body.echo else ""
+            for child in body.child_params(params):
+                children.append((prompt, child))
+                echo.append(text)
+        prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
+        return await self._generate("completion", body, children, raw, echo=echo,
+                                    prompt_tokens=prompt_tokens,
                                     with_logprobs=body.logprobs is not None)
 
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response:
         """POST /v1/chat/completions."""
         self._check(body)
-        if self.tokenizer is None:
-            raise RequestError("this server has no tokenizer: chat is unavailable")
-        messages = [m.as_template_message() for m in body.messages]
-        text = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=body.add_generation_prompt)
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
-        if not ids:
-            raise RequestError("the conversation renders to an empty prompt", "messages")
+        prompt = truncated(chat_prompt(body, self.tokenizer), body.truncate_prompt_tokens,
+                           self.tokenizer)
+        ids = prompt["prompt_token_ids"]
         max_tokens = resolve_max_tokens(body.requested_max_tokens(), len(ids),
                                         self.max_model_len, prompt_param="messages",
                                         default=self._default_max_tokens)
         params = body.sampling_params(max_tokens, body.num_logprobs(),
                                       self.default_sampling_params)
-        return await self._generate("chat", body, {"prompt": text, "prompt_token_ids": ids},
-                                    params, raw, with_logprobs=body.logprobs)
+        children = [(prompt, child) for child in body.child_params(params)]
+        return await self._generate("chat", body, children, raw,
+                                    echo=[body.echo_text()] * len(children),
+                                    prompt_tokens=len(ids), with_logprobs=body.logprobs)
 
     @property
     def _default_max_tokens(self) -> int | None:
         return self.default_sampling_params.get("max_tokens")
 
-    def _encode(self, text: str) -> list[int]:
-        if self.tokenizer is None:
-            raise RequestError("this server has no tokenizer: send token ids as the prompt",
-                               "prompt")
-        ids = self.tokenizer.encode(text)
-        if not ids:
-            raise RequestError("the prompt is empty", "prompt")
-        return ids
-
-    async def _generate(self, kind: Kind, body: Any, prompt: dict[str, Any], params: Any,
-                        raw: Request, *, with_logprobs: bool) -> Response:
-        request_id = random_id(kind)
+    async def _generate(self, kind: Kind, body: Any,
+                        children: Sequence[tuple[EnginePrompt, SamplingParams]], raw: Request, *,
+                        echo: Sequence[str], prompt_tokens: int, with_logprobs: bool
+                        ) -> Response:
+        """Submit one engine request per choice and respond (SSE when `body.stream`)."""
+        request_id = random_id(kind, body.request_id)
+        ids = [request_id] if len(children) == 1 else [
+            f"{request_id}-{i}" for i in range(len(children))]
+        if body.request_id is not None and any(self.engine.is_live(r) for r in ids):
+            raise RequestError(f"a request with request_id {body.request_id!r} is running; "
+                               f"send a unique id", "request_id")
         try:
-            stream = await self.engine.add(request_id, prompt, params, priority=body.priority,
-                                           metadata=body.metadata())
+            group = await self.engine.add_all(
+                [(rid, prompt, params) for rid, (prompt, params) in zip(ids, children,
+                                                                        strict=True)],
+                priority=body.priority, metadata=body.metadata_of_request())
         except SamplingParamsError as e:  # a limit of this engine (max_logprobs, vocabulary)
             raise body.request_error(e) from None
         except EngineDeadError as e:
             return error_response(str(e), code=503)
-        fmt = Formatter(kind, self.model_name, self.tokenizer, request_id)
+        fmt = Formatter(kind, self.model_name, self.tokenizer, request_id, echo=echo,
+                        tokens_as_ids=body.return_tokens_as_token_ids)
         if body.stream:
-            events = _events(stream, fmt, with_logprobs=with_logprobs,
-                             include_usage=body.include_usage)
+            events = _events(group, fmt, with_logprobs=with_logprobs, prompt_tokens=prompt_tokens,
+                             include_usage=body.include_usage,
+                             continuous_usage=body.continuous_usage)
             return StreamingResponse(events, media_type="text/event-stream")
         try:
-            out = await stream.final(raw.is_disconnected)
+            outs = await group.final_all(raw.is_disconnected)
         except EngineDeadError as e:
             return error_response(str(e), code=500)
         finally:
-            stream.abort()  # no-op once finished; frees the blocks if anything went wrong
-        if out is None:  # the client left; nobody reads this
+            group.abort()  # no-op once finished; frees the blocks if anything went wrong
+        if outs is None:  # the client left; nobody reads this
             return Response(status_code=499)
-        return JSONResponse(fmt.response(out, with_logprobs=with_logprobs))
+        return JSONResponse(fmt.response(outs, with_logprobs=with_logprobs,
+                                         prompt_tokens=prompt_tokens))
 
 
-async def _events(stream: RequestStream, fmt: Formatter, *, with_logprobs: bool,
-                  include_usage: bool) -> AsyncIterator[str]:
-    """The SSE body of a streamed request; aborts the request if it is not read to the end."""
-    last = None
+async def _events(group: RequestGroup, fmt: Formatter, *, with_logprobs: bool,
+                  prompt_tokens: int, include_usage: bool, continuous_usage: bool
+                  ) -> AsyncIterator[str]:
+    """The SSE body of a streamed request; aborts its requests if it is not read to the end."""
+    last: dict[int, RequestOutput] = {}
     try:
-        first = fmt.first_chunk()
-        if first is not None:
-            yield sse(first)
-        async for out in stream:
-            last = out
-            chunk = fmt.chunk(out, with_logprobs=with_logprobs)
+        n = len(group.request_ids)
+        # chat's opening chunks (one prompt): its tokens, nothing generated yet
+        opening = [usage(prompt_tokens, [])] * n if continuous_usage else None
+        for chunk in fmt.first_chunks(n, usage_of=opening):
+            yield sse(chunk)
+        async for out in group:
+            i = group.index(out.request_id)
+            last[i] = out
+            chunk = fmt.chunk(i, out, with_logprobs=with_logprobs,
+                              usage_so_far=usage_of_choice(out) if continuous_usage else None)
             if chunk is not None:
                 yield sse(chunk)
-        if include_usage and last is not None:
-            yield sse(fmt.usage_chunk(last))
+        if include_usage:
+            yield sse(fmt.usage_chunk(prompt_tokens, [last[i] for i in sorted(last)]))
         yield sse("[DONE]")
     except EngineDeadError as e:
         yield sse(error_body(str(e), code=500))
@@ -148,4 +178,4 @@ async def _events(stream: RequestStream, fmt: Formatter, *, with_logprobs: bool,
     finally:
         # Reached early when the client disconnected (Starlette cancels this generator) or
         # the body was closed unread: abort, so the KV blocks are freed at the next step.
-        stream.abort()
+        group.abort()

@@ -18,10 +18,10 @@ from tests.jaxengine.server.test_harness import (
 
 def test_the_body_gives_user_and_tenant_only_where_set() -> None:
     body = CompletionRequest(prompt="x", user="u1", tenant="acme")
-    assert body.metadata() == {"user": "u1", "tenant": "acme"}
+    assert body.metadata_of_request() == {"user": "u1", "tenant": "acme"}
     chat = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], user="u2")
-    assert chat.metadata() == {"user": "u2"}
-    assert CompletionRequest(prompt="x").metadata() == {}
+    assert chat.metadata_of_request() == {"user": "u2"}
+    assert CompletionRequest(prompt="x").metadata_of_request() == {}
 
 
 @pytest.fixture(scope="module")
