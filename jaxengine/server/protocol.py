@@ -28,7 +28,7 @@ from scheduler.sampling_params import SEED_MIN
 
 # Request fields that, when unset, take the model's default (the loader gives no others but
 # max_tokens, which `resolve_max_tokens` handles).
-MODEL_DEFAULTED = ("temperature", "top_p", "top_k", "min_p")
+MODEL_DEFAULTED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
 
 class RequestError(ValueError):
@@ -112,13 +112,14 @@ class _SamplingFields(BaseModel):
     # by content whatever the key, and no output depends on it.
     prompt_cache_key: str | None = None
 
-    # Known fields we cannot honour (`jaxengine.server.refused`); typed where vLLM types them.
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = None  # None: 0 (OpenAI's default)
+    frequency_penalty: float | None = None  # None: 0
+    repetition_penalty: float | None = None  # None: the model's default, else 1 (vLLM's)
+    logit_bias: dict[str, float] | None = None  # OpenAI's: token id (as a string) -> bias
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+
+    # Known fields we cannot honour (`jaxengine.server.refused`).
     use_beam_search: Any = None
     length_penalty: Any = None
     prompt_logprobs: Any = None
@@ -187,9 +188,24 @@ class _SamplingFields(BaseModel):
                 max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
                 stop_token_ids=self.stop_token_ids, stop=self.stop, seed=self.seed,
                 logprobs=logprobs, include_stop_str_in_output=self.include_stop_str_in_output,
-                skip_special_tokens=self.skip_special_tokens, **unset, **chosen)
+                skip_special_tokens=self.skip_special_tokens,
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                logit_bias=self._logit_bias(), allowed_token_ids=self.allowed_token_ids,
+                bad_words=self.bad_words, **unset, **chosen)
         except SamplingParamsError as e:
             raise self.request_error(e) from None
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        """`logit_bias` by token id (OpenAI's keys are the ids as strings)."""
+        if self.logit_bias is None:
+            return None
+        try:
+            return {int(token): bias for token, bias in self.logit_bias.items()}
+        except ValueError:
+            raise RequestError(f"logit_bias keys must be token ids (integers as strings, e.g. "
+                               f"\"50256\"), got {list(self.logit_bias)!r}", "logit_bias"
+                               ) from None
 
     def child_params(self, params: SamplingParams) -> list[SamplingParams]:
         """The n samples' parameters: `params`, with seed `seed + i` for sample i when seeded

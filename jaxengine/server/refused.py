@@ -48,17 +48,6 @@ COMMON: Mapping[str, Refused] = {
     # OpenAI's processing tiers: this server has one, which is what "auto" and "default" ask.
     "service_tier": Refused(("auto", "default"), "this server has one tier; send \"auto\" or "
                                                  "\"default\""),
-    # Until the sampler's fields land (presence/frequency/repetition penalties, logit_bias,
-    # allowed_token_ids, bad_words), each is refused unless it asks for nothing.
-    "presence_penalty": Refused((0.0,), "penalties are not available in the sampler yet; "
-                                        "send 0 or leave it out"),
-    "frequency_penalty": Refused((0.0,), "penalties are not available in the sampler yet; "
-                                         "send 0 or leave it out"),
-    "repetition_penalty": Refused((1.0,), "penalties are not available in the sampler yet; "
-                                          "send 1.0 or leave it out"),
-    "logit_bias": Refused(({},), "logit_bias is not available in the sampler yet"),
-    "allowed_token_ids": Refused((), "allowed_token_ids is not available in the sampler yet"),
-    "bad_words": Refused(([],), "bad_words is not available in the sampler yet"),
 }
 
 COMPLETION: Mapping[str, Refused] = {
