@@ -117,12 +117,14 @@ class OpenAIServing:
                         echo: Sequence[str], prompt_tokens: int, with_logprobs: bool
                         ) -> Response:
         """Submit one engine request per choice and respond (SSE when `body.stream`)."""
-        request_id = random_id(kind, body.request_id)
+        # vLLM's `_base_request_id`: the X-Request-Id header, else the body's request_id
+        base = raw.headers.get("x-request-id") or body.request_id
+        request_id = random_id(kind, base)
         ids = [request_id] if len(children) == 1 else [
             f"{request_id}-{i}" for i in range(len(children))]
-        if body.request_id is not None and any(self.engine.is_live(r) for r in ids):
-            raise RequestError(f"a request with request_id {body.request_id!r} is running; "
-                               f"send a unique id", "request_id")
+        if base is not None and any(self.engine.is_live(r) for r in ids):
+            raise RequestError(f"a request with id {base!r} (X-Request-Id or request_id) is "
+                               f"running; send a unique one", "request_id")
         try:
             group = await self.engine.add_all(
                 [(rid, prompt, params) for rid, (prompt, params) in zip(ids, children,

@@ -241,3 +241,11 @@ def test_continuous_usage_stats_put_the_usage_in_every_chunk(server: RunningServ
     completions = [u["completion_tokens"] for u in usages]
     assert completions == sorted(completions) and completions[-1] == 4
     assert all(u["prompt_tokens"] == usages[0]["prompt_tokens"] > 0 for u in usages)
+
+
+def test_the_x_request_id_header_names_the_response(server: RunningServer) -> None:
+    r = httpx.post(f"{server.base_url}/v1/completions", trust_env=False, timeout=60,
+                   headers={"X-Request-Id": "from-header"},
+                   json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 2,
+                         "request_id": "from-body"})
+    assert r.status_code == 200 and r.json()["id"] == "cmpl-from-header"
