@@ -212,6 +212,9 @@ def _add_lab_parsers(sub: Any) -> None:
                      help="from `jaxengine calibrate`")
     sim.add_argument("--output", metavar="OUT.json", help="where to write the results")
     sim.add_argument("--plot", metavar="PATH.png", help="draw the step timeline there")
+    sim.add_argument("--compare", metavar="REAL.json",
+                     help="a real run's results (`jaxengine bench --workload`): print the "
+                          "simulation's relative errors against it")
     add_engine_flags(sim)
     tune = sub.add_parser("tune", help="sweep engine settings in the simulator under an SLO",
                           description="Simulate WORKLOAD.json under a grid of scheduler "
@@ -462,6 +465,11 @@ def run_simulate(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     print(f"simulated {len(result.steps)} steps in {seconds:.2f} s "
           f"({len(result.steps) / max(seconds, 1e-9):.0f} steps/s)", file=sys.stderr)
     _report(result, ns.output, "simulated")
+    if ns.compare:
+        from jaxengine.lab import results
+
+        errors = results.compare(result, results.load_result(ns.compare))
+        print("simulated / real - 1: " + ", ".join(f"{k} {v:+.1%}" for k, v in errors.items()))
     if ns.plot:
         from jaxengine.lab import plots
 

@@ -26,7 +26,7 @@ def build_warm_engine(args: EngineArgs) -> Any:
     """`build_engine(args)`, warmed up (`warm_up`) unless `args.precompile` is False."""
     from jaxengine.engine.build import build_engine
 
-    engine = build_engine(args)
+    engine = build_engine(dataclasses.replace(args, precompile=None))  # warm_up compiles
     if args.precompile is not False:
         warm_up(engine)
     return engine

@@ -211,6 +211,11 @@ def format_report(report: TuneReport) -> str:
         lines.append(f"  {t.label:44s} {s['output_tokens_per_s']:9.1f} {s[m]:10.4f} "
                      f"{s['ttft_p50']:9.4f} {s['tpot_p50']:9.4f} {s['duration']:9.3f}{mark}")
     if report.recommended is None:
+        lines.append("  (none; the closest five:)")
+        for t in report.trials[:5]:
+            s = t.summary
+            lines.append(f"  {t.label:44s} {s['output_tokens_per_s']:9.1f} {s[m]:10.4f} "
+                         f"{s['ttft_p50']:9.4f} {s['tpot_p50']:9.4f} {s['duration']:9.3f}")
         best = report.trials[0]
         lines.append(f"no configuration meets the SLO; the closest is {best.label} "
                      f"({', '.join(f'{k} {best.summary[k]:.4f}' for k in report.slo)})")
@@ -220,14 +225,13 @@ def format_report(report: TuneReport) -> str:
 
 
 def plot(report: TuneReport, path: str) -> None:
-    """Draw the SLO-meeting configurations' throughput against latency (`plots.pareto_front`)."""
+    """Draw every configuration's throughput against the latency metric, with its SLO line
+    and the recommended point (`plots.pareto_front`)."""
     from jaxengine.lab import plots
 
     m = report.latency_metric
     points = [plots.ParetoPoint(label=t.label, throughput=t.summary["output_tokens_per_s"],
-                                latency_s=t.summary[m]) for t in report.trials if t.meets_slo]
-    if not points:
-        raise ValueError("no configuration meets the SLO: nothing to plot")
+                                latency_s=t.summary[m]) for t in report.trials]
     rec = None if report.recommended is None else report.trials[report.recommended].label
     plots.pareto_front(points, slo_s=report.slo.get(m), recommended=rec,
                        latency_label=f"{m} (s)", save=path)

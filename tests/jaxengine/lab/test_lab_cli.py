@@ -43,6 +43,9 @@ def test_workload_simulate_and_tune(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert result.info["kind"] == "simulated" and len(result.requests) == 30
     assert result.info["engine_args"]["max_num_seqs"] == 2  # the flag over the cost model's
     assert max(s["num_running"] for s in result.steps) == 2
+    assert main(["simulate", str(w), "--cost-model", str(cost), "--compare", str(out),
+                 "--max-num-seqs", "2"]) == 0
+    assert "simulated / real - 1: duration +0.0%, ttft_p50 +0.0%" in capsys.readouterr().out
     assert main(["tune", str(w), "--cost-model", str(cost), "--slo", "ttft_p99=10",
                  "--output", str(tmp_path / "tune.json"), "--plot",
                  str(tmp_path / "p.png")]) == 0
