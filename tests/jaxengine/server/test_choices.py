@@ -249,3 +249,18 @@ def test_the_x_request_id_header_names_the_response(server: RunningServer) -> No
                    json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 2,
                          "request_id": "from-body"})
     assert r.status_code == 200 and r.json()["id"] == "cmpl-from-header"
+
+
+def test_each_choice_has_its_own_logprobs(client: openai.OpenAI) -> None:
+    out = client.completions.create(prompt="abc", n=2, max_tokens=4, logprobs=2, seed=9,
+                                    **SAMPLED)
+    for choice in out.choices:
+        lp = choice.logprobs
+        assert len(lp.tokens) == 4 and lp.text_offset[0] == 0  # each choice counts its own
+        pairs = zip(lp.text_offset[:-1], lp.tokens[:-1], strict=True)
+        assert lp.text_offset[1:] == [offset + len(token) for offset, token in pairs]
+    chat = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], n=2, max_tokens=3,
+        logprobs=True, top_logprobs=1, seed=9, temperature=1.0,
+        extra_body={"ignore_eos": True})
+    assert [len(c.logprobs.content) for c in chat.choices] == [3, 3]
