@@ -30,6 +30,7 @@ that a test keeps this script from rotting between device runs.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -62,7 +63,9 @@ from jaxengine.model.llama import Model  # noqa: E402
 from jaxengine.model.step import pack_batch  # noqa: E402
 from jaxengine.parallel.mesh import TP_AXIS, make_mesh  # noqa: E402
 from jaxengine.runner.runner import _jitted_sample, _jitted_step, jaxengine_model_step  # noqa: E402
+from jaxengine.sampling.logits_processors import build_adjustments  # noqa: E402
 from jaxengine.sampling.metadata import build_sampling_metadata  # noqa: E402
+from jaxengine.sampling.request_tables import init_tables  # noqa: E402
 from pallas_kernels import check_supported, default_impl, ragged_paged_attention  # noqa: E402
 from tests.pallas_kernels.cases import make_case  # noqa: E402
 
@@ -297,10 +300,17 @@ def _time_decode(cfg: ModelConfig, tp: int, ctx: Context) -> tuple[float, int, i
     no_tokens = np.zeros(num_reqs, np.int32)  # no placeholders to fill from the last step
     fill = np.full(len(batch.input_ids), -1, np.int32)
 
+    adj = build_adjustments([], [], [], [], num_reqs)  # no penalties: their branch is skipped
+    tables = [jax.tree.map(jnp.asarray, init_tables(num_reqs, fns.vocab_size))]
+
     def step(kv: jax.Array) -> tuple[jax.Array, jax.Array]:
         kv, hidden = _jitted_step(fns.params, kv, batch, no_tokens, fill, step_fn=fns.step)
-        out, _ = _jitted_sample(fns.params, hidden, rows, md, logits_fn=fns.compute_logits,
-                                max_logprobs=0, num_rows=num_reqs, token_sharding=None)
+        t = tables[0]  # its output counts are donated and come back
+        out, _, counts = _jitted_sample(fns.params, hidden, rows, md, adj, t.bias, t.prompt_mask,
+                                        t.output_counts, no_tokens,
+                                        logits_fn=fns.compute_logits, max_logprobs=0,
+                                        num_rows=num_reqs, token_sharding=None)
+        tables[0] = dataclasses.replace(t, output_counts=counts)
         return kv, out.token_ids
 
     kv, tokens = step(kv)  # compile + warm-up; rewriting the same slots is idempotent

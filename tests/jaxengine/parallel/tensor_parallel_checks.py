@@ -26,6 +26,7 @@ from jaxengine.model.llama import Model
 from jaxengine.model.step import make_model_step, split_model
 from jaxengine.parallel import make_mesh
 from jaxengine.runner.runner import _jitted_sample, _jitted_step
+from jaxengine.sampling.logits_processors import build_adjustments
 from jaxengine.sampling.metadata import build_sampling_metadata
 from scheduler import SamplingParams
 from tests.jaxengine.parallel.checkpoints import write_checkpoint
@@ -151,8 +152,11 @@ def test_weights_and_kv_cache_are_split_across_devices(checkpoints: dict[str, st
     assert _collectives(step.as_text()) == {"all-reduce": 2 * len(layers) + 1}
     hidden = step.output_shardings[1]
     hidden = jax.ShapeDtypeStruct((4, 64), np.float32, sharding=hidden)
+    t = e.runner.tables  # penalty tables: replicated, so they add no collective
     sample = _jitted_sample.lower(params, hidden, np.zeros(4, np.int32),
-                                  build_sampling_metadata([], 4), max_logprobs=2,
+                                  build_sampling_metadata([], 4),
+                                  build_adjustments([], [], [], [], 4), t.bias, t.prompt_mask,
+                                  t.output_counts, e.runner._no_tokens, max_logprobs=2,
                                   logits_fn=e.runner.model.compute_logits, num_rows=4,
                                   token_sharding=e.runner._token_sharding).compile()
     assert _collectives(sample.as_text()) == {"all-gather": 1}
