@@ -7,6 +7,13 @@ No jax here: this package is plain Python.
 
 from scheduler.config import SchedulerConfig
 from scheduler.invariants import check_invariants
+from scheduler.kv_connector import (
+    KVConnector,
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVLoad,
+    KVSave,
+)
 from scheduler.metadata import RequestMetadata
 from scheduler.policies import POLICIES, Policy, SortedPolicy, register
 from scheduler.prefix_query import prefix_cache_hit
@@ -27,7 +34,8 @@ from scheduler.state import (
 from scheduler.update import abort_requests, add_request, update_from_output
 
 __all__ = [
-    "PLACEHOLDER_TOKEN_ID", "POLICIES", "NewRequestData", "Policy", "Request", "RequestDelta",
+    "PLACEHOLDER_TOKEN_ID", "POLICIES", "KVConnector", "KVConnectorMetadata", "KVConnectorOutput",
+    "KVLoad", "KVSave", "NewRequestData", "Policy", "Request", "RequestDelta",
     "RequestMetadata", "RequestStatus", "RequestView", "SamplingParams", "SamplingParamsError",
     "SchedulerConfig", "SchedulerCounters", "SchedulerOutput", "SchedulerState", "SchedulerStats",
     "SortedPolicy",

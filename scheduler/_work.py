@@ -11,7 +11,9 @@ pool by `KVCacheManager`, the token histories by the helpers below.
 import dataclasses
 from types import MappingProxyType
 
+from scheduler import kv_transfer
 from scheduler.kv_cache import KVCacheManager
+from scheduler.kv_connector import KVConnector
 from scheduler.policies import get_policy
 from scheduler.request import Request, RequestStatus
 from scheduler.request_view import RequestViews
@@ -34,6 +36,7 @@ class Work:
         self.placeholders: dict[str, int] = state._placeholders.copy()
         self.finished: set[str] = set(state._finished)
         self.served: dict[str | None, int] = state._served.copy()
+        self.kvt: kv_transfer.KVTransfers = state._kv_transfers  # replaced, never changed
         self.counters: dict[str, int] = {
             name: getattr(state.counters, name) for name in SchedulerCounters.__slots__}
         self._edit = state._data.edit()
@@ -63,6 +66,7 @@ class Work:
             _tables=MappingProxyType(self.tables), _num_cached=MappingProxyType(self.num_cached),
             _placeholders=MappingProxyType(self.placeholders),
             _finished=frozenset(self.finished), _served=MappingProxyType(self.served),
+            _kv_transfers=self.kvt,
             _data=self._edit.commit(),
         )
 
@@ -97,10 +101,12 @@ class Work:
         self._journal.append(history, token)
         return len(history)
 
-    def allocate(self, rid: str, num_slots: int, hit: list[int] | tuple = ()) -> bool:
+    def allocate(self, rid: str, num_slots: int, hit: list[int] | tuple = (), *,
+                 cache: bool = True) -> bool:
         """Give the request KV slots for its first `num_slots` tokens (a new request's prefix
-        `hit` blocks first) and register its newly full blocks in the prefix cache. False,
-        changing nothing, if the pool is short."""
+        `hit` blocks first) and register its newly full blocks in the prefix cache (not with
+        `cache=False`: blocks an asynchronous load has yet to fill). False, changing nothing,
+        if the pool is short."""
         table = self.tables.get(rid, ())
         bs = self.config.block_size
         if hit or num_slots > len(table) * bs:
@@ -110,7 +116,7 @@ class Work:
             self.tables[rid] = table
             if rid not in self.num_cached:
                 self.num_cached[rid] = len(hit)
-        if self.kv.caching:
+        if self.kv.caching and cache:
             num_full = min(num_slots, len(self.tokens[rid])) // bs
             done = self.num_cached[rid]
             if num_full > done:
@@ -137,16 +143,37 @@ class Work:
         self.counters["num_preemptions"] += 1
         self.policy.enqueue(self.waiting, rid, self.views, front=True)
 
-    def finish(self, rid: str) -> None:
-        """Drop a finished request (the caller removes it from its queue) and free its blocks;
-        what it was served is added to its tenant's total."""
+    def finish(self, rid: str, connector: KVConnector | None = None) -> None:
+        """Drop a finished request (the caller removes it from its queue) and free its blocks,
+        unless a transfer still uses them (docs/SCHEDULING.md §11): a load not yet reported
+        finished, or a save `connector` asks for. What it was served is added to its tenant's
+        total."""
+        req = self.static[rid]
         served = self.views[rid].num_served_tokens
         if served:
-            tenant = self.static[rid].metadata.get("tenant")
+            tenant = req.metadata.get("tenant")
             self.served[tenant] = self.served.get(tenant, 0) + served
-        self.free_blocks(rid)
+        pending = self._pending_transfers(rid, req, connector)
+        if pending:
+            kv_transfer.hold_blocks(self, rid, pending)
+        else:
+            self.free_blocks(rid)
         self.kv.forget_hashes(rid)
         self._journal.delete(self.tokens, rid)
         del self.static[rid], self.computed[rid]
         self.placeholders.pop(rid, None)  # a token still in flight for it is dropped
         self.finished.add(rid)
+
+    def _pending_transfers(self, rid: str, req: Request,
+                           connector: KVConnector | None) -> frozenset[str]:
+        pending = set()
+        if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            if rid in self.kvt.recved:  # loaded, never taken up
+                self.kvt = dataclasses.replace(self.kvt, recved=self.kvt.recved - {rid})
+            else:  # the worker is still writing into its blocks
+                pending.add(kv_transfer.RECV)
+        table = self.tables.get(rid)
+        if connector is not None and table and connector.request_finished(self.views[rid],
+                                                                           table):
+            pending.add(kv_transfer.SEND)
+        return frozenset(pending)

@@ -10,7 +10,8 @@ from scheduler.state import SchedulerOutput, SchedulerState, StateData
 def check_invariants(state: SchedulerState, output: SchedulerOutput | None = None) -> None:
     """Raise AssertionError naming the first broken rule: queues partition the requests, the
     sequence limit holds, every block is accounted for (reference counts, the free queue, the
-    prefix-cache map), and, given the step's plan, the token budget holds."""
+    prefix-cache map; blocks held by requests loading KV and by finished requests a KV connector
+    still saves, docs/SCHEDULING.md §11), and, given the step's plan, the token budget holds."""
     cfg = state.config
     running, waiting = state.running, state.waiting
     assert len(running) <= cfg.max_num_seqs, f"{len(running)} running > max_num_seqs"
@@ -20,8 +21,15 @@ def check_invariants(state: SchedulerState, output: SchedulerOutput | None = Non
     for rid in running:
         assert state._static[rid].status == RequestStatus.RUNNING, f"{rid} running but not RUNNING"
     for rid in waiting:
-        assert state._static[rid].status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
-        assert state._computed[rid] == 0, f"waiting {rid} has computed tokens"
+        status = state._static[rid].status
+        # Only KV loaded (or being loaded) by a connector is kept in `waiting`, in blocks held.
+        loaded = status == RequestStatus.WAITING_FOR_REMOTE_KVS or state._computed[rid] > 0
+        assert loaded == (rid in state._tables), f"waiting {rid}: computed tokens or blocks"
+        assert loaded or status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), rid
+    kvt = state._kv_transfers
+    for rid in kvt.recved:
+        assert state._static[rid].status == RequestStatus.WAITING_FOR_REMOTE_KVS, rid
+    assert not set(kvt.held) & set(state._static), "an unfinished request in held"
     if output is not None:
         total = sum(output.num_scheduled_tokens.values())
         assert total == output.total_num_scheduled_tokens <= cfg.max_num_scheduled_tokens
@@ -42,10 +50,13 @@ def _check_pool(state: SchedulerState, d: PoolData) -> None:
     bs = cfg.block_size
     holders: Counter[int] = Counter()
     for rid, table in state._tables.items():
-        assert rid in state.running, f"{rid} holds blocks but is not running"
+        assert rid in state.running or rid in state.waiting, f"finished {rid} holds blocks"
         assert 0 not in table, f"{rid} holds the null block"
         assert len(table) >= cdiv(state._computed[rid], bs), f"{rid}: too few blocks"
         holders.update(table)
+    for rid, held in state._kv_transfers.held.items():
+        assert held.pending and 0 not in held.block_ids, f"finished {rid} holds blocks"
+        holders.update(held.block_ids)
     for rid in state.running:
         assert rid in state._tables, f"running {rid} holds no block table"
     assert set(state._num_cached) == set(state._tables), "num_cached must follow the tables"

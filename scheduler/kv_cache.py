@@ -88,7 +88,7 @@ Table = tuple[int, ...]
 class KVCacheManager:
     """Allocation, freeing and prefix caching over one edit of `PoolData`."""
 
-    __slots__ = ("d", "j", "block_size", "caching", "max_model_len")
+    __slots__ = ("d", "j", "block_size", "caching", "max_model_len", "evicted")
 
     def __init__(self, data: PoolData, journal: Journal, *, block_size: int, caching: bool,
                  max_model_len: int) -> None:
@@ -96,6 +96,9 @@ class KVCacheManager:
         self.block_size = block_size
         self.caching = caching
         self.max_model_len = max_model_len
+        # When a list: every cached block that allocation evicts, as (block, hash), for a KV
+        # connector to copy out before the step overwrites it (docs/SCHEDULING.md §11).
+        self.evicted: list[tuple[int, BlockHash]] | None = None
 
     @property
     def num_free(self) -> int:
@@ -124,6 +127,11 @@ class KVCacheManager:
         if len(hashes) < count:
             self.j.extend(hashes, extend_block_hashes(hashes, tokens, count, self.block_size, salt))
         return hashes
+
+    def block_hashes(self, rid: str, tokens: Sequence[int], count: int,
+                     salt: str | None) -> tuple[BlockHash, ...]:
+        """The hashes of the request's first `count` full blocks (computed if not memoized)."""
+        return tuple(self._hashes(rid, tokens, count, salt)[:count])
 
     def forget_hashes(self, rid: str) -> None:
         """Drop a finished request's hashes (preempted ones keep them: tokens do not change)."""
@@ -197,6 +205,8 @@ class KVCacheManager:
             j.set_item(d.ref, b, 1)
             h = d.block_hash[b]
             if h is not None:
+                if self.evicted is not None:
+                    self.evicted.append((b, h))
                 self._evict(b, h)
         return taken
 

@@ -14,14 +14,16 @@ import sys
 from collections.abc import Iterator
 
 from scheduler.config import SchedulerConfig
+from scheduler.kv_connector import KVConnector
 from scheduler.request import Request, SamplingParams
 from scheduler.schedule import schedule
 from scheduler.state import init_state
 from scheduler.update import add_request, update_from_output
 
 
-def replay(trace: dict) -> Iterator[dict]:
-    """Yield one record per step of the trace, until every request arrived and finished."""
+def replay(trace: dict, kv_connector: KVConnector | None = None) -> Iterator[dict]:
+    """Yield one record per step of the trace, until every request arrived and finished
+    (`kv_connector`, if given, is passed to every schedule() and update, docs §11)."""
     state = init_state(SchedulerConfig(**trace["config"]))
     token = trace.get("sampled_token", 7)
     arrivals: dict[int, list[tuple[int, dict]]] = {}
@@ -32,9 +34,9 @@ def replay(trace: dict) -> Iterator[dict]:
     while step <= last_arrival or state.requests:
         for index, r in arrivals.get(step, ()):
             state = add_request(state, _request(r, step + 1e-6 * index))
-        state, out = schedule(state)
+        state, out = schedule(state, kv_connector)
         sampled = {rid: [token] for rid in out.sampling_req_ids}
-        state, deltas = update_from_output(state, out, sampled)
+        state, deltas = update_from_output(state, out, sampled, kv_connector=kv_connector)
         yield {
             "step": step,
             "num_scheduled_tokens": dict(out.num_scheduled_tokens),

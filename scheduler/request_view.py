@@ -64,7 +64,8 @@ class RequestView:
 
     @property
     def status(self) -> RequestStatus:
-        """WAITING or PREEMPTED while in `waiting`, RUNNING while in `running`."""
+        """WAITING, PREEMPTED or WAITING_FOR_REMOTE_KVS (its KV is being loaded, docs §11)
+        while in `waiting`, RUNNING while in `running`."""
         return self._req.status
 
     @property
@@ -92,16 +93,18 @@ class RequestView:
 
     @property
     def num_computed_tokens(self) -> int:
-        """Tokens whose KV is in the cache (0 in `waiting`: a preempted request lost its KV)."""
+        """Tokens whose KV is in the cache (0 in `waiting`: a preempted request lost its KV;
+        except KV a connector has loaded, or is loading, for it: docs §11)."""
         return self._w.computed[self._rid]
 
     @property
     def num_cached_tokens(self) -> int:
         """For a request in `waiting`: the tokens its admission would take from the prefix
         cache now (a whole number of blocks, never its last token; 0 with caching off). For a
-        running request: 0 (its KV is counted by `num_computed_tokens`)."""
+        running request, or one whose KV a connector loads: 0 (its KV is counted by
+        `num_computed_tokens`)."""
         req = self._req
-        if req.status == RequestStatus.RUNNING:
+        if req.status == RequestStatus.RUNNING or self._w.computed[self._rid]:
             return 0
         w = self._w
         tokens = w.tokens[self._rid]
@@ -113,7 +116,7 @@ class RequestView:
         """Tokens the model must still compute before the request has KV for all it has:
         `num_tokens - num_computed_tokens` when running; `num_tokens - num_cached_tokens` in
         `waiting`, so a resumed request counts the outputs it must recompute."""
-        if self._req.status == RequestStatus.RUNNING:
+        if self._req.status == RequestStatus.RUNNING or self._w.computed[self._rid]:
             return self.num_tokens - self.num_computed_tokens
         return self.num_tokens - self.num_cached_tokens
 

@@ -6,9 +6,12 @@ count catches up with its token count. The same code covers prefills, chunked pr
 prefix-cache hits, resumed preemptions and speculative drafts.
 """
 
+import dataclasses
 from types import MappingProxyType
 
+from scheduler import kv_transfer
 from scheduler._work import Work
+from scheduler.kv_connector import KVConnector, KVConnectorMetadata, KVLoad
 from scheduler.partial_prefill import PartialPrefills
 from scheduler.request import Request, RequestStatus
 from scheduler.state import (
@@ -22,7 +25,7 @@ from scheduler.state import (
 class _Step:
     """What one schedule() call has decided so far."""
 
-    def __init__(self, w: Work) -> None:
+    def __init__(self, w: Work, connector: KVConnector | None) -> None:
         cfg = w.config
         self.budget: int = cfg.max_num_scheduled_tokens
         # The long-prefill cap protects other requests; with one request there is nobody.
@@ -37,6 +40,9 @@ class _Step:
         self.new: list[str] = []  # admitted from waiting for the first time
         self.preempted: list[str] = []
         self.prefills: PartialPrefills | None = None
+        self.connector = connector  # its answers are this step's input (docs §11)
+        self.loads: list[KVLoad] = []
+        self.evicted: list = []  # filled by the KV pool while a connector is given
         if cfg.max_num_partial_prefills > 1:
             self.prefills = PartialPrefills.for_step(
                 max_prefills=cfg.max_num_partial_prefills,
@@ -74,17 +80,25 @@ class _Step:
             planned.pop(rid, None)
 
 
-def schedule(state: SchedulerState) -> tuple[SchedulerState, SchedulerOutput]:
+def schedule(state: SchedulerState, kv_connector: KVConnector | None = None,
+             ) -> tuple[SchedulerState, SchedulerOutput]:
     """Decide which requests run in the next model step and how many tokens each computes.
 
-    Returns the new state (computed counters advanced at schedule time) and the plan. The input
-    state is unchanged and can be scheduled again.
+    Args:
+        state: the state to plan from; it is unchanged and can be scheduled again.
+        kv_connector: a KV connector's answers for this step (docs/SCHEDULING.md §11): how
+            many tokens past the local prefix hit it can load for a waiting request. Given,
+            the plan's `kv_connector_metadata` says what its worker side must do.
+    Returns:
+        The new state (computed counters advanced at schedule time) and the plan.
     """
     w = Work(state)
     try:
         if w.policy.dynamic:  # keys may have changed since the last step (docs §8)
             w.policy.reorder(w.waiting, w.views)
-        st = _Step(w)
+        st = _Step(w, kv_connector)
+        if kv_connector is not None:
+            w.kv.evicted = st.evicted
         _schedule_running(w, st)
         if not st.preempted:  # a step that had to preempt admits nobody
             _schedule_waiting(w, st)
@@ -199,7 +213,16 @@ def _take_spec(w: Work, st: _Step, rid: str, n: int, computed: int) -> None:
 
 
 def _schedule_waiting(w: Work, st: _Step) -> None:
-    cfg, kv = w.config, w.kv
+    order = None
+    if len(w.tables) > len(w.running):  # waiting requests hold KV a connector loads (§11)
+        order = kv_transfer.holders_first(w)
+    _admit_waiting(w, st)
+    if order is not None:  # back to the policy's order
+        w.waiting.sort(key=order.__getitem__)
+
+
+def _admit_waiting(w: Work, st: _Step) -> None:
+    cfg = w.config
     skipped: list[str] = []
     placeholders = w.placeholders
     while w.waiting and st.budget > 0 and len(w.running) < cfg.max_num_seqs:
@@ -209,15 +232,20 @@ def _schedule_waiting(w: Work, st: _Step) -> None:
             # token is known (schedule() again before updating is the only way to see this).
             skipped.append(w.waiting.pop(0))
             continue
-        req, num_tokens = w.static[rid], len(w.tokens[rid])
-        hit = kv.find_cached_prefix(rid, w.tokens[rid], num_tokens, req.cache_salt)
-        num_hit = len(hit) * cfg.block_size
-        n = st.cap_long(num_tokens - num_hit)  # a resumed request recomputes its outputs too
+        num_tokens = len(w.tokens[rid])
+        found = _find_computed(w, st, rid, num_tokens)
+        if found is None:  # loading, or the connector does not know yet: keeps its place
+            skipped.append(w.waiting.pop(0))
+            continue
+        hit, num_computed, lookup = found
+        if num_computed < 0:
+            break  # an asynchronous load found the pool short, as any admission
+        n = st.cap_long(num_tokens - num_computed)  # a resumed request recomputes its outputs
         if not cfg.enable_chunked_prefill and n > st.budget:
             break  # head-of-line blocking: the prompt may not be split
         n = min(n, st.budget)
         if st.prefills is not None:
-            n, why = st.prefills.limit(num_tokens - num_hit, n)
+            n, why = st.prefills.limit(num_tokens - num_computed, n)
             if why == "long":
                 skipped.append(w.waiting.pop(0))  # keeps its place; shorter ones may start
                 continue
@@ -225,37 +253,106 @@ def _schedule_waiting(w: Work, st: _Step) -> None:
                 break
         if cfg.reserve_full_prompt and not _fits_whole(w, rid, num_tokens, hit):
             break
-        if not w.allocate(rid, num_hit + n, hit):
+        if not w.allocate(rid, num_computed + n, hit):
             break  # waiting requests never preempt
         w.waiting.pop(0)
-        _admit(w, st, rid, n, num_tokens, num_hit)
+        num_hit = len(hit) * cfg.block_size
+        if lookup and lookup[1]:  # loaded inside this step, before its forward pass
+            st.loads.append(KVLoad(req_id=rid, block_ids=w.tables[rid],
+                                   num_computed_tokens=num_hit,
+                                   num_external_tokens=num_computed - num_hit,
+                                   load_async=False))
+        _admit(w, st, rid, n, num_tokens, num_computed, lookup)
     for rid in reversed(skipped):
         w.policy.enqueue(w.waiting, rid, w.views, front=True)
+
+
+Lookup = tuple[int, int | None]  # (local prefix hit, the connector's tokens or None), counted
+
+
+def _find_computed(w: Work, st: _Step, rid: str,
+                   num_tokens: int) -> tuple[list[int], int, Lookup | None] | None:
+    """Where a waiting request's first tokens' KV comes from: (prefix-cache hit blocks, tokens
+    with KV once admitted, the lookup to count; None for a load taken up, counted when it
+    started). None: set it aside for this step. Tokens -1: stop the pass (no blocks)."""
+    req = w.static[rid]
+    if (req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+            and not kv_transfer.take_up_load(w, rid)):
+        return None
+    num_computed = w.computed[rid]  # > 0 only once an asynchronous load is taken up
+    if num_computed:
+        return [], num_computed, None
+    hit = w.kv.find_cached_prefix(rid, w.tokens[rid], num_tokens, req.cache_salt)
+    num_hit = len(hit) * w.config.block_size
+    if st.connector is None:
+        return hit, num_hit, (num_hit, None)
+    match = kv_transfer.ask_connector(w, st.connector, rid, num_hit, num_tokens)
+    if match is None:
+        return None
+    num_external, load_async = match
+    if load_async:
+        ok = _start_async_load(w, st, rid, hit, num_external, num_tokens)
+        return None if ok else (hit, -1, None)
+    # Everything loaded: the last token is still computed, for its logits.
+    return hit, min(num_hit + num_external, num_tokens - 1), (num_hit, num_external)
+
+
+def _start_async_load(w: Work, st: _Step, rid: str, hit: list[int], num_external: int,
+                      num_tokens: int) -> bool:
+    """Allocate blocks for the local hit and the tokens to load, and park the request in
+    WAITING_FOR_REMOTE_KVS (vLLM's `load_kv_async`): nothing is computed for it this step, and
+    the loaded blocks enter the prefix cache only once the load is reported finished."""
+    cfg = w.config
+    num_hit = len(hit) * cfg.block_size
+    if cfg.reserve_full_prompt and not _fits_whole(w, rid, num_tokens, hit):
+        return False
+    # Blocks for the whole sequence, not only the loaded part (as vLLM): taking the request
+    # up then never waits for blocks, so loads in `waiting` cannot starve each other.
+    whole = max(num_hit + num_external, min(num_tokens, cfg.max_model_len))
+    if not w.allocate(rid, whole, hit, cache=False):
+        return False
+    _count_lookup(w, rid, num_tokens, num_hit, num_external)
+    w.computed[rid] = num_hit + num_external
+    w.update(rid, status=RequestStatus.WAITING_FOR_REMOTE_KVS)
+    st.loads.append(KVLoad(req_id=rid, block_ids=w.tables[rid], num_computed_tokens=num_hit,
+                           num_external_tokens=num_external, load_async=True))
+    return True
 
 
 def _fits_whole(w: Work, rid: str, num_tokens: int, hit: list[int]) -> bool:
     """Are blocks for the whole sequence (plus the watermark, while anything runs) free?"""
     cfg = w.config
-    need = w.kv.num_blocks_needed((), min(num_tokens, cfg.max_model_len), hit)
+    table = w.tables.get(rid, ())  # a request whose load was taken up holds blocks already
+    need = w.kv.num_blocks_needed(table, min(num_tokens, cfg.max_model_len), hit)
     if w.running:
         need += int(cfg.watermark * cfg.num_blocks)
     return need <= w.kv.num_free
 
 
-def _admit(w: Work, st: _Step, rid: str, n: int, num_tokens: int, num_hit: int) -> None:
-    req = w.static[rid]
-    resumed = req.status == RequestStatus.PREEMPTED
-    prefix = "preempted_" if resumed else ""
+def _count_lookup(w: Work, rid: str, num_tokens: int, num_hit: int,
+                  num_external: int | None) -> None:
+    """Count an admission's prefix-cache lookup (and, with a connector, what it supplied)."""
+    prefix = "preempted_" if w.static[rid].status == RequestStatus.PREEMPTED else ""
     w.counters[prefix + "prefix_cache_queries"] += num_tokens
     w.counters[prefix + "prefix_cache_hits"] += num_hit
-    if not resumed:
+    if num_external is not None:
+        w.counters["connector_prefix_cache_queries"] += num_tokens - num_hit
+        w.counters["connector_prefix_cache_hits"] += num_external
+
+
+def _admit(w: Work, st: _Step, rid: str, n: int, num_tokens: int, num_computed: int,
+           lookup: tuple[int, int | None] | None) -> None:
+    req = w.static[rid]
+    if lookup is not None:  # None: a taken-up load, counted when it was started
+        _count_lookup(w, rid, num_tokens, *lookup)
+    if req.status != RequestStatus.PREEMPTED:
         st.new.append(rid)
     w.running.append(rid)
     w.update(rid, status=RequestStatus.RUNNING)
-    w.computed[rid] = num_hit
-    st.record(w, rid, n, num_hit)
+    w.computed[rid] = num_computed
+    st.record(w, rid, n, num_computed)
     if st.prefills is not None:
-        st.prefills.record(num_tokens - num_hit)
+        st.prefills.record(num_tokens - num_computed)
 
 
 def _make_output(w: Work, st: _Step, state: SchedulerState) -> SchedulerOutput:
@@ -269,6 +366,12 @@ def _make_output(w: Work, st: _Step, state: SchedulerState) -> SchedulerOutput:
                        num_computed_tokens=st.computed_before[rid])
         for rid in st.new
     )
+    meta = None
+    if st.connector is not None:
+        meta = KVConnectorMetadata(loads=tuple(st.loads), saves=w.kvt.saves,
+                                   evicted_blocks=tuple(st.evicted))
+        if w.kvt.saves:
+            w.kvt = dataclasses.replace(w.kvt, saves=())
     return SchedulerOutput(
         num_scheduled_tokens=MappingProxyType(st.tokens),
         total_num_scheduled_tokens=total,
@@ -277,5 +380,5 @@ def _make_output(w: Work, st: _Step, state: SchedulerState) -> SchedulerOutput:
         sampling_req_ids=tuple(st.sampling), scheduled_new_reqs=new_reqs,
         scheduled_spec_decode_tokens=MappingProxyType(st.spec),
         preempted_req_ids=frozenset(st.preempted),
-        finished_req_ids=state._finished,
+        finished_req_ids=state._finished, kv_connector_metadata=meta,
     )

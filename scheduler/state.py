@@ -17,6 +17,8 @@ from typing import NamedTuple
 from scheduler._versioned import Version
 from scheduler.config import SchedulerConfig
 from scheduler.kv_cache import PoolData
+from scheduler.kv_connector import KVConnectorMetadata
+from scheduler.kv_transfer import NO_TRANSFERS, KVTransfers
 from scheduler.request import Request, SamplingParams
 
 _EMPTY: Mapping = MappingProxyType({})
@@ -35,6 +37,10 @@ class SchedulerCounters:
     preempted_prefix_cache_queries: int = 0  # the same for re-admissions after preemption
     preempted_prefix_cache_hits: int = 0
     num_preemptions: int = 0  # preemptions so far
+    # With a KV connector (docs/SCHEDULING.md §11), per admission: tokens asked of it (those
+    # past the local hit) and tokens it supplied (vLLM's connector_prefix_cache_stats).
+    connector_prefix_cache_queries: int = 0
+    connector_prefix_cache_hits: int = 0
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -65,6 +71,7 @@ class SchedulerState:
     _finished: frozenset[str] = frozenset()  # reported by the next schedule()
     _served: Mapping[str | None, int] = _EMPTY  # tokens served to finished requests, by
     # metadata["tenant"] (None: no tenant), for fair-share policies (docs/SCHEDULING.md §8)
+    _kv_transfers: KVTransfers = NO_TRANSFERS  # loads done, held blocks, saves to report (§11)
     _data: Version  # of a StateData: the KV pool and token histories at this state
 
     __hash__ = None  # equality is by content (below), and a state is not meant as a key
@@ -81,7 +88,7 @@ class SchedulerState:
         # The shared data is copied out under its lock: reading `other` next may reroot it.
         return (self.config, self.step, self.waiting, self.running, self.num_free_blocks,
                 self.counters, self._static, self._computed, self._tables, self._num_cached,
-                self._placeholders, self._finished, self._served,
+                self._placeholders, self._finished, self._served, self._kv_transfers,
                 self._data.read(StateData.content))
 
     @property
@@ -96,6 +103,12 @@ class SchedulerState:
     def block_table(self, request_id: str) -> tuple[int, ...]:
         """The KV block ids of a request (empty while it holds none)."""
         return self._tables.get(request_id, ())
+
+    @property
+    def held_req_ids(self) -> frozenset[str]:
+        """Finished requests whose blocks a KV connector still holds (a save, or a load it
+        cannot cancel, is running: docs/SCHEDULING.md §11); freed as the worker reports them."""
+        return frozenset(self._kv_transfers.held)
 
     def free_block_queue(self) -> tuple[int, ...]:
         """The free queue, head (next allocated) first; cached free blocks sit at the tail."""
@@ -192,6 +205,9 @@ class SchedulerOutput:
     scheduled_spec_decode_tokens: Mapping[str, tuple[int, ...]]
     preempted_req_ids: frozenset[str]
     finished_req_ids: frozenset[str]  # finished since the previous step (free their state)
+    # What a KV connector's worker side must do this step (docs/SCHEDULING.md §11); None when
+    # schedule() was given no connector
+    kv_connector_metadata: KVConnectorMetadata | None = None
 
 
 class RequestDelta(NamedTuple):

@@ -3,7 +3,9 @@
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 
+from scheduler import kv_transfer
 from scheduler._work import Work
+from scheduler.kv_connector import KVConnector, KVConnectorOutput
 from scheduler.request import Request, RequestStatus
 from scheduler.state import RequestDelta, SchedulerOutput, SchedulerState
 
@@ -44,16 +46,20 @@ def add_request(state: SchedulerState, request: Request) -> SchedulerState:
     return w.freeze(step=state.step)
 
 
-def abort_requests(state: SchedulerState, request_ids: Iterable[str]) -> SchedulerState:
+def abort_requests(state: SchedulerState, request_ids: Iterable[str], *,
+                   kv_connector: KVConnector | None = None) -> SchedulerState:
     """A new state where the given requests are finished as aborted and their blocks freed.
 
-    Unknown or already finished ids are ignored (a client may abort a finished request).
+    Unknown or already finished ids are ignored (a client may abort a finished request). A
+    request aborted while its KV is loaded asynchronously keeps its blocks until the load is
+    reported finished, and `kv_connector` may hold any aborted request's blocks to save them
+    (docs/SCHEDULING.md §11).
     """
     w = Work(state)
     try:
         aborted = {r for r in request_ids if r in w.static}
         for rid in aborted:
-            w.finish(rid)
+            w.finish(rid, kv_connector)
         w.running = [r for r in w.running if r not in aborted]
         w.waiting = [r for r in w.waiting if r not in aborted]
     except BaseException:
@@ -65,7 +71,8 @@ def abort_requests(state: SchedulerState, request_ids: Iterable[str]) -> Schedul
 def update_from_output(
     state: SchedulerState, output: SchedulerOutput, sampled_token_ids: Mapping[str, Sequence[int]],
     draft_token_ids: Mapping[str, Sequence[int]] | None = None, *,
-    stopped: Mapping[str, str] | None = None,
+    stopped: Mapping[str, str] | None = None, kv_connector: KVConnector | None = None,
+    kv_connector_output: KVConnectorOutput | None = None,
 ) -> tuple[SchedulerState, tuple[RequestDelta, ...]]:
     """Apply the tokens sampled in the step `output` planned (docs/SCHEDULING.md §4).
 
@@ -80,6 +87,10 @@ def update_from_output(
             request that gets tokens here finishes as stopped with that `stop_reason`, even if
             it also met EOS, a stop token or a length limit in this step (the string wins, as
             in vLLM); other ids are ignored.
+        kv_connector: asked whether to hold each finishing request's blocks to save them
+            (docs/SCHEDULING.md §11).
+        kv_connector_output: what the connector's worker side reports with this step: loads
+            and saves finished, blocks that failed to load (§11).
 
     Returns:
         The new state and one delta per request that got tokens (in `sampling_req_ids` order).
@@ -92,13 +103,15 @@ def update_from_output(
                       if d.request_id in stopped else d for d in deltas]
         done = {d.request_id for d in deltas if d.finish_reason is not None}
         for rid in done:
-            w.finish(rid)
+            w.finish(rid, kv_connector)
         if done:
             w.running = [r for r in w.running if r not in done]
             w.waiting = [r for r in w.waiting if r not in done]
         for rid, drafts in (draft_token_ids or {}).items():
             if rid in w.static and w.static[rid].status == RequestStatus.RUNNING:
                 w.update(rid, spec_token_ids=tuple(drafts))
+        if kv_connector_output is not None:
+            kv_transfer.apply_output(w, kv_connector_output)
     except BaseException:
         w.abort()
         raise
