@@ -4,8 +4,9 @@ The engine is not thread-safe, so only one party touches it at a time: the loop 
 `asyncio.Lock` while a step runs (in a worker thread, so the event loop keeps serving), and
 `add` takes the same lock between steps. New requests therefore join the running batch at the
 next step (continuous batching across clients); `add_all` adds several (a request's n samples,
-its list of prompts) under one hold of the lock, as one `RequestGroup`. Aborts never wait: they are queued and
-applied by the loop before its next step, so a cancelled handler can abort from a `finally`.
+its list of prompts) under one hold of the lock, as one `RequestGroup`. Aborts never wait: they
+are queued and applied by the loop before its next step, so a cancelled handler can abort from a
+`finally`.
 Metrics are the engine's own step statistics: the Prometheus and log-line loggers join its
 `stat_loggers`, each replica's under its index when the engine is a `DataParallelEngine`
 (`/metrics` has an `engine` label per replica; the log line sums them).

@@ -56,6 +56,12 @@ def _field_path(loc: Any) -> list[str]:
     return path
 
 
+def _unknown_path(loc: Any) -> list[str]:
+    """The whole path of an unknown field, through the union members pydantic tried."""
+    return [str(part) for part in loc
+            if str(part) != "body" and str(part).split("[", 1)[0] not in _TYPE_TAGS]
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     """A readable message and the offending top-level field from pydantic's error list."""
     errors = list(exc.errors())
@@ -68,14 +74,11 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if not path:
         return "the request body must be a JSON object with the request's fields", None
     field = ".".join(path)
-    unknown = [".".join(_field_path(e.get("loc", ()))) for e in errors
-               if e.get("type") == "extra_forbidden"]
+    unknown = [_unknown_path(e["loc"]) for e in errors if e.get("type") == "extra_forbidden"]
     if unknown:  # nothing is silently ignored: an unknown field is an error that names it
-        names = ", ".join(f"'{name}'" for name in unknown)
+        names = ", ".join(f"'{'.'.join(name)}'" for name in unknown)
         return (f"unknown field {names}: not an OpenAI or vLLM request field this server knows; "
-                f"remove it (docs/DESIGN.md lists the fields)",
-                _field_path(next(e for e in errors if e.get("type") == "extra_forbidden")
-                            ["loc"])[0])
+                f"remove it (docs/DESIGN.md lists the fields)", unknown[0][0])
     same = [e for e in errors if _field_path(e.get("loc", ())) == path]
     reasons = list(dict.fromkeys(str(e.get("msg", "invalid")) for e in same))
     others = sorted({".".join(_field_path(e.get("loc", ()))) for e in errors} - {field})

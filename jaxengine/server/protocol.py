@@ -19,7 +19,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from jaxengine.server import refused
 from jaxengine.server.refused import Refused
@@ -288,6 +288,19 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        """Say so when a part is not text (an image, audio, a file), not just "invalid"."""
+        if isinstance(content, list):
+            for part in content:
+                kind = part.get("type") if isinstance(part, dict) else None
+                if kind != "text":
+                    raise ValueError(f"only text content parts ({{\"type\": \"text\", "
+                                     f"\"text\": ...}}) are accepted, got type {kind!r}: "
+                                     f"this server has no multimodal inputs")
+        return content
 
     def text(self) -> str:
         """The content as one string (text parts joined, as vLLM joins them: by newlines)."""

@@ -63,6 +63,20 @@ def test_unknown_nested_fields_are_named_too(server: RunningServer) -> None:
     r = _post(server, "completions", {**GOOD["completions"], "stream": True,
                                       "stream_options": {"include_usage": True, "x": 1}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options"
+    part = {"type": "text", "text": "x", "cache_control": {"type": "ephemeral"}}
+    r = _post(server, "chat/completions", {**GOOD["chat/completions"],
+                                           "messages": [{"role": "user", "content": [part]}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    assert "'messages.0.content.0.cache_control'" in r.json()["error"]["message"]
+
+
+def test_a_content_part_that_is_not_text_says_so(server: RunningServer) -> None:
+    image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
+    r = _post(server, "chat/completions", {**GOOD["chat/completions"],
+                                           "messages": [{"role": "user", "content": [image]}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    assert "only text content parts" in r.json()["error"]["message"]
+    assert "'image_url'" in r.json()["error"]["message"]
 
 
 REFUSALS = [(endpoint, name) for endpoint, table in TABLE.items() for name in table]
