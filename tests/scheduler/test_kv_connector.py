@@ -359,3 +359,44 @@ def test_requests_holding_loaded_kv_go_first_so_they_cannot_stall():
     assert dict(p.num_scheduled_tokens) == {"A": 1}
     s, p = kstep(s, Store())
     assert dict(p.num_scheduled_tokens) == {"B": 16} and not s.held_req_ids
+
+
+def test_a_preempted_request_reloaded_resumes_as_preempted():
+    cfg = CFG.replace(num_blocks=6, enable_prefix_caching=False)  # 5 usable blocks
+    s = state_with(cfg, req("A", 8, 6, arrival=0.0), req("B", 8, 6, arrival=0.1))
+    s, _ = kstep(s, Store())
+    s, p = kstep(s, Store())  # A's third block leaves none for B: B is preempted
+    assert p.preempted_req_ids == {"B"} and s.requests["B"].num_tokens == 9
+    for _ in range(4):  # A decodes to its 6th token; B never fits meanwhile
+        s, p = kstep(s, Store())
+    assert list(s.requests) == ["B"] and s.num_free_blocks == 5
+    store = Store({"B": 8})
+    s, p = kstep(s, store)
+    assert p.kv_connector_metadata.loads == (
+        KVLoad(req_id="B", block_ids=(1, 2, 5), num_computed_tokens=0, num_external_tokens=8,
+               load_async=True),)
+    s, p = kstep(s, store, done("B"))
+    assert p.total_num_scheduled_tokens == 0
+    s, p = kstep(s, store)
+    # Resumed, not new: it recomputes only its one output token on top of the loaded prompt.
+    assert dict(p.num_scheduled_tokens) == {"B": 1} and p.num_computed_tokens["B"] == 8
+    assert p.scheduled_new_reqs == () and p.input_token_ids["B"] == (7,)
+    assert s.requests["B"].num_preemptions == 1 and store.asked == [("B", 0)]
+    c = s.counters
+    assert (c.preempted_prefix_cache_queries, c.connector_prefix_cache_hits) == (9, 8)
+
+
+def test_async_scheduling_plans_around_a_load():
+    cfg = CFG.replace(async_scheduling=True)
+    store = Store({"A": 8})
+    s = state_with(cfg, req("A", 10, 4, arrival=0.0), req("B", 5, 4, arrival=0.1))
+    s, p0 = schedule(s, store)  # A starts loading, B prefills
+    s, p1 = schedule(s, store)  # before step 0's tokens are known: B's decode, A skipped
+    assert dict(p1.num_scheduled_tokens) == {"B": 1} and p1.kv_connector_metadata.loads == ()
+    s, _ = update_from_output(s, p0, {"B": [7]}, kv_connector_output=done("A"))
+    check_invariants(s)
+    s, p2 = schedule(s, store)
+    assert dict(p2.num_scheduled_tokens) == {"B": 1, "A": 2}
+    assert p2.num_computed_tokens["A"] == 8
+    s, _ = update_from_output(s, p1, {"B": [7]})
+    check_invariants(s)
