@@ -66,7 +66,7 @@ class StreamOptions(BaseModel):
     """`stream_options`: `include_usage` and vLLM's `continuous_usage_stats` are honoured."""
 
     model_config = ConfigDict(extra="forbid")
-    include_usage: bool = False
+    include_usage: bool = True  # vLLM's default once stream_options is sent
     continuous_usage_stats: bool = False  # vLLM: every chunk carries the usage so far
     # OpenAI pads deltas with random characters when true; this server does not.
     include_obfuscation: Literal[False] | None = None

@@ -264,3 +264,16 @@ def test_each_choice_has_its_own_logprobs(client: openai.OpenAI) -> None:
         logprobs=True, top_logprobs=1, seed=9, temperature=1.0,
         extra_body={"ignore_eos": True})
     assert [len(c.logprobs.content) for c in chat.choices] == [3, 3]
+
+
+def test_stream_options_sent_include_the_usage_unless_told_not_to(server: RunningServer) -> None:
+    def usage_chunks(options: dict[str, Any]) -> int:
+        body = {"model": MODEL_NAME, "prompt": "u", "max_tokens": 2, "stream": True,
+                "stream_options": options}
+        with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body,
+                          trust_env=False, timeout=60) as r:
+            return sum(1 for line in r.iter_lines() if line.startswith("data: {")
+                       and json.loads(line[6:]).get("choices") == [])
+
+    assert usage_chunks({}) == 1  # vLLM's default: include_usage true
+    assert usage_chunks({"include_usage": False}) == 0
