@@ -97,7 +97,8 @@ def apply_output(w: "Work", out: KVConnectorOutput) -> None:
 
     - `invalid_block_ids`: each WAITING_FOR_REMOTE_KVS request whose loaded range holds one
       keeps only the blocks before the first (its `num_computed_tokens` is truncated there);
-      the rest is recomputed once the load is reported finished.
+      the rest is recomputed once the load is reported finished. A block of no asynchronous
+      load in progress raises ValueError (synchronous loads cannot fail).
     - `finished_recving`: a waiting request may be taken up by the next schedule(); a finished
       one releases the blocks it held for the load.
     - `finished_sending`: the blocks held for the save are released."""
@@ -122,14 +123,24 @@ def apply_output(w: "Work", out: KVConnectorOutput) -> None:
 
 def _truncate_failed_loads(w: "Work", invalid: frozenset[int]) -> None:
     bs = w.config.block_size
+    loading: set[int] = set()  # blocks of requests loading asynchronously
     for rid in w.waiting:
         if w.static[rid].status != RequestStatus.WAITING_FOR_REMOTE_KVS:
             continue
+        loading.update(w.tables[rid])
         computed = w.computed[rid]
         for i, block in enumerate(w.tables[rid][:-(-computed // bs)]):
             if block in invalid:
                 w.computed[rid] = i * bs
                 break
+    for held in w.kvt.held.values():
+        if RECV in held.pending:  # aborted while loading: its blocks are freed anyway
+            loading.update(held.block_ids)
+    if not invalid <= loading:
+        raise ValueError(
+            f"KV connector output: invalid_block_ids {sorted(invalid - loading)} are not "
+            "blocks of an asynchronous load in progress; only those can fail (a synchronous "
+            "load must succeed: answer load_async=True for a load that may fail)")
 
 
 def ask_connector(w: "Work", connector: KVConnector, rid: str, num_hit: int,

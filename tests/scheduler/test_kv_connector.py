@@ -400,3 +400,12 @@ def test_async_scheduling_plans_around_a_load():
     assert p2.num_computed_tokens["A"] == 8
     s, _ = update_from_output(s, p1, {"B": [7]})
     check_invariants(s)
+
+
+def test_a_failure_outside_async_loads_is_a_clear_error():
+    store = Store({"A": 8}, load_async=False)
+    s = state_with(CFG, req("A", 10, 2))
+    s, plan = schedule(s, store)
+    with pytest.raises(ValueError, match=r"invalid_block_ids \[1\] are not blocks of an "
+                                         r"asynchronous load"):
+        update_from_output(s, plan, {"A": [7]}, kv_connector_output=done(invalid=[1]))
