@@ -11,6 +11,7 @@ from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
+from scheduler.hashing import BlockHash
 from scheduler.metadata import RequestMetadata
 from scheduler.request import Request, RequestStatus
 from scheduler.sampling_params import SamplingParams
@@ -90,6 +91,15 @@ class RequestView:
     def output_token_ids(self) -> tuple[int, ...]:
         """The tokens sampled so far (a copy: prefer `num_output_tokens` when it is enough)."""
         return tuple(self._w.tokens[self._rid][len(self._req.prompt_token_ids):])
+
+    @property
+    def block_hashes(self) -> tuple[BlockHash, ...]:
+        """The prefix-cache hashes (docs §5) of its full blocks, in order: the keys a KV
+        connector that stores blocks by content looks up (docs §11)."""
+        w, req = self._w, self._req
+        tokens = w.tokens[self._rid]
+        count = len(tokens) // w.config.block_size
+        return w.kv.block_hashes(self._rid, tokens, count, req.cache_salt)
 
     @property
     def num_computed_tokens(self) -> int:

@@ -409,3 +409,31 @@ def test_a_failure_outside_async_loads_is_a_clear_error():
     with pytest.raises(ValueError, match=r"invalid_block_ids \[1\] are not blocks of an "
                                          r"asynchronous load"):
         update_from_output(s, plan, {"A": [7]}, kv_connector_output=done(invalid=[1]))
+
+
+class HashStore(KVConnector):
+    """Blocks stored by content (the §5 hashes), as an offloading connector keeps them."""
+
+    def __init__(self, hashes) -> None:
+        self.hashes = frozenset(hashes)
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        bs = CFG.block_size
+        n = 0
+        for h in request.block_hashes[num_computed_tokens // bs:]:
+            if h not in self.hashes:
+                break
+            n += bs
+        return n, n > 0
+
+
+def test_a_store_keyed_by_block_hash_supplies_the_blocks_past_the_local_hit():
+    prompt = tuple(range(300, 318))  # 4 full blocks and 2 tokens
+    hashes = extend_block_hashes([], prompt, 4, CFG.block_size, None)
+    s = state_with(CFG, req("A", prompt, 2))
+    s, p = kstep(s, HashStore(hashes[:3]))  # the store has the first 3 blocks
+    (load,) = p.kv_connector_metadata.loads
+    assert (load.num_computed_tokens, load.num_external_tokens) == (0, 12)
+    s, p = kstep(s, HashStore(()), done("A"))
+    s, p = kstep(s, HashStore(()))
+    assert p.num_computed_tokens["A"] == 12 and p.num_scheduled_tokens["A"] == 6
