@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.fields import FieldInfo
 
 from jaxengine.server import refused
 from jaxengine.server.refused import Refused
@@ -62,10 +63,29 @@ def has_lone_surrogate(value: Any) -> bool:
     return False
 
 
-class StreamOptions(BaseModel):
-    """`stream_options`: `include_usage` and vLLM's `continuous_usage_stats` are honoured."""
+class RequestModel(BaseModel):
+    """A request body (or a part of one): unknown fields are refused, and an explicit `null`
+    for a field that cannot be null means "not set" (OpenAI's and vLLM's reading), so
+    `"stream": null` is `false`; a field that can be null keeps it (`"max_tokens": null`)."""
 
     model_config = ConfigDict(extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        return {k: v for k, v in data.items()
+                if v is not None or k not in cls.model_fields or _nullable(cls.model_fields[k])}
+
+
+def _nullable(info: FieldInfo) -> bool:
+    return info.annotation is Any or type(None) in get_args(info.annotation)
+
+
+class StreamOptions(RequestModel):
+    """`stream_options`: `include_usage` and vLLM's `continuous_usage_stats` are honoured."""
+
     include_usage: bool = True  # vLLM's default once stream_options is sent
     continuous_usage_stats: bool = False  # vLLM: every chunk carries the usage so far
     # OpenAI pads deltas with random characters when true; this server does not.
@@ -77,10 +97,8 @@ def _seed_of_child(seed: int, index: int) -> int:
     return (seed + index - SEED_MIN) % 2**64 + SEED_MIN
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(RequestModel):
     """The fields both endpoints share."""
-
-    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     n: int = 1
@@ -270,19 +288,16 @@ class CompletionRequest(_SamplingFields):
         return batch
 
 
-class TextPart(BaseModel):
+class TextPart(RequestModel):
     """A `{"type": "text", "text": ...}` content part."""
 
-    model_config = ConfigDict(extra="forbid")
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(RequestModel):
     """One message of a conversation; `name`, `tool_calls` and `tool_call_id` go to the chat
     template as vLLM passes them (the template decides what to render)."""
-
-    model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -317,10 +332,8 @@ class ChatMessage(BaseModel):
         return message
 
 
-class ChatTemplateFields(BaseModel):
+class ChatTemplateFields(RequestModel):
     """What renders a conversation: shared by chat completions and /tokenize's chat form."""
-
-    model_config = ConfigDict(extra="forbid")
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     add_generation_prompt: bool = True

@@ -13,16 +13,20 @@ from collections.abc import Mapping
 from typing import Any
 
 from fastapi.exceptions import RequestValidationError
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ValidationError
 
 from jaxengine.server.prompts import chat_prompt
-from jaxengine.server.protocol import ChatTemplateFields, RequestError, has_lone_surrogate
+from jaxengine.server.protocol import (
+    ChatTemplateFields,
+    RequestError,
+    RequestModel,
+    has_lone_surrogate,
+)
 
 
-class TokenizeCompletionRequest(BaseModel):
+class TokenizeCompletionRequest(RequestModel):
     """`/tokenize`'s completion form."""
 
-    model_config = ConfigDict(extra="forbid")
     model: str | None = None
     prompt: str
     add_special_tokens: bool = True  # the tokenizer's BOS (etc.), as completions add them
@@ -36,10 +40,9 @@ class TokenizeChatRequest(ChatTemplateFields):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(RequestModel):
     """`/detokenize`'s body."""
 
-    model_config = ConfigDict(extra="forbid")
     model: str | None = None
     tokens: list[int]
 

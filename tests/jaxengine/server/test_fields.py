@@ -142,3 +142,23 @@ def test_metadata_and_end_user_ids_go_into_the_requests_metadata() -> None:
     body = CompletionRequest(prompt="x", metadata={"team": "a", "user": "m"}, user="u",
                              safety_identifier="s")
     assert body.metadata_of_request() == {"team": "a", "user": "u", "safety_identifier": "s"}
+
+
+@pytest.mark.parametrize("endpoint", list(GOOD))
+def test_null_means_unset_for_a_field_that_cannot_be_null(server: RunningServer,
+                                                          endpoint: str) -> None:
+    nulls = {"stream": None, "n": None, "echo": None, "ignore_eos": None, "min_tokens": None,
+             "skip_special_tokens": None, "priority": None, "stream_options": None,
+             **({"logprobs": None, "add_generation_prompt": None}
+                if endpoint.startswith("chat") else {"add_special_tokens": None})}
+    r = _post(server, endpoint, {**GOOD[endpoint], **nulls})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1 and r.json()["choices"][0]["logprobs"] is None
+
+
+def test_null_keeps_its_meaning_where_a_field_can_be_null() -> None:
+    # completions' max_tokens: 16 when left out, the model's default (or all room) when null
+    assert CompletionRequest(prompt="x").max_tokens == 16
+    assert CompletionRequest.model_validate({"prompt": "x", "max_tokens": None}).max_tokens \
+        is None
+    assert CompletionRequest.model_validate({"prompt": "x", "stream": None}).stream is False
