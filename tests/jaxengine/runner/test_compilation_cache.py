@@ -19,7 +19,13 @@ import pytest
 from jaxengine.model.fake import fake_model
 from jaxengine.runner.compilation_cache import ENV, configure, default_cache_dir, resolve_cache_dir
 from jaxengine.runner.compiles import cache_hit_count, compile_count, ensure_listener
-from jaxengine.runner.runner import SAMPLE_NAME, STEP_NAME, Runner, RunnerConfig
+from jaxengine.runner.runner import (
+    SAMPLE_NAME,
+    STEP_NAME,
+    WRITE_SLOT_NAME,
+    Runner,
+    RunnerConfig,
+)
 from tests.conftest import CACHE_ENV
 
 CHILD = Path(__file__).with_name("compilation_cache_child.py")
@@ -96,12 +102,18 @@ def test_a_warm_cache_keeps_the_precompile_guarantees(cache_at: Path) -> None:
                           block_size=4, num_blocks=16, debug_recompiles=True)
     # fake_model is functools.cache'd; __wrapped__ builds a new object of the same programs
     cold = Runner(fake_model.__wrapped__(89), config)
+    writers = compile_count(WRITE_SLOT_NAME)
     cold.precompile(progress=False)
+    # The penalty-slot writer does not depend on the model: compiled here unless an earlier
+    # test did it for these shapes, and then in jit's memory cache for the warm runner.
+    new_writers = compile_count(WRITE_SLOT_NAME) - writers
+    assert new_writers <= 1
     buckets = len(cold.token_buckets) + len(cold.request_buckets)
     hits = cache_hit_count(STEP_NAME, SAMPLE_NAME)
     warm = Runner(fake_model.__wrapped__(89), config)  # jit's memory cache misses
     warm.precompile(progress=False)
-    assert cold.stats.compilations == warm.stats.compilations == buckets
+    assert cold.stats.compilations == buckets + new_writers
+    assert warm.stats.compilations == buckets
     assert cache_hit_count(STEP_NAME, SAMPLE_NAME) - hits == buckets  # all read from disk
     assert warm.stats.compilations_after_warmup == 0
 
