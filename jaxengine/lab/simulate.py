@@ -141,6 +141,11 @@ class Simulation:
                 raise ValueError(f"request {r.request_id!r}: prompt ({len(r.prompt_token_ids)}"
                                  f") + max_tokens ({r.max_tokens}) exceeds max_model_len="
                                  f"{self.config.max_model_len}")
+            if max(r.prompt_token_ids) >= self.cost.vocab_size:
+                raise ValueError(f"request {r.request_id!r}: token id "
+                                 f"{max(r.prompt_token_ids)} is beyond the calibrated model's "
+                                 f"vocabulary of {self.cost.vocab_size} (make the workload "
+                                 f"with --vocab-size {self.cost.vocab_size})")
         while i < len(pending) or self._tracked:
             while i < len(pending) and pending[i].arrival_time <= self.clock:
                 self._add(pending[i])

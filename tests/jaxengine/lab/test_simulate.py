@@ -137,6 +137,16 @@ def test_arrivals_wait_for_the_clock_and_costs_follow_the_features() -> None:
     assert r.duration == pytest.approx(1.09)
 
 
+def test_requests_the_engine_would_refuse_are_refused() -> None:
+    cost = cost_model()
+    too_long = parse_workload([{"prompt_token_ids": [1] * 100, "max_tokens": 20}])
+    with pytest.raises(ValueError, match="exceeds max_model_len=112"):
+        simulate(too_long, cost)
+    beyond = parse_workload([{"prompt_token_ids": [1, V], "max_tokens": 2}])
+    with pytest.raises(ValueError, match=f"vocabulary of {V}"):
+        simulate(beyond, cost)
+
+
 def test_simulation_args_keep_the_calibration_and_refuse_another_model() -> None:
     cost = cost_model()
     args = simulation_args(cost, {"max_num_seqs": 2})
