@@ -38,22 +38,14 @@ from jaxengine.runner.compiles import (
     compile_count,
     ensure_listener,
 )
-from jaxengine.sampling.bad_words import BadWordBan, armed_bans
 from jaxengine.sampling.logits_processors import (
     LogitsAdjustments,
     apply_logits_processors,
     build_adjustments,
 )
 from jaxengine.sampling.metadata import MAX_BANNED, SamplingRow, build_sampling_metadata
-from jaxengine.sampling.request_tables import (
-    RequestTables,
-    TableSlots,
-    init_tables,
-    record_tokens,
-    slot_rows,
-    uses_table,
-    write_slot,
-)
+from jaxengine.sampling.penalty_inputs import WRITE_SLOT_NAME, PenaltyInputs
+from jaxengine.sampling.request_tables import RequestTables, record_tokens
 from jaxengine.sampling.sampler import SamplerOutput, SamplingMetadata, sample_impl
 from scheduler import PLACEHOLDER_TOKEN_ID, SchedulerOutput
 
@@ -61,7 +53,6 @@ logger = logging.getLogger("jaxengine.runner")
 
 STEP_NAME = "jaxengine_model_step"
 SAMPLE_NAME = "jaxengine_sample"
-WRITE_SLOT_NAME = "jaxengine_write_slot"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -153,10 +144,9 @@ class Runner:
         self._token_sharding = (NamedSharding(sharding.mesh, PartitionSpec())
                                 if isinstance(sharding, NamedSharding) else None)
         self._no_tokens = self._put(np.zeros(config.max_num_seqs, np.int32))
-        # Penalty/bias rows of the requests that use them (sampling/request_tables.py).
-        self.tables: RequestTables = jax.tree.map(
-            self._put, init_tables(config.max_num_seqs, model.vocab_size))
-        self._slots = TableSlots(config.max_num_seqs)
+        # Penalty/bias rows of the requests that use them (sampling/penalty_inputs.py).
+        self.penalties = PenaltyInputs(config.max_num_seqs, model.vocab_size, put=self._put,
+                                       sharding=self._token_sharding)
 
         # The model's functions are static arguments of module-level jitted functions, so
         # runners over the same model object share compiled executables.
@@ -211,14 +201,11 @@ class Runner:
                 rows = jax.ShapeDtypeStruct((size,), np.int32)
                 md = jax.tree.map(_spec, build_sampling_metadata([], size))
                 adj = jax.tree.map(_spec, build_adjustments([], [], [], [], size))
-                _jitted_sample.lower(params, hidden, rows, md, adj, *self._table_specs(), prev,
-                                     **self._sample_statics).compile()
+                t = self.penalties.spec()
+                _jitted_sample.lower(params, hidden, rows, md, adj, t.bias, t.prompt_mask,
+                                     t.output_counts, prev, **self._sample_statics).compile()
             else:
-                V = self.model.vocab_size
-                _jitted_write_slot.lower(
-                    self._table_spec(self.tables), _spec(np.int32(0)),
-                    _spec(np.zeros(V, np.float32)), _spec(np.zeros(V, bool)),
-                    _spec(np.zeros(V, np.int32)), prev, _spec(np.int32(0))).compile()
+                self.penalties.precompile_write_slot(prev)
             loaded = cache_hit_count(STEP_NAME, SAMPLE_NAME, WRITE_SLOT_NAME) > hits
             logger.info("compiled %s for %d %s in %.2f s%s", kind, size,
                         "tokens" if kind == "step" else "requests", time.perf_counter() - t_spec,
@@ -233,15 +220,6 @@ class Runner:
     def mark_warm(self) -> None:
         """Declare warm-up over: from now on a compilation is counted (and raises in debug)."""
         self.warm = True
-
-    def _table_spec(self, tables: RequestTables) -> RequestTables:
-        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                           sharding=self._token_sharding),
-                            tables)
-
-    def _table_specs(self) -> tuple[jax.ShapeDtypeStruct, ...]:
-        t = self._table_spec(self.tables)
-        return t.bias, t.prompt_mask, t.output_counts
 
     @staticmethod
     def _fill_spec(num_tokens: int) -> jax.ShapeDtypeStruct:
@@ -286,7 +264,7 @@ class Runner:
         if not order:
             return None
         before, t0 = self.compilations(), time.perf_counter()
-        self._slots.release(out.finished_req_ids)  # before a reused id asks for a slot
+        self.penalties.slots.release(out.finished_req_ids)  # before a reused id asks for one
         batch, fill = self._pack(out, order, prev)
         prev_tokens = self._no_tokens if prev is None else prev.tokens
         self.kv, hidden = _jitted_step(self.model.params, self.kv, batch, prev_tokens, fill,
@@ -356,51 +334,16 @@ class Runner:
         row_index[: len(sampling_ids)] = [where[r] for r in sampling_ids]
         batch_rows = [rows[r] for r in sampling_ids]
         md = build_sampling_metadata(batch_rows, size, max_banned=MAX_BANNED)
-        adj = self._adjustments(sampling_ids, batch_rows, size, prev)
-        t = self.tables
+        prev_tokens = self._no_tokens if prev is None else prev.tokens
+        adj = self.penalties.adjustments(sampling_ids, rows, size,
+                                         () if prev is None else prev.plan.sampling_req_ids,
+                                         prev_tokens)
+        t = self.penalties.tables
         out, tokens, counts = _jitted_sample(
             self.model.params, hidden, row_index, md, adj, t.bias, t.prompt_mask,
-            t.output_counts, self._no_tokens if prev is None else prev.tokens,
-            **self._sample_statics)
-        self.tables = replace(t, output_counts=counts)
+            t.output_counts, prev_tokens, **self._sample_statics)
+        self.penalties.tables = replace(t, output_counts=counts)
         return out, tokens
-
-    def _adjustments(self, sampling_ids: Sequence[str], batch_rows: Sequence[SamplingRow],
-                     size: int, prev: InFlight | None) -> LogitsAdjustments:
-        """The rows' penalty inputs: a table slot for each request that uses one (written on
-        its first draw, or again after losing it), its armed bad-word bans, and where its
-        token in flight is (async scheduling)."""
-        in_prev = {} if prev is None else {r: i for i, r in enumerate(prev.plan.sampling_req_ids)}
-        slots: list[int] = []
-        bans: list[tuple[BadWordBan, ...]] = []
-        prev_rows: list[int] = []
-        for rid, row in zip(sampling_ids, batch_rows, strict=True):
-            slot, prev_row, table = -1, -1, uses_table(row.params, row.bad_words_token_ids)
-            # Only these rows read their outputs (the others need not pass them).
-            if (table or row.bad_words_token_ids) and row.position > len(row.output_token_ids):
-                if rid not in in_prev:
-                    raise ValueError(f"request {rid!r} has {len(row.output_token_ids)} outputs "
-                                     f"on the host of {row.position}, and the step before "
-                                     f"does not sample it")
-                prev_row = in_prev[rid]
-            if table:
-                slot = self._slots.get(rid)
-                if slot is None:
-                    slot = self._slots.assign(rid, sampling_ids)
-                    self._write_slot(slot, row, prev, prev_row)
-            slots.append(slot)
-            bans.append(armed_bans(row.bad_words_token_ids, row.output_token_ids, row.position)
-                        if row.bad_words_token_ids else ())
-            prev_rows.append(prev_row)
-        return build_adjustments([r.params for r in batch_rows], slots, bans, prev_rows, size)
-
-    def _write_slot(self, slot: int, row: SamplingRow, prev: InFlight | None,
-                    prev_row: int) -> None:
-        bias, prompt, counts = slot_rows(row.params, row.prompt_token_ids, row.output_token_ids,
-                                         row.bad_words_token_ids, self.model.vocab_size)
-        self.tables = _jitted_write_slot(
-            self.tables, np.int32(slot), bias, prompt, counts,
-            self._no_tokens if prev is None else prev.tokens, np.int32(prev_row))
 
     def _account_compiles(self, compiles_before: int, seconds: float, num_tokens: int) -> None:
         s = self.stats
@@ -451,13 +394,6 @@ def jaxengine_sample(params: Any, hidden: jax.Array, rows: jax.Array, md: Sampli
     return out, tokens, record_tokens(tables, adj.slots, out.token_ids).output_counts
 
 
-def jaxengine_write_slot(tables: RequestTables, slot: jax.Array, bias: jax.Array,
-                         prompt_mask: jax.Array, output_counts: jax.Array,
-                         prev_tokens: jax.Array, prev_row: jax.Array) -> RequestTables:
-    """`request_tables.write_slot` under the name the compile counter knows."""
-    return write_slot(tables, slot, bias, prompt_mask, output_counts, prev_tokens, prev_row)
-
-
 # Static: the model's functions (a different model is a different program), the logprobs
 # width and R (output shapes), and where the tokens go. The KV cache is donated so the step
 # updates it in place, and the output counts so the sampler does.
@@ -465,8 +401,6 @@ _jitted_step = jax.jit(jaxengine_model_step, static_argnames=("step_fn",),
                        donate_argnames=("kv",))
 _jitted_sample = jax.jit(jaxengine_sample, static_argnames=(
     "logits_fn", "max_logprobs", "num_rows", "token_sharding"), donate_argnames=("output_counts",))
-# The tables are donated: a slot's rows are written in place.
-_jitted_write_slot = jax.jit(jaxengine_write_slot, donate_argnames=("tables",))
 
 
 def _spec(x: np.ndarray) -> jax.ShapeDtypeStruct:

@@ -1,6 +1,10 @@
 """Sampling: the jitted device sampler and the host side that validates and packs parameters."""
 
+from jaxengine.sampling.logits_processors import LogitsAdjustments, apply_logits_processors
 from jaxengine.sampling.metadata import validate_sampling_params
+from jaxengine.sampling.penalty_inputs import PenaltyInputs
+from jaxengine.sampling.request_tables import RequestTables
 from jaxengine.sampling.sampler import SamplerOutput, SamplingMetadata
 
-__all__ = ["SamplerOutput", "SamplingMetadata", "validate_sampling_params"]
+__all__ = ["LogitsAdjustments", "PenaltyInputs", "RequestTables", "SamplerOutput",
+           "SamplingMetadata", "apply_logits_processors", "validate_sampling_params"]

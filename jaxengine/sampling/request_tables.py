@@ -22,7 +22,7 @@ Axis names: S slots (requests), V vocabulary, R rows of a sampling batch.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -98,44 +98,3 @@ def record_tokens(tables: RequestTables, slots: jax.Array, tokens: jax.Array) ->
     rows = jnp.where(slots < 0, S, slots)  # out of range: dropped by the scatter
     counts = tables.output_counts.at[rows, tokens].add(1, mode="drop")
     return dataclasses.replace(tables, output_counts=counts)
-
-
-class TableSlots:
-    """Host bookkeeping: which request holds which slot.
-
-    A request keeps its slot until the scheduler reports it finished. Preempted requests keep
-    theirs too, so live requests may outnumber the slots: then a request outside the batch
-    being packed loses its slot, and gets its rows rebuilt from the host's tokens (exact: see
-    `write_slot`) when it samples again.
-    """
-
-    def __init__(self, num_slots: int) -> None:
-        """All `num_slots` slots free."""
-        self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out 0 first
-        self._slots: dict[str, int] = {}
-
-    def get(self, request_id: str) -> int | None:
-        """The request's slot, or None if it has none."""
-        return self._slots.get(request_id)
-
-    def assign(self, request_id: str, batch: Iterable[str]) -> int:
-        """A slot for a request that has none; if none is free, one taken from a request not
-        in `batch` (the ids sampling in the step being packed, at most `num_slots`)."""
-        if not self._free:
-            keep = set(batch)
-            victim = next(r for r in self._slots if r not in keep)
-            self._free.append(self._slots.pop(victim))
-        slot = self._free.pop()
-        self._slots[request_id] = slot
-        return slot
-
-    def release(self, request_ids: Iterable[str]) -> None:
-        """Free the slots of finished requests (ids without a slot are ignored)."""
-        for r in request_ids:
-            slot = self._slots.pop(r, None)
-            if slot is not None:
-                self._free.append(slot)
-
-    def __len__(self) -> int:
-        """Slots in use."""
-        return len(self._slots)

@@ -144,7 +144,7 @@ def test_a_request_that_loses_its_slot_gets_exact_rows_back(async_scheduling: bo
     while engine.has_unfinished_requests():
         steps += 1
         if steps % 2 == 0:
-            engine.runner._slots.release(["r0", "r3"])  # as an eviction does
+            engine.runner.penalties.slots.release(["r0", "r3"])  # as an eviction does
         outs.update({o.request_id: list(o.outputs[0].token_ids) for o in engine.step()
                      if o.finished})
     for i in (0, 2, 3, 6):

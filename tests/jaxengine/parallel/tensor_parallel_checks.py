@@ -152,7 +152,7 @@ def test_weights_and_kv_cache_are_split_across_devices(checkpoints: dict[str, st
     assert _collectives(step.as_text()) == {"all-reduce": 2 * len(layers) + 1}
     hidden = step.output_shardings[1]
     hidden = jax.ShapeDtypeStruct((4, 64), np.float32, sharding=hidden)
-    t = e.runner.tables  # penalty tables: replicated, so they add no collective
+    t = e.runner.penalties.tables  # penalty tables: replicated, so they add no collective
     sample = _jitted_sample.lower(params, hidden, np.zeros(4, np.int32),
                                   build_sampling_metadata([], 4),
                                   build_adjustments([], [], [], [], 4), t.bias, t.prompt_mask,

@@ -17,8 +17,8 @@ from jaxengine.sampling.bad_words import (
     tokenize_bad_words,
 )
 from jaxengine.sampling.logits_processors import apply_logits_processors, build_adjustments
+from jaxengine.sampling.penalty_inputs import TableSlots
 from jaxengine.sampling.request_tables import (
-    TableSlots,
     init_tables,
     record_tokens,
     slot_rows,
