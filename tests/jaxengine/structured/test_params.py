@@ -1,0 +1,72 @@
+"""StructuredOutputsParams: exactly one kind, and bad specs refused at request time."""
+
+import pytest
+
+from jaxengine.structured import StructuredOutputsError, StructuredOutputsParams
+from scheduler import SamplingParamsError
+
+
+@pytest.mark.parametrize("kwargs, param", [
+    ({}, "structured_outputs"),
+    ({"regex": "a", "choice": ["a"]}, "structured_outputs"),
+    ({"json": {"type": "object"}, "json_object": True}, "structured_outputs"),
+    ({"regex": "a(b"}, "structured_outputs.regex"),
+    ({"regex": ""}, "structured_outputs.regex"),
+    ({"json": {"type": "wat"}}, "structured_outputs.json"),
+    ({"json": {"type": "string", "minLength": 5, "maxLength": 2}}, "structured_outputs.json"),
+    ({"json": "{not json"}, "structured_outputs.json"),
+    ({"json": "[1, 2]"}, "structured_outputs.json"),
+    ({"json": 3}, "structured_outputs.json"),
+    ({"choice": []}, "structured_outputs.choice"),
+    ({"choice": "yes"}, "structured_outputs.choice"),
+    ({"choice": ["", "a"]}, "structured_outputs.choice"),
+    ({"choice": ["a", 1]}, "structured_outputs.choice"),
+    ({"grammar": "start: foo\nfoo: 'x' bar"}, "structured_outputs.grammar"),
+    ({"grammar": "root ::= ("}, "structured_outputs.grammar"),
+    ({"json_object": False}, "structured_outputs.json_object"),
+    ({"regex": "a", "whitespace_pattern": " "}, "structured_outputs.whitespace_pattern"),
+    ({"choice": ["a"], "disable_any_whitespace": True},
+     "structured_outputs.disable_any_whitespace"),
+    ({"json_object": True, "disable_any_whitespace": True, "whitespace_pattern": " "},
+     "structured_outputs.whitespace_pattern"),
+    ({"json_object": True, "disable_any_whitespace": 1},
+     "structured_outputs.disable_any_whitespace"),
+    ({"structural_tag": "{}"}, "structured_outputs.structural_tag"),
+])
+def test_bad_params_name_the_field(kwargs, param) -> None:
+    with pytest.raises(StructuredOutputsError) as info:
+        StructuredOutputsParams(**kwargs)
+    assert info.value.param == param
+    assert isinstance(info.value, SamplingParamsError)  # one error type for the HTTP layer
+    assert param in str(info.value)
+
+
+def test_an_invalid_regex_says_why() -> None:
+    with pytest.raises(StructuredOutputsError, match="unclosed group"):
+        StructuredOutputsParams(regex="a(b")
+
+
+@pytest.mark.parametrize("kwargs, kind", [
+    ({"json": {"type": "object"}}, "json"),
+    ({"json": '{"type": "integer"}'}, "json"),
+    ({"regex": "[0-9]+"}, "regex"),
+    ({"choice": ["a", 'quote"d', "back\\slash"]}, "choice"),
+    ({"grammar": 'start: "x"'}, "grammar"),
+    ({"grammar": 'root ::= "a" | "b"'}, "grammar"),
+    ({"json_object": True}, "json_object"),
+])
+def test_each_kind_is_accepted(kwargs, kind) -> None:
+    p = StructuredOutputsParams(**kwargs)
+    assert p.kind == kind
+    assert p.key[0] == kind and p.llguidance_grammar == p.key[1]
+
+
+def test_options_change_the_key() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "string"}}}
+    plain = StructuredOutputsParams(json=schema)
+    assert StructuredOutputsParams(json=schema, disable_any_whitespace=True).key != plain.key
+    closed = StructuredOutputsParams(json=schema, disable_additional_properties=True)
+    assert '"additionalProperties":false' in closed.llguidance_grammar.replace(" ", "")
+    assert '"additionalProperties"' not in plain.llguidance_grammar
+    assert "additionalProperties" not in schema  # the caller's schema is not changed
+    assert StructuredOutputsParams(choice=["a", "b"]).choice == ("a", "b")
