@@ -7,9 +7,10 @@ the vocabulary size, how many stop ids `min_tokens` can hold back, logit_bias an
 allowed_token_ids below the vocabulary size, bad_words as tokens) and raises the same error.
 """
 
+import functools
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from numbers import Integral, Real
 from types import MappingProxyType
 from typing import Any
@@ -81,6 +82,14 @@ class SamplingParams:
         _check_stops(self)
         _check_penalties(self)
         _normalize_logits_fields(self)
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        """Picklable and copyable although the read-only `logit_bias` mapping is not: rebuilt
+        (and validated again) from its fields."""
+        kw = {f.name: getattr(self, f.name) for f in fields(self)}
+        if kw["logit_bias"] is not None:
+            kw["logit_bias"] = dict(kw["logit_bias"])
+        return functools.partial(SamplingParams, **kw), ()
 
 
 def _fail(param: str, value: Any, message: str) -> SamplingParamsError:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
+import pickle
 from typing import Any
 
 import numpy as np
@@ -135,3 +137,10 @@ def test_allowed_token_ids_and_bad_words_become_tuples() -> None:
     assert sp.allowed_token_ids == (4, 2) and sp.bad_words == ("a b", "c")
     assert SamplingParams(bad_words="word").bad_words == ("word",)
     assert SamplingParams(bad_words=None).bad_words == ()
+
+
+def test_pickles_and_copies_with_a_logit_bias() -> None:
+    sp = SamplingParams(logit_bias={3: 2.0}, allowed_token_ids=[1, 3], bad_words=["x"],
+                        presence_penalty=0.5, stop=["end"])
+    for again in (pickle.loads(pickle.dumps(sp)), copy.deepcopy(sp), copy.copy(sp)):
+        assert again == sp and dict(again.logit_bias) == {3: 2.0}
