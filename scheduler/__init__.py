@@ -31,7 +31,7 @@ from scheduler.state import (
     SchedulerStats,
     init_state,
 )
-from scheduler.update import abort_requests, add_request, update_from_output
+from scheduler.update import abort_requests, add_request, grammars_ready, update_from_output
 
 __all__ = [
     "PLACEHOLDER_TOKEN_ID", "POLICIES", "KVConnector", "KVConnectorMetadata", "KVConnectorOutput",
@@ -39,6 +39,7 @@ __all__ = [
     "RequestMetadata", "RequestStatus", "RequestView", "SamplingParams", "SamplingParamsError",
     "SchedulerConfig", "SchedulerCounters", "SchedulerOutput", "SchedulerState", "SchedulerStats",
     "SortedPolicy",
-    "abort_requests", "add_request", "check_invariants", "init_state", "prefix_cache_hit",
+    "abort_requests", "add_request", "check_invariants", "grammars_ready", "init_state",
+    "prefix_cache_hit",
     "register", "schedule", "update_from_output",
 ]

@@ -6,6 +6,8 @@ from scheduler.kv_cache import PoolData, cdiv
 from scheduler.request import RequestStatus
 from scheduler.state import SchedulerOutput, SchedulerState, StateData
 
+_UNLOADED = (RequestStatus.WAITING, RequestStatus.WAITING_FOR_FSM, RequestStatus.PREEMPTED)
+
 
 def check_invariants(state: SchedulerState, output: SchedulerOutput | None = None) -> None:
     """Raise AssertionError naming the first broken rule: queues partition the requests, the
@@ -25,7 +27,8 @@ def check_invariants(state: SchedulerState, output: SchedulerOutput | None = Non
         # Only KV loaded (or being loaded) by a connector is kept in `waiting`, in blocks held.
         loaded = status == RequestStatus.WAITING_FOR_REMOTE_KVS or state._computed[rid] > 0
         assert loaded == (rid in state._tables), f"waiting {rid}: computed tokens or blocks"
-        assert loaded or status in (RequestStatus.WAITING, RequestStatus.PREEMPTED), rid
+        assert loaded or status in _UNLOADED, rid
+        assert not (loaded and status == RequestStatus.WAITING_FOR_FSM), f"{rid}: KV before FSM"
     kvt = state._kv_transfers
     for rid in kvt.recved:
         assert state._static[rid].status == RequestStatus.WAITING_FOR_REMOTE_KVS, rid

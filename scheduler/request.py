@@ -15,12 +15,13 @@ class RequestStatus(IntEnum):
     """Lifecycle of a request, ordered: every status past PREEMPTED is finished."""
 
     WAITING = 0
-    WAITING_FOR_REMOTE_KVS = 1
-    RUNNING = 2
-    PREEMPTED = 3
-    FINISHED_STOPPED = 4
-    FINISHED_LENGTH_CAPPED = 5
-    FINISHED_ABORTED = 6
+    WAITING_FOR_FSM = 1  # its structured-output grammar is still compiling (docs §12)
+    WAITING_FOR_REMOTE_KVS = 2
+    RUNNING = 3
+    PREEMPTED = 4
+    FINISHED_STOPPED = 5
+    FINISHED_LENGTH_CAPPED = 6
+    FINISHED_ABORTED = 7
 
     @property
     def is_finished(self) -> bool:
@@ -42,7 +43,7 @@ _FINISH_REASONS = {
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Request:
-    """One request: what was asked (first eight fields) and how far it has got.
+    """One request: what was asked (first nine fields) and how far it has got.
 
     Progress is two counters, never phase flags: `num_tokens` (prompt + outputs) and
     `num_computed_tokens` (tokens whose KV is in the cache). Users create requests with the
@@ -59,6 +60,9 @@ class Request:
     # Who asked, for policies (e.g. {"tenant": "a", "user": "u1"}); any mapping of str keys to
     # str/int/float/bool values is stored as a read-only `RequestMetadata`.
     metadata: Mapping[str, str | int | float | bool] = field(default=NO_METADATA, hash=False)
+    # Its output follows a grammar that must be compiled first: it waits as WAITING_FOR_FSM
+    # until `grammars_ready` names it (docs/SCHEDULING.md §12).
+    use_structured_output: bool = False
     output_token_ids: tuple[int, ...] = ()  # sampled so far
     spec_token_ids: tuple[int, ...] = ()  # draft tokens to verify in the next step
     num_computed_tokens: int = 0  # tokens with KV in the cache

@@ -65,8 +65,9 @@ class RequestView:
 
     @property
     def status(self) -> RequestStatus:
-        """WAITING, PREEMPTED or WAITING_FOR_REMOTE_KVS (its KV is being loaded, docs §11)
-        while in `waiting`, RUNNING while in `running`."""
+        """WAITING, PREEMPTED, WAITING_FOR_FSM (its grammar is compiling, docs §12) or
+        WAITING_FOR_REMOTE_KVS (its KV is being loaded, docs §11) while in `waiting`, RUNNING
+        while in `running`."""
         return self._req.status
 
     @property

@@ -234,7 +234,7 @@ def _admit_waiting(w: Work, st: _Step) -> None:
             continue
         num_tokens = len(w.tokens[rid])
         found = _find_computed(w, st, rid, num_tokens)
-        if found is None:  # loading, or the connector does not know yet: keeps its place
+        if found is None:  # not ready (grammar, KV) or the connector does not know: keeps its place
             skipped.append(w.waiting.pop(0))
             continue
         hit, num_computed, lookup = found
@@ -268,14 +268,18 @@ def _admit_waiting(w: Work, st: _Step) -> None:
 
 
 Lookup = tuple[int, int | None]  # (local prefix hit, the connector's tokens or None), counted
+_FSM = RequestStatus.WAITING_FOR_FSM
 
 
 def _find_computed(w: Work, st: _Step, rid: str,
                    num_tokens: int) -> tuple[list[int], int, Lookup | None] | None:
     """Where a waiting request's first tokens' KV comes from: (prefix-cache hit blocks, tokens
     with KV once admitted, the lookup to count; None for a load taken up, counted when it
-    started). None: set it aside for this step. Tokens -1: stop the pass (no blocks)."""
+    started). None: set it aside for this step (its grammar or its KV is not ready, or the
+    connector does not know yet). Tokens -1: stop the pass (no blocks)."""
     req = w.static[rid]
+    if req.status == _FSM:  # its grammar is still compiling (docs §12)
+        return None
     if (req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
             and not kv_transfer.take_up_load(w, rid)):
         return None

@@ -1,4 +1,5 @@
-"""Pure functions that change requests: `add_request`, `abort_requests`, `update_from_output`."""
+"""Pure functions that change requests: `add_request`, `abort_requests`, `grammars_ready`,
+`update_from_output`."""
 
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
@@ -8,6 +9,8 @@ from scheduler._work import Work
 from scheduler.kv_connector import KVConnector, KVConnectorOutput
 from scheduler.request import Request, RequestStatus
 from scheduler.state import RequestDelta, SchedulerOutput, SchedulerState
+
+_FSM = RequestStatus.WAITING_FOR_FSM
 
 
 def add_request(state: SchedulerState, request: Request) -> SchedulerState:
@@ -35,7 +38,8 @@ def add_request(state: SchedulerState, request: Request) -> SchedulerState:
         w.static[rid] = dataclasses.replace(
             request,
             output_token_ids=(), spec_token_ids=(), num_computed_tokens=0,
-            status=RequestStatus.WAITING, stop_reason=None,
+            status=_FSM if request.use_structured_output else RequestStatus.WAITING,
+            stop_reason=None,
         )
         w.add_history(rid, history)
         w.computed[rid] = 0
@@ -62,6 +66,25 @@ def abort_requests(state: SchedulerState, request_ids: Iterable[str], *,
             w.finish(rid, kv_connector)
         w.running = [r for r in w.running if r not in aborted]
         w.waiting = [r for r in w.waiting if r not in aborted]
+    except BaseException:
+        w.abort()
+        raise
+    return w.freeze(step=state.step)
+
+
+def grammars_ready(state: SchedulerState, request_ids: Iterable[str]) -> SchedulerState:
+    """A new state where the given requests' grammars are compiled (docs/SCHEDULING.md §12):
+    each that was WAITING_FOR_FSM becomes WAITING, so the next `schedule()` that reaches it in
+    `waiting` admits it in its place. Other ids (unknown, finished, already ready) are ignored:
+    a request may be aborted while its grammar compiles."""
+    static = state._static
+    ready = [r for r in request_ids if r in static and static[r].status == _FSM]
+    if not ready:
+        return state
+    w = Work(state)
+    try:
+        for rid in ready:
+            w.update(rid, status=RequestStatus.WAITING)
     except BaseException:
         w.abort()
         raise
