@@ -1,10 +1,9 @@
 """The sampling defaults a model recommends in its `generation_config.json`, as vLLM takes them.
 
 vLLM's `--generation-config auto` (its default, and ours: `EngineArgs.generation_config`) reads
-the file next to the weights; `ModelConfig.get_diff_sampling_param` keeps six keys of it, of
-which we implement five: `temperature`, `top_p`, `top_k`, `min_p`, and `max_new_tokens` (HF's
-name for `max_tokens`). `repetition_penalty`, the sixth, is not implemented, so it is not taken
-(and logged as ignored); every other key of the file (token ids, `do_sample`...) is not a
+the file next to the weights; `ModelConfig.get_diff_sampling_param` keeps six keys of it, and
+so do we: `temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty` and `max_new_tokens`
+(HF's name for `max_tokens`); every other key of the file (token ids, `do_sample`...) is not a
 sampling default in vLLM either. `"vllm"` ignores the file; a directory path reads that
 directory's file instead. A GGUF file, and the embedded default model, have none.
 
@@ -27,8 +26,8 @@ logger = logging.getLogger("jaxengine.loading")
 FILE_NAME = "generation_config.json"
 # generation_config.json key -> SamplingParams field, for the keys vLLM takes and we implement
 TAKEN_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
-              "min_p": "min_p", "max_new_tokens": "max_tokens"}
-IGNORED_KEYS = ("repetition_penalty",)  # vLLM takes it; we have no repetition penalty
+              "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+              "max_new_tokens": "max_tokens"}
 
 
 def diff_sampling_params(model: str | None, generation_config: str = "auto") -> dict[str, Any]:
@@ -80,7 +79,6 @@ def _read(path: str) -> dict[str, Any]:
 
 def _taken(path: str, raw: dict[str, Any]) -> dict[str, Any]:
     params = {field: raw[key] for key, field in TAKEN_KEYS.items() if raw.get(key) is not None}
-    ignored = [k for k in IGNORED_KEYS if raw.get(k) is not None]
     try:
         SamplingParams(**params)
     except SamplingParamsError as e:
@@ -91,6 +89,4 @@ def _taken(path: str, raw: dict[str, Any]) -> dict[str, Any]:
         # vLLM warns the same way: the defaults are not vLLM's neutral ones any more.
         logger.info("default sampling parameters from %s: %s (generation_config='vllm' ignores "
                     "them)", path, params)
-    if ignored:
-        logger.info("%s: %s not implemented, ignored", path, ", ".join(ignored))
     return params

@@ -20,7 +20,7 @@ from scheduler import SamplingParams
 from tests.jaxengine.engine.test_llm_engine import EOS, FakeTokenizer, V
 
 TINY = Path(__file__).resolve().parents[2] / "fixtures" / "tiny" / "llama_tied_mha"
-# What a Qwen-style file holds: sampling keys, one we do not implement, and non-sampling keys.
+# What a Qwen-style file holds: the sampling keys vLLM takes, and non-sampling keys.
 QWEN_LIKE = {"bos_token_id": 1, "eos_token_id": [2, 3], "do_sample": True, "temperature": 0.7,
              "top_p": 0.8, "top_k": 20, "min_p": 0.05, "repetition_penalty": 1.05,
              "max_new_tokens": 7, "transformers_version": "4.51.0"}
@@ -39,8 +39,9 @@ def test_the_keys_vllm_takes_that_we_implement(tmp_path: Path,
     with caplog.at_level(logging.INFO, logger="jaxengine.loading"):
         got = diff_sampling_params(str(d))
     assert got == {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "min_p": 0.05,
+                   "repetition_penalty": 1.05,
                    "max_tokens": 7}  # max_new_tokens is HF's name for max_tokens
-    assert "repetition_penalty not implemented, ignored" in caplog.text
+    assert "default sampling parameters from" in caplog.text and "1.05" in caplog.text
 
 
 def test_no_defaults_without_a_file_for_gguf_and_with_vllm(tmp_path: Path) -> None:
@@ -111,9 +112,11 @@ def test_llm_on_a_real_model_directory_with_a_generation_config(tmp_path: Path) 
         {"temperature": 0.0, "max_new_tokens": 3, "repetition_penalty": 1.2}))
     llm = LLM(str(model), max_num_batched_tokens=64, max_num_seqs=4, block_size=4,
               max_model_len=64, num_gpu_blocks_override=64)
-    assert llm.get_default_sampling_params() == SamplingParams(temperature=0.0, max_tokens=3)
+    assert llm.get_default_sampling_params() == SamplingParams(
+        temperature=0.0, max_tokens=3, repetition_penalty=1.2)
     prompt = {"prompt_token_ids": [5, 6, 7]}
     default = llm.generate(prompt, use_tqdm=False)[0].outputs[0]
-    explicit = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=3),
+    explicit = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=3,
+                                                   repetition_penalty=1.2),
                             use_tqdm=False)[0].outputs[0]
     assert default.token_ids == explicit.token_ids and len(default.token_ids) <= 3

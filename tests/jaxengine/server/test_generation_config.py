@@ -20,7 +20,7 @@ from tests.jaxengine.server.test_harness import (
     wait_until_idle,
 )
 
-# Greedy by default, 5 tokens, top_k 7; repetition_penalty is not implemented, so not taken.
+# Greedy by default, 5 tokens, top_k 7, repetition penalty 1.3; do_sample is not a default.
 GENERATION_CONFIG = {"temperature": 0.0, "top_k": 7, "max_new_tokens": 5,
                      "repetition_penalty": 1.3, "do_sample": True}
 MESSAGES = [{"role": "user", "content": "Tell me a story"}]
@@ -61,7 +61,7 @@ def _chat_text(server: RunningServer, **body: Any) -> tuple[str, int]:
 
 def test_the_server_takes_the_keys_it_implements(server: RunningServer) -> None:
     assert server.app.state.serving.default_sampling_params == {
-        "temperature": 0.0, "top_k": 7, "max_tokens": 5}
+        "temperature": 0.0, "top_k": 7, "repetition_penalty": 1.3, "max_tokens": 5}
 
 
 def test_max_tokens_default_applies_where_vllm_applies_it(server: RunningServer) -> None:
