@@ -75,6 +75,9 @@ class StructuredOutputsParams:
         object.__setattr__(self, "kind", kind)
         object.__setattr__(self, "key", (kind, grammar))
 
+    def __hash__(self) -> int:  # `json` may be a dict: hash what it compiles to
+        return hash(self.key)
+
     @property
     def llguidance_grammar(self) -> str:
         """The grammar as llguidance reads it (what `GrammarCompiler` compiles)."""
@@ -153,7 +156,7 @@ def _serialize(p: StructuredOutputsParams, kind: str) -> str:
                      getattr(p, kind)) from None
 
 
-def _schema(p: StructuredOutputsParams) -> Mapping[str, Any] | str:
+def _schema(p: StructuredOutputsParams) -> dict[str, Any]:
     schema = p.json
     if isinstance(schema, str):
         try:

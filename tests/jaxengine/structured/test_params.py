@@ -1,5 +1,7 @@
 """StructuredOutputsParams: exactly one kind, and bad specs refused at request time."""
 
+import pickle
+
 import pytest
 
 from jaxengine.structured import StructuredOutputsError, StructuredOutputsParams
@@ -70,3 +72,12 @@ def test_options_change_the_key() -> None:
     assert '"additionalProperties"' not in plain.llguidance_grammar
     assert "additionalProperties" not in schema  # the caller's schema is not changed
     assert StructuredOutputsParams(choice=["a", "b"]).choice == ("a", "b")
+
+
+def test_params_hash_compare_and_pickle() -> None:
+    a = StructuredOutputsParams(json={"type": "object"})
+    b = StructuredOutputsParams(json={"type": "object"})
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+    assert a != StructuredOutputsParams(json={"type": "array"})
+    back = pickle.loads(pickle.dumps(a))
+    assert back == a and back.key == a.key and back.kind == "json"
