@@ -168,6 +168,13 @@ class Runner:
         runners)."""
         return compile_count(STEP_NAME, SAMPLE_NAME, WRITE_SLOT_NAME)
 
+    @property
+    def num_programs(self) -> int:
+        """What `precompile` compiles: a step per token bucket, a sampler per request bucket
+        and the penalty-slot writer (which depends on no model: runners of the same shapes in
+        one process share it)."""
+        return len(self.token_buckets) + len(self.request_buckets) + 1
+
     def precompile(self, *, progress: bool = True) -> None:
         """AOT-compile the step for every token bucket and the sampler for every request bucket.
 

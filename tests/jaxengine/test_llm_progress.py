@@ -24,13 +24,14 @@ def test_llm_compiles_every_bucket_with_a_bar_then_generate_compiles_nothing(
         capsys: pytest.CaptureFixture[str]) -> None:
     llm = LLM(str(TINY), debug_recompiles=True, **SMALL)
     runner = llm.llm_engine.runner
-    buckets = len(runner.token_buckets) + len(runner.request_buckets)
+    programs = runner.num_programs
     bar = capsys.readouterr().err
-    assert runner.warm and "precompile" in bar and f"{buckets}/{buckets}" in bar
+    assert runner.warm and "precompile" in bar and f"{programs}/{programs}" in bar
     outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)  # debug_recompiles: would raise
     assert [len(o.outputs[0].token_ids) for o in outs] == [5, 5, 5]
     assert runner.stats.compilations_after_warmup == 0
-    assert runner.stats.compilations == buckets
+    # each once; the slot writer may have been compiled by an earlier runner of these shapes
+    assert runner.num_programs - 1 <= runner.stats.compilations <= runner.num_programs
 
 
 def test_precompile_false_leaves_compiling_to_the_first_steps(

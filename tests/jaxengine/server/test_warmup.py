@@ -66,8 +66,10 @@ def test_after_health_no_request_of_any_size_compiles() -> None:
     try:
         runner = running.engine.runner
         assert runner.warm and runner.config.debug_recompiles
-        buckets = len(runner.token_buckets) + len(runner.request_buckets)
-        assert runner.stats.compilations == buckets  # the warm-up compiled each one, once
+        # The warm-up compiled each program once (the slot writer unless an earlier runner of
+        # these shapes in this process did).
+        compiled = runner.stats.compilations
+        assert runner.num_programs - 1 <= compiled <= runner.num_programs
         r = httpx.get(f"{running.base_url}/health", trust_env=False, timeout=10)
         assert r.status_code == 200
         base = running.base_url
@@ -81,7 +83,7 @@ def test_after_health_no_request_of_any_size_compiles() -> None:
         assert got == [12] * len(prompts)
         wait_until_idle(running)
         stats = runner.stats
-        assert stats.compilations_after_warmup == 0 and stats.compilations == buckets
+        assert stats.compilations_after_warmup == 0 and stats.compilations == compiled
         assert stats.steps > 16  # the workload ran on the engine, not around it
     finally:
         running.stop()
