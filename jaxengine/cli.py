@@ -202,6 +202,9 @@ def _add_lab_parsers(sub: Any) -> None:
                                      "over a grid of batch shapes, fit the cost model and write "
                                      "it (with the engine arguments and backend) to COST.json.")
     cal.add_argument("--output", required=True, metavar="COST.json", help="the cost model file")
+    cal.add_argument("--repeats", type=int, default=1,
+                     help="passes over the grid, alternating order, to average out other "
+                          "load on the machine (default: 1)")
     add_engine_flags(cal)
     sim = sub.add_parser("simulate", help="simulate a workload with the real scheduler",
                          description="Run WORKLOAD.json through the real scheduler on a "
@@ -426,7 +429,7 @@ def run_calibrate(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     """`jaxengine calibrate --output COST.json [engine flags]`: prints the fit's errors."""
     from jaxengine.lab import calibrate, cost_model
 
-    model = calibrate.calibrate(engine_args_from(ns, parser),
+    model = calibrate.calibrate(engine_args_from(ns, parser), repeats=ns.repeats,
                                 log=lambda m: print(m, file=sys.stderr, flush=True))
     cost_model.save_cost_model(model, ns.output)
     coefs = ", ".join(f"{k} {v:.3g}" for k, v in model.coefficients.items())

@@ -130,9 +130,13 @@ def _completed(engine, plan: SchedulerOutput, state: dict) -> SchedulerOutput | 
 
 
 def calibrate(args: EngineArgs, *, scenes: Sequence[Scene] | None = None,
-              hold_out_every: int = 4, seed: int = 0,
+              hold_out_every: int = 4, seed: int = 0, repeats: int = 1,
               log: Callable[[str], None] = print) -> CostModel:
     """Build an engine from `args`, time `scenes` (default: `default_grid`), fit a cost model.
+
+    `repeats` > 1 runs the grid that many times, every other pass in reverse order, so that a
+    burst of other load on the machine falls on different scenes each pass (the samples of a
+    scene keep its index: held-out scenes stay held out).
 
     Raises:
       ValueError: what `build_engine` raises for bad arguments, or too few timed calls.
@@ -142,6 +146,8 @@ def calibrate(args: EngineArgs, *, scenes: Sequence[Scene] | None = None,
     from jaxengine.engine.build import kv_budget_bytes
     from jaxengine.lab.bench import build_warm_engine
 
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
     t_start = time.perf_counter()
     engine = build_warm_engine(dataclasses.replace(args, precompile=None))
     cfg = engine.scheduler_config
@@ -153,12 +159,16 @@ def calibrate(args: EngineArgs, *, scenes: Sequence[Scene] | None = None,
         max_model_len=cfg.max_model_len)
     rng = np.random.default_rng(seed)
     samples: list[Sample] = []
-    for i, scene in enumerate(grid):
-        t0 = time.perf_counter()
-        samples += time_scene(engine, scene, i, rng=rng, buckets=engine.runner.token_buckets)
-        log(f"calibrate: scene {i + 1}/{len(grid)} {scene.decodes} x {scene.context} tokens"
-            f"{' + ' + str(list(scene.inject)) if scene.inject else ''}: "
-            f"{time.perf_counter() - t0:.1f} s")
+    for rep in range(repeats):
+        order = list(enumerate(grid))
+        for i, scene in order[::-1] if rep % 2 else order:
+            t0 = time.perf_counter()
+            samples += time_scene(engine, scene, i, rng=rng,
+                                  buckets=engine.runner.token_buckets)
+            log(f"calibrate: pass {rep + 1}/{repeats}, scene {i + 1}/{len(grid)} "
+                f"{scene.decodes} x {scene.context} tokens"
+                f"{' + ' + str(list(scene.inject)) if scene.inject else ''}: "
+                f"{time.perf_counter() - t0:.1f} s")
     model = fit_samples(samples, hold_out_every=hold_out_every)
     per_block = engine.runner.model.kv_bytes_per_block(cfg.block_size)
     device = jax.devices()[0]
@@ -169,6 +179,7 @@ def calibrate(args: EngineArgs, *, scenes: Sequence[Scene] | None = None,
         max_model_len=cfg.max_model_len,
         model_max_model_len=_model_limit(args), vocab_size=engine.vocab_size,
         info={**model.info, "scenes": [dataclasses.asdict(s) for s in grid],
+              "repeats": repeats,
               "seconds": round(time.perf_counter() - t_start, 1),
               "date": time.strftime("%Y-%m-%d %H:%M:%S")})
 

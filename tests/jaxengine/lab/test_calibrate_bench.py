@@ -25,7 +25,7 @@ SCENES = [Scene(decodes=d, context=c, inject=(32, 48) if d < 4 else ())
 
 @pytest.fixture(scope="module")
 def cost() -> CostModel:
-    return calibrate(ARGS, scenes=SCENES, log=lambda _: None)
+    return calibrate(ARGS, scenes=SCENES, repeats=2, log=lambda _: None)
 
 
 def test_calibration_saves_what_it_was_calibrated_for(cost: CostModel) -> None:
@@ -37,6 +37,12 @@ def test_calibration_saves_what_it_was_calibrated_for(cost: CostModel) -> None:
     assert all(v >= 0 for v in cost.coefficients.values())
     assert cost.coefficients["const"] > 0  # every call costs host time
     assert simulation_args(cost) == dataclasses.replace(ARGS, precompile=None)
+    # Two passes over the grid: every scene was timed in each (samples keep the scene index).
+    assert cost.info["repeats"] == 2
+    per_scene = [sum(1 for s in cost.info["samples"] if s[0] == i) for i in range(len(SCENES))]
+    assert all(n >= 2 * SCENES[i].decode_steps for i, n in enumerate(per_scene))
+    with pytest.raises(ValueError, match="repeats must be >= 1"):
+        calibrate(ARGS, scenes=SCENES, repeats=0)
 
 
 def test_simulated_duration_is_near_the_real_replay(cost: CostModel) -> None:
