@@ -200,7 +200,8 @@ def _model_limit(args: EngineArgs) -> int:
     return read_gguf_config(reader, gguf_metadata(reader)).max_model_len
 
 
-def fit_samples(samples: Sequence[Sample], *, hold_out_every: int = 4) -> CostModel:
+def fit_samples(samples: Sequence[Sample], *, hold_out_every: int = 4,
+                rounds: int = 0) -> CostModel:
     """Fit on the scenes not held out, report on the held-out ones, refit on all.
 
     Returns:
@@ -214,10 +215,11 @@ def fit_samples(samples: Sequence[Sample], *, hold_out_every: int = 4) -> CostMo
     test = np.array([hold_out_every > 0 and s.scene % hold_out_every == hold_out_every - 1
                      for s in timed])
     if test.any() and (~test).sum() >= x.shape[1]:
-        report = fit_report(fit_coefficients(x[~test], y[~test]), x[~test], x[test], y[test])
+        report = fit_report(fit_coefficients(x[~test], y[~test], rounds=rounds), x[~test],
+                            x[test], y[test])
     else:
         report = None
-    coef = fit_coefficients(x, y)
+    coef = fit_coefficients(x, y, rounds=rounds)
     return CostModel(
         coefficients=dict(zip(FEATURES, map(float, coef), strict=True)),
         idle_call_seconds=statistics.median(idle) if idle else float(coef[0]),
@@ -226,3 +228,21 @@ def fit_samples(samples: Sequence[Sample], *, hold_out_every: int = 4) -> CostMo
         info={"timed_calls": len(timed), "idle_calls": len(idle),
               # every timed call: scene, the FEATURES of its plan, seconds (for plots, refits)
               "samples": [[s.scene, *map(float, s.features), s.seconds] for s in timed]})
+
+
+def refit(model: CostModel, *, hold_out_every: int = 4, rounds: int = 0) -> CostModel:
+    """`model` fitted again from the timed samples it keeps (`info["samples"]`), without
+    timing anything: to try another fit (`rounds`: see `fit_coefficients`).
+
+    Raises:
+      ValueError: the model keeps no samples (calibrated before they were kept).
+    """
+    rows = model.info.get("samples")
+    if not rows:
+        raise ValueError("this cost model keeps no timed samples; run `jaxengine calibrate`")
+    n = len(FEATURES)
+    samples = [Sample(int(r[0]), np.array(r[1:1 + n]), float(r[1 + n])) for r in rows]
+    fitted = fit_samples(samples, hold_out_every=hold_out_every, rounds=rounds)
+    return dataclasses.replace(model, coefficients=fitted.coefficients, fit=fitted.fit,
+                               info={**model.info, **{k: v for k, v in fitted.info.items()
+                                                      if k != "samples"}})

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jaxengine.lab.calibrate import Sample, default_grid, fit_samples
+from jaxengine.lab.calibrate import Sample, default_grid, fit_samples, refit
 from jaxengine.lab.cost_model import (
     FEATURES,
     CostModel,
@@ -107,3 +107,33 @@ def test_save_and_load_round_trip(tmp_path: Path) -> None:
         load_cost_model(tmp_path / "old.json")
     with pytest.raises(ValueError, match="does not exist"):
         load_cost_model(tmp_path / "none.json")
+
+
+def test_the_reweighted_fit_is_unbiased_in_the_mean_under_slow_outliers() -> None:
+    rng = np.random.default_rng(2)
+    x = np.column_stack([np.ones(400), rng.choice([1, 8, 64, 512], 400),
+                         rng.integers(1, 64, 400), rng.random(400), rng.random(400) * 0.1])
+    true = np.array([5e-2, 1e-3, 2e-3, 2e-2, 0.8])
+    # Other processes' load: most calls as fast as they can be, some several times slower.
+    slow = rng.random(400) < 0.2
+    y = x @ true * np.where(slow, rng.uniform(2, 4, 400), rng.normal(1, 0.03, 400))
+    coef = fit_coefficients(x, y, rounds=8)  # weights 1/prediction
+    assert (x @ coef).sum() / y.sum() == pytest.approx(1.0, abs=0.06)
+    by_measured = fit_coefficients(x, y)  # weights 1/y only: biased low
+    assert (x @ by_measured).sum() / y.sum() < 0.85
+
+
+def test_refit_uses_the_kept_samples() -> None:
+    rng = np.random.default_rng(3)
+    samples = []
+    for scene in range(8):
+        for _ in range(10):
+            f = np.array([1.0, rng.choice([1, 16, 128]), rng.integers(1, 16), rng.random(), 0])
+            samples.append(Sample(scene, f, float(f @ [1e-2, 1e-4, 1e-3, 1e-2, 0])))
+    model = fit_samples(samples)
+    assert len(model.info["samples"]) == 80
+    again = refit(model, rounds=3)
+    assert again.coefficients == pytest.approx(model.coefficients, rel=1e-6, abs=1e-9)
+    assert again.info["samples"] == model.info["samples"]
+    with pytest.raises(ValueError, match="keeps no timed samples"):
+        refit(dataclasses.replace(model, info={}))
