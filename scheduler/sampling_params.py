@@ -70,6 +70,10 @@ class SamplingParams:
     logit_bias: Mapping[int, float] | None = field(default=None, hash=False)
     allowed_token_ids: tuple[int, ...] | None = None  # only these may be drawn (None: all)
     bad_words: tuple[str, ...] = ()  # words never generated (tokenized by the engine)
+    # The grammar the output must match: a `jaxengine.structured.StructuredOutputsParams`
+    # (validated when built; typed loosely because the scheduler never imports jaxengine, and
+    # checked by the engine). None: unconstrained.
+    structured_outputs: Any = None
 
     def __post_init__(self) -> None:
         # Lists (or None) are accepted for convenience; tuples keep the object hashable and pure.

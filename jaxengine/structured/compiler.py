@@ -33,15 +33,52 @@ class CompiledGrammar:
         return GrammarMatcher(self._template.deep_copy(), self._eos)
 
 
+class _DecodedTokens:
+    """llguidance's generic tokenizer interface (`llguidance.TokenizerWrapper`): each token as
+    the UTF-8 of its decoded text; special tokens as llguidance marks them (a 0xFF byte, then
+    the name), so no grammar text can spell them."""
+
+    def __init__(self, tokenizer: Tokenizer, eos_token_id: int) -> None:
+        hf = tokenizer.hf
+        self.eos_token_id = eos_token_id
+        self.bos_token_id = hf.bos_token_id
+        self.special_token_ids = sorted(set(hf.all_special_ids))
+        special = set(self.special_token_ids)
+        size = tokenizer.backend.get_vocab_size(with_added_tokens=True)
+        self.tokens = [b"\xff" + hf.convert_ids_to_tokens(i).encode() if i in special
+                       else hf.decode([i]).encode() for i in range(size)]
+        self._hf = hf
+
+    def __call__(self, text: str) -> list[int]:
+        return self._hf.encode(text, add_special_tokens=False)
+
+
+def _ll_tokenizer(tokenizer: Tokenizer, vocab_size: int | None,
+                  eos_token_ids: Sequence[int]) -> llguidance.LLTokenizer:
+    """llguidance's view of the tokenizer: from its HF description, or, for a decoder that
+    llguidance does not know (e.g. a character-level `Fuse`), from each token's decoded text."""
+    try:
+        return llguidance.hf.from_tokenizer(tokenizer.hf, n_vocab=vocab_size,
+                                            eos_token=list(eos_token_ids))
+    except ValueError as e:
+        if "decoder type" not in str(e):
+            raise
+    wrapper = llguidance.TokenizerWrapper(_DecodedTokens(tokenizer, eos_token_ids[0]))
+    return llguidance.LLTokenizer(wrapper, n_vocab=vocab_size, eos_token=list(eos_token_ids))
+
+
 class GrammarCompiler:
     """Compiles `StructuredOutputsParams` for one tokenizer, asynchronously, with a cache."""
 
     def __init__(self, tokenizer: Tokenizer, *, vocab_size: int | None = None,
-                 max_workers: int = 2, cache_size: int = 256) -> None:
+                 eos_token_ids: Sequence[int] | None = None, max_workers: int = 2,
+                 cache_size: int = 256) -> None:
         """Build llguidance's view of the tokenizer (about 0.3 s for a 49k vocabulary).
 
         Args:
             tokenizer: the model's tokenizer; its `eos_token_ids` end a finished grammar.
+            eos_token_ids: the tokens a finished grammar allows, when not the tokenizer's (the
+                engine gives the one its scheduler stops on).
             vocab_size: V, the width of the model's logits (default: the tokenizer's size); it
                 may exceed the tokenizer's (padded embeddings): the extra ids are never allowed.
             max_workers: compile threads.
@@ -56,9 +93,9 @@ class GrammarCompiler:
         if vocab_size is not None and vocab_size < size:
             raise ValueError(f"GrammarCompiler: vocab_size={vocab_size} is below the "
                              f"tokenizer's {size} tokens; give the model's logits width")
-        self.eos_token_ids = tuple(tokenizer.eos_token_ids)
-        self.ll_tokenizer = llguidance.hf.from_tokenizer(
-            tokenizer.hf, n_vocab=vocab_size, eos_token=list(self.eos_token_ids))
+        self.eos_token_ids = tuple(tokenizer.eos_token_ids if eos_token_ids is None
+                                   else eos_token_ids)
+        self.ll_tokenizer = _ll_tokenizer(tokenizer, vocab_size, self.eos_token_ids)
         self.vocab_size: int = self.ll_tokenizer.vocab_size  # V
         self.executor = llguidance.LLExecutor()  # fills a batch's bitmask rows in parallel
         self._pool = ThreadPoolExecutor(max_workers=max_workers,
