@@ -11,10 +11,19 @@ step N+1 (its decodes read placeholders), dispatch it — JAX enqueues it behind
 returns — then wait for step N's tokens and detokenize and update them. The host's scheduling
 and packing of N+1 overlap the device's step N, and its output work for N overlaps step N+1;
 no thread is involved. Outputs are those of the synchronous loop, one call later.
+
+Structured outputs (docs/DESIGN.md, "Structured outputs"): `add_request` submits the grammar to
+the engine's `GrammarCompiler` and the request waits as WAITING_FOR_FSM; each `step()` first
+passes the finished compilations to `grammars_ready`. The runner fills the bitmask rows from the
+requests' matchers, which accept every sampled token before the scheduler's update. A step
+whose batch samples a grammar request does not overlap under async scheduling: its bitmask
+needs the token of the step before, so that step is collected first.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import logging
 import random
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -25,11 +34,14 @@ from jaxengine.engine.detokenizer import IncrementalDetokenizer, StreamingTokeni
 from jaxengine.engine.outputs import RequestMetrics, RequestOutput
 from jaxengine.engine.request_state import TrackedRequest
 from jaxengine.engine.stats import IterationStats, StatLogger
+from jaxengine.loading.tokenizer import Tokenizer
 from jaxengine.model.fns import ModelFns
 from jaxengine.runner.compiles import debug_recompiles_from_env
 from jaxengine.runner.runner import InFlight, Runner, RunnerConfig, SampledToken
 from jaxengine.sampling.bad_words import tokenize_bad_words
 from jaxengine.sampling.metadata import SamplingRow, validate_sampling_params
+from jaxengine.structured.compiler import CompiledGrammar, GrammarCompiler
+from jaxengine.structured.params import StructuredOutputsError, StructuredOutputsParams
 from scheduler import (
     Request,
     RequestDelta,
@@ -40,12 +52,15 @@ from scheduler import (
     SchedulerState,
     abort_requests,
     add_request,
+    grammars_ready,
     init_state,
     schedule,
     update_from_output,
 )
 
 PromptType = str | Mapping[str, Any] | Sequence[int]
+
+logger = logging.getLogger("jaxengine.engine")
 
 
 class TokenizerLike(StreamingTokenizer, Protocol):
@@ -109,6 +124,9 @@ class LLMEngine:
         self.stat_loggers: list[StatLogger] = list(stat_loggers)
         self._in_flight: InFlight | None = None  # async: the step dispatched last
         self._dropped: set[str] = set()  # ids whose tokens in `_in_flight` are stale
+        self._in_flight_plan: SchedulerOutput | None = None  # the plan `_dropped` refers to
+        self._grammar_compiler: GrammarCompiler | None = None  # built on first use
+        self._compiling: dict[str, concurrent.futures.Future[CompiledGrammar]] = {}
 
     @property
     def max_model_len(self) -> int:
@@ -119,6 +137,25 @@ class LLMEngine:
     def eos_token_id(self) -> int | None:
         """The tokenizer's EOS id (None without a tokenizer)."""
         return None if self.tokenizer is None else self.tokenizer.eos_token_id
+
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The engine's grammar compiler (built on first use, from the tokenizer and the
+        model's vocabulary size; a finished grammar allows only the EOS the scheduler stops on).
+
+        Raises:
+          SamplingParamsError: the engine has no tokenizer.
+        """
+        if self._grammar_compiler is None:
+            if not isinstance(self.tokenizer, Tokenizer) or self.eos_token_id is None:
+                raise SamplingParamsError(
+                    "structured outputs need the model's tokenizer (with an EOS token), and "
+                    "this engine has none (skip_tokenizer_init=True, or a stand-in): leave "
+                    "structured_outputs unset", param="structured_outputs")
+            self._grammar_compiler = GrammarCompiler(
+                self.tokenizer, vocab_size=self.vocab_size, eos_token_ids=(self.eos_token_id,))
+            self.runner.grammar_executor = self._grammar_compiler.executor
+        return self._grammar_compiler
 
     # ---- requests ----------------------------------------------------------------------
 
@@ -153,7 +190,8 @@ class LLMEngine:
         request = Request(request_id=request_id, prompt_token_ids=tuple(ids),
                           sampling_params=params, arrival_time=arrival, priority=priority,
                           eos_token_id=self.eos_token_id,
-                          metadata={} if metadata is None else metadata)
+                          metadata={} if metadata is None else metadata,
+                          use_structured_output=params.structured_outputs is not None)
         # The scheduler refuses duplicate ids, empty prompts and prompts with no room for
         # output; its new state is a value, kept only once the engine's own check passes too.
         state = add_request(self.state, request)
@@ -170,6 +208,8 @@ class LLMEngine:
             request_id=request_id, prompt=text, prompt_token_ids=ids, params=params, seed=seed,
             detokenizer=detok, metrics=RequestMetrics(arrival_time=arrival),
             bad_words_token_ids=bad_words)
+        if params.structured_outputs is not None:  # WAITING_FOR_FSM until it compiles
+            self._compiling[request_id] = self.grammar_compiler.submit(params.structured_outputs)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
         """Finish requests now and free their KV blocks; unknown ids are ignored.
@@ -182,6 +222,8 @@ class LLMEngine:
         live = [self._tracked.pop(r) for r in dict.fromkeys(ids) if r in self._tracked]
         if not live:
             return []
+        for t in live:
+            self._compiling.pop(t.request_id, None)
         self._drop_in_flight(t.request_id for t in live)
         self.state = abort_requests(self.state, [t.request_id for t in live])
         stats = IterationStats(timestamp=time.time())
@@ -209,23 +251,61 @@ class LLMEngine:
 
         With `async_scheduling` the outputs are those of the step dispatched by the call
         before (the first call returns none; a call that schedules nothing still collects).
+        A request whose grammar failed to compile is aborted here (its output comes first).
         """
+        failed = self._take_compiled_grammars()
         before = self.state
         # Pure scheduler: if anything below raises, self.state is still the old, consistent one.
         state, plan = schedule(before)
         self._note_scheduled(plan)
         if not self.args.async_scheduling:
             sampled = self.runner.execute(plan, self._sampling_rows(plan))  # pack, run, sample
-            return self._update(state, before, plan, sampled, dropped=set())
+            return failed + self._update(state, before, plan, sampled, dropped=set())
         prev = self._in_flight
+        dropped, self._dropped = self._dropped, set()
+        self._in_flight_plan = plan
+        if prev is not None and self._samples_a_grammar(plan):
+            # The bitmasks of this step need the tokens of the step in flight: collect it
+            # first (its tokens still fill this step's placeholders on the device).
+            tracked = {r: self._tracked[r] for r in plan.sampling_req_ids}
+            self.state = state
+            outputs = self._update(state, before, prev.plan, self.runner.collect(prev),
+                                   dropped=dropped)
+            self._in_flight = self.runner.dispatch(plan, self._sampling_rows(plan, tracked),
+                                                   prev)
+            return failed + outputs
         self._in_flight = self.runner.dispatch(plan, self._sampling_rows(plan), prev)
         self.state = state
-        dropped, self._dropped = self._dropped, set()
         if prev is None:  # nothing to collect yet; the step's statistics are its scheduling
             self._record(IterationStats.between(before.counters, state.counters,
                                                 timestamp=time.time()))
+            return failed
+        return failed + self._update(state, before, prev.plan, self.runner.collect(prev),
+                                     dropped=dropped)
+
+    def _samples_a_grammar(self, plan: SchedulerOutput) -> bool:
+        return any(self._tracked[r].grammar is not None for r in plan.sampling_req_ids)
+
+    def _take_compiled_grammars(self) -> list[RequestOutput]:
+        """Hand finished compilations to the scheduler (`grammars_ready`); abort the requests
+        whose grammar failed, with their outputs. With nothing else to do, wait for one."""
+        if not self._compiling:
             return []
-        return self._update(state, before, prev.plan, self.runner.collect(prev), dropped=dropped)
+        if len(self._compiling) == len(self._tracked) and self._in_flight is None:
+            concurrent.futures.wait(self._compiling.values(), timeout=1.0,
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
+        ready, failed = [], []
+        for rid in [r for r, f in self._compiling.items() if f.done()]:
+            future = self._compiling.pop(rid)
+            try:
+                self._tracked[rid].grammar = future.result().matcher()
+                ready.append(rid)
+            except StructuredOutputsError as e:
+                logger.error("request %r aborted: %s", rid, e)
+                failed.append(rid)
+        if ready:
+            self.state = grammars_ready(self.state, ready)
+        return self.abort_request(failed) if failed else []
 
     def _update(self, state: SchedulerState, before: SchedulerState, plan: SchedulerOutput,
                 sampled: dict[str, SampledToken], *, dropped: set[str]) -> list[RequestOutput]:
@@ -233,6 +313,7 @@ class LLMEngine:
         requests that left while the step was in flight) are dropped first."""
         if dropped:
             sampled = {r: t for r, t in sampled.items() if r not in dropped}
+        self._accept_grammar_tokens(sampled)
         stopped = self._detokenize(sampled)  # before update: a stop string ends the request there
         self.state, deltas = update_from_output(
             state, plan, {rid: [t.token_id] for rid, t in sampled.items()}, stopped=stopped)
@@ -245,21 +326,25 @@ class LLMEngine:
     def _drop_in_flight(self, request_ids: Iterable[str]) -> None:
         """These requests left: tokens the step in flight samples for them are stale (an id
         may be reused by a new request before that step is collected)."""
-        if self._in_flight is not None:
+        if self._in_flight_plan is not None:
             self._dropped.update(r for r in request_ids
-                                 if r in self._in_flight.plan.num_scheduled_tokens)
+                                 if r in self._in_flight_plan.num_scheduled_tokens)
 
     def _note_scheduled(self, plan: SchedulerOutput) -> None:
         now = time.time()
         for rid in plan.num_scheduled_tokens:
             self._tracked[rid].on_scheduled(now, plan.num_computed_tokens[rid])
 
-    def _sampling_rows(self, plan: SchedulerOutput) -> dict[str, SamplingRow]:
-        """Parameters, seed and output position (what the PRNG key folds in) of each sampler."""
+    def _sampling_rows(self, plan: SchedulerOutput,
+                       tracked: Mapping[str, TrackedRequest] | None = None
+                       ) -> dict[str, SamplingRow]:
+        """Parameters, seed and output position (what the PRNG key folds in) of each sampler
+        (from `tracked`, when given: requests that finished since the plan was made)."""
         rows, eos = {}, self.eos_token_id
         spec = plan.scheduled_spec_decode_tokens
+        tracked = self._tracked if tracked is None else tracked
         for rid in plan.sampling_req_ids:
-            t = self._tracked[rid]
+            t = tracked[rid]
             # The sampled token's index among the outputs, from the plan: the host may not
             # have the tokens before it yet (async scheduling).
             end = plan.num_computed_tokens[rid] + plan.num_scheduled_tokens[rid]
@@ -267,8 +352,18 @@ class LLMEngine:
             rows[rid] = SamplingRow(params=t.params, seed=t.seed, position=position,
                                     eos_token_id=eos, prompt_token_ids=t.prompt_token_ids,
                                     output_token_ids=t.token_ids,
-                                    bad_words_token_ids=t.bad_words_token_ids)
+                                    bad_words_token_ids=t.bad_words_token_ids,
+                                    grammar=t.grammar)
         return rows
+
+    def _accept_grammar_tokens(self, sampled: Mapping[str, SampledToken]) -> None:
+        """Advance each grammar past its request's sampled token (before the update: a
+        terminated grammar has accepted the EOS the scheduler stops on)."""
+        for rid, token in sampled.items():
+            grammar = self._tracked[rid].grammar
+            if grammar is not None and not grammar.accept_tokens([token.token_id]):
+                logger.warning("request %r: the grammar refused sampled token %d: %s", rid,
+                               token.token_id, grammar.error)
 
     def _detokenize(self, sampled: Mapping[str, SampledToken]) -> dict[str, str]:
         """Decode each sampled token; request id -> the stop string it completed."""
@@ -355,6 +450,13 @@ class LLMEngine:
                 "stop strings need a tokenizer, and this engine has none "
                 "(skip_tokenizer_init=True): use stop_token_ids instead", param="stop",
                 value=params.stop)
+        so = params.structured_outputs
+        if so is not None and not isinstance(so, StructuredOutputsParams):
+            raise SamplingParamsError(
+                f"structured_outputs must be a jaxengine.structured.StructuredOutputsParams, "
+                f"got {type(so).__name__}", param="structured_outputs", value=so)
+        if so is not None:
+            _ = self.grammar_compiler  # raises without a tokenizer
         if params.bad_words and self.tokenizer is None:
             raise SamplingParamsError(
                 "bad_words need a tokenizer, and this engine has none "

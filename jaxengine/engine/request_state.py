@@ -15,6 +15,7 @@ from jaxengine.engine.detokenizer import IncrementalDetokenizer
 from jaxengine.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxengine.engine.stats import FinishedRequestStats
 from jaxengine.runner.runner import SampledToken
+from jaxengine.structured.matcher import GrammarMatcher
 from scheduler import RequestDelta, SamplingParams
 
 
@@ -36,6 +37,8 @@ class TrackedRequest:
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # params.bad_words, tokenized
+    # params.structured_outputs' matcher once its grammar compiled (None before, or without)
+    grammar: GrammarMatcher | None = None
 
     def on_scheduled(self, now: float, num_computed_before: int) -> None:
         """Record the first time the request is scheduled (and its prefix-cache hit)."""

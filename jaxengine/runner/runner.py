@@ -47,6 +47,8 @@ from jaxengine.sampling.metadata import MAX_BANNED, SamplingRow, build_sampling_
 from jaxengine.sampling.penalty_inputs import WRITE_SLOT_NAME, PenaltyInputs
 from jaxengine.sampling.request_tables import RequestTables, record_tokens
 from jaxengine.sampling.sampler import SamplerOutput, SamplingMetadata, sample_impl
+from jaxengine.structured.apply import apply_token_bitmask
+from jaxengine.structured.bitmask import allocate_bitmask, fill_bitmasks
 from scheduler import PLACEHOLDER_TOKEN_ID, SchedulerOutput
 
 logger = logging.getLogger("jaxengine.runner")
@@ -147,6 +149,10 @@ class Runner:
         # Penalty/bias rows of the requests that use them (sampling/penalty_inputs.py).
         self.penalties = PenaltyInputs(config.max_num_seqs, model.vocab_size, put=self._put,
                                        sharding=self._token_sharding)
+        # Token bitmasks of structured outputs (jaxengine/structured): an i32[Rb, ceil(V/32)]
+        # sampler input per step; batches without a grammar reuse one all-ones array per bucket.
+        self._all_allowed: dict[int, jax.Array] = {}
+        self.grammar_executor: Any = None  # llguidance.LLExecutor: fills rows in parallel
 
         # The model's functions are static arguments of module-level jitted functions, so
         # runners over the same model object share compiled executables.
@@ -209,8 +215,11 @@ class Runner:
                 md = jax.tree.map(_spec, build_sampling_metadata([], size))
                 adj = jax.tree.map(_spec, build_adjustments([], [], [], [], size))
                 t = self.penalties.spec()
+                mask = jax.ShapeDtypeStruct(allocate_bitmask(size, self.model.vocab_size).shape,
+                                            np.int32, sharding=self._token_sharding)
                 _jitted_sample.lower(params, hidden, rows, md, adj, t.bias, t.prompt_mask,
-                                     t.output_counts, prev, **self._sample_statics).compile()
+                                     t.output_counts, prev, mask,
+                                     **self._sample_statics).compile()
             else:
                 self.penalties.precompile_write_slot(prev)
             loaded = cache_hit_count(STEP_NAME, SAMPLE_NAME, WRITE_SLOT_NAME) > hits
@@ -348,9 +357,23 @@ class Runner:
         t = self.penalties.tables
         out, tokens, counts = _jitted_sample(
             self.model.params, hidden, row_index, md, adj, t.bias, t.prompt_mask,
-            t.output_counts, prev_tokens, **self._sample_statics)
+            t.output_counts, prev_tokens, self._bitmask(batch_rows, size),
+            **self._sample_statics)
         self.penalties.tables = replace(t, output_counts=counts)
         return out, tokens
+
+    def _bitmask(self, batch_rows: Sequence[SamplingRow], size: int) -> jax.Array:
+        """i32[size, ceil(V/32)] on the device: each row's allowed next tokens from its
+        grammar matcher (all ones without one, and in padding rows)."""
+        matchers = [row.grammar for row in batch_rows]
+        if all(m is None for m in matchers):
+            if size not in self._all_allowed:
+                self._all_allowed[size] = self._put(allocate_bitmask(size,
+                                                                     self.model.vocab_size))
+            return self._all_allowed[size]
+        mask = fill_bitmasks(matchers, allocate_bitmask(size, self.model.vocab_size),
+                             self.grammar_executor)
+        return self._put(mask)
 
     def _account_compiles(self, compiles_before: int, seconds: float, num_tokens: int) -> None:
         s = self.stats
@@ -381,17 +404,23 @@ def jaxengine_model_step(params: Any, kv: jax.Array, batch: ModelBatch, prev_tok
 
 def jaxengine_sample(params: Any, hidden: jax.Array, rows: jax.Array, md: SamplingMetadata,
                      adj: LogitsAdjustments, bias: jax.Array, prompt_mask: jax.Array,
-                     output_counts: jax.Array, prev_tokens: jax.Array, *,
+                     output_counts: jax.Array, prev_tokens: jax.Array, bitmask: jax.Array, *,
                      logits_fn: Callable, max_logprobs: int, num_rows: int,
                      token_sharding: NamedSharding | None
                      ) -> tuple[SamplerOutput, jax.Array, jax.Array]:
     """Logits of the sampling rows (`hidden[rows]`, f32[Rb, V]), penalties and biases (the
-    `RequestTables` fields, [S, V]; `prev_tokens` i32[R], the step in flight's), then one token
-    each; the tokens again, padded to i32[num_rows] where the next step's placeholders read
-    them; and `output_counts` with this step's tokens counted."""
+    `RequestTables` fields, [S, V]; `prev_tokens` i32[R], the step in flight's), the grammars'
+    token bitmask (i32[Rb, ceil(V/32)], all ones: unconstrained), then one token each; the
+    tokens again, padded to i32[num_rows] where the next step's placeholders read them; and
+    `output_counts` with this step's tokens counted."""
     tables = RequestTables(bias=bias, prompt_mask=prompt_mask, output_counts=output_counts)
-    adjust = functools.partial(apply_logits_processors, tables=tables, adj=adj,
-                               prev_tokens=prev_tokens)
+
+    def adjust(logits: jax.Array) -> jax.Array:
+        logits = apply_logits_processors(logits, tables, adj, prev_tokens)
+        # Expanding the mask costs O(Rb * V): skipped at run time when no row has a grammar.
+        return jax.lax.cond(jnp.any(bitmask != -1), apply_token_bitmask, lambda x, _: x,
+                            logits, bitmask)
+
     out = sample_impl(logits_fn(params, hidden[rows]), md, max_logprobs=max_logprobs,
                       adjust=adjust)
     tokens = jnp.zeros(num_rows, jnp.int32).at[: rows.shape[0]].set(out.token_ids)

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from jaxengine.sampling.sampler import SamplingMetadata
 from scheduler import SamplingParams, SamplingParamsError
+
+if TYPE_CHECKING:
+    from jaxengine.structured.matcher import GrammarMatcher
 
 MAX_BANNED = 8  # stop token ids (+ EOS) a request with min_tokens may have
 TOP_K_MAX = 2**31 - 1  # i32 in the metadata; any top_k >= V means "off" to the sampler
@@ -60,6 +64,9 @@ class SamplingRow:
     output_token_ids: Sequence[int] = ()  # outputs on the host: `position`, or one fewer
     # while the last is in flight (async scheduling)
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # of `params.bad_words`
+    # `params.structured_outputs`' matcher, advanced past every output on the host (the runner
+    # fills the row's token bitmask from it when it packs the step); None: no grammar.
+    grammar: GrammarMatcher | None = None
 
 
 def build_sampling_metadata(
