@@ -137,18 +137,20 @@ class _SamplingFields(RequestModel):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
 
-    # Known fields we cannot honour (`jaxengine.server.refused`).
-    use_beam_search: Any = None
-    length_penalty: Any = None
-    prompt_logprobs: Any = None
+    # What constrains the output (`jaxengine.server.structured`, which checks them).
     response_format: Any = None
     structured_outputs: Any = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
-    guided_decoding_backend: Any = None
     guided_whitespace_pattern: Any = None
+
+    # Known fields we cannot honour (`jaxengine.server.refused`).
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    prompt_logprobs: Any = None
+    guided_decoding_backend: Any = None
     logits_processors: Any = None
     spaces_between_special_tokens: Any = None
     cache_salt: Any = None
@@ -187,7 +189,8 @@ class _SamplingFields(RequestModel):
                                "stream_options")
 
     def sampling_params(self, max_tokens: int, logprobs: int | None,
-                        defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+                        defaults: Mapping[str, Any] | None = None, *,
+                        structured_outputs: Any = None) -> SamplingParams:
         """The engine's parameters: each field as the request set it, else the model's default.
 
         Args:
@@ -195,6 +198,7 @@ class _SamplingFields(RequestModel):
           logprobs: top logprobs per token (None: none).
           defaults: the model's defaults by `SamplingParams` field (`diff_sampling_params`);
             only those in `MODEL_DEFAULTED` are taken here.
+          structured_outputs: the output constraint (`jaxengine.server.structured`).
         Raises:
           RequestError: a value `SamplingParams` refuses, naming the request's field.
         """
@@ -210,7 +214,8 @@ class _SamplingFields(RequestModel):
                 presence_penalty=self.presence_penalty or 0.0,
                 frequency_penalty=self.frequency_penalty or 0.0,
                 logit_bias=self._logit_bias(), allowed_token_ids=self.allowed_token_ids,
-                bad_words=self.bad_words, **unset, **chosen)
+                bad_words=self.bad_words, structured_outputs=structured_outputs, **unset,
+                **chosen)
         except SamplingParamsError as e:
             raise self.request_error(e) from None
 
@@ -376,7 +381,7 @@ class ChatCompletionRequest(ChatTemplateFields, _SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     echo: bool = False  # vLLM: the last message's content before the reply, if the assistant's
-    tool_choice: Any = None
+    tool_choice: Any = None  # "none", "required" or {"type": "function", "function": {...}}
     parallel_tool_calls: Any = None
     functions: Any = None
     function_call: Any = None
@@ -397,14 +402,8 @@ class ChatCompletionRequest(ChatTemplateFields, _SamplingFields):
     # chat's `logprobs` is a switch; the count SamplingParams calls logprobs is top_logprobs
     PARAM_NAMES: ClassVar[dict[str, str]] = {"logprobs": "top_logprobs"}
 
-    def check_supported(self) -> None:
-        """The shared checks, and tool_choice's: "auto" (the default with tools) needs a tool
-        parser, so tools are accepted with tool_choice "none" only."""
-        if self.tools and self.tool_choice is None:
-            raise RequestError(f"tools without tool_choice means tool_choice \"auto\", which "
-                               f"is not supported ({refused.CHAT['tool_choice'].reason})",
-                               "tool_choice")
-        super().check_supported()
+    # tool_choice ("none", "required" or a named tool; "auto" is refused) is checked with the
+    # fields that constrain the output, in `jaxengine.server.structured`.
 
     def requested_max_tokens(self) -> int | None:
         """`max_completion_tokens`, else the deprecated `max_tokens`."""

@@ -2,7 +2,7 @@
 
 Nothing is silently ignored: a field the request models do not declare is a 400 naming it
 (`extra="forbid"`), and each field here is declared on its model but refused with a 400 naming
-it unless its value asks for nothing (`neutral`: e.g. `tool_choice: "none"`,
+it unless its value asks for nothing (`neutral`: e.g. `function_call: "none"`,
 `response_format: {"type": "text"}`, `use_beam_search: false`). `None` is always neutral.
 """
 
@@ -19,23 +19,14 @@ class Refused(NamedTuple):
     reason: str
 
 
-_STRUCTURED = "structured outputs (guided decoding) are not available in this server yet"
-
 # Fields of both /v1/completions and /v1/chat/completions (vLLM's names).
 COMMON: Mapping[str, Refused] = {
     "use_beam_search": Refused((False,), "beam search is not available; leave it false"),
     "length_penalty": Refused((1.0,), "it applies to beam search only, which is not "
                                       "available; leave it at 1.0"),
     "prompt_logprobs": Refused((), "prompt logprobs are not available in the engine yet"),
-    "response_format": Refused(({"type": "text"},), _STRUCTURED + "; only "
-                                                    "{\"type\": \"text\"} is accepted"),
-    "structured_outputs": Refused((), _STRUCTURED),
-    "guided_json": Refused((), _STRUCTURED),
-    "guided_regex": Refused((), _STRUCTURED),
-    "guided_choice": Refused((), _STRUCTURED),
-    "guided_grammar": Refused((), _STRUCTURED),
-    "guided_decoding_backend": Refused((), _STRUCTURED),
-    "guided_whitespace_pattern": Refused((), _STRUCTURED),
+    "guided_decoding_backend": Refused(("auto", "guidance"), "structured outputs always use "
+                                       "llguidance; leave it unset (or \"guidance\")"),
     "logits_processors": Refused((), "custom logits processors are not available"),
     "spaces_between_special_tokens": Refused(
         (True,), "the detokenizer always joins special tokens as the tokenizer does; leave "
@@ -56,18 +47,15 @@ COMPLETION: Mapping[str, Refused] = {
     "prompt_embeds": Refused((), "prompt embeddings are not accepted; send text or token ids"),
 }
 
-_TOOLS = ("tool calls need a tool parser or structured outputs, neither available yet; send "
-          "tool_choice \"none\" (the tools are then only shown to the model by its chat "
-          "template)")
-
 CHAT: Mapping[str, Refused] = {
     **COMMON,
-    "tool_choice": Refused(("none",), _TOOLS),
-    "parallel_tool_calls": Refused((), "tool calls are not available"),
-    "functions": Refused(([],), "the deprecated functions API is not available; tool calls "
-                                "are not either"),
+    "parallel_tool_calls": Refused((), "it is not honoured: with tool_choice \"required\" the "
+                                       "model makes one call or more; leave it unset"),
+    "functions": Refused(([],), "the deprecated functions API is not available; send tools "
+                                "and a named or \"required\" tool_choice"),
     "function_call": Refused(("none",), "the deprecated functions API is not available"),
-    "structural_tag": Refused((), _STRUCTURED),
+    "structural_tag": Refused((), "structural tags are not supported; constrain the output "
+                                  "with response_format, structured_outputs or guided_*"),
     "reasoning_effort": Refused((), "this server has no reasoning controls"),
     "include_reasoning": Refused((True,), "this server has no reasoning parser: the reasoning "
                                           "text, if any, is part of the content"),

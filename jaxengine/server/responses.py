@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from jaxengine.engine.outputs import Logprob, RequestOutput
+from jaxengine.server.structured import ToolChoice, tool_call_id
 
 Kind = Literal["completion", "chat"]
 
@@ -37,6 +38,7 @@ class _Sent:
     tokens: int = 0  # logprob entries
     text_offset: int = 0  # completions' logprobs.text_offset of the next token
     echoed: bool = False  # its echo (the prompt's text) went out
+    tool_call: bool = False  # a named tool's call opened (its id and name went out)
 
 
 @dataclass(slots=True)
@@ -53,6 +55,7 @@ class Formatter:
     request_id: str
     echo: Sequence[str] = ()  # per choice, the text before its own (vLLM's `echo`)
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: "token_id:N" tokens
+    tool_choice: ToolChoice | None = None  # chat: the output is tool calls (structured.py)
     created: int = field(default_factory=lambda: int(time.time()))
     sent: dict[int, _Sent] = field(default_factory=dict)
 
@@ -70,9 +73,9 @@ class Formatter:
             if self.kind == "completion":
                 choice: dict[str, Any] = {"index": i, "text": text, "logprobs": logprobs}
             else:
-                choice = {"index": i, "message": {"role": "assistant", "content": text},
-                          "logprobs": logprobs}
-            choice.update(finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                choice = {"index": i, "message": self._message(text), "logprobs": logprobs}
+            choice.update(finish_reason=self._finish_reason(c.finish_reason, choice),
+                          stop_reason=c.stop_reason)
             choices.append(choice)
         return {**self._header(chunk=False), "choices": choices,
                 "usage": usage(prompt_tokens, outs)}
@@ -112,8 +115,7 @@ class Formatter:
         if self.kind == "completion":
             choice: dict[str, Any] = {"index": index, "text": text, "logprobs": logprobs}
         else:
-            choice = {"index": index, "delta": {"content": text} if text else {},
-                      "logprobs": logprobs}
+            choice = {"index": index, "delta": self._delta(sent, text), "logprobs": logprobs}
         choice.update(finish_reason=c.finish_reason, stop_reason=c.stop_reason)
         body = {**self._header(chunk=True), "choices": [choice]}
         if usage_so_far is not None:
@@ -125,6 +127,36 @@ class Formatter:
         return {**self._header(chunk=True), "choices": [], "usage": usage(prompt_tokens, outs)}
 
     # ---- pieces ------------------------------------------------------------------------
+
+    def _message(self, text: str) -> dict[str, Any]:
+        """A chat reply: its text, or its tool calls (content null) when a tool was asked
+        for and the text holds them."""
+        calls = None if self.tool_choice is None else self.tool_choice.tool_calls(text)
+        if calls is None:
+            return {"role": "assistant", "content": text}
+        return {"role": "assistant", "content": None, "tool_calls": calls}
+
+    def _finish_reason(self, reason: str | None, choice: dict[str, Any]) -> str | None:
+        """vLLM's: "tool_calls" for tool_choice "required" that stopped with its calls; a
+        named tool's call keeps the engine's reason."""
+        required = self.tool_choice is not None and self.tool_choice.name is None
+        if required and reason == "stop" and "tool_calls" in choice.get("message", {}):
+            return "tool_calls"
+        return reason
+
+    def _delta(self, sent: _Sent, text: str) -> dict[str, Any]:
+        """A streamed chat delta: text, or for a named tool the arguments' new text (vLLM's
+        stream: the first delta opens the call with its id and name)."""
+        if not text:
+            return {}
+        if self.tool_choice is None or self.tool_choice.name is None:
+            return {"content": text}
+        call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
+        if not sent.tool_call:
+            sent.tool_call = True
+            call = {"index": 0, "id": tool_call_id(), "type": "function",
+                    "function": {"name": self.tool_choice.name, "arguments": text}}
+        return {"tool_calls": [call]}
 
     def _sent_of(self, index: int) -> _Sent:
         return self.sent.setdefault(index, _Sent())

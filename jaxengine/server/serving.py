@@ -7,6 +7,7 @@ at the next step. A non-streamed request polls for a disconnect while it waits.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -32,6 +33,8 @@ from jaxengine.server.protocol import (
     resolve_max_tokens,
 )
 from jaxengine.server.responses import Formatter, Kind, random_id, sse, usage, usage_of_choice
+from jaxengine.server.structured import ToolChoice, structured_outputs_of
+from jaxengine.structured.params import StructuredOutputsParams
 from scheduler import SamplingParams, SamplingParamsError
 
 logger = logging.getLogger("jaxengine.server")
@@ -72,6 +75,8 @@ class OpenAIServing:
     async def completions(self, body: CompletionRequest, raw: Request) -> Response:
         """POST /v1/completions."""
         self._check(body)
+        so, _ = structured_outputs_of(body)
+        await self._compile(so, body)
         children, echo = [], []
         prompts = completion_prompts(body, self.tokenizer)
         for prompt in prompts:
@@ -81,7 +86,7 @@ class OpenAIServing:
                                             self.max_model_len, prompt_param="prompt",
                                             default=self._default_max_tokens)
             params = body.sampling_params(max_tokens, body.logprobs,
-                                          self.default_sampling_params)
+                                          self.default_sampling_params, structured_outputs=so)
             text = prompt_text(prompt, self.tokenizer,
                                skip_special_tokens=body.skip_special_tokens) if body.echo else ""
             for child in body.child_params(params):
@@ -95,6 +100,12 @@ class OpenAIServing:
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response:
         """POST /v1/chat/completions."""
         self._check(body)
+        so, tool_choice = structured_outputs_of(body, body.tool_choice, body.tools)
+        if tool_choice is not None and tool_choice.name is None and body.stream:
+            raise RequestError("streaming with tool_choice \"required\" is not supported (the "
+                               "calls are parsed from the whole output); send stream=false, "
+                               "or name the tool", "stream")
+        await self._compile(so, body)
         prompt = truncated(chat_prompt(body, self.tokenizer), body.truncate_prompt_tokens,
                            self.tokenizer)
         ids = prompt["prompt_token_ids"]
@@ -102,11 +113,23 @@ class OpenAIServing:
                                         self.max_model_len, prompt_param="messages",
                                         default=self._default_max_tokens)
         params = body.sampling_params(max_tokens, body.num_logprobs(),
-                                      self.default_sampling_params)
+                                      self.default_sampling_params, structured_outputs=so)
         children = [(prompt, child) for child in body.child_params(params)]
         return await self._generate("chat", body, children, raw,
                                     echo=[body.echo_text()] * len(children),
-                                    prompt_tokens=len(ids), with_logprobs=body.logprobs)
+                                    prompt_tokens=len(ids), with_logprobs=body.logprobs,
+                                    tool_choice=tool_choice)
+
+    async def _compile(self, so: StructuredOutputsParams | None, body: Any) -> None:
+        """Compile the request's grammar for the tokenizer before it is queued (off the event
+        loop), so a grammar llguidance refuses is a 400; the engine finds it in the cache."""
+        engine = self.engine.engine
+        if so is None or not hasattr(type(engine), "grammar_compiler"):
+            return  # a data-parallel engine: each replica's add_request compiles it
+        try:
+            await asyncio.to_thread(lambda: engine.grammar_compiler.compile(so))
+        except SamplingParamsError as e:  # StructuredOutputsError, or no tokenizer
+            raise body.request_error(e) from None
 
     @property
     def _default_max_tokens(self) -> int | None:
@@ -114,8 +137,8 @@ class OpenAIServing:
 
     async def _generate(self, kind: Kind, body: Any,
                         children: Sequence[tuple[EnginePrompt, SamplingParams]], raw: Request, *,
-                        echo: Sequence[str], prompt_tokens: int, with_logprobs: bool
-                        ) -> Response:
+                        echo: Sequence[str], prompt_tokens: int, with_logprobs: bool,
+                        tool_choice: ToolChoice | None = None) -> Response:
         """Submit one engine request per choice and respond (SSE when `body.stream`)."""
         # vLLM's `_base_request_id`: the X-Request-Id header, else the body's request_id
         base = raw.headers.get("x-request-id") or body.request_id
@@ -135,7 +158,7 @@ class OpenAIServing:
         except EngineDeadError as e:
             return error_response(str(e), code=503)
         fmt = Formatter(kind, self.model_name, self.tokenizer, request_id, echo=echo,
-                        tokens_as_ids=body.return_tokens_as_token_ids)
+                        tokens_as_ids=body.return_tokens_as_token_ids, tool_choice=tool_choice)
         if body.stream:
             events = _events(group, fmt, with_logprobs=with_logprobs, prompt_tokens=prompt_tokens,
                              include_usage=body.include_usage,
