@@ -173,8 +173,9 @@ def test_memory_is_bounded_for_8k_contexts():
     assert memory.temp_size_in_bytes < 128 * 2**20
 
 
-# Fixed shapes for the property test, so hypothesis examples share one compilation.
-PROP_T, PROP_R, PROP_PAGES, PROP_MAX_BLOCKS, PROP_L = 96, 6, 130, 30, 4
+# Fixed shapes for the property test, so hypothesis examples share one compilation. They fit
+# the largest batch `batches` draws: 5 requests of up to 116 tokens, 29 pages each (+ page 0).
+PROP_T, PROP_R, PROP_PAGES, PROP_MAX_BLOCKS, PROP_L = 96, 6, 150, 30, 4
 # Small loop steps, so items and decodes straddle steps (the defaults fit these in one).
 _reference_fixed = jax.jit(
     lambda *a: ragged_paged_attention(*a, sm_scale=8**-0.5, block_q=4, pages_per_chunk=3,
