@@ -132,3 +132,23 @@ def test_structured_outputs_need_the_models_tokenizer() -> None:
     assert e.value.param == "structured_outputs"
     with pytest.raises(SamplingParamsError, match="StructuredOutputsParams"):
         _engine().add_request("r", "x", SamplingParams(structured_outputs={"regex": "a"}))
+
+
+@pytest.mark.slow
+def test_the_default_model_answers_in_json_under_a_schema() -> None:
+    from jaxengine.llm import LLM
+
+    llm = LLM(max_num_batched_tokens=256, max_num_seqs=4, max_model_len=512,
+              num_gpu_blocks_override=128)  # SmolLM2, its byte-level BPE tokenizer
+    schema = {"type": "object", "properties": {
+        "city": {"type": "string", "maxLength": 20},
+        "population_millions": {"type": "number", "minimum": 0, "maximum": 50}},
+        "required": ["city", "population_millions"], "additionalProperties": False}
+    so = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    messages = [{"role": "user", "content": "What is the capital of France? Answer in JSON."}]
+    out = llm.chat(messages, SamplingParams(max_tokens=60, temperature=0.0,
+                                            structured_outputs=so), use_tqdm=False)[0]
+    c = out.outputs[0]
+    assert c.finish_reason == "stop", c.text
+    answer = json.loads(c.text)
+    assert set(answer) == {"city", "population_millions"} and "Paris" in answer["city"]
