@@ -89,6 +89,18 @@ def test_async_gives_the_sync_outputs_with_grammars_and_nothing_compiles_after_w
         assert e.runner.stats.compilations_after_warmup == 0
 
 
+def test_preempted_grammar_requests_resume_where_they_were() -> None:
+    # 11 usable blocks of 4 tokens for about 60 tokens of work: requests are preempted
+    # (recomputed) mid-grammar; their matchers keep their place, in both loops.
+    tight = dict(num_gpu_blocks_override=12, max_num_seqs=6, max_model_len=40)
+    sync = _engine(async_scheduling=False, **tight)
+    out_sync = _run(sync)
+    _check(out_sync)
+    asyn = _engine(async_scheduling=True, **tight)
+    assert _run(asyn) == out_sync
+    assert sync.state.stats.num_preemptions + asyn.state.stats.num_preemptions > 0
+
+
 def test_a_request_waits_for_its_grammar_and_others_run_meanwhile() -> None:
     engine = _engine(async_scheduling=False)
     slow: Future = Future()  # a compilation that has not finished
