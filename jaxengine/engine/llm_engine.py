@@ -16,8 +16,9 @@ Structured outputs (docs/DESIGN.md, "Structured outputs"): `add_request` submits
 the engine's `GrammarCompiler` and the request waits as WAITING_FOR_FSM; each `step()` first
 passes the finished compilations to `grammars_ready`. The runner fills the bitmask rows from the
 requests' matchers, which accept every sampled token before the scheduler's update. A step
-whose batch samples a grammar request does not overlap under async scheduling: its bitmask
-needs the token of the step before, so that step is collected first.
+whose batch samples a grammar request overlaps less under async scheduling: its bitmask
+needs the token of the step before, so its forward is dispatched, that step collected while
+the forward runs, and its sampler dispatched last (vLLM's order).
 """
 
 from __future__ import annotations
@@ -265,14 +266,16 @@ class LLMEngine:
         dropped, self._dropped = self._dropped, set()
         self._in_flight_plan = plan
         if prev is not None and self._samples_a_grammar(plan):
-            # The bitmasks of this step need the tokens of the step in flight: collect it
-            # first (its tokens still fill this step's placeholders on the device).
+            # The bitmasks of this step need the tokens of the step in flight (vLLM's order):
+            # dispatch this step's forward, collect that step while it runs, then sample.
             tracked = {r: self._tracked[r] for r in plan.sampling_req_ids}
+            forward = self.runner.dispatch_forward(plan, prev)
             self.state = state
             outputs = self._update(state, before, prev.plan, self.runner.collect(prev),
                                    dropped=dropped)
-            self._in_flight = self.runner.dispatch(plan, self._sampling_rows(plan, tracked),
-                                                   prev)
+            assert forward is not None  # the plan samples a request
+            self._in_flight = self.runner.dispatch_sample(forward,
+                                                          self._sampling_rows(plan, tracked))
             return failed + outputs
         self._in_flight = self.runner.dispatch(plan, self._sampling_rows(plan), prev)
         self.state = state

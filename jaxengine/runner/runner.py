@@ -107,6 +107,20 @@ class InFlight:
     total: int  # scheduled (real) tokens
 
 
+@dataclass(frozen=True, slots=True)
+class Forward:
+    """A dispatched model step whose sampler is not dispatched yet (`Runner.dispatch_forward`)."""
+
+    plan: SchedulerOutput
+    order: list[str]  # the plan's requests, in batch order
+    hidden: jax.Array  # [R, D] hidden rows, on the device
+    prev: InFlight | None  # the step its placeholders read
+    started: float  # perf_counter() at dispatch
+    compiles_before: int  # compilations counted at dispatch
+    num_tokens: int  # the token bucket
+    total: int  # scheduled (real) tokens
+
+
 @dataclass(slots=True)
 class RunnerStats:
     """Counters over the runner's life (host side, cheap)."""
@@ -276,6 +290,14 @@ class Runner:
         Raises:
           ValueError: a placeholder for a request that `prev` does not sample.
         """
+        forward = self.dispatch_forward(out, prev)
+        return None if forward is None else self.dispatch_sample(forward, rows)
+
+    def dispatch_forward(self, out: SchedulerOutput, prev: InFlight | None = None
+                         ) -> Forward | None:
+        """`dispatch`'s first half: enqueue the model step only (None if the plan schedules
+        nothing). The host may then collect `prev` and build the rows (a grammar's bitmask
+        needs `prev`'s tokens) while the device runs it; `dispatch_sample` finishes the step."""
         order = list(out.num_scheduled_tokens)
         if not order:
             return None
@@ -285,10 +307,18 @@ class Runner:
         prev_tokens = self._no_tokens if prev is None else prev.tokens
         self.kv, hidden = _jitted_step(self.model.params, self.kv, batch, prev_tokens, fill,
                                        **self._step_statics)
-        result, tokens = self._draw(hidden, order, out.sampling_req_ids, rows, prev)
-        step = InFlight(plan=out, rows=rows, result=result, tokens=tokens, started=t0,
-                        num_tokens=len(batch.input_ids), total=int(batch.query_start_loc[-1]))
-        self._account_compiles(before, time.perf_counter() - t0, step.num_tokens)
+        return Forward(plan=out, order=order, hidden=hidden, prev=prev, started=t0,
+                       compiles_before=before, num_tokens=len(batch.input_ids),
+                       total=int(batch.query_start_loc[-1]))
+
+    def dispatch_sample(self, forward: Forward, rows: Mapping[str, SamplingRow]) -> InFlight:
+        """`dispatch`'s second half: enqueue the sampler of a dispatched model step."""
+        f = forward
+        result, tokens = self._draw(f.hidden, f.order, f.plan.sampling_req_ids, rows, f.prev)
+        step = InFlight(plan=f.plan, rows=rows, result=result, tokens=tokens, started=f.started,
+                        num_tokens=f.num_tokens, total=f.total)
+        self._account_compiles(f.compiles_before, time.perf_counter() - f.started,
+                               step.num_tokens)
         return step
 
     def collect(self, step: InFlight) -> dict[str, SampledToken]:
