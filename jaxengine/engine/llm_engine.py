@@ -30,6 +30,8 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
+import jax
+
 from jaxengine.engine.args import EngineArgs
 from jaxengine.engine.detokenizer import IncrementalDetokenizer, StreamingTokenizer
 from jaxengine.engine.outputs import RequestMetrics, RequestOutput
@@ -210,7 +212,10 @@ class LLMEngine:
             detokenizer=detok, metrics=RequestMetrics(arrival_time=arrival),
             bad_words_token_ids=bad_words)
         if params.structured_outputs is not None:  # WAITING_FOR_FSM until it compiles
-            self._compiling[request_id] = self.grammar_compiler.submit(params.structured_outputs)
+            future = self.grammar_compiler.submit(params.structured_outputs)
+            if jax.process_count() > 1:  # multi-host lockstep: every host must see the grammar
+                concurrent.futures.wait([future])  # ready at the same step, so wait for it
+            self._compiling[request_id] = future
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
         """Finish requests now and free their KV blocks; unknown ids are ignored.

@@ -434,19 +434,23 @@ def jaxengine_model_step(params: Any, kv: jax.Array, batch: ModelBatch, prev_tok
 
 def jaxengine_sample(params: Any, hidden: jax.Array, rows: jax.Array, md: SamplingMetadata,
                      adj: LogitsAdjustments, bias: jax.Array, prompt_mask: jax.Array,
-                     output_counts: jax.Array, prev_tokens: jax.Array, bitmask: jax.Array, *,
+                     output_counts: jax.Array, prev_tokens: jax.Array,
+                     bitmask: jax.Array | None = None, *,
                      logits_fn: Callable, max_logprobs: int, num_rows: int,
                      token_sharding: NamedSharding | None
                      ) -> tuple[SamplerOutput, jax.Array, jax.Array]:
     """Logits of the sampling rows (`hidden[rows]`, f32[Rb, V]), penalties and biases (the
     `RequestTables` fields, [S, V]; `prev_tokens` i32[R], the step in flight's), the grammars'
-    token bitmask (i32[Rb, ceil(V/32)], all ones: unconstrained), then one token each; the
+    token bitmask (i32[Rb, ceil(V/32)], all ones: unconstrained; the runner always passes one,
+    None is a program without it for callers with no grammars), then one token each; the
     tokens again, padded to i32[num_rows] where the next step's placeholders read them; and
     `output_counts` with this step's tokens counted."""
     tables = RequestTables(bias=bias, prompt_mask=prompt_mask, output_counts=output_counts)
 
     def adjust(logits: jax.Array) -> jax.Array:
         logits = apply_logits_processors(logits, tables, adj, prev_tokens)
+        if bitmask is None:
+            return logits
         # Expanding the mask costs O(Rb * V): skipped at run time when no row has a grammar.
         return jax.lax.cond(jnp.any(bitmask != -1), apply_token_bitmask, lambda x, _: x,
                             logits, bitmask)
