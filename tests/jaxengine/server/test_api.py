@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import httpx
 import openai
@@ -12,23 +11,8 @@ import pytest
 from tests.jaxengine.server.test_harness import (
     MODEL_NAME,
     RunningServer,
-    shared_server,
     wait_until_idle,
 )
-
-
-@pytest.fixture(scope="module")
-def server(pytestconfig: pytest.Config) -> RunningServer:
-    return shared_server(pytestconfig)
-
-
-@pytest.fixture(scope="module")
-def client(server: RunningServer) -> Iterator[openai.OpenAI]:
-    # trust_env=False: never route loopback traffic through a proxy from the environment.
-    # Closed at the end: an unclosed socket is a ResourceWarning, an error under pytest here.
-    with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0,
-                       timeout=120, http_client=httpx.Client(trust_env=False)) as client:
-        yield client
 
 
 def test_health_and_models(server: RunningServer, client: openai.OpenAI) -> None:

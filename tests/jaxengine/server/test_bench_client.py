@@ -14,7 +14,6 @@ import pytest
 from tests.jaxengine.server.test_harness import (
     MODEL_NAME,
     RunningServer,
-    shared_server,
     wait_until_idle,
 )
 
@@ -32,11 +31,6 @@ BODIES = {
                              {"type": "text", "text": "benchmark prompt"}]}],
                          "stream": True, "stream_options": {"include_usage": True}},
 }
-
-
-@pytest.fixture(scope="module")
-def server(pytestconfig: pytest.Config) -> RunningServer:
-    return shared_server(pytestconfig)
 
 
 @pytest.mark.parametrize("endpoint", list(BODIES))

@@ -5,7 +5,6 @@ server with the official `openai` client."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -15,7 +14,6 @@ import pytest
 from tests.jaxengine.server.test_harness import (
     MODEL_NAME,
     RunningServer,
-    shared_server,
     wait_until_idle,
 )
 
@@ -23,18 +21,6 @@ GREEDY: dict[str, Any] = {"model": MODEL_NAME, "temperature": 0.0,
                           "extra_body": {"ignore_eos": True}}
 SAMPLED: dict[str, Any] = {"model": MODEL_NAME, "temperature": 1.0,
                            "extra_body": {"ignore_eos": True}}
-
-
-@pytest.fixture(scope="module")
-def server(pytestconfig: pytest.Config) -> RunningServer:
-    return shared_server(pytestconfig)
-
-
-@pytest.fixture(scope="module")
-def client(server: RunningServer) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0,
-                       timeout=120, http_client=httpx.Client(trust_env=False)) as client:
-        yield client
 
 
 def _texts(out: Any) -> list[str]:

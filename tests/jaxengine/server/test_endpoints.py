@@ -9,14 +9,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.jaxengine.server.test_harness import MODEL_NAME, RunningServer, shared_server
+from tests.jaxengine.server.test_harness import MODEL_NAME, RunningServer
 
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
-
-
-@pytest.fixture(scope="module")
-def server(pytestconfig: pytest.Config) -> RunningServer:
-    return shared_server(pytestconfig)
 
 
 @pytest.fixture(scope="module")

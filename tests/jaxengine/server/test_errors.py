@@ -13,7 +13,6 @@ import pytest
 from tests.jaxengine.server.test_harness import (
     MODEL_NAME,
     RunningServer,
-    shared_server,
     wait_until_idle,
 )
 
@@ -77,11 +76,6 @@ BAD: list[tuple[str, Any, str | None]] = [
     ("chat/completions", _raw({**GOOD_CHAT, "stream": True, "messages": [
         {"role": "user", "content": [{"type": "text", "text": "hi " + LONE}]}]}), "messages"),
 ]
-
-
-@pytest.fixture(scope="module")
-def server(pytestconfig: pytest.Config) -> RunningServer:
-    return shared_server(pytestconfig)
 
 
 def _post(server: RunningServer, endpoint: str, body: Any) -> httpx.Response:

@@ -12,7 +12,7 @@ from openai.types.chat import completion_create_params as chat_create_params
 
 from jaxengine.server import refused
 from jaxengine.server.protocol import ChatCompletionRequest, CompletionRequest
-from tests.jaxengine.server.test_harness import MODEL_NAME, RunningServer, shared_server
+from tests.jaxengine.server.test_harness import MODEL_NAME, RunningServer
 
 GOOD = {"completions": {"model": MODEL_NAME, "prompt": "ok", "max_tokens": 2,
                         "ignore_eos": True},
@@ -31,11 +31,6 @@ NEUTRAL: list[tuple[str, str, Any]] = [
     ("chat/completions", "include_reasoning", True), ("chat/completions", "bad_words", []),
     ("chat/completions", "prompt_cache_retention", "in_memory"),
 ]
-
-
-@pytest.fixture(scope="module")
-def server(pytestconfig: pytest.Config) -> RunningServer:
-    return shared_server(pytestconfig)
 
 
 def _post(server: RunningServer, endpoint: str, body: dict[str, Any]) -> httpx.Response:

@@ -11,7 +11,6 @@ from jaxengine.server.protocol import ChatCompletionRequest, CompletionRequest
 from tests.jaxengine.server.test_harness import (
     MODEL_NAME,
     RunningServer,
-    shared_server,
     wait_until_idle,
 )
 
@@ -22,11 +21,6 @@ def test_the_body_gives_user_and_tenant_only_where_set() -> None:
     chat = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], user="u2")
     assert chat.metadata_of_request() == {"user": "u2"}
     assert CompletionRequest(prompt="x").metadata_of_request() == {}
-
-
-@pytest.fixture(scope="module")
-def server(pytestconfig: pytest.Config) -> RunningServer:
-    return shared_server(pytestconfig)
 
 
 def test_metadata_reaches_the_engines_requests(server: RunningServer,

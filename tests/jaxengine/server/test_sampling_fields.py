@@ -3,7 +3,6 @@ would, through the real server with the official `openai` client (greedy on the 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -11,22 +10,10 @@ import openai
 import pytest
 
 from jaxengine.server.protocol import CompletionRequest
-from tests.jaxengine.server.test_harness import MODEL_NAME, RunningServer, shared_server
+from tests.jaxengine.server.test_harness import MODEL_NAME, RunningServer
 
 PROMPT = "the cat sat on the mat and the cat"
 N = 24
-
-
-@pytest.fixture(scope="module")
-def server(pytestconfig: pytest.Config) -> RunningServer:
-    return shared_server(pytestconfig)
-
-
-@pytest.fixture(scope="module")
-def client(server: RunningServer) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0,
-                       timeout=120, http_client=httpx.Client(trust_env=False)) as client:
-        yield client
 
 
 def _ids(client: openai.OpenAI, **extra: Any) -> list[int]:

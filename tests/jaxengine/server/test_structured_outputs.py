@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -21,7 +20,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.jaxengine.server.test_harness import MODEL_NAME, RunningServer, shared_server
+from tests.jaxengine.server.test_harness import MODEL_NAME, RunningServer
 
 NO_SPACE = {"4": -100, "99": -100}
 CLOSE_SOON = {**NO_SPACE, "97": 30, "65": 30}
@@ -36,18 +35,6 @@ WEATHER = {"type": "function", "function": {"name": "weather", "parameters": {
 TIME = {"type": "function", "function": {"name": "time", "parameters": {
     "type": "object", "properties": {"zone": {"enum": ["utc", "cet"]}}, "required": ["zone"],
     "additionalProperties": False}}}
-
-
-@pytest.fixture(scope="module")
-def server(pytestconfig: pytest.Config) -> RunningServer:
-    return shared_server(pytestconfig)
-
-
-@pytest.fixture(scope="module")
-def client(server: RunningServer) -> Iterator[openai.OpenAI]:
-    with openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0,
-                       timeout=120, http_client=httpx.Client(trust_env=False)) as client:
-        yield client
 
 
 def _chat(client: openai.OpenAI, seed: int, **kw: Any) -> Any:
