@@ -1,17 +1,26 @@
-"""Suite-wide setup: JAX's persistent compilation cache in a fresh temporary directory.
+"""Suite-wide setup: JAX's persistent compilation cache in a fresh temporary directory, and
+compiled programs freed after each test module.
 
 The engine turns the cache on by default (`jaxengine/runner/compilation_cache.py`), and child
 processes (serve, the CLI) inherit the setting. A directory of its own per run keeps the suite
 from writing into the user's ~/.cache and from depending on entries a stale run left behind; the
 cache itself still runs, as it does for users. To run warm or without it, set
 JAXENGINE_COMPILATION_CACHE_DIR yourself (a directory, or '' to disable): it is left alone.
+
+Every program XLA compiles on CPU keeps memory mappings for its code until it is freed, and a
+process may hold at most vm.max_map_count of them (65530 here): the whole suite in one process
+reached ~62 000 and then crashed (SIGSEGV in the next compilation's serialization). Clearing
+jax's caches after each module lets the programs of finished modules go.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import shutil
+import sys
 import tempfile
+from collections.abc import Iterator
 
 import pytest
 
@@ -35,3 +44,13 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     for path in _made:
         shutil.rmtree(path, ignore_errors=True)
         os.environ.pop(CACHE_ENV, None)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs() -> Iterator[None]:
+    """After each module, drop jax's caches of compiled programs (if jax was imported)."""
+    yield
+    jax = sys.modules.get("jax")
+    if jax is not None:
+        jax.clear_caches()
+        gc.collect()
