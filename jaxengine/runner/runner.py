@@ -48,7 +48,7 @@ from jaxengine.sampling.penalty_inputs import WRITE_SLOT_NAME, PenaltyInputs
 from jaxengine.sampling.request_tables import RequestTables, record_tokens
 from jaxengine.sampling.sampler import SamplerOutput, SamplingMetadata, sample_impl
 from jaxengine.structured.apply import apply_token_bitmask
-from jaxengine.structured.bitmask import allocate_bitmask, fill_bitmasks
+from jaxengine.structured.bitmask import allocate_bitmask, bitmask_width, fill_bitmasks
 from scheduler import PLACEHOLDER_TOKEN_ID, SchedulerOutput
 
 logger = logging.getLogger("jaxengine.runner")
@@ -229,7 +229,7 @@ class Runner:
                 md = jax.tree.map(_spec, build_sampling_metadata([], size))
                 adj = jax.tree.map(_spec, build_adjustments([], [], [], [], size))
                 t = self.penalties.spec()
-                mask = jax.ShapeDtypeStruct(allocate_bitmask(size, self.model.vocab_size).shape,
+                mask = jax.ShapeDtypeStruct((size, bitmask_width(self.model.vocab_size)),
                                             np.int32, sharding=self._token_sharding)
                 _jitted_sample.lower(params, hidden, rows, md, adj, t.bias, t.prompt_mask,
                                      t.output_counts, prev, mask,
@@ -304,7 +304,7 @@ class Runner:
         before, t0 = self.compilations(), time.perf_counter()
         self.penalties.slots.release(out.finished_req_ids)  # before a reused id asks for one
         batch, fill = self._pack(out, order, prev)
-        prev_tokens = self._no_tokens if prev is None else prev.tokens
+        prev_tokens = self._prev_tokens(prev)
         self.kv, hidden = _jitted_step(self.model.params, self.kv, batch, prev_tokens, fill,
                                        **self._step_statics)
         return Forward(plan=out, order=order, hidden=hidden, prev=prev, started=t0,
@@ -367,6 +367,11 @@ class Runner:
                 fill[hole] = sampled_by_prev[rid]
         return batch, fill
 
+    def _prev_tokens(self, prev: InFlight | None) -> jax.Array:
+        """i32[R]: the tokens the step in flight samples (zeros of the same sharding without
+        one), which the step's placeholders and the sampler's penalty counts read."""
+        return self._no_tokens if prev is None else prev.tokens
+
     def _draw(self, hidden: jax.Array, order: Sequence[str], sampling_ids: Sequence[str],
               rows: Mapping[str, SamplingRow], prev: InFlight | None
               ) -> tuple[SamplerOutput | None, jax.Array]:
@@ -380,7 +385,7 @@ class Runner:
         row_index[: len(sampling_ids)] = [where[r] for r in sampling_ids]
         batch_rows = [rows[r] for r in sampling_ids]
         md = build_sampling_metadata(batch_rows, size, max_banned=MAX_BANNED)
-        prev_tokens = self._no_tokens if prev is None else prev.tokens
+        prev_tokens = self._prev_tokens(prev)
         adj = self.penalties.adjustments(sampling_ids, rows, size,
                                          () if prev is None else prev.plan.sampling_req_ids,
                                          prev_tokens)
