@@ -24,11 +24,12 @@ def prefix_cache_hit(state: SchedulerState, request: Request) -> int:
         request: a request not necessarily in `state` (its prompt, any outputs it arrives
             with, and its `cache_salt` are what count).
     Returns:
-        A whole number of blocks, in tokens: 0 with prefix caching off, and at most
+        A whole number of blocks, in tokens: 0 with prefix caching off or for a request that
+        skips reading it (`skip_reading_prefix_cache`: prompt logprobs), and at most
         `(num_tokens - 1) // block_size` blocks.
     """
     cfg = state.config
-    if not cfg.enable_prefix_caching:
+    if not cfg.enable_prefix_caching or request.skip_reading_prefix_cache:
         return 0
     tokens = request.all_token_ids
     count = num_hittable_blocks(len(tokens), cfg.block_size)

@@ -43,7 +43,7 @@ _FINISH_REASONS = {
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Request:
-    """One request: what was asked (first nine fields) and how far it has got.
+    """One request: what was asked (first eleven fields) and how far it has got.
 
     Progress is two counters, never phase flags: `num_tokens` (prompt + outputs) and
     `num_computed_tokens` (tokens whose KV is in the cache). Users create requests with the
@@ -63,6 +63,9 @@ class Request:
     # Its output follows a grammar that must be compiled first: it waits as WAITING_FOR_FSM
     # until `grammars_ready` names it (docs/SCHEDULING.md §12).
     use_structured_output: bool = False
+    # Admission never reads the prefix cache for it (vLLM V1's name): a cached position would
+    # have no prompt logprobs. None: True exactly when `sampling_params.prompt_logprobs` is set.
+    skip_reading_prefix_cache: bool | None = None
     output_token_ids: tuple[int, ...] = ()  # sampled so far
     spec_token_ids: tuple[int, ...] = ()  # draft tokens to verify in the next step
     num_computed_tokens: int = 0  # tokens with KV in the cache
@@ -75,6 +78,9 @@ class Request:
         object.__setattr__(self, "prompt_token_ids", tuple(self.prompt_token_ids))
         object.__setattr__(self, "output_token_ids", tuple(self.output_token_ids))
         object.__setattr__(self, "spec_token_ids", tuple(self.spec_token_ids))
+        if self.skip_reading_prefix_cache is None:
+            object.__setattr__(self, "skip_reading_prefix_cache",
+                               self.sampling_params.prompt_logprobs is not None)
         if type(self.metadata) is not RequestMetadata:  # a copy keeps it read-only
             object.__setattr__(self, "metadata", RequestMetadata(self.metadata,
                                                                  owner=self.request_id))

@@ -60,6 +60,10 @@ class SamplingParams:
     min_p: float = 0.0  # drop tokens below min_p * p(max)
     seed: int | None = None  # per-request seed: same seed, same tokens
     logprobs: int | None = None  # top-n logprobs per output token (None: none)
+    # top-n logprobs of each prompt token given the ones before it (None: none); such a request
+    # does not read the prefix cache (vLLM's skip_reading_prefix_cache), so every position has
+    # them
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False  # keep the matched stop string in the text
     skip_special_tokens: bool = True  # leave special tokens out of the output text
     presence_penalty: float = 0.0  # in [-2, 2]: minus this once for a token in the output
@@ -146,9 +150,10 @@ def _check_sampling(sp: SamplingParams) -> None:
     if sp.seed is not None and not (_is_int(sp.seed) and SEED_MIN <= sp.seed <= SEED_MAX):
         raise _fail("seed", sp.seed, f"seed must be an integer in [{SEED_MIN}, {SEED_MAX}] "
                                      f"(int64, as vLLM), or None; got {sp.seed!r}")
-    if sp.logprobs is not None and (not _is_int(sp.logprobs) or sp.logprobs < 0):
-        raise _fail("logprobs", sp.logprobs,
-                    f"logprobs must be an integer >= 0 or None, got {sp.logprobs!r}")
+    for name in ("logprobs", "prompt_logprobs"):
+        v = getattr(sp, name)
+        if v is not None and (not _is_int(v) or v < 0):
+            raise _fail(name, v, f"{name} must be an integer >= 0 or None, got {v!r}")
 
 
 def _check_stops(sp: SamplingParams) -> None:

@@ -286,7 +286,9 @@ def _find_computed(w: Work, st: _Step, rid: str,
     num_computed = w.computed[rid]  # > 0 only once an asynchronous load is taken up
     if num_computed:
         return [], num_computed, None
-    hit = w.kv.find_cached_prefix(rid, w.tokens[rid], num_tokens, req.cache_salt)
+    # vLLM's skip_reading_prefix_cache (prompt logprobs): its every position is computed
+    hit = [] if req.skip_reading_prefix_cache else w.kv.find_cached_prefix(
+        rid, w.tokens[rid], num_tokens, req.cache_salt)
     num_hit = len(hit) * w.config.block_size
     if st.connector is None:
         return hit, num_hit, (num_hit, None)
@@ -336,9 +338,11 @@ def _fits_whole(w: Work, rid: str, num_tokens: int, hit: list[int]) -> bool:
 def _count_lookup(w: Work, rid: str, num_tokens: int, num_hit: int,
                   num_external: int | None) -> None:
     """Count an admission's prefix-cache lookup (and, with a connector, what it supplied)."""
-    prefix = "preempted_" if w.static[rid].status == RequestStatus.PREEMPTED else ""
-    w.counters[prefix + "prefix_cache_queries"] += num_tokens
-    w.counters[prefix + "prefix_cache_hits"] += num_hit
+    req = w.static[rid]
+    if not req.skip_reading_prefix_cache:  # vLLM counts no lookup it skips
+        prefix = "preempted_" if req.status == RequestStatus.PREEMPTED else ""
+        w.counters[prefix + "prefix_cache_queries"] += num_tokens
+        w.counters[prefix + "prefix_cache_hits"] += num_hit
     if num_external is not None:
         w.counters["connector_prefix_cache_queries"] += num_tokens - num_hit
         w.counters["connector_prefix_cache_hits"] += num_external

@@ -1,6 +1,8 @@
 """Automatic prefix caching: block ids, free-queue order, the hit cap, eviction, salts, counters."""
 
-from scheduler import SchedulerConfig, add_request
+import dataclasses
+
+from scheduler import SchedulerConfig, add_request, prefix_cache_hit
 
 from .util import req, state_with, step
 
@@ -116,3 +118,35 @@ def test_block_hashes_chain_and_salt_only_the_first_block():
     assert hashes[1] == hash_block(hashes[0], tokens[16:32])  # chained, unsalted
     assert extend_block_hashes(hashes[:1], tokens, 2, 16, "s") == hashes[1:]
     assert extend_block_hashes([], tokens, 1, 16, None)[0] != hashes[0]
+
+
+def test_a_request_with_prompt_logprobs_skips_reading_the_cache_but_fills_it():
+    # vLLM's skip_reading_prefix_cache: every prompt position is computed (it has logprobs),
+    # no lookup is counted, and its own blocks still enter the cache for later requests.
+    s = state_with(CFG, req("A", PROMPT, 1))
+    s, _, _ = step(s)
+    asked = req("B", PROMPT, 2, prompt_logprobs=1)
+    assert asked.skip_reading_prefix_cache and not req("C", PROMPT, 1).skip_reading_prefix_cache
+    assert prefix_cache_hit(s, asked) == 0 and prefix_cache_hit(s, req("C", PROMPT, 1)) == 8
+    s = add_request(s, asked)
+    s, out, _ = step(s)
+    assert out.num_computed_tokens["B"] == 0 and out.num_scheduled_tokens["B"] == 10
+    assert out.block_tables["B"] == (3, 4, 5)  # from the free head: not A's cached 1 and 2
+    assert s.stats.prefix_cache_queries == 10 and s.stats.prefix_cache_hits == 0  # A's only
+    s = add_request(s, req("C", PROMPT, 1))
+    s, out, _ = step(s)
+    assert out.num_computed_tokens["C"] == 8
+    assert s.stats.prefix_cache_queries == 20 and s.stats.prefix_cache_hits == 8
+
+
+def test_skip_reading_prefix_cache_can_be_set_either_way():
+    assert req("A", PROMPT, 1, prompt_logprobs=0).skip_reading_prefix_cache
+    forced = dataclasses.replace(req("A", PROMPT, 1), skip_reading_prefix_cache=True)
+    s = state_with(CFG, req("X", PROMPT, 1))
+    s, _, _ = step(s)
+    s, out, _ = step(add_request(s, forced))
+    assert out.num_computed_tokens["A"] == 0
+    reading = dataclasses.replace(req("B", PROMPT, 1, prompt_logprobs=2),
+                                  skip_reading_prefix_cache=False)
+    s, out, _ = step(add_request(s, reading))
+    assert out.num_computed_tokens["B"] == 8

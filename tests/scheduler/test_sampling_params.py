@@ -35,6 +35,8 @@ BAD: list[tuple[dict[str, Any], str, str]] = [
     (dict(seed=-(2**63) - 1), "seed", "int64"),
     (dict(seed="7"), "seed", "seed"),
     (dict(logprobs=-1), "logprobs", ">= 0"),
+    (dict(prompt_logprobs=-2), "prompt_logprobs", ">= 0"),
+    (dict(prompt_logprobs=1.5), "prompt_logprobs", ">= 0"),
     (dict(stop=[""]), "stop", "non-empty"),
     (dict(stop=["ok", 3]), "stop", "non-empty strings"),
     (dict(stop_token_ids=[1, -2]), "stop_token_ids", "token ids"),
