@@ -35,6 +35,7 @@ import jax
 from jaxengine.engine.args import EngineArgs
 from jaxengine.engine.detokenizer import IncrementalDetokenizer, StreamingTokenizer
 from jaxengine.engine.outputs import RequestMetrics, RequestOutput
+from jaxengine.engine.prompt_logprobs import record_prompt_logprobs
 from jaxengine.engine.request_state import TrackedRequest
 from jaxengine.engine.stats import IterationStats, StatLogger
 from jaxengine.loading.tokenizer import Tokenizer
@@ -265,7 +266,9 @@ class LLMEngine:
         state, plan = schedule(before)
         self._note_scheduled(plan)
         if not self.args.async_scheduling:
-            sampled = self.runner.execute(plan, self._sampling_rows(plan))  # pack, run, sample
+            step = self.runner.dispatch(plan, self._sampling_rows(plan))  # pack, run, sample
+            sampled = {} if step is None else self.runner.collect(step)
+            self._take_prompt_logprobs(step)
             return failed + self._update(state, before, plan, sampled, dropped=set())
         prev = self._in_flight
         dropped, self._dropped = self._dropped, set()
@@ -276,6 +279,7 @@ class LLMEngine:
             tracked = {r: self._tracked[r] for r in plan.sampling_req_ids}
             forward = self.runner.dispatch_forward(plan, prev)
             self.state = state
+            self._take_prompt_logprobs(prev, dropped)
             outputs = self._update(state, before, prev.plan, self.runner.collect(prev),
                                    dropped=dropped)
             assert forward is not None  # the plan samples a request
@@ -288,8 +292,17 @@ class LLMEngine:
             self._record(IterationStats.between(before.counters, state.counters,
                                                 timestamp=time.time()))
             return failed
+        self._take_prompt_logprobs(prev, dropped)
         return failed + self._update(state, before, prev.plan, self.runner.collect(prev),
                                      dropped=dropped)
+
+    def _take_prompt_logprobs(self, step: InFlight | None, dropped: set[str] | None = None
+                              ) -> None:
+        """Record the prompt logprobs a collected step computed (before its outputs; not
+        those of `dropped`, requests that left while it was in flight)."""
+        if step is not None:
+            record_prompt_logprobs(self._tracked, self.runner.collect_prompt_logprobs(step),
+                                   skip=dropped or ())
 
     def _samples_a_grammar(self, plan: SchedulerOutput) -> bool:
         return any(self._tracked[r].grammar is not None for r in plan.sampling_req_ids)

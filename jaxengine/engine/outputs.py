@@ -16,6 +16,8 @@ class Logprob:
 
 # One dict per output token: the sampled token and the top-n, by token id.
 SampleLogprobs = list[dict[int, Logprob]]
+# One entry per prompt token: None for the first, then the prompt token and the top-n (vLLM's).
+PromptLogprobs = list[dict[int, Logprob] | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,3 +87,6 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
+    # SamplingParams.prompt_logprobs' (None unless set): the positions computed so far, all
+    # of them once the prompt is processed (such a request never reads the prefix cache)
+    prompt_logprobs: PromptLogprobs | None = None

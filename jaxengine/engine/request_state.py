@@ -12,7 +12,13 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from jaxengine.engine.detokenizer import IncrementalDetokenizer
-from jaxengine.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from jaxengine.engine.outputs import (
+    CompletionOutput,
+    Logprob,
+    PromptLogprobs,
+    RequestMetrics,
+    RequestOutput,
+)
 from jaxengine.engine.stats import FinishedRequestStats
 from jaxengine.runner.runner import SampledToken
 from jaxengine.structured.matcher import GrammarMatcher
@@ -39,6 +45,12 @@ class TrackedRequest:
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # params.bad_words, tokenized
     # params.structured_outputs' matcher once its grammar compiled (None before, or without)
     grammar: GrammarMatcher | None = None
+    # params.prompt_logprobs' entries so far ([None] at first; None when not asked for)
+    prompt_logprobs: PromptLogprobs | None = None
+
+    def __post_init__(self) -> None:
+        if self.prompt_logprobs is None and self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
 
     def on_scheduled(self, now: float, num_computed_before: int) -> None:
         """Record the first time the request is scheduled (and its prefix-cache hit)."""
@@ -126,4 +138,5 @@ class TrackedRequest:
         return RequestOutput(
             request_id=self.request_id, prompt=self.prompt,
             prompt_token_ids=list(self.prompt_token_ids), outputs=[completion],
-            finished=finished, metrics=self.metrics, num_cached_tokens=self.num_cached_tokens)
+            finished=finished, metrics=self.metrics, num_cached_tokens=self.num_cached_tokens,
+            prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs))

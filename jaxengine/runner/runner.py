@@ -45,6 +45,12 @@ from jaxengine.sampling.logits_processors import (
 )
 from jaxengine.sampling.metadata import MAX_BANNED, SamplingRow, build_sampling_metadata
 from jaxengine.sampling.penalty_inputs import WRITE_SLOT_NAME, PenaltyInputs
+from jaxengine.sampling.prompt_logprob_inputs import (
+    PromptLogprobChunk,
+    PromptLogprobInputs,
+    PromptSpan,
+)
+from jaxengine.sampling.prompt_logprobs import PromptLogprobs, prompt_logprobs
 from jaxengine.sampling.request_tables import RequestTables, record_tokens
 from jaxengine.sampling.sampler import SamplerOutput, SamplingMetadata, sample_impl
 from jaxengine.structured.apply import apply_token_bitmask
@@ -105,6 +111,7 @@ class InFlight:
     started: float  # perf_counter() at dispatch
     num_tokens: int  # the token bucket
     total: int  # scheduled (real) tokens
+    prompt_logprobs: _PromptInFlight | None = None  # None: no position asked for them
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +126,11 @@ class Forward:
     compiles_before: int  # compilations counted at dispatch
     num_tokens: int  # the token bucket
     total: int  # scheduled (real) tokens
+    prompt_logprobs: _PromptInFlight | None = None  # None: no position asked for them
+
+
+# A step's prompt logprobs on the device, its targets i32[T] and each asking request's span.
+_PromptInFlight = tuple[PromptLogprobs, np.ndarray, Mapping[str, PromptSpan]]
 
 
 @dataclass(slots=True)
@@ -167,10 +179,13 @@ class Runner:
         # sampler input per step; batches without a grammar reuse one all-ones array per bucket.
         self._all_allowed: dict[int, jax.Array] = {}
         self.grammar_executor: Any = None  # llguidance.LLExecutor: fills rows in parallel
+        # Requests that asked for prompt logprobs, each step's targets (sampling/prompt_logprob*)
+        self.prompt_logprobs = PromptLogprobInputs()
 
         # The model's functions are static arguments of module-level jitted functions, so
         # runners over the same model object share compiled executables.
-        self._step_statics = dict(step_fn=model.step)
+        self._step_statics = dict(step_fn=model.step, logits_fn=model.compute_logits,
+                                  max_logprobs=config.max_logprobs)
         self._sample_statics = dict(logits_fn=model.compute_logits,
                                     max_logprobs=config.max_logprobs,
                                     num_rows=config.max_num_seqs,
@@ -209,7 +224,7 @@ class Runner:
         prev = jax.ShapeDtypeStruct(self._no_tokens.shape, np.int32,
                                     sharding=self._token_sharding)
         hidden = jax.eval_shape(step, params, kv, self._batch_spec(16), prev,
-                                self._fill_spec(16))[1]
+                                self._fill_spec(16), self._fill_spec(16))[1]
         # jit's outputs are committed (to their sharding) when an input is: the sampler is
         # compiled for the hidden rows exactly as the step hands them over (on the mesh), or a
         # first real call would compile it again.
@@ -219,7 +234,7 @@ class Runner:
                                                                 WRITE_SLOT_NAME)
             if kind == "step":
                 compiled = _jitted_step.lower(params, kv, self._batch_spec(size), prev,
-                                              self._fill_spec(size),
+                                              self._fill_spec(size), self._fill_spec(size),
                                               **self._step_statics).compile()
                 if committed:
                     hidden = jax.ShapeDtypeStruct(hidden.shape, hidden.dtype,
@@ -303,20 +318,25 @@ class Runner:
             return None
         before, t0 = self.compilations(), time.perf_counter()
         self.penalties.slots.release(out.finished_req_ids)  # before a reused id asks for one
+        self.prompt_logprobs.update(out)
         batch, fill = self._pack(out, order, prev)
+        targets, spans = self.prompt_logprobs.targets(out, order, batch.query_start_loc,
+                                                      len(batch.input_ids))
         prev_tokens = self._prev_tokens(prev)
-        self.kv, hidden = _jitted_step(self.model.params, self.kv, batch, prev_tokens, fill,
-                                       **self._step_statics)
+        self.kv, hidden, plp = _jitted_step(self.model.params, self.kv, batch, prev_tokens,
+                                            fill, targets, **self._step_statics)
         return Forward(plan=out, order=order, hidden=hidden, prev=prev, started=t0,
                        compiles_before=before, num_tokens=len(batch.input_ids),
-                       total=int(batch.query_start_loc[-1]))
+                       total=int(batch.query_start_loc[-1]),
+                       prompt_logprobs=(plp, targets, spans) if spans else None)
 
     def dispatch_sample(self, forward: Forward, rows: Mapping[str, SamplingRow]) -> InFlight:
         """`dispatch`'s second half: enqueue the sampler of a dispatched model step."""
         f = forward
         result, tokens = self._draw(f.hidden, f.order, f.plan.sampling_req_ids, rows, f.prev)
         step = InFlight(plan=f.plan, rows=rows, result=result, tokens=tokens, started=f.started,
-                        num_tokens=f.num_tokens, total=f.total)
+                        num_tokens=f.num_tokens, total=f.total,
+                        prompt_logprobs=f.prompt_logprobs)
         self._account_compiles(f.compiles_before, time.perf_counter() - f.started,
                                step.num_tokens)
         return step
@@ -338,6 +358,15 @@ class Runner:
         s.padded_tokens += step.num_tokens - step.total
         s.step_seconds.append(time.perf_counter() - step.started)
         return out
+
+    @staticmethod
+    def collect_prompt_logprobs(step: InFlight) -> dict[str, PromptLogprobChunk]:
+        """The prompt logprobs a collected step computed, by request (read from the device only
+        when some position of the step asked for them)."""
+        if step.prompt_logprobs is None:
+            return {}
+        result, targets, spans = step.prompt_logprobs
+        return PromptLogprobInputs.read(to_host(result), targets, spans)
 
     def _pack(self, out: SchedulerOutput, order: Sequence[str], prev: InFlight | None
               ) -> tuple[ModelBatch, np.ndarray]:
@@ -426,15 +455,23 @@ class Runner:
 
 
 def jaxengine_model_step(params: Any, kv: jax.Array, batch: ModelBatch, prev_tokens: jax.Array,
-                         fill: jax.Array, *, step_fn: Callable) -> tuple[jax.Array, jax.Array]:
+                         fill: jax.Array, prompt_targets: jax.Array | None = None, *,
+                         step_fn: Callable, logits_fn: Callable | None = None,
+                         max_logprobs: int = 0) -> tuple[Any, ...]:
     """The model step, then the hidden rows at `logits_indices` ([R, D], a fixed shape).
 
     Placeholder inputs (`fill` >= 0, i32[T]) take `prev_tokens[fill]` (i32[R]: the previous
-    step's sampled tokens, still on the device).
+    step's sampled tokens, still on the device). With `prompt_targets` (i32[T], the prompt
+    token each position predicts, -1: none; the runner always passes them, None is a program
+    without them) a third output: the `PromptLogprobs` of the T positions, with `max_logprobs`
+    top ones, from `logits_fn` (jaxengine/sampling/prompt_logprobs.py; skipped at run time
+    when no position has a target).
     """
     ids = jnp.where(fill >= 0, prev_tokens[jnp.maximum(fill, 0)], batch.input_ids)
     kv, hidden = step_fn(params, kv, replace(batch, input_ids=ids))
-    return kv, hidden[batch.logits_indices]
+    extra = () if prompt_targets is None else (
+        prompt_logprobs(logits_fn, params, hidden, prompt_targets, num_top=max_logprobs),)
+    return kv, hidden[batch.logits_indices], *extra
 
 
 def jaxengine_sample(params: Any, hidden: jax.Array, rows: jax.Array, md: SamplingMetadata,
@@ -470,9 +507,11 @@ def jaxengine_sample(params: Any, hidden: jax.Array, rows: jax.Array, md: Sampli
 
 
 # Static: the model's functions (a different model is a different program), the logprobs
-# width and R (output shapes), and where the tokens go. The KV cache is donated so the step
+# width (of the sampler's and the step's prompt-logprobs outputs) and R (output shapes), and
+# where the tokens go. The KV cache is donated so the step
 # updates it in place, and the output counts so the sampler does.
-_jitted_step = jax.jit(jaxengine_model_step, static_argnames=("step_fn",),
+_jitted_step = jax.jit(jaxengine_model_step, static_argnames=("step_fn", "logits_fn",
+                                                             "max_logprobs"),
                        donate_argnames=("kv",))
 _jitted_sample = jax.jit(jaxengine_sample, static_argnames=(
     "logits_fn", "max_logprobs", "num_rows", "token_sharding"), donate_argnames=("output_counts",))

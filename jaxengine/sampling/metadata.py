@@ -24,16 +24,18 @@ def validate_sampling_params(sp: SamplingParams, *, max_logprobs: int,
 
     Args:
       sp: the request's parameters.
-      max_logprobs: the engine's cap on `logprobs`.
+      max_logprobs: the engine's cap on `logprobs` and `prompt_logprobs`.
       vocab_size: when known, the token ids of stop_token_ids, logit_bias and
         allowed_token_ids must be below it.
     Raises:
       SamplingParamsError: naming the field (`param`) and saying what to change.
     """
-    if sp.logprobs is not None and sp.logprobs > max_logprobs:
-        raise SamplingParamsError(
-            f"logprobs must be in [0, max_logprobs={max_logprobs}] (the engine's cap), got "
-            f"{sp.logprobs}", param="logprobs", value=sp.logprobs)
+    for name in ("logprobs", "prompt_logprobs"):
+        n = getattr(sp, name)
+        if n is not None and n > max_logprobs:
+            raise SamplingParamsError(
+                f"{name} must be in [0, max_logprobs={max_logprobs}] (the engine's cap), got "
+                f"{n}", param=name, value=n)
     # The banned-token array has a fixed width, so that it never recompiles the sampler.
     if sp.min_tokens > 0 and len(sp.stop_token_ids) + 1 > MAX_BANNED:
         raise SamplingParamsError(

@@ -86,9 +86,10 @@ def test_precompiled_runner_never_compiles_again_and_donates_the_cache() -> None
     fake, config = fake_model(V), _config(debug_recompiles=True)
     steps = len(token_buckets(config.max_num_batched_tokens)) + 1
     samplers = len(request_buckets(config.max_num_seqs))
+    # compute_logits: once per sampler, and once per step (its prompt-logprobs branch)
     model = dataclasses.replace(fake, step=chex.assert_max_traces(fake.step, n=steps),
                                 compute_logits=chex.assert_max_traces(fake.compute_logits,
-                                                                      n=samplers))
+                                                                      n=samplers + steps))
     runner = Runner(model, config)
     writers = compile_count(WRITE_SLOT_NAME)
     runner.precompile(progress=False)
