@@ -31,7 +31,18 @@ from jaxengine.engine.args import EngineArgs
 CHOICES = {"dtype": engine_args_module.DTYPES,
            "scheduling_policy": tuple(scheduler.POLICIES),
            "attention_backend": engine_args_module.ATTENTION_BACKENDS}
-_SCALARS = {"int": int, "float": float, "str": str}
+def _json_dict(text: str) -> dict[str, Any]:
+    """A flag's JSON object (`--speculative-config '{"method": "ngram", ...}'`)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object {{...}}, got {text!r}")
+    return value
+
+
+_SCALARS = {"int": int, "float": float, "str": str, "dict[str, Any]": _json_dict}
 BENCH_SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "throughput.py"
 
 

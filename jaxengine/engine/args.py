@@ -7,6 +7,7 @@ import difflib
 from typing import Any
 
 import scheduler
+from jaxengine.spec.config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16")
 ATTENTION_BACKENDS = ("reference", "tpu", "gpu")
@@ -53,7 +54,12 @@ class EngineArgs:
         None, "compile every token/request bucket at startup; None: LLM() does, with a progress "
               "bar, a bare LLMEngine does not (serve always warms up before /health is 200)")
     async_scheduling: bool = _arg(True, "schedule step N+1 on the host while the device runs "
-                                        "step N (same outputs as the synchronous loop)")
+                                        "step N (same outputs as the synchronous loop); off "
+                                        "under speculative_config")
+    speculative_config: dict[str, Any] | None = _arg(
+        None, "speculative decoding, vLLM's dict (JSON on the command line), e.g. "
+              '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, '
+              '"prompt_lookup_max": 4}; None: off')
     compilation_cache_dir: str | None = _arg(
         None, "directory of JAX's persistent compilation cache (process-wide); None: "
               "$JAXENGINE_COMPILATION_CACHE_DIR, else JAX's own setting, else "
@@ -96,6 +102,8 @@ class EngineArgs:
         for name in ("max_num_partial_prefills", "max_long_partial_prefills"):
             _check_int(name, getattr(self, name), minimum=1)
         _check_distributed(self)
+        if self.speculative_config is not None:
+            SpeculativeConfig.from_dict(self.speculative_config)  # raises naming the key
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
@@ -113,6 +121,13 @@ class EngineArgs:
                 hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
             raise ValueError(f"unknown engine argument(s): {', '.join(hints)}")
         return cls(**kwargs)
+
+    @property
+    def resolved_speculative_config(self) -> SpeculativeConfig | None:
+        """`speculative_config` parsed (None: no speculative decoding)."""
+        if self.speculative_config is None:
+            return None
+        return SpeculativeConfig.from_dict(self.speculative_config)
 
     def resolved_max_num_batched_tokens(self, max_model_len: int) -> int:
         """The token budget: as given, else 2048 (or max_model_len when prefill is unchunked)."""

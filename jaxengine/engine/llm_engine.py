@@ -24,6 +24,7 @@ the forward runs, and its sampler dispatched last (vLLM's order).
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import random
 import time
@@ -44,6 +45,8 @@ from jaxengine.runner.compiles import debug_recompiles_from_env
 from jaxengine.runner.runner import InFlight, Runner, RunnerConfig, SampledToken
 from jaxengine.sampling.bad_words import tokenize_bad_words
 from jaxengine.sampling.metadata import SamplingRow, validate_sampling_params
+from jaxengine.spec.metrics import SpecDecodingStats
+from jaxengine.spec.speculator import Speculator
 from jaxengine.structured.compiler import CompiledGrammar, GrammarCompiler
 from jaxengine.structured.params import StructuredOutputsError, StructuredOutputsParams
 from scheduler import (
@@ -101,6 +104,10 @@ class LLMEngine:
           num_blocks: KV pages in the pool, including the null block 0.
           stat_loggers: receivers of each step's statistics (e.g. `jaxengine.metrics`').
         """
+        spec = args.resolved_speculative_config
+        if spec is not None and args.async_scheduling:
+            logger.info("speculative decoding runs the synchronous loop: async_scheduling off")
+            args = dataclasses.replace(args, async_scheduling=False)
         self.args = args
         self.tokenizer = tokenizer
         self.vocab_size = model.vocab_size
@@ -120,7 +127,11 @@ class LLMEngine:
             max_model_len=max_model_len, block_size=args.block_size, num_blocks=num_blocks,
             max_logprobs=args.max_logprobs,
             intermediate_token_buckets=args.intermediate_token_buckets,
-            debug_recompiles=args.debug_recompiles or debug_recompiles_from_env()))
+            debug_recompiles=args.debug_recompiles or debug_recompiles_from_env(),
+            num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens))
+        self.speculator = None if spec is None else Speculator(
+            spec, max_model_len=max_model_len,
+            eos_token_id=None if tokenizer is None else tokenizer.eos_token_id)
         if args.precompile:
             self.runner.precompile()
         self._seeds = random.Random(args.seed)
@@ -267,9 +278,13 @@ class LLMEngine:
         self._note_scheduled(plan)
         if not self.args.async_scheduling:
             step = self.runner.dispatch(plan, self._sampling_rows(plan))  # pack, run, sample
-            sampled = {} if step is None else self.runner.collect(step)
+            sampled = {} if step is None else self.runner.collect_rows(step)
             self._take_prompt_logprobs(step)
-            return failed + self._update(state, before, plan, sampled, dropped=set())
+            spec_stats = None
+            if self.speculator is not None:  # keep the accepted drafts' tokens
+                sampled, spec_stats = self.speculator.verify(plan, sampled, self._tracked)
+            return failed + self._update(state, before, plan, sampled, dropped=set(),
+                                         spec_decoding=spec_stats)
         prev = self._in_flight
         dropped, self._dropped = self._dropped, set()
         self._in_flight_plan = plan
@@ -280,7 +295,7 @@ class LLMEngine:
             forward = self.runner.dispatch_forward(plan, prev)
             self.state = state
             self._take_prompt_logprobs(prev, dropped)
-            outputs = self._update(state, before, prev.plan, self.runner.collect(prev),
+            outputs = self._update(state, before, prev.plan, self.runner.collect_rows(prev),
                                    dropped=dropped)
             assert forward is not None  # the plan samples a request
             self._in_flight = self.runner.dispatch_sample(forward,
@@ -293,7 +308,7 @@ class LLMEngine:
                                                 timestamp=time.time()))
             return failed
         self._take_prompt_logprobs(prev, dropped)
-        return failed + self._update(state, before, prev.plan, self.runner.collect(prev),
+        return failed + self._update(state, before, prev.plan, self.runner.collect_rows(prev),
                                      dropped=dropped)
 
     def _take_prompt_logprobs(self, step: InFlight | None, dropped: set[str] | None = None
@@ -329,18 +344,25 @@ class LLMEngine:
         return self.abort_request(failed) if failed else []
 
     def _update(self, state: SchedulerState, before: SchedulerState, plan: SchedulerOutput,
-                sampled: dict[str, SampledToken], *, dropped: set[str]) -> list[RequestOutput]:
-        """Take one step's tokens (of `plan`) into `state`; its outputs. Stale tokens (of
-        requests that left while the step was in flight) are dropped first."""
+                sampled: dict[str, list[SampledToken]], *, dropped: set[str],
+                spec_decoding: SpecDecodingStats | None = None) -> list[RequestOutput]:
+        """Take one step's tokens (of `plan`; per request one, or its accepted drafts' too)
+        into `state`, with the next step's drafts; its outputs. Stale tokens (of requests that
+        left while the step was in flight) are dropped first."""
         if dropped:
             sampled = {r: t for r, t in sampled.items() if r not in dropped}
         self._accept_grammar_tokens(sampled)
         stopped = self._detokenize(sampled)  # before update: a stop string ends the request there
+        drafts = (None if self.speculator is None
+                  else self.speculator.propose(self._tracked, sampled, stopped))
         self.state, deltas = update_from_output(
-            state, plan, {rid: [t.token_id] for rid, t in sampled.items()}, stopped=stopped)
+            state, plan, {rid: [t.token_id for t in ts] for rid, ts in sampled.items()}, drafts,
+            stopped=stopped)
         stats = IterationStats.between(before.counters, self.state.counters,
                                        timestamp=time.time())
-        outputs = [self._apply(d, sampled.get(d.request_id), stats) for d in deltas]
+        stats.spec_decoding = spec_decoding
+        outputs = [self._apply(d, (sampled.get(d.request_id) or [None])[0], stats)
+                   for d in deltas]
         self._record(stats)
         return outputs
 
@@ -377,22 +399,27 @@ class LLMEngine:
                                     grammar=t.grammar)
         return rows
 
-    def _accept_grammar_tokens(self, sampled: Mapping[str, SampledToken]) -> None:
+    def _accept_grammar_tokens(self, sampled: Mapping[str, Sequence[SampledToken]]) -> None:
         """Advance each grammar past its request's sampled token (before the update: a
-        terminated grammar has accepted the EOS the scheduler stops on)."""
-        for rid, token in sampled.items():
+        terminated grammar has accepted the EOS the scheduler stops on; a grammar request
+        gets no drafts, so it has one)."""
+        for rid, (token, *_) in sampled.items():
             grammar = self._tracked[rid].grammar
             if grammar is not None and not grammar.accept_tokens([token.token_id]):
                 logger.warning("request %r: the grammar refused sampled token %d: %s", rid,
                                token.token_id, grammar.error)
 
-    def _detokenize(self, sampled: Mapping[str, SampledToken]) -> dict[str, str]:
-        """Decode each sampled token; request id -> the stop string it completed."""
+    def _detokenize(self, sampled: Mapping[str, list[SampledToken]]) -> dict[str, str]:
+        """Decode each sampled token in order; request id -> the stop string one completed
+        (the tokens after it are cut from its list: never emitted)."""
         stopped = {}
-        for rid, token in sampled.items():
-            hit = self._tracked[rid].detokenize(token.token_id)
-            if hit is not None:
-                stopped[rid] = hit
+        for rid, tokens in sampled.items():
+            for i, token in enumerate(tokens):
+                hit = self._tracked[rid].detokenize(token.token_id)
+                if hit is not None:
+                    stopped[rid] = hit
+                    del tokens[i + 1:]
+                    break
         return stopped
 
     def _apply(self, delta: RequestDelta, sampled: SampledToken | None,

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from jaxengine.engine.outputs import RequestMetrics
+from jaxengine.spec.metrics import SpecDecodingStats
 from scheduler import SchedulerCounters, SchedulerStats
 
 
@@ -44,6 +45,7 @@ class IterationStats:
     time_to_first_tokens: list[float] = field(default_factory=list)  # s, one per first token
     inter_token_latencies: list[float] = field(default_factory=list)  # s since the last token
     finished_requests: list[FinishedRequestStats] = field(default_factory=list)
+    spec_decoding: SpecDecodingStats | None = None  # drafts verified (None: none this step)
 
     @classmethod
     def between(cls, before: SchedulerCounters, after: SchedulerCounters, *,

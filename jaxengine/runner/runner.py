@@ -53,6 +53,7 @@ from jaxengine.sampling.prompt_logprob_inputs import (
 from jaxengine.sampling.prompt_logprobs import PromptLogprobs, prompt_logprobs
 from jaxengine.sampling.request_tables import RequestTables, record_tokens
 from jaxengine.sampling.sampler import SamplerOutput, SamplingMetadata, sample_impl
+from jaxengine.spec.verify import gather_indices, sampler_rows
 from jaxengine.structured.apply import apply_token_bitmask
 from jaxengine.structured.bitmask import allocate_bitmask, bitmask_width, fill_bitmasks
 from scheduler import PLACEHOLDER_TOKEN_ID, SchedulerOutput
@@ -75,6 +76,7 @@ class RunnerConfig:
     max_logprobs: int = 20  # n of the top-logprobs output
     intermediate_token_buckets: bool = False  # add 1.5x buckets: less padding, more compiles
     debug_recompiles: bool = False  # raise RecompileError on a compilation after warm-up
+    num_speculative_tokens: int = 0  # K: drafts a request may verify per step (jaxengine/spec)
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size"):
@@ -84,11 +86,19 @@ class RunnerConfig:
             raise ValueError(f"num_blocks must be >= 2 (block 0 is null), got {self.num_blocks}")
         if self.max_logprobs < 0:
             raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        if self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got "
+                             f"{self.num_speculative_tokens}")
 
     @property
     def max_blocks_per_seq(self) -> int:
         """Width of `block_tables`: pages of the longest sequence."""
         return -(-self.max_model_len // self.block_size)
+
+    @property
+    def max_num_rows(self) -> int:
+        """Hidden rows a step keeps, the sampler's largest bucket: R * (1 + K)."""
+        return self.max_num_seqs * (1 + self.num_speculative_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +117,9 @@ class InFlight:
     plan: SchedulerOutput
     rows: Mapping[str, SamplingRow]  # of plan.sampling_req_ids
     result: SamplerOutput | None  # device arrays; None when nobody samples
-    tokens: jax.Array  # i32[R]  sampled tokens in sampling_req_ids order, zeros after
+    tokens: jax.Array  # i32[R * (1 + K)]  sampled tokens in `row_ids` order, zeros after
+    row_ids: tuple[str, ...]  # the request of each sampler row: sampling_req_ids, each
+    # followed by one row per draft it verifies (jaxengine/spec/verify.py)
     started: float  # perf_counter() at dispatch
     num_tokens: int  # the token bucket
     total: int  # scheduled (real) tokens
@@ -120,7 +132,7 @@ class Forward:
 
     plan: SchedulerOutput
     order: list[str]  # the plan's requests, in batch order
-    hidden: jax.Array  # [R, D] hidden rows, on the device
+    hidden: jax.Array  # [R * (1 + K), D] hidden rows, on the device
     prev: InFlight | None  # the step its placeholders read
     started: float  # perf_counter() at dispatch
     compiles_before: int  # compilations counted at dispatch
@@ -161,7 +173,7 @@ class Runner:
         self.config = config
         self.token_buckets = token_buckets(config.max_num_batched_tokens,
                                            intermediate=config.intermediate_token_buckets)
-        self.request_buckets = request_buckets(config.max_num_seqs)
+        self.request_buckets = request_buckets(config.max_num_rows)
         self.kv = model.init_kv(config.num_blocks, config.block_size)
         self.stats = RunnerStats()
         self.warm = False
@@ -171,7 +183,7 @@ class Runner:
         sharding = getattr(self.kv, "sharding", None)
         self._token_sharding = (NamedSharding(sharding.mesh, PartitionSpec())
                                 if isinstance(sharding, NamedSharding) else None)
-        self._no_tokens = self._put(np.zeros(config.max_num_seqs, np.int32))
+        self._no_tokens = self._put(np.zeros(config.max_num_rows, np.int32))
         # Penalty/bias rows of the requests that use them (sampling/penalty_inputs.py).
         self.penalties = PenaltyInputs(config.max_num_seqs, model.vocab_size, put=self._put,
                                        sharding=self._token_sharding)
@@ -188,7 +200,7 @@ class Runner:
                                   max_logprobs=config.max_logprobs)
         self._sample_statics = dict(logits_fn=model.compute_logits,
                                     max_logprobs=config.max_logprobs,
-                                    num_rows=config.max_num_seqs,
+                                    num_rows=config.max_num_rows,
                                     token_sharding=self._token_sharding)
 
     # ---- compilation -------------------------------------------------------------------
@@ -274,6 +286,8 @@ class Runner:
         c = self.config
         batch = pack_batch([], num_tokens=num_tokens, max_seqs=c.max_num_seqs,
                            max_blocks=c.max_blocks_per_seq, block_size=c.block_size)
+        if c.num_speculative_tokens:  # the step keeps 1 + K hidden rows per request
+            batch = replace(batch, logits_indices=np.zeros(c.max_num_rows, np.int32))
         return jax.tree.map(_spec, batch)
 
     # ---- one step ----------------------------------------------------------------------
@@ -333,25 +347,32 @@ class Runner:
     def dispatch_sample(self, forward: Forward, rows: Mapping[str, SamplingRow]) -> InFlight:
         """`dispatch`'s second half: enqueue the sampler of a dispatched model step."""
         f = forward
-        result, tokens = self._draw(f.hidden, f.order, f.plan.sampling_req_ids, rows, f.prev)
-        step = InFlight(plan=f.plan, rows=rows, result=result, tokens=tokens, started=f.started,
-                        num_tokens=f.num_tokens, total=f.total,
+        row_ids, result, tokens = self._draw(f.hidden, f.order, f.plan, rows, f.prev)
+        step = InFlight(plan=f.plan, rows=rows, result=result, tokens=tokens, row_ids=row_ids,
+                        started=f.started, num_tokens=f.num_tokens, total=f.total,
                         prompt_logprobs=f.prompt_logprobs)
         self._account_compiles(f.compiles_before, time.perf_counter() - f.started,
                                step.num_tokens)
         return step
 
     def collect(self, step: InFlight) -> dict[str, SampledToken]:
-        """Wait for a dispatched step's tokens; {request id: SampledToken} of its samplers."""
-        out = {}
+        """Wait for a dispatched step's tokens; {request id: SampledToken} of its samplers
+        (each one's first row: the step's token when it verifies no drafts)."""
+        return {r: tokens[0] for r, tokens in self.collect_rows(step).items()}
+
+    def collect_rows(self, step: InFlight) -> dict[str, list[SampledToken]]:
+        """Wait for a dispatched step's tokens; per sampling request the tokens of its rows:
+        one, then one per draft it verifies (`jaxengine.spec.Speculator.verify` keeps the
+        accepted)."""
+        out: dict[str, list[SampledToken]] = {}
         if step.result is not None:
             res = to_host(step.result)  # multi-host: replicated over several processes' devices
-            for i, r in enumerate(step.plan.sampling_req_ids):
+            for i, r in enumerate(step.row_ids):
                 n = step.rows[r].params.logprobs
                 top = tuple(zip(res.top_token_ids[i, :n].tolist(),
                                 res.top_logprobs[i, :n].tolist(), strict=True)) if n else ()
                 lp = None if n is None else float(res.logprobs[i])
-                out[r] = SampledToken(int(res.token_ids[i]), lp, top)
+                out.setdefault(r, []).append(SampledToken(int(res.token_ids[i]), lp, top))
         s = self.stats
         s.steps += 1
         s.computed_tokens += step.total
@@ -382,6 +403,11 @@ class Runner:
         num_tokens = pick_bucket(self.token_buckets, total)
         batch = pack_batch(chunks, num_tokens=num_tokens, max_seqs=c.max_num_seqs,
                            max_blocks=c.max_blocks_per_seq, block_size=c.block_size)
+        if c.num_speculative_tokens:  # also the rows of each request's drafts
+            drafts = out.scheduled_spec_decode_tokens
+            batch = replace(batch, logits_indices=gather_indices(
+                batch.query_start_loc, [len(drafts.get(r, ())) for r in order],
+                num_seqs=c.max_num_seqs, width=1 + c.num_speculative_tokens))
         fill = np.full(num_tokens, -1, np.int32)
         holes = np.flatnonzero(batch.input_ids[:total] == PLACEHOLDER_TOKEN_ID)
         if len(holes):
@@ -401,18 +427,20 @@ class Runner:
         one), which the step's placeholders and the sampler's penalty counts read."""
         return self._no_tokens if prev is None else prev.tokens
 
-    def _draw(self, hidden: jax.Array, order: Sequence[str], sampling_ids: Sequence[str],
+    def _draw(self, hidden: jax.Array, order: Sequence[str], plan: SchedulerOutput,
               rows: Mapping[str, SamplingRow], prev: InFlight | None
-              ) -> tuple[SamplerOutput | None, jax.Array]:
-        """Enqueue the sampler on the hidden rows of `sampling_ids`: (its device results,
-        the tokens padded to i32[R]); (None, no tokens) when nobody samples."""
-        if not sampling_ids:
-            return None, self._no_tokens
+              ) -> tuple[tuple[str, ...], SamplerOutput | None, jax.Array]:
+        """Enqueue the sampler on the hidden rows of the plan's samplers and their drafts:
+        (the request of each row, its device results, the tokens padded to
+        i32[R * (1 + K)]); ((), None, no tokens) when nobody samples."""
+        if not plan.sampling_req_ids:
+            return (), None, self._no_tokens
+        sampling_ids, batch_rows, index = sampler_rows(
+            order, plan.sampling_req_ids, rows, plan.scheduled_spec_decode_tokens,
+            width=1 + self.config.num_speculative_tokens)
         size = pick_bucket(self.request_buckets, len(sampling_ids))
-        where = {r: i for i, r in enumerate(order)}
         row_index = np.zeros(size, np.int32)
-        row_index[: len(sampling_ids)] = [where[r] for r in sampling_ids]
-        batch_rows = [rows[r] for r in sampling_ids]
+        row_index[: len(sampling_ids)] = index
         md = build_sampling_metadata(batch_rows, size, max_banned=MAX_BANNED)
         prev_tokens = self._prev_tokens(prev)
         adj = self.penalties.adjustments(sampling_ids, rows, size,
@@ -424,7 +452,7 @@ class Runner:
             t.output_counts, prev_tokens, self._bitmask(batch_rows, size),
             **self._sample_statics)
         self.penalties.tables = replace(t, output_counts=counts)
-        return out, tokens
+        return tuple(sampling_ids), out, tokens
 
     def _bitmask(self, batch_rows: Sequence[SamplingRow], size: int) -> jax.Array:
         """i32[size, ceil(V/32)] on the device: each row's allowed next tokens from its
@@ -458,7 +486,8 @@ def jaxengine_model_step(params: Any, kv: jax.Array, batch: ModelBatch, prev_tok
                          fill: jax.Array, prompt_targets: jax.Array | None = None, *,
                          step_fn: Callable, logits_fn: Callable | None = None,
                          max_logprobs: int = 0) -> tuple[Any, ...]:
-    """The model step, then the hidden rows at `logits_indices` ([R, D], a fixed shape).
+    """The model step, then the hidden rows at `logits_indices` ([R, D], a fixed shape;
+    [R * (1 + K), D] under speculative decoding: jaxengine/spec/verify.py).
 
     Placeholder inputs (`fill` >= 0, i32[T]) take `prev_tokens[fill]` (i32[R]: the previous
     step's sampled tokens, still on the device). With `prompt_targets` (i32[T], the prompt

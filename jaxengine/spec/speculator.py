@@ -1,0 +1,107 @@
+"""The engine's side of speculative decoding: verify a step's drafts, propose the next ones.
+
+Per step (synchronous loop): the runner samples every row of the plan (`verify.sampler_rows`),
+`Speculator.verify` keeps each request's accepted tokens (`verify.num_accepted`), cut after the
+first one that ends the request (EOS, a stop token id, max_tokens, max_model_len: the
+scheduler's order, so the detokenizer never sees a token the scheduler drops), and counts
+vLLM's `SpecDecodingStats`. After the detokenizer has cut at stop strings, `propose` drafts the
+next step's tokens of each request still going (`update_from_output`'s `draft_token_ids`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Protocol
+
+from jaxengine.spec.config import SpeculativeConfig
+from jaxengine.spec.metrics import SpecDecodingStats
+from jaxengine.spec.ngram import propose_ngram
+from jaxengine.spec.verify import draftable, num_accepted
+from scheduler import SchedulerOutput
+
+if TYPE_CHECKING:
+    from jaxengine.engine.request_state import TrackedRequest
+
+
+class _Token(Protocol):
+    token_id: int
+
+
+class Speculator:
+    """Verifies and proposes drafts for one engine (host side, no device state)."""
+
+    def __init__(self, config: SpeculativeConfig, *, max_model_len: int,
+                 eos_token_id: int | None) -> None:
+        """Args: the parsed `speculative_config`; the engine's max_model_len and EOS id."""
+        self.config = config
+        self.max_model_len = max_model_len
+        self.eos_token_id = eos_token_id
+
+    def verify[T: _Token](self, plan: SchedulerOutput, rows: Mapping[str, Sequence[T]],
+                          tracked: Mapping[str, TrackedRequest]
+                          ) -> tuple[dict[str, list[T]], SpecDecodingStats | None]:
+        """Each request's emitted tokens, and the step's statistics (None without drafts).
+
+        Args:
+          plan: the step's plan (its `scheduled_spec_decode_tokens`).
+          rows: per sampling request, the tokens of its rows (1 + its drafts).
+          tracked: the engine's requests (outputs so far, parameters).
+        """
+        drafted = plan.scheduled_spec_decode_tokens
+        stats = SpecDecodingStats(num_spec_tokens=self.config.num_speculative_tokens)
+        out = {}
+        for rid, tokens in rows.items():
+            drafts = drafted.get(rid, ())
+            a = num_accepted(drafts, [t.token_id for t in tokens])
+            if drafts:
+                stats.observe_draft(len(drafts), a)
+            kept = list(tokens[:a + 1])
+            out[rid] = kept[:self._until_stop(tracked[rid], [t.token_id for t in kept])]
+        return out, stats if stats.num_drafts else None
+
+    def propose(self, tracked: Mapping[str, TrackedRequest],
+                sampled: Mapping[str, Sequence[_Token]], stopped: Mapping[str, str]
+                ) -> dict[str, list[int]]:
+        """Drafts for the next step of each request that sampled `sampled` now (not yet in
+        `tracked`) and may get them (`verify.draftable`), at most K and no more than its
+        max_tokens and max_model_len leave room to verify; stopped requests get none."""
+        drafts = {}
+        for rid, tokens in sampled.items():
+            t = tracked[rid]
+            num_output = len(t.token_ids) + len(tokens)
+            if rid in stopped or not draftable(t.params, num_output_tokens=num_output,
+                                               bad_words_token_ids=t.bad_words_token_ids,
+                                               has_grammar=t.params.structured_outputs
+                                               is not None):
+                continue
+            history = [*t.prompt_token_ids, *t.token_ids, *(x.token_id for x in tokens)]
+            # The step verifying d drafts may emit d + 1 tokens.
+            room = self.max_model_len - len(history) - 1
+            if t.params.max_tokens is not None:
+                room = min(room, t.params.max_tokens - num_output - 1)
+            proposal = self.propose_tokens(history,
+                                           min(self.config.num_speculative_tokens, room))
+            if proposal:
+                drafts[rid] = proposal
+        return drafts
+
+    def propose_tokens(self, token_ids: Sequence[int], k: int) -> list[int]:
+        """The method's drafts (at most k) after a request's tokens (prompt + outputs)."""
+        cfg = self.config
+        return propose_ngram(token_ids, min_n=cfg.prompt_lookup_min,
+                             max_n=cfg.prompt_lookup_max, k=k)
+
+    def _until_stop(self, t: TrackedRequest, token_ids: Sequence[int]) -> int:
+        """How many of `token_ids` (the request's next outputs) it keeps: through the first
+        that finishes it, checked as `scheduler.update_from_output` does."""
+        sp, num_prompt = t.params, len(t.prompt_token_ids)
+        for i, token in enumerate(token_ids):
+            num_output = len(t.token_ids) + i + 1
+            if num_output >= sp.min_tokens and (
+                    (token == self.eos_token_id and not sp.ignore_eos)
+                    or token in sp.stop_token_ids):
+                return i + 1
+            if ((sp.max_tokens is not None and num_output >= sp.max_tokens)
+                    or num_prompt + num_output >= self.max_model_len):
+                return i + 1
+        return len(token_ids)

@@ -1,0 +1,51 @@
+"""Prompt-lookup speculation on a tiny random Llama (real attention over drafted positions):
+greedy and seeded outputs are those without speculation, and repetitive text accepts drafts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from jaxengine.engine.args import EngineArgs
+from jaxengine.engine.build import build_engine
+from scheduler import SamplingParams
+from tests.jaxengine.spec.test_spec_engine import NGRAM, Counts
+
+TINY = Path(__file__).resolve().parents[2] / "fixtures" / "tiny" / "llama3_gqa"
+PROMPTS = ["abcabcabcabc", "hello hello hello", "xyz", "1 2 3 1 2 3 1 2"]
+
+
+def run(params: SamplingParams, **kw: Any) -> tuple[dict[str, tuple], Counts, int]:
+    engine = build_engine(EngineArgs(
+        model=str(TINY), max_model_len=128, max_num_batched_tokens=64, max_num_seqs=4,
+        block_size=4, num_gpu_blocks_override=200, attention_backend="reference", **kw))
+    counts = Counts()
+    engine.stat_loggers.append(counts)
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", p, params)
+    done, steps = {}, 0
+    while engine.has_unfinished_requests():
+        steps += 1
+        for out in engine.step():
+            if out.finished:
+                c = out.outputs[0]
+                done[out.request_id] = (tuple(c.token_ids), c.text, c.finish_reason)
+    assert engine.state.num_free_blocks == engine.scheduler_config.num_blocks - 1
+    return done, counts, steps
+
+
+def test_greedy_outputs_are_unchanged_and_drafts_are_accepted() -> None:
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    plain, _, plain_steps = run(params)
+    spec, counts, spec_steps = run(params, speculative_config=NGRAM)
+    assert spec == plain
+    assert 0 < counts.accepted < counts.draft_tokens
+    assert spec_steps < plain_steps
+
+
+def test_seeded_sampling_is_unchanged() -> None:
+    params = SamplingParams(max_tokens=24, temperature=0.3, top_k=20, seed=7, ignore_eos=True)
+    plain, _, _ = run(params)
+    spec, counts, _ = run(params, speculative_config=NGRAM)
+    assert spec == plain
+    assert counts.accepted > 0  # low temperature on repetitive prompts: some drafts hold
