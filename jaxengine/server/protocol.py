@@ -136,6 +136,9 @@ class _SamplingFields(RequestModel):
     logit_bias: dict[str, float] | None = None  # OpenAI's: token id (as a string) -> bias
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    # vLLM: the top-n logprobs of each prompt token (the engine's `prompt_logprobs`), returned
+    # beside the choices; not with stream (vLLM's rule)
+    prompt_logprobs: int | None = None
 
     # What constrains the output (`jaxengine.server.structured`, which checks them).
     response_format: Any = None
@@ -149,7 +152,6 @@ class _SamplingFields(RequestModel):
     # Known fields we cannot honour (`jaxengine.server.refused`).
     use_beam_search: Any = None
     length_penalty: Any = None
-    prompt_logprobs: Any = None
     guided_decoding_backend: Any = None
     logits_processors: Any = None
     spaces_between_special_tokens: Any = None
@@ -187,10 +189,20 @@ class _SamplingFields(RequestModel):
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options can only be defined when stream=true",
                                "stream_options")
+        if self.prompt_logprobs is not None:
+            if self.prompt_logprobs < 0:  # vLLM's -1 (the whole vocabulary) too
+                raise RequestError(f"prompt_logprobs must be an integer >= 0 (the top "
+                                   f"logprobs per prompt token), got {self.prompt_logprobs}",
+                                   "prompt_logprobs")
+            if self.stream and self.prompt_logprobs > 0:
+                raise RequestError("`prompt_logprobs` are not available when `stream=True` "
+                                   "(as in vLLM): send stream=false, or leave it unset",
+                                   "prompt_logprobs")
 
     def sampling_params(self, max_tokens: int, logprobs: int | None,
                         defaults: Mapping[str, Any] | None = None, *,
-                        structured_outputs: Any = None) -> SamplingParams:
+                        structured_outputs: Any = None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         """The engine's parameters: each field as the request set it, else the model's default.
 
         Args:
@@ -199,6 +211,7 @@ class _SamplingFields(RequestModel):
           defaults: the model's defaults by `SamplingParams` field (`diff_sampling_params`);
             only those in `MODEL_DEFAULTED` are taken here.
           structured_outputs: the output constraint (`jaxengine.server.structured`).
+          prompt_logprobs: top logprobs per prompt token (None: none).
         Raises:
           RequestError: a value `SamplingParams` refuses, naming the request's field.
         """
@@ -209,7 +222,8 @@ class _SamplingFields(RequestModel):
             return SamplingParams(
                 max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
                 stop_token_ids=self.stop_token_ids, stop=self.stop, seed=self.seed,
-                logprobs=logprobs, include_stop_str_in_output=self.include_stop_str_in_output,
+                logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                include_stop_str_in_output=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens,
                 presence_penalty=self.presence_penalty or 0.0,
                 frequency_penalty=self.frequency_penalty or 0.0,
@@ -275,13 +289,18 @@ class CompletionRequest(_SamplingFields):
 
     REFUSED: ClassVar[Mapping[str, Refused]] = refused.COMPLETION
 
-    def check_supported(self) -> None:
-        """The shared checks, and echo's: its prompt logprobs are not available yet."""
-        super().check_supported()
-        if self.echo and self.logprobs is not None:
-            raise RequestError("echo with logprobs returns the prompt's logprobs, and prompt "
-                               "logprobs are not available in the engine yet: send echo "
-                               "without logprobs, or logprobs without echo", "echo")
+    @property
+    def echo_only(self) -> bool:
+        """`echo` with `max_tokens` 0: the prompt alone comes back (OpenAI's and vLLM's; the
+        engine generates one token, which is not shown)."""
+        return self.echo and self.max_tokens == 0
+
+    def num_prompt_logprobs(self) -> int | None:
+        """The engine's prompt_logprobs: the field, else `logprobs` under `echo` (vLLM's rule:
+        echoed prompt tokens carry logprobs as the completion's do)."""
+        if self.prompt_logprobs is None and self.echo:
+            return self.logprobs
+        return self.prompt_logprobs
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts, each text or token ids (a batch gives one choice per prompt and n)."""

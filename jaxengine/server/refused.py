@@ -24,7 +24,6 @@ COMMON: Mapping[str, Refused] = {
     "use_beam_search": Refused((False,), "beam search is not available; leave it false"),
     "length_penalty": Refused((1.0,), "it applies to beam search only, which is not "
                                       "available; leave it at 1.0"),
-    "prompt_logprobs": Refused((), "prompt logprobs are not available in the engine yet"),
     "guided_decoding_backend": Refused(("auto", "guidance"), "structured outputs always use "
                                        "llguidance; leave it unset (or \"guidance\")"),
     "logits_processors": Refused((), "custom logits processors are not available"),

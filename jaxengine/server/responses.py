@@ -56,6 +56,9 @@ class Formatter:
     echo: Sequence[str] = ()  # per choice, the text before its own (vLLM's `echo`)
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: "token_id:N" tokens
     tool_choice: ToolChoice | None = None  # chat: the output is tool calls (structured.py)
+    echo_logprobs: bool = False  # completions' echo with logprobs: the prompt's tokens lead
+    echo_only: bool = False  # completions' echo with max_tokens 0: the prompt alone
+    prompt_logprobs: bool = False  # vLLM's prompt_logprobs field in the response
     created: int = field(default_factory=lambda: int(time.time()))
     sent: dict[int, _Sent] = field(default_factory=dict)
 
@@ -68,17 +71,22 @@ class Formatter:
         choices = []
         for i, out in enumerate(outs):
             c = out.outputs[0]
-            logprobs = self._logprobs(i, out, 0) if with_logprobs else None
-            text = self._echo(i) + c.text
+            logprobs = self._logprobs(i, out, 0, echo=True) if with_logprobs else None
+            text = self._echo(i) + ("" if self.echo_only else c.text)
             if self.kind == "completion":
                 choice: dict[str, Any] = {"index": i, "text": text, "logprobs": logprobs}
             else:
                 choice = {"index": i, "message": self._message(text), "logprobs": logprobs}
             choice.update(finish_reason=self._finish_reason(c.finish_reason, choice),
                           stop_reason=c.stop_reason)
+            if self.prompt_logprobs and self.kind == "completion":  # vLLM: on each choice
+                choice["prompt_logprobs"] = prompt_logprobs_json(out)
             choices.append(choice)
-        return {**self._header(chunk=False), "choices": choices,
-                "usage": usage(prompt_tokens, outs)}
+        body = {**self._header(chunk=False), "choices": choices,
+                "usage": usage(prompt_tokens, outs, outputs=not self.echo_only)}
+        if self.prompt_logprobs and self.kind == "chat":  # vLLM: on the response
+            body["prompt_logprobs"] = prompt_logprobs_json(outs[0])
+        return body
 
     # ---- streaming ---------------------------------------------------------------------
 
@@ -102,11 +110,13 @@ class Formatter:
         """Choice `index`'s chunk for the text (and logprobs) new in `out`; None if there is
         nothing new. `usage_so_far`: added to the chunk (continuous_usage_stats)."""
         c, sent = out.outputs[0], self._sent_of(index)
-        text = c.text[sent.text:]
+        text = "" if self.echo_only else c.text[sent.text:]
         logprobs = None
-        if with_logprobs and c.logprobs is not None and len(c.logprobs) > sent.tokens:
-            logprobs = self._logprobs(index, out, sent.tokens)
-            sent.tokens = len(c.logprobs)
+        new_logprobs = c.logprobs is not None and len(c.logprobs) > sent.tokens
+        if with_logprobs and (new_logprobs or not sent.echoed):
+            # completions: the prompt's logprobs lead the first chunk, with its text (vLLM)
+            logprobs = self._logprobs(index, out, sent.tokens, echo=not sent.echoed)
+            sent.tokens = len(c.logprobs or ())
         if not text and logprobs is None and not out.finished:
             return None
         sent.text = len(c.text)
@@ -124,7 +134,8 @@ class Formatter:
 
     def usage_chunk(self, prompt_tokens: int, outs: Sequence[RequestOutput]) -> dict[str, Any]:
         """The final `stream_options.include_usage` chunk (counts as in `response`)."""
-        return {**self._header(chunk=True), "choices": [], "usage": usage(prompt_tokens, outs)}
+        return {**self._header(chunk=True), "choices": [],
+                "usage": usage(prompt_tokens, outs, outputs=not self.echo_only)}
 
     # ---- pieces ------------------------------------------------------------------------
 
@@ -186,20 +197,27 @@ class Formatter:
             return f"token_id:{token_id}"
         return self.tokenizer.decode([token_id], skip_special_tokens=False)
 
-    def _logprobs(self, index: int, out: RequestOutput, start: int) -> dict[str, Any] | None:
+    def _logprobs(self, index: int, out: RequestOutput, start: int, *, echo: bool
+                  ) -> dict[str, Any] | None:
+        """The logprobs of output tokens `start`.., led (`echo`, completions' echo with
+        logprobs) by the prompt's tokens: the first with null entries, as OpenAI and vLLM."""
         c = out.outputs[0]
-        if c.logprobs is None:
+        pairs: list[tuple[int, dict[int, Logprob] | None]] = []
+        if echo and self.echo_logprobs:
+            pairs += zip(out.prompt_token_ids, out.prompt_logprobs or (), strict=False)
+        if c.logprobs is not None and not self.echo_only:
+            pairs += zip(c.token_ids[start:len(c.logprobs)], c.logprobs[start:], strict=False)
+        elif not pairs:
             return None
-        ids, entries = c.token_ids[start:len(c.logprobs)], c.logprobs[start:]
         if self.kind == "chat":
-            return {"content": [self._chat_entry(t, e) for t, e in zip(ids, entries,
-                                                                      strict=False)]}
+            return {"content": [self._chat_entry(t, e) for t, e in pairs if e is not None]}
         sent = self._sent_of(index)
         tokens, token_lps, tops, offsets = [], [], [], []
-        for t, e in zip(ids, entries, strict=False):
+        for t, e in pairs:
             tokens.append(self._token(t))
-            token_lps.append(_finite(_sampled(t, e).logprob))
-            tops.append({self._token(i): _finite(lp.logprob) for i, lp in _top(e)})
+            token_lps.append(None if e is None else _finite(_sampled(t, e).logprob))
+            tops.append(None if e is None else {self._token(i): _finite(lp.logprob)
+                                                for i, lp in _top(e)})
             offsets.append(sent.text_offset)
             sent.text_offset += len(tokens[-1])
         return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops,
@@ -228,9 +246,22 @@ def _top(entry: dict[int, Logprob]) -> Sequence[tuple[int, Logprob]]:
     return sorted(ranked, key=lambda item: item[1].rank or 0)
 
 
-def usage(prompt_tokens: int, outs: Sequence[RequestOutput]) -> dict[str, int]:
-    """Token counts: `prompt_tokens`, and every choice's completion tokens."""
-    completion = sum(len(out.outputs[0].token_ids) for out in outs)
+def prompt_logprobs_json(out: RequestOutput) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's `prompt_logprobs` in a response: per prompt token null (the first) or {token id
+    (a string): {"logprob", "rank", "decoded_token"}}, -inf as -9999.0."""
+    if out.prompt_logprobs is None:
+        return None
+    return [None if e is None else {
+        str(t): {"logprob": _finite(lp.logprob), "rank": lp.rank,
+                 "decoded_token": lp.decoded_token} for t, lp in e.items()}
+        for e in out.prompt_logprobs]
+
+
+def usage(prompt_tokens: int, outs: Sequence[RequestOutput], *, outputs: bool = True
+          ) -> dict[str, int]:
+    """Token counts: `prompt_tokens`, and every choice's completion tokens (none when
+    `outputs` is false: echo with max_tokens 0 shows none of them)."""
+    completion = sum(len(out.outputs[0].token_ids) for out in outs) if outputs else 0
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
             "total_tokens": prompt_tokens + completion}
 

@@ -81,12 +81,15 @@ class OpenAIServing:
         prompts = completion_prompts(body, self.tokenizer)
         for prompt in prompts:
             # max_tokens defaults to 16 here (OpenAI's and vLLM's), so the model's default
-            # max_tokens applies only to an explicit null, as in vLLM.
-            max_tokens = resolve_max_tokens(body.max_tokens, len(prompt["prompt_token_ids"]),
+            # max_tokens applies only to an explicit null, as in vLLM. Echo with 0 generates
+            # one token (vLLM's), which the response leaves out.
+            max_tokens = resolve_max_tokens(1 if body.echo_only else body.max_tokens,
+                                            len(prompt["prompt_token_ids"]),
                                             self.max_model_len, prompt_param="prompt",
                                             default=self._default_max_tokens)
             params = body.sampling_params(max_tokens, body.logprobs,
-                                          self.default_sampling_params, structured_outputs=so)
+                                          self.default_sampling_params, structured_outputs=so,
+                                          prompt_logprobs=body.num_prompt_logprobs())
             text = prompt_text(prompt, self.tokenizer,
                                skip_special_tokens=body.skip_special_tokens) if body.echo else ""
             for child in body.child_params(params):
@@ -113,7 +116,8 @@ class OpenAIServing:
                                         self.max_model_len, prompt_param="messages",
                                         default=self._default_max_tokens)
         params = body.sampling_params(max_tokens, body.num_logprobs(),
-                                      self.default_sampling_params, structured_outputs=so)
+                                      self.default_sampling_params, structured_outputs=so,
+                                      prompt_logprobs=body.prompt_logprobs)
         children = [(prompt, child) for child in body.child_params(params)]
         return await self._generate("chat", body, children, raw,
                                     echo=[body.echo_text()] * len(children),
@@ -157,8 +161,12 @@ class OpenAIServing:
             raise body.request_error(e) from None
         except EngineDeadError as e:
             return error_response(str(e), code=503)
+        completion = kind == "completion"
         fmt = Formatter(kind, self.model_name, self.tokenizer, request_id, echo=echo,
-                        tokens_as_ids=body.return_tokens_as_token_ids, tool_choice=tool_choice)
+                        tokens_as_ids=body.return_tokens_as_token_ids, tool_choice=tool_choice,
+                        echo_logprobs=completion and body.echo and body.logprobs is not None,
+                        echo_only=completion and body.echo_only,
+                        prompt_logprobs=body.prompt_logprobs is not None)
         if body.stream:
             events = _events(group, fmt, with_logprobs=with_logprobs, prompt_tokens=prompt_tokens,
                              include_usage=body.include_usage,

@@ -9,7 +9,6 @@ from typing import Any
 
 import httpx
 import openai
-import pytest
 
 from tests.jaxengine.server.test_harness import (
     MODEL_NAME,
@@ -127,14 +126,6 @@ def test_completion_echo_prepends_the_prompt(client: openai.OpenAI) -> None:
     no_echo = client.completions.create(prompt=[5, 6, 7], max_tokens=2, **GREEDY)
     text = ids.choices[0].text
     assert text.endswith(no_echo.choices[0].text) and len(text) > len(no_echo.choices[0].text)
-
-
-def test_echo_with_logprobs_is_refused_until_prompt_logprobs_exist(
-        client: openai.OpenAI) -> None:
-    with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(prompt="x", max_tokens=2, echo=True, logprobs=1, **GREEDY)
-    assert info.value.body["param"] == "echo"
-    assert "prompt logprobs are not available" in info.value.body["message"]
 
 
 def test_chat_echo_prepends_the_assistants_last_message(client: openai.OpenAI) -> None:
