@@ -42,6 +42,9 @@ class EngineArgs:
     gpu_memory_utilization: float = _arg(
         0.9, "accelerators: fraction of device memory for the run (weights, KV, activations)")
     cpu_kv_cache_bytes: int = _arg(1 << 30, "CPU: the KV budget when none is given")
+    kv_offloading_size: float | None = _arg(
+        None, "GiB of host memory for KV blocks evicted from the device's prefix cache, loaded "
+              "back when a prefix needs them again; None or 0: off (needs prefix caching)")
     long_prefill_token_threshold: int = _arg(
         0, "most tokens one request gets in one step while others wait (0: no cap)")
     max_num_partial_prefills: int = _arg(1, "prompts partially prefilled at once (>1: "
@@ -97,6 +100,7 @@ class EngineArgs:
                 _check_int(name, getattr(self, name), minimum=1)
         if self.num_gpu_blocks_override is not None:
             _check_int("num_gpu_blocks_override", self.num_gpu_blocks_override, minimum=2)
+        _check_kv_offloading(self)
         for name in ("long_prefill_token_threshold", "max_logprobs", "seed"):
             _check_int(name, getattr(self, name), minimum=0)
         for name in ("max_num_partial_prefills", "max_long_partial_prefills"):
@@ -153,6 +157,21 @@ def _check_distributed(args: EngineArgs) -> None:
         if not host or not port.isdigit():
             raise ValueError(f"coordinator_address must be HOST:PORT (process 0's address), "
                              f"got {address!r}")
+
+
+def _check_kv_offloading(args: EngineArgs) -> None:
+    """kv_offloading_size is a number of GiB >= 0 and needs the prefix cache's block hashes."""
+    size = args.kv_offloading_size
+    if size is None:
+        return
+    number = isinstance(size, int | float) and not isinstance(size, bool)
+    if not number or not 0 <= size < float("inf"):
+        raise ValueError(f"kv_offloading_size must be a finite number of GiB >= 0 (None or "
+                         f"0: off), got {size!r}")
+    if size and not args.enable_prefix_caching:
+        raise ValueError("kv_offloading_size needs enable_prefix_caching=True: host blocks are "
+                         "found by their prefix-cache hashes; enable it, or unset "
+                         "kv_offloading_size")
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:

@@ -29,6 +29,15 @@ class FinishedRequestStats:
     max_tokens_param: int | None  # the request's max_tokens
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KVTransferStats:
+    """One copy of KV blocks between the device and host memory (vLLM's offloading op)."""
+
+    transfer_type: str  # "GPU_to_CPU" (a save to the host) or "CPU_to_GPU" (a load)
+    num_bytes: int
+    seconds: float  # host time spent on it: dispatching it, and waiting for it
+
+
 @dataclass(slots=True, kw_only=True)
 class IterationStats:
     """What one engine step did (the counters are increments, not totals).
@@ -42,9 +51,13 @@ class IterationStats:
     num_preempted_reqs: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up at first admissions
     prefix_cache_hits: int = 0  # of those, tokens found in the cache
+    connector_prefix_cache_queries: int = 0  # tokens past the local hit asked of a KV connector
+    connector_prefix_cache_hits: int = 0  # of those, tokens it loads (e.g. from host memory)
     time_to_first_tokens: list[float] = field(default_factory=list)  # s, one per first token
     inter_token_latencies: list[float] = field(default_factory=list)  # s since the last token
     finished_requests: list[FinishedRequestStats] = field(default_factory=list)
+    kv_offload_transfers: list[KVTransferStats] = field(default_factory=list)  # host offloading
+    kv_offload_usage: float | None = None  # host store: blocks held / capacity (None: off)
     spec_decoding: SpecDecodingStats | None = None  # drafts verified (None: none this step)
 
     @classmethod
@@ -54,7 +67,11 @@ class IterationStats:
         return cls(timestamp=timestamp,
                    num_preempted_reqs=after.num_preemptions - before.num_preemptions,
                    prefix_cache_queries=after.prefix_cache_queries - before.prefix_cache_queries,
-                   prefix_cache_hits=after.prefix_cache_hits - before.prefix_cache_hits)
+                   prefix_cache_hits=after.prefix_cache_hits - before.prefix_cache_hits,
+                   connector_prefix_cache_queries=(after.connector_prefix_cache_queries
+                                                   - before.connector_prefix_cache_queries),
+                   connector_prefix_cache_hits=(after.connector_prefix_cache_hits
+                                                - before.connector_prefix_cache_hits))
 
     @property
     def num_tokens(self) -> int:

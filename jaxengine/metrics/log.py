@@ -11,6 +11,7 @@ import time
 from collections.abc import Sequence
 
 from jaxengine.engine.stats import IterationStats
+from jaxengine.metrics.spec_decode import SpecDecodingLogging
 from scheduler import SchedulerStats
 
 logger = logging.getLogger("jaxengine.metrics")
@@ -37,6 +38,7 @@ class LoggingStatLogger:
         # Prefix-cache tokens since start: the hit rate is cumulative (vLLM's is over its most
         # recent requests), so a quiet interval does not reset it to zero.
         self._queries = self._hits = 0
+        self._spec_decoding = SpecDecodingLogging()  # its own line, when drafts were verified
 
     def record(self, scheduler_stats: SchedulerStats,
                iteration_stats: IterationStats | None = None, engine_idx: int = 0) -> None:
@@ -51,6 +53,8 @@ class LoggingStatLogger:
             self._generation_tokens += it.num_generation_tokens
             self._queries += it.prefix_cache_queries
             self._hits += it.prefix_cache_hits
+            if it.spec_decoding is not None:
+                self._spec_decoding.observe(it.spec_decoding)
 
     def log(self, now: float | None = None) -> str:
         """Log the line for the interval since the last call (at DEBUG level when idle).
@@ -78,4 +82,5 @@ class LoggingStatLogger:
                    f"Prefix cache hit rate: {hit_rate * 100:.1f}%")
         # An idle server would repeat the same zeros forever: keep them out of INFO.
         logger.log(logging.DEBUG if idle else logging.INFO, message)
+        self._spec_decoding.log(elapsed)
         return message

@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.metrics import MetricWrapperBase
 
 from jaxengine.engine.stats import FinishedRequestStats, IterationStats
+from jaxengine.metrics.spec_decode import SpecDecodingProm
 from scheduler import SchedulerStats
 
 PREFIX = "jaxengine:"
@@ -66,6 +67,7 @@ class PrometheusStatLogger:
         self._scheduler_collectors()
         self._token_collectors(build_1_2_5_buckets(max_model_len))
         self._latency_collectors()
+        self.spec_decoding: SpecDecodingProm | None = None  # made by the first drafts verified
 
     def _per_engine[M: MetricWrapperBase](self, family: M) -> dict[int, M]:
         return {i: family.labels(model_name=self._model_name, engine=str(i))
@@ -155,6 +157,12 @@ class PrometheusStatLogger:
         self.preemptions[e].inc(it.num_preempted_reqs)
         self.prompt_tokens[e].inc(it.num_prompt_tokens)
         self.generation_tokens[e].inc(it.num_generation_tokens)
+        if it.spec_decoding is not None:
+            if self.spec_decoding is None:
+                self.spec_decoding = SpecDecodingProm(
+                    self.registry, PREFIX, LABELS, self._model_name, self.engine_indexes,
+                    it.spec_decoding.num_spec_tokens)
+            self.spec_decoding.observe(it.spec_decoding, e)
         if it.num_tokens:
             self.iteration_tokens[e].observe(it.num_tokens)
         for t in it.time_to_first_tokens:

@@ -76,4 +76,5 @@ def fake_model(vocab_size: int = 97) -> ModelFns:
         init_kv=lambda num_blocks, block_size: jnp.zeros((num_blocks, block_size), jnp.int32),
         kv_bytes_per_block=lambda block_size: 4 * block_size,
         vocab_size=vocab_size,
+        kv_page_axis=0,  # i32[P, L]
     )

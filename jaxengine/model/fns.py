@@ -25,3 +25,5 @@ class ModelFns:
     init_kv: Callable[[int, int], jax.Array]  # (num_blocks, block_size) -> zeroed cache
     kv_bytes_per_block: Callable[[int], int]  # block_size -> a page's bytes on one device
     vocab_size: int
+    kv_page_axis: int = 1  # the cache's axis of pages (1 in [Ly, P, L, 2K, H]): KV offloading
+    # copies whole pages along it (jaxengine/kv_offload)

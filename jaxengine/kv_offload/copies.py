@@ -1,0 +1,130 @@
+"""Whole KV pages between the device pool and the host: two jitted programs of fixed shape.
+
+`gather` reads `BLOCKS_PER_COPY` pages out of the pool (block ids padded with the null block 0)
+into one array with the page axis first, `[M, ...page]` (for the model's `[Ly, P, L, 2K, H]`
+pool: `[M, Ly, L, 2K, H]`), so that each page is one contiguous slice on the host. `scatter`
+writes such an array back into the pool, which it donates, so the update is in place as in the
+model step (docs/JAX_NOTES.md, "Donation"); padding rows write into the null block, which
+padding tokens write into anyway. A copy of more pages runs the program several times, so the
+two programs are the only ones, compiled once when the engine is built: nothing compiles after
+warm-up whatever the workload.
+
+Under tensor parallelism the pool is split over the heads (`kv_cache_sharding`): the gathered
+pages keep that split on the device and `jax.device_get` assembles whole pages on the host; the
+pages to load are put with the same split moved to their axes, so each device receives only its
+heads, and the scatter returns the pool in the sharding it came in.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxengine.runner.compiles import RecompileError, compile_count
+
+BLOCKS_PER_COPY = 16  # M: pages per run of either program
+GATHER_NAME = "jaxengine_kv_offload_gather"
+SCATTER_NAME = "jaxengine_kv_offload_scatter"
+
+
+def jaxengine_kv_offload_gather(kv: jax.Array, block_ids: jax.Array, *, page_axis: int
+                                ) -> jax.Array:
+    """Pages `block_ids` (i32[M]) of the pool, page axis first: [M, ...page]."""
+    return jnp.moveaxis(jnp.take(kv, block_ids, axis=page_axis), page_axis, 0)
+
+
+def jaxengine_kv_offload_scatter(kv: jax.Array, block_ids: jax.Array, pages: jax.Array, *,
+                                 page_axis: int) -> jax.Array:
+    """The pool with pages `block_ids` (i32[M]) replaced by `pages` ([M, ...page])."""
+    index = (slice(None),) * page_axis + (block_ids,)
+    return kv.at[index].set(jnp.moveaxis(pages, 0, page_axis).astype(kv.dtype))
+
+
+class BlockCopier:
+    """The two copy programs for one KV pool (its shape, dtype, sharding and page axis)."""
+
+    def __init__(self, kv: jax.Array, *, page_axis: int, debug_recompiles: bool) -> None:
+        """Compile both programs for `kv` (ahead of time; later calls reuse them).
+
+        Args:
+          kv: the pool as the runner holds it.
+          page_axis: its axis of pages (`ModelFns.kv_page_axis`).
+          debug_recompiles: raise `RecompileError` if a copy ever compiles again.
+        """
+        self.page_axis = page_axis
+        self.debug_recompiles = debug_recompiles
+        shape = list(kv.shape)
+        self.page_shape = tuple(shape[:page_axis] + shape[page_axis + 1:])
+        self.dtype = np.dtype(kv.dtype)
+        self.page_bytes = int(np.prod(self.page_shape)) * self.dtype.itemsize
+        self._pages_sharding = _pages_sharding(kv, page_axis)
+        # The pool comes back in the sharding it came in, so its donated buffers are reused
+        # and the model step (compiled for that sharding) sees the same array type.
+        out = kv.sharding if isinstance(kv.sharding, NamedSharding) else None
+        self._gather = jax.jit(jaxengine_kv_offload_gather, static_argnames=("page_axis",))
+        self._scatter = jax.jit(jaxengine_kv_offload_scatter, static_argnames=("page_axis",),
+                                donate_argnames=("kv",), out_shardings=out)
+        ids = np.zeros(BLOCKS_PER_COPY, np.int32)
+        pages = jax.ShapeDtypeStruct((BLOCKS_PER_COPY, *self.page_shape), self.dtype,
+                                     sharding=self._pages_sharding)
+        self._gather.lower(kv, ids, page_axis=page_axis).compile()
+        self._scatter.lower(kv, ids, pages, page_axis=page_axis).compile()
+
+    @staticmethod
+    def compilations() -> int:
+        """Process-wide compilations of the copy programs (all engines' copiers)."""
+        return compile_count(GATHER_NAME, SCATTER_NAME)
+
+    def check_compiles(self, new: int) -> int:
+        """`new` compilations during this copier's copies (counted around them, since other
+        engines' copiers compile too): returns it, or raises in debug mode if it is not 0."""
+        if new and self.debug_recompiles:
+            raise RecompileError(f"{new} compilation(s) of a KV offloading copy after warm-up "
+                                 f"(pages of {self.page_shape}, {BLOCKS_PER_COPY} per copy)")
+        return new
+
+    def gather(self, kv: jax.Array, block_ids: np.ndarray) -> jax.Array:
+        """Start copying up to M pages out: their [M, ...page] array, its transfer to the host
+        started (`np.asarray` of it waits for both).
+
+        Args:
+          kv: the pool (not donated: the next model step donates it).
+          block_ids: i32[n], n <= M; padded here with the null block.
+        """
+        pages = self._gather(kv, _padded(block_ids), page_axis=self.page_axis)
+        pages.copy_to_host_async()
+        return pages
+
+    def scatter(self, kv: jax.Array, block_ids: np.ndarray, pages: np.ndarray) -> jax.Array:
+        """Write up to M host pages into the pool; returns the new pool (`kv` is donated).
+
+        Args:
+          block_ids: i32[n], n <= M, where the pages go.
+          pages: [n, ...page] in the pool's dtype.
+        """
+        padded = np.zeros((BLOCKS_PER_COPY, *self.page_shape), self.dtype)
+        padded[: len(pages)] = pages
+        # Without a mesh the pool is uncommitted, and so must the pages be: a committed input
+        # would make the pool committed and the next model step compile again.
+        on_device = (padded if self._pages_sharding is None
+                     else jax.device_put(padded, self._pages_sharding))
+        return self._scatter(kv, _padded(block_ids), on_device, page_axis=self.page_axis)
+
+
+def _padded(block_ids: np.ndarray) -> np.ndarray:
+    ids = np.zeros(BLOCKS_PER_COPY, np.int32)  # the null block 0 pads
+    ids[: len(block_ids)] = block_ids
+    return ids
+
+
+def _pages_sharding(kv: jax.Array, page_axis: int) -> NamedSharding | None:
+    """Where a [M, ...page] array of pages lives: the pool's split, its page axis moved first
+    (None: a pool on no mesh, e.g. the fake model's)."""
+    sharding = kv.sharding
+    if not isinstance(sharding, NamedSharding):
+        return None
+    spec = list(sharding.spec) + [None] * (kv.ndim - len(sharding.spec))
+    spec.insert(0, spec.pop(page_axis))
+    return NamedSharding(sharding.mesh, PartitionSpec(*spec))
