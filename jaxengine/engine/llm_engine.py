@@ -39,6 +39,7 @@ from jaxengine.engine.outputs import RequestMetrics, RequestOutput
 from jaxengine.engine.prompt_logprobs import record_prompt_logprobs
 from jaxengine.engine.request_state import TrackedRequest
 from jaxengine.engine.stats import IterationStats, StatLogger
+from jaxengine.kv_offload import offloading_worker
 from jaxengine.loading.tokenizer import Tokenizer
 from jaxengine.model.fns import ModelFns
 from jaxengine.runner.compiles import debug_recompiles_from_env
@@ -134,6 +135,9 @@ class LLMEngine:
             eos_token_id=None if tokenizer is None else tokenizer.eos_token_id)
         if args.precompile:
             self.runner.precompile()
+        # Host offloading (kv_offloading_size): its connector answers every schedule() call.
+        self.kv_offload = offloading_worker(args, self.runner, model.kv_page_axis)
+        self._kv_connector = None if self.kv_offload is None else self.kv_offload.connector
         self._seeds = random.Random(args.seed)
         self._tracked: dict[str, TrackedRequest] = {}
         self.stat_loggers: list[StatLogger] = list(stat_loggers)
@@ -243,7 +247,8 @@ class LLMEngine:
         for t in live:
             self._compiling.pop(t.request_id, None)
         self._drop_in_flight(t.request_id for t in live)
-        self.state = abort_requests(self.state, [t.request_id for t in live])
+        self.state = abort_requests(self.state, [t.request_id for t in live],
+                                    kv_connector=self._kv_connector)
         stats = IterationStats(timestamp=time.time())
         outputs = [t.abort(stats.timestamp) for t in live]
         stats.finished_requests.extend(t.finished_stats() for t in live)
@@ -251,8 +256,9 @@ class LLMEngine:
         return outputs
 
     def has_unfinished_requests(self) -> bool:
-        """True while any request is waiting or running."""
-        return bool(self._tracked)
+        """True while any request is waiting or running, or a KV connector still holds a
+        finished one's blocks (the steps that report its transfers free them)."""
+        return bool(self._tracked or self.state.held_req_ids)
 
     def get_num_unfinished_requests(self) -> int:
         """Requests waiting or running."""
@@ -274,7 +280,9 @@ class LLMEngine:
         failed = self._take_compiled_grammars()
         before = self.state
         # Pure scheduler: if anything below raises, self.state is still the old, consistent one.
-        state, plan = schedule(before)
+        state, plan = schedule(before, self._kv_connector)
+        if self.kv_offload is not None:  # copies out and in, before the step overwrites them
+            self.kv_offload.start_step(plan, state)
         self._note_scheduled(plan)
         if not self.args.async_scheduling:
             step = self.runner.dispatch(plan, self._sampling_rows(plan))  # pack, run, sample
@@ -303,6 +311,8 @@ class LLMEngine:
             return failed + outputs
         self._in_flight = self.runner.dispatch(plan, self._sampling_rows(plan), prev)
         self.state = state
+        if prev is None and self._in_flight is None:  # an empty plan, nothing in flight: done
+            return failed + self._update(state, before, plan, {}, dropped=dropped)
         if prev is None:  # nothing to collect yet; the step's statistics are its scheduling
             self._record(IterationStats.between(before.counters, state.counters,
                                                 timestamp=time.time()))
@@ -355,9 +365,11 @@ class LLMEngine:
         stopped = self._detokenize(sampled)  # before update: a stop string ends the request there
         drafts = (None if self.speculator is None
                   else self.speculator.propose(self._tracked, sampled, stopped))
+        kv_output = None if self.kv_offload is None else self.kv_offload.take_output()
         self.state, deltas = update_from_output(
             state, plan, {rid: [t.token_id for t in ts] for rid, ts in sampled.items()}, drafts,
-            stopped=stopped)
+            stopped=stopped,
+            kv_connector=self._kv_connector, kv_connector_output=kv_output)
         stats = IterationStats.between(before.counters, self.state.counters,
                                        timestamp=time.time())
         stats.spec_decoding = spec_decoding
@@ -436,6 +448,8 @@ class LLMEngine:
         return tracked.output()
 
     def _record(self, stats: IterationStats) -> None:
+        if self.kv_offload is not None:
+            self.kv_offload.record(stats)
         if not self.stat_loggers:
             return
         scheduler_stats = self.state.stats

@@ -21,6 +21,8 @@ from scheduler import SchedulerStats
 PREFIX = "jaxengine:"
 LABELS = ("model_name", "engine")  # of every collector (vLLM's)
 FINISH_REASONS = ("stop", "length", "abort")  # vLLM's FinishReason values
+TRANSFER_TYPES = ("GPU_to_CPU", "CPU_to_GPU")  # vLLM's kv_offload labels: save, load
+KV_OFFLOAD_SIZE_BUCKETS = [1e6, 5e6, 10e6, 20e6, 40e6, 60e6, 80e6, 100e6, 150e6, 200e6]  # bytes
 ITERATION_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
 TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
@@ -68,6 +70,7 @@ class PrometheusStatLogger:
         self._token_collectors(build_1_2_5_buckets(max_model_len))
         self._latency_collectors()
         self.spec_decoding: SpecDecodingProm | None = None  # made by the first drafts verified
+        self._kv_offload_collectors()
 
     def _per_engine[M: MetricWrapperBase](self, family: M) -> dict[int, M]:
         return {i: family.labels(model_name=self._model_name, engine=str(i))
@@ -135,6 +138,31 @@ class PrometheusStatLogger:
                                           "Histogram of time spent in WAITING phase for request.",
                                           REQUEST_LATENCY_BUCKETS)
 
+    def _kv_offload_collectors(self) -> None:
+        """KV connector hits (vLLM's external prefix cache) and host offloading transfers."""
+        self.external_queries = self._counter(
+            "external_prefix_cache_queries",
+            "External prefix cache queries from KV connector cross-instance cache sharing, in "
+            "terms of number of queried tokens.")
+        self.external_hits = self._counter(
+            "external_prefix_cache_hits",
+            "External prefix cache hits from KV connector cross-instance cache sharing, in "
+            "terms of number of cached tokens.")
+        self.kv_offload_usage = self._gauge(
+            "kv_offload_usage_perc", "KV offloading host store usage. 1 means 100 percent usage.")
+        labels = [*LABELS, "transfer_type"]
+        families = (
+            Counter(PREFIX + "kv_offload_total_bytes", "Number of bytes offloaded by KV "
+                    "connector", labels, registry=self.registry),
+            Counter(PREFIX + "kv_offload_total_time", "Total time measured by all KV "
+                    "offloading operations", labels, registry=self.registry),
+            Histogram(PREFIX + "kv_offload_size", "Histogram of KV offload transfer size, in "
+                      "bytes.", labels, buckets=KV_OFFLOAD_SIZE_BUCKETS, registry=self.registry))
+        self._kv_bytes, self._kv_time, self._kv_size = (
+            {(i, t): family.labels(model_name=self._model_name, engine=str(i), transfer_type=t)
+             for i in self.engine_indexes for t in TRANSFER_TYPES}
+            for family in families)
+
     def record(self, scheduler_stats: SchedulerStats,
                iteration_stats: IterationStats | None, engine_idx: int = 0) -> None:
         """Take one step's statistics of replica `engine_idx` (see `engine.stats.StatLogger`;
@@ -155,6 +183,14 @@ class PrometheusStatLogger:
         self.prefix_queries[e].inc(it.prefix_cache_queries)
         self.prefix_hits[e].inc(it.prefix_cache_hits)
         self.preemptions[e].inc(it.num_preempted_reqs)
+        self.external_queries[e].inc(it.connector_prefix_cache_queries)
+        self.external_hits[e].inc(it.connector_prefix_cache_hits)
+        if it.kv_offload_usage is not None:
+            self.kv_offload_usage[e].set(it.kv_offload_usage)
+        for t in it.kv_offload_transfers:
+            self._kv_bytes[e, t.transfer_type].inc(t.num_bytes)
+            self._kv_time[e, t.transfer_type].inc(t.seconds)
+            self._kv_size[e, t.transfer_type].observe(t.num_bytes)
         self.prompt_tokens[e].inc(it.num_prompt_tokens)
         self.generation_tokens[e].inc(it.num_generation_tokens)
         if it.spec_decoding is not None:
