@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from jaxengine.engine.outputs import Logprob, RequestOutput
 from jaxengine.server.structured import ToolChoice, tool_call_id
+from jaxengine.server.tool_stream import ToolCallStream
 
 Kind = Literal["completion", "chat"]
 
@@ -39,6 +40,7 @@ class _Sent:
     text_offset: int = 0  # completions' logprobs.text_offset of the next token
     echoed: bool = False  # its echo (the prompt's text) went out
     tool_call: bool = False  # a named tool's call opened (its id and name went out)
+    tool_calls: ToolCallStream = field(default_factory=ToolCallStream)  # "required"'s calls
 
 
 @dataclass(slots=True)
@@ -125,8 +127,14 @@ class Formatter:
         if self.kind == "completion":
             choice: dict[str, Any] = {"index": index, "text": text, "logprobs": logprobs}
         else:
-            choice = {"index": index, "delta": self._delta(sent, text), "logprobs": logprobs}
-        choice.update(finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+            delta = self._delta(sent, text, c.text)
+            if not delta and logprobs is None and not out.finished:
+                return None  # "required": nothing of a call complete enough to send yet
+            choice = {"index": index, "delta": delta, "logprobs": logprobs}
+        reason = c.finish_reason
+        if reason == "stop" and self._required and sent.tool_calls.opened:
+            reason = "tool_calls"  # vLLM's, as for the whole response
+        choice.update(finish_reason=reason, stop_reason=c.stop_reason)
         body = {**self._header(chunk=True), "choices": [choice]}
         if usage_so_far is not None:
             body["usage"] = usage_so_far
@@ -147,17 +155,24 @@ class Formatter:
             return {"role": "assistant", "content": text}
         return {"role": "assistant", "content": None, "tool_calls": calls}
 
+    @property
+    def _required(self) -> bool:
+        return self.tool_choice is not None and self.tool_choice.name is None
+
     def _finish_reason(self, reason: str | None, choice: dict[str, Any]) -> str | None:
         """vLLM's: "tool_calls" for tool_choice "required" that stopped with its calls; a
         named tool's call keeps the engine's reason."""
-        required = self.tool_choice is not None and self.tool_choice.name is None
-        if required and reason == "stop" and "tool_calls" in choice.get("message", {}):
+        if self._required and reason == "stop" and "tool_calls" in choice.get("message", {}):
             return "tool_calls"
         return reason
 
-    def _delta(self, sent: _Sent, text: str) -> dict[str, Any]:
-        """A streamed chat delta: text, or for a named tool the arguments' new text (vLLM's
-        stream: the first delta opens the call with its id and name)."""
+    def _delta(self, sent: _Sent, text: str, whole: str) -> dict[str, Any]:
+        """A streamed chat delta: text; for a named tool the arguments' new text (vLLM's
+        stream: the first delta opens the call with its id and name); for "required" the
+        calls' new parts, from the `whole` output so far (`jaxengine/server/tool_stream.py`)."""
+        if self._required:
+            calls = sent.tool_calls.deltas(whole)
+            return {"tool_calls": calls} if calls else {}
         if not text:
             return {}
         if self.tool_choice is None or self.tool_choice.name is None:

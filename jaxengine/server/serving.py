@@ -104,10 +104,6 @@ class OpenAIServing:
         """POST /v1/chat/completions."""
         self._check(body)
         so, tool_choice = structured_outputs_of(body, body.tool_choice, body.tools)
-        if tool_choice is not None and tool_choice.name is None and body.stream:
-            raise RequestError("streaming with tool_choice \"required\" is not supported (the "
-                               "calls are parsed from the whole output); send stream=false, "
-                               "or name the tool", "stream")
         await self._compile(so, body)
         prompt = truncated(chat_prompt(body, self.tokenizer), body.truncate_prompt_tokens,
                            self.tokenizer)

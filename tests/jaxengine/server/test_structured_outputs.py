@@ -128,6 +128,36 @@ def test_a_streamed_named_tool_call(client: openai.OpenAI) -> None:
     jsonschema.validate(json.loads(arguments), WEATHER["function"]["parameters"])
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_streamed_required_tool_calls_accumulate_into_valid_calls(client: openai.OpenAI,
+                                                                   seed: int) -> None:
+    # The openai client's own accumulation of the deltas (what `.stream()` builds on).
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+
+    state = ChatCompletionStreamState()
+    chunks = list(client.chat.completions.create(
+        model=MODEL_NAME, messages=MESSAGES, max_tokens=60, seed=seed, logit_bias=CLOSE_SOON,
+        tools=[WEATHER, TIME], tool_choice="required", stream=True))
+    for chunk in chunks:
+        state.handle_chunk(chunk)
+    choice = state.get_final_completion().choices[0]
+    assert choice.finish_reason == "tool_calls" and not choice.message.content
+    assert choice.message.tool_calls
+    tools = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+    for call in choice.message.tool_calls:
+        assert call.type == "function" and call.id.startswith("chatcmpl-tool-")
+        jsonschema.validate(json.loads(call.function.arguments), tools[call.function.name])
+    deltas = [d for c in chunks if c.choices for d in c.choices[0].delta.tool_calls or ()]
+    opened = [d for d in deltas if d.id is not None]
+    assert [d.index for d in opened] == list(range(len(choice.message.tool_calls)))
+    assert all(d.function.name in tools for d in opened)
+    whole = _chat(client, seed, tools=[WEATHER, TIME], tool_choice="required",
+                  logit_bias=CLOSE_SOON)  # the same seed: the same calls, not streamed
+    assert [(c.function.name, json.loads(c.function.arguments))
+            for c in whole.message.tool_calls] == [
+        (c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls]
+
+
 def _post(server: RunningServer, endpoint: str, body: dict[str, Any]) -> httpx.Response:
     return httpx.post(f"{server.base_url}/v1/{endpoint}", json=body, trust_env=False,
                       timeout=60)
@@ -155,7 +185,6 @@ BAD = [
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "time"}}},
      "tool_choice", "not in tools"),
     ({"tool_choice": "required"}, "tool_choice", "needs tools"),
-    ({"tools": [WEATHER], "tool_choice": "required", "stream": True}, "stream", "stream"),
     ({"tools": [WEATHER], "tool_choice": "required", "guided_regex": "a"}, "tool_choice",
      "only one"),
     ({"structural_tag": "x"}, "structural_tag", "not supported"),
