@@ -126,6 +126,25 @@ def test_preemption_prefix_caching_and_chunked_prefill_under_tp(
     assert_same(results[4], results[1], "tp=4 small pool")
 
 
+@pytest.mark.slow  # 17 s in the child on 2 cores: two engines compile
+def test_prompt_logprobs_under_tp_are_one_devices(checkpoints: dict[str, str]) -> None:
+    """Prompt logprobs (the step's vocabulary-parallel logits, in 16-token chunks) under
+    tp=4 with replicated KV heads: the ids and ranks of tp=1, logprobs within TOL."""
+    prompt = list(range(1, 30))
+    got = {}
+    for tp in (1, 4):
+        e = engine(checkpoints["gqa_k2"], tp, max_num_batched_tokens=16)
+        e.add_request("a", {"prompt_token_ids": prompt},
+                      SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=2))
+        while e.has_unfinished_requests():
+            for out in e.step():
+                got[tp] = out.prompt_logprobs
+    assert len(got[1]) == len(prompt) and got[1][0] is None and got[4][0] is None
+    for a, b in zip(got[4][1:], got[1][1:], strict=True):
+        assert {t: lp.rank for t, lp in a.items()} == {t: lp.rank for t, lp in b.items()}
+        assert max(abs(a[t].logprob - b[t].logprob) for t in a) <= TOL
+
+
 def test_weights_and_kv_cache_are_split_across_devices(checkpoints: dict[str, str]) -> None:
     """At tp=4 every weight matrix is split four ways (norms replicated); the cache holds 1/2
     of the checkpoint's KV heads per device (K=2: each head on two devices); and the step has
