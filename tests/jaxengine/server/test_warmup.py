@@ -75,6 +75,12 @@ def test_after_health_no_request_of_any_size_compiles() -> None:
         base = running.base_url
         assert _complete(base, [5], 3) == 3  # one token in, decode steps alone
         assert _complete(base, [(7 * i) % VOCAB for i in range(100)], 4) == 4  # chunked
+        # Prompt logprobs (in the step, over both chunks) and echo with them compile nothing.
+        r = httpx.post(f"{base}/v1/completions", trust_env=False, timeout=120, json={
+            "model": MODEL_NAME, "prompt": [(5 * i) % VOCAB for i in range(100)],
+            "max_tokens": 2, "echo": True, "logprobs": 3, "prompt_logprobs": 2})
+        assert r.status_code == 200, r.text
+        assert len(r.json()["choices"][0]["prompt_logprobs"]) == 100
         # Sixteen streams at once, prompts of 1 to 46 tokens: every request bucket, and
         # prefill steps of many sizes up to the full token budget.
         prompts = [[(3 * i + j) % VOCAB for j in range(1 + 3 * i)] for i in range(16)]
