@@ -290,8 +290,8 @@ def _find_computed(w: Work, st: _Step, rid: str,
     hit = [] if req.skip_reading_prefix_cache else w.kv.find_cached_prefix(
         rid, w.tokens[rid], num_tokens, req.cache_salt)
     num_hit = len(hit) * w.config.block_size
-    if st.connector is None:
-        return hit, num_hit, (num_hit, None)
+    if st.connector is None or req.skip_reading_prefix_cache:  # nor external KV (vLLM's
+        return hit, num_hit, (num_hit, None)  # connectors answer 0 for such a request)
     match = kv_transfer.ask_connector(w, st.connector, rid, num_hit, num_tokens)
     if match is None:
         return None

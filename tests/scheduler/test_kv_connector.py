@@ -437,3 +437,13 @@ def test_a_store_keyed_by_block_hash_supplies_the_blocks_past_the_local_hit():
     s, p = kstep(s, HashStore(()), done("A"))
     s, p = kstep(s, HashStore(()))
     assert p.num_computed_tokens["A"] == 12 and p.num_scheduled_tokens["A"] == 6
+
+
+def test_a_request_that_skips_reading_the_prefix_cache_never_asks_the_connector():
+    # vLLM's connectors answer 0 for it (its prompt logprobs need every position computed).
+    store = Store({"A": 8, "B": 8})
+    s = state_with(CFG, req("A", 10, 2), req("B", 10, 2, prompt_logprobs=1))
+    s, plan = kstep(s, store)
+    assert [rid for rid, _ in store.asked] == ["A"]
+    assert plan.num_computed_tokens["B"] == 0 and plan.num_scheduled_tokens["B"] == 10
+    assert s.counters.connector_prefix_cache_queries == 10  # A's 10 tokens only
