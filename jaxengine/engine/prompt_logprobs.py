@@ -54,5 +54,14 @@ def append_chunk(entries: PromptLogprobs, chunk: PromptLogprobChunk, num_top: in
 
 
 def _decoder(t: TrackedRequest) -> Callable[[int], str | None]:
+    """Each token's text, decoded once per chunk (the top ids repeat from position to
+    position: a 4096-token prompt with 20 top logprobs is 86 000 entries)."""
     tok = t.detokenizer.tokenizer if t.detokenizer is not None else None
-    return lambda tid: None if tok is None else tok.decode([tid], skip_special_tokens=False)
+    texts: dict[int, str | None] = {}
+
+    def decode(tid: int) -> str | None:
+        if tid not in texts:
+            texts[tid] = None if tok is None else tok.decode([tid], skip_special_tokens=False)
+        return texts[tid]
+
+    return decode
