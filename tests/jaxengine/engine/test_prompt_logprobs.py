@@ -4,7 +4,8 @@ On the fake model every value can be computed by hand: its logits are `LOGIT` at
 `fake_next_token(prefix)` and 0 elsewhere, so a prompt token's raw logprob is
 `LOGIT - log(e^LOGIT + V - 1)` (rank 1) when it is the model's next token and
 `-log(e^LOGIT + V - 1)` (rank 2) otherwise. Checked in one chunk and chunked, sync and async,
-through preemption (no position recorded twice) and prefix caching (nothing read from it);
+through preemption (no position recorded twice), with speculative decoding's drafts, and
+prefix caching (nothing read from it);
 against `jaxengine.score` on a tiny checkpoint; and with zero compilations after warm-up.
 """
 
@@ -72,9 +73,13 @@ def _check_fake(out: RequestOutput, prompt: list[int], k: int) -> None:
         assert token.decoded_token == chr(0x100 + prompt[j])
 
 
+NGRAM = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3,
+         "prompt_lookup_min": 1}
+
+
 @pytest.mark.parametrize("kw", [{}, {"max_num_batched_tokens": 8}, {"async_scheduling": True},
-                                {"num_blocks": 18}],
-                         ids=["one-chunk", "chunked", "async", "preempting"])
+                                {"num_blocks": 18}, {"speculative_config": NGRAM}],
+                         ids=["one-chunk", "chunked", "async", "preempting", "speculative"])
 def test_prompt_logprobs_are_the_fake_models_by_hand(kw: dict) -> None:
     # Prompts that follow the model (rank 1) for a while, then break from it.
     follow = [7, 8]
