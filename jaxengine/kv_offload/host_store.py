@@ -71,6 +71,7 @@ class HostKVStore:
                 f"takes {page_bytes} bytes; raise kv_offloading_size to at least "
                 f"{page_bytes / 2**30:.3g} GiB, or leave it unset to turn offloading off")
         self._pages: OrderedDict[BlockHash, np.ndarray | PendingPage] = OrderedDict()
+        self._pending: list[BlockHash] = []  # put as PendingPage since the last resolve()
         self.evictions = 0  # pages dropped to make room, over the store's life
 
     def __contains__(self, block_hash: object) -> bool:
@@ -112,13 +113,18 @@ class HostKVStore:
             self._pages.move_to_end(block_hash)
             return
         self._pages[block_hash] = page
+        if isinstance(page, PendingPage):
+            self._pending.append(block_hash)
         while len(self._pages) > self.capacity_pages:
             self._pages.popitem(last=False)
             self.evictions += 1
 
     def resolve(self) -> None:
         """Read every page whose copy to the host was in flight (the copies' device buffers
-        are freed once all their pages are read or evicted)."""
-        for block_hash, page in list(self._pages.items()):
+        are freed once all their pages are read or evicted). Costs the pages put since the
+        last call, not the store's size."""
+        for block_hash in self._pending:
+            page = self._pages.get(block_hash)
             if isinstance(page, PendingPage):
                 self._pages[block_hash] = page.read()
+        self._pending = []

@@ -48,6 +48,11 @@ def test_a_pending_page_is_read_once_and_owns_its_bytes() -> None:
     got = store.get(b"x")
     np.testing.assert_array_equal(got, [4.0, 5.0, 6.0, 7.0])
     assert got.base is None  # a copy: the other rows of the transfer can be freed
+    store.put(b"z", PendingPage(PendingPages(jnp.ones((1, 4))), 0))
+    for h in (b"p", b"q", b"r", b"s"):  # z is evicted before its copy is read
+        store.put(h, np.zeros(4, np.float32))
+    store.resolve()
+    assert b"z" not in store and len(store) == 4
 
 
 def pool() -> jnp.ndarray:
