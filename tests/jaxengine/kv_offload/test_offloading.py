@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from jaxengine.cli import build_parser, engine_args_from
 from jaxengine.engine.args import EngineArgs
 from jaxengine.kv_offload import OffloadingConnector, OffloadingWorker
 from jaxengine.metrics import PrometheusStatLogger
@@ -20,6 +21,7 @@ from jaxengine.model.fake import fake_greedy
 from scheduler import KVConnectorOutput, RequestStatus, SamplingParams, check_invariants
 from scheduler.hashing import extend_block_hashes
 from tests.jaxengine.engine.test_llm_engine import GREEDY, V, make_engine
+from tests.jaxengine.engine.test_llm_engine import PROMPTS as ENGINE_PROMPTS
 
 SHARED = list(range(1, 33))  # 8 blocks
 
@@ -270,3 +272,24 @@ def test_zero_or_none_is_off() -> None:
         assert engine.kv_offload is None and engine._kv_connector is None
         assert run(engine, PROMPTS[:2]) == {f"r{i}": fake_greedy(PROMPTS[i], 12, V)
                                             for i in range(2)}
+
+
+def test_the_command_line_takes_kv_offloading_size_and_refuses_a_bad_one(capsys) -> None:
+    parser = build_parser()
+    ns = parser.parse_args(["serve", "--kv-offloading-size", "0.5"])
+    assert engine_args_from(ns, parser).kv_offloading_size == 0.5
+    ns = parser.parse_args(["serve", "--kv-offloading-size", "-2"])
+    with pytest.raises(SystemExit):
+        engine_args_from(ns, parser)
+    assert "kv_offloading_size must be a finite number of GiB >= 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_preempted_requests_resume_from_the_host_with_the_same_outputs(
+        async_scheduling: bool) -> None:
+    engine = make_engine(num_blocks=18, kv_offloading_size=0.001,
+                         async_scheduling=async_scheduling)
+    outputs = run(engine, ENGINE_PROMPTS)
+    assert outputs == {f"r{i}": fake_greedy(p, 12, V) for i, p in enumerate(ENGINE_PROMPTS)}
+    c = engine.state.counters
+    assert c.num_preemptions > 0 and c.connector_prefix_cache_hits > 0
