@@ -31,6 +31,11 @@ class PendingPages:
         self._device: jax.Array | None = pages
         self._host: np.ndarray | None = None
 
+    @property
+    def ready(self) -> bool:
+        """Whether `host()` has been read (then it no longer waits)."""
+        return self._host is not None
+
     def host(self) -> np.ndarray:
         """[M, ...page] on the host (waits for the copy the first time)."""
         if self._host is None:
@@ -120,11 +125,15 @@ class HostKVStore:
             self.evictions += 1
 
     def resolve(self) -> None:
-        """Read every page whose copy to the host was in flight (the copies' device buffers
-        are freed once all their pages are read or evicted). Costs the pages put since the
-        last call, not the store's size."""
+        """Take in every page whose copy has reached the host (`PendingPages.host()` was
+        read; the copies' device buffers are freed once all their pages are taken in or
+        evicted); the others stay pending. Costs the pending pages, not the store's size."""
+        pending = []
         for block_hash in self._pending:
             page = self._pages.get(block_hash)
             if isinstance(page, PendingPage):
-                self._pages[block_hash] = page.read()
-        self._pending = []
+                if page.pages.ready:
+                    self._pages[block_hash] = page.read()
+                else:
+                    pending.append(block_hash)
+        self._pending = pending

@@ -3,8 +3,10 @@
 Each plan's `kv_connector_metadata` (docs/SCHEDULING.md §11) is carried out in `start_step`,
 before the plan's model step is dispatched, in this order:
 
-1. the previous steps' device->host copies are read into the store (they ran behind the
-   steps since; reading them here rarely waits);
+1. the device->host copies dispatched two steps ago or earlier are read into the store (the
+   steps they were queued before have been collected since, so this does not wait; one
+   dispatched by the step before may still queue behind the step in flight under async
+   scheduling, and a load that needs it reads it at once);
 2. the pages of each load are read from the store on the host (before anything is stored, so
    the LRU cannot drop a page the scheduler was just told about);
 3. the plan's `evicted_blocks`, and the blocks of its `saves`, that the store lacks are
@@ -62,8 +64,9 @@ class OffloadingWorker:
         self.connector = OffloadingConnector(self.store, block_size)
         self._recving: set[str] = set()  # loads started, not reported yet
         self._sending: set[str] = set()  # saves done, not reported yet
-        self._in_flight: list[tuple[PendingPages, int, float]] = []  # copies out: pages,
-        # bytes, seconds spent dispatching
+        self._steps = 0  # start_step calls
+        self._in_flight: list[tuple[PendingPages, int, float, int]] = []  # copies out:
+        # pages, bytes, seconds spent dispatching, the start_step that dispatched them
         self._transfers: list[KVTransferStats] = []  # not yet handed to a step's stats
 
     def start_step(self, plan: SchedulerOutput, state: SchedulerState) -> None:
@@ -77,6 +80,7 @@ class OffloadingWorker:
         if meta is None:
             return
         compiles_before = self.copier.compilations()
+        self._steps += 1
         self._read_copies_out()
         loads = [(load, self._pages_to_load(load, state)) for load in meta.loads]
         out: list[tuple[int, BlockHash]] = list(meta.evicted_blocks)
@@ -139,17 +143,21 @@ class OffloadingWorker:
             for i, (block_hash, _) in enumerate(chunk):
                 self.store.put(block_hash, PendingPage(pending, i))
             self._in_flight.append((pending, len(chunk) * self.copier.page_bytes,
-                                    time.perf_counter() - t0))
+                                    time.perf_counter() - t0, self._steps))
 
     def _read_copies_out(self) -> None:
-        """Wait for the copies out dispatched before (timed), then read them into the store."""
-        for pending, num_bytes, seconds in self._in_flight:
+        """Read the copies out dispatched two steps ago or earlier (timed) into the store."""
+        later = []
+        for pending, num_bytes, seconds, step in self._in_flight:
+            if step > self._steps - 2:
+                later.append((pending, num_bytes, seconds, step))
+                continue
             t0 = time.perf_counter()
             pending.host()
             self._transfers.append(KVTransferStats(
                 transfer_type=SAVE, num_bytes=num_bytes,
                 seconds=seconds + time.perf_counter() - t0))
-        self._in_flight = []
+        self._in_flight = later
         self.store.resolve()
 
     def _copy_in(self, pages: list[tuple[int, np.ndarray]]) -> None:
