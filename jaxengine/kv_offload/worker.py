@@ -10,12 +10,14 @@ before the plan's model step is dispatched, in this order:
 2. the pages of each load are read from the store on the host (before anything is stored, so
    the LRU cannot drop a page the scheduler was just told about);
 3. the plan's `evicted_blocks`, and the blocks of its `saves`, that the store lacks are
-   gathered on the device and their copy to the host started (JAX runs them before the step
-   that overwrites them: device work runs in dispatch order);
-4. the loads are scattered into their freshly allocated blocks (in place, the pool donated).
+   gathered on the device and their copy to the host started. The gather reads the pool that
+   the step then donates, and JAX lets a buffer's pending reads finish before a program that
+   was donated it overwrites it, so the gather sees the blocks as they were;
+4. the loads are scattered into their freshly allocated blocks (in place, the pool donated):
+   its output is the pool every later step reads.
 
 Loads are reported in `finished_recving` and saves in `finished_sending` of the next
-`take_output()`: everything is already ordered before any later step on the device, so the
+`take_output()`: by data dependence they come before any later step on the device, so the
 next update may report them. Synchronous and asynchronous scheduling take the same path; under
 async scheduling the copies simply queue behind the step in flight.
 """
