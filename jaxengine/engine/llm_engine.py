@@ -51,6 +51,7 @@ from jaxengine.spec.speculator import Speculator
 from jaxengine.structured.compiler import CompiledGrammar, GrammarCompiler
 from jaxengine.structured.params import StructuredOutputsError, StructuredOutputsParams
 from scheduler import (
+    KVConnector,
     Request,
     RequestDelta,
     SamplingParams,
@@ -137,7 +138,6 @@ class LLMEngine:
             self.runner.precompile()
         # Host offloading (kv_offloading_size): its connector answers every schedule() call.
         self.kv_offload = offloading_worker(args, self.runner, model.kv_page_axis)
-        self._kv_connector = None if self.kv_offload is None else self.kv_offload.connector
         self._seeds = random.Random(args.seed)
         self._tracked: dict[str, TrackedRequest] = {}
         self.stat_loggers: list[StatLogger] = list(stat_loggers)
@@ -146,6 +146,12 @@ class LLMEngine:
         self._in_flight_plan: SchedulerOutput | None = None  # the plan `_dropped` refers to
         self._grammar_compiler: GrammarCompiler | None = None  # built on first use
         self._compiling: dict[str, concurrent.futures.Future[CompiledGrammar]] = {}
+
+    @property
+    def _kv_connector(self) -> KVConnector | None:
+        """What schedule() and the updates ask (None without offloading); a test may swap the
+        worker or its connector."""
+        return None if self.kv_offload is None else self.kv_offload.connector
 
     @property
     def max_model_len(self) -> int:

@@ -132,7 +132,6 @@ def slow_engine(**kw: Any):
     engine = offload_engine(**kw)
     engine.kv_offload = SlowWorker(engine.runner, capacity_bytes=GiB // 1000,
                                    block_size=4, page_axis=0)
-    engine._kv_connector = engine.kv_offload.connector
     return engine
 
 
@@ -196,7 +195,7 @@ class EagerSaveConnector(OffloadingConnector):
 def test_saves_of_finished_requests_are_reported_and_release_their_blocks(
         async_scheduling: bool) -> None:
     engine = offload_engine(async_scheduling=async_scheduling)
-    engine._kv_connector = EagerSaveConnector(engine.kv_offload.store, 4)
+    engine.kv_offload.connector = EagerSaveConnector(engine.kv_offload.store, 4)
     outputs = run(engine)
     assert outputs == {f"r{i}": fake_greedy(p, 12, V) for i, p in enumerate(PROMPTS)}
     c = engine.state.counters
@@ -269,7 +268,7 @@ def test_a_size_below_one_block_is_refused_when_the_engine_is_built() -> None:
 def test_zero_or_none_is_off() -> None:
     for size in (None, 0, 0.0):
         engine = offload_engine(size)
-        assert engine.kv_offload is None and engine._kv_connector is None
+        assert engine.kv_offload is None
         assert run(engine, PROMPTS[:2]) == {f"r{i}": fake_greedy(PROMPTS[i], 12, V)
                                             for i in range(2)}
 
