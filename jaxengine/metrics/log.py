@@ -38,6 +38,7 @@ class LoggingStatLogger:
         # Prefix-cache tokens since start: the hit rate is cumulative (vLLM's is over its most
         # recent requests), so a quiet interval does not reset it to zero.
         self._queries = self._hits = 0
+        self._external_queries = self._external_hits = 0  # a KV connector's (offloading)
         self._spec_decoding = SpecDecodingLogging()  # its own line, when drafts were verified
 
     def record(self, scheduler_stats: SchedulerStats,
@@ -53,6 +54,8 @@ class LoggingStatLogger:
             self._generation_tokens += it.num_generation_tokens
             self._queries += it.prefix_cache_queries
             self._hits += it.prefix_cache_hits
+            self._external_queries += it.connector_prefix_cache_queries
+            self._external_hits += it.connector_prefix_cache_hits
             if it.spec_decoding is not None:
                 self._spec_decoding.observe(it.spec_decoding)
 
@@ -80,6 +83,9 @@ class LoggingStatLogger:
                    f"Running: {running} reqs, Waiting: {waiting} reqs, "
                    f"GPU KV cache usage: {kv_usage * 100:.1f}%, "
                    f"Prefix cache hit rate: {hit_rate * 100:.1f}%")
+        if self._external_queries:  # vLLM adds it when a KV connector is configured
+            external = self._external_hits / self._external_queries
+            message += f", External prefix cache hit rate: {external * 100:.1f}%"
         # An idle server would repeat the same zeros forever: keep them out of INFO.
         logger.log(logging.DEBUG if idle else logging.INFO, message)
         self._spec_decoding.log(elapsed)

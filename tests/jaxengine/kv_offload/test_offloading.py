@@ -16,7 +16,7 @@ import pytest
 from jaxengine.cli import build_parser, engine_args_from
 from jaxengine.engine.args import EngineArgs
 from jaxengine.kv_offload import OffloadingConnector, OffloadingWorker
-from jaxengine.metrics import PrometheusStatLogger
+from jaxengine.metrics import LoggingStatLogger, PrometheusStatLogger
 from jaxengine.model.fake import fake_greedy
 from scheduler import KVConnectorOutput, RequestStatus, SamplingParams, check_invariants
 from scheduler.hashing import extend_block_hashes
@@ -245,6 +245,21 @@ def test_metrics_count_host_hits_bytes_and_usage() -> None:
     assert saved >= 8 * page and saved % page == 0
     assert value("jaxengine:kv_offload_size_count", transfer_type="CPU_to_GPU") == 2
     assert 0 < value("jaxengine:kv_offload_usage_perc") <= 1
+
+
+def test_the_log_line_gives_the_host_hit_rate() -> None:
+    engine = offload_engine()
+    log = LoggingStatLogger()
+    engine.stat_loggers.append(log)
+    run(engine)
+    c = engine.state.counters
+    rate = 100 * c.connector_prefix_cache_hits / c.connector_prefix_cache_queries
+    assert f", External prefix cache hit rate: {rate:.1f}%" in log.log()
+    plain = LoggingStatLogger()
+    engine = offload_engine(None)
+    engine.stat_loggers.append(plain)
+    run(engine, PROMPTS[:2])
+    assert "External" not in plain.log()
 
 
 @pytest.mark.parametrize(("kw", "message"), [
