@@ -49,3 +49,17 @@ def test_seeded_sampling_is_unchanged() -> None:
     spec, counts, _ = run(params, speculative_config=NGRAM)
     assert spec == plain
     assert counts.accepted > 0  # low temperature on repetitive prompts: some drafts hold
+
+
+def test_llm_takes_the_dict() -> None:
+    from jaxengine.llm import LLM
+
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    plain, _, _ = run(params)
+    llm = LLM(model=str(TINY), max_model_len=128, max_num_batched_tokens=64, max_num_seqs=4,
+              block_size=4, num_gpu_blocks_override=200, attention_backend="reference",
+              precompile=False, speculative_config=NGRAM)
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [tuple(o.outputs[0].token_ids) for o in outs] == [plain[f"r{i}"][0]
+                                                             for i in range(len(PROMPTS))]
+    assert llm.llm_engine.args.async_scheduling is False
