@@ -214,3 +214,49 @@ def test_text_prompts_and_the_tokenizer() -> None:
         outs += engine.step()
     assert outs[-1].finished and list(outs[-1].outputs[0].token_ids) == fake_greedy([5, 6, 7],
                                                                                     12, V)
+
+
+def test_a_tight_budget_schedules_part_of_the_drafts() -> None:
+    # 8 tokens a step for 4 running requests that each want 1 + 3: the scheduler cuts drafts
+    # (scheduled_spec_decode_tokens holds the part it took), and the verifier reads that part.
+    plain, _ = run(make_engine(max_num_batched_tokens=8), PROMPTS, GREEDY)
+    engine = spec_engine(max_num_batched_tokens=8)
+    counts = Counts()
+    engine.stat_loggers.append(counts)
+    scheduled: list[int] = []
+    record_scheduled_drafts(engine, scheduled)
+    spec, _ = run(engine, PROMPTS, GREEDY)
+    assert spec == plain
+    assert any(n < 3 for n in scheduled) and counts.accepted == counts.draft_tokens > 0
+
+
+def record_scheduled_drafts(engine: LLMEngine, seen: list[int]) -> None:
+    """Append to `seen` how many drafts each plan schedules per request (the speculator's
+    `verify` gets every plan)."""
+    verify = engine.speculator.verify  # type: ignore[union-attr]
+
+    def recording(plan: Any, rows: Any, tracked: Any) -> Any:
+        seen.extend(len(d) for d in plan.scheduled_spec_decode_tokens.values())
+        return verify(plan, rows, tracked)
+
+    engine.speculator.verify = recording  # type: ignore[union-attr,method-assign]
+
+
+def test_max_model_len_and_aborts_with_drafts_in_flight() -> None:
+    params = SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True)
+    plain, _ = run(make_engine(max_model_len=24), PROMPTS[:1] + PROMPTS[2:4], params)
+    spec, _ = run(spec_engine(max_model_len=24), PROMPTS[:1] + PROMPTS[2:4], params)
+    assert spec == plain
+    assert all(len(PROMPTS[i]) + len(spec[f"r{j}"][0]) == 24
+               for j, i in enumerate((0, 2, 3)))
+    engine = spec_engine()
+    for i, p in enumerate(PROMPTS[:3]):
+        engine.add_request(f"r{i}", {"prompt_token_ids": p}, GREEDY)
+    for _ in range(3):
+        engine.step()  # the drafts of the next step are in the scheduler's state now
+    assert any(r.spec_token_ids for r in engine.state.requests.values())
+    engine.abort_request(["r0", "r1"])
+    while engine.has_unfinished_requests():
+        engine.step()
+    check_invariants(engine.state)
+    assert engine.state.num_free_blocks == engine.scheduler_config.num_blocks - 1
