@@ -28,8 +28,9 @@ from jaxengine.engine.llm_engine import LLMEngine
 from jaxengine.parallel.data_parallel import DataParallelEngine
 from jaxengine.server import tokenization
 from jaxengine.server.async_engine import AsyncEngine
+from jaxengine.server.chat_protocol import ChatCompletionRequest
 from jaxengine.server.errors import install_error_handlers
-from jaxengine.server.protocol import ChatCompletionRequest, CompletionRequest
+from jaxengine.server.protocol import CompletionRequest
 from jaxengine.server.serving import OpenAIServing
 from jaxengine.server.tokenization import DetokenizeRequest, parse_tokenize
 from jaxengine.server.warmup import warm_up as warm_up_engine

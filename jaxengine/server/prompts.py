@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from jaxengine.server.protocol import ChatTemplateFields, CompletionRequest, RequestError
+from jaxengine.server.chat_protocol import ChatTemplateFields
+from jaxengine.server.protocol import CompletionRequest, RequestError
 
 EnginePrompt = dict[str, Any]
 

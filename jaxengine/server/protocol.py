@@ -1,4 +1,5 @@
-"""OpenAI request bodies (pydantic) and their translation into `SamplingParams`.
+"""OpenAI request bodies (pydantic) and their translation into `SamplingParams`: the shared
+sampling fields and /v1/completions (the chat bodies: `jaxengine.server.chat_protocol`).
 
 Field names and defaults follow OpenAI's API plus vLLM's extra sampling fields (`top_k`,
 `min_p`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`,
@@ -19,7 +20,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.fields import FieldInfo
 
 from jaxengine.server import refused
@@ -97,7 +98,7 @@ def _seed_of_child(seed: int, index: int) -> int:
     return (seed + index - SEED_MIN) % 2**64 + SEED_MIN
 
 
-class _SamplingFields(RequestModel):
+class SamplingFields(RequestModel):
     """The fields both endpoints share."""
 
     model: str | None = None
@@ -276,7 +277,7 @@ class _SamplingFields(RequestModel):
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     """POST /v1/completions."""
 
     prompt: str | list[int] | list[str] | list[list[int]]
@@ -310,141 +311,6 @@ class CompletionRequest(_SamplingFields):
             raise RequestError("the prompt is empty" if len(batch) <= 1 else
                                "a prompt of the list is empty", "prompt")
         return batch
-
-
-class TextPart(RequestModel):
-    """A `{"type": "text", "text": ...}` content part."""
-
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(RequestModel):
-    """One message of a conversation; `name`, `tool_calls` and `tool_call_id` go to the chat
-    template as vLLM passes them (the template decides what to render)."""
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-    tool_calls: list[dict[str, Any]] | None = None
-    tool_call_id: str | None = None
-
-    @field_validator("content", mode="before")
-    @classmethod
-    def _text_parts_only(cls, content: Any) -> Any:
-        """Say so when a part is not text (an image, audio, a file), not just "invalid"."""
-        if isinstance(content, list):
-            for part in content:
-                kind = part.get("type") if isinstance(part, dict) else None
-                if kind != "text":
-                    raise ValueError(f"only text content parts ({{\"type\": \"text\", "
-                                     f"\"text\": ...}}) are accepted, got type {kind!r}: "
-                                     f"this server has no multimodal inputs")
-        return content
-
-    def text(self) -> str:
-        """The content as one string (text parts joined, as vLLM joins them: by newlines)."""
-        if isinstance(self.content, list):
-            return "\n".join(part.text for part in self.content)
-        return self.content or ""
-
-    def as_template_message(self) -> dict[str, Any]:
-        """`{"role", "content", ...}` for the chat template."""
-        message: dict[str, Any] = {"role": self.role, "content": self.text()}
-        for key in ("name", "tool_calls", "tool_call_id"):
-            if (value := getattr(self, key)) is not None:
-                message[key] = value
-        return message
-
-
-class ChatTemplateFields(RequestModel):
-    """What renders a conversation: shared by chat completions and /tokenize's chat form."""
-
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    add_generation_prompt: bool = True
-    # vLLM: render the last message open-ended, so the model continues it
-    continue_final_message: bool = False
-    add_special_tokens: bool = False  # vLLM: special tokens on top of the template's own
-    chat_template: str | None = None  # a Jinja template for this request (transformers')
-    chat_template_kwargs: dict[str, Any] | None = None  # extra template variables
-    documents: list[dict[str, str]] | None = None  # the template's RAG documents, if it has any
-    tools: list[dict[str, Any]] | None = None  # shown to the model by its chat template
-
-    def generation_prompt(self) -> bool:
-        """`add_generation_prompt`, off when continuing the final message (and not set)."""
-        if self.continue_final_message:
-            if "add_generation_prompt" in self.model_fields_set and self.add_generation_prompt:
-                raise RequestError("cannot set both continue_final_message and "
-                                   "add_generation_prompt to true", "continue_final_message")
-            return False
-        return self.add_generation_prompt
-
-    def template_kwargs(self) -> dict[str, Any]:
-        """The chat template's keyword arguments besides `add_generation_prompt`."""
-        kwargs = dict(self.chat_template_kwargs or {})
-        if self.continue_final_message:
-            if self.messages[-1].role != "assistant":
-                raise RequestError("continue_final_message continues the last message, which "
-                                   "must then be the assistant's", "continue_final_message")
-            kwargs["continue_final_message"] = True
-        for key in ("chat_template", "documents", "tools"):
-            if (value := getattr(self, key)) is not None:
-                kwargs[key] = value
-        return kwargs
-
-
-class ChatCompletionRequest(ChatTemplateFields, _SamplingFields):
-    """POST /v1/chat/completions."""
-
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    echo: bool = False  # vLLM: the last message's content before the reply, if the assistant's
-    tool_choice: Any = None  # "none", "required" or {"type": "function", "function": {...}}
-    parallel_tool_calls: Any = None
-    functions: Any = None
-    function_call: Any = None
-    structural_tag: Any = None
-    reasoning_effort: Any = None
-    include_reasoning: Any = None
-    verbosity: Any = None
-    audio: Any = None
-    modalities: Any = None
-    prediction: Any = None
-    web_search_options: Any = None
-    moderation: Any = None
-    mm_processor_kwargs: Any = None
-    prompt_cache_retention: Any = None
-    prompt_cache_options: Any = None
-
-    REFUSED: ClassVar[Mapping[str, Refused]] = refused.CHAT
-    # chat's `logprobs` is a switch; the count SamplingParams calls logprobs is top_logprobs
-    PARAM_NAMES: ClassVar[dict[str, str]] = {"logprobs": "top_logprobs"}
-
-    # tool_choice ("none", "required" or a named tool; "auto" is refused) is checked with the
-    # fields that constrain the output, in `jaxengine.server.structured`.
-
-    def requested_max_tokens(self) -> int | None:
-        """`max_completion_tokens`, else the deprecated `max_tokens`."""
-        return self.max_completion_tokens if self.max_completion_tokens is not None \
-            else self.max_tokens
-
-    def num_logprobs(self) -> int | None:
-        """Top-n logprobs per token for the engine (None: none asked).
-
-        Its range is checked where `logprobs` is (SamplingParams, the engine's cap), and
-        `request_error` names `top_logprobs` in the error.
-        """
-        n = self.top_logprobs
-        if n is not None and not self.logprobs:
-            raise RequestError("top_logprobs needs logprobs=true", "top_logprobs")
-        return (n or 0) if self.logprobs else None
-
-    def echo_text(self) -> str:
-        """What `echo` puts before each reply: the last message's content if it is the
-        assistant's (the role of the reply), else nothing (vLLM's rule)."""
-        last = self.messages[-1]
-        return last.text() if self.echo and last.role == "assistant" else ""
 
 
 def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: int, *,

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jaxengine.engine.outputs import RequestOutput
 from jaxengine.loading.generation_config import diff_sampling_params
 from jaxengine.server.async_engine import AsyncEngine, EngineDeadError, RequestGroup
+from jaxengine.server.chat_protocol import ChatCompletionRequest
 from jaxengine.server.errors import error_body, error_response
 from jaxengine.server.prompts import (
     EnginePrompt,
@@ -27,7 +28,6 @@ from jaxengine.server.prompts import (
     truncated,
 )
 from jaxengine.server.protocol import (
-    ChatCompletionRequest,
     CompletionRequest,
     RequestError,
     resolve_max_tokens,

@@ -15,9 +15,9 @@ from typing import Any
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
+from jaxengine.server.chat_protocol import ChatTemplateFields
 from jaxengine.server.prompts import chat_prompt
 from jaxengine.server.protocol import (
-    ChatTemplateFields,
     RequestError,
     RequestModel,
     has_lone_surrogate,

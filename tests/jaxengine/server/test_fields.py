@@ -11,7 +11,8 @@ from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 
 from jaxengine.server import refused
-from jaxengine.server.protocol import ChatCompletionRequest, CompletionRequest
+from jaxengine.server.chat_protocol import ChatCompletionRequest
+from jaxengine.server.protocol import CompletionRequest
 from tests.jaxengine.server.test_harness import MODEL_NAME, RunningServer
 
 GOOD = {"completions": {"model": MODEL_NAME, "prompt": "ok", "max_tokens": 2,

@@ -10,7 +10,8 @@ from typing import Any
 import httpx
 import pytest
 
-from jaxengine.server.protocol import ChatCompletionRequest, CompletionRequest
+from jaxengine.server.chat_protocol import ChatCompletionRequest
+from jaxengine.server.protocol import CompletionRequest
 from scheduler import SamplingParams
 from tests.jaxengine.server.test_harness import (
     MODEL_NAME,

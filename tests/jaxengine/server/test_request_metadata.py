@@ -7,7 +7,8 @@ from typing import Any
 import httpx
 import pytest
 
-from jaxengine.server.protocol import ChatCompletionRequest, CompletionRequest
+from jaxengine.server.chat_protocol import ChatCompletionRequest
+from jaxengine.server.protocol import CompletionRequest
 from tests.jaxengine.server.test_harness import (
     MODEL_NAME,
     RunningServer,

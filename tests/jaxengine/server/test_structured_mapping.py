@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from jaxengine.server.protocol import ChatCompletionRequest, RequestError
+from jaxengine.server.chat_protocol import ChatCompletionRequest
+from jaxengine.server.protocol import RequestError
 from jaxengine.server.structured import ToolChoice, structured_outputs_of
 
 MESSAGES = [{"role": "user", "content": "x"}]
