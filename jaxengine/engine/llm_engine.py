@@ -47,7 +47,7 @@ from jaxengine.runner.runner import InFlight, Runner, RunnerConfig, SampledToken
 from jaxengine.sampling.bad_words import tokenize_bad_words
 from jaxengine.sampling.metadata import SamplingRow, validate_sampling_params
 from jaxengine.spec.metrics import SpecDecodingStats
-from jaxengine.spec.speculator import Speculator
+from jaxengine.spec.speculator import make_speculator
 from jaxengine.structured.compiler import CompiledGrammar, GrammarCompiler
 from jaxengine.structured.params import StructuredOutputsError, StructuredOutputsParams
 from scheduler import (
@@ -131,8 +131,9 @@ class LLMEngine:
             intermediate_token_buckets=args.intermediate_token_buckets,
             debug_recompiles=args.debug_recompiles or debug_recompiles_from_env(),
             num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens))
-        self.speculator = None if spec is None else Speculator(
-            spec, max_model_len=max_model_len,
+        self.speculator = None if spec is None else make_speculator(
+            spec, runner=self.runner, dtype=args.dtype, attention_backend=args.attention_backend,
+            max_model_len=max_model_len,
             eos_token_id=None if tokenizer is None else tokenizer.eos_token_id)
         if args.precompile:
             self.runner.precompile()

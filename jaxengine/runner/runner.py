@@ -191,6 +191,8 @@ class Runner:
         # sampler input per step; batches without a grammar reuse one all-ones array per bucket.
         self._all_allowed: dict[int, jax.Array] = {}
         self.grammar_executor: Any = None  # llguidance.LLExecutor: fills rows in parallel
+        # Programs of others to compile with these (a draft model's: jaxengine/spec).
+        self.precompile_hooks: list[Callable[[], None]] = []
         # Requests that asked for prompt logprobs, each step's targets (sampling/prompt_logprob*)
         self.prompt_logprobs = PromptLogprobInputs()
 
@@ -272,6 +274,8 @@ class Runner:
         logger.info("compiled %d programs (%d token buckets, %d request buckets) in %.2f s",
                     len(specs), len(self.token_buckets), len(self.request_buckets),
                     time.perf_counter() - t0)
+        for hook in self.precompile_hooks:
+            hook()
         self.warm = True
 
     def mark_warm(self) -> None:

@@ -13,18 +13,20 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-METHODS = ("ngram",)  # built; vLLM's "draft_model" and the EAGLE family are not yet
+METHODS = ("ngram", "draft_model")  # built; vLLM's EAGLE family and MTP are not yet
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's value when neither bound is given
-_KEYS = {"ngram": ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")}
-_NOT_BUILT = ("draft_model", "eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "suffix")
+_KEYS = {"ngram": ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"),
+         "draft_model": ("method", "model", "num_speculative_tokens")}
+_NOT_BUILT = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "suffix")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SpeculativeConfig:
     """Speculative decoding settings (vLLM's names), validated when built."""
 
-    method: str  # "ngram": prompt lookup (jaxengine/spec/ngram.py)
+    method: str  # "ngram": prompt lookup (ngram.py); "draft_model": a small model (draft_model.py)
     num_speculative_tokens: int  # k, the most draft tokens a request gets per step
+    model: str | None = None  # draft_model: the draft's HF directory or .gguf file
     prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP  # shortest suffix n-gram that may match
     prompt_lookup_max: int = DEFAULT_PROMPT_LOOKUP  # longest suffix n-gram tried first
 
@@ -37,6 +39,10 @@ class SpeculativeConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"speculative_config: {name} must be an integer >= 1, got "
                                  f"{value!r}")
+        if (self.method == "draft_model") != isinstance(self.model, str):
+            raise ValueError(f"speculative_config: model (the draft's HF directory or .gguf "
+                             f"file) is required by method 'draft_model' and taken by no other; "
+                             f"got {self.model!r}")
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"speculative_config: prompt_lookup_min={self.prompt_lookup_min} "
                              f"must be <= prompt_lookup_max={self.prompt_lookup_max}")
@@ -58,7 +64,7 @@ class SpeculativeConfig:
         method = config.get("method")
         if method in _NOT_BUILT:
             raise ValueError(f"speculative_config: method {method!r} is not built yet; use "
-                             f"'ngram'")
+                             f"'ngram' or 'draft_model'")
         if method not in _KEYS:
             raise ValueError(f"speculative_config: method must be one of {', '.join(METHODS)}; "
                              f"got {method!r}")
@@ -75,4 +81,4 @@ class SpeculativeConfig:
         lo = hi if lo is None else lo
         hi = lo if hi is None else hi
         return cls(method=method, num_speculative_tokens=config["num_speculative_tokens"],
-                   prompt_lookup_min=lo, prompt_lookup_max=hi)
+                   prompt_lookup_min=lo, prompt_lookup_max=hi, model=config.get("model"))

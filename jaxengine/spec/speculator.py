@@ -21,6 +21,7 @@ from scheduler import SchedulerOutput
 
 if TYPE_CHECKING:
     from jaxengine.engine.request_state import TrackedRequest
+    from jaxengine.runner.runner import Runner
 
 
 class _Token(Protocol):
@@ -105,3 +106,21 @@ class Speculator:
                     or num_prompt + num_output >= self.max_model_len):
                 return i + 1
         return len(token_ids)
+
+
+def make_speculator(config: SpeculativeConfig, *, runner: Runner, dtype: str,
+                    attention_backend: str | None, max_model_len: int,
+                    eos_token_id: int | None) -> Speculator:
+    """The engine's speculator for `config.method` ("draft_model" loads its model here).
+
+    Raises:
+      ValueError: the draft model cannot be loaded or its vocabulary is not the target's.
+    """
+    if config.method != "draft_model":
+        return Speculator(config, max_model_len=max_model_len, eos_token_id=eos_token_id)
+    from jaxengine.spec.draft_model import DraftModelSpeculator, load_draft
+
+    assert config.model is not None  # SpeculativeConfig requires it for draft_model
+    draft = load_draft(config.model, dtype=dtype, attention_backend=attention_backend)
+    return DraftModelSpeculator(config, draft, runner, max_model_len=max_model_len,
+                                eos_token_id=eos_token_id)

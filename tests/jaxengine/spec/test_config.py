@@ -25,9 +25,13 @@ def test_prompt_lookup_defaults_follow_vllm(given: dict[str, int],
 
 
 @pytest.mark.parametrize(("config", "message"), [
-    ({"method": "medusa2", "num_speculative_tokens": 3}, "method must be one of ngram"),
-    ({"num_speculative_tokens": 3}, "method must be one of ngram; got None"),
-    ({"method": "draft_model", "model": "x", "num_speculative_tokens": 3}, "not built yet"),
+    ({"method": "medusa2", "num_speculative_tokens": 3}, "method must be one of ngram, "
+                                                         "draft_model; got 'medusa2'"),
+    ({"num_speculative_tokens": 3}, "method must be one of ngram, draft_model; got None"),
+    ({"method": "eagle", "model": "x", "num_speculative_tokens": 3}, "not built yet"),
+    ({"method": "draft_model", "num_speculative_tokens": 3}, "model .* is required"),
+    ({"method": "draft_model", "model": "x", "num_speculative_tokens": 3,
+      "prompt_lookup_max": 2}, "unknown key.*'prompt_lookup_max' for method 'draft_model'"),
     ({"method": "ngram", "num_speculative_tokens": 3, "lookahead": 1},
      "unknown key.*'lookahead'"),
     ({"method": "ngram"}, "num_speculative_tokens is required"),
@@ -45,6 +49,14 @@ def test_bad_configs_name_the_key(config: Any, message: str) -> None:
         SpeculativeConfig.from_dict(config)
     with pytest.raises(ValueError, match="speculative_config"):
         EngineArgs(speculative_config=config)
+
+
+def test_a_draft_model_config() -> None:
+    cfg = SpeculativeConfig.from_dict({"method": "draft_model", "model": "/m",
+                                       "num_speculative_tokens": 2})
+    assert (cfg.method, cfg.model, cfg.num_speculative_tokens) == ("draft_model", "/m", 2)
+    with pytest.raises(ValueError, match="taken by no other"):
+        SpeculativeConfig(method="ngram", num_speculative_tokens=2, model="/m")
 
 
 def test_engine_args_resolve_the_dict() -> None:

@@ -35,7 +35,7 @@ class Counts:
 
     def __init__(self) -> None:
         self.drafts = self.draft_tokens = self.accepted = 0
-        self.per_pos = [0, 0, 0]
+        self.per_pos: list[int] = []
 
     def record(self, scheduler_stats: Any, it: Any) -> None:
         s = None if it is None else it.spec_decoding
@@ -43,6 +43,7 @@ class Counts:
             self.drafts += s.num_drafts
             self.draft_tokens += s.num_draft_tokens
             self.accepted += s.num_accepted_tokens
+            self.per_pos = self.per_pos or [0] * s.num_spec_tokens
             self.per_pos = [a + b for a, b in zip(self.per_pos, s.num_accepted_tokens_per_pos,
                                                   strict=True)]
 

@@ -1,0 +1,92 @@
+"""`"method": "draft_model"` on tiny random Llamas: outputs are those without speculation;
+with the target itself as the draft every greedy draft is accepted (its KV, replayed each step
+and extended by the proposal steps, is exactly the target's), through preemption too; the draft's
+programs compile only in warm-up."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from jaxengine.engine.args import EngineArgs
+from jaxengine.engine.build import build_engine
+from jaxengine.runner.compiles import compile_count
+from jaxengine.spec.draft_model import PROPOSE_NAME, REPLAY_NAME
+from scheduler import SamplingParams, check_invariants
+from tests.jaxengine.engine.test_llm_engine import make_engine
+from tests.jaxengine.spec.test_spec_engine import Counts
+
+TINY = Path(__file__).resolve().parents[2] / "fixtures" / "tiny"
+TARGET = TINY / "llama3_gqa"
+PROMPTS = ["abcabcabcabc", "hello hello hello", "xyz", "1 2 3 1 2 3 1 2"]
+GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+
+def draft_config(model: Path, k: int = 3) -> dict[str, Any]:
+    return {"method": "draft_model", "model": str(model), "num_speculative_tokens": k}
+
+
+def run(params: SamplingParams, **kw: Any) -> tuple[dict[str, tuple], Counts]:
+    """Every prompt to the end; outputs, and the drafts counted (with `late`: the draft's
+    compilations after the engine was built, and `preempted`)."""
+    args = dict(model=str(TARGET), max_model_len=128, max_num_batched_tokens=64,
+                max_num_seqs=4, block_size=4, num_gpu_blocks_override=200,
+                attention_backend="reference")
+    engine = build_engine(EngineArgs(**{**args, **kw}))
+    built = compile_count(REPLAY_NAME, PROPOSE_NAME)
+    counts = Counts()
+    engine.stat_loggers.append(counts)
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", p, params)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = (tuple(out.outputs[0].token_ids), out.outputs[0].text)
+        check_invariants(engine.state)
+    assert engine.state.num_free_blocks == engine.scheduler_config.num_blocks - 1
+    counts.late = compile_count(REPLAY_NAME, PROPOSE_NAME) - built  # type: ignore[attr-defined]
+    counts.preempted = engine.state.stats.num_preemptions  # type: ignore[attr-defined]
+    return done, counts
+
+
+def test_the_target_as_its_own_draft_is_always_right_and_compiles_only_in_warm_up() -> None:
+    plain, _ = run(GREEDY)
+    before = compile_count(REPLAY_NAME, PROPOSE_NAME)
+    spec, counts = run(GREEDY, speculative_config=draft_config(TARGET), precompile=True,
+                       debug_recompiles=True)  # the target's programs: none after warm-up
+    assert spec == plain
+    assert counts.accepted == counts.draft_tokens > 0
+    assert compile_count(REPLAY_NAME, PROPOSE_NAME) > before  # precompile made the draft's,
+    assert counts.late == 0  # type: ignore[attr-defined]  # and the steps needed no other
+
+
+@pytest.mark.slow  # 22 s: two engines recomputing preempted requests
+def test_replay_survives_preemption() -> None:
+    tight = dict(num_gpu_blocks_override=24, max_model_len=64)  # 4 requests need 44 blocks
+    plain, _ = run(GREEDY, **tight)
+    spec, counts = run(GREEDY, **tight, speculative_config=draft_config(TARGET, k=2))
+    assert counts.preempted > 0  # type: ignore[attr-defined]
+    assert spec == plain
+    assert counts.accepted == counts.draft_tokens > 0
+
+
+def test_another_draft_changes_no_output() -> None:
+    plain, _ = run(GREEDY)
+    spec, counts = run(GREEDY, speculative_config=draft_config(TINY / "llama_tied_mha"))
+    assert spec == plain
+    assert counts.draft_tokens > 0
+    seeded = SamplingParams(max_tokens=16, temperature=0.8, seed=3, ignore_eos=True)
+    assert run(seeded, speculative_config=draft_config(TARGET))[0] == run(seeded)[0]
+
+
+def test_bad_draft_models_are_named() -> None:
+    with pytest.raises(ValueError, match="model .* is required by method 'draft_model'"):
+        EngineArgs(speculative_config={"method": "draft_model", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="draft model's vocabulary \\(128\\) must be the "
+                                         "target's \\(97\\)"):
+        make_engine(speculative_config=draft_config(TARGET))
+    with pytest.raises(ValueError, match="no_such_model"):
+        make_engine(speculative_config=draft_config(TINY / "no_such_model"))
