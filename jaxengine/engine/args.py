@@ -62,7 +62,8 @@ class EngineArgs:
     speculative_config: dict[str, Any] | None = _arg(
         None, "speculative decoding, vLLM's dict (JSON on the command line), e.g. "
               '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, '
-              '"prompt_lookup_max": 4}; None: off')
+              '"prompt_lookup_max": 4} or {"method": "draft_model", "model": DIR, '
+              '"num_speculative_tokens": 3}; None: off')
     compilation_cache_dir: str | None = _arg(
         None, "directory of JAX's persistent compilation cache (process-wide); None: "
               "$JAXENGINE_COMPILATION_CACHE_DIR, else JAX's own setting, else "

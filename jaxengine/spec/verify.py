@@ -8,9 +8,10 @@ The runner gathers the rows (`gather_indices`: a fixed i32[R * (1 + K)], K =
 from p_j with the request's usual key of (seed, output position + j). `num_accepted` keeps x_0 and,
 while x_j == d_j, x_{j+1}: the emitted tokens are x_0..x_a, a the accepted drafts.
 
-Why that is exact. Our drafts are deterministic (prompt lookup), a one-hot proposal q = e_d.
-Rejection sampling (vLLM's `RejectionSampler`) accepts d with probability min(1, p(d)/q(d)) =
-p(d), and on rejection draws from the residual (p - q)+ normalised, which is p with d removed.
+Why that is exact. Our drafts are deterministic (prompt lookup, or a draft model's greedy
+tokens), a one-hot proposal q = e_d. Rejection sampling (vLLM's `RejectionSampler`) accepts d
+with probability min(1, p(d)/q(d)) = p(d), and on rejection draws from the residual (p - q)+
+normalised, which is p with d removed.
 Drawing x ~ p and accepting iff x == d does the same: P(accept) = p(d), and given x != d, x is
 distributed as p without d. So every emitted token has the target's distribution, greedy
 decoding is exact (x_j is the argmax), and since x_j uses the key the non-speculative loop would
