@@ -63,3 +63,32 @@ def test_llm_takes_the_dict() -> None:
     assert [tuple(o.outputs[0].token_ids) for o in outs] == [plain[f"r{i}"][0]
                                                              for i in range(len(PROMPTS))]
     assert llm.llm_engine.args.async_scheduling is False
+
+
+def test_a_grammar_request_beside_drafted_ones() -> None:
+    import re
+
+    from jaxengine.structured.params import StructuredOutputsParams
+
+    regex = r"[ab]{2,5}c[0-9]"
+
+    def outputs(**kw: Any) -> dict[str, tuple]:
+        engine = build_engine(EngineArgs(
+            model=str(TINY.parent / "llama_tied_mha"), max_num_batched_tokens=32,
+            max_num_seqs=4, block_size=4, max_model_len=128, num_gpu_blocks_override=200,
+            attention_backend="reference", **kw))
+        engine.add_request("g", "a", SamplingParams(
+            max_tokens=20, seed=1, structured_outputs=StructuredOutputsParams(regex=regex)))
+        engine.add_request("p", "abcabcabc", SamplingParams(max_tokens=20, temperature=0.0,
+                                                            ignore_eos=True))
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = (out.outputs[0].text, out.outputs[0].token_ids)
+        assert engine.state.num_free_blocks == engine.scheduler_config.num_blocks - 1
+        return done
+
+    spec = outputs(speculative_config=NGRAM)
+    assert spec == outputs()
+    assert re.fullmatch(regex, spec["g"][0])
