@@ -3,8 +3,10 @@
 For a request's tokens (prompt + outputs), try the suffix n-grams from `prompt_lookup_max`
 tokens down to `prompt_lookup_min`; the first (longest) one that also occurs earlier, at its
 earliest occurrence, proposes the up to k tokens that followed it there. vLLM finds the same
-match with a KMP scan of the reversed tokens (longest match, then the earliest occurrence);
-here a numpy window comparison per n does it, host side, in O(n_max * tokens).
+match with a KMP scan of the reversed tokens (longest match, then the earliest occurrence).
+Here, host side: the earlier positions holding the last token are the candidate match ends,
+and one comparison of their max_n preceding tokens gives each one's match length, so a step
+costs O(tokens) for the scan plus O(candidates * max_n).
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 
 def propose_ngram(tokens: Sequence[int] | np.ndarray, *, min_n: int, max_n: int,
@@ -30,10 +31,15 @@ def propose_ngram(tokens: Sequence[int] | np.ndarray, *, min_n: int, max_n: int,
     total = len(arr)
     if k <= 0 or total < min_n + 1:
         return []
-    head = arr[:-1]  # an earlier occurrence ends before the last token
-    for n in range(min(max_n, total - 1), min_n - 1, -1):
-        hits = np.flatnonzero((sliding_window_view(head, n) == arr[-n:]).all(axis=1))
-        if len(hits):
-            start = int(hits[0]) + n  # the token after the earliest occurrence
-            return arr[start:start + k].tolist()
-    return []
+    ends = np.flatnonzero(arr[:-1] == arr[-1])  # i64[C]  where an earlier occurrence ends
+    if not len(ends):
+        return []
+    back = np.arange(min(max_n, total - 1))  # i64[n]  offsets back from a match's end
+    before = ends[:, None] - back[None, :]  # i64[C, n]
+    same = (before >= 0) & (arr[np.maximum(before, 0)] == arr[total - 1 - back][None, :])
+    length = np.cumprod(same, axis=1).sum(axis=1)  # i64[C]  each candidate's match length
+    longest = int(length.max())
+    if longest < min_n:
+        return []
+    start = int(ends[np.argmax(length >= longest)]) + 1  # after the earliest longest match
+    return arr[start:start + k].tolist()
