@@ -48,12 +48,16 @@ def default_grid(*, max_num_seqs: int, budget: int, max_model_len: int,
     """Scenes over decode batch sizes, contexts and injected prefills that fit the engine.
 
     A scene's prefill work is kept below `max_prefill_tokens` (it sets the calibration time:
-    SmolLM2 f32 on the 2-core CPU prefills about 500 tokens a second). The injections are a
-    short and a medium prompt and one of 1.5x the budget (a full chunk, then one with context).
+    SmolLM2 f32 on the 2-core CPU prefills about 500 tokens a second). The decode batches are
+    every power of two up to `max_num_seqs` (each small token bucket and sampler request
+    bucket, so `tokens_upto_*` and `sampler_rows` are seen apart: up to 8 requests share one
+    sampler bucket), plus 3 and 48 (more requests in the same buckets: `num_seqs`). The
+    injections are a short and a medium prompt and one of 1.5x the budget (a full chunk, then
+    one with context).
     """
     limit = max_model_len // 2
-    decodes = sorted({d for d in (1, 4, 16, 48, max(max_num_seqs // 2, 1), max_num_seqs)
-                      if d <= max_num_seqs})
+    powers = [1 << k for k in range(max_num_seqs.bit_length())]
+    decodes = sorted({d for d in (*powers, 3, 48, max_num_seqs) if d <= max_num_seqs})
     contexts = sorted({c for c in (16, 128, 512, 1536, limit) if 1 <= c <= min(limit, 1536)})
     injects = sorted({p for p in (32, 256, budget + budget // 2) if 2 <= p <= limit})
     scenes = []
@@ -77,7 +81,7 @@ class Sample:
 
 
 def time_scene(engine, scene: Scene, index: int, *, rng: np.random.Generator,
-               buckets: Sequence[int]) -> list[Sample]:
+               buckets: Sequence[int], request_buckets: Sequence[int]) -> list[Sample]:
     """Run one scene on `engine` (idle before and after); every call's `Sample`."""
     samples: list[Sample] = []
     vocab = engine.vocab_size
@@ -94,7 +98,7 @@ def time_scene(engine, scene: Scene, index: int, *, rng: np.random.Generator,
         t0 = time.perf_counter()
         engine.step()
         seconds = time.perf_counter() - t0
-        feats = None if completed is None else plan_features(completed, buckets)
+        feats = None if completed is None else plan_features(completed, buckets, request_buckets)
         samples.append(Sample(index, feats, seconds))
 
     def decoding(rids: Sequence[str]) -> bool:
@@ -164,7 +168,8 @@ def calibrate(args: EngineArgs, *, scenes: Sequence[Scene] | None = None,
         for i, scene in order[::-1] if rep % 2 else order:
             t0 = time.perf_counter()
             samples += time_scene(engine, scene, i, rng=rng,
-                                  buckets=engine.runner.token_buckets)
+                                  buckets=engine.runner.token_buckets,
+                                  request_buckets=engine.runner.request_buckets)
             log(f"calibrate: pass {rep + 1}/{repeats}, scene {i + 1}/{len(grid)} "
                 f"{scene.decodes} x {scene.context} tokens"
                 f"{' + ' + str(list(scene.inject)) if scene.inject else ''}: "

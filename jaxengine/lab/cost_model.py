@@ -6,6 +6,15 @@ before; the synchronous loop completes its own):
 
 - `const`: the per-call host work (scheduling, packing, detokenizing, updating) and dispatch;
 - `padded_tokens`: the token bucket the step runs in (every matmul is over the padded batch);
+- `tokens_upto_8`, `tokens_upto_128`: the bucket again, capped at 8 and 128 tokens: with the
+  non-negative fit, a token costs more in small buckets than in large ones (a piecewise linear,
+  concave price of the bucket). Small steps multiply a few rows by every weight (bound by
+  streaming the weights), large ones run the matmuls near peak; one slope fitted over both
+  was set by the large prefill steps and priced a decode sequence at 1.4-4.2 ms where
+  SmolLM2 f32 on the 2-core CPU measured ~10 ms (docs/LAB.md);
+- `sampler_rows`: the sampler's request bucket (`jaxengine.runner.buckets.request_buckets`)
+  of the requests that sample: every row, padding included, multiplies by the lm head
+  (576 x 49152 for SmolLM2), whatever the token bucket;
 - `num_seqs`: requests in the step (packing, sampling and output work per request);
 - `decode_kilotokens`: context tokens read by the decode pass (one-token requests), / 1000;
 - `prefill_attention`: causal attention work of the longer chunks,
@@ -29,21 +38,27 @@ from typing import Any
 import numpy as np
 
 from jaxengine.runner.buckets import pick_bucket, token_buckets
+from jaxengine.runner.buckets import request_buckets as _request_buckets
 from scheduler import SchedulerOutput
 
-FEATURES = ("const", "padded_tokens", "num_seqs", "decode_kilotokens", "prefill_attention")
+# The caps of the `tokens_upto_*` features (token buckets where the price per token changes).
+TOKEN_KNOTS = (8, 128)
+FEATURES = ("const", "padded_tokens", *(f"tokens_upto_{k}" for k in TOKEN_KNOTS),
+            "sampler_rows", "num_seqs", "decode_kilotokens", "prefill_attention")
 # Engine arguments a cost model is only valid for: they change the work of a step or the loop.
 CALIBRATION_KEYS = ("model", "dtype", "attention_backend", "tensor_parallel_size",
                     "async_scheduling")
-VERSION = 1
+VERSION = 2  # 2: the tokens_upto_* and sampler_rows features
 
 
-def plan_features(plan: SchedulerOutput, buckets: Sequence[int]) -> np.ndarray:
+def plan_features(plan: SchedulerOutput, buckets: Sequence[int],
+                  request_buckets: Sequence[int]) -> np.ndarray:
     """The `FEATURES` of one plan, f64[len(FEATURES)].
 
     Args:
       plan: the step's plan (non-empty).
       buckets: the engine's token buckets (`jaxengine.runner.buckets.token_buckets`).
+      request_buckets: the sampler's (`jaxengine.runner.buckets.request_buckets`).
     """
     decode_ctx, prefill, seqs = 0, 0.0, 0
     computed = plan.num_computed_tokens
@@ -53,9 +68,11 @@ def plan_features(plan: SchedulerOutput, buckets: Sequence[int]) -> np.ndarray:
             decode_ctx += computed[rid] + 1
         else:
             prefill += q * (computed[rid] + (q + 1) / 2)
-    total = plan.total_num_scheduled_tokens
-    return np.array([1.0, float(pick_bucket(buckets, total)), float(seqs),
-                     decode_ctx / 1e3, prefill / 1e6])
+    bucket = pick_bucket(buckets, plan.total_num_scheduled_tokens)
+    sampling = len(plan.sampling_req_ids)
+    rows = pick_bucket(request_buckets, sampling) if sampling else 0
+    return np.array([1.0, float(bucket), *(float(min(bucket, k)) for k in TOKEN_KNOTS),
+                     float(rows), float(seqs), decode_ctx / 1e3, prefill / 1e6])
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -92,11 +109,13 @@ class CostModel:
         if missing:
             raise ValueError(f"cost model lacks coefficients for {sorted(missing)}")
 
-    def step_seconds(self, plan: SchedulerOutput | None, buckets: Sequence[int]) -> float:
-        """Predicted seconds of a call that completes `plan` (None or empty: an idle call)."""
+    def step_seconds(self, plan: SchedulerOutput | None, buckets: Sequence[int],
+                     request_buckets: Sequence[int]) -> float:
+        """Predicted seconds of a call that completes `plan` (None or empty: an idle call),
+        on an engine with these token and sampler buckets (see `plan_features`)."""
         if plan is None or not plan.num_scheduled_tokens:
             return self.idle_call_seconds
-        return float(np.dot(self._vector(), plan_features(plan, buckets)))
+        return float(np.dot(self._vector(), plan_features(plan, buckets, request_buckets)))
 
     def _vector(self) -> np.ndarray:
         return np.array([self.coefficients[f] for f in FEATURES])
@@ -211,3 +230,9 @@ def fit_report(coef: np.ndarray, x_train: np.ndarray, x_test: np.ndarray,
 def engine_buckets(max_num_batched_tokens: int, *, intermediate: bool) -> tuple[int, ...]:
     """The token buckets an engine with this budget runs (as `Runner` builds them)."""
     return token_buckets(max_num_batched_tokens, intermediate=intermediate)
+
+
+def engine_request_buckets(max_num_seqs: int) -> tuple[int, ...]:
+    """The sampler's request buckets of an engine with this `max_num_seqs` (as `Runner` builds
+    them without speculative decoding)."""
+    return _request_buckets(max_num_seqs)

@@ -24,7 +24,12 @@ from typing import Any
 
 from jaxengine.engine.args import EngineArgs
 from jaxengine.engine.outputs import RequestMetrics
-from jaxengine.lab.cost_model import CALIBRATION_KEYS, CostModel, engine_buckets
+from jaxengine.lab.cost_model import (
+    CALIBRATION_KEYS,
+    CostModel,
+    engine_buckets,
+    engine_request_buckets,
+)
 from jaxengine.lab.results import RunResult, request_result
 from jaxengine.lab.timeline import step_record
 from jaxengine.lab.workloads import Workload, WorkloadRequest
@@ -123,6 +128,7 @@ class Simulation:
         self.config = scheduler_config(args, cost)
         self.buckets = engine_buckets(self.config.max_num_batched_tokens,
                                       intermediate=args.intermediate_token_buckets)
+        self.request_buckets = engine_request_buckets(self.config.max_num_seqs)
         self.state: SchedulerState = init_state(self.config)
         self.clock = 0.0
         self.records: list[dict[str, Any]] = []
@@ -176,7 +182,7 @@ class Simulation:
                 plan if plan.num_scheduled_tokens else None)
         else:
             completed = plan if plan.num_scheduled_tokens else None
-        seconds = self.cost.step_seconds(completed, self.buckets)
+        seconds = self.cost.step_seconds(completed, self.buckets, self.request_buckets)
         self.clock += seconds
         record = step_record(before, state, plan, time_s=start)
         self.records.append({**dataclasses.asdict(record), "seconds": seconds})

@@ -12,6 +12,7 @@ import pytest
 from jaxengine.lab.calibrate import Sample, default_grid, fit_samples, refit
 from jaxengine.lab.cost_model import (
     FEATURES,
+    TOKEN_KNOTS,
     CostModel,
     fit_coefficients,
     load_cost_model,
@@ -28,38 +29,64 @@ from scheduler import (
     update_from_output,
 )
 
+TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+ROWS = (1, 2, 4)  # sampler request buckets
+
+
+def features(plan) -> dict[str, float]:
+    return dict(zip(FEATURES, plan_features(plan, TOKENS, ROWS), strict=True))
+
 
 def test_features_of_a_mixed_plan_by_hand() -> None:
-    cfg = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=128,
-                          num_blocks=64, block_size=4, enable_prefix_caching=False)
+    cfg = SchedulerConfig(max_num_batched_tokens=256, max_num_seqs=4, max_model_len=512,
+                          num_blocks=256, block_size=4, enable_prefix_caching=False)
     s = init_state(cfg)
-    for rid, n in (("a", 20), ("b", 30)):
+    for rid, n in (("a", 20), ("b", 30), ("c", 260)):
         s = add_request(s, Request(request_id=rid, prompt_token_ids=(1,) * n,
                                    sampling_params=SamplingParams(max_tokens=4)))
-    s, plan = schedule(s)  # a: 20 tokens; b: 30 tokens (both from 0)
-    f = dict(zip(FEATURES, plan_features(plan, (1, 2, 4, 8, 16, 32, 64)), strict=True))
-    assert f["const"] == 1 and f["padded_tokens"] == 64 and f["num_seqs"] == 2
+    s, plan = schedule(s)  # a: 20 tokens; b: 30; c: the first 206 of 260 (all from 0)
+    f = features(plan)
+    assert f["const"] == 1 and f["padded_tokens"] == 256 and f["num_seqs"] == 3
+    assert (f["tokens_upto_8"], f["tokens_upto_128"]) == (8, 128)  # the caps
+    assert f["sampler_rows"] == 2  # a and b sample; c's chunk does not
     assert f["decode_kilotokens"] == 0
-    assert f["prefill_attention"] == pytest.approx((20 * 10.5 + 30 * 15.5) / 1e6)
+    assert f["prefill_attention"] == pytest.approx(
+        (20 * 10.5 + 30 * 15.5 + 206 * 103.5) / 1e6)
     s, _ = update_from_output(s, plan, {"a": [5], "b": [5]})
-    s, plan = schedule(s)  # two decodes: contexts 21 and 31
-    f = dict(zip(FEATURES, plan_features(plan, (1, 2, 4, 8, 16, 32, 64)), strict=True))
-    assert (f["padded_tokens"], f["num_seqs"]) == (2, 2)
+    s, plan = schedule(s)  # two decodes (contexts 21 and 31) and c's last 54 tokens
+    f = features(plan)
+    assert (f["padded_tokens"], f["tokens_upto_8"], f["tokens_upto_128"]) == (64, 8, 64)
+    assert (f["num_seqs"], f["sampler_rows"]) == (3, 4)  # 3 samplers in the bucket of 4
     assert f["decode_kilotokens"] == pytest.approx((21 + 31) / 1e3)
-    assert f["prefill_attention"] == 0
+    assert f["prefill_attention"] == pytest.approx(54 * (206 + 27.5) / 1e6)
+    s, _ = update_from_output(s, plan, {"a": [5], "b": [5], "c": [5]})
+    s, plan = schedule(s)  # three decodes: bucket 4, below the first cap
+    f = features(plan)
+    assert (f["padded_tokens"], f["tokens_upto_8"], f["tokens_upto_128"]) == (4, 4, 4)
+    assert f["sampler_rows"] == 4 and f["prefill_attention"] == 0
+
+
+def synthetic_features(rng: np.random.Generator, n: int) -> np.ndarray:
+    """f64[n, len(FEATURES)]: plans of random buckets, samplers and contexts."""
+    bucket = rng.choice([1, 2, 4, 8, 16, 64, 128, 512, 2048], n).astype(float)
+    seqs = rng.integers(1, 64, n).astype(float)
+    rows = rng.choice([0, 8, 16, 64], n).astype(float)
+    caps = [np.minimum(bucket, k) for k in TOKEN_KNOTS]
+    return np.column_stack([np.ones(n), bucket, *caps, rows, seqs, rng.random(n) * 10,
+                            rng.random(n)])
 
 
 def test_fit_recovers_known_coefficients_and_keeps_them_non_negative() -> None:
     rng = np.random.default_rng(0)
-    x = np.column_stack([np.ones(200), rng.choice([1, 8, 64, 512], 200),
-                         rng.integers(1, 64, 200), rng.random(200) * 10, rng.random(200)])
-    true = np.array([2e-3, 1e-5, 5e-5, 3e-3, 0.0])
-    y = x @ true * rng.normal(1.0, 0.01, 200)
+    x = synthetic_features(rng, 300)
+    # A decode-like price: a token costs 8 ms up to 8 tokens, 2 ms up to 128, 1 ms beyond.
+    true = np.array([2e-2, 1e-3, 6e-3, 1e-3, 5e-4, 5e-5, 3e-3, 0.0])
+    y = x @ true * rng.normal(1.0, 0.01, 300)
     coef = fit_coefficients(x, y)
-    assert coef[:4] == pytest.approx(true[:4], rel=0.1)
-    assert (coef >= 0).all() and coef[4] < 1e-4
+    assert coef[:7] == pytest.approx(true[:7], rel=0.1)
+    assert (coef >= 0).all() and coef[7] < 1e-4
     # A feature that only lowers the time would get a negative weight: it is dropped.
-    y2 = x[:, 0] * 0.01 * (1 - 0.01 * x[:, 3])
+    y2 = x[:, 0] * 0.01 * (1 - 0.01 * x[:, 6])
     assert (fit_coefficients(x, y2) >= 0).all()
     with pytest.raises(ValueError, match="positive times"):
         fit_coefficients(x[:3], y[:3])
@@ -67,12 +94,10 @@ def test_fit_recovers_known_coefficients_and_keeps_them_non_negative() -> None:
 
 def test_fit_samples_reports_held_out_scenes() -> None:
     rng = np.random.default_rng(1)
-    true = np.array([1e-3, 2e-5, 1e-4, 1e-3, 0.5])
+    true = np.array([1e-3, 2e-5, 1e-4, 1e-4, 5e-5, 1e-4, 1e-3, 0.5])
     samples = [Sample(scene, None, 4e-4) for scene in range(8)]
     for scene in range(8):
-        for _ in range(10):
-            f = np.array([1.0, rng.choice([1, 16, 128]), rng.integers(1, 16), rng.random(),
-                          rng.random() * 0.01])
+        for f in synthetic_features(rng, 10):
             samples.append(Sample(scene, f, float(f @ true) * rng.normal(1, 0.02)))
     model = fit_samples(samples, hold_out_every=4)
     assert model.fit is not None and model.fit.held_out_points == 20
@@ -96,7 +121,7 @@ def test_save_and_load_round_trip(tmp_path: Path) -> None:
                       kv_budget_bytes=1 << 30, max_model_len=128, model_max_model_len=256,
                       vocab_size=128)
     model = dataclasses.replace(model, fit=fit_samples(
-        [Sample(i % 8, np.array([1.0, 2, 1, 0, 0]) * (1 + i % 3), 0.1 * (1 + i % 3))
+        [Sample(i % 8, np.array([1.0, 2, 2, 2, 8, 1, 0, 0]) * (1 + i % 3), 0.1 * (1 + i % 3))
          for i in range(40)]).fit)
     save_cost_model(model, tmp_path / "c.json")
     assert load_cost_model(tmp_path / "c.json") == model
@@ -111,9 +136,8 @@ def test_save_and_load_round_trip(tmp_path: Path) -> None:
 
 def test_the_reweighted_fit_is_unbiased_in_the_mean_under_slow_outliers() -> None:
     rng = np.random.default_rng(2)
-    x = np.column_stack([np.ones(400), rng.choice([1, 8, 64, 512], 400),
-                         rng.integers(1, 64, 400), rng.random(400), rng.random(400) * 0.1])
-    true = np.array([5e-2, 1e-3, 2e-3, 2e-2, 0.8])
+    x = synthetic_features(rng, 400)
+    true = np.array([5e-2, 1e-3, 5e-3, 1e-3, 5e-4, 2e-3, 2e-3, 0.08])
     # Other processes' load: most calls as fast as they can be, some several times slower.
     slow = rng.random(400) < 0.2
     y = x @ true * np.where(slow, rng.uniform(2, 4, 400), rng.normal(1, 0.03, 400))
@@ -127,9 +151,9 @@ def test_refit_uses_the_kept_samples() -> None:
     rng = np.random.default_rng(3)
     samples = []
     for scene in range(8):
-        for _ in range(10):
-            f = np.array([1.0, rng.choice([1, 16, 128]), rng.integers(1, 16), rng.random(), 0])
-            samples.append(Sample(scene, f, float(f @ [1e-2, 1e-4, 1e-3, 1e-2, 0])))
+        for f in synthetic_features(rng, 10):
+            samples.append(Sample(scene, f, float(f @ [1e-2, 1e-4, 1e-3, 1e-4, 1e-4, 1e-3,
+                                                       1e-3, 0])))
     model = fit_samples(samples)
     assert len(model.info["samples"]) == 80
     again = refit(model, rounds=3)

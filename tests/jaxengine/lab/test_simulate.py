@@ -137,6 +137,16 @@ def test_arrivals_wait_for_the_clock_and_costs_follow_the_features() -> None:
     assert r.duration == pytest.approx(1.09)
 
 
+def test_sampler_rows_are_priced_in_the_request_bucket_of_the_simulated_engine() -> None:
+    w = parse_workload([{"prompt_token_ids": [2] * 8, "max_tokens": 2}])
+    cost = cost_model(sampler_rows=0.01, async_scheduling=False)
+    # max_num_seqs=4: one request bucket of 4 rows; the prefill and the decode both sample.
+    assert simulate(w, cost).duration == pytest.approx(0.08)
+    # max_num_seqs=16: buckets 8 and 16, one sampler pads to 8 rows.
+    wider = simulation_args(cost, {"max_num_seqs": 16})
+    assert simulate(w, cost, wider).duration == pytest.approx(0.16)
+
+
 def test_requests_the_engine_would_refuse_are_refused() -> None:
     cost = cost_model()
     too_long = parse_workload([{"prompt_token_ids": [1] * 100, "max_tokens": 20}])
