@@ -26,7 +26,7 @@ def main() -> int:
     """Run the demo; returns the process exit status."""
     from jaxengine import LLM, SamplingParams
     from jaxengine.runner import compilation_cache, compiles
-    from jaxengine.runner.runner import SAMPLE_NAME, STEP_NAME
+    from jaxengine.runner.programs import SAMPLE_NAME, STEP_NAME
 
     compiles.ensure_listener()
     hits_before = compiles.cache_hit_count(STEP_NAME, SAMPLE_NAME)

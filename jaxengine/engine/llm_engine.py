@@ -43,7 +43,9 @@ from jaxengine.kv_offload import offloading_worker
 from jaxengine.loading.tokenizer import Tokenizer
 from jaxengine.model.fns import ModelFns
 from jaxengine.runner.compiles import debug_recompiles_from_env
-from jaxengine.runner.runner import InFlight, Runner, RunnerConfig, SampledToken
+from jaxengine.runner.config import RunnerConfig
+from jaxengine.runner.in_flight import InFlight, SampledToken
+from jaxengine.runner.runner import Runner
 from jaxengine.sampling.bad_words import tokenize_bad_words
 from jaxengine.sampling.metadata import SamplingRow, validate_sampling_params
 from jaxengine.spec.metrics import SpecDecodingStats

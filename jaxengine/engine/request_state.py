@@ -20,7 +20,7 @@ from jaxengine.engine.outputs import (
     RequestOutput,
 )
 from jaxengine.engine.stats import FinishedRequestStats
-from jaxengine.runner.runner import SampledToken
+from jaxengine.runner.in_flight import SampledToken
 from jaxengine.structured.matcher import GrammarMatcher
 from scheduler import RequestDelta, SamplingParams
 

@@ -19,7 +19,7 @@ import functools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import jax
@@ -38,129 +38,25 @@ from jaxengine.runner.compiles import (
     compile_count,
     ensure_listener,
 )
-from jaxengine.sampling.logits_processors import (
-    LogitsAdjustments,
-    apply_logits_processors,
-    build_adjustments,
+from jaxengine.runner.config import RunnerConfig, RunnerStats
+from jaxengine.runner.in_flight import Forward, InFlight, SampledToken
+from jaxengine.runner.programs import (
+    SAMPLE_NAME,
+    STEP_NAME,
+    jaxengine_model_step,
+    jitted_sample,
+    jitted_step,
 )
+from jaxengine.sampling.logits_processors import build_adjustments
 from jaxengine.sampling.metadata import MAX_BANNED, SamplingRow, build_sampling_metadata
 from jaxengine.sampling.penalty_inputs import WRITE_SLOT_NAME, PenaltyInputs
-from jaxengine.sampling.prompt_logprob_inputs import (
-    PromptLogprobChunk,
-    PromptLogprobInputs,
-    PromptSpan,
-)
-from jaxengine.sampling.prompt_logprobs import PromptLogprobs, prompt_logprobs
-from jaxengine.sampling.request_tables import RequestTables, record_tokens
-from jaxengine.sampling.sampler import SamplerOutput, SamplingMetadata, sample_impl
+from jaxengine.sampling.prompt_logprob_inputs import PromptLogprobChunk, PromptLogprobInputs
+from jaxengine.sampling.sampler import SamplerOutput
 from jaxengine.spec.verify import gather_indices, sampler_rows
-from jaxengine.structured.apply import apply_token_bitmask
 from jaxengine.structured.bitmask import allocate_bitmask, bitmask_width, fill_bitmasks
 from scheduler import PLACEHOLDER_TOKEN_ID, SchedulerOutput
 
 logger = logging.getLogger("jaxengine.runner")
-
-STEP_NAME = "jaxengine_model_step"
-SAMPLE_NAME = "jaxengine_sample"
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class RunnerConfig:
-    """Static sizes of the runner (all fixed for its lifetime)."""
-
-    max_num_batched_tokens: int  # largest token bucket
-    max_num_seqs: int  # R, size of every request-indexed array
-    max_model_len: int  # sets the block-table width
-    block_size: int  # L
-    num_blocks: int  # P, pages in the KV pool (block 0 is the null block)
-    max_logprobs: int = 20  # n of the top-logprobs output
-    intermediate_token_buckets: bool = False  # add 1.5x buckets: less padding, more compiles
-    debug_recompiles: bool = False  # raise RecompileError on a compilation after warm-up
-    num_speculative_tokens: int = 0  # K: drafts a request may verify per step (jaxengine/spec)
-
-    def __post_init__(self) -> None:
-        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_blocks < 2:
-            raise ValueError(f"num_blocks must be >= 2 (block 0 is null), got {self.num_blocks}")
-        if self.max_logprobs < 0:
-            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
-        if self.num_speculative_tokens < 0:
-            raise ValueError(f"num_speculative_tokens must be >= 0, got "
-                             f"{self.num_speculative_tokens}")
-
-    @property
-    def max_blocks_per_seq(self) -> int:
-        """Width of `block_tables`: pages of the longest sequence."""
-        return -(-self.max_model_len // self.block_size)
-
-    @property
-    def max_num_rows(self) -> int:
-        """Hidden rows a step keeps, the sampler's largest bucket: R * (1 + K)."""
-        return self.max_num_seqs * (1 + self.num_speculative_tokens)
-
-
-@dataclass(frozen=True, slots=True)
-class SampledToken:
-    """One request's token of this step, with its raw logprobs when asked for."""
-
-    token_id: int
-    logprob: float | None  # of the sampled token; None when the request asked no logprobs
-    top_logprobs: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
-
-
-@dataclass(frozen=True, slots=True)
-class InFlight:
-    """A dispatched step: its plan and its sampler's results, still on the device."""
-
-    plan: SchedulerOutput
-    rows: Mapping[str, SamplingRow]  # of plan.sampling_req_ids
-    result: SamplerOutput | None  # device arrays; None when nobody samples
-    tokens: jax.Array  # i32[R * (1 + K)]  sampled tokens in `row_ids` order, zeros after
-    row_ids: tuple[str, ...]  # the request of each sampler row: sampling_req_ids, each
-    # followed by one row per draft it verifies (jaxengine/spec/verify.py)
-    started: float  # perf_counter() at dispatch
-    num_tokens: int  # the token bucket
-    total: int  # scheduled (real) tokens
-    prompt_logprobs: _PromptInFlight | None = None  # None: no position asked for them
-
-
-@dataclass(frozen=True, slots=True)
-class Forward:
-    """A dispatched model step whose sampler is not dispatched yet (`Runner.dispatch_forward`)."""
-
-    plan: SchedulerOutput
-    order: list[str]  # the plan's requests, in batch order
-    hidden: jax.Array  # [R * (1 + K), D] hidden rows, on the device
-    prev: InFlight | None  # the step its placeholders read
-    started: float  # perf_counter() at dispatch
-    compiles_before: int  # compilations counted at dispatch
-    num_tokens: int  # the token bucket
-    total: int  # scheduled (real) tokens
-    prompt_logprobs: _PromptInFlight | None = None  # None: no position asked for them
-
-
-# A step's prompt logprobs on the device, its targets i32[T] and each asking request's span.
-_PromptInFlight = tuple[PromptLogprobs, np.ndarray, Mapping[str, PromptSpan]]
-
-
-@dataclass(slots=True)
-class RunnerStats:
-    """Counters over the runner's life (host side, cheap)."""
-
-    steps: int = 0
-    computed_tokens: int = 0  # scheduled (real) tokens
-    padded_tokens: int = 0  # bucket padding on top of them
-    compilations: int = 0  # of the step and the sampler, during this runner's calls
-    compilations_after_warmup: int = 0
-    compile_seconds: float = 0.0  # precompile, plus the dispatch of every step that compiled
-    step_seconds: list[float] = field(default_factory=list)  # dispatch to tokens on the host
-
-    @property
-    def padding_waste(self) -> float:
-        """Padded tokens / computed tokens."""
-        return self.padded_tokens / max(self.computed_tokens, 1)
 
 
 class Runner:
@@ -247,7 +143,7 @@ class Runner:
             t_spec, hits = time.perf_counter(), cache_hit_count(STEP_NAME, SAMPLE_NAME,
                                                                 WRITE_SLOT_NAME)
             if kind == "step":
-                compiled = _jitted_step.lower(params, kv, self._batch_spec(size), prev,
+                compiled = jitted_step.lower(params, kv, self._batch_spec(size), prev,
                                               self._fill_spec(size), self._fill_spec(size),
                                               **self._step_statics).compile()
                 if committed:
@@ -260,7 +156,7 @@ class Runner:
                 t = self.penalties.spec()
                 mask = jax.ShapeDtypeStruct((size, bitmask_width(self.model.vocab_size)),
                                             np.int32, sharding=self._token_sharding)
-                _jitted_sample.lower(params, hidden, rows, md, adj, t.bias, t.prompt_mask,
+                jitted_sample.lower(params, hidden, rows, md, adj, t.bias, t.prompt_mask,
                                      t.output_counts, prev, mask,
                                      **self._sample_statics).compile()
             else:
@@ -341,7 +237,7 @@ class Runner:
         targets, spans = self.prompt_logprobs.targets(out, order, batch.query_start_loc,
                                                       len(batch.input_ids))
         prev_tokens = self._prev_tokens(prev)
-        self.kv, hidden, plp = _jitted_step(self.model.params, self.kv, batch, prev_tokens,
+        self.kv, hidden, plp = jitted_step(self.model.params, self.kv, batch, prev_tokens,
                                             fill, targets, **self._step_statics)
         return Forward(plan=out, order=order, hidden=hidden, prev=prev, started=t0,
                        compiles_before=before, num_tokens=len(batch.input_ids),
@@ -451,7 +347,7 @@ class Runner:
                                          () if prev is None else prev.plan.sampling_req_ids,
                                          prev_tokens)
         t = self.penalties.tables
-        out, tokens, counts = _jitted_sample(
+        out, tokens, counts = jitted_sample(
             self.model.params, hidden, row_index, md, adj, t.bias, t.prompt_mask,
             t.output_counts, prev_tokens, self._bitmask(batch_rows, size),
             **self._sample_statics)
@@ -484,70 +380,6 @@ class Runner:
                     f"{new} compilation(s) after warm-up in a step of {num_tokens} tokens; "
                     f"buckets: tokens {self.token_buckets}, requests {self.request_buckets}"
                 )
-
-
-def jaxengine_model_step(params: Any, kv: jax.Array, batch: ModelBatch, prev_tokens: jax.Array,
-                         fill: jax.Array, prompt_targets: jax.Array | None = None, *,
-                         step_fn: Callable, logits_fn: Callable | None = None,
-                         max_logprobs: int = 0) -> tuple[Any, ...]:
-    """The model step, then the hidden rows at `logits_indices` ([R, D], a fixed shape;
-    [R * (1 + K), D] under speculative decoding: jaxengine/spec/verify.py).
-
-    Placeholder inputs (`fill` >= 0, i32[T]) take `prev_tokens[fill]` (i32[R]: the previous
-    step's sampled tokens, still on the device). With `prompt_targets` (i32[T], the prompt
-    token each position predicts, -1: none; the runner always passes them, None is a program
-    without them) a third output: the `PromptLogprobs` of the T positions, with `max_logprobs`
-    top ones, from `logits_fn` (jaxengine/sampling/prompt_logprobs.py; skipped at run time
-    when no position has a target).
-    """
-    ids = jnp.where(fill >= 0, prev_tokens[jnp.maximum(fill, 0)], batch.input_ids)
-    kv, hidden = step_fn(params, kv, replace(batch, input_ids=ids))
-    extra = () if prompt_targets is None else (
-        prompt_logprobs(logits_fn, params, hidden, prompt_targets, num_top=max_logprobs),)
-    return kv, hidden[batch.logits_indices], *extra
-
-
-def jaxengine_sample(params: Any, hidden: jax.Array, rows: jax.Array, md: SamplingMetadata,
-                     adj: LogitsAdjustments, bias: jax.Array, prompt_mask: jax.Array,
-                     output_counts: jax.Array, prev_tokens: jax.Array,
-                     bitmask: jax.Array | None = None, *,
-                     logits_fn: Callable, max_logprobs: int, num_rows: int,
-                     token_sharding: NamedSharding | None
-                     ) -> tuple[SamplerOutput, jax.Array, jax.Array]:
-    """Logits of the sampling rows (`hidden[rows]`, f32[Rb, V]), penalties and biases (the
-    `RequestTables` fields, [S, V]; `prev_tokens` i32[R], the step in flight's), the grammars'
-    token bitmask (i32[Rb, ceil(V/32)], all ones: unconstrained; the runner always passes one,
-    None is a program without it for callers with no grammars), then one token each; the
-    tokens again, padded to i32[num_rows] where the next step's placeholders read them; and
-    `output_counts` with this step's tokens counted."""
-    tables = RequestTables(bias=bias, prompt_mask=prompt_mask, output_counts=output_counts)
-
-    def adjust(logits: jax.Array) -> jax.Array:
-        logits = apply_logits_processors(logits, tables, adj, prev_tokens)
-        if bitmask is None:
-            return logits
-        # Expanding the mask costs O(Rb * V): skipped at run time when no row has a grammar.
-        return jax.lax.cond(jnp.any(bitmask != -1), apply_token_bitmask, lambda x, _: x,
-                            logits, bitmask)
-
-    out = sample_impl(logits_fn(params, hidden[rows]), md, max_logprobs=max_logprobs,
-                      adjust=adjust)
-    tokens = jnp.zeros(num_rows, jnp.int32).at[: rows.shape[0]].set(out.token_ids)
-    if token_sharding is not None:
-        tokens = jax.lax.with_sharding_constraint(tokens, token_sharding)
-    # Unconditional: a scatter whose indices are all dropped costs O(R) on the donated buffer.
-    return out, tokens, record_tokens(tables, adj.slots, out.token_ids).output_counts
-
-
-# Static: the model's functions (a different model is a different program), the logprobs
-# width (of the sampler's and the step's prompt-logprobs outputs) and R (output shapes), and
-# where the tokens go. The KV cache is donated so the step
-# updates it in place, and the output counts so the sampler does.
-_jitted_step = jax.jit(jaxengine_model_step, static_argnames=("step_fn", "logits_fn",
-                                                             "max_logprobs"),
-                       donate_argnames=("kv",))
-_jitted_sample = jax.jit(jaxengine_sample, static_argnames=(
-    "logits_fn", "max_logprobs", "num_rows", "token_sharding"), donate_argnames=("output_counts",))
 
 
 def _spec(x: np.ndarray) -> jax.ShapeDtypeStruct:

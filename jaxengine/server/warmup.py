@@ -17,7 +17,7 @@ from typing import Any
 from jaxengine.parallel.data_parallel import replicas_of
 from jaxengine.runner.compilation_cache import active_dir, cache_state, shown
 from jaxengine.runner.compiles import cache_hit_count
-from jaxengine.runner.runner import SAMPLE_NAME, STEP_NAME
+from jaxengine.runner.programs import SAMPLE_NAME, STEP_NAME
 
 logger = logging.getLogger("jaxengine.server")
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from jaxengine import LLM, SamplingParams
 from jaxengine.runner import compiles
-from jaxengine.runner.runner import SAMPLE_NAME, STEP_NAME
+from jaxengine.runner.programs import SAMPLE_NAME, STEP_NAME
 
 TINY = Path(__file__).resolve().parents[2] / "fixtures" / "tiny" / "llama_tied_mha"
 PROMPTS = [[(7 * i + 3 * j) % 100 + 1 for j in range(n)] for i, n in enumerate((3, 29, 8))]

@@ -11,8 +11,10 @@ import pytest
 from jaxengine.model.fake import fake_greedy, fake_model
 from jaxengine.runner.buckets import pick_bucket, request_buckets, token_buckets
 from jaxengine.runner.compiles import RecompileError, compile_count
-from jaxengine.runner.runner import WRITE_SLOT_NAME, Runner, RunnerConfig
+from jaxengine.runner.config import RunnerConfig
+from jaxengine.runner.runner import Runner
 from jaxengine.sampling.metadata import SamplingRow
+from jaxengine.sampling.penalty_inputs import WRITE_SLOT_NAME
 from scheduler import (
     Request,
     SamplingParams,

@@ -1,0 +1,60 @@
+"""The runner's static sizes (`RunnerConfig`) and its counters (`RunnerStats`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RunnerConfig:
+    """Static sizes of the runner (all fixed for its lifetime)."""
+
+    max_num_batched_tokens: int  # largest token bucket
+    max_num_seqs: int  # R, size of every request-indexed array
+    max_model_len: int  # sets the block-table width
+    block_size: int  # L
+    num_blocks: int  # P, pages in the KV pool (block 0 is the null block)
+    max_logprobs: int = 20  # n of the top-logprobs output
+    intermediate_token_buckets: bool = False  # add 1.5x buckets: less padding, more compiles
+    debug_recompiles: bool = False  # raise RecompileError on a compilation after warm-up
+    num_speculative_tokens: int = 0  # K: drafts a request may verify per step (jaxengine/spec)
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (block 0 is null), got {self.num_blocks}")
+        if self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
+        if self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens must be >= 0, got "
+                             f"{self.num_speculative_tokens}")
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        """Width of `block_tables`: pages of the longest sequence."""
+        return -(-self.max_model_len // self.block_size)
+
+    @property
+    def max_num_rows(self) -> int:
+        """Hidden rows a step keeps, the sampler's largest bucket: R * (1 + K)."""
+        return self.max_num_seqs * (1 + self.num_speculative_tokens)
+
+
+@dataclass(slots=True)
+class RunnerStats:
+    """Counters over the runner's life (host side, cheap)."""
+
+    steps: int = 0
+    computed_tokens: int = 0  # scheduled (real) tokens
+    padded_tokens: int = 0  # bucket padding on top of them
+    compilations: int = 0  # of the step and the sampler, during this runner's calls
+    compilations_after_warmup: int = 0
+    compile_seconds: float = 0.0  # precompile, plus the dispatch of every step that compiled
+    step_seconds: list[float] = field(default_factory=list)  # dispatch to tokens on the host
+
+    @property
+    def padding_waste(self) -> float:
+        """Padded tokens / computed tokens."""
+        return self.padded_tokens / max(self.computed_tokens, 1)

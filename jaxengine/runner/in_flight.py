@@ -1,0 +1,59 @@
+"""What a step hands back: a dispatched step still on the device (`Forward`, then `InFlight`)
+and, once collected, each request's `SampledToken`s."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+
+from jaxengine.sampling.metadata import SamplingRow
+from jaxengine.sampling.prompt_logprob_inputs import PromptSpan
+from jaxengine.sampling.prompt_logprobs import PromptLogprobs
+from jaxengine.sampling.sampler import SamplerOutput
+from scheduler import SchedulerOutput
+
+# A step's prompt logprobs on the device, its targets i32[T] and each asking request's span.
+PromptInFlight = tuple[PromptLogprobs, np.ndarray, Mapping[str, PromptSpan]]
+
+
+@dataclass(frozen=True, slots=True)
+class SampledToken:
+    """One request's token of this step, with its raw logprobs when asked for."""
+
+    token_id: int
+    logprob: float | None  # of the sampled token; None when the request asked no logprobs
+    top_logprobs: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
+
+
+@dataclass(frozen=True, slots=True)
+class InFlight:
+    """A dispatched step: its plan and its sampler's results, still on the device."""
+
+    plan: SchedulerOutput
+    rows: Mapping[str, SamplingRow]  # of plan.sampling_req_ids
+    result: SamplerOutput | None  # device arrays; None when nobody samples
+    tokens: jax.Array  # i32[R * (1 + K)]  sampled tokens in `row_ids` order, zeros after
+    row_ids: tuple[str, ...]  # the request of each sampler row: sampling_req_ids, each
+    # followed by one row per draft it verifies (jaxengine/spec/verify.py)
+    started: float  # perf_counter() at dispatch
+    num_tokens: int  # the token bucket
+    total: int  # scheduled (real) tokens
+    prompt_logprobs: PromptInFlight | None = None  # None: no position asked for them
+
+
+@dataclass(frozen=True, slots=True)
+class Forward:
+    """A dispatched model step whose sampler is not dispatched yet (`Runner.dispatch_forward`)."""
+
+    plan: SchedulerOutput
+    order: list[str]  # the plan's requests, in batch order
+    hidden: jax.Array  # [R * (1 + K), D] hidden rows, on the device
+    prev: InFlight | None  # the step its placeholders read
+    started: float  # perf_counter() at dispatch
+    compiles_before: int  # compilations counted at dispatch
+    num_tokens: int  # the token bucket
+    total: int  # scheduled (real) tokens
+    prompt_logprobs: PromptInFlight | None = None  # None: no position asked for them
