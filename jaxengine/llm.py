@@ -11,7 +11,8 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from jaxengine.engine.args import EngineArgs
-from jaxengine.engine.llm_engine import LLMEngine, PromptType
+from jaxengine.engine.inputs import PromptType
+from jaxengine.engine.llm_engine import LLMEngine
 from jaxengine.engine.outputs import RequestOutput
 from jaxengine.loading.generation_config import diff_sampling_params
 from jaxengine.metrics import (

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from jaxengine.engine.llm_engine import PromptType
+from jaxengine.engine.inputs import PromptType
 from jaxengine.engine.outputs import RequestOutput
 from jaxengine.llm import LLM, Conversation, chat_prompt
 from scheduler import SamplingParams

@@ -3,7 +3,8 @@ detokenization, the vLLM-shaped outputs and the step statistics its stat loggers
 
 from jaxengine.engine.args import EngineArgs
 from jaxengine.engine.build import build_engine
-from jaxengine.engine.llm_engine import LLMEngine, TokenizerLike
+from jaxengine.engine.inputs import TokenizerLike
+from jaxengine.engine.llm_engine import LLMEngine
 from jaxengine.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jaxengine.engine.stats import FinishedRequestStats, IterationStats, StatLogger
 

@@ -29,12 +29,13 @@ import logging
 import random
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Protocol
 
 import jax
 
+from jaxengine.engine import inputs
 from jaxengine.engine.args import EngineArgs
-from jaxengine.engine.detokenizer import IncrementalDetokenizer, StreamingTokenizer
+from jaxengine.engine.detokenizer import IncrementalDetokenizer
+from jaxengine.engine.inputs import PromptType, TokenizerLike
 from jaxengine.engine.outputs import RequestMetrics, RequestOutput
 from jaxengine.engine.prompt_logprobs import record_prompt_logprobs
 from jaxengine.engine.request_state import TrackedRequest
@@ -47,11 +48,11 @@ from jaxengine.runner.config import RunnerConfig
 from jaxengine.runner.in_flight import InFlight, SampledToken
 from jaxengine.runner.runner import Runner
 from jaxengine.sampling.bad_words import tokenize_bad_words
-from jaxengine.sampling.metadata import SamplingRow, validate_sampling_params
+from jaxengine.sampling.metadata import SamplingRow
 from jaxengine.spec.metrics import SpecDecodingStats
 from jaxengine.spec.speculator import make_speculator
 from jaxengine.structured.compiler import CompiledGrammar, GrammarCompiler
-from jaxengine.structured.params import StructuredOutputsError, StructuredOutputsParams
+from jaxengine.structured.params import StructuredOutputsError
 from scheduler import (
     KVConnector,
     Request,
@@ -69,23 +70,7 @@ from scheduler import (
     update_from_output,
 )
 
-PromptType = str | Mapping[str, Any] | Sequence[int]
-
 logger = logging.getLogger("jaxengine.engine")
-
-
-class TokenizerLike(StreamingTokenizer, Protocol):
-    """What the engine needs of a tokenizer (`jaxengine.loading.tokenizer.Tokenizer` is one):
-    the detokenizer's decoding, plus encoding prompts and the EOS id."""
-
-    @property
-    def eos_token_id(self) -> int | None:
-        """The id that ends generation (unless `ignore_eos`)."""
-        ...
-
-    def encode(self, text: str) -> list[int]:
-        """Token ids of a prompt."""
-        ...
 
 
 class LLMEngine:
@@ -210,7 +195,10 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):  # its own checks ran when it was built
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         text, ids = self.resolve_prompt(prompt)
-        self._check_params(params)
+        inputs.check_params(params, max_logprobs=self.args.max_logprobs,
+                            vocab_size=self.vocab_size, has_tokenizer=self.tokenizer is not None)
+        if params.structured_outputs is not None:
+            _ = self.grammar_compiler  # raises without a tokenizer
         bad_words = (tokenize_bad_words(self.tokenizer, params.bad_words,
                                         vocab_size=self.vocab_size)
                      if params.bad_words and self.tokenizer is not None else ())
@@ -223,7 +211,7 @@ class LLMEngine:
         # The scheduler refuses duplicate ids, empty prompts and prompts with no room for
         # output; its new state is a value, kept only once the engine's own check passes too.
         state = add_request(self.state, request)
-        self._check_fits_pool(request_id, len(ids), params)
+        inputs.check_fits_pool(request_id, len(ids), params, self.scheduler_config)
         self.state = state
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(32)
         detok = None
@@ -272,6 +260,15 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         """Requests waiting or running."""
         return len(self._tracked)
+
+    def resolve_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """A prompt's text (None if given as ids only) and checked token ids, as `add_request`
+        takes it (a data-parallel router reads the ids before it picks a replica).
+
+        Raises:
+          ValueError: what `add_request` raises for a bad prompt; nothing changes.
+        """
+        return inputs.resolve_prompt(prompt, self.tokenizer, self.vocab_size)
 
     def snapshot(self) -> SchedulerState:
         """The scheduler state: an immutable value (schedule it again to replay or fork)."""
@@ -464,84 +461,3 @@ class LLMEngine:
         scheduler_stats = self.state.stats
         for logger in self.stat_loggers:
             logger.record(scheduler_stats, stats)
-
-    # ---- validation --------------------------------------------------------------------
-
-    def resolve_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
-        """A prompt's text (None if given as ids only) and checked token ids, as `add_request`
-        takes it (a data-parallel router reads the ids before it picks a replica).
-
-        Raises:
-          ValueError: what `add_request` raises for a bad prompt; nothing changes.
-        """
-        if isinstance(prompt, str):
-            return prompt, self._encode(prompt)
-        if isinstance(prompt, Mapping):
-            unknown = set(prompt) - {"prompt", "prompt_token_ids"}
-            if unknown or not prompt:
-                raise ValueError(f"a prompt dict takes 'prompt' or 'prompt_token_ids'; got keys "
-                                 f"{sorted(prompt)}")
-            text = prompt.get("prompt")
-            if "prompt_token_ids" in prompt:
-                return text, self._check_ids(prompt["prompt_token_ids"])
-            if not isinstance(text, str):
-                raise ValueError(f"'prompt' must be a string, got {type(text).__name__}")
-            return text, self._encode(text)
-        return None, self._check_ids(prompt)
-
-    def _encode(self, text: str) -> list[int]:
-        if self.tokenizer is None:
-            raise ValueError("this engine has no tokenizer (skip_tokenizer_init=True): pass "
-                             "the prompt as {'prompt_token_ids': [...]}, not as text")
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:  # the tokenizer would fail with a cryptic TypeError
-            raise ValueError(f"the prompt text holds a lone surrogate ({text[e.start]!a} at "
-                             f"index {e.start}), which is not valid Unicode; pass valid "
-                             f"text") from None
-        return list(self.tokenizer.encode(text))
-
-    def _check_ids(self, ids: Any) -> list[int]:
-        if isinstance(ids, str | bytes) or not isinstance(ids, Sequence | Iterable):
-            raise ValueError(f"prompt_token_ids must be a list of ints, got {type(ids).__name__}")
-        ids = list(ids)
-        for t in ids:
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size:
-                raise ValueError(f"prompt_token_ids must be ints in [0, {self.vocab_size}), "
-                                 f"got {t!r}")
-        return ids
-
-    def _check_params(self, params: SamplingParams) -> None:
-        """What only this engine knows: its logprobs cap, the vocabulary, the tokenizer
-        (bad_words are checked as they are tokenized)."""
-        validate_sampling_params(params, max_logprobs=self.args.max_logprobs,
-                                 vocab_size=self.vocab_size)
-        if params.stop and self.tokenizer is None:  # vLLM ignores them silently; say so
-            raise SamplingParamsError(
-                "stop strings need a tokenizer, and this engine has none "
-                "(skip_tokenizer_init=True): use stop_token_ids instead", param="stop",
-                value=params.stop)
-        so = params.structured_outputs
-        if so is not None and not isinstance(so, StructuredOutputsParams):
-            raise SamplingParamsError(
-                f"structured_outputs must be a jaxengine.structured.StructuredOutputsParams, "
-                f"got {type(so).__name__}", param="structured_outputs", value=so)
-        if so is not None:
-            _ = self.grammar_compiler  # raises without a tokenizer
-        if params.bad_words and self.tokenizer is None:
-            raise SamplingParamsError(
-                "bad_words need a tokenizer, and this engine has none "
-                "(skip_tokenizer_init=True): ban single tokens with logit_bias or "
-                "allowed_token_ids instead", param="bad_words", value=params.bad_words)
-
-    def _check_fits_pool(self, request_id: str, num_prompt_tokens: int,
-                         params: SamplingParams) -> None:
-        cfg = self.scheduler_config
-        longest = min(num_prompt_tokens + (params.max_tokens or self.max_model_len),
-                      self.max_model_len)
-        need = -(-longest // cfg.block_size)
-        if need > cfg.num_blocks - 1:
-            raise ValueError(
-                f"request {request_id!r} can never fit the KV pool: {longest} tokens need {need} "
-                f"blocks of {cfg.block_size}, the pool has {cfg.num_blocks - 1}; lower max_tokens "
-                f"or raise num_gpu_blocks_override / the KV memory budget")

@@ -23,7 +23,8 @@ from typing import Any
 import jax
 
 from jaxengine.engine.args import EngineArgs
-from jaxengine.engine.llm_engine import LLMEngine, PromptType, TokenizerLike
+from jaxengine.engine.inputs import PromptType, TokenizerLike
+from jaxengine.engine.llm_engine import LLMEngine
 from jaxengine.engine.outputs import RequestOutput
 from jaxengine.parallel.router import Route, route
 from scheduler import Request, SamplingParams, SchedulerConfig, SchedulerState

@@ -31,7 +31,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxengine.engine.llm_engine import LLMEngine, PromptType
+from jaxengine.engine.inputs import PromptType
+from jaxengine.engine.llm_engine import LLMEngine
 from jaxengine.engine.outputs import RequestOutput
 from scheduler import SamplingParams
 

@@ -19,7 +19,8 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 
-from jaxengine.engine.llm_engine import LLMEngine, PromptType
+from jaxengine.engine.inputs import PromptType
+from jaxengine.engine.llm_engine import LLMEngine
 from jaxengine.engine.outputs import RequestOutput
 from jaxengine.metrics import LoggingStatLogger, PrometheusStatLogger, attach_stat_loggers
 from jaxengine.parallel.data_parallel import DataParallelEngine, replicas_of
