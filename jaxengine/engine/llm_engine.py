@@ -23,25 +23,22 @@ the forward runs, and its sampler dispatched last (vLLM's order).
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import logging
 import random
 import time
 from collections.abc import Iterable, Mapping, Sequence
 
-import jax
-
 from jaxengine.engine import inputs
 from jaxengine.engine.args import EngineArgs
 from jaxengine.engine.detokenizer import IncrementalDetokenizer
+from jaxengine.engine.grammars import Grammars, accept_sampled, samples_a_grammar
 from jaxengine.engine.inputs import PromptType, TokenizerLike
 from jaxengine.engine.outputs import RequestMetrics, RequestOutput
 from jaxengine.engine.prompt_logprobs import record_prompt_logprobs
 from jaxengine.engine.request_state import TrackedRequest
 from jaxengine.engine.stats import IterationStats, StatLogger
 from jaxengine.kv_offload import offloading_worker
-from jaxengine.loading.tokenizer import Tokenizer
 from jaxengine.model.fns import ModelFns
 from jaxengine.runner.compiles import debug_recompiles_from_env
 from jaxengine.runner.config import RunnerConfig
@@ -51,14 +48,12 @@ from jaxengine.sampling.bad_words import tokenize_bad_words
 from jaxengine.sampling.metadata import SamplingRow
 from jaxengine.spec.metrics import SpecDecodingStats
 from jaxengine.spec.speculator import make_speculator
-from jaxengine.structured.compiler import CompiledGrammar, GrammarCompiler
-from jaxengine.structured.params import StructuredOutputsError
+from jaxengine.structured.compiler import GrammarCompiler
 from scheduler import (
     KVConnector,
     Request,
     RequestDelta,
     SamplingParams,
-    SamplingParamsError,
     SchedulerConfig,
     SchedulerOutput,
     SchedulerState,
@@ -132,8 +127,9 @@ class LLMEngine:
         self._in_flight: InFlight | None = None  # async: the step dispatched last
         self._dropped: set[str] = set()  # ids whose tokens in `_in_flight` are stale
         self._in_flight_plan: SchedulerOutput | None = None  # the plan `_dropped` refers to
-        self._grammar_compiler: GrammarCompiler | None = None  # built on first use
-        self._compiling: dict[str, concurrent.futures.Future[CompiledGrammar]] = {}
+        self.grammars = Grammars(tokenizer, vocab_size=self.vocab_size,
+                                 eos_token_id=self.eos_token_id,
+                                 on_compiler=self._give_runner_executor)
 
     @property
     def _kv_connector(self) -> KVConnector | None:
@@ -159,16 +155,10 @@ class LLMEngine:
         Raises:
           SamplingParamsError: the engine has no tokenizer.
         """
-        if self._grammar_compiler is None:
-            if not isinstance(self.tokenizer, Tokenizer) or self.eos_token_id is None:
-                raise SamplingParamsError(
-                    "structured outputs need the model's tokenizer (with an EOS token), and "
-                    "this engine has none (skip_tokenizer_init=True, or a stand-in): leave "
-                    "structured_outputs unset", param="structured_outputs")
-            self._grammar_compiler = GrammarCompiler(
-                self.tokenizer, vocab_size=self.vocab_size, eos_token_ids=(self.eos_token_id,))
-            self.runner.grammar_executor = self._grammar_compiler.executor
-        return self._grammar_compiler
+        return self.grammars.compiler
+
+    def _give_runner_executor(self, compiler: GrammarCompiler) -> None:
+        self.runner.grammar_executor = compiler.executor  # fills bitmask rows in parallel
 
     # ---- requests ----------------------------------------------------------------------
 
@@ -225,10 +215,7 @@ class LLMEngine:
             detokenizer=detok, metrics=RequestMetrics(arrival_time=arrival),
             bad_words_token_ids=bad_words)
         if params.structured_outputs is not None:  # WAITING_FOR_FSM until it compiles
-            future = self.grammar_compiler.submit(params.structured_outputs)
-            if jax.process_count() > 1:  # multi-host lockstep: every host must see the grammar
-                concurrent.futures.wait([future])  # ready at the same step, so wait for it
-            self._compiling[request_id] = future
+            self.grammars.submit(request_id, params.structured_outputs)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
         """Finish requests now and free their KV blocks; unknown ids are ignored.
@@ -242,7 +229,7 @@ class LLMEngine:
         if not live:
             return []
         for t in live:
-            self._compiling.pop(t.request_id, None)
+            self.grammars.forget(t.request_id)
         self._drop_in_flight(t.request_id for t in live)
         self.state = abort_requests(self.state, [t.request_id for t in live],
                                     kv_connector=self._kv_connector)
@@ -302,7 +289,7 @@ class LLMEngine:
         prev = self._in_flight
         dropped, self._dropped = self._dropped, set()
         self._in_flight_plan = plan
-        if prev is not None and self._samples_a_grammar(plan):
+        if prev is not None and samples_a_grammar(self._tracked, plan.sampling_req_ids):
             # The bitmasks of this step need the tokens of the step in flight (vLLM's order):
             # dispatch this step's forward, collect that step while it runs, then sample.
             tracked = {r: self._tracked[r] for r in plan.sampling_req_ids}
@@ -335,26 +322,13 @@ class LLMEngine:
             record_prompt_logprobs(self._tracked, self.runner.collect_prompt_logprobs(step),
                                    skip=dropped or ())
 
-    def _samples_a_grammar(self, plan: SchedulerOutput) -> bool:
-        return any(self._tracked[r].grammar is not None for r in plan.sampling_req_ids)
-
     def _take_compiled_grammars(self) -> list[RequestOutput]:
         """Hand finished compilations to the scheduler (`grammars_ready`); abort the requests
         whose grammar failed, with their outputs. With nothing else to do, wait for one."""
-        if not self._compiling:
+        if not self.grammars.num_compiling:
             return []
-        if len(self._compiling) == len(self._tracked) and self._in_flight is None:
-            concurrent.futures.wait(self._compiling.values(), timeout=1.0,
-                                    return_when=concurrent.futures.FIRST_COMPLETED)
-        ready, failed = [], []
-        for rid in [r for r, f in self._compiling.items() if f.done()]:
-            future = self._compiling.pop(rid)
-            try:
-                self._tracked[rid].grammar = future.result().matcher()
-                ready.append(rid)
-            except StructuredOutputsError as e:
-                logger.error("request %r aborted: %s", rid, e)
-                failed.append(rid)
+        idle = self.grammars.num_compiling == len(self._tracked) and self._in_flight is None
+        ready, failed = self.grammars.take_compiled(self._tracked, wait=idle)
         if ready:
             self.state = grammars_ready(self.state, ready)
         return self.abort_request(failed) if failed else []
@@ -367,7 +341,7 @@ class LLMEngine:
         left while the step was in flight) are dropped first."""
         if dropped:
             sampled = {r: t for r, t in sampled.items() if r not in dropped}
-        self._accept_grammar_tokens(sampled)
+        accept_sampled(self._tracked, sampled)
         stopped = self._detokenize(sampled)  # before update: a stop string ends the request there
         drafts = (None if self.speculator is None
                   else self.speculator.propose(self._tracked, sampled, stopped))
@@ -416,16 +390,6 @@ class LLMEngine:
                                     bad_words_token_ids=t.bad_words_token_ids,
                                     grammar=t.grammar)
         return rows
-
-    def _accept_grammar_tokens(self, sampled: Mapping[str, Sequence[SampledToken]]) -> None:
-        """Advance each grammar past its request's sampled token (before the update: a
-        terminated grammar has accepted the EOS the scheduler stops on; a grammar request
-        gets no drafts, so it has one)."""
-        for rid, (token, *_) in sampled.items():
-            grammar = self._tracked[rid].grammar
-            if grammar is not None and not grammar.accept_tokens([token.token_id]):
-                logger.warning("request %r: the grammar refused sampled token %d: %s", rid,
-                               token.token_id, grammar.error)
 
     def _detokenize(self, sampled: Mapping[str, list[SampledToken]]) -> dict[str, str]:
         """Decode each sampled token in order; request id -> the stop string one completed
