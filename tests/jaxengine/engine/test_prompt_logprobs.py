@@ -20,8 +20,8 @@ import pytest
 
 from jaxengine.engine.outputs import RequestOutput
 from jaxengine.model.fake import LOGIT, fake_next_token
-from scheduler import SamplingParams, SamplingParamsError, check_invariants
-from tests.jaxengine.engine.test_llm_engine import PROMPTS, V, make_engine
+from scheduler import SamplingParams, SamplingParamsError
+from tests.jaxengine.engine.test_llm_engine import PROMPTS, V, make_engine, run_all
 
 TINY = Path(__file__).resolve().parents[2] / "fixtures" / "tiny" / "llama_tied_mha"
 NORM = math.log(math.exp(LOGIT) + V - 1)
@@ -29,16 +29,7 @@ NORM = math.log(math.exp(LOGIT) + V - 1)
 
 def _run(prompts: list[list[int]], params: SamplingParams, **kw) -> tuple[dict, object]:
     engine = make_engine(**kw)
-    for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", {"prompt_token_ids": p}, params)
-    done: dict[str, RequestOutput] = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        check_invariants(engine.state)
-    assert engine.state.num_free_blocks == engine.scheduler_config.num_blocks - 1
-    return done, engine
+    return run_all(engine, prompts, params), engine
 
 
 def _expected(prompt: list[int], k: int) -> list[dict[int, tuple[float, int]] | None]:
