@@ -59,13 +59,15 @@ def spec_engine(drafts: type[Speculator] | None = GreedyDrafts, **kw: Any) -> LL
     return engine
 
 
-def run(engine: LLMEngine, prompts: Sequence[Sequence[int]],
+def run(engine: LLMEngine, prompts: Sequence[str | Sequence[int]],
         params: SamplingParams | Sequence[SamplingParams]) -> tuple[dict[str, tuple], int]:
-    """Every prompt to the end; per request (tokens, text, finish and stop reason), and the
-    steps it took. Checks the invariants each step and that every block comes back."""
+    """Every prompt (text or token ids) to the end; per request (tokens, text, finish and stop
+    reason), and the steps it took. Checks the invariants each step and that every block
+    comes back."""
     for i, p in enumerate(prompts):
         sp = params if isinstance(params, SamplingParams) else params[i]
-        engine.add_request(f"r{i}", {"prompt_token_ids": list(p)}, sp)
+        engine.add_request(f"r{i}", p if isinstance(p, str) else {"prompt_token_ids": list(p)},
+                           sp)
     done, steps = {}, 0
     while engine.has_unfinished_requests():
         steps += 1

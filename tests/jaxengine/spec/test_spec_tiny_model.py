@@ -10,6 +10,7 @@ from jaxengine.engine.args import EngineArgs
 from jaxengine.engine.build import build_engine
 from scheduler import SamplingParams
 from tests.jaxengine.spec.test_spec_engine import NGRAM, Counts
+from tests.jaxengine.spec.test_spec_engine import run as run_engine
 
 TINY = Path(__file__).resolve().parents[2] / "fixtures" / "tiny" / "llama3_gqa"
 PROMPTS = ["abcabcabcabc", "hello hello hello", "xyz", "1 2 3 1 2 3 1 2"]
@@ -21,16 +22,7 @@ def run(params: SamplingParams, **kw: Any) -> tuple[dict[str, tuple], Counts, in
         block_size=4, num_gpu_blocks_override=200, attention_backend="reference", **kw))
     counts = Counts()
     engine.stat_loggers.append(counts)
-    for i, p in enumerate(PROMPTS):
-        engine.add_request(f"r{i}", p, params)
-    done, steps = {}, 0
-    while engine.has_unfinished_requests():
-        steps += 1
-        for out in engine.step():
-            if out.finished:
-                c = out.outputs[0]
-                done[out.request_id] = (tuple(c.token_ids), c.text, c.finish_reason)
-    assert engine.state.num_free_blocks == engine.scheduler_config.num_blocks - 1
+    done, steps = run_engine(engine, PROMPTS, params)
     return done, counts, steps
 
 
