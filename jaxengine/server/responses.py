@@ -85,7 +85,7 @@ class Formatter:
                 choice["prompt_logprobs"] = prompt_logprobs_json(out)
             choices.append(choice)
         body = {**self._header(chunk=False), "choices": choices,
-                "usage": usage(prompt_tokens, outs, outputs=not self.echo_only)}
+                "usage": usage(prompt_tokens, outs)}
         if self.prompt_logprobs and self.kind == "chat":  # vLLM: on the response
             body["prompt_logprobs"] = prompt_logprobs_json(outs[0])
         return body
@@ -143,7 +143,7 @@ class Formatter:
     def usage_chunk(self, prompt_tokens: int, outs: Sequence[RequestOutput]) -> dict[str, Any]:
         """The final `stream_options.include_usage` chunk (counts as in `response`)."""
         return {**self._header(chunk=True), "choices": [],
-                "usage": usage(prompt_tokens, outs, outputs=not self.echo_only)}
+                "usage": usage(prompt_tokens, outs)}
 
     # ---- pieces ------------------------------------------------------------------------
 
@@ -272,11 +272,10 @@ def prompt_logprobs_json(out: RequestOutput) -> list[dict[str, dict[str, Any]] |
         for e in out.prompt_logprobs]
 
 
-def usage(prompt_tokens: int, outs: Sequence[RequestOutput], *, outputs: bool = True
-          ) -> dict[str, int]:
-    """Token counts: `prompt_tokens`, and every choice's completion tokens (none when
-    `outputs` is false: echo with max_tokens 0 shows none of them)."""
-    completion = sum(len(out.outputs[0].token_ids) for out in outs) if outputs else 0
+def usage(prompt_tokens: int, outs: Sequence[RequestOutput]) -> dict[str, int]:
+    """Token counts: `prompt_tokens`, and every choice's generated tokens (vLLM's: echo with
+    max_tokens 0 counts the one token it generates and does not show)."""
+    completion = sum(len(out.outputs[0].token_ids) for out in outs)
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion,
             "total_tokens": prompt_tokens + completion}
 
