@@ -178,9 +178,9 @@ def fit_coefficients(x: np.ndarray, y: np.ndarray, *, rounds: int = 0) -> np.nda
     reweighted least squares: the quasi-likelihood of times with multiplicative noise), which
     is unbiased in the mean: weights 1/y fit low when the noise has a slow tail (other load on
     the machine). On two SmolLM2 calibrations the summed prediction was 21% and 26% below
-    the summed measurement with 1/y, 2% and 5% below with 8 rounds; but on the held-out
-    workloads of docs/LAB.md the reweighted fit predicted durations better and p50 TTFT and
-    e2e worse, so the default stays 1/y.
+    the summed measurement with 1/y, 2% and 5% below with 8 rounds. With the features of
+    version 1 the reweighted fit predicted the held-out workloads of docs/LAB.md worse (p50
+    TTFT and e2e); with those of version 2 better, so `jaxengine.lab.calibrate` uses 8 rounds.
 
     Args:
       x: f64[n, len(FEATURES)] features of n timed calls.
