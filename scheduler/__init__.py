@@ -31,7 +31,13 @@ from scheduler.state import (
     SchedulerStats,
     init_state,
 )
-from scheduler.update import abort_requests, add_request, grammars_ready, update_from_output
+from scheduler.update import (
+    abort_requests,
+    add_request,
+    check_stop,
+    grammars_ready,
+    update_from_output,
+)
 
 __all__ = [
     "PLACEHOLDER_TOKEN_ID", "POLICIES", "KVConnector", "KVConnectorMetadata", "KVConnectorOutput",
@@ -39,7 +45,8 @@ __all__ = [
     "RequestMetadata", "RequestStatus", "RequestView", "SamplingParams", "SamplingParamsError",
     "SchedulerConfig", "SchedulerCounters", "SchedulerOutput", "SchedulerState", "SchedulerStats",
     "SortedPolicy",
-    "abort_requests", "add_request", "check_invariants", "grammars_ready", "init_state",
+    "abort_requests", "add_request", "check_invariants", "check_stop", "grammars_ready",
+    "init_state",
     "prefix_cache_hit",
     "register", "schedule", "update_from_output",
 ]

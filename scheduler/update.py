@@ -8,6 +8,7 @@ from scheduler import kv_transfer
 from scheduler._work import Work
 from scheduler.kv_connector import KVConnector, KVConnectorOutput
 from scheduler.request import Request, RequestStatus
+from scheduler.sampling_params import SamplingParams
 from scheduler.state import RequestDelta, SchedulerOutput, SchedulerState
 
 _FSM = RequestStatus.WAITING_FOR_FSM
@@ -156,6 +157,7 @@ def _apply_outputs(w: Work, output: SchedulerOutput,
         req = static.get(rid)
         if req is None:
             continue  # aborted while the model ran
+        params, num_prompt, eos = req.sampling_params, len(req.prompt_token_ids), req.eos_token_id
         sampled = sampled_token_ids.get(rid) or ()
         if placeholders and rid in placeholders:  # async: the owed tokens have arrived
             _settle_placeholders(placeholders, rid, len(sampled))
@@ -163,7 +165,8 @@ def _apply_outputs(w: Work, output: SchedulerOutput,
             _verify_drafts(w, rid, spec_scheduled[rid], len(sampled))
         if len(sampled) == 1:  # the common case: one token, no list, no loop
             token = sampled[0]
-            status, stop_reason = _check_stop(req, append(rid, token), token, max_model_len)
+            status, stop_reason = check_stop(params, num_prompt, eos, append(rid, token),
+                                             token, max_model_len)
             deltas.append(RequestDelta(rid, (token,), status and status.finish_reason,
                                        stop_reason))
             continue
@@ -171,7 +174,8 @@ def _apply_outputs(w: Work, output: SchedulerOutput,
         status = stop_reason = None
         for token in sampled:
             kept.append(token)
-            status, stop_reason = _check_stop(req, append(rid, token), token, max_model_len)
+            status, stop_reason = check_stop(params, num_prompt, eos, append(rid, token),
+                                             token, max_model_len)
             if status is not None:
                 break  # tokens after a stop are dropped
         if kept:
@@ -196,12 +200,23 @@ def _verify_drafts(w: Work, rid: str, drafts: tuple[int, ...], num_sampled: int)
         w.computed[rid] -= rejected
 
 
-def _check_stop(req: Request, num_tokens: int, token: int,
-                max_model_len: int) -> tuple[RequestStatus | None, int | None]:
-    params = req.sampling_params
-    num_output = num_tokens - len(req.prompt_token_ids)
+def check_stop(params: SamplingParams, num_prompt_tokens: int, eos_token_id: int | None,
+               num_tokens: int, token: int, max_model_len: int
+               ) -> tuple[RequestStatus | None, int | None]:
+    """Whether a request finishes with the token it just got: (FINISHED_STOPPED or
+    FINISHED_LENGTH_CAPPED, the stop token id when one ended it), or (None, None).
+
+    Args:
+      params: the request's sampling parameters.
+      num_prompt_tokens: its prompt's length.
+      eos_token_id: its EOS id (None: none).
+      num_tokens: its tokens, prompt and outputs, with `token` counted.
+      token: the token it just got.
+      max_model_len: the engine's longest sequence.
+    """
+    num_output = num_tokens - num_prompt_tokens
     if num_output >= params.min_tokens:
-        if token == req.eos_token_id and not params.ignore_eos:
+        if token == eos_token_id and not params.ignore_eos:
             return RequestStatus.FINISHED_STOPPED, None
         if token in params.stop_token_ids:
             return RequestStatus.FINISHED_STOPPED, token

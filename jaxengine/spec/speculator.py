@@ -17,7 +17,7 @@ from jaxengine.spec.config import SpeculativeConfig
 from jaxengine.spec.metrics import SpecDecodingStats
 from jaxengine.spec.ngram import propose_ngram
 from jaxengine.spec.verify import draftable, num_accepted
-from scheduler import SchedulerOutput
+from scheduler import SchedulerOutput, check_stop
 
 if TYPE_CHECKING:
     from jaxengine.engine.request_state import TrackedRequest
@@ -94,16 +94,13 @@ class Speculator:
 
     def _until_stop(self, t: TrackedRequest, token_ids: Sequence[int]) -> int:
         """How many of `token_ids` (the request's next outputs) it keeps: through the first
-        that finishes it, checked as `scheduler.update_from_output` does."""
-        sp, num_prompt = t.params, len(t.prompt_token_ids)
+        that finishes it, by the scheduler's own check (`scheduler.check_stop`)."""
+        num_prompt = len(t.prompt_token_ids)
+        num_tokens = num_prompt + len(t.token_ids)
         for i, token in enumerate(token_ids):
-            num_output = len(t.token_ids) + i + 1
-            if num_output >= sp.min_tokens and (
-                    (token == self.eos_token_id and not sp.ignore_eos)
-                    or token in sp.stop_token_ids):
-                return i + 1
-            if ((sp.max_tokens is not None and num_output >= sp.max_tokens)
-                    or num_prompt + num_output >= self.max_model_len):
+            status, _ = check_stop(t.params, num_prompt, self.eos_token_id, num_tokens + i + 1,
+                                   token, self.max_model_len)
+            if status is not None:
                 return i + 1
         return len(token_ids)
 
