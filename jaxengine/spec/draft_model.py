@@ -30,7 +30,6 @@ from jaxengine.model.fns import ModelFns
 from jaxengine.runner.buckets import pick_bucket
 from jaxengine.spec.config import SpeculativeConfig
 from jaxengine.spec.speculator import Speculator, _Token
-from jaxengine.spec.verify import draftable
 from scheduler import SchedulerOutput
 
 if TYPE_CHECKING:
@@ -148,19 +147,11 @@ class DraftModelSpeculator(Speculator):
         rows, room = [], []
         for rid, tokens in sampled.items():
             t = tracked[rid]
-            num_output = len(t.token_ids) + len(tokens)
-            if rid in stopped or not tokens or not draftable(
-                    t.params, num_output_tokens=num_output,
-                    bad_words_token_ids=t.bad_words_token_ids,
-                    has_grammar=t.params.structured_outputs is not None):
-                continue
-            position = len(t.prompt_token_ids) + num_output - 1
-            left = self.max_model_len - position - 2
-            if t.params.max_tokens is not None:
-                left = min(left, t.params.max_tokens - num_output - 1)
-            if left > 0:
+            n = self.draft_room(t, len(tokens), stopped=rid in stopped)
+            if n > 0:
+                position = len(t.prompt_token_ids) + len(t.token_ids) + len(tokens) - 1
                 rows.append((rid, tokens[-1].token_id, position))
-                room.append(min(left, self.config.num_speculative_tokens))
+                room.append(n)
         if not rows:
             return {}
         R = c.max_num_seqs

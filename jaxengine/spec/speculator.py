@@ -69,22 +69,30 @@ class Speculator:
         drafts = {}
         for rid, tokens in sampled.items():
             t = tracked[rid]
-            num_output = len(t.token_ids) + len(tokens)
-            if rid in stopped or not draftable(t.params, num_output_tokens=num_output,
-                                               bad_words_token_ids=t.bad_words_token_ids,
-                                               has_grammar=t.params.structured_outputs
-                                               is not None):
+            room = self.draft_room(t, len(tokens), stopped=rid in stopped)
+            if room <= 0:
                 continue
             history = [*t.prompt_token_ids, *t.token_ids, *(x.token_id for x in tokens)]
-            # The step verifying d drafts may emit d + 1 tokens.
-            room = self.max_model_len - len(history) - 1
-            if t.params.max_tokens is not None:
-                room = min(room, t.params.max_tokens - num_output - 1)
-            proposal = self.propose_tokens(history,
-                                           min(self.config.num_speculative_tokens, room))
+            proposal = self.propose_tokens(history, room)
             if proposal:
                 drafts[rid] = proposal
         return drafts
+
+    def draft_room(self, t: TrackedRequest, num_new: int, *, stopped: bool) -> int:
+        """How many drafts a request may get for its next step, having just sampled `num_new`
+        tokens (not yet in `t`): 0 when it stopped or is not `draftable`, else at most K and
+        no more than its max_tokens and max_model_len leave room to verify (the step verifying
+        d drafts may emit d + 1 tokens)."""
+        num_output = len(t.token_ids) + num_new
+        if stopped or not num_new or not draftable(
+                t.params, num_output_tokens=num_output,
+                bad_words_token_ids=t.bad_words_token_ids,
+                has_grammar=t.params.structured_outputs is not None):
+            return 0
+        room = self.max_model_len - len(t.prompt_token_ids) - num_output - 1
+        if t.params.max_tokens is not None:
+            room = min(room, t.params.max_tokens - num_output - 1)
+        return min(self.config.num_speculative_tokens, room)
 
     def propose_tokens(self, token_ids: Sequence[int], k: int) -> list[int]:
         """The method's drafts (at most k) after a request's tokens (prompt + outputs)."""
