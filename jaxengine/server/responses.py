@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from jaxengine.engine.outputs import Logprob, RequestOutput
-from jaxengine.server.structured import ToolChoice, tool_call_id
+from jaxengine.server.structured import ToolChoice, tool_call
 from jaxengine.server.tool_stream import ToolCallStream
 
 Kind = Literal["completion", "chat"]
@@ -180,8 +180,7 @@ class Formatter:
         call: dict[str, Any] = {"index": 0, "function": {"arguments": text}}
         if not sent.tool_call:
             sent.tool_call = True
-            call = {"index": 0, "id": tool_call_id(), "type": "function",
-                    "function": {"name": self.tool_choice.name, "arguments": text}}
+            call = {"index": 0, **tool_call(self.tool_choice.name, text)}
         return {"tool_calls": [call]}
 
     def _sent_of(self, index: int) -> _Sent:

@@ -44,7 +44,7 @@ class ToolChoice:
         arguments are the text itself; "required" parses the JSON array). None when the text
         is not a complete array of calls (e.g. cut by max_tokens)."""
         if self.name is not None:
-            return [_call(self.name, text)]
+            return [tool_call(self.name, text)]
         try:
             calls = json.loads(text)
         except ValueError:
@@ -52,7 +52,7 @@ class ToolChoice:
         if not isinstance(calls, list) or not all(
                 isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
             return None
-        return [_call(c["name"], json.dumps(c.get("parameters", {}), ensure_ascii=False))
+        return [tool_call(c["name"], json.dumps(c.get("parameters", {}), ensure_ascii=False))
                 for c in calls]
 
 
@@ -61,7 +61,9 @@ def tool_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
-def _call(name: str, arguments: str) -> dict[str, Any]:
+def tool_call(name: str, arguments: str) -> dict[str, Any]:
+    """One OpenAI tool call with a fresh id (`message.tool_calls`' entries; a stream's first
+    delta of a call is this with its `index`)."""
     return {"id": tool_call_id(), "type": "function",
             "function": {"name": name, "arguments": arguments}}
 

@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from jaxengine.server.structured import tool_call_id
+from jaxengine.server.structured import tool_call
 
 _WHITESPACE = " \t\n\r"
 
@@ -140,8 +140,7 @@ class ToolCallStream:
                 if new:
                     out.append({"index": index, "function": {"arguments": new}})
             elif call.name is not None and index == len(self.sent):
-                out.append({"index": index, "id": tool_call_id(), "type": "function",
-                            "function": {"name": call.name, "arguments": call.arguments}})
+                out.append({"index": index, **tool_call(call.name, call.arguments)})
                 self.sent.append(0)
             else:
                 break
