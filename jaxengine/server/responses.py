@@ -58,7 +58,9 @@ class Formatter:
     echo: Sequence[str] = ()  # per choice, the text before its own (vLLM's `echo`)
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: "token_id:N" tokens
     tool_choice: ToolChoice | None = None  # chat: the output is tool calls (structured.py)
-    echo_logprobs: bool = False  # completions' echo with logprobs: the prompt's tokens lead
+    # completions' echo with logprobs: the prompt's tokens lead, with the request's `logprobs`
+    # top entries each (vLLM caps a larger prompt_logprobs there at logprobs + 1)
+    echo_logprobs: int | None = None
     echo_only: bool = False  # completions' echo with max_tokens 0: the prompt alone
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs field in the response
     created: int = field(default_factory=lambda: int(time.time()))
@@ -217,8 +219,9 @@ class Formatter:
         logprobs) by the prompt's tokens: the first with null entries, as OpenAI and vLLM."""
         c = out.outputs[0]
         pairs: list[tuple[int, dict[int, Logprob] | None]] = []
-        if echo and self.echo_logprobs:
-            pairs += zip(out.prompt_token_ids, out.prompt_logprobs or (), strict=False)
+        if echo and self.echo_logprobs is not None:
+            pairs += ((t, None if e is None else _cap(t, e, self.echo_logprobs)) for t, e in
+                      zip(out.prompt_token_ids, out.prompt_logprobs or (), strict=False))
         if c.logprobs is not None and not self.echo_only:
             pairs += zip(c.token_ids[start:len(c.logprobs)], c.logprobs[start:], strict=False)
         elif not pairs:
@@ -253,6 +256,12 @@ def _finite(logprob: float) -> float:
 
 def _sampled(token_id: int, entry: dict[int, Logprob]) -> Logprob:
     return entry.get(token_id) or Logprob(-9999.0)
+
+
+def _cap(token_id: int, entry: dict[int, Logprob], n: int) -> dict[int, Logprob]:
+    """The token's own entry and the `n` best: at most n + 1, as a completion's top list."""
+    return {i: lp for i, lp in entry.items()
+            if i == token_id or (lp.rank is not None and lp.rank <= n)}
 
 
 def _top(entry: dict[int, Logprob]) -> Sequence[tuple[int, Logprob]]:

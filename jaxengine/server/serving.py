@@ -160,7 +160,7 @@ class OpenAIServing:
         completion = kind == "completion"
         fmt = Formatter(kind, self.model_name, self.tokenizer, request_id, echo=echo,
                         tokens_as_ids=body.return_tokens_as_token_ids, tool_choice=tool_choice,
-                        echo_logprobs=completion and body.echo and body.logprobs is not None,
+                        echo_logprobs=body.logprobs if completion and body.echo else None,
                         echo_only=completion and body.echo_only,
                         prompt_logprobs=body.prompt_logprobs is not None)
         if body.stream:

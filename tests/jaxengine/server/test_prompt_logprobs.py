@@ -99,6 +99,19 @@ def test_echo_with_logprobs_leads_with_the_prompts_tokens(client: openai.OpenAI,
     wait_until_idle(server)
 
 
+def test_echo_caps_the_prompts_top_lists_at_logprobs_plus_one(client: openai.OpenAI,
+                                                              server: RunningServer) -> None:
+    # A larger prompt_logprobs fills the prompt_logprobs field, not the echoed top lists (vLLM).
+    out = client.completions.create(prompt=PROMPT, max_tokens=1, echo=True, logprobs=1,
+                                    **GREEDY, extra_body={"prompt_logprobs": 4})
+    choice, n = out.choices[0], len(PROMPT)
+    assert all(len(e) in (4, 5) for e in choice.model_extra["prompt_logprobs"][1:])
+    tops = choice.logprobs.top_logprobs[1:n]
+    assert all(len(t) in (1, 2) for t in tops)
+    assert any(len(t) == 2 for t in tops)  # a prompt token that is not the best one
+    wait_until_idle(server)
+
+
 def test_echo_with_max_tokens_0_returns_the_prompt_alone(client: openai.OpenAI,
                                                          server: RunningServer) -> None:
     text = "the cat sat"
