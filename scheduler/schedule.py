@@ -134,8 +134,12 @@ def _schedule_running(w: Work, st: _Step) -> None:
         history = histories[rid]
         known = len(history)  # tokens whose ids are known
         ph = placeholders.get(rid, 0) if placeholders else 0
-        if ph and _finishes_in_flight(static[rid], known + ph, last_position):
-            i += 1  # the step in flight surely ends it: no extra step (as vLLM)
+        # A step in flight verifies its drafts (computed counts them, past its owed tokens:
+        # how many it keeps is unknown until that update), or surely ends it (as vLLM): it
+        # sits this step out.
+        if ph and (computed >= known + ph
+                   or _finishes_in_flight(static[rid], known + ph, last_position)):
+            i += 1
             continue
         num_tokens = known + ph
         if (num_tokens - computed == 1 and computed < len(table) * bs
@@ -169,7 +173,7 @@ def _schedule_running(w: Work, st: _Step) -> None:
         if ok:
             st.record(w, rid, n, computed)
             if spec:
-                _take_spec(w, st, rid, n, computed)
+                _take_spec(st, rid, spec, num_tokens, end)
             if prefills is not None:
                 prefills.record(num_tokens - computed)
             i += 1
@@ -206,10 +210,12 @@ def _allocate_or_preempt(w: Work, st: _Step, rid: str, num_slots: int,
     return True, ahead
 
 
-def _take_spec(w: Work, st: _Step, rid: str, n: int, computed: int) -> None:
-    num_spec = n + computed - len(w.tokens[rid])
+def _take_spec(st: _Step, rid: str, spec: tuple[int, ...], num_tokens: int, end: int) -> None:
+    """Record the drafts the request's scheduled tokens reach: those past its `num_tokens`
+    (known and owed), up to `end`."""
+    num_spec = end - num_tokens
     if num_spec > 0:
-        st.spec[rid] = w.static[rid].spec_token_ids[:num_spec]
+        st.spec[rid] = spec[:num_spec]
 
 
 def _schedule_waiting(w: Work, st: _Step) -> None:

@@ -67,7 +67,8 @@ class SchedulerState:
     _computed: Mapping[str, int] = _EMPTY  # num_computed_tokens
     _tables: Mapping[str, tuple[int, ...]] = _EMPTY  # block table of each request holding blocks
     _num_cached: Mapping[str, int] = _EMPTY  # leading blocks of each table in the prefix cache
-    _placeholders: Mapping[str, int] = _EMPTY  # async: tokens scheduled but not yet sampled
+    _placeholders: Mapping[str, int] = _EMPTY  # async: tokens owed by steps in flight, one per
+    # step that samples the request (one verifying drafts may give it more: docs §4.1)
     _finished: frozenset[str] = frozenset()  # reported by the next schedule()
     _served: Mapping[str | None, int] = _EMPTY  # tokens served to finished requests, by
     # metadata["tenant"] (None: no tenant), for fair-share policies (docs/SCHEDULING.md §8)

@@ -159,10 +159,10 @@ def _apply_outputs(w: Work, output: SchedulerOutput,
             continue  # aborted while the model ran
         params, num_prompt, eos = req.sampling_params, len(req.prompt_token_ids), req.eos_token_id
         sampled = sampled_token_ids.get(rid) or ()
-        if placeholders and rid in placeholders:  # async: the owed tokens have arrived
-            _settle_placeholders(placeholders, rid, len(sampled))
         if spec_scheduled and rid in spec_scheduled:
             _verify_drafts(w, rid, spec_scheduled[rid], len(sampled))
+        elif placeholders and rid in placeholders:  # async: the owed tokens have arrived
+            _settle_placeholders(placeholders, rid, len(sampled))
         if len(sampled) == 1:  # the common case: one token, no list, no loop
             token = sampled[0]
             status, stop_reason = check_stop(params, num_prompt, eos, append(rid, token),
@@ -193,8 +193,11 @@ def _settle_placeholders(placeholders: dict[str, int], rid: str, num_sampled: in
 
 
 def _verify_drafts(w: Work, rid: str, drafts: tuple[int, ...], num_sampled: int) -> None:
-    """The drafts were verified this step: roll back the KV of rejected ones."""
+    """The drafts were verified this step: roll back the KV of rejected ones. Under async
+    scheduling the request sat out every step planned since (docs/SCHEDULING.md §4.1), so all
+    it was owed arrives now."""
     w.update(rid, spec_token_ids=())
+    w.placeholders.pop(rid, None)
     if num_sampled and w.computed[rid] > 0:
         rejected = len(drafts) - (num_sampled - 1)
         w.computed[rid] -= rejected
