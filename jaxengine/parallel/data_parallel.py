@@ -90,9 +90,13 @@ class DataParallelEngine:
                              f"unfinished request; give each live request its own id")
         params = SamplingParams() if params is None else params
         text, ids = self.replicas[0].resolve_prompt(prompt)
-        # The engine takes no cache_salt, so neither does the request the router looks up.
+        # The engine takes no cache_salt, so neither does the request the router looks up; its
+        # parameters count (a prompt-logprobs request reads no prefix cache: routed by load).
+        # Parameters of a wrong type are the replica's to refuse, below.
+        looked_up = params if isinstance(params, SamplingParams) else SamplingParams()
         where = route(self.snapshots(), Request(request_id=request_id,
-                                                prompt_token_ids=tuple(ids)))
+                                                prompt_token_ids=tuple(ids),
+                                                sampling_params=looked_up))
         seeds = self._seeds.getstate()
         if isinstance(params, SamplingParams) and params.seed is None:  # else the replica refuses
             params = dataclasses.replace(params, seed=self._seeds.getrandbits(32))

@@ -59,8 +59,13 @@ def test_a_shared_prefix_goes_to_the_replica_that_cached_it() -> None:
     assert dp.add_request("b", _ids(SHARED + [3, 4]), LONG) == Route(replica=0, hit_tokens=32,
                                                                      load=2)
     assert [dp.replica_of(r) for r in "abcd"] == [0, 0, 1, 0]
+    # A prompt-logprobs request reads no prefix cache (skip_reading_prefix_cache): by load.
+    scored = SamplingParams(max_tokens=2, prompt_logprobs=1)
+    assert dp.add_request("e", _ids(SHARED + [5, 6]), scored) == Route(replica=1, hit_tokens=0,
+                                                                       load=1)
     done = _finish(dp)
     assert done["b"] == fake_greedy(SHARED + [3, 4], 40, V)
+    assert done["e"] == fake_greedy(SHARED + [5, 6], 2, V)
     assert done["a"] == fake_greedy(SHARED + [1, 2], 40, V)
     assert dp.replicas[0].snapshot().counters.prefix_cache_hits == 32
     assert dp.replicas[1].snapshot().counters.prefix_cache_hits == 0
