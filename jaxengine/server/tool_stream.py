@@ -32,11 +32,17 @@ class CallSoFar:
 def calls_so_far(text: str) -> list[CallSoFar]:
     """The calls of a prefix of `[{"name": ..., "parameters": ...}, ...]`, the last possibly
     partial; scanning stops at the end of the text or at anything else."""
-    calls: list[CallSoFar] = []
     i = _skip(text, 0)
     if not text.startswith("[", i):
-        return calls
-    i += 1
+        return []
+    return _calls(text, i + 1)[0]
+
+
+def _calls(text: str, i: int) -> tuple[list[CallSoFar], int, int]:
+    """The calls from `text[i]` on (inside the array), the number of them that closed, and
+    where the calls after those start (a later, longer text can be scanned from there)."""
+    calls: list[CallSoFar] = []
+    resume = i
     while (i := _skip(text, i)) < len(text) and text[i] in ",{":
         if text[i] == ",":
             i += 1
@@ -44,8 +50,9 @@ def calls_so_far(text: str) -> list[CallSoFar]:
         i, call, closed = _object(text, i + 1)
         calls.append(call)
         if not closed:
-            break
-    return calls
+            return calls, len(calls) - 1, resume
+        resume = i
+    return calls, len(calls), resume
 
 
 def _object(text: str, i: int) -> tuple[int, CallSoFar, bool]:
@@ -127,14 +134,26 @@ def _value(text: str, i: int) -> tuple[int, bool]:
 
 @dataclass(slots=True)
 class ToolCallStream:
-    """What one choice has streamed of its calls: per opened call, the arguments sent."""
+    """What one choice has streamed of its calls: per opened call, the arguments sent.
+
+    Calls that closed and went out whole are final: each new text is scanned from the end of
+    the last of them, so a long array costs its length once, not once per step."""
 
     sent: list[int] = field(default_factory=list)  # characters of arguments, per call
+    _resume: int = 0  # where in the text the calls not final yet start (0: before the "[")
+    _num_final: int = 0  # calls before `_resume`
 
     def deltas(self, text: str) -> list[dict[str, Any]]:
         """The `delta.tool_calls` entries for the whole output `text` so far (none new: [])."""
-        out = []
-        for index, call in enumerate(calls_so_far(text)):
+        if not self._resume:
+            i = _skip(text, 0)
+            if not text.startswith("[", i):
+                return []
+            self._resume = i + 1
+        calls, num_closed, resume = _calls(text, self._resume)
+        first, out = self._num_final, []
+        for k, call in enumerate(calls):
+            index = first + k
             if index < len(self.sent):
                 new = call.arguments[self.sent[index]:]
                 if new:
@@ -145,6 +164,9 @@ class ToolCallStream:
             else:
                 break
             self.sent[index] = len(call.arguments)
+        else:  # every call went out as far as it has got: the closed ones are final
+            if num_closed:
+                self._num_final, self._resume = first + num_closed, resume
         return out
 
     @property

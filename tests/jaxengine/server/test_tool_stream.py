@@ -58,3 +58,23 @@ def test_a_call_opens_only_once_its_name_is_complete() -> None:
 @pytest.mark.parametrize("text", ["", "   ", "{}", "hello", "[", "[ "])
 def test_no_calls_before_an_array_of_objects(text: str) -> None:
     assert ToolCallStream().deltas(text) == []
+
+
+def test_calls_already_sent_whole_are_not_scanned_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    from jaxengine.server import tool_stream
+
+    scanned = []
+    real = tool_stream._object
+
+    def counting(text: str, i: int):  # type: ignore[no-untyped-def]
+        scanned.append(i)
+        return real(text, i)
+
+    monkeypatch.setattr(tool_stream, "_object", counting)
+    text = "[" + ", ".join(f'{{"name": "f{i}", "parameters": {{"i": {i}}}}}' for i in range(40))
+    text += "]"
+    stream, steps = ToolCallStream(), range(0, len(text) + 1, 7)
+    opened = sum("id" in d for end in steps for d in stream.deltas(text[:end]))
+    assert opened == 40
+    # at most the call that just closed and the one after it, per text: not all 40 each time
+    assert len(scanned) <= 2 * len(steps)
