@@ -23,7 +23,6 @@ the forward runs, and its sampler dispatched last (vLLM's order).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import random
 import time
@@ -89,9 +88,6 @@ class LLMEngine:
           stat_loggers: receivers of each step's statistics (e.g. `jaxengine.metrics`').
         """
         spec = args.resolved_speculative_config
-        if spec is not None and args.async_scheduling:
-            logger.info("speculative decoding runs the synchronous loop: async_scheduling off")
-            args = dataclasses.replace(args, async_scheduling=False)
         self.args = args
         self.tokenizer = tokenizer
         self.vocab_size = model.vocab_size
@@ -116,7 +112,8 @@ class LLMEngine:
         self.speculator = None if spec is None else make_speculator(
             spec, runner=self.runner, dtype=args.dtype, attention_backend=args.attention_backend,
             max_model_len=max_model_len,
-            eos_token_id=None if tokenizer is None else tokenizer.eos_token_id)
+            eos_token_id=None if tokenizer is None else tokenizer.eos_token_id,
+            async_scheduling=args.async_scheduling)
         if args.precompile:
             self.runner.precompile()
         # Host offloading (kv_offloading_size): its connector answers every schedule() call.
@@ -281,9 +278,7 @@ class LLMEngine:
             step = self.runner.dispatch(plan, self._sampling_rows(plan))  # pack, run, sample
             sampled = {} if step is None else self.runner.collect_rows(step)
             self._take_prompt_logprobs(step)
-            spec_stats = None
-            if self.speculator is not None:  # keep the accepted drafts' tokens
-                sampled, spec_stats = self.speculator.verify(plan, sampled, self._tracked)
+            sampled, spec_stats = self._verify(plan, sampled)
             return failed + self._update(state, before, plan, sampled, dropped=set(),
                                          spec_decoding=spec_stats)
         prev = self._in_flight
@@ -296,8 +291,7 @@ class LLMEngine:
             forward = self.runner.dispatch_forward(plan, prev)
             self.state = state
             self._take_prompt_logprobs(prev, dropped)
-            outputs = self._update(state, before, prev.plan, self.runner.collect_rows(prev),
-                                   dropped=dropped)
+            outputs = self._collect_and_update(state, before, prev, dropped, plan)
             assert forward is not None  # the plan samples a request
             self._in_flight = self.runner.dispatch_sample(forward,
                                                           self._sampling_rows(plan, tracked))
@@ -311,8 +305,26 @@ class LLMEngine:
                                                 timestamp=time.time()))
             return failed
         self._take_prompt_logprobs(prev, dropped)
-        return failed + self._update(state, before, prev.plan, self.runner.collect_rows(prev),
-                                     dropped=dropped)
+        return failed + self._collect_and_update(state, before, prev, dropped, plan)
+
+    def _collect_and_update(self, state: SchedulerState, before: SchedulerState,
+                            prev: InFlight, dropped: set[str],
+                            in_flight: SchedulerOutput) -> list[RequestOutput]:
+        """Async scheduling: wait for the step before's tokens, verify its drafts and update
+        (`in_flight`: the plan just dispatched, which the next drafts must follow)."""
+        rows = self.runner.collect_rows(prev)
+        rows = {r: t for r, t in rows.items() if r not in dropped}
+        sampled, spec_stats = self._verify(prev.plan, rows)
+        return self._update(state, before, prev.plan, sampled, dropped=dropped,
+                            spec_decoding=spec_stats, in_flight=in_flight)
+
+    def _verify(self, plan: SchedulerOutput, rows: dict[str, list[SampledToken]]
+                ) -> tuple[dict[str, list[SampledToken]], SpecDecodingStats | None]:
+        """Each request's tokens of a collected step: with speculation, its accepted drafts'
+        (`Speculator.verify`), and the step's draft statistics."""
+        if self.speculator is None:
+            return rows, None
+        return self.speculator.verify(plan, rows, self._tracked)
 
     def _take_prompt_logprobs(self, step: InFlight | None, dropped: set[str] | None = None
                               ) -> None:
@@ -335,16 +347,18 @@ class LLMEngine:
 
     def _update(self, state: SchedulerState, before: SchedulerState, plan: SchedulerOutput,
                 sampled: dict[str, list[SampledToken]], *, dropped: set[str],
-                spec_decoding: SpecDecodingStats | None = None) -> list[RequestOutput]:
+                spec_decoding: SpecDecodingStats | None = None,
+                in_flight: SchedulerOutput | None = None) -> list[RequestOutput]:
         """Take one step's tokens (of `plan`; per request one, or its accepted drafts' too)
-        into `state`, with the next step's drafts; its outputs. Stale tokens (of requests that
-        left while the step was in flight) are dropped first."""
+        into `state`, with the next step's drafts (after `in_flight`, the plan dispatched
+        since, under async scheduling); its outputs. Stale tokens (of requests that left
+        while the step was in flight) are dropped first."""
         if dropped:
             sampled = {r: t for r, t in sampled.items() if r not in dropped}
         accept_sampled(self._tracked, sampled)
         stopped = self._detokenize(sampled)  # before update: a stop string ends the request there
         drafts = (None if self.speculator is None
-                  else self.speculator.propose(self._tracked, sampled, stopped))
+                  else self.speculator.propose(self._tracked, sampled, stopped, in_flight))
         kv_output = None if self.kv_offload is None else self.kv_offload.take_output()
         self.state, deltas = update_from_output(
             state, plan, {rid: [t.token_id for t in ts] for rid, ts in sampled.items()}, drafts,

@@ -311,8 +311,7 @@ class Runner:
         fill = np.full(num_tokens, -1, np.int32)
         holes = np.flatnonzero(batch.input_ids[:total] == PLACEHOLDER_TOKEN_ID)
         if len(holes):
-            sampled_by_prev = {} if prev is None else {
-                r: i for i, r in enumerate(prev.plan.sampling_req_ids)}
+            sampled_by_prev = _first_rows(prev)
             starts = batch.query_start_loc[: len(order)]
             for hole in holes:
                 rid = order[int(np.searchsorted(starts, hole, side="right")) - 1]
@@ -343,8 +342,7 @@ class Runner:
         row_index[: len(sampling_ids)] = index
         md = build_sampling_metadata(batch_rows, size, max_banned=MAX_BANNED)
         prev_tokens = self._prev_tokens(prev)
-        adj = self.penalties.adjustments(sampling_ids, rows, size,
-                                         () if prev is None else prev.plan.sampling_req_ids,
+        adj = self.penalties.adjustments(sampling_ids, rows, size, _first_rows(prev),
                                          prev_tokens)
         t = self.penalties.tables
         out, tokens, counts = jitted_sample(
@@ -380,6 +378,15 @@ class Runner:
                     f"{new} compilation(s) after warm-up in a step of {num_tokens} tokens; "
                     f"buckets: tokens {self.token_buckets}, requests {self.request_buckets}"
                 )
+
+
+def _first_rows(prev: InFlight | None) -> dict[str, int]:
+    """Each request `prev` samples -> its first row in `prev.tokens` (its token; the rows of
+    its drafts follow it)."""
+    rows: dict[str, int] = {}
+    for i, rid in enumerate(() if prev is None else prev.row_ids):
+        rows.setdefault(rid, i)
+    return rows
 
 
 def _spec(x: np.ndarray) -> jax.ShapeDtypeStruct:

@@ -10,6 +10,12 @@ from each request's newest token (position P = num_tokens - 1, whose KV neither 
 the blocks its table lacks for P..P+k-1 are that row's scratch pages, so rows never write each
 other's pages. A wrong draft only costs acceptance; verification keeps the output exact.
 
+Under async scheduling a plan's inputs hold placeholders (the tokens of the step before, on
+the device); by the time a step is collected and replayed they are in the request's history, and
+the replay reads them from there. Its proposal then runs k + 1 steps (one program, the size
+compiled in warm-up): a request whose plain decode is in flight takes the last k (the first
+guesses that decode's token), any other the first k.
+
 Not replayed: KV that arrives without a step (a KV connector's loads): the draft then proposes
 from a cache with holes, and fewer drafts are accepted.
 """
@@ -29,8 +35,8 @@ from jaxengine.model.batch import ModelBatch, RequestChunk, pack_batch
 from jaxengine.model.fns import ModelFns
 from jaxengine.runner.buckets import pick_bucket
 from jaxengine.spec.config import SpeculativeConfig
-from jaxengine.spec.speculator import Speculator, _Token
-from scheduler import SchedulerOutput
+from jaxengine.spec.speculator import Speculator, _Token, tokens_in_flight
+from scheduler import PLACEHOLDER_TOKEN_ID, SchedulerOutput
 
 if TYPE_CHECKING:
     from jaxengine.engine.request_state import TrackedRequest
@@ -94,9 +100,11 @@ class DraftModelSpeculator(Speculator):
     """Proposes with a draft model (see the module docstring); verification is the base's."""
 
     def __init__(self, config: SpeculativeConfig, draft: ModelFns, runner: Runner, *,
-                 max_model_len: int, eos_token_id: int | None) -> None:
+                 max_model_len: int, eos_token_id: int | None,
+                 async_scheduling: bool = False) -> None:
         """Allocate the draft's KV pool beside the runner's; its programs compile with the
-        runner's (`Runner.precompile_hooks`)."""
+        runner's (`Runner.precompile_hooks`). Under `async_scheduling` the proposal runs
+        k + 1 greedy steps (see the module docstring)."""
         super().__init__(config, max_model_len=max_model_len, eos_token_id=eos_token_id)
         if draft.vocab_size != runner.model.vocab_size:
             raise ValueError(f"speculative_config: the draft model's vocabulary "
@@ -104,7 +112,7 @@ class DraftModelSpeculator(Speculator):
                              f"({runner.model.vocab_size})")
         c = runner.config
         self.draft, self.runner = draft, runner
-        k, bs = config.num_speculative_tokens, c.block_size
+        k, bs = config.num_speculative_tokens + int(async_scheduling), c.block_size
         self.scratch = -(-k // bs) + 1  # pages P..P+k-1 can touch past a row's own
         self.kv = draft.init_kv(c.num_blocks + c.max_num_seqs * self.scratch, bs)
         self._width = c.max_blocks_per_seq + self.scratch
@@ -130,7 +138,7 @@ class DraftModelSpeculator(Speculator):
         """Replay the step's batch on the draft model, then verify as the base does."""
         order = list(plan.num_scheduled_tokens)
         if order:
-            chunks = [RequestChunk(token_ids=plan.input_token_ids[r],
+            chunks = [RequestChunk(token_ids=_known_inputs(plan, r, tracked.get(r)),
                                    start=plan.num_computed_tokens[r],
                                    block_table=plan.block_tables[r]) for r in order]
             total = sum(len(ch.token_ids) for ch in chunks)
@@ -140,18 +148,21 @@ class DraftModelSpeculator(Speculator):
         return super().verify(plan, rows, tracked)
 
     def propose(self, tracked: Mapping[str, TrackedRequest],
-                sampled: Mapping[str, Sequence[_Token]], stopped: Mapping[str, str]
-                ) -> dict[str, list[int]]:
+                sampled: Mapping[str, Sequence[_Token]], stopped: Mapping[str, str],
+                in_flight: SchedulerOutput | None = None) -> dict[str, list[int]]:
         """Drafts of every request that may get them, from one batched device call."""
         c = self.runner.config
         rows, room = [], []
         for rid, tokens in sampled.items():
+            lag = tokens_in_flight(in_flight, rid)
+            if lag is None:
+                continue
             t = tracked[rid]
-            n = self.draft_room(t, len(tokens), stopped=rid in stopped)
+            n = self.draft_room(t, len(tokens), stopped=rid in stopped, in_flight=lag)
             if n > 0:
                 position = len(t.prompt_token_ids) + len(t.token_ids) + len(tokens) - 1
                 rows.append((rid, tokens[-1].token_id, position))
-                room.append(n)
+                room.append((lag, n))
         if not rows:
             return {}
         R = c.max_num_seqs
@@ -166,13 +177,28 @@ class DraftModelSpeculator(Speculator):
         self.kv, drafts = self._propose(self.draft.params, self.kv, tokens, positions, tables,
                                         np.int32(len(rows)))
         drafts = np.asarray(drafts)
-        return {rid: drafts[i, :n].tolist() for i, ((rid, _, _), n) in
+        return {rid: drafts[i, lag:lag + n].tolist() for i, ((rid, _, _), (lag, n)) in
                 enumerate(zip(rows, room, strict=True))}
 
     def _batch(self, chunks: Sequence[RequestChunk], num_tokens: int) -> ModelBatch:
         c = self.runner.config
         return pack_batch(chunks, num_tokens=num_tokens, max_seqs=c.max_num_seqs,
                           max_blocks=self._width, block_size=c.block_size)
+
+
+def _known_inputs(plan: SchedulerOutput, rid: str, t: TrackedRequest | None
+                  ) -> tuple[int, ...]:
+    """The request's input tokens in `plan` with each placeholder (async scheduling: the token
+    of the step before) read from its history, where it is by the time `plan` is collected
+    (0 for a request that left meanwhile: its KV is never read)."""
+    ids = plan.input_token_ids[rid]
+    if PLACEHOLDER_TOKEN_ID not in ids:
+        return ids
+    if t is None:
+        return tuple(0 if x == PLACEHOLDER_TOKEN_ID else x for x in ids)
+    start, history = plan.num_computed_tokens[rid], (*t.prompt_token_ids, *t.token_ids)
+    return tuple(history[start + j] if x == PLACEHOLDER_TOKEN_ID else x
+                 for j, x in enumerate(ids))
 
 
 def load_draft(path: str, *, dtype: str, attention_backend: str | None) -> ModelFns:

@@ -1,11 +1,17 @@
 """The engine's side of speculative decoding: verify a step's drafts, propose the next ones.
 
-Per step (synchronous loop): the runner samples every row of the plan (`verify.sampler_rows`),
+Per step: the runner samples every row of the plan (`verify.sampler_rows`),
 `Speculator.verify` keeps each request's accepted tokens (`verify.num_accepted`), cut after the
 first one that ends the request (EOS, a stop token id, max_tokens, max_model_len: the
 scheduler's order, so the detokenizer never sees a token the scheduler drops), and counts
 vLLM's `SpecDecodingStats`. After the detokenizer has cut at stop strings, `propose` drafts the
 next step's tokens of each request still going (`update_from_output`'s `draft_token_ids`).
+
+Under async scheduling (docs/DESIGN.md, "Speculative decoding") step N is collected after step
+N+1 was dispatched. A request that N+1 decodes plainly gets drafts for N+2 that follow the token
+N+1 samples, not known yet: the proposer drafts one token more from the known history and the
+first (its guess of that token) is dropped (`tokens_in_flight` = 1). One whose drafts N+1
+verifies gets none (the scheduler keeps it out of N+2).
 """
 
 from __future__ import annotations
@@ -61,29 +67,39 @@ class Speculator:
         return out, stats if stats.num_drafts else None
 
     def propose(self, tracked: Mapping[str, TrackedRequest],
-                sampled: Mapping[str, Sequence[_Token]], stopped: Mapping[str, str]
-                ) -> dict[str, list[int]]:
+                sampled: Mapping[str, Sequence[_Token]], stopped: Mapping[str, str],
+                in_flight: SchedulerOutput | None = None) -> dict[str, list[int]]:
         """Drafts for the next step of each request that sampled `sampled` now (not yet in
         `tracked`) and may get them (`verify.draftable`), at most K and no more than its
-        max_tokens and max_model_len leave room to verify; stopped requests get none."""
+        max_tokens and max_model_len leave room to verify; stopped requests get none.
+
+        Args:
+          in_flight: async scheduling: the plan dispatched after the step of `sampled`
+            (see `tokens_in_flight`); None in the synchronous loop.
+        """
         drafts = {}
         for rid, tokens in sampled.items():
+            lag = tokens_in_flight(in_flight, rid)
+            if lag is None:
+                continue
             t = tracked[rid]
-            room = self.draft_room(t, len(tokens), stopped=rid in stopped)
+            room = self.draft_room(t, len(tokens), stopped=rid in stopped, in_flight=lag)
             if room <= 0:
                 continue
             history = [*t.prompt_token_ids, *t.token_ids, *(x.token_id for x in tokens)]
-            proposal = self.propose_tokens(history, room)
+            proposal = self.propose_tokens(history, room + lag)[lag:]
             if proposal:
                 drafts[rid] = proposal
         return drafts
 
-    def draft_room(self, t: TrackedRequest, num_new: int, *, stopped: bool) -> int:
+    def draft_room(self, t: TrackedRequest, num_new: int, *, stopped: bool,
+                   in_flight: int = 0) -> int:
         """How many drafts a request may get for its next step, having just sampled `num_new`
-        tokens (not yet in `t`): 0 when it stopped or is not `draftable`, else at most K and
-        no more than its max_tokens and max_model_len leave room to verify (the step verifying
-        d drafts may emit d + 1 tokens)."""
-        num_output = len(t.token_ids) + num_new
+        tokens (not yet in `t`) with `in_flight` more coming from the step in flight: 0 when
+        it stopped or is not `draftable`, else at most K and no more than its max_tokens and
+        max_model_len leave room to verify (the step verifying d drafts may emit d + 1
+        tokens)."""
+        num_output = len(t.token_ids) + num_new + in_flight
         if stopped or not num_new or not draftable(
                 t.params, num_output_tokens=num_output,
                 bad_words_token_ids=t.bad_words_token_ids,
@@ -113,10 +129,21 @@ class Speculator:
         return len(token_ids)
 
 
+def tokens_in_flight(in_flight: SchedulerOutput | None, request_id: str) -> int | None:
+    """Tokens the step in flight samples for a request before drafts proposed now are
+    verified: 0 (none, or the synchronous loop), 1 (a plain decode: the proposal follows its
+    token, guessed), or None when that step verifies the request's drafts (no proposal now:
+    the scheduler plans it again only after that step's update)."""
+    if in_flight is None or request_id not in in_flight.sampling_req_ids:
+        return 0
+    return None if request_id in in_flight.scheduled_spec_decode_tokens else 1
+
+
 def make_speculator(config: SpeculativeConfig, *, runner: Runner, dtype: str,
                     attention_backend: str | None, max_model_len: int,
-                    eos_token_id: int | None) -> Speculator:
-    """The engine's speculator for `config.method` ("draft_model" loads its model here).
+                    eos_token_id: int | None, async_scheduling: bool = False) -> Speculator:
+    """The engine's speculator for `config.method` ("draft_model" loads its model here;
+    under `async_scheduling` its proposal runs one greedy step more, for the token in flight).
 
     Raises:
       ValueError: the draft model cannot be loaded or its vocabulary is not the target's.
@@ -128,4 +155,4 @@ def make_speculator(config: SpeculativeConfig, *, runner: Runner, dtype: str,
     assert config.model is not None  # SpeculativeConfig requires it for draft_model
     draft = load_draft(config.model, dtype=dtype, attention_backend=attention_backend)
     return DraftModelSpeculator(config, draft, runner, max_model_len=max_model_len,
-                                eos_token_id=eos_token_id)
+                                eos_token_id=eos_token_id, async_scheduling=async_scheduling)

@@ -16,7 +16,7 @@ from jaxengine.runner.compiles import compile_count
 from jaxengine.spec.draft_model import PROPOSE_NAME, REPLAY_NAME
 from scheduler import SamplingParams, check_invariants
 from tests.jaxengine.engine.test_llm_engine import make_engine
-from tests.jaxengine.spec.test_spec_engine import Counts
+from tests.jaxengine.spec.test_spec_engine import LOOPS, Counts
 
 TINY = Path(__file__).resolve().parents[2] / "fixtures" / "tiny"
 TARGET = TINY / "llama3_gqa"
@@ -52,11 +52,16 @@ def run(params: SamplingParams, **kw: Any) -> tuple[dict[str, tuple], Counts]:
     return done, counts
 
 
-def test_the_target_as_its_own_draft_is_always_right_and_compiles_only_in_warm_up() -> None:
-    plain, _ = run(GREEDY)
+@LOOPS
+def test_the_target_as_its_own_draft_is_always_right_and_compiles_only_in_warm_up(
+        async_scheduling: bool) -> None:
+    """Under async scheduling too: the replay reads the placeholders from the history, and a
+    proposal behind a decode in flight (k + 1 steps, its first dropped) guesses it right."""
+    plain, _ = run(GREEDY, async_scheduling=False)
     before = compile_count(REPLAY_NAME, PROPOSE_NAME)
     spec, counts = run(GREEDY, speculative_config=draft_config(TARGET), precompile=True,
-                       debug_recompiles=True)  # the target's programs: none after warm-up
+                       debug_recompiles=True,  # the target's programs: none after warm-up
+                       async_scheduling=async_scheduling)
     assert spec == plain
     assert counts.accepted == counts.draft_tokens > 0
     assert compile_count(REPLAY_NAME, PROPOSE_NAME) > before  # precompile made the draft's,

@@ -1,10 +1,10 @@
 """Speculative decoding through the engine on the fake model (docs/STYLE.md rule 10): drafts
-change no output (greedy, seeded, stops, limits), free every block, compile nothing after
-warm-up, and the tokens accepted rows emit have the target's distribution."""
+change no output (greedy, seeded, stops, limits), in the synchronous loop and under async
+scheduling, free every block, compile nothing after warm-up, and the tokens accepted rows emit
+have the target's distribution."""
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -20,6 +20,8 @@ from tests.jaxengine.engine.test_llm_engine import PROMPTS, FakeTokenizer, V, ma
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
          "prompt_lookup_max": 3}
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+# Both loops: synchronous, and async scheduling (drafts lagged behind a decode in flight).
+LOOPS = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 
 
 class GreedyDrafts(Speculator):
@@ -82,9 +84,9 @@ def run(engine: LLMEngine, prompts: Sequence[str | Sequence[int]],
 
 
 def test_right_and_wrong_drafts_change_no_greedy_output() -> None:
-    plain, plain_steps = run(make_engine(), PROMPTS, GREEDY)
+    plain, plain_steps = run(make_engine(async_scheduling=False), PROMPTS, GREEDY)
     counts = Counts()
-    engine = spec_engine()
+    engine = spec_engine(async_scheduling=False)
     engine.stat_loggers.append(counts)
     right, right_steps = run(engine, PROMPTS, GREEDY)
     assert right == plain
@@ -97,22 +99,52 @@ def test_right_and_wrong_drafts_change_no_greedy_output() -> None:
     assert counts.per_pos == [3 * len(PROMPTS), 3 * len(PROMPTS), 2 * len(PROMPTS)]
     assert right_steps < plain_steps
     ngram = Counts()  # prompt lookup on the fake model's hash-like outputs: mostly wrong
+    engine = spec_engine(drafts=None, async_scheduling=False)
+    engine.stat_loggers.append(ngram)
+    assert run(engine, PROMPTS, GREEDY)[0] == plain
+    assert ngram.draft_tokens > ngram.accepted
+
+
+def test_async_scheduling_lags_drafts_behind_the_decode_in_flight() -> None:
+    """Under async scheduling (kept on with speculation) a request decoded plainly in the step
+    in flight gets drafts after that step's token, guessed: the greedy continuation's guess
+    is right, so every draft is accepted only if the drafts line up behind it. A request whose
+    drafts are in flight sits out one step, so the loop takes more steps than the synchronous
+    one, yet fewer than without drafts."""
+    plain, plain_steps = run(make_engine(), PROMPTS, GREEDY)
+    sync, sync_steps = run(spec_engine(async_scheduling=False), PROMPTS, GREEDY)
+    counts = Counts()
+    engine = spec_engine()
+    assert engine.args.async_scheduling and engine.state.config.async_scheduling
+    engine.stat_loggers.append(counts)
+    lagged: list[int] = []
+    record_lagged_drafts(engine, lagged)
+    asyn, async_steps = run(engine, PROMPTS, GREEDY)
+    assert asyn == sync == plain
+    assert counts.accepted == counts.draft_tokens > 0 and sum(lagged) > 0
+    assert sync_steps < async_steps < plain_steps
+    ngram = Counts()  # prompt lookup: wrong guesses too, still the same outputs
     engine = spec_engine(drafts=None)
     engine.stat_loggers.append(ngram)
     assert run(engine, PROMPTS, GREEDY)[0] == plain
     assert ngram.draft_tokens > ngram.accepted
 
 
-def test_speculation_turns_async_scheduling_off(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="jaxengine.engine"):
-        engine = make_engine(speculative_config=NGRAM, async_scheduling=True)
-    assert engine.args.async_scheduling is False
-    assert engine.state.config.async_scheduling is False
-    assert "async_scheduling off" in caplog.text
-    assert make_engine(async_scheduling=True).args.async_scheduling is True
+def record_lagged_drafts(engine: LLMEngine, seen: list[int]) -> None:
+    """Append to `seen`, per proposal, how many drafts follow a decode in flight."""
+    propose = engine.speculator.propose  # type: ignore[union-attr]
+
+    def recording(tracked: Any, sampled: Any, stopped: Any, in_flight: Any = None) -> Any:
+        drafts = propose(tracked, sampled, stopped, in_flight)
+        seen.extend(len(d) for r, d in drafts.items()
+                    if in_flight is not None and r in in_flight.sampling_req_ids)
+        return drafts
+
+    engine.speculator.propose = recording  # type: ignore[union-attr,method-assign]
 
 
-def test_stops_inside_accepted_drafts_end_the_request_there() -> None:
+@LOOPS
+def test_stops_inside_accepted_drafts_end_the_request_there(async_scheduling: bool) -> None:
     probe, _ = run(make_engine(), PROMPTS[:3], GREEDY)
     stop_string = probe["r0"][1][5:7]  # outputs 5 and 6: inside the second verified step
     stop_token = probe["r1"][0][6]
@@ -126,15 +158,25 @@ def test_stops_inside_accepted_drafts_end_the_request_there() -> None:
     ]
     prompts = [*PROMPTS[:3], PROMPTS[0]]
     plain, _ = run(make_engine(), prompts, params)
-    spec, _ = run(spec_engine(), prompts, params)
+    engine, counts = counted(spec_engine(async_scheduling=async_scheduling))
+    spec, _ = run(engine, prompts, params)
     assert spec == plain
+    assert counts.accepted > 0
     assert spec["r0"][2:] == ("stop", stop_string) and len(spec["r0"][0]) <= 7
     assert spec["r1"][2:] == ("stop", stop_token) and spec["r1"][0][-1] == stop_token
     assert spec["r2"][2] == "length" and len(spec["r2"][0]) == 7
     assert spec["r3"][1].endswith(stop_string)
 
 
-def test_seeded_sampling_and_undraftable_requests_in_one_batch() -> None:
+def counted(engine: LLMEngine) -> tuple[LLMEngine, Counts]:
+    """The engine, with a `Counts` among its stat loggers."""
+    counts = Counts()
+    engine.stat_loggers.append(counts)
+    return engine, counts
+
+
+@LOOPS
+def test_seeded_sampling_and_undraftable_requests_in_one_batch(async_scheduling: bool) -> None:
     params = [SamplingParams(max_tokens=10, temperature=0.8, seed=i, ignore_eos=True)
               for i in range(4)]
     params += [SamplingParams(max_tokens=10, temperature=0.8, seed=9, presence_penalty=1.0,
@@ -142,20 +184,26 @@ def test_seeded_sampling_and_undraftable_requests_in_one_batch() -> None:
                SamplingParams(max_tokens=10, temperature=0.0, logprobs=2, ignore_eos=True),
                SamplingParams(max_tokens=10, temperature=0.0, min_tokens=6, ignore_eos=True)]
     plain, _ = run(make_engine(), PROMPTS, params)
-    spec, _ = run(spec_engine(), PROMPTS, params)
+    engine, counts = counted(spec_engine(async_scheduling=async_scheduling))
+    spec, _ = run(engine, PROMPTS, params)
     assert spec == plain
+    assert counts.accepted > 0
 
 
-def test_a_tight_pool_preempts_and_nothing_leaks() -> None:
+@LOOPS
+def test_a_tight_pool_preempts_and_nothing_leaks(async_scheduling: bool) -> None:
     plain, _ = run(make_engine(num_blocks=18), PROMPTS, GREEDY)
-    engine = spec_engine(num_blocks=18)
+    engine, counts = counted(spec_engine(num_blocks=18, async_scheduling=async_scheduling))
     spec, _ = run(engine, PROMPTS, GREEDY)
     assert engine.state.stats.num_preemptions > 0
     assert spec == plain
+    assert counts.accepted > 0
 
 
-def test_nothing_compiles_after_warm_up() -> None:
-    engine = spec_engine(precompile=True, debug_recompiles=True)
+@LOOPS
+def test_nothing_compiles_after_warm_up(async_scheduling: bool) -> None:
+    engine = spec_engine(precompile=True, debug_recompiles=True,
+                         async_scheduling=async_scheduling)
     runner = engine.runner
     assert runner.request_buckets[-1] == 4 * (1 + 3)  # R * (1 + K) sampler rows
     params = [GREEDY, SamplingParams(max_tokens=9, temperature=1.0, top_k=5, seed=1,
@@ -178,7 +226,9 @@ def test_accepted_rows_emit_the_targets_distribution() -> None:
     the engine's seeds come from `EngineArgs.seed`, so the run is the same every time)."""
     T, max_tokens, n_requests = 2.5, 16, 64
     q = math.exp(LOGIT / T) / (math.exp(LOGIT / T) + V - 1)
-    engine = spec_engine(max_num_seqs=8, max_num_batched_tokens=64, num_blocks=400)
+    # The synchronous loop (verification is the same in both; there every step drafts).
+    engine = spec_engine(max_num_seqs=8, max_num_batched_tokens=64, num_blocks=400,
+                         async_scheduling=False)
     params = SamplingParams(max_tokens=max_tokens, temperature=T, ignore_eos=True)
     prompts = [[(7 * i + j) % V for j in range(3 + i % 5)] for i in range(n_requests)]
     for i, p in enumerate(prompts):
@@ -219,11 +269,12 @@ def test_text_prompts_and_the_tokenizer() -> None:
                                                                                     12, V)
 
 
-def test_a_tight_budget_schedules_part_of_the_drafts() -> None:
+@LOOPS
+def test_a_tight_budget_schedules_part_of_the_drafts(async_scheduling: bool) -> None:
     # 8 tokens a step for 4 running requests that each want 1 + 3: the scheduler cuts drafts
     # (scheduled_spec_decode_tokens holds the part it took), and the verifier reads that part.
     plain, _ = run(make_engine(max_num_batched_tokens=8), PROMPTS, GREEDY)
-    engine = spec_engine(max_num_batched_tokens=8)
+    engine = spec_engine(max_num_batched_tokens=8, async_scheduling=async_scheduling)
     counts = Counts()
     engine.stat_loggers.append(counts)
     scheduled: list[int] = []
@@ -245,21 +296,26 @@ def record_scheduled_drafts(engine: LLMEngine, seen: list[int]) -> None:
     engine.speculator.verify = recording  # type: ignore[union-attr,method-assign]
 
 
-def test_max_model_len_and_aborts_with_drafts_in_flight() -> None:
+@LOOPS
+def test_max_model_len_and_aborts_with_drafts_in_flight(async_scheduling: bool) -> None:
     params = SamplingParams(max_tokens=None, temperature=0.0, ignore_eos=True)
     plain, _ = run(make_engine(max_model_len=24), PROMPTS[:1] + PROMPTS[2:4], params)
-    spec, _ = run(spec_engine(max_model_len=24), PROMPTS[:1] + PROMPTS[2:4], params)
+    spec, _ = run(spec_engine(max_model_len=24, async_scheduling=async_scheduling),
+                  PROMPTS[:1] + PROMPTS[2:4], params)
     assert spec == plain
     assert all(len(PROMPTS[i]) + len(spec[f"r{j}"][0]) == 24
                for j, i in enumerate((0, 2, 3)))
-    engine = spec_engine()
+    engine = spec_engine(async_scheduling=async_scheduling)
     for i, p in enumerate(PROMPTS[:3]):
         engine.add_request(f"r{i}", {"prompt_token_ids": p}, GREEDY)
-    for _ in range(3):
+    for _ in range(4):
         engine.step()  # the drafts of the next step are in the scheduler's state now
     assert any(r.spec_token_ids for r in engine.state.requests.values())
     engine.abort_request(["r0", "r1"])
+    outs = []
     while engine.has_unfinished_requests():
-        engine.step()
+        outs += engine.step()
     check_invariants(engine.state)
     assert engine.state.num_free_blocks == engine.scheduler_config.num_blocks - 1
+    assert {o.request_id for o in outs} == {"r2"}  # nothing stale of the aborted ones
+    assert list(outs[-1].outputs[0].token_ids) == fake_greedy(PROMPTS[2], 12, V)

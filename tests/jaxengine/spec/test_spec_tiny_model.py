@@ -1,5 +1,6 @@
 """Prompt-lookup speculation on a tiny random Llama (real attention over drafted positions):
-greedy and seeded outputs are those without speculation, and repetitive text accepts drafts."""
+greedy and seeded outputs are those without speculation, in the synchronous loop and under
+async scheduling, and repetitive text accepts drafts."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from typing import Any
 from jaxengine.engine.args import EngineArgs
 from jaxengine.engine.build import build_engine
 from scheduler import SamplingParams
-from tests.jaxengine.spec.test_spec_engine import NGRAM, Counts
+from tests.jaxengine.spec.test_spec_engine import LOOPS, NGRAM, Counts
 from tests.jaxengine.spec.test_spec_engine import run as run_engine
 
 TINY = Path(__file__).resolve().parents[2] / "fixtures" / "tiny" / "llama3_gqa"
@@ -26,19 +27,23 @@ def run(params: SamplingParams, **kw: Any) -> tuple[dict[str, tuple], Counts, in
     return done, counts, steps
 
 
-def test_greedy_outputs_are_unchanged_and_drafts_are_accepted() -> None:
+@LOOPS
+def test_greedy_outputs_are_unchanged_and_drafts_are_accepted(async_scheduling: bool) -> None:
     params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
-    plain, _, plain_steps = run(params)
-    spec, counts, spec_steps = run(params, speculative_config=NGRAM)
+    plain, _, plain_steps = run(params, async_scheduling=False)
+    spec, counts, spec_steps = run(params, speculative_config=NGRAM,
+                                   async_scheduling=async_scheduling)
     assert spec == plain
     assert 0 < counts.accepted < counts.draft_tokens
-    assert spec_steps < plain_steps
+    if not async_scheduling:  # async: each verifying step costs the request the next one,
+        assert spec_steps < plain_steps  # more than these partly accepted drafts save
 
 
-def test_seeded_sampling_is_unchanged() -> None:
+@LOOPS
+def test_seeded_sampling_is_unchanged(async_scheduling: bool) -> None:
     params = SamplingParams(max_tokens=24, temperature=0.3, top_k=20, seed=7, ignore_eos=True)
-    plain, _, _ = run(params)
-    spec, counts, _ = run(params, speculative_config=NGRAM)
+    plain, _, _ = run(params, async_scheduling=False)
+    spec, counts, _ = run(params, speculative_config=NGRAM, async_scheduling=async_scheduling)
     assert spec == plain
     assert counts.accepted > 0  # low temperature on repetitive prompts: some drafts hold
 
@@ -54,7 +59,7 @@ def test_llm_takes_the_dict() -> None:
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
     assert [tuple(o.outputs[0].token_ids) for o in outs] == [plain[f"r{i}"][0]
                                                              for i in range(len(PROMPTS))]
-    assert llm.llm_engine.args.async_scheduling is False
+    assert llm.llm_engine.args.async_scheduling is True  # the default, kept with drafts
 
 
 def test_a_grammar_request_beside_drafted_ones() -> None:
