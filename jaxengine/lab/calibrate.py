@@ -15,6 +15,7 @@ all scenes.
 from __future__ import annotations
 
 import dataclasses
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -58,7 +59,11 @@ def default_grid(*, max_num_seqs: int, budget: int, max_model_len: int,
     bucket, so `tokens_upto_*` and `sampler_rows` are seen apart: up to 8 requests share one
     sampler bucket), plus 3 and 48 (more requests in the same buckets: `num_seqs`). The
     injections are a short and a medium prompt and one of 1.5x the budget (a full chunk, then
-    one with context).
+    one with context). A lone prompt of 3/4 of every power-of-two token bucket from 16 up to
+    the budget prefills at an idle engine, as most prompts of a lightly loaded server do (the
+    grid had one such call below the 2048 bucket, in the 512 one, beside 35 calls of 2048
+    tokens: a replay's lone prefills could not be checked against it, docs/LAB.md); these
+    scenes are spread through the grid, so one burst of other load does not fall on all.
     """
     limit = max_model_len // 2
     powers = [1 << k for k in range(max_num_seqs.bit_length())]
@@ -73,6 +78,16 @@ def default_grid(*, max_num_seqs: int, budget: int, max_model_len: int,
             # Injections in every other scene, so half the scenes time pure decode batches.
             inject = tuple(injects) if (len(scenes) % 2 == 0 and d < max_num_seqs) else ()
             scenes.append(Scene(decodes=d, context=c, inject=inject))
+    bucket = 16
+    lone = []
+    while bucket <= budget:
+        c = bucket * 3 // 4
+        if c <= min(limit, max_prefill_tokens) and c not in contexts:
+            lone.append(Scene(decodes=1, context=c))
+        bucket *= 2
+    gap = len(scenes) // (len(lone) + 1)
+    for k, scene in enumerate(lone):  # after every `gap` scenes of the grid
+        scenes.insert((k + 1) * gap + k, scene)
     return scenes
 
 
@@ -163,7 +178,7 @@ def calibrate(args: EngineArgs, *, scenes: Sequence[Scene] | None = None,
 
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
-    t_start = time.perf_counter()
+    t_start, load_start = time.perf_counter(), os.getloadavg()[0]
     engine = build_warm_engine(dataclasses.replace(args, precompile=None))
     cfg = engine.scheduler_config
     log(f"calibrate: engine ready in {time.perf_counter() - t_start:.1f} s "
@@ -196,6 +211,9 @@ def calibrate(args: EngineArgs, *, scenes: Sequence[Scene] | None = None,
         model_max_model_len=_model_limit(args), vocab_size=engine.vocab_size,
         info={**model.info, "scenes": [dataclasses.asdict(s) for s in grid],
               "repeats": repeats,
+              # 1-minute load averages at the start and the end: other processes' load sets
+              # the step times (docs/LAB.md, Accuracy), so a replay should run under the same
+              "load_average": [load_start, os.getloadavg()[0]],
               "seconds": round(time.perf_counter() - t_start, 1),
               "date": time.strftime("%Y-%m-%d %H:%M:%S")})
 

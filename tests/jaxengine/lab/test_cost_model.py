@@ -19,6 +19,7 @@ from jaxengine.lab.cost_model import (
     plan_features,
     save_cost_model,
 )
+from jaxengine.runner.buckets import pick_bucket, token_buckets
 from scheduler import (
     Request,
     SamplingParams,
@@ -112,6 +113,20 @@ def test_default_grid_fits_the_engine() -> None:
     assert {1, 4, 16} <= {s.decodes for s in grid}
     tiny = default_grid(max_num_seqs=4, budget=32, max_model_len=128)
     assert len(tiny) >= 4 and all(max((s.context, *s.inject)) <= 64 for s in tiny)
+
+
+def test_default_grid_times_a_lone_prefill_in_every_token_bucket() -> None:
+    # A prompt arriving at an idle engine (most prompts of docs/LAB.md's held-out replays) is
+    # timed in every power-of-two bucket from 16 to the budget, spread through the grid.
+    buckets = token_buckets(2048)
+    grid = default_grid(max_num_seqs=128, budget=2048, max_model_len=8192)
+    lone = [i for i, s in enumerate(grid) if s.decodes == 1]
+    assert {pick_bucket(buckets, grid[i].context) for i in lone} >= {
+        b for b in buckets if b >= 16}
+    assert max(lone) > len(grid) * 3 // 4 and len(grid) == len(set(grid))
+    tiny = default_grid(max_num_seqs=4, budget=32, max_model_len=128)
+    assert {pick_bucket(token_buckets(32), min(s.context, 32)) for s in tiny
+            if s.decodes == 1} >= {16, 32}
 
 
 def test_save_and_load_round_trip(tmp_path: Path) -> None:
