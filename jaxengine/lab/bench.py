@@ -12,6 +12,7 @@ ignored). The result has the simulator's format (`jaxengine.lab.results`), with 
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from typing import Any
 
@@ -60,6 +61,7 @@ def replay(workload: Workload, engine: Any) -> RunResult:
         the message names it.
     """
     pending = workload.by_arrival
+    load_start = os.getloadavg()[0]
     t0 = time.time()
     timeline = EngineTimeline(engine, clock=time.time)  # its records count from ~t0
     outputs: dict[str, Any] = {}
@@ -81,6 +83,8 @@ def replay(workload: Workload, engine: Any) -> RunResult:
     duration = max(o.metrics.finished_time for o in outputs.values()) - t0
     steps = tuple(dataclasses.asdict(s) for s in timeline.records)
     info = {"kind": "real", "engine_args": dataclasses.asdict(engine.args),
+            # 1-minute load averages at the start and the end (see calibrate's)
+            "load_average": [load_start, os.getloadavg()[0]],
             "num_blocks": engine.scheduler_config.num_blocks, "steps": len(steps)}
     return RunResult(duration=duration, requests=requests, steps=steps, info=info)
 

@@ -49,6 +49,7 @@ def test_calibration_saves_what_it_was_calibrated_for(cost: CostModel) -> None:
     assert simulation_args(cost) == dataclasses.replace(ARGS, precompile=None)
     # Two passes over the grid: every scene was timed in each (samples keep the scene index).
     assert cost.info["repeats"] == 2
+    assert len(cost.info["load_average"]) == 2 and min(cost.info["load_average"]) >= 0
     per_scene = [sum(1 for s in cost.info["samples"] if s[0] == i) for i in range(len(SCENES))]
     assert all(n >= 2 * SCENES[i].decode_steps for i, n in enumerate(per_scene))
     with pytest.raises(ValueError, match="repeats must be >= 1"):
@@ -64,6 +65,7 @@ def test_simulated_duration_is_near_the_real_replay(cost: CostModel) -> None:
     assert [r.id for r in real.requests] == [r.id for r in sim.requests]
     assert [r.num_output_tokens for r in real.requests] == [r.max_tokens for r in w.requests]
     assert real.info["kind"] == "real" and len(real.steps) > 10
+    assert len(real.info["load_average"]) == 2
     # Generous: the 2-core machine is shared, and the tiny model's steps take about 1 ms of
     # host time, so scheduling noise of other processes is a large share of a step.
     ratio = summary(sim)["duration"] / summary(real)["duration"]
