@@ -5,13 +5,15 @@ with `speculative_config`, on repetitive text and on the mix64 workload, in one 
         [--num-speculative-tokens 3] [--prompt-lookup-min 2] [--prompt-lookup-max 4]
         [--repeats 2] [--json]
 
-Each workload runs on three engines over the same loaded weights: the synchronous loop
-(`async_scheduling=False`, the loop speculation runs in), the default asynchronous loop, and
-ngram speculation. Every request is greedy, ignores EOS and arrives at t=0. Each timed run is
-a fresh engine (no prefix-cache hits from the one before) over programs compiled before it
-starts, so the times are steps only (any compilation after warm-up is counted); the kinds run
-interleaved `--repeats` times and the fastest run of each is reported, since the shared machine's
-load moves single runs by more than the effect. `tok/req-step` is output tokens per (request,
+Each workload runs on four engines over the same loaded weights: the synchronous loop
+(`async_scheduling=False`), the default asynchronous loop, and ngram speculation in each
+(`ngram`: synchronous; `ngram-async`: async scheduling, where a request whose drafts are in
+flight sits out the next step, docs/DESIGN.md "Speculative decoding"). Every request is
+greedy, ignores EOS and arrives at t=0. Each timed run is a fresh engine (no prefix-cache
+hits from the one before) over programs compiled before it starts, so the times are steps
+only (any compilation after warm-up is counted); the kinds run interleaved `--repeats` times
+and the fastest run of each is reported, since the shared machine's load moves single runs by
+more than the effect. `tok/req-step` is output tokens per (request,
 step that gave it tokens): 1 without speculation, 1 + the accepted drafts with it. The
 repetitive workload asks the model to continue text that repeats itself (`--num-requests`
 prompts, 64 tokens each); mix64 is `benchmarks/workloads/mix64.json`'s first
@@ -144,10 +146,11 @@ def main() -> None:
         workloads["mix64"] = mix64(args.mix_requests)
     results: dict[str, dict[str, Any]] = {}
     print(f"speculative_config={json.dumps(spec)}")
-    print(f"{'workload':<11} {'engine':<8} {'steps':>6} {'tok/req-step':>12} {'out tok':>8} "
+    print(f"{'workload':<11} {'engine':<11} {'steps':>6} {'tok/req-step':>12} {'out tok':>8} "
           f"{'tok/s':>7} {'accepted/drafted':>17} {'compiles':>8}")
     kinds = {"sync": dict(async_scheduling=False), "async": dict(async_scheduling=True),
-             "ngram": dict(speculative_config=spec)}
+             "ngram": dict(speculative_config=spec, async_scheduling=False),
+             "ngram-async": dict(speculative_config=spec, async_scheduling=True)}
     for name, requests in workloads.items():
         runs: dict[str, list[dict[str, Any]]] = {k: [] for k in kinds}
         for i in range(args.repeats):
@@ -157,16 +160,20 @@ def main() -> None:
                                       **kw))
         res = {k: min(rs, key=lambda r: r["elapsed"]) for k, rs in runs.items()}
         for engine, r in res.items():
-            acc = f"{r['accepted']}/{r['draft_tokens']}" if engine == "ngram" else "-"
-            print(f"{name:<11} {engine:<8} {r['steps']:>6} {r['tokens_per_request_step']:>12.2f} "
+            acc = f"{r['accepted']}/{r['draft_tokens']}" if "ngram" in engine else "-"
+            print(f"{name:<11} {engine:<11} {r['steps']:>6} {r['tokens_per_request_step']:>12.2f} "
                   f"{r['output_tokens']:>8} {r['tokens_per_s']:>7.1f} {acc:>17} "
                   f"{sum(x['compilations_after_warmup'] for x in runs[engine]):>8}")
         same = all(r["outputs"] == res["sync"]["outputs"] for rs in runs.values() for r in rs)
-        ng, sy = res["ngram"], res["sync"]
+        ng, sy, na, asy = res["ngram"], res["sync"], res["ngram-async"], res["async"]
         print(f"{name}: ngram / sync: steps x{ng['steps'] / sy['steps']:.2f}, tokens/s "
               f"x{ng['tokens_per_s'] / sy['tokens_per_s']:.2f}; ngram / async tokens/s "
-              f"x{ng['tokens_per_s'] / res['async']['tokens_per_s']:.2f}; acceptance "
-              f"{ng['accepted'] / max(ng['draft_tokens'], 1):.1%}; greedy outputs "
+              f"x{ng['tokens_per_s'] / asy['tokens_per_s']:.2f}; ngram-async / async: steps "
+              f"x{na['steps'] / asy['steps']:.2f}, tokens/s "
+              f"x{na['tokens_per_s'] / asy['tokens_per_s']:.2f}; ngram-async / ngram tokens/s "
+              f"x{na['tokens_per_s'] / ng['tokens_per_s']:.2f}; acceptance "
+              f"{ng['accepted'] / max(ng['draft_tokens'], 1):.1%} (sync), "
+              f"{na['accepted'] / max(na['draft_tokens'], 1):.1%} (async); greedy outputs "
               f"{'identical' if same else 'DIFFER'}")
         results[name] = {e: {k: v for k, v in r.items() if k != "outputs"}
                          for e, r in res.items()} | {"identical": same}

@@ -314,17 +314,22 @@ class LLMEngine:
         (`in_flight`: the plan just dispatched, which the next drafts must follow)."""
         rows = self.runner.collect_rows(prev)
         rows = {r: t for r, t in rows.items() if r not in dropped}
-        sampled, spec_stats = self._verify(prev.plan, rows)
+        sampled, spec_stats = self._verify(prev.plan, rows, dropped)
         return self._update(state, before, prev.plan, sampled, dropped=dropped,
                             spec_decoding=spec_stats, in_flight=in_flight)
 
-    def _verify(self, plan: SchedulerOutput, rows: dict[str, list[SampledToken]]
+    def _verify(self, plan: SchedulerOutput, rows: dict[str, list[SampledToken]],
+                dropped: set[str] | None = None
                 ) -> tuple[dict[str, list[SampledToken]], SpecDecodingStats | None]:
         """Each request's tokens of a collected step: with speculation, its accepted drafts'
-        (`Speculator.verify`), and the step's draft statistics."""
+        (`Speculator.verify`, shown none of `dropped`: their ids may be new requests'), and
+        the step's draft statistics."""
         if self.speculator is None:
             return rows, None
-        return self.speculator.verify(plan, rows, self._tracked)
+        tracked = self._tracked
+        if dropped:
+            tracked = {r: t for r, t in tracked.items() if r not in dropped}
+        return self.speculator.verify(plan, rows, tracked)
 
     def _take_prompt_logprobs(self, step: InFlight | None, dropped: set[str] | None = None
                               ) -> None:

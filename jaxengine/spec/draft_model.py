@@ -190,7 +190,7 @@ def _known_inputs(plan: SchedulerOutput, rid: str, t: TrackedRequest | None
                   ) -> tuple[int, ...]:
     """The request's input tokens in `plan` with each placeholder (async scheduling: the token
     of the step before) read from its history, where it is by the time `plan` is collected
-    (0 for a request that left meanwhile: its KV is never read)."""
+    (0 for a request that left meanwhile, `t` None: its KV is never read)."""
     ids = plan.input_token_ids[rid]
     if PLACEHOLDER_TOKEN_ID not in ids:
         return ids

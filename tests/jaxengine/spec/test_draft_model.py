@@ -69,10 +69,12 @@ def test_the_target_as_its_own_draft_is_always_right_and_compiles_only_in_warm_u
 
 
 @pytest.mark.slow  # 22 s: two engines recomputing preempted requests
-def test_replay_survives_preemption() -> None:
+@LOOPS
+def test_replay_survives_preemption(async_scheduling: bool) -> None:
     tight = dict(num_gpu_blocks_override=24, max_model_len=64)  # 4 requests need 44 blocks
     plain, _ = run(GREEDY, **tight)
-    spec, counts = run(GREEDY, **tight, speculative_config=draft_config(TARGET, k=2))
+    spec, counts = run(GREEDY, **tight, speculative_config=draft_config(TARGET, k=2),
+                       async_scheduling=async_scheduling)
     assert counts.preempted > 0  # type: ignore[attr-defined]
     assert spec == plain
     assert counts.accepted == counts.draft_tokens > 0
