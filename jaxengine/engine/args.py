@@ -57,8 +57,9 @@ class EngineArgs:
         None, "compile every token/request bucket at startup; None: LLM() does, with a progress "
               "bar, a bare LLMEngine does not (serve always warms up before /health is 200)")
     async_scheduling: bool = _arg(True, "schedule step N+1 on the host while the device runs "
-                                        "step N (same outputs as the synchronous loop); off "
-                                        "under speculative_config")
+                                        "step N (same outputs as the synchronous loop; with "
+                                        "speculative_config a request verifying drafts sits "
+                                        "out the next step)")
     speculative_config: dict[str, Any] | None = _arg(
         None, "speculative decoding, vLLM's dict (JSON on the command line), e.g. "
               '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, '
