@@ -83,6 +83,17 @@ def test_block_sizes_do_not_change_the_result(block_q, pages_per_chunk, decode_p
     np.testing.assert_allclose(out[: case.num_tokens], want, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("decode_pages_per_step", [3, 8, 12, 40])
+def test_decode_steps_straddle_requests(decode_pages_per_step):
+    # Page size 4, 38 live pages: steps of 3, 8 or 12 pages end inside requests and take the
+    # start of the next; 40 holds them all. max_blocks 17 is no multiple of a step, and the
+    # slots past each context are NaN.
+    case = make_case([(1, 37), (1, 5), (1, 64), (1, 1), (1, 33)], num_heads=6, num_kv_heads=2,
+                     head_dim=8, page_size=4, max_blocks=17, seed=5)  # fmt: skip
+    out, _ = run(case, jnp.float32, decode_pages_per_step=decode_pages_per_step)
+    want, _ = numpy_oracle(case)
+    np.testing.assert_allclose(out[: case.num_tokens], want, atol=2e-5, rtol=2e-5)
+
 def test_default_block_sizes_long_context():
     case = make_case(
         [(1, 700), (64, 300), (1, 1)],
