@@ -7,7 +7,7 @@ heads, head_dim 128), page size 16, bfloat16, two batches:
 
     python benchmarks/attention.py [--mode auto|check|time|cpu] [--impls reference,gpu]
                                    [--peak-gbps 4300] [--iters 20] [--small]
-                                   [--blocks pages_per_iter=8,num_splits=4]
+                                   [--blocks pages_per_iter=8,num_splits=4] [--baseline REV]
 
 ``check`` (the default on CPU) runs the Pallas kernels in interpret mode against the jnp
 reference at a reduced size and prints their errors. ``time`` (the default on GPU / TPU) times
@@ -16,7 +16,9 @@ of KV read + new K/V written + Q + O, divided by the median time — as a fracti
 ``--peak-gbps`` (H200: ~4.3 TB/s measured copy bandwidth), and the speedup over the reference.
 Prints a table and a one-line summary. ``--small`` shrinks the batches (to try ``time`` on CPU).
 ``cpu`` times the jnp reference alone on CPU at SmolLM2's heads in float32 (prefills, a chunk
-after a cached prefix, decodes): best-of CPU ms per layer, and its FLOPs against the sgemm rate.
+after a cached prefix, decodes): best-of CPU ms per layer, and its FLOPs against the sgemm rate;
+with ``--baseline REV`` also the reference as of git revision REV, interleaved with it in the
+same process, and the ratio.
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ from __future__ import annotations
 import argparse
 import functools
 import statistics
+import subprocess
 import sys
 import time
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +38,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 from pallas_kernels import default_impl, ragged_paged_attention  # noqa: E402
 
@@ -206,12 +211,16 @@ def run_check(shapes: list[Shape], impls: list[str], args: argparse.Namespace) -
 
 # --mode cpu: the reference alone on CPU at SmolLM2's heads (9 q, 3 kv, head_dim 64), float32,
 # 16-token pages; (name, [(scheduled tokens, context after the step)] per request).
+_RNG = np.random.default_rng(1)  # the mixed decode contexts
 CPU_CASES = [
     ("prefill 512", [(512, 512)]),
     ("prefills 1280+256", [(1280, 1280), (256, 256)]),
     ("chunk 768 after 512", [(768, 1280)]),
     ("32 decodes@1000 + 256", [(256, 256)] + [(1, 1000)] * 32),
     ("64 decodes@300", [(1, 300)] * 64),
+    ("8 decodes@300", [(1, 300)] * 8),
+    ("64 decodes@U[40,1500]", [(1, int(c)) for c in _RNG.integers(40, 1500, 64)]),
+    ("1 decode@1500 + 15@40", [(1, 1500)] + [(1, 40)] * 15),
 ]
 
 
@@ -242,26 +251,48 @@ def cpu_batch(reqs: list[tuple[int, int]], seed: int = 0) -> tuple[dict, float]:
     return batch, flops
 
 
+def reference_at(rev: str) -> Callable:
+    """``ragged_paged_attention_reference`` as of git revision ``rev`` (for ``--baseline``)."""
+    src = subprocess.run(["git", "show", f"{rev}:pallas_kernels/reference.py"], cwd=ROOT,
+                         capture_output=True, text=True, check=True).stdout  # fmt: skip
+    module = types.ModuleType(f"reference_at_{rev}")
+    exec(compile(src, f"{rev}:pallas_kernels/reference.py", "exec"), module.__dict__)
+    return module.ragged_paged_attention_reference
+
+
 def run_cpu(shapes: list[Shape], impls: list[str], args: argparse.Namespace) -> list[str]:
     """The reference on CPU at ``CPU_CASES`` (``shapes`` and ``impls`` do not apply): best-of
-    CPU ms per layer, GFLOP/s and share of the sgemm rate."""
+    CPU ms per layer, GFLOP/s and share of the sgemm rate; with ``--baseline`` the old
+    reference's best-of CPU ms too, the two timed in turn, and old / new."""
     a = jnp.asarray(np.random.default_rng(0).standard_normal((2048, 2048), dtype=np.float32))
     mm = jax.jit(lambda x: x @ x)
     mm(a).block_until_ready()
     rate = 2 * 2048**3 / min(_cpu_seconds(lambda: mm(a).block_until_ready()) for _ in range(5))
     print(f"sgemm (2048^2 f32, jax, per CPU second): {rate / 1e9:.0f} GFLOP/s")
-    print(f"{'batch':24} {'CPU ms':>8} {'GFLOP':>7} {'GFLOP/s':>8} {'of sgemm':>8}")
+    base = f" {'baseline':>8} {'old/new':>7}" if args.baseline else ""
+    print(f"{'batch':24} {'CPU ms':>8} {'GFLOP':>7} {'GFLOP/s':>8} {'of sgemm':>8}{base}")
     summary = []
-    fn = jax.jit(functools.partial(ragged_paged_attention, sm_scale=64**-0.5,
-                                   **(args.blocks or {})))
+    fns = [jax.jit(functools.partial(ragged_paged_attention, sm_scale=64**-0.5,
+                                     **(args.blocks or {})))]  # fmt: skip
+    if args.baseline:
+        fns.append(jax.jit(functools.partial(reference_at(args.baseline), sm_scale=64**-0.5)))
     for name, reqs in CPU_CASES:
         batch, flops = cpu_batch(reqs, args.seed)
-        fn(**batch)[0].block_until_ready()
-        t = min(_cpu_seconds(lambda b=batch: fn(**b)[0].block_until_ready())
-                for _ in range(args.iters))
-        print(f"{name:24} {1e3 * t:8.1f} {flops / 1e9:7.3f} {flops / t / 1e9:8.1f} "
-              f"{100 * flops / t / rate:7.1f}%")
-        summary.append(f"{name} {1e3 * t:.1f} ms")
+        for fn in fns:
+            fn(**batch)[0].block_until_ready()
+        best = [float("inf")] * len(fns)
+        for _ in range(args.iters):  # in turn, so that both see the same neighbours
+            for i, fn in enumerate(fns):
+                t = _cpu_seconds(lambda b=batch, f=fn: f(**b)[0].block_until_ready())
+                best[i] = min(best[i], t)
+        t = best[0]
+        line = (f"{name:24} {1e3 * t:8.1f} {flops / 1e9:7.3f} {flops / t / 1e9:8.1f} "
+                f"{100 * flops / t / rate:7.1f}%")  # fmt: skip
+        if args.baseline:
+            line += f" {1e3 * best[1]:8.1f} {best[1] / t:6.2f}x"
+        print(line)
+        ratio = f" ({best[1] / t:.2f}x)" if args.baseline else ""
+        summary.append(f"{name} {1e3 * t:.1f} ms{ratio}")
     return summary
 
 
@@ -293,6 +324,8 @@ def main() -> None:
         "--blocks", type=_parse_blocks, default=None,
         help="kernel block sizes, e.g. pages_per_iter=8,num_splits=4 (gpu) or block_q=32 (tpu)",
     )  # fmt: skip
+    p.add_argument("--baseline", default=None, metavar="REV",
+                   help="cpu mode: also time pallas_kernels/reference.py as of git REV")
     args = p.parse_args()
     backend = jax.default_backend()
     mode = args.mode if args.mode != "auto" else ("check" if backend == "cpu" else "time")
