@@ -97,3 +97,44 @@ def test_bad_draft_models_are_named() -> None:
         make_engine(speculative_config=draft_config(TARGET))
     with pytest.raises(ValueError, match="no_such_model"):
         make_engine(speculative_config=draft_config(TINY / "no_such_model"))
+
+
+@pytest.mark.slow  # 21 s: two engines, the draft's replay and proposal
+def test_an_id_reused_while_its_old_step_is_in_flight() -> None:
+    """Async scheduling: "r0" is aborted while the step in flight decodes it from a
+    placeholder, and a new, shorter "r0" arrives before that step is collected. The draft's
+    replay of that step must not read the placeholder from the new request's history."""
+    short = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    engine = build_engine(EngineArgs(
+        model=str(TARGET), max_model_len=128, max_num_batched_tokens=64, max_num_seqs=4,
+        block_size=4, num_gpu_blocks_override=200, attention_backend="reference",
+        speculative_config=draft_config(TARGET)))
+    counts = Counts()
+    engine.stat_loggers.append(counts)
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(f"r{i}", p, GREEDY)
+    for _ in range(40):
+        engine.step()
+        plan = engine._in_flight_plan
+        if plan is not None and -1 in plan.input_token_ids.get("r0", ()):
+            break
+    else:
+        raise AssertionError("r0 was never decoded from a placeholder")
+    engine.abort_request("r0")
+    engine.add_request("r0", "x", short)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = tuple(out.outputs[0].token_ids)
+    check_invariants(engine.state)
+    assert engine.state.num_free_blocks == engine.scheduler_config.num_blocks - 1
+    plain = build_engine(EngineArgs(
+        model=str(TARGET), max_model_len=128, max_num_batched_tokens=64, max_num_seqs=4,
+        block_size=4, num_gpu_blocks_override=200, attention_backend="reference"))
+    plain.add_request("r0", "x", short)
+    while plain.has_unfinished_requests():
+        for out in plain.step():
+            if out.finished:
+                assert done["r0"] == tuple(out.outputs[0].token_ids)
+    assert counts.accepted == counts.draft_tokens > 0
