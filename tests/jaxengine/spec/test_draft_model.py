@@ -14,7 +14,7 @@ from jaxengine.engine.args import EngineArgs
 from jaxengine.engine.build import build_engine
 from jaxengine.runner.compiles import compile_count
 from jaxengine.spec.draft_model import PROPOSE_NAME, REPLAY_NAME
-from scheduler import SamplingParams, check_invariants
+from scheduler import PLACEHOLDER_TOKEN_ID, SamplingParams, check_invariants
 from tests.jaxengine.engine.test_llm_engine import make_engine
 from tests.jaxengine.spec.test_spec_engine import LOOPS, Counts
 
@@ -116,7 +116,7 @@ def test_an_id_reused_while_its_old_step_is_in_flight() -> None:
     for _ in range(40):
         engine.step()
         plan = engine._in_flight_plan
-        if plan is not None and -1 in plan.input_token_ids.get("r0", ()):
+        if plan is not None and PLACEHOLDER_TOKEN_ID in plan.input_token_ids.get("r0", ()):
             break
     else:
         raise AssertionError("r0 was never decoded from a placeholder")
