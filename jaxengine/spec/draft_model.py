@@ -35,7 +35,7 @@ from jaxengine.model.batch import ModelBatch, RequestChunk, pack_batch
 from jaxengine.model.fns import ModelFns
 from jaxengine.runner.buckets import pick_bucket
 from jaxengine.spec.config import SpeculativeConfig
-from jaxengine.spec.speculator import Speculator, _Token, tokens_in_flight
+from jaxengine.spec.speculator import Speculator, _Token
 from scheduler import PLACEHOLDER_TOKEN_ID, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -153,16 +153,10 @@ class DraftModelSpeculator(Speculator):
         """Drafts of every request that may get them, from one batched device call."""
         c = self.runner.config
         rows, room = [], []
-        for rid, tokens in sampled.items():
-            lag = tokens_in_flight(in_flight, rid)
-            if lag is None:
-                continue
-            t = tracked[rid]
-            n = self.draft_room(t, len(tokens), stopped=rid in stopped, in_flight=lag)
-            if n > 0:
-                position = len(t.prompt_token_ids) + len(t.token_ids) + len(tokens) - 1
-                rows.append((rid, tokens[-1].token_id, position))
-                room.append((lag, n))
+        for rid, t, tokens, lag, n in self.to_draft(tracked, sampled, stopped, in_flight):
+            position = len(t.prompt_token_ids) + len(t.token_ids) + len(tokens) - 1
+            rows.append((rid, tokens[-1].token_id, position))
+            room.append((lag, n))
         if not rows:
             return {}
         R = c.max_num_seqs

@@ -16,7 +16,7 @@ verifies gets none (the scheduler keeps it out of N+2).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from jaxengine.spec.config import SpeculativeConfig
@@ -78,19 +78,28 @@ class Speculator:
             (see `tokens_in_flight`); None in the synchronous loop.
         """
         drafts = {}
+        for rid, t, tokens, lag, room in self.to_draft(tracked, sampled, stopped, in_flight):
+            history = [*t.prompt_token_ids, *t.token_ids, *(x.token_id for x in tokens)]
+            proposal = self.propose_tokens(history, room + lag)[lag:]
+            if proposal:
+                drafts[rid] = proposal
+        return drafts
+
+    def to_draft[T: _Token](self, tracked: Mapping[str, TrackedRequest],
+                            sampled: Mapping[str, Sequence[T]], stopped: Mapping[str, str],
+                            in_flight: SchedulerOutput | None
+                            ) -> Iterator[tuple[str, TrackedRequest, Sequence[T], int, int]]:
+        """The requests of `sampled` that get a proposal now (`propose`'s arguments): each
+        one's id, state, new tokens, tokens in flight before its drafts (`tokens_in_flight`:
+        0 or 1) and how many drafts it may get (`draft_room`, > 0)."""
         for rid, tokens in sampled.items():
             lag = tokens_in_flight(in_flight, rid)
             if lag is None:
                 continue
             t = tracked[rid]
             room = self.draft_room(t, len(tokens), stopped=rid in stopped, in_flight=lag)
-            if room <= 0:
-                continue
-            history = [*t.prompt_token_ids, *t.token_ids, *(x.token_id for x in tokens)]
-            proposal = self.propose_tokens(history, room + lag)[lag:]
-            if proposal:
-                drafts[rid] = proposal
-        return drafts
+            if room > 0:
+                yield rid, t, tokens, lag, room
 
     def draft_room(self, t: TrackedRequest, num_new: int, *, stopped: bool,
                    in_flight: int = 0) -> int:
