@@ -279,7 +279,7 @@ class LLMEngine:
             sampled = {} if step is None else self.runner.collect_rows(step)
             self._take_prompt_logprobs(step)
             sampled, spec_stats = self._verify(plan, sampled)
-            return failed + self._update(state, before, plan, sampled, dropped=set(),
+            return failed + self._update(state, before, plan, sampled,
                                          spec_decoding=spec_stats)
         prev = self._in_flight
         dropped, self._dropped = self._dropped, set()
@@ -299,7 +299,7 @@ class LLMEngine:
         self._in_flight = self.runner.dispatch(plan, self._sampling_rows(plan), prev)
         self.state = state
         if prev is None and self._in_flight is None:  # an empty plan, nothing in flight: done
-            return failed + self._update(state, before, plan, {}, dropped=dropped)
+            return failed + self._update(state, before, plan, {})
         if prev is None:  # nothing to collect yet; the step's statistics are its scheduling
             self._record(IterationStats.between(before.counters, state.counters,
                                                 timestamp=time.time()))
@@ -315,7 +315,7 @@ class LLMEngine:
         rows = self.runner.collect_rows(prev)
         rows = {r: t for r, t in rows.items() if r not in dropped}
         sampled, spec_stats = self._verify(prev.plan, rows, dropped)
-        return self._update(state, before, prev.plan, sampled, dropped=dropped,
+        return self._update(state, before, prev.plan, sampled,
                             spec_decoding=spec_stats, in_flight=in_flight)
 
     def _verify(self, plan: SchedulerOutput, rows: dict[str, list[SampledToken]],
@@ -351,15 +351,13 @@ class LLMEngine:
         return self.abort_request(failed) if failed else []
 
     def _update(self, state: SchedulerState, before: SchedulerState, plan: SchedulerOutput,
-                sampled: dict[str, list[SampledToken]], *, dropped: set[str],
+                sampled: dict[str, list[SampledToken]], *,
                 spec_decoding: SpecDecodingStats | None = None,
                 in_flight: SchedulerOutput | None = None) -> list[RequestOutput]:
-        """Take one step's tokens (of `plan`; per request one, or its accepted drafts' too)
-        into `state`, with the next step's drafts (after `in_flight`, the plan dispatched
-        since, under async scheduling); its outputs. Stale tokens (of requests that left
-        while the step was in flight) are dropped first."""
-        if dropped:
-            sampled = {r: t for r, t in sampled.items() if r not in dropped}
+        """Take one step's tokens (of `plan`; per request one, or its accepted drafts' too;
+        none of requests that left while it was in flight) into `state`, with the next step's
+        drafts (after `in_flight`, the plan dispatched since, under async scheduling); its
+        outputs."""
         accept_sampled(self._tracked, sampled)
         stopped = self._detokenize(sampled)  # before update: a stop string ends the request there
         drafts = (None if self.speculator is None
