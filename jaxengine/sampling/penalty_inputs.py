@@ -97,17 +97,16 @@ class PenaltyInputs:
                                  prev_tokens, spec(np.int32(0))).compile()
 
     def adjustments(self, sampling_ids: Sequence[str], rows: Mapping[str, SamplingRow],
-                    size: int, prev_rows: Mapping[str, int], prev_tokens: jax.Array
+                    size: int, in_prev: Mapping[str, int], prev_tokens: jax.Array
                     ) -> LogitsAdjustments:
         """The batch's penalty inputs (numpy, R = `size`): a slot for each request that uses one
         (written on its first draw, or again after losing it), its armed bad-word bans, and its
-        entry in `prev_tokens` (i32[R'], the tokens of the step in flight; `prev_rows`: the row
+        entry in `prev_tokens` (i32[R'], the tokens of the step in flight; `in_prev`: the row
         of each request it samples) when the host lacks its newest output.
 
         Raises:
           ValueError: a row lacks outputs on the host that the step in flight does not sample.
         """
-        in_prev = prev_rows
         slots: list[int] = []
         bans: list[tuple[BadWordBan, ...]] = []
         prev_rows: list[int] = []
