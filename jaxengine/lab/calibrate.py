@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import jax
 import numpy as np
 
 from jaxengine.engine.args import EngineArgs
@@ -145,8 +146,6 @@ def time_scene(engine, scene: Scene, index: int, *, rng: np.random.Generator,
     # A step dispatched for the aborted requests may still be running on the device; it would
     # be charged to the next scene's first (idle) call: 0.1 s in a SmolLM2 calibration, where
     # a replay's idle calls take 4-13 ms.
-    import jax
-
     jax.block_until_ready(jax.live_arrays())
     return samples
 
@@ -172,8 +171,6 @@ def calibrate(args: EngineArgs, *, scenes: Sequence[Scene] | None = None,
     Raises:
       ValueError: what `build_engine` raises for bad arguments, or too few timed calls.
     """
-    import jax
-
     from jaxengine.engine.build import kv_budget_bytes
     from jaxengine.lab.bench import build_warm_engine
 
@@ -222,8 +219,6 @@ def calibrate(args: EngineArgs, *, scenes: Sequence[Scene] | None = None,
 def _model_limit(args: EngineArgs) -> int:
     """The model's own max_model_len (the engine only knows the resolved one), read from its
     config alone."""
-    import os
-
     from jaxengine.loading.gguf_file import gguf_metadata, open_gguf, read_gguf_config
     from jaxengine.loading.hf import read_hf_config
     from jaxengine.loading.load import default_model_path
