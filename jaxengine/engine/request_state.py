@@ -118,7 +118,7 @@ class TrackedRequest:
         entry = {tid: Logprob(lp, rank, text(tid)) for rank, (tid, lp) in
                  enumerate(sampled.top_logprobs, start=1)}
         if sampled.token_id not in entry:
-            entry = {sampled.token_id: Logprob(sampled.logprob or 0.0, None,
+            entry = {sampled.token_id: Logprob(sampled.logprob or 0.0, sampled.rank,
                                                text(sampled.token_id)), **entry}
         if self.logprobs is None:
             self.logprobs, self.cumulative_logprob = [], 0.0

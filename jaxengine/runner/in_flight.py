@@ -26,6 +26,7 @@ class SampledToken:
     token_id: int
     logprob: float | None  # of the sampled token; None when the request asked no logprobs
     top_logprobs: tuple[tuple[int, float], ...] = ()  # (token id, logprob), best first
+    rank: int | None = None  # of the sampled token (1 = the most likely); None as logprob
 
 
 @dataclass(frozen=True, slots=True)

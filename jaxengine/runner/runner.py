@@ -271,8 +271,9 @@ class Runner:
                 n = step.rows[r].params.logprobs
                 top = tuple(zip(res.top_token_ids[i, :n].tolist(),
                                 res.top_logprobs[i, :n].tolist(), strict=True)) if n else ()
-                lp = None if n is None else float(res.logprobs[i])
-                out.setdefault(r, []).append(SampledToken(int(res.token_ids[i]), lp, top))
+                lp, rank = (None, None) if n is None else (float(res.logprobs[i]),
+                                                           int(res.ranks[i]))
+                out.setdefault(r, []).append(SampledToken(int(res.token_ids[i]), lp, top, rank))
         s = self.stats
         s.steps += 1
         s.computed_tokens += step.total

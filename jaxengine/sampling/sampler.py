@@ -49,6 +49,7 @@ class SamplerOutput:
     logprobs: jax.Array  # f32[R]  raw logprob of the sampled token (0 if nobody asked)
     top_logprobs: jax.Array  # f32[R, n]  best n raw logprobs, descending (zeros if none asked)
     top_token_ids: jax.Array  # i32[R, n]
+    ranks: jax.Array  # i32[R]  sampled token's rank: 1 + tokens more likely (0 if none asked)
 
 
 def row_keys(seeds: jax.Array, positions: jax.Array) -> jax.Array:
@@ -118,21 +119,24 @@ def _ban(logits: jax.Array, banned: jax.Array) -> jax.Array:
 
 def _logprobs(
     logits: jax.Array, tokens: jax.Array, md: SamplingMetadata, n: int
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Raw logprob of each sampled token and the top n, computed only if some row asks."""
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Raw logprob and rank of each sampled token and the top n, computed only if some row
+    asks: (f32[R], i32[R], f32[R, n], i32[R, n])."""
     R = logits.shape[0]
 
-    def compute() -> tuple[jax.Array, jax.Array, jax.Array]:
+    def compute() -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
         raw = jax.nn.log_softmax(logits, axis=-1)
         token_lp = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
+        rank = 1 + jnp.sum(raw > token_lp[:, None], axis=-1, dtype=jnp.int32)
         if n == 0:
-            return token_lp, jnp.zeros((R, 0), jnp.float32), jnp.zeros((R, 0), jnp.int32)
+            return token_lp, rank, jnp.zeros((R, 0), jnp.float32), jnp.zeros((R, 0), jnp.int32)
         top_lp, top_ids = lax.top_k(raw, n)
-        return token_lp, top_lp, top_ids.astype(jnp.int32)
+        return token_lp, rank, top_lp, top_ids.astype(jnp.int32)
 
-    def skip() -> tuple[jax.Array, jax.Array, jax.Array]:
+    def skip() -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
         zeros = jnp.zeros((R, n), jnp.float32)
-        return jnp.zeros(R, jnp.float32), zeros, jnp.zeros((R, n), jnp.int32)
+        return (jnp.zeros(R, jnp.float32), jnp.zeros(R, jnp.int32), zeros,
+                jnp.zeros((R, n), jnp.int32))
 
     return lax.cond(jnp.any(md.num_logprobs >= 0), compute, skip)
 
@@ -150,7 +154,8 @@ def sample_impl(logits: jax.Array, md: SamplingMetadata, *, max_logprobs: int,
         (the runner's penalties, biases and bad words, `logits_processors.py`); the logprobs
         do not see it, as vLLM's raw logprobs do not.
     Returns:
-      SamplerOutput with token ids i32[R], raw logprobs f32[R] and top-n f32/i32[R, n].
+      SamplerOutput with token ids i32[R], raw logprobs f32[R], top-n f32/i32[R, n] and the
+      sampled tokens' ranks i32[R].
     """
     raw = _ban(logits.astype(jnp.float32), md.banned_token_ids)
     logits = raw if adjust is None else adjust(raw)
@@ -159,5 +164,5 @@ def sample_impl(logits: jax.Array, md: SamplingMetadata, *, max_logprobs: int,
         jnp.all(md.temperature <= 0), lambda: greedy, lambda: _sample_random(logits, md)
     )
     tokens = jnp.where(md.temperature <= 0, greedy, drawn)
-    token_lp, top_lp, top_ids = _logprobs(raw, tokens, md, max_logprobs)
-    return SamplerOutput(tokens, token_lp, top_lp, top_ids)
+    token_lp, rank, top_lp, top_ids = _logprobs(raw, tokens, md, max_logprobs)
+    return SamplerOutput(tokens, token_lp, top_lp, top_ids, rank)

@@ -175,6 +175,17 @@ def test_logprobs_of_the_fake_model() -> None:
     assert _one(SamplingParams(max_tokens=2, temperature=0.0)).outputs[0].logprobs is None
 
 
+def test_a_sampled_token_outside_the_top_list_has_its_rank() -> None:
+    # logit_bias forces token 5, which the fake model ranks second (its next token has LOGIT,
+    # every other 0): with logprobs=0 the entry holds only the sampled token, rank and all,
+    # as vLLM's does.
+    c = _one(SamplingParams(max_tokens=3, temperature=0.0, logprobs=0,
+                            logit_bias={5: 100.0})).outputs[0]
+    assert list(c.token_ids) == [5, 5, 5]
+    assert [list(e) for e in c.logprobs] == [[5]] * 3
+    assert [e[5].rank for e in c.logprobs] == [2, 2, 2]
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_abort_frees_blocks_and_others_finish(async_scheduling: bool) -> None:
     engine = make_engine(async_scheduling=async_scheduling)

@@ -116,6 +116,10 @@ def test_sampler_draws_from_processed_logits_and_reports_raw_logprobs() -> None:
     raw = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     np.testing.assert_allclose(out.logprobs, raw[:, 17], atol=1e-5)
     np.testing.assert_array_equal(out.top_token_ids[:, 0], logits.argmax(-1))
+    # The rank is among the raw logprobs too: 1 + the tokens the model found more likely.
+    ranks = 1 + (raw > raw[:, 17:18]).sum(-1)
+    assert ranks.min() > 1
+    np.testing.assert_array_equal(out.ranks, ranks)
 
 
 def test_slot_rows_build_bias_masks_and_counts() -> None:
