@@ -42,14 +42,6 @@ def load_workload(path: Path, limit: int | None) -> list[dict[str, Any]]:
     return requests[:limit] if limit else requests
 
 
-def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile (nearest rank) of `values`; NaN if empty."""
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
-
-
 # ---- the roofline -------------------------------------------------------------------------
 
 
@@ -261,6 +253,8 @@ def print_table(rows: list[tuple[str, str]]) -> None:
 def run_rows(n: int, r: dict[str, Any], flops: dict[str, float], rate: float,
              hf: dict[str, Any] | None) -> tuple[list[tuple[str, str]], str]:
     """Table rows of one limit, and its part of the summary line."""
+    from jaxengine.lab.results import percentile  # the lab's (hf_baseline imports this file)
+
     tps = tokens_per_s(r)
     roof = flops["total"] / (r["elapsed"] * rate)
     rows = [

@@ -96,7 +96,7 @@ def load_result(path: str | Path) -> RunResult:
 
 
 def percentile(values: Sequence[float], q: float) -> float:
-    """The q-th percentile (nearest rank, as benchmarks/throughput.py); NaN if empty."""
+    """The q-th percentile (nearest rank) of `values`; NaN if empty."""
     if not values:
         return float("nan")
     ordered = sorted(values)
