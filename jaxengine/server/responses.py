@@ -62,6 +62,9 @@ class Formatter:
     # top entries each (vLLM caps a larger prompt_logprobs there at logprobs + 1)
     echo_logprobs: int | None = None
     echo_only: bool = False  # completions' echo with max_tokens 0: the prompt alone
+    # chat: each token's `top_logprobs` are the n best alone (a completion's top dict also
+    # holds the sampled token, up to logprobs + 1 entries, as OpenAI's legacy API and vLLM's)
+    top_logprobs: int = 0
     prompt_logprobs: bool = False  # vLLM's prompt_logprobs field in the response
     created: int = field(default_factory=lambda: int(time.time()))
     sent: dict[int, _Sent] = field(default_factory=dict)
@@ -246,7 +249,7 @@ class Formatter:
             return {"token": s, "logprob": _finite(lp.logprob), "bytes": list(s.encode("utf-8"))}
 
         return {**one(token_id, _sampled(token_id, entry)),
-                "top_logprobs": [one(i, lp) for i, lp in _top(entry)]}
+                "top_logprobs": [one(i, lp) for i, lp in _top(entry)[:self.top_logprobs]]}
 
 
 def _finite(logprob: float) -> float:

@@ -162,6 +162,7 @@ class OpenAIServing:
                         tokens_as_ids=body.return_tokens_as_token_ids, tool_choice=tool_choice,
                         echo_logprobs=body.logprobs if completion and body.echo else None,
                         echo_only=completion and body.echo_only,
+                        top_logprobs=0 if completion else body.top_logprobs or 0,
                         prompt_logprobs=body.prompt_logprobs is not None)
         if body.stream:
             events = _events(group, fmt, with_logprobs=with_logprobs, prompt_tokens=prompt_tokens,

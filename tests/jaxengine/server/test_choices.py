@@ -234,6 +234,10 @@ def test_each_choice_has_its_own_logprobs(client: openai.OpenAI) -> None:
     for choice in out.choices:
         lp = choice.logprobs
         assert len(lp.tokens) == 4 and lp.text_offset[0] == 0  # each choice counts its own
+        # The sampled token is in its own top dict, with the 2 best (3 entries when it is not
+        # one of them), as OpenAI's legacy completions and vLLM give it.
+        assert all(t in top and len(top) <= 3 for t, top in zip(lp.tokens, lp.top_logprobs,
+                                                                 strict=True))
         pairs = zip(lp.text_offset[:-1], lp.tokens[:-1], strict=True)
         assert lp.text_offset[1:] == [offset + len(token) for offset, token in pairs]
     chat = client.chat.completions.create(
@@ -241,6 +245,10 @@ def test_each_choice_has_its_own_logprobs(client: openai.OpenAI) -> None:
         logprobs=True, top_logprobs=1, seed=9, temperature=1.0,
         extra_body={"ignore_eos": True})
     assert [len(c.logprobs.content) for c in chat.choices] == [3, 3]
+    # The one best token each time, not also the sampled one when it ranks lower.
+    content = [t for c in chat.choices for t in c.logprobs.content]
+    assert all(len(t.top_logprobs) == 1 for t in content)
+    assert any(t.logprob < t.top_logprobs[0].logprob for t in content)  # some ranked lower
 
 
 def test_stream_options_sent_include_the_usage_unless_told_not_to(server: RunningServer) -> None:
