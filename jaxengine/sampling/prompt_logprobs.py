@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxengine.sampling.token_logprobs import token_logprobs
+
 ROWS_PER_BLOCK = 256  # positions whose logits are live at once
 
 
@@ -82,18 +84,11 @@ def prompt_logprobs_impl(logits_fn: Callable[[Any, jax.Array], jax.Array], param
 
     def block(args: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, ...]:
         h, t = args  # [rows, D], i32[rows]
-        raw = jax.nn.log_softmax(logits_fn(params, h).astype(jnp.float32), axis=-1)
         valid = t >= 0
-        lp = jnp.take_along_axis(raw, jnp.maximum(t, 0)[:, None], axis=-1)[:, 0]  # f32[rows]
-        rank = 1 + jnp.sum(raw > lp[:, None], axis=-1, dtype=jnp.int32)
-        if num_top:
-            top_lp, top_ids = lax.top_k(raw, num_top)
-        else:
-            top_lp = jnp.zeros((rows, 0), jnp.float32)
-            top_ids = jnp.zeros((rows, 0), jnp.int32)
+        lp, rank, top_lp, top_ids = token_logprobs(logits_fn(params, h), jnp.maximum(t, 0),
+                                                   num_top)  # f32[rows], i32[rows], [rows, k]
         return (jnp.where(valid, lp, 0.0), jnp.where(valid, rank, 0),
-                jnp.where(valid[:, None], top_ids.astype(jnp.int32), 0),
-                jnp.where(valid[:, None], top_lp, 0.0))
+                jnp.where(valid[:, None], top_ids, 0), jnp.where(valid[:, None], top_lp, 0.0))
 
     lp, rank, top_ids, top_lp = lax.map(block, (h, t))
     return PromptLogprobs(lp.reshape(-1)[:T], rank.reshape(-1)[:T],

@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxengine.sampling.token_logprobs import token_logprobs
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -125,13 +127,7 @@ def _logprobs(
     R = logits.shape[0]
 
     def compute() -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-        raw = jax.nn.log_softmax(logits, axis=-1)
-        token_lp = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
-        rank = 1 + jnp.sum(raw > token_lp[:, None], axis=-1, dtype=jnp.int32)
-        if n == 0:
-            return token_lp, rank, jnp.zeros((R, 0), jnp.float32), jnp.zeros((R, 0), jnp.int32)
-        top_lp, top_ids = lax.top_k(raw, n)
-        return token_lp, rank, top_lp, top_ids.astype(jnp.int32)
+        return token_logprobs(logits, tokens, n)
 
     def skip() -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
         zeros = jnp.zeros((R, n), jnp.float32)
