@@ -1,7 +1,8 @@
 """The public entry point: ragged paged attention with a choice of implementation.
 
-``impl`` picks the jnp reference, the Pallas Mosaic TPU kernel or the Pallas (Triton) GPU
-kernel; all share one signature and layout (see ``pallas_kernels.reference``). A kernel that
+``impl`` picks the jnp reference, the native CPU kernel (an XLA FFI custom call), the Pallas
+Mosaic TPU kernel or the Pallas (Triton) GPU kernel; all share one signature and layout (see
+``pallas_kernels.reference``). A kernel that
 cannot handle a shape raises ``UnsupportedShapeError`` (a ``ValueError``) while tracing, and
 the error propagates: a kernel chosen explicitly never turns into the reference silently. A
 caller checks its shapes up front with ``check_supported`` (the engine does at build).
@@ -9,6 +10,7 @@ caller checks its shapes up front with ``check_supported`` (the engine does at b
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Literal
 
@@ -17,32 +19,51 @@ import jax
 # The kernels are imported eagerly although only one is used: importing Pallas defines config
 # options, which changes jax's tracing context; importing it lazily inside the first trace made
 # the caller's jit compile twice (measured).
-from pallas_kernels import gpu, tpu
+from pallas_kernels import cpu, gpu, tpu
 from pallas_kernels.reference import ragged_paged_attention_reference
 
-Impl = Literal["reference", "tpu", "gpu"]
-IMPLS: tuple[str, ...] = ("reference", "tpu", "gpu")
+logger = logging.getLogger("jaxengine.kernels")
+
+Impl = Literal["reference", "cpu", "tpu", "gpu"]
+IMPLS: tuple[str, ...] = ("reference", "cpu", "tpu", "gpu")
 _KERNELS: dict[str, Callable[..., tuple[jax.Array, jax.Array]]] = {
+    "cpu": cpu.ragged_paged_attention_cpu,
     "tpu": tpu.ragged_paged_attention_tpu,
     "gpu": gpu.ragged_paged_attention_gpu,
 }
-_CHECKS: dict[str, Callable[..., None]] = {"tpu": tpu.check_supported, "gpu": gpu.check_supported}
+_CHECKS: dict[str, Callable[..., None]] = {
+    "cpu": cpu.check_supported,
+    "tpu": tpu.check_supported,
+    "gpu": gpu.check_supported,
+}
+_warned_unavailable = False
 
 
 def default_impl(platform: str | None = None) -> Impl:
-    """The implementation for a jax platform: the Pallas kernel on tpu and gpu, else reference.
+    """The implementation for a jax platform: the Pallas kernel on tpu and gpu, the native
+    kernel on cpu (the jnp reference where it cannot be built, with a warning saying why).
 
-    The one place that maps platforms to implementations (the engine asks it too).
+    The one place that maps platforms to implementations (the engine asks it too). On cpu the
+    first call builds the native kernel if no earlier process did (a few seconds, cached).
 
     Args:
       platform: a ``jax.default_backend()`` name (``"cpu"``, ``"gpu"``, ``"tpu"``; jax names
         CUDA and ROCm devices ``"gpu"``); default: ``jax.default_backend()``.
     """
+    global _warned_unavailable
     platform = jax.default_backend() if platform is None else platform
     if platform == "tpu":
         return "tpu"
     if platform == "gpu":
         return "gpu"
+    if platform == "cpu":
+        why = cpu.available()
+        if why is None:
+            return "cpu"
+        if not _warned_unavailable:
+            _warned_unavailable = True
+            logger.warning("the native CPU attention kernel is unavailable (%s); using the "
+                           "jnp reference, which is several times slower", why)
     return "reference"
 
 
@@ -51,7 +72,8 @@ def check_supported(
 ) -> None:
     """Raise ``UnsupportedShapeError`` if ``impl`` cannot run these shapes (default blocks).
 
-    The reference runs every shape; ``num_heads`` is a multiple of ``num_kv_heads``.
+    The reference and the CPU kernel run every shape; ``num_heads`` is a multiple of
+    ``num_kv_heads``.
 
     Raises:
       UnsupportedShapeError: naming the parameter (``.field``) and its value (``.value``).
@@ -92,8 +114,10 @@ def ragged_paged_attention(
       query_start_loc: i32[R+1] prefix sums of scheduled tokens.
       num_seqs: i32[] number of live requests; rows past it are ignored.
       sm_scale: softmax scale.
-      impl: "reference" (jnp), "tpu" (Pallas Mosaic) or "gpu" (Pallas Triton).
-      interpret: run a Pallas kernel in interpret mode (CPU testing); ignored by the reference.
+      impl: "reference" (jnp), "cpu" (native, XLA FFI), "tpu" (Pallas Mosaic) or "gpu"
+        (Pallas Triton).
+      interpret: run a Pallas kernel in interpret mode (CPU testing); ignored by the
+        reference and the CPU kernel.
       **block_sizes: implementation-specific static block sizes (e.g. ``block_q``).
 
     Returns:

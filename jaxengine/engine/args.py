@@ -10,7 +10,7 @@ import scheduler
 from jaxengine.spec.config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16")
-ATTENTION_BACKENDS = ("reference", "tpu", "gpu")
+ATTENTION_BACKENDS = ("reference", "cpu", "tpu", "gpu")
 
 
 def _arg(default: Any, help: str) -> Any:

@@ -14,7 +14,7 @@ from jaxengine.model.fns import ModelFns
 from jaxengine.parallel.mesh import engine_devices, make_mesh
 from jaxengine.parallel.tensor_parallel import tp_layout
 from jaxengine.runner import compilation_cache
-from pallas_kernels import UnsupportedShapeError, check_supported, default_impl
+from pallas_kernels import UnsupportedShapeError, check_supported, cpu, default_impl
 
 # Leave room for activations when sizing the pool from device memory.
 ACTIVATION_RESERVE = 0.1
@@ -23,17 +23,22 @@ ACTIVATION_RESERVE = 0.1
 def attention_backend(args: EngineArgs, cfg: ModelConfig) -> str:
     """`args.attention_backend`, else `pallas_kernels.default_impl()` (the platform's kernel).
 
-    A Pallas kernel must run the model's shapes: there is no silent fallback to the reference
-    at trace time, so an unsupported shape is an error here, at engine build.
+    A kernel must run the model's shapes: there is no silent fallback to the reference at trace
+    time, so an unsupported shape is an error here, at engine build; so is an explicit "cpu"
+    where the native kernel cannot be built.
 
     Raises:
       ValueError: the kernel cannot run the model's heads / head_dim / block_size (checked
-        first: no platform would run them), or it needs another platform.
+        first: no platform would run them), or it needs another platform, or the CPU kernel
+        cannot be built here.
     """
     native = default_impl()  # the one mapping from platform to kernel
     chosen = args.attention_backend or native
     _check_kernel_shapes(chosen, cfg, block_size=args.block_size,
                          tp=args.tensor_parallel_size)
+    if chosen == "cpu" and jax.default_backend() == "cpu" and (why := cpu.available()):
+        raise ValueError(f"attention_backend='cpu' needs the native CPU kernel, which cannot "
+                         f"be built here ({why}); use attention_backend='reference'")
     if chosen not in ("reference", native):
         raise ValueError(
             f"attention_backend={chosen!r} needs a {chosen.upper()}, but jax's default backend "

@@ -30,7 +30,7 @@ def load_model_fns(path: str | None = None, *, dtype: str = "float32",
       dtype: "float32", "bfloat16" or "auto" (= float32), for weights, activations and the
         KV cache.
       tensor_parallel_size: the model is split over the first this many devices ("tp").
-      attention_backend: the engine's `attention_backend` ("reference", "tpu", "gpu");
+      attention_backend: the engine's `attention_backend` ("reference", "cpu", "tpu", "gpu");
         None: the platform's kernel, as `LLM` picks it.
       block_size: the page size the kernel is checked for; pass the same to `generate`.
       progress: a bar over the tensors read; None: only when stderr is a terminal.

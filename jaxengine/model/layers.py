@@ -226,7 +226,8 @@ class Attention(nnx.Module):
             pages: [P', L, 2*K, H] pages the kernel sees; page p of the batch is
                 `page_offset + p` (each layer owns a range of pages, see `Model.__call__`).
             cos, sin: f32[T, H] RoPE tables of the batch's positions.
-            attn_impl: ragged paged attention implementation ("reference", "tpu", "gpu").
+            attn_impl: ragged paged attention implementation ("reference", "cpu", "tpu",
+                "gpu").
             interpret: run a Pallas kernel in interpret mode (to test "tpu"/"gpu" on CPU).
         Returns:
             (output [T, D], updated pages).

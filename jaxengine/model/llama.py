@@ -252,7 +252,8 @@ class Model(nnx.Module):
         Args:
             kv: [layers, P, L, 2*K, H] the paged KV cache (model dtype).
             batch: the device batch.
-            attn_impl: ragged paged attention implementation ("reference", "tpu", "gpu").
+            attn_impl: ragged paged attention implementation ("reference", "cpu", "tpu",
+                "gpu").
             interpret: run a Pallas kernel in interpret mode (to test "tpu"/"gpu" on CPU).
         Returns:
             (new kv cache, hidden [T, D] after the final norm).

@@ -26,6 +26,7 @@ PAGE_SIZE = 16
 # Small blocks so that the batch crosses q-block, kv-block and split boundaries.
 IMPLS = {
     "reference": {},
+    "cpu": {"block_q": 4, "pages_per_split": 2},
     "tpu": {"block_q": 8, "pages_per_block": 2},
     "gpu": {"num_splits": 3},
 }

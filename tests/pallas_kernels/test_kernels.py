@@ -1,4 +1,5 @@
-"""The Pallas kernels (TPU interpreter / Triton interpreter on CPU) against the reference.
+"""The kernels against the reference: the Pallas kernels (TPU interpreter / Triton interpreter
+on CPU) and the native CPU kernel (compiled, run for real).
 
 Every batch has shuffled block tables, NaN in unused pages and padding tokens. The default run
 covers a reduced grid at tiny shapes (interpret mode is slow); ``-m slow`` runs the full grid:
@@ -24,6 +25,7 @@ from pallas_kernels import (
     ragged_paged_attention,
     ragged_paged_attention_reference,
 )
+from pallas_kernels.cpu import ragged_paged_attention_cpu
 from pallas_kernels.gpu.kernel import ragged_paged_attention_gpu
 from pallas_kernels.tpu.kernel import ragged_paged_attention_tpu
 from tests.pallas_kernels.cases import assert_cache_equal, make_case, numpy_oracle
@@ -39,15 +41,17 @@ HEADS = {1: (2, 2), 3: (6, 2), 8: (8, 1)}  # GQA ratio -> (q heads, kv heads)
 TOL = {"float32": 2e-5, "bfloat16": 3e-2}
 # Small blocks so that tiny batches still cross q-block, kv-block and split boundaries.
 BLOCKS = {
+    "cpu": {"block_q": 4, "pages_per_split": 2},
     "tpu": {"block_q": 8, "pages_per_block": 2},
     "gpu": {"num_splits": 3},
 }
-KERNELS = {"tpu": ragged_paged_attention_tpu, "gpu": ragged_paged_attention_gpu}
+KERNELS = {"cpu": ragged_paged_attention_cpu, "tpu": ragged_paged_attention_tpu,
+           "gpu": ragged_paged_attention_gpu}
 
 # (impl, batch, page_size, head_dim, gqa, dtype)
 REDUCED = [
     (impl, *params)
-    for impl in ("tpu", "gpu")
+    for impl in ("cpu", "tpu", "gpu")
     for params in [
         ("mixed", 16, 64, 3, "float32"),
         ("decode", 32, 128, 8, "bfloat16"),
@@ -57,7 +61,7 @@ REDUCED = [
 ]
 FULL = [
     (impl, *params)
-    for impl in ("tpu", "gpu")
+    for impl in ("cpu", "tpu", "gpu")
     for params in itertools.product(BATCHES, (16, 32), (64, 128), HEADS, TOL)
     if (impl, *params) not in REDUCED
 ]
@@ -95,12 +99,12 @@ def test_kernel_matches_reference_full_grid(impl, batch, page_size, head_dim, gq
     check_against_reference(impl, batch, page_size, head_dim, gqa, dtype, **BLOCKS[impl])
 
 
-@pytest.mark.parametrize("impl", ["tpu", "gpu"])
+@pytest.mark.parametrize("impl", ["cpu", "tpu", "gpu"])
 def test_default_block_sizes(impl):
     check_against_reference(impl, "mixed", 16, 64, 3, "float32")
 
 
-@pytest.mark.parametrize("impl", ["tpu", "gpu"])
+@pytest.mark.parametrize("impl", ["cpu", "tpu", "gpu"])
 def test_dispatcher_runs_the_kernel_under_jit(impl):
     case = make_case(BATCHES["mixed"], num_heads=4, num_kv_heads=2, head_dim=64, page_size=16)
     chex.clear_trace_counter()  # the counter is keyed by source: both impls share it
@@ -142,7 +146,7 @@ def test_check_supported_names_the_parameter(impl, shape, field, value):
     assert (e.value.field, e.value.value) == (field, value)
 
 
-@pytest.mark.parametrize("impl", ["reference", "tpu", "gpu"])
+@pytest.mark.parametrize("impl", ["reference", "cpu", "tpu", "gpu"])
 def test_check_supported_accepts_common_models(impl):
     # Llama-3-8B, SmolLM2-135M, Qwen2.5-0.5B, Gemma-7B
     for heads, head_dim in (((32, 8), 128), ((9, 3), 64), ((14, 2), 64), ((16, 16), 256)):
@@ -179,7 +183,7 @@ def test_lowers_for_the_accelerator(impl, device_kind, platform, custom_call):
     assert custom_call in text
 
 
-@pytest.mark.parametrize("impl", ["reference", "tpu", "gpu"])
+@pytest.mark.parametrize("impl", ["reference", "cpu", "tpu", "gpu"])
 def test_nan_in_padding_tokens_does_not_leak(impl):
     """Padding rows of q/k/v (written into block 0) may be NaN; live rows stay exact."""
     case = make_case(BATCHES["mixed"], num_heads=4, num_kv_heads=2, head_dim=64, page_size=16)

@@ -15,14 +15,14 @@ from jaxengine.engine.build import attention_backend, build_engine
 from jaxengine.model.config import ModelConfig
 from jaxengine.model.llama import Model
 from jaxengine.model.step import RequestChunk, make_model_step, pack_batch, split_model
-from pallas_kernels import UnsupportedShapeError, default_impl
+from pallas_kernels import UnsupportedShapeError, cpu, default_impl
 
 TINY = Path(__file__).resolve().parents[2] / "fixtures" / "tiny" / "llama_tied_mha"  # head_dim 8
 KERNEL_OK = ModelConfig.tiny(hidden_size=64, head_dim=64)  # shapes both kernels accept
 
 
 def test_the_backend_is_checked_against_the_platform() -> None:
-    assert attention_backend(EngineArgs(), KERNEL_OK) == "reference"  # CPU: the jnp path
+    assert attention_backend(EngineArgs(), KERNEL_OK) == "cpu"  # CPU: the native kernel
     assert attention_backend(EngineArgs(attention_backend="reference"), KERNEL_OK) == "reference"
     with pytest.raises(ValueError, match="attention_backend='tpu' needs a TPU"):
         attention_backend(EngineArgs(attention_backend="tpu"), KERNEL_OK)
@@ -32,7 +32,7 @@ def test_the_backend_is_checked_against_the_platform() -> None:
 
 def test_one_function_maps_platforms_to_kernels() -> None:
     # jax names CUDA and ROCm devices "gpu"; the engine's default is exactly this mapping
-    assert [default_impl(p) for p in ("tpu", "gpu", "cpu")] == ["tpu", "gpu", "reference"]
+    assert [default_impl(p) for p in ("tpu", "gpu", "cpu")] == ["tpu", "gpu", "cpu"]
     assert attention_backend(EngineArgs(), KERNEL_OK) == default_impl()
 
 
@@ -60,9 +60,16 @@ def test_a_block_size_the_kernel_rejects_names_block_size(impl: str, block_size:
     assert "or use a block_size it accepts" in str(e.value)
 
 
-def test_the_reference_runs_any_shape() -> None:
+@pytest.mark.parametrize("impl", ["reference", "cpu"])
+def test_the_reference_and_the_cpu_kernel_run_any_shape(impl: str) -> None:
     cfg = ModelConfig.tiny(head_dim=8)
-    assert attention_backend(EngineArgs(block_size=3), cfg) == "reference"
+    assert attention_backend(EngineArgs(attention_backend=impl, block_size=3), cfg) == impl
+
+
+def test_an_explicit_cpu_kernel_that_cannot_be_built_is_an_error(monkeypatch) -> None:
+    monkeypatch.setattr(cpu, "available", lambda: "no C++ compiler found")
+    with pytest.raises(ValueError, match="needs the native CPU kernel.*no C\\+\\+ compiler"):
+        attention_backend(EngineArgs(attention_backend="cpu"), KERNEL_OK)
 
 
 @pytest.mark.parametrize("impl", ["tpu", "gpu"])

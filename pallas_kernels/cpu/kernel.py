@@ -1,0 +1,84 @@
+"""Ragged paged attention on the CPU: a native kernel behind an XLA FFI custom call.
+
+Layout assumptions and semantics are the jnp reference's (``pallas_kernels.reference``):
+
+- The new K/V are written with the reference's XLA scatter (``write_kv``) first; under the
+  engine's jit with the cache donated, XLA updates the cache in place, and the kernel then
+  reads the pages where they are (no gather, no copy).
+- The kernel (``ragged_paged_attention.cc``, compiled by ``native.py``) cuts the live requests
+  into units: requests of at most 8 tokens (decodes, speculative chunks) as a whole, split over
+  runs of ``pages_per_split`` pages when longer; longer requests (prefill chunks) in runs of
+  ``block_q`` tokens. XLA's intra-op threads share the units, longest first.
+- float32 arithmetic for float32 and bfloat16 inputs; the output is cast back to q's dtype.
+  Only slots inside a request's context are read, so garbage (NaN) elsewhere cannot leak.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.cpu import native
+from pallas_kernels.errors import UnsupportedShapeError
+from pallas_kernels.reference import write_kv
+
+# Defaults measured on the 2-core CPU machine (docs/BENCHMARKS.md §4): 16 query tokens per
+# prefill unit (48 rows of SmolLM2's 3 query heads per kv head); 32 pages (512 tokens at
+# page size 16) per run of a split decode, enough to spread one long decode over the cores.
+DEFAULT_BLOCK_Q = 16
+DEFAULT_PAGES_PER_SPLIT = 32
+
+
+def check_supported(*, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int) -> None:
+    """The kernel runs every shape the reference runs: ``num_heads`` a multiple of
+    ``num_kv_heads`` (a ``ValueError`` otherwise, as for the other kernels)."""
+    del head_dim, page_size  # any
+    if num_kv_heads < 1 or num_heads % num_kv_heads:
+        raise UnsupportedShapeError("num_heads", num_heads,
+                                    f"a multiple of num_kv_heads={num_kv_heads}")
+
+
+def ragged_paged_attention_cpu(
+    q: jax.Array,  # [T, N, H]
+    k: jax.Array,  # [T, K, H]
+    v: jax.Array,  # [T, K, H]
+    kv_cache: jax.Array,  # [P, L, 2*K, H]
+    slot_mapping: jax.Array,  # i32[T]
+    block_tables: jax.Array,  # i32[R, max_blocks]
+    seq_lens: jax.Array,  # i32[R]
+    query_start_loc: jax.Array,  # i32[R+1]
+    num_seqs: jax.Array,  # i32[]
+    *,
+    sm_scale: float,
+    block_q: int = DEFAULT_BLOCK_Q,
+    pages_per_split: int = DEFAULT_PAGES_PER_SPLIT,
+    interpret: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Ragged paged attention with the native CPU kernel (arguments as the reference's).
+
+    Args:
+      block_q: query tokens per unit of a request longer than 8 tokens.
+      pages_per_split: pages per unit of a shorter request (split-K over its context).
+      interpret: ignored (no Pallas here); accepted so that every impl takes the same call.
+
+    Returns:
+      ``(out [T, N, H] in q.dtype, kv_cache [P, L, 2*K, H])``; padding rows of out are zeros.
+
+    Raises:
+      native.NativeBuildError: the kernel cannot be built on this machine.
+      ValueError: q and the cache differ in dtype, or a dtype other than float32 / bfloat16.
+    """
+    del interpret
+    T, N, H = q.shape
+    K = kv_cache.shape[2] // 2
+    if q.dtype != kv_cache.dtype:
+        raise ValueError(f"q ({q.dtype}) and kv_cache ({kv_cache.dtype}) must share a dtype")
+    check_supported(num_heads=N, num_kv_heads=K, head_dim=H, page_size=kv_cache.shape[1])
+    kv_cache = write_kv(kv_cache, k, v, slot_mapping)
+    call = jax.ffi.ffi_call(native.target(q.dtype), jax.ShapeDtypeStruct((T, N, H), jnp.float32))
+    out = call(q, kv_cache, block_tables.astype(jnp.int32), seq_lens.astype(jnp.int32),
+               query_start_loc.astype(jnp.int32), jnp.asarray(num_seqs, jnp.int32),
+               sm_scale=np.float32(sm_scale), block_q=np.int64(block_q),
+               pages_per_split=np.int64(pages_per_split))
+    return out.astype(q.dtype), kv_cache

@@ -1,0 +1,137 @@
+"""Building and registering the CPU kernel's shared library.
+
+`ragged_paged_attention.cc` is compiled with the machine's C++ compiler the first time a
+process needs it (a few seconds), into `$XDG_CACHE_HOME/jaxengine/native/<key>/` (by default
+`~/.cache/jaxengine/native/`; `$JAXENGINE_NATIVE_CACHE_DIR` overrides), and later processes
+load that file. The key hashes everything the binary depends on: the source, the compiler and
+its flags, jaxlib's version (the FFI headers come from it) and the CPU (`-march=native`), so a
+changed source, toolchain, jax or machine builds anew instead of loading a wrong binary. The
+compiler writes to a temporary file that is renamed into place, so processes that build at
+once do not see each other's half-written files.
+
+Nothing here is needed on TPU or GPU. Without a C++ compiler (`$CXX`, else c++, g++ or
+clang++) the kernel is unavailable: `pallas_kernels.default_impl` then picks the jnp reference
+and says why in a warning, and an explicit ``impl="cpu"`` raises `NativeBuildError`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+
+logger = logging.getLogger("jaxengine.kernels")
+
+SOURCE = Path(__file__).with_name("ragged_paged_attention.cc")
+LIBRARY = "libjaxengine_cpu_attention.so"
+# XLA custom-call target per input dtype, and the library symbol behind it.
+TARGETS = {
+    jnp.dtype(jnp.float32): ("jaxengine_ragged_paged_attention_f32", "RaggedPagedAttentionF32"),
+    jnp.dtype(jnp.bfloat16): ("jaxengine_ragged_paged_attention_bf16",
+                              "RaggedPagedAttentionBF16"),
+}
+FLAGS = ("-O3", "-std=c++17", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
+         "-shared", "-fPIC")
+ENV_CACHE = "JAXENGINE_NATIVE_CACHE_DIR"
+
+
+class NativeBuildError(RuntimeError):
+    """The CPU kernel could not be compiled or loaded here; the message says why."""
+
+
+def cache_root() -> Path:
+    """`$JAXENGINE_NATIVE_CACHE_DIR`, else `$XDG_CACHE_HOME/jaxengine/native` (`~/.cache/...`)."""
+    if os.environ.get(ENV_CACHE):
+        return Path(os.environ[ENV_CACHE]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "jaxengine" / "native"
+
+
+def _compiler() -> str:
+    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
+        if name and shutil.which(name):
+            return name
+    raise NativeBuildError("no C++ compiler found (set $CXX, or install g++ or clang++)")
+
+
+def _cpu_identity() -> str:
+    """What `-march=native` depends on: the architecture and, on Linux, the CPU's flags."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        lines = [ln for ln in text.splitlines() if ln.startswith(("flags", "model name",
+                                                                  "Features"))]  # fmt: skip
+        return platform.machine() + "\n" + "\n".join(sorted(set(lines)))
+    except OSError:
+        return platform.machine() + platform.processor()
+
+
+def _build(cxx: str, march: tuple[str, ...]) -> Path:
+    """Compile the library (cached) and return its path."""
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    flags = (*FLAGS, *march)
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), cxx, version, " ".join(flags),
+                                    jaxlib.__version__, _cpu_identity()]).encode()).hexdigest()
+    out = cache_root() / key[:24] / LIBRARY
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so")
+    os.close(fd)
+    cmd = [cxx, *flags, "-I", jax.ffi.include_dir(), str(SOURCE), "-o", tmp]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        os.unlink(tmp)
+        raise NativeBuildError(f"compiling {SOURCE.name} failed ({' '.join(cmd)}):\n"
+                               f"{done.stderr[-2000:]}")
+    os.replace(tmp, out)
+    return out
+
+
+@functools.cache
+def _load() -> ctypes.CDLL:
+    cxx = _compiler()
+    try:
+        path = _build(cxx, ("-march=native",))
+    except NativeBuildError as native:  # e.g. a compiler without -march=native
+        logger.info("%s; building without -march=native", native)
+        path = _build(cxx, ())
+    library = ctypes.cdll.LoadLibrary(str(path))
+    for target, symbol in TARGETS.values():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)),
+                                    platform="cpu")
+    return library
+
+
+def target(dtype: jnp.dtype) -> str:
+    """The registered custom-call target for inputs of `dtype` (built and loaded on first use).
+
+    Raises:
+      NativeBuildError: no compiler, or the build failed (the message has its output).
+      ValueError: a dtype the kernel does not take (float32 and bfloat16 only).
+    """
+    dtype = jnp.dtype(dtype)
+    if dtype not in TARGETS:
+        raise ValueError(f"the CPU attention kernel takes float32 or bfloat16, got {dtype}")
+    _load()
+    return TARGETS[dtype][0]
+
+
+@functools.cache
+def available() -> str | None:
+    """None when the kernel builds and loads here, else why not (one line, for a warning)."""
+    try:
+        _load()
+    except (NativeBuildError, OSError) as e:
+        return str(e).splitlines()[0]
+    return None

@@ -1,0 +1,515 @@
+// Ragged paged attention on the CPU, as an XLA FFI custom call. pallas_kernels/cpu/native.py
+// compiles and registers it, pallas_kernels/cpu/kernel.py calls it, and the contract is the jnp
+// reference's (pallas_kernels/reference.py), which the tests hold it to.
+//
+// Why native code: XLA's CPU backend runs this op's irregular, memory-bound shape badly. A
+// decode reads each cached key and value once for a few multiply-adds, from pages scattered
+// over the pool; in jnp that became page gathers, layout copies and thousands of tiny batched
+// dots (docs/BENCHMARKS.md §4). Here every request reads its own pages in place.
+//
+// Layout (the reference's): q [T, N, H]; kv_cache [P, L, 2K, H] with key head k at head slot
+// 2k and value head k at 2k+1; block_tables i32[R, max_blocks]; seq_lens i32[R] (context after
+// the step); query_start_loc i32[R+1]; num_seqs i32[]. Query head n reads kv head n / G.
+// Output f32[T, N, H]: the live tokens' rows; every other row is zero. The step's new keys and
+// values are already in the cache (XLA scatters them before this call).
+//
+// Work is cut into units, one request's run of query tokens against a run of its pages:
+//  - a request of at most kSplitTokens tokens (a decode, a speculative chunk) is one run of
+//    tokens, split over runs of `pages_per_split` pages when its context is longer (split-K);
+//    the partial softmax states are merged afterwards;
+//  - a longer request (a prefill chunk) is cut into runs of `block_q` tokens, each reading the
+//    pages up to its last token.
+// XLA's intra-op threads take units from one shared counter, longest first.
+//
+// Numerics: float32 (bfloat16 inputs are widened), an online softmax per tile of 16 keys.
+// Only slots inside a request's context are read as keys or values, so whatever the other
+// slots hold (NaN included) never reaches the output.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <numeric>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int64_t kTile = 16;         // keys per score tile: one 512-bit vector of floats
+constexpr int64_t kRowBlock = 8;      // query rows that share each key load in a score tile
+constexpr int64_t kTransposeRows = 8; // rows from which a tile's keys are transposed first
+constexpr int64_t kSplitTokens = 8;   // requests of at most this many tokens split over pages
+constexpr float kMasked = -1e30f;     // running max before any visible key (finite: fast_exp)
+
+using bf16 = uint16_t;
+// 16 floats as one value: GCC and Clang lower it to whatever vectors the CPU has.
+typedef float f32x16 __attribute__((vector_size(64)));
+static_assert(kTile == 16, "tiles are one f32x16 wide");
+
+inline f32x16 load16(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }  // XLA FFI's BF16 native type: the upper half of a float32
+
+inline float widen(float x) { return x; }
+inline float widen(bf16 x) {
+  const uint32_t bits = uint32_t(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// e^x for x <= 0 (Cephes' expf polynomial, within ~2 ulp), plain arithmetic so that compilers
+// vectorize the loops that call it (std::exp is an opaque call, which blocks that).
+inline float fast_exp(float x) {
+  x = std::max(x, -87.0f);  // e^-87 ~ 1.6e-38 is still a normal float
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (int32_t(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
+
+struct Geometry {
+  int64_t T, N, K, G, H, P, L, max_blocks;
+  int64_t token_stride() const { return 2 * K * H; }  // elements between a page's tokens
+  int64_t page_stride() const { return L * token_stride(); }
+};
+
+struct Request {
+  int64_t q_start, q_len, ctx;  // first token row in q, tokens this step, context after it
+  const int32_t* table;         // [max_blocks] its pages
+};
+
+// Tokens [tok0, tok1) of request `req` (offsets inside its chunk) against its pages
+// [page0, page1). A split unit leaves its unnormalised state in scratch slot `slot`.
+struct Unit {
+  int64_t req, tok0, tok1, page0, page1;
+  bool split;
+  int64_t slot;
+  int64_t cost;  // rows x keys: units are handed out longest first
+};
+
+// A unit's working set. Rows are kv-head-major: row k * rows_k + t * G + g is token tok0 + t,
+// query head k * G + g, where rows_k = (tok1 - tok0) * G.
+struct Scratch {
+  std::vector<float> q;    // [K, rows_pad, H] scaled queries (rows_pad: rows_k rounded up)
+  std::vector<float> m;    // [K * rows_k] running max
+  std::vector<float> l;    // [K * rows_k] running denominator
+  std::vector<float> acc;  // [K * rows_k, H] running numerator
+  std::vector<float> s;    // [rows_pad, kTile] a tile's scores, then its probabilities
+  std::vector<float> kt;   // [H, kTile] a tile's keys, transposed
+  std::vector<float> vt;   // [kTile, H] a tile's values, widened (bfloat16 caches only)
+  std::vector<int64_t> visible;  // [rows_pad] per row, keys of the tile it sees
+  std::vector<float> alpha;      // [rows_pad] per row, the softmax rescale of the tile
+  std::vector<float> spare;      // [H] the accumulator of a missing odd row
+};
+
+template <typename T>
+class PagedAttention {
+ public:
+  PagedAttention(const Geometry& g, const T* q, const T* cache, float sm_scale)
+      : g_(g), q_(q), cache_(cache), scale_(sm_scale) {}
+
+  int64_t rows(const Unit& u) const { return g_.K * (u.tok1 - u.tok0) * g_.G; }
+  // Rows between scratch slots: the most a split unit has.
+  int64_t slot_rows() const { return kSplitTokens * g_.N; }
+
+  // Attend one unit: a split unit's state goes to scratch (m [rows], l [rows], acc [rows, H]),
+  // any other's is normalised into `out`.
+  void run(const Unit& u, const Request& rq, Scratch& sc, float* out, float* m, float* l,
+           float* acc) const {
+    const int64_t rows_k = (u.tok1 - u.tok0) * g_.G, n = rows(u), H = g_.H;
+    load_queries(u, rq, sc);
+    sc.m.assign(n, kMasked);
+    sc.l.assign(n, 0.0f);
+    sc.acc.assign(n * H, 0.0f);
+    for (int64_t p = u.page0; p < u.page1; ++p) {
+      const T* page = page_ptr(rq.table[p]);
+      const T* next = p + 1 < u.page1 ? page_ptr(rq.table[p + 1]) : nullptr;
+      for (int64_t j0 = 0; j0 < g_.L; j0 += kTile) {
+        const int64_t key0 = p * g_.L + j0;  // position of the tile's first key
+        const int64_t nk = std::min({kTile, g_.L - j0, rq.ctx - key0});
+        if (nk <= 0) break;
+        for (int64_t k = 0; k < g_.K; ++k) {
+          const T* keys = page + j0 * g_.token_stride() + 2 * k * H;
+          const T* ahead = next && k == 0 ? next + j0 * g_.token_stride() : nullptr;
+          tile(sc, k, rows_k, keys, nk, key0, u, rq, ahead);
+        }
+      }
+    }
+    if (u.split) {
+      std::copy(sc.m.begin(), sc.m.end(), m);
+      std::copy(sc.l.begin(), sc.l.end(), l);
+      std::copy(sc.acc.begin(), sc.acc.end(), acc);
+      return;
+    }
+    for (int64_t row = 0; row < n; ++row) {
+      const float inv = sc.l[row] > 0.0f ? 1.0f / sc.l[row] : 0.0f;
+      const float* a = sc.acc.data() + row * H;
+      float* o = out + out_offset(u, rq, row);
+      for (int64_t h = 0; h < H; ++h) o[h] = a[h] * inv;
+    }
+  }
+
+  // Merge the scratch states of one split request's `count` units into `out`.
+  void merge(const Unit* units, int64_t count, const Request& rq, const float* m,
+             const float* l, const float* acc, float* out) const {
+    const int64_t n = rows(units[0]), H = g_.H;
+    for (int64_t row = 0; row < n; ++row) {
+      float mx = kMasked;
+      for (int64_t i = 0; i < count; ++i) mx = std::max(mx, m[units[i].slot * slot_rows() + row]);
+      float* o = out + out_offset(units[0], rq, row);
+      std::fill(o, o + H, 0.0f);
+      float denom = 0.0f;
+      for (int64_t i = 0; i < count; ++i) {
+        const int64_t at = units[i].slot * slot_rows() + row;
+        if (l[at] == 0.0f) continue;  // this run of pages held no visible key
+        const float w = fast_exp(m[at] - mx);
+        denom += w * l[at];
+        const float* a = acc + at * H;
+        for (int64_t h = 0; h < H; ++h) o[h] += w * a[h];
+      }
+      const float inv = denom > 0.0f ? 1.0f / denom : 0.0f;
+      for (int64_t h = 0; h < H; ++h) o[h] *= inv;
+    }
+  }
+
+ private:
+  const T* page_ptr(int32_t page) const {
+    return cache_ + std::clamp<int64_t>(page, 0, g_.P - 1) * g_.page_stride();
+  }
+
+  int64_t out_offset(const Unit& u, const Request& rq, int64_t row) const {
+    const int64_t rows_k = (u.tok1 - u.tok0) * g_.G;
+    const int64_t k = row / rows_k, t = row % rows_k / g_.G, gi = row % g_.G;
+    return ((rq.q_start + u.tok0 + t) * g_.N + k * g_.G + gi) * g_.H;
+  }
+
+  static int64_t padded(int64_t rows_k) { return (rows_k + kRowBlock - 1) / kRowBlock * kRowBlock; }
+
+  void load_queries(const Unit& u, const Request& rq, Scratch& sc) const {
+    const int64_t ntok = u.tok1 - u.tok0, G = g_.G, H = g_.H, pad = padded(ntok * G);
+    sc.q.assign(g_.K * pad * H, 0.0f);
+    for (int64_t k = 0; k < g_.K; ++k)
+      for (int64_t t = 0; t < ntok; ++t)
+        for (int64_t gi = 0; gi < G; ++gi) {
+          const T* src = q_ + ((rq.q_start + u.tok0 + t) * g_.N + k * G + gi) * H;
+          float* dst = sc.q.data() + (k * pad + t * G + gi) * H;
+          for (int64_t h = 0; h < H; ++h) dst[h] = widen(src[h]) * scale_;
+        }
+    sc.s.assign(pad * kTile, 0.0f);
+    sc.kt.assign(H * kTile, 0.0f);
+    sc.visible.assign(pad, 0);
+    sc.alpha.assign(pad, 1.0f);
+    sc.spare.assign(H, 0.0f);
+    if constexpr (!std::is_same_v<T, float>) sc.vt.assign(kTile * H, 0.0f);
+  }
+
+  // Scores s[i, j] = q_i . key_j of the rows of kv head k against the tile's nk keys.
+  void scores(Scratch& sc, int64_t k, int64_t rows_k, const T* keys, int64_t nk,
+              const T* ahead) const {
+    const int64_t H = g_.H, stride = g_.token_stride(), pad = padded(rows_k);
+    const float* q = sc.q.data() + k * pad * H;
+    float* s = sc.s.data();
+    if (rows_k < kTransposeRows) {  // a decode's few rows: one dot per (row, key)
+      for (int64_t j = 0; j < nk; ++j) {
+        const T* key = keys + j * stride;
+        if (ahead) prefetch_token(ahead + j * stride);
+        for (int64_t i = 0; i < rows_k; ++i) {
+          const float* qi = q + i * H;
+          float d = 0.0f;
+#pragma omp simd reduction(+ : d)
+          for (int64_t h = 0; h < H; ++h) d += qi[h] * widen(key[h]);
+          s[i * kTile + j] = d;
+        }
+      }
+      return;
+    }
+    // Many rows: transpose the keys once, then each row's 16 scores are one vector.
+    float* kt = sc.kt.data();
+    for (int64_t j = 0; j < kTile; ++j) {
+      if (j < nk) {
+        const T* key = keys + j * stride;
+        if (ahead) prefetch_token(ahead + j * stride);
+        for (int64_t h = 0; h < H; ++h) kt[h * kTile + j] = widen(key[h]);
+      } else {
+        for (int64_t h = 0; h < H; ++h) kt[h * kTile + j] = 0.0f;
+      }
+    }
+    for (int64_t i = 0; i < pad; i += kRowBlock) {
+      // kRowBlock independent accumulators: one per row, each the row's 16 scores.
+      f32x16 acc[kRowBlock] = {};
+      const float* qi = q + i * H;
+      for (int64_t h = 0; h < H; ++h) {
+        const f32x16 kh = load16(kt + h * kTile);
+        for (int64_t r = 0; r < kRowBlock; ++r) acc[r] += qi[r * H + h] * kh;
+      }
+      for (int64_t r = 0; r < kRowBlock; ++r) store16(s + (i + r) * kTile, acc[r]);
+    }
+  }
+
+  // Requests the cache lines of one token of the next page while this one is computed: pages
+  // are scattered over the pool, so the hardware prefetcher finds each only once it is read.
+  void prefetch_token(const T* token) const {
+    const char* bytes = reinterpret_cast<const char*>(token);
+    const int64_t size = g_.token_stride() * int64_t(sizeof(T));
+    for (int64_t b = 0; b < size; b += 64) __builtin_prefetch(bytes + b);
+  }
+
+  // One tile: scores, the causal and context mask, the online softmax step, then P.V.
+  void tile(Scratch& sc, int64_t k, int64_t rows_k, const T* keys, int64_t nk, int64_t key0,
+            const Unit& u, const Request& rq, const T* ahead) const {
+    const int64_t H = g_.H, stride = g_.token_stride();
+    scores(sc, k, rows_k, keys, nk, ahead);
+    const float* vals[kTile];  // value rows of the tile's keys (widened for bfloat16)
+    if constexpr (std::is_same_v<T, float>) {
+      for (int64_t j = 0; j < nk; ++j) vals[j] = keys + H + j * stride;
+    } else {
+      for (int64_t j = 0; j < nk; ++j) {
+        const T* v = keys + H + j * stride;
+        float* dst = sc.vt.data() + j * H;
+        for (int64_t h = 0; h < H; ++h) dst[h] = widen(v[h]);
+        vals[j] = dst;
+      }
+    }
+    softmax(sc, k * rows_k, rows_k, nk, rq.ctx - rq.q_len + u.tok0 - key0);
+    // acc = alpha * acc + P.V, two rows at a time, 16 columns of each in registers.
+    for (int64_t i = 0; i < rows_k; i += 2) {
+      const int64_t n0 = sc.visible[i], n1 = i + 1 < rows_k ? sc.visible[i + 1] : 0;
+      if (n0 == 0 && n1 == 0) continue;
+      const float* p0 = sc.s.data() + i * kTile;
+      const float* p1 = p0 + kTile;  // zeros past its visible keys (and a padded row's)
+      const float a0 = sc.alpha[i], a1 = i + 1 < rows_k ? sc.alpha[i + 1] : 1.0f;
+      float* acc0 = sc.acc.data() + (k * rows_k + i) * H;
+      float* acc1 = i + 1 < rows_k ? acc0 + H : sc.spare.data();
+      const int64_t nj = std::max(n0, n1);
+      int64_t h0 = 0;
+      for (; h0 + 4 * kTile <= H; h0 += 4 * kTile)
+        pv_columns<4>(h0, nj, vals, p0, p1, a0, a1, acc0, acc1);
+      for (; h0 + kTile <= H; h0 += kTile) pv_columns<1>(h0, nj, vals, p0, p1, a0, a1, acc0, acc1);
+      if (h0 < H) pv_tail(h0, H - h0, nj, vals, p0, p1, a0, a1, acc0, acc1);
+    }
+  }
+
+  // Columns [h0, h0 + 16 C) of two rows: acc = alpha * acc + P.V over the tile's first nj
+  // keys, with 2 C accumulators in registers (independent FMA chains). Written with vector
+  // types: left to itself, GCC vectorised the loop over keys instead, with gathers through
+  // the row pointers (measured 2x slower).
+  template <int C>
+  static void pv_columns(int64_t h0, int64_t nj, const float* const* vals, const float* p0,
+                         const float* p1, float a0, float a1, float* acc0, float* acc1) {
+    f32x16 r0[C], r1[C];
+    for (int c = 0; c < C; ++c) {
+      r0[c] = load16(acc0 + h0 + c * kTile) * a0;
+      r1[c] = load16(acc1 + h0 + c * kTile) * a1;
+    }
+    for (int64_t j = 0; j < nj; ++j) {
+      const float* v = vals[j] + h0;
+      for (int c = 0; c < C; ++c) {
+        const f32x16 vc = load16(v + c * kTile);
+        r0[c] += p0[j] * vc;
+        r1[c] += p1[j] * vc;
+      }
+    }
+    for (int c = 0; c < C; ++c) {
+      store16(acc0 + h0 + c * kTile, r0[c]);
+      store16(acc1 + h0 + c * kTile, r1[c]);
+    }
+  }
+
+  // The last H % 16 columns, the same way.
+  static void pv_tail(int64_t h0, int64_t width, int64_t nj, const float* const* vals,
+                      const float* p0, const float* p1, float a0, float a1, float* acc0,
+                      float* acc1) {
+    for (int64_t c = h0; c < h0 + width; ++c) {
+      float r0 = acc0[c] * a0, r1 = acc1[c] * a1;
+      for (int64_t j = 0; j < nj; ++j) {
+        r0 += p0[j] * vals[j][c];
+        r1 += p1[j] * vals[j][c];
+      }
+      acc0[c] = r0;
+      acc1[c] = r1;
+    }
+  }
+
+  // The online softmax step of rows [row0, row0 + rows_k) (kv head order) over a tile of nk
+  // keys, `offset` = (position of the unit's first token) - (position of the tile's first
+  // key): turns their scores into probabilities (zero for invisible keys) and leaves each
+  // row's visible-key count and rescale factor in `visible` and `alpha`.
+  void softmax(Scratch& sc, int64_t row0, int64_t rows_k, int64_t nk, int64_t offset) const {
+    for (int64_t i = 0; i < rows_k; ++i) {
+      float* si = sc.s.data() + i * kTile;
+      // Keys at positions <= the row's token are visible (causal inside the chunk).
+      const int64_t visible = std::clamp<int64_t>(offset + i / g_.G + 1, 0, nk);
+      sc.visible[i] = visible;
+      sc.alpha[i] = 1.0f;
+      if (visible == 0) {  // nothing of this tile (nor of later tiles) for this row
+        std::fill(si, si + kTile, 0.0f);
+        continue;
+      }
+      const int64_t row = row0 + i;
+      float mx = sc.m[row];
+#pragma omp simd reduction(max : mx)
+      for (int64_t j = 0; j < kTile; ++j) mx = std::max(mx, j < visible ? si[j] : kMasked);
+      float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+      for (int64_t j = 0; j < kTile; ++j) {
+        const float p = j < visible ? fast_exp(si[j] - mx) : 0.0f;
+        si[j] = p;
+        sum += p;
+      }
+      sc.alpha[i] = fast_exp(sc.m[row] - mx);  // ~0 (underflow) before any visible key
+      sc.m[row] = mx;
+      sc.l[row] = sc.l[row] * sc.alpha[i] + sum;
+    }
+  }
+
+  const Geometry g_;
+  const T* q_;
+  const T* cache_;
+  const float scale_;
+};
+
+// The units of the live requests (see the file comment); split units get scratch slots.
+std::vector<Unit> plan(const std::vector<Request>& reqs, const Geometry& g, int64_t block_q,
+                       int64_t pages_per_split, int64_t* num_slots) {
+  std::vector<Unit> units;
+  *num_slots = 0;
+  auto pages_upto = [&](int64_t tokens) {
+    return std::min<int64_t>((tokens + g.L - 1) / g.L, g.max_blocks);
+  };
+  for (int64_t r = 0; r < int64_t(reqs.size()); ++r) {
+    const Request& rq = reqs[r];
+    if (rq.q_len <= 0 || rq.ctx <= 0) continue;
+    if (rq.q_len <= kSplitTokens) {
+      const int64_t pages = pages_upto(rq.ctx);
+      const bool split = pages > pages_per_split;
+      for (int64_t p = 0; p < pages; p += pages_per_split) {
+        const int64_t p1 = std::min(pages, p + pages_per_split);
+        units.push_back({r, 0, rq.q_len, p, p1, split, split ? (*num_slots)++ : 0,
+                         rq.q_len * (p1 - p)});
+      }
+      continue;
+    }
+    for (int64_t t = 0; t < rq.q_len; t += block_q) {
+      const int64_t t1 = std::min(rq.q_len, t + block_q);
+      const int64_t pages = pages_upto(rq.ctx - rq.q_len + t1);
+      units.push_back({r, t, t1, 0, pages, false, 0, (t1 - t) * pages});
+    }
+  }
+  return units;
+}
+
+// Runs work(i) for i in [0, n) on the calling thread and XLA's intra-op pool. Late helpers find
+// the counter spent and return without touching anything but the shared counters.
+template <typename F>
+void parallel_for(ffi::ThreadPool& pool, int64_t n, F work) {
+  struct Counters {
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  auto c = std::make_shared<Counters>();
+  auto loop = [c, n, &work] {
+    for (int64_t i; (i = c->next.fetch_add(1)) < n;) {
+      work(i);
+      c->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n - 1);
+  for (int64_t h = 0; h < helpers; ++h)
+    pool.Schedule([c, n, loop] {
+      if (c->next.load() < n) loop();
+    });
+  loop();
+  while (c->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+}
+
+template <ffi::DataType DT>
+ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<DT> q,
+                                ffi::Buffer<DT> kv_cache, ffi::Buffer<ffi::S32> block_tables,
+                                ffi::Buffer<ffi::S32> seq_lens,
+                                ffi::Buffer<ffi::S32> query_start_loc,
+                                ffi::Buffer<ffi::S32> num_seqs, float sm_scale, int64_t block_q,
+                                int64_t pages_per_split, ffi::ResultBuffer<ffi::F32> out) {
+  using T = ffi::NativeType<DT>;
+  const auto qd = q.dimensions(), cd = kv_cache.dimensions(), td = block_tables.dimensions();
+  if (qd.size() != 3 || cd.size() != 4 || td.size() != 2 || cd[2] % 2 || qd[2] != cd[3] ||
+      qd[1] % (cd[2] / 2))
+    return ffi::Error::InvalidArgument("ragged_paged_attention_cpu: bad shapes");
+  Geometry g{qd[0], qd[1], cd[2] / 2, qd[1] / (cd[2] / 2), qd[2], cd[0], cd[1], td[1]};
+  const int32_t* qsl = query_start_loc.typed_data();
+  const int32_t* lens = seq_lens.typed_data();
+  const int64_t R = std::clamp<int64_t>(num_seqs.typed_data()[0], 0, td[0]);
+  std::vector<Request> reqs(R);
+  for (int64_t r = 0; r < R; ++r) {  // metadata is clamped so no read or write leaves bounds
+    const int64_t start = std::clamp<int64_t>(qsl[r], 0, g.T);
+    const int64_t end = std::clamp<int64_t>(qsl[r + 1], start, g.T);
+    reqs[r] = {start, end - start, std::max<int64_t>(lens[r], 0),
+               block_tables.typed_data() + r * g.max_blocks};
+  }
+  float* o = out->typed_data();
+  std::fill(o, o + g.T * g.N * g.H, 0.0f);
+  int64_t num_slots = 0;
+  std::vector<Unit> units = plan(reqs, g, std::max<int64_t>(block_q, 1),
+                                 std::max<int64_t>(pages_per_split, 1), &num_slots);
+  if (units.empty()) return ffi::Error::Success();
+  PagedAttention<T> attn(g, q.typed_data(), kv_cache.typed_data(), sm_scale);
+  const int64_t stride = attn.slot_rows();
+  std::vector<float> m(num_slots * stride), l(num_slots * stride), acc(num_slots * stride * g.H);
+  std::vector<int64_t> order(units.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return units[a].cost > units[b].cost; });
+  parallel_for(pool, int64_t(units.size()), [&](int64_t i) {
+    thread_local Scratch sc;
+    const Unit& u = units[order[i]];
+    attn.run(u, reqs[u.req], sc, o, m.data() + u.slot * stride, l.data() + u.slot * stride,
+             acc.data() + u.slot * stride * g.H);
+  });
+  for (size_t i = 0; i < units.size();) {  // units of one request are consecutive
+    size_t j = i + 1;
+    while (j < units.size() && units[j].req == units[i].req && units[i].split) ++j;
+    if (units[i].split)
+      attn.merge(&units[i], int64_t(j - i), reqs[units[i].req], m.data(), l.data(),
+                 acc.data(), o);
+    i = j;
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+#define JAXENGINE_DEFINE_HANDLER(NAME, DT)                  \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(NAME, RaggedPagedAttention<DT>, \
+                                ffi::Ffi::Bind()            \
+                                    .Ctx<ffi::ThreadPool>() \
+                                    .Arg<ffi::Buffer<DT>>() \
+                                    .Arg<ffi::Buffer<DT>>() \
+                                    .Arg<ffi::Buffer<ffi::S32>>() \
+                                    .Arg<ffi::Buffer<ffi::S32>>() \
+                                    .Arg<ffi::Buffer<ffi::S32>>() \
+                                    .Arg<ffi::Buffer<ffi::S32>>() \
+                                    .Attr<float>("sm_scale") \
+                                    .Attr<int64_t>("block_q") \
+                                    .Attr<int64_t>("pages_per_split") \
+                                    .Ret<ffi::Buffer<ffi::F32>>());
+
+JAXENGINE_DEFINE_HANDLER(RaggedPagedAttentionF32, ffi::F32)
+JAXENGINE_DEFINE_HANDLER(RaggedPagedAttentionBF16, ffi::BF16)

@@ -1,0 +1,148 @@
+"""The native CPU kernel: random batches against the numpy oracle, its work units, the build
+cache, the cache updated in place in a model-shaped step, and the fallback without a compiler.
+
+The grid against the reference (page sizes, head dims, GQA ratios, float32 / bfloat16) and the
+garbage tests run it beside the other kernels (test_kernels.py, test_garbage.py).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import pallas_kernels
+from pallas_kernels.cpu import native, ragged_paged_attention_cpu
+from tests.pallas_kernels.cases import assert_cache_equal, make_case, numpy_oracle
+
+PROP_T, PROP_R, PROP_L, PROP_PAGES, PROP_MAX_BLOCKS = 96, 6, 4, 150, 30
+
+
+@jax.jit
+def _fixed(*args):  # one compilation for every property example (the shapes are fixed)
+    return ragged_paged_attention_cpu(*args, sm_scale=8**-0.5, block_q=3, pages_per_split=2)
+
+
+@st.composite
+def batches(draw: st.DrawFn) -> list[tuple[int, int]]:
+    """1-5 requests: decodes, speculative-sized chunks (<= 8 tokens, split over pages) and
+    longer chunks over a cached prefix (cut into runs of block_q tokens)."""
+    reqs = draw(st.lists(st.tuples(st.integers(1, 16), st.integers(0, 100)), min_size=1,
+                         max_size=PROP_R - 1))  # fmt: skip
+    return [(q, q + cached) for q, cached in reqs]
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(reqs=batches(), seed=st.integers(0, 2**16))
+def test_property_random_batches_match_numpy_oracle(reqs, seed):
+    T = sum(q for q, _ in reqs)
+    pages = sum(-(-s // PROP_L) for _, s in reqs)
+    case = make_case(
+        reqs, num_heads=4, num_kv_heads=2, head_dim=8, page_size=PROP_L, seed=seed,
+        pad_tokens=PROP_T - T, pad_reqs=PROP_R - len(reqs), extra_pages=PROP_PAGES - 1 - pages,
+        max_blocks=PROP_MAX_BLOCKS,
+    )  # fmt: skip
+    out, cache = _fixed(*case.args(jnp.float32))
+    want, want_cache = numpy_oracle(case)
+    out = np.asarray(out)
+    np.testing.assert_allclose(out[:T], want, atol=2e-5, rtol=2e-5)
+    assert not out[T:].any()  # padding rows are zeros
+    assert_cache_equal(np.asarray(cache), want_cache)
+
+
+@pytest.mark.parametrize("head_dim", [8, 24, 64, 80, 128])
+def test_head_dims_off_the_vector_width(head_dim):
+    # The value product works on 16 and 64 columns at a time; 8, 24 and 80 leave tails.
+    case = make_case([(1, 300), (37, 37), (5, 90)], num_heads=6, num_kv_heads=2,
+                     head_dim=head_dim, page_size=16, seed=head_dim)
+    out, _ = ragged_paged_attention_cpu(*case.args(jnp.float32), sm_scale=case.sm_scale)
+    want, _ = numpy_oracle(case)
+    np.testing.assert_allclose(np.asarray(out)[: case.num_tokens], want, atol=2e-5, rtol=2e-5)
+
+
+def test_a_long_decode_split_over_many_units_matches_one_unit():
+    # pages_per_split 1: 125 partial softmax states merged; against no split at all.
+    case = make_case([(1, 2000), (2, 1500), (1, 3)], num_heads=8, num_kv_heads=2, head_dim=64,
+                     page_size=16, seed=5)
+    args = case.args(jnp.float32)
+    split, _ = ragged_paged_attention_cpu(*args, sm_scale=case.sm_scale, pages_per_split=1)
+    whole, _ = ragged_paged_attention_cpu(*args, sm_scale=case.sm_scale, pages_per_split=1000)
+    want, _ = numpy_oracle(case)
+    T = case.num_tokens
+    np.testing.assert_allclose(np.asarray(split)[:T], want, atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(np.asarray(split)[:T], np.asarray(whole)[:T], atol=1e-6)
+
+
+def test_the_step_calls_the_kernel_and_updates_the_cache_in_place():
+    """In a donated two-layer step laid out as the model's (one cache viewed as layers * P
+    pages, each layer's K/V computed from the layer before), the kernel reads the pages where
+    the scatter wrote them: no copy of the cache. (Were layer 2's K/V independent of layer 1,
+    XLA could write them before layer 1's kernel reads the pages, and would copy to allow it.)
+    """
+    layers, P, L, K, N, H, T = 2, 64, 4, 2, 4, 8, 16
+
+    def step(kv, q, k, v, slots, tables, seq_lens, qsl, num_seqs):
+        pages = kv.reshape(layers * P, L, 2 * K, H)
+        for i in range(layers):
+            o, pages = ragged_paged_attention_cpu(q, k, v, pages, slots + i * P * L,
+                                                  tables + i * P, seq_lens, qsl, num_seqs,
+                                                  sm_scale=0.3)  # fmt: skip
+            q = q + o
+            k, v = k + o[:, :K], v - o[:, K:]
+        return pages.reshape(kv.shape), q
+
+    f32, i32 = jnp.float32, jnp.int32
+    shapes = [((layers, P, L, 2 * K, H), f32), ((T, N, H), f32), ((T, K, H), f32),
+              ((T, K, H), f32), ((T,), i32), ((8, 16), i32), ((8,), i32), ((9,), i32),
+              ((), i32)]
+    args = [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
+    hlo = jax.jit(step, donate_argnames=("kv",)).lower(*args).compile().as_text()
+    entry = hlo[hlo.index("ENTRY"):]
+    assert entry.count("jaxengine_ragged_paged_attention_f32") == layers
+    whole = (f"f32[{layers * P},{L},{2 * K},{H}]", f"f32[{layers},{P},{L},{2 * K},{H}]",
+             f"f32[{layers * P * L},{2 * K},{H}]")
+    copies = [ln for ln in entry.splitlines()
+              if " copy(" in ln and any(f"= {w}" in ln for w in whole)]
+    assert copies == []
+
+
+def test_the_build_is_cached_by_what_the_binary_depends_on(tmp_path, monkeypatch):
+    monkeypatch.setenv(native.ENV_CACHE, str(tmp_path))
+    cxx = native._compiler()
+    first = native._build(cxx, ())
+    assert first.is_relative_to(tmp_path) and first.exists()
+    stamp = first.stat().st_mtime_ns
+    assert native._build(cxx, ()) == first and first.stat().st_mtime_ns == stamp  # reused
+    other = native._build(cxx, ("-DJAXENGINE_TEST_FLAG",))  # other flags: another binary
+    assert other != first and other.exists()
+    assert [p.suffix for p in tmp_path.rglob("*") if p.is_file()] == [".so", ".so"]  # no temps
+
+
+def test_without_a_compiler_the_default_is_the_reference_with_a_warning(monkeypatch, caplog):
+    monkeypatch.setenv("CXX", "")
+    monkeypatch.setenv("PATH", "")
+    monkeypatch.setattr(native, "_load", native._load.__wrapped__)  # no cached library
+    native.available.cache_clear()
+    monkeypatch.setattr(pallas_kernels.attention, "_warned_unavailable", False)
+    try:
+        with caplog.at_level(logging.WARNING, logger="jaxengine.kernels"):
+            assert pallas_kernels.default_impl("cpu") == "reference"
+        assert "no C++ compiler found" in caplog.text
+        with pytest.raises(native.NativeBuildError, match="no C\\+\\+ compiler"):
+            native.target(jnp.float32)
+    finally:
+        native.available.cache_clear()
+
+
+def test_other_dtypes_are_refused_by_name():
+    with pytest.raises(ValueError, match="float32 or bfloat16, got float16"):
+        native.target(jnp.float16)
+    case = make_case([(1, 5)], num_heads=2, num_kv_heads=1, head_dim=8, page_size=4)
+    q, k, v, cache, *rest = case.args(jnp.float32)
+    with pytest.raises(ValueError, match="must share a dtype"):
+        ragged_paged_attention_cpu(q, k, v, cache.astype(jnp.bfloat16), *rest, sm_scale=1.0)
