@@ -15,10 +15,11 @@ each implementation with the cache donated and reports achieved HBM bandwidth â€
 of KV read + new K/V written + Q + O, divided by the median time â€” as a fraction of
 ``--peak-gbps`` (H200: ~4.3 TB/s measured copy bandwidth), and the speedup over the reference.
 Prints a table and a one-line summary. ``--small`` shrinks the batches (to try ``time`` on CPU).
-``cpu`` times the jnp reference alone on CPU at SmolLM2's heads in float32 (prefills, a chunk
-after a cached prefix, decodes): best-of CPU ms per layer, and its FLOPs against the sgemm rate;
-with ``--baseline REV`` also the reference as of git revision REV, interleaved with it in the
-same process, and the ratio.
+``cpu`` times the jnp reference and the native CPU kernel (``--impls``) on CPU at SmolLM2's
+heads in float32 (prefills, a chunk after a cached prefix, decodes), in turn in one process
+with the cache donated: best-of wall and CPU ms per layer, wall GFLOP/s against the sgemm rate,
+and each one's speedup over the reference; with ``--baseline REV`` also the reference as of git
+revision REV.
 """
 
 from __future__ import annotations
@@ -261,46 +262,55 @@ def reference_at(rev: str) -> Callable:
 
 
 def run_cpu(shapes: list[Shape], impls: list[str], args: argparse.Namespace) -> list[str]:
-    """The reference on CPU at ``CPU_CASES`` (``shapes`` and ``impls`` do not apply): best-of
-    CPU ms per layer, GFLOP/s and share of the sgemm rate; with ``--baseline`` the old
-    reference's best-of CPU ms too, the two timed in turn, and old / new."""
+    """The CPU implementations at ``CPU_CASES`` (``shapes`` does not apply), timed in turn in
+    one process with the cache donated: best-of wall and CPU ms per layer, the wall GFLOP/s and
+    share of the sgemm rate, and each one's wall-time speedup over the first impl (the
+    reference); with ``--baseline`` the reference as of REV too."""
     a = jnp.asarray(np.random.default_rng(0).standard_normal((2048, 2048), dtype=np.float32))
     mm = jax.jit(lambda x: x @ x)
     mm(a).block_until_ready()
-    rate = 2 * 2048**3 / min(_cpu_seconds(lambda: mm(a).block_until_ready()) for _ in range(5))
-    print(f"sgemm (2048^2 f32, jax, per CPU second): {rate / 1e9:.0f} GFLOP/s")
-    base = f" {'baseline':>8} {'old/new':>7}" if args.baseline else ""
-    print(f"{'batch':24} {'CPU ms':>8} {'GFLOP':>7} {'GFLOP/s':>8} {'of sgemm':>8}{base}")
-    summary = []
-    fns = [jax.jit(functools.partial(ragged_paged_attention, sm_scale=64**-0.5,
-                                     **(args.blocks or {})))]  # fmt: skip
+    rate = 2 * 2048**3 / min(_wall_seconds(lambda: mm(a).block_until_ready()) for _ in range(5))
+    print(f"sgemm (2048^2 f32, jax, wall): {rate / 1e9:.0f} GFLOP/s")
+    fns = {i: jax.jit(functools.partial(ragged_paged_attention, sm_scale=64**-0.5, impl=i,
+                                        **(args.blocks if i != "reference" and args.blocks
+                                           else {})), donate_argnames="kv_cache")
+           for i in impls}  # fmt: skip
     if args.baseline:
-        fns.append(jax.jit(functools.partial(reference_at(args.baseline), sm_scale=64**-0.5)))
+        fns[f"ref@{args.baseline}"] = jax.jit(functools.partial(
+            reference_at(args.baseline), sm_scale=64**-0.5), donate_argnames="kv_cache")
+    names = list(fns)
+    print(f"{'batch':24} {'GFLOP':>6} " + " ".join(
+        f"{n + ' wall/cpu ms':>24} {'GF/s':>6} {'sgemm':>6} {'x':>5}" for n in names))
+    summary = []
     for name, reqs in CPU_CASES:
         batch, flops = cpu_batch(reqs, args.seed)
-        for fn in fns:
-            fn(**batch)[0].block_until_ready()
-        best = [float("inf")] * len(fns)
-        for _ in range(args.iters):  # in turn, so that both see the same neighbours
-            for i, fn in enumerate(fns):
-                t = _cpu_seconds(lambda b=batch, f=fn: f(**b)[0].block_until_ready())
-                best[i] = min(best[i], t)
-        t = best[0]
-        line = (f"{name:24} {1e3 * t:8.1f} {flops / 1e9:7.3f} {flops / t / 1e9:8.1f} "
-                f"{100 * flops / t / rate:7.1f}%")  # fmt: skip
-        if args.baseline:
-            line += f" {1e3 * best[1]:8.1f} {best[1] / t:6.2f}x"
+        caches = {}
+        for n, fn in fns.items():  # compile, and a cache of its own to donate
+            out, caches[n] = fn(**dict(batch, kv_cache=jnp.copy(batch["kv_cache"])))
+            out.block_until_ready()
+        wall = dict.fromkeys(names, float("inf"))
+        cpu = dict.fromkeys(names, float("inf"))
+        for _ in range(args.iters):  # in turn, so that all see the same neighbours
+            for n, fn in fns.items():
+                t0, c0 = time.perf_counter(), time.process_time()
+                out, caches[n] = fn(**dict(batch, kv_cache=caches[n]))
+                out.block_until_ready()
+                wall[n] = min(wall[n], time.perf_counter() - t0)
+                cpu[n] = min(cpu[n], time.process_time() - c0)
+        line = f"{name:24} {flops / 1e9:6.3f} "
+        for n in names:
+            line += (f"{1e3 * wall[n]:11.2f} /{1e3 * cpu[n]:9.2f} {flops / wall[n] / 1e9:6.1f} "
+                     f"{100 * flops / wall[n] / rate:5.1f}% {wall[names[0]] / wall[n]:4.1f}x ")
         print(line)
-        ratio = f" ({best[1] / t:.2f}x)" if args.baseline else ""
-        summary.append(f"{name} {1e3 * t:.1f} ms{ratio}")
+        summary.append(f"{name} " + ", ".join(f"{n} {1e3 * wall[n]:.2f} ms" for n in names))
     return summary
 
 
-def _cpu_seconds(fn: Callable[[], object]) -> float:
-    """This process's CPU seconds for one call (less disturbed by neighbours than wall time)."""
-    t0 = time.process_time()
+def _wall_seconds(fn: Callable[[], object]) -> float:
+    """Wall seconds of one call."""
+    t0 = time.perf_counter()
     fn()
-    return time.process_time() - t0
+    return time.perf_counter() - t0
 
 
 def _parse_blocks(text: str) -> dict[str, int]:
@@ -313,7 +323,7 @@ def main() -> None:
     """Parse flags, run the check or the timing, print the summary line."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mode", choices=("auto", "check", "time", "cpu"), default="auto",
-                   help="cpu: the reference alone at SmolLM2's heads, float32, CPU time")
+                   help="cpu: the reference and the CPU kernel at SmolLM2's heads, float32")
     p.add_argument("--impls", default=None, help="comma-separated (default: by backend)")
     p.add_argument("--peak-gbps", type=float, default=4300.0, help="HBM peak (H200: ~4300)")
     p.add_argument("--iters", type=int, default=20)
@@ -333,6 +343,8 @@ def main() -> None:
         impls = args.impls.split(",")
     elif mode == "check":
         impls = ["tpu", "gpu"]
+    elif mode == "cpu":
+        impls = ["reference", "cpu"]
     else:
         impls = ["reference", default_impl()] if default_impl() != "reference" else ["reference"]
     shapes = SMALL if (args.small or mode == "check") else FULL

@@ -8,7 +8,9 @@ Layout assumptions and semantics are the jnp reference's (``pallas_kernels.refer
 - The kernel (``ragged_paged_attention.cc``, compiled by ``native.py``) cuts the live requests
   into units: requests of at most 8 tokens (decodes, speculative chunks) as a whole, split over
   runs of ``pages_per_split`` pages when longer; longer requests (prefill chunks) in runs of
-  ``block_q`` tokens. XLA's intra-op threads share the units, longest first.
+  ``block_q`` tokens. XLA's intra-op threads share the units, longest first. A unit walks its
+  keys in tiles of 64 positions (an online-softmax step each), prefetching each token's cache
+  row 8 keys before it is read.
 - float32 arithmetic for float32 and bfloat16 inputs; the output is cast back to q's dtype.
   Only slots inside a request's context are read, so garbage (NaN) elsewhere cannot leak.
 """
@@ -23,10 +25,11 @@ from pallas_kernels.cpu import native
 from pallas_kernels.errors import UnsupportedShapeError
 from pallas_kernels.reference import write_kv
 
-# Defaults measured on the 2-core CPU machine (docs/BENCHMARKS.md §4): 16 query tokens per
-# prefill unit (48 rows of SmolLM2's 3 query heads per kv head); 32 pages (512 tokens at
-# page size 16) per run of a split decode, enough to spread one long decode over the cores.
-DEFAULT_BLOCK_Q = 16
+# Defaults measured on the 2-core CPU machine (docs/BENCHMARKS.md §4): 32 query tokens per
+# prefill unit (96 rows of SmolLM2's 3 query heads per kv head share each transposed key
+# tile; 1.04-1.07x over 16 on the prefill cases); 32 pages (512 tokens at page size 16) per
+# run of a split decode, enough to spread one long decode over the cores.
+DEFAULT_BLOCK_Q = 32
 DEFAULT_PAGES_PER_SPLIT = 32
 
 

@@ -21,7 +21,7 @@
 //    pages up to its last token.
 // XLA's intra-op threads take units from one shared counter, longest first.
 //
-// Numerics: float32 (bfloat16 inputs are widened), an online softmax per tile of 16 keys.
+// Numerics: float32 (bfloat16 inputs are widened), an online softmax per tile of 64 keys.
 // Only slots inside a request's context are read as keys or values, so whatever the other
 // slots hold (NaN included) never reaches the output.
 
@@ -42,23 +42,26 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kTile = 16;         // keys per score tile: one 512-bit vector of floats
-constexpr int64_t kRowBlock = 8;      // query rows that share each key load in a score tile
+constexpr int64_t kLanes = 16;        // floats per vector: one 512-bit register
+constexpr int64_t kKeys = 64;         // keys per tile (one online-softmax step)
+constexpr int64_t kRowBlock = 4;      // query rows that share each key load in a score tile
+constexpr int64_t kAhead = 8;         // keys between a token row's prefetch and its use
 constexpr int64_t kTransposeRows = 8; // rows from which a tile's keys are transposed first
 constexpr int64_t kSplitTokens = 8;   // requests of at most this many tokens split over pages
 constexpr float kMasked = -1e30f;     // running max before any visible key (finite: fast_exp)
 
-using bf16 = uint16_t;
+using bf16 = uint16_t;  // XLA FFI's BF16 native type: the upper half of a float32
 // 16 floats as one value: GCC and Clang lower it to whatever vectors the CPU has.
 typedef float f32x16 __attribute__((vector_size(64)));
-static_assert(kTile == 16, "tiles are one f32x16 wide");
+static_assert(kKeys % kLanes == 0, "a tile is whole vectors wide");
 
 inline f32x16 load16(const float* p) {
   f32x16 v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
-inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }  // XLA FFI's BF16 native type: the upper half of a float32
+inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
+inline f32x16 vmax(f32x16 a, f32x16 b) { return a > b ? a : b; }
 
 inline float widen(float x) { return x; }
 inline float widen(bf16 x) {
@@ -114,9 +117,9 @@ struct Scratch {
   std::vector<float> m;    // [K * rows_k] running max
   std::vector<float> l;    // [K * rows_k] running denominator
   std::vector<float> acc;  // [K * rows_k, H] running numerator
-  std::vector<float> s;    // [rows_pad, kTile] a tile's scores, then its probabilities
-  std::vector<float> kt;   // [H, kTile] a tile's keys, transposed
-  std::vector<float> vt;   // [kTile, H] a tile's values, widened (bfloat16 caches only)
+  std::vector<float> s;    // [rows_pad, kKeys] a tile's scores, then its probabilities
+  std::vector<float> kt;   // [H, kKeys] a tile's keys, transposed
+  std::vector<float> vt;   // [kKeys, H] a tile's values, widened (bfloat16 caches only)
   std::vector<int64_t> visible;  // [rows_pad] per row, keys of the tile it sees
   std::vector<float> alpha;      // [rows_pad] per row, the softmax rescale of the tile
   std::vector<float> spare;      // [H] the accumulator of a missing odd row
@@ -141,19 +144,25 @@ class PagedAttention {
     sc.m.assign(n, kMasked);
     sc.l.assign(n, 0.0f);
     sc.acc.assign(n * H, 0.0f);
-    for (int64_t p = u.page0; p < u.page1; ++p) {
-      const T* page = page_ptr(rq.table[p]);
-      const T* next = p + 1 < u.page1 ? page_ptr(rq.table[p + 1]) : nullptr;
-      for (int64_t j0 = 0; j0 < g_.L; j0 += kTile) {
-        const int64_t key0 = p * g_.L + j0;  // position of the tile's first key
-        const int64_t nk = std::min({kTile, g_.L - j0, rq.ctx - key0});
-        if (nk <= 0) break;
-        for (int64_t k = 0; k < g_.K; ++k) {
-          const T* keys = page + j0 * g_.token_stride() + 2 * k * H;
-          const T* ahead = next && k == 0 ? next + j0 * g_.token_stride() : nullptr;
-          tile(sc, k, rows_k, keys, nk, key0, u, rq, ahead);
-        }
-      }
+    // The unit's keys, in tiles of kKeys positions; the last visible key of its last token is
+    // at ctx - q_len + tok1 - 1.
+    const int64_t begin = u.page0 * g_.L;
+    const int64_t end = std::min(u.page1 * g_.L, rq.ctx - rq.q_len + u.tok1);
+    // Token rows of this tile and the next, [2 * kKeys]: while head 0 reads key j, the row of
+    // key j + kAhead is prefetched (pages are scattered over the pool, so the hardware
+    // prefetcher finds each one only once it is read).
+    const T* rows[2 * kKeys];
+    int64_t have = token_rows(rq, begin, std::min(2 * kKeys, end - begin), rows);
+    for (int64_t j = 0; j < std::min(kAhead, have); ++j) prefetch_token(rows[j]);
+    for (int64_t key0 = begin; key0 < end; key0 += kKeys) {
+      const int64_t nk = std::min(kKeys, end - key0);
+      for (int64_t k = 0; k < g_.K; ++k)
+        tile(sc, k, rows_k, rows, nk, key0, u, rq, k == 0 ? have : 0);
+      // Slide: the next tile's rows move down, the one after is looked up.
+      if (have > kKeys) std::copy(rows + kKeys, rows + have, rows);
+      have = std::max<int64_t>(have - kKeys, 0);
+      const int64_t next = key0 + kKeys + have;
+      if (next < end) have += token_rows(rq, next, std::min(kKeys, end - next), rows + have);
     }
     if (u.split) {
       std::copy(sc.m.begin(), sc.m.end(), m);
@@ -172,15 +181,15 @@ class PagedAttention {
   // Merge the scratch states of one split request's `count` units into `out`.
   void merge(const Unit* units, int64_t count, const Request& rq, const float* m,
              const float* l, const float* acc, float* out) const {
-    const int64_t n = rows(units[0]), H = g_.H;
+    const int64_t n = rows(units[0]), H = g_.H, stride = slot_rows();
     for (int64_t row = 0; row < n; ++row) {
       float mx = kMasked;
-      for (int64_t i = 0; i < count; ++i) mx = std::max(mx, m[units[i].slot * slot_rows() + row]);
+      for (int64_t i = 0; i < count; ++i) mx = std::max(mx, m[units[i].slot * stride + row]);
       float* o = out + out_offset(units[0], rq, row);
       std::fill(o, o + H, 0.0f);
       float denom = 0.0f;
       for (int64_t i = 0; i < count; ++i) {
-        const int64_t at = units[i].slot * slot_rows() + row;
+        const int64_t at = units[i].slot * stride + row;
         if (l[at] == 0.0f) continue;  // this run of pages held no visible key
         const float w = fast_exp(m[at] - mx);
         denom += w * l[at];
@@ -193,8 +202,15 @@ class PagedAttention {
   }
 
  private:
-  const T* page_ptr(int32_t page) const {
-    return cache_ + std::clamp<int64_t>(page, 0, g_.P - 1) * g_.page_stride();
+  // The cache rows of positions [key0, key0 + n) of a request, into `rows`; returns n.
+  int64_t token_rows(const Request& rq, int64_t key0, int64_t n, const T** rows) const {
+    for (int64_t j = 0; j < n;) {
+      const int64_t pos = key0 + j, page = pos / g_.L, offset = pos % g_.L;
+      const T* base = cache_ + std::clamp<int64_t>(rq.table[page], 0, g_.P - 1) *
+                                   g_.page_stride();
+      for (int64_t o = offset; o < g_.L && j < n; ++o, ++j) rows[j] = base + o * g_.token_stride();
+    }
+    return n;
   }
 
   int64_t out_offset(const Unit& u, const Request& rq, int64_t row) const {
@@ -215,96 +231,102 @@ class PagedAttention {
           float* dst = sc.q.data() + (k * pad + t * G + gi) * H;
           for (int64_t h = 0; h < H; ++h) dst[h] = widen(src[h]) * scale_;
         }
-    sc.s.assign(pad * kTile, 0.0f);
-    sc.kt.assign(H * kTile, 0.0f);
+    sc.s.assign(pad * kKeys, 0.0f);
+    sc.kt.assign(H * kKeys, 0.0f);
     sc.visible.assign(pad, 0);
     sc.alpha.assign(pad, 1.0f);
     sc.spare.assign(H, 0.0f);
-    if constexpr (!std::is_same_v<T, float>) sc.vt.assign(kTile * H, 0.0f);
+    if constexpr (!std::is_same_v<T, float>) sc.vt.assign(kKeys * H, 0.0f);
   }
 
-  // Scores s[i, j] = q_i . key_j of the rows of kv head k against the tile's nk keys.
-  void scores(Scratch& sc, int64_t k, int64_t rows_k, const T* keys, int64_t nk,
-              const T* ahead) const {
-    const int64_t H = g_.H, stride = g_.token_stride(), pad = padded(rows_k);
-    const float* q = sc.q.data() + k * pad * H;
-    float* s = sc.s.data();
-    if (rows_k < kTransposeRows) {  // a decode's few rows: one dot per (row, key)
-      for (int64_t j = 0; j < nk; ++j) {
-        const T* key = keys + j * stride;
-        if (ahead) prefetch_token(ahead + j * stride);
-        for (int64_t i = 0; i < rows_k; ++i) {
-          const float* qi = q + i * H;
-          float d = 0.0f;
-#pragma omp simd reduction(+ : d)
-          for (int64_t h = 0; h < H; ++h) d += qi[h] * widen(key[h]);
-          s[i * kTile + j] = d;
-        }
-      }
-      return;
-    }
-    // Many rows: transpose the keys once, then each row's 16 scores are one vector.
-    float* kt = sc.kt.data();
-    for (int64_t j = 0; j < kTile; ++j) {
-      if (j < nk) {
-        const T* key = keys + j * stride;
-        if (ahead) prefetch_token(ahead + j * stride);
-        for (int64_t h = 0; h < H; ++h) kt[h * kTile + j] = widen(key[h]);
-      } else {
-        for (int64_t h = 0; h < H; ++h) kt[h * kTile + j] = 0.0f;
-      }
-    }
-    for (int64_t i = 0; i < pad; i += kRowBlock) {
-      // kRowBlock independent accumulators: one per row, each the row's 16 scores.
-      f32x16 acc[kRowBlock] = {};
-      const float* qi = q + i * H;
-      for (int64_t h = 0; h < H; ++h) {
-        const f32x16 kh = load16(kt + h * kTile);
-        for (int64_t r = 0; r < kRowBlock; ++r) acc[r] += qi[r * H + h] * kh;
-      }
-      for (int64_t r = 0; r < kRowBlock; ++r) store16(s + (i + r) * kTile, acc[r]);
-    }
-  }
-
-  // Requests the cache lines of one token of the next page while this one is computed: pages
-  // are scattered over the pool, so the hardware prefetcher finds each only once it is read.
+  // Requests the cache lines of one token row (all its heads' keys and values).
   void prefetch_token(const T* token) const {
     const char* bytes = reinterpret_cast<const char*>(token);
     const int64_t size = g_.token_stride() * int64_t(sizeof(T));
     for (int64_t b = 0; b < size; b += 64) __builtin_prefetch(bytes + b);
   }
 
-  // One tile: scores, the causal and context mask, the online softmax step, then P.V.
-  void tile(Scratch& sc, int64_t k, int64_t rows_k, const T* keys, int64_t nk, int64_t key0,
-            const Unit& u, const Request& rq, const T* ahead) const {
-    const int64_t H = g_.H, stride = g_.token_stride();
-    scores(sc, k, rows_k, keys, nk, ahead);
-    const float* vals[kTile];  // value rows of the tile's keys (widened for bfloat16)
+  // Scores s[i, j] = q_i . key_j of the rows of kv head k against the tile's nk keys;
+  // `tokens` has `have` >= nk rows, those past the tile to prefetch (none: have = 0).
+  void scores(Scratch& sc, int64_t k, int64_t rows_k, const T* const* tokens, int64_t nk,
+              int64_t have) const {
+    const int64_t H = g_.H, pad = padded(rows_k), key_slot = 2 * k * H;
+    const float* q = sc.q.data() + k * pad * H;
+    float* s = sc.s.data();
+    if (rows_k < kTransposeRows) {  // a decode's few rows: one dot per (row, key)
+      for (int64_t j = 0; j < nk; ++j) {
+        const T* key = tokens[j] + key_slot;
+        if (j + kAhead < have) prefetch_token(tokens[j + kAhead]);
+        for (int64_t i = 0; i < rows_k; ++i) {
+          const float* qi = q + i * H;
+          float d = 0.0f;
+#pragma omp simd reduction(+ : d)
+          for (int64_t h = 0; h < H; ++h) d += qi[h] * widen(key[h]);
+          s[i * kKeys + j] = d;
+        }
+      }
+      return;
+    }
+    // Many rows: transpose the keys once, then each row's scores are kKeys / 16 vectors.
+    float* kt = sc.kt.data();
+    for (int64_t j = 0; j < kKeys; ++j) {
+      if (j < nk) {
+        const T* key = tokens[j] + key_slot;
+        if (j + kAhead < have) prefetch_token(tokens[j + kAhead]);
+        for (int64_t h = 0; h < H; ++h) kt[h * kKeys + j] = widen(key[h]);
+      } else {
+        for (int64_t h = 0; h < H; ++h) kt[h * kKeys + j] = 0.0f;
+      }
+    }
+    constexpr int64_t V = kKeys / kLanes;  // vectors per row
+    for (int64_t i = 0; i < pad; i += kRowBlock) {
+      f32x16 acc[kRowBlock][V] = {};  // kRowBlock * V independent accumulators
+      const float* qi = q + i * H;
+      for (int64_t h = 0; h < H; ++h) {
+        f32x16 kh[V];
+        for (int64_t c = 0; c < V; ++c) kh[c] = load16(kt + h * kKeys + c * kLanes);
+        for (int64_t r = 0; r < kRowBlock; ++r) {
+          const float qv = qi[r * H + h];
+          for (int64_t c = 0; c < V; ++c) acc[r][c] += qv * kh[c];
+        }
+      }
+      for (int64_t r = 0; r < kRowBlock; ++r)
+        for (int64_t c = 0; c < V; ++c) store16(s + (i + r) * kKeys + c * kLanes, acc[r][c]);
+    }
+  }
+
+  // One tile of kv head k: scores, the causal and context mask, the online softmax step, then
+  // acc = alpha * acc + P.V.
+  void tile(Scratch& sc, int64_t k, int64_t rows_k, const T* const* tokens, int64_t nk,
+            int64_t key0, const Unit& u, const Request& rq, int64_t have) const {
+    const int64_t H = g_.H, value_slot = (2 * k + 1) * H;
+    scores(sc, k, rows_k, tokens, nk, have);
+    const float* vals[kKeys];  // value rows of the tile's keys (widened for bfloat16)
     if constexpr (std::is_same_v<T, float>) {
-      for (int64_t j = 0; j < nk; ++j) vals[j] = keys + H + j * stride;
+      for (int64_t j = 0; j < nk; ++j) vals[j] = tokens[j] + value_slot;
     } else {
       for (int64_t j = 0; j < nk; ++j) {
-        const T* v = keys + H + j * stride;
+        const T* v = tokens[j] + value_slot;
         float* dst = sc.vt.data() + j * H;
         for (int64_t h = 0; h < H; ++h) dst[h] = widen(v[h]);
         vals[j] = dst;
       }
     }
     softmax(sc, k * rows_k, rows_k, nk, rq.ctx - rq.q_len + u.tok0 - key0);
-    // acc = alpha * acc + P.V, two rows at a time, 16 columns of each in registers.
-    for (int64_t i = 0; i < rows_k; i += 2) {
+    for (int64_t i = 0; i < rows_k; i += 2) {  // two rows at a time share each value load
       const int64_t n0 = sc.visible[i], n1 = i + 1 < rows_k ? sc.visible[i + 1] : 0;
       if (n0 == 0 && n1 == 0) continue;
-      const float* p0 = sc.s.data() + i * kTile;
-      const float* p1 = p0 + kTile;  // zeros past its visible keys (and a padded row's)
+      const float* p0 = sc.s.data() + i * kKeys;
+      const float* p1 = p0 + kKeys;  // zeros past its visible keys (and a padded row's)
       const float a0 = sc.alpha[i], a1 = i + 1 < rows_k ? sc.alpha[i + 1] : 1.0f;
       float* acc0 = sc.acc.data() + (k * rows_k + i) * H;
       float* acc1 = i + 1 < rows_k ? acc0 + H : sc.spare.data();
       const int64_t nj = std::max(n0, n1);
       int64_t h0 = 0;
-      for (; h0 + 4 * kTile <= H; h0 += 4 * kTile)
+      for (; h0 + 4 * kLanes <= H; h0 += 4 * kLanes)
         pv_columns<4>(h0, nj, vals, p0, p1, a0, a1, acc0, acc1);
-      for (; h0 + kTile <= H; h0 += kTile) pv_columns<1>(h0, nj, vals, p0, p1, a0, a1, acc0, acc1);
+      for (; h0 + kLanes <= H; h0 += kLanes)
+        pv_columns<1>(h0, nj, vals, p0, p1, a0, a1, acc0, acc1);
       if (h0 < H) pv_tail(h0, H - h0, nj, vals, p0, p1, a0, a1, acc0, acc1);
     }
   }
@@ -318,20 +340,20 @@ class PagedAttention {
                          const float* p1, float a0, float a1, float* acc0, float* acc1) {
     f32x16 r0[C], r1[C];
     for (int c = 0; c < C; ++c) {
-      r0[c] = load16(acc0 + h0 + c * kTile) * a0;
-      r1[c] = load16(acc1 + h0 + c * kTile) * a1;
+      r0[c] = load16(acc0 + h0 + c * kLanes) * a0;
+      r1[c] = load16(acc1 + h0 + c * kLanes) * a1;
     }
     for (int64_t j = 0; j < nj; ++j) {
       const float* v = vals[j] + h0;
       for (int c = 0; c < C; ++c) {
-        const f32x16 vc = load16(v + c * kTile);
+        const f32x16 vc = load16(v + c * kLanes);
         r0[c] += p0[j] * vc;
         r1[c] += p1[j] * vc;
       }
     }
     for (int c = 0; c < C; ++c) {
-      store16(acc0 + h0 + c * kTile, r0[c]);
-      store16(acc1 + h0 + c * kTile, r1[c]);
+      store16(acc0 + h0 + c * kLanes, r0[c]);
+      store16(acc1 + h0 + c * kLanes, r1[c]);
     }
   }
 
@@ -355,31 +377,45 @@ class PagedAttention {
   // key): turns their scores into probabilities (zero for invisible keys) and leaves each
   // row's visible-key count and rescale factor in `visible` and `alpha`.
   void softmax(Scratch& sc, int64_t row0, int64_t rows_k, int64_t nk, int64_t offset) const {
-    for (int64_t i = 0; i < rows_k; ++i) {
-      float* si = sc.s.data() + i * kTile;
-      // Keys at positions <= the row's token are visible (causal inside the chunk).
-      const int64_t visible = std::clamp<int64_t>(offset + i / g_.G + 1, 0, nk);
-      sc.visible[i] = visible;
-      sc.alpha[i] = 1.0f;
-      if (visible == 0) {  // nothing of this tile (nor of later tiles) for this row
-        std::fill(si, si + kTile, 0.0f);
-        continue;
-      }
-      const int64_t row = row0 + i;
-      float mx = sc.m[row];
-#pragma omp simd reduction(max : mx)
-      for (int64_t j = 0; j < kTile; ++j) mx = std::max(mx, j < visible ? si[j] : kMasked);
-      float sum = 0.0f;
+    for (int64_t t = 0, i = 0; i < rows_k; ++t) {
+      // Keys at positions <= the token's are visible (causal inside the chunk).
+      const int64_t visible = std::clamp<int64_t>(offset + t + 1, 0, nk);
+      for (int64_t gi = 0; gi < g_.G; ++gi, ++i) {
+        float* si = sc.s.data() + i * kKeys;
+        sc.visible[i] = visible;
+        sc.alpha[i] = 1.0f;
+        if (visible == 0) {  // nothing of this tile (nor of later tiles) for this row
+          std::fill(si, si + kKeys, 0.0f);
+          continue;
+        }
+        const int64_t row = row0 + i;
+        const float mx = std::max(sc.m[row], max_visible(si, visible));
+        float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
-      for (int64_t j = 0; j < kTile; ++j) {
-        const float p = j < visible ? fast_exp(si[j] - mx) : 0.0f;
-        si[j] = p;
-        sum += p;
+        for (int64_t j = 0; j < kKeys; ++j) {
+          const float p = j < visible ? fast_exp(si[j] - mx) : 0.0f;
+          si[j] = p;
+          sum += p;
+        }
+        sc.alpha[i] = fast_exp(sc.m[row] - mx);  // ~0 (underflow) before any visible key
+        sc.m[row] = mx;
+        sc.l[row] = sc.l[row] * sc.alpha[i] + sum;
       }
-      sc.alpha[i] = fast_exp(sc.m[row] - mx);  // ~0 (underflow) before any visible key
-      sc.m[row] = mx;
-      sc.l[row] = sc.l[row] * sc.alpha[i] + sum;
     }
+  }
+
+  // The largest of s[0, visible): lane-wise over the tile's vectors, then across lanes. (A
+  // plain max loop stayed scalar: GCC does not vectorise a float max reduction by itself.)
+  static float max_visible(const float* s, int64_t visible) {
+    f32x16 best = load16(s);
+    for (int64_t c = 1; c < kKeys / kLanes; ++c) best = vmax(best, load16(s + c * kLanes));
+    if (visible < kKeys) {  // an invisible key's score may exceed every visible one's
+      best = f32x16{} + kMasked;
+      for (int64_t j = 0; j < visible; ++j) best[0] = std::max(best[0], s[j]);
+    }
+    float mx = best[0];
+    for (int64_t c = 1; c < kLanes; ++c) mx = std::max(mx, best[c]);
+    return mx;
   }
 
   const Geometry g_;
