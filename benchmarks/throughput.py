@@ -102,12 +102,31 @@ def engine_args(args: argparse.Namespace, **extra: Any) -> Any:
     return EngineArgs(model=args.model, dtype=args.dtype, precompile=False, **given, **extra)
 
 
+def stub_attention() -> None:
+    """`--attention-free`: every attention implementation becomes a stub that writes the new K/V
+    into the cache and returns q. The outputs are garbage but the steps are the workload's
+    (every request ignores EOS and stops at max_tokens; mix64 shares no prefix), so the run's
+    roofline share bounds what any attention kernel could reach with the rest of the engine
+    (matmuls, norms, sampling, the loop) as it is."""
+    from pallas_kernels import attention
+    from pallas_kernels.reference import write_kv
+
+    def stub(q: Any, k: Any, v: Any, kv_cache: Any, slot_mapping: Any, *rest: Any,
+             **kwargs: Any) -> tuple[Any, Any]:
+        return q, write_kv(kv_cache, k, v, slot_mapping)
+
+    attention.ragged_paged_attention_reference = stub
+    attention._KERNELS = dict.fromkeys(attention._KERNELS, stub)
+
+
 def load(args: argparse.Namespace) -> tuple[Any, Any, Any]:
     """The model's functions, config and tokenizer, loaded once as `build_engine` does."""
     from jaxengine.engine.build import attention_backend, model_fns
     from jaxengine.loading.load import load_model
     from jaxengine.parallel.mesh import engine_devices, make_mesh
 
+    if args.attention_free:
+        stub_attention()
     ea = engine_args(args)
     model, cfg, tokenizer = load_model(ea.model, dtype=ea.dtype, mesh=make_mesh(
         engine_devices(1)))
@@ -363,6 +382,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--compare", choices=["hf"], default=None)
     p.add_argument("--hf-static", action="store_true", help="also HF generate, batches of 8")
     p.add_argument("--hf-python", default=str(REPO / ".venv311" / "bin" / "python"))
+    p.add_argument("--attention-free", action="store_true",
+                   help="attention replaced by a stub (garbage outputs): the roofline share "
+                        "the rest of the engine allows")
     p.add_argument("--quiet", action="store_true")
     args = p.parse_args(argv)
     try:

@@ -21,7 +21,8 @@
 //    pages up to its last token.
 // XLA's intra-op threads take units from one shared counter, longest first.
 //
-// Numerics: float32 (bfloat16 inputs are widened), an online softmax per tile of 64 keys.
+// Numerics: float32 (bfloat16 inputs are widened), an online softmax per tile of kKeys keys
+// (64 with AVX-512).
 // Only slots inside a request's context are read as keys or values, so whatever the other
 // slots hold (NaN included) never reaches the output.
 
@@ -42,26 +43,40 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kLanes = 16;        // floats per vector: one 512-bit register
-constexpr int64_t kKeys = 64;         // keys per tile (one online-softmax step)
-constexpr int64_t kRowBlock = 4;      // query rows that share each key load in a score tile
+// Vectors are the CPU's widest (16 floats with AVX-512, 8 with AVX, else 4: SSE, NEON), and a
+// tile is 4 of them. Register blocking: with AVX-512's 32 registers the score product keeps
+// 6 rows x 4 vectors of accumulators (1.27x over 4 rows on a 1280-token prefill) and P.V
+// 4 rows x 4; with 16 registers (AVX2) 2 rows each avoid spills.
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;
+constexpr int64_t kRowBlock = 6;      // query rows that share each key load in a score tile
+constexpr int64_t kPvRows = 4;        // query rows that share each value load in P.V
+#elif defined(__AVX__)
+constexpr int64_t kLanes = 8;
+constexpr int64_t kRowBlock = 2;
+constexpr int64_t kPvRows = 2;
+#else
+constexpr int64_t kLanes = 4;
+constexpr int64_t kRowBlock = 2;
+constexpr int64_t kPvRows = 2;
+#endif
+constexpr int64_t kKeys = 4 * kLanes;  // keys per tile (one online-softmax step)
 constexpr int64_t kAhead = 8;         // keys between a token row's prefetch and its use
 constexpr int64_t kTransposeRows = 8; // rows from which a tile's keys are transposed first
 constexpr int64_t kSplitTokens = 8;   // requests of at most this many tokens split over pages
 constexpr float kMasked = -1e30f;     // running max before any visible key (finite: fast_exp)
 
 using bf16 = uint16_t;  // XLA FFI's BF16 native type: the upper half of a float32
-// 16 floats as one value: GCC and Clang lower it to whatever vectors the CPU has.
-typedef float f32x16 __attribute__((vector_size(64)));
-static_assert(kKeys % kLanes == 0, "a tile is whole vectors wide");
+// One register of floats (GCC's vector extension, which Clang takes too).
+typedef float fvec __attribute__((vector_size(kLanes * sizeof(float))));
 
-inline f32x16 load16(const float* p) {
-  f32x16 v;
+inline fvec loadv(const float* p) {
+  fvec v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
-inline void store16(float* p, f32x16 v) { std::memcpy(p, &v, sizeof v); }
-inline f32x16 vmax(f32x16 a, f32x16 b) { return a > b ? a : b; }
+inline void storev(float* p, fvec v) { std::memcpy(p, &v, sizeof v); }
+inline fvec vmax(fvec a, fvec b) { return a > b ? a : b; }
 
 inline float widen(float x) { return x; }
 inline float widen(bf16 x) {
@@ -122,7 +137,8 @@ struct Scratch {
   std::vector<float> vt;   // [kKeys, H] a tile's values, widened (bfloat16 caches only)
   std::vector<int64_t> visible;  // [rows_pad] per row, keys of the tile it sees
   std::vector<float> alpha;      // [rows_pad] per row, the softmax rescale of the tile
-  std::vector<float> spare;      // [H] the accumulator of a missing odd row
+  std::vector<float> spare;      // [kPvRows, H] accumulators of rows past the last
+  std::vector<float> zeros;      // [kKeys] the probabilities of rows past the last
 };
 
 template <typename T>
@@ -235,7 +251,8 @@ class PagedAttention {
     sc.kt.assign(H * kKeys, 0.0f);
     sc.visible.assign(pad, 0);
     sc.alpha.assign(pad, 1.0f);
-    sc.spare.assign(H, 0.0f);
+    sc.spare.assign(kPvRows * H, 0.0f);
+    sc.zeros.assign(kKeys, 0.0f);
     if constexpr (!std::is_same_v<T, float>) sc.vt.assign(kKeys * H, 0.0f);
   }
 
@@ -267,7 +284,7 @@ class PagedAttention {
       }
       return;
     }
-    // Many rows: transpose the keys once, then each row's scores are kKeys / 16 vectors.
+    // Many rows: transpose the keys once, then each row's scores are whole vectors.
     float* kt = sc.kt.data();
     for (int64_t j = 0; j < kKeys; ++j) {
       if (j < nk) {
@@ -280,18 +297,18 @@ class PagedAttention {
     }
     constexpr int64_t V = kKeys / kLanes;  // vectors per row
     for (int64_t i = 0; i < pad; i += kRowBlock) {
-      f32x16 acc[kRowBlock][V] = {};  // kRowBlock * V independent accumulators
+      fvec acc[kRowBlock][V] = {};  // kRowBlock * V independent accumulators
       const float* qi = q + i * H;
       for (int64_t h = 0; h < H; ++h) {
-        f32x16 kh[V];
-        for (int64_t c = 0; c < V; ++c) kh[c] = load16(kt + h * kKeys + c * kLanes);
+        fvec kh[V];
+        for (int64_t c = 0; c < V; ++c) kh[c] = loadv(kt + h * kKeys + c * kLanes);
         for (int64_t r = 0; r < kRowBlock; ++r) {
           const float qv = qi[r * H + h];
           for (int64_t c = 0; c < V; ++c) acc[r][c] += qv * kh[c];
         }
       }
       for (int64_t r = 0; r < kRowBlock; ++r)
-        for (int64_t c = 0; c < V; ++c) store16(s + (i + r) * kKeys + c * kLanes, acc[r][c]);
+        for (int64_t c = 0; c < V; ++c) storev(s + (i + r) * kKeys + c * kLanes, acc[r][c]);
     }
   }
 
@@ -313,63 +330,51 @@ class PagedAttention {
       }
     }
     softmax(sc, k * rows_k, rows_k, nk, rq.ctx - rq.q_len + u.tok0 - key0);
-    for (int64_t i = 0; i < rows_k; i += 2) {  // two rows at a time share each value load
-      const int64_t n0 = sc.visible[i], n1 = i + 1 < rows_k ? sc.visible[i + 1] : 0;
-      if (n0 == 0 && n1 == 0) continue;
-      const float* p0 = sc.s.data() + i * kKeys;
-      const float* p1 = p0 + kKeys;  // zeros past its visible keys (and a padded row's)
-      const float a0 = sc.alpha[i], a1 = i + 1 < rows_k ? sc.alpha[i + 1] : 1.0f;
-      float* acc0 = sc.acc.data() + (k * rows_k + i) * H;
-      float* acc1 = i + 1 < rows_k ? acc0 + H : sc.spare.data();
-      const int64_t nj = std::max(n0, n1);
+    for (int64_t i = 0; i < rows_k; i += kPvRows) {  // kPvRows rows share each value load
+      const float* p[kPvRows];  // probabilities (zeros past a row's visible keys)
+      float* acc[kPvRows];
+      float alpha[kPvRows];
+      int64_t nj = 0;
+      for (int64_t r = 0; r < kPvRows; ++r) {
+        const bool live = i + r < rows_k;  // a missing row reads zeros into a spare row
+        p[r] = live ? sc.s.data() + (i + r) * kKeys : sc.zeros.data();
+        acc[r] = live ? sc.acc.data() + (k * rows_k + i + r) * H : sc.spare.data() + r * H;
+        alpha[r] = live ? sc.alpha[i + r] : 1.0f;
+        nj = std::max(nj, live ? sc.visible[i + r] : 0);
+      }
+      if (nj == 0) continue;
       int64_t h0 = 0;
-      for (; h0 + 4 * kLanes <= H; h0 += 4 * kLanes)
-        pv_columns<4>(h0, nj, vals, p0, p1, a0, a1, acc0, acc1);
-      for (; h0 + kLanes <= H; h0 += kLanes)
-        pv_columns<1>(h0, nj, vals, p0, p1, a0, a1, acc0, acc1);
-      if (h0 < H) pv_tail(h0, H - h0, nj, vals, p0, p1, a0, a1, acc0, acc1);
+      for (; h0 + 4 * kLanes <= H; h0 += 4 * kLanes) pv_columns<4>(h0, nj, vals, p, alpha, acc);
+      for (; h0 + kLanes <= H; h0 += kLanes) pv_columns<1>(h0, nj, vals, p, alpha, acc);
+      for (; h0 < H; ++h0) {  // the last H % kLanes columns
+        for (int64_t r = 0; r < kPvRows; ++r) {
+          float x = acc[r][h0] * alpha[r];
+          for (int64_t j = 0; j < nj; ++j) x += p[r][j] * vals[j][h0];
+          acc[r][h0] = x;
+        }
+      }
     }
   }
 
-  // Columns [h0, h0 + 16 C) of two rows: acc = alpha * acc + P.V over the tile's first nj
-  // keys, with 2 C accumulators in registers (independent FMA chains). Written with vector
-  // types: left to itself, GCC vectorised the loop over keys instead, with gathers through
-  // the row pointers (measured 2x slower).
+  // Columns [h0, h0 + kLanes C) of kPvRows rows: acc = alpha * acc + P.V over the tile's first
+  // nj keys, with kPvRows * C accumulators in registers (independent FMA chains). Written
+  // with vector types: left to itself, GCC vectorised the loop over keys instead, with
+  // gathers through the row pointers (measured 2x slower).
   template <int C>
-  static void pv_columns(int64_t h0, int64_t nj, const float* const* vals, const float* p0,
-                         const float* p1, float a0, float a1, float* acc0, float* acc1) {
-    f32x16 r0[C], r1[C];
-    for (int c = 0; c < C; ++c) {
-      r0[c] = load16(acc0 + h0 + c * kLanes) * a0;
-      r1[c] = load16(acc1 + h0 + c * kLanes) * a1;
-    }
+  static void pv_columns(int64_t h0, int64_t nj, const float* const* vals,
+                         const float* const* p, const float* alpha, float* const* acc) {
+    fvec r[kPvRows][C];
+    for (int64_t i = 0; i < kPvRows; ++i)
+      for (int c = 0; c < C; ++c) r[i][c] = loadv(acc[i] + h0 + c * kLanes) * alpha[i];
     for (int64_t j = 0; j < nj; ++j) {
       const float* v = vals[j] + h0;
       for (int c = 0; c < C; ++c) {
-        const f32x16 vc = load16(v + c * kLanes);
-        r0[c] += p0[j] * vc;
-        r1[c] += p1[j] * vc;
+        const fvec vc = loadv(v + c * kLanes);
+        for (int64_t i = 0; i < kPvRows; ++i) r[i][c] += p[i][j] * vc;
       }
     }
-    for (int c = 0; c < C; ++c) {
-      store16(acc0 + h0 + c * kLanes, r0[c]);
-      store16(acc1 + h0 + c * kLanes, r1[c]);
-    }
-  }
-
-  // The last H % 16 columns, the same way.
-  static void pv_tail(int64_t h0, int64_t width, int64_t nj, const float* const* vals,
-                      const float* p0, const float* p1, float a0, float a1, float* acc0,
-                      float* acc1) {
-    for (int64_t c = h0; c < h0 + width; ++c) {
-      float r0 = acc0[c] * a0, r1 = acc1[c] * a1;
-      for (int64_t j = 0; j < nj; ++j) {
-        r0 += p0[j] * vals[j][c];
-        r1 += p1[j] * vals[j][c];
-      }
-      acc0[c] = r0;
-      acc1[c] = r1;
-    }
+    for (int64_t i = 0; i < kPvRows; ++i)
+      for (int c = 0; c < C; ++c) storev(acc[i] + h0 + c * kLanes, r[i][c]);
   }
 
   // The online softmax step of rows [row0, row0 + rows_k) (kv head order) over a tile of nk
@@ -407,10 +412,10 @@ class PagedAttention {
   // The largest of s[0, visible): lane-wise over the tile's vectors, then across lanes. (A
   // plain max loop stayed scalar: GCC does not vectorise a float max reduction by itself.)
   static float max_visible(const float* s, int64_t visible) {
-    f32x16 best = load16(s);
-    for (int64_t c = 1; c < kKeys / kLanes; ++c) best = vmax(best, load16(s + c * kLanes));
+    fvec best = loadv(s);
+    for (int64_t c = 1; c < kKeys / kLanes; ++c) best = vmax(best, loadv(s + c * kLanes));
     if (visible < kKeys) {  // an invisible key's score may exceed every visible one's
-      best = f32x16{} + kMasked;
+      best = fvec{} + kMasked;
       for (int64_t j = 0; j < visible; ++j) best[0] = std::max(best[0], s[j]);
     }
     float mx = best[0];

@@ -1,5 +1,6 @@
 """The native CPU kernel: random batches against the numpy oracle, its work units, the build
-cache, the cache updated in place in a model-shaped step, and the fallback without a compiler.
+cache, the cache updated in place in a model-shaped step, the fallback without a compiler, and
+builds for narrower vector units than this machine's.
 
 The grid against the reference (page sizes, head dims, GQA ratios, float32 / bfloat16) and the
 garbage tests run it beside the other kernels (test_kernels.py, test_garbage.py).
@@ -7,7 +8,9 @@ garbage tests run it beside the other kernels (test_kernels.py, test_garbage.py)
 
 from __future__ import annotations
 
+import ctypes
 import logging
+import platform
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +21,7 @@ from hypothesis import strategies as st
 
 import pallas_kernels
 from pallas_kernels.cpu import native, ragged_paged_attention_cpu
+from pallas_kernels.reference import write_kv
 from tests.pallas_kernels.cases import assert_cache_equal, make_case, numpy_oracle
 
 PROP_T, PROP_R, PROP_L, PROP_PAGES, PROP_MAX_BLOCKS = 96, 6, 4, 150, 30
@@ -146,3 +150,25 @@ def test_other_dtypes_are_refused_by_name():
     q, k, v, cache, *rest = case.args(jnp.float32)
     with pytest.raises(ValueError, match="must share a dtype"):
         ragged_paged_attention_cpu(q, k, v, cache.astype(jnp.bfloat16), *rest, sm_scale=1.0)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 ISA levels")
+@pytest.mark.parametrize("isa", ["-march=x86-64-v3", "-march=x86-64"])
+def test_narrower_vector_builds_match_the_oracle(isa, tmp_path, monkeypatch):
+    """The kernel built for AVX2 (8-float vectors, fewer rows per register block) and for
+    baseline SSE2 (4 floats): the blocking changes with the vector width, the results must
+    not. (This machine runs both; its own build is AVX-512 where the CPU has it.)"""
+    monkeypatch.setenv(native.ENV_CACHE, str(tmp_path))
+    library = ctypes.cdll.LoadLibrary(str(native._build(native._compiler(), (isa,))))
+    target = f"jaxengine_test_ragged_paged_attention_f32{isa.replace('-', '_')}"
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(library.RaggedPagedAttentionF32),
+                                platform="cpu")
+    case = make_case([(1, 300), (70, 70), (9, 140), (3, 16)], num_heads=6, num_kv_heads=2,
+                     head_dim=80, page_size=16, seed=11)
+    q, k, v, cache, slots, tables, seq_lens, qsl, num_seqs = case.args(jnp.float32)
+    cache = write_kv(cache, k, v, slots)
+    out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+        q, cache, tables, seq_lens, qsl, num_seqs, sm_scale=np.float32(case.sm_scale),
+        block_q=np.int64(32), pages_per_split=np.int64(4))
+    want, _ = numpy_oracle(case)
+    np.testing.assert_allclose(np.asarray(out)[: case.num_tokens], want, atol=2e-5, rtol=2e-5)
