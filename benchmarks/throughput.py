@@ -4,6 +4,7 @@ compilations, padding, and optionally sync against async scheduling and a x8 KV 
 
     python benchmarks/throughput.py [--workload benchmarks/workloads/mix64.json] [--limits 16,64]
         [--compare hf --hf-python .venv311/bin/python] [--async-compare] [--pool-ratio]
+        [--baseline-buckets 1,2,3,... | --baseline-attention reference] [--attention-free]
         [--max-num-seqs N ...]   # engine overrides; default: EngineArgs' own defaults
 
 All requests arrive at t=0 (greedy, ignore_eos, exactly max_tokens each). The engine is built
@@ -119,15 +120,16 @@ def stub_attention() -> None:
     attention._KERNELS = dict.fromkeys(attention._KERNELS, stub)
 
 
-def load(args: argparse.Namespace) -> tuple[Any, Any, Any]:
-    """The model's functions, config and tokenizer, loaded once as `build_engine` does."""
+def load(args: argparse.Namespace, attention: str | None = None) -> tuple[Any, Any, Any]:
+    """The model's functions, config and tokenizer, loaded once as `build_engine` does (with
+    `attention`, that attention backend instead of the engine's default)."""
     from jaxengine.engine.build import attention_backend, model_fns
     from jaxengine.loading.load import load_model
     from jaxengine.parallel.mesh import engine_devices, make_mesh
 
     if args.attention_free:
         stub_attention()
-    ea = engine_args(args)
+    ea = engine_args(args, **({"attention_backend": attention} if attention else {}))
     model, cfg, tokenizer = load_model(ea.model, dtype=ea.dtype, mesh=make_mesh(
         engine_devices(1)))
     return model_fns(model, cfg, attn_impl=attention_backend(ea, cfg)), cfg, tokenizer
@@ -269,8 +271,16 @@ def print_table(rows: list[tuple[str, str]]) -> None:
         print(f"{k:<{width}}  {v}")
 
 
+def baseline_name(args: argparse.Namespace) -> str:
+    """What the baseline engine changes: its buckets and / or its attention backend."""
+    parts = (["buckets"] if args.baseline_buckets else []) + (
+        [f"attention {args.baseline_attention}"] if args.baseline_attention else [])
+    return ", ".join(parts)
+
+
 def run_rows(n: int, r: dict[str, Any], flops: dict[str, float], rate: float,
-             hf: dict[str, Any] | None) -> tuple[list[tuple[str, str]], str]:
+             hf: dict[str, Any] | None, args: argparse.Namespace
+             ) -> tuple[list[tuple[str, str]], str]:
     """Table rows of one limit, and its part of the summary line."""
     from jaxengine.lab.results import percentile  # the lab's (hf_baseline imports this file)
 
@@ -294,11 +304,11 @@ def run_rows(n: int, r: dict[str, Any], flops: dict[str, float], rate: float,
     summary = f"{n} req: {tps:.1f} tok/s, {100 * roof:.0f}% roofline"
     if "baseline" in r:
         b = r["baseline"]
-        rows.append(("  baseline buckets: tok/s, padding",
+        rows.append((f"  baseline ({baseline_name(args)}): tok/s, padding",
                      f"{tokens_per_s(b):.1f}, {100 * b['padding_waste']:.1f}% (this run "
                      f"x{tps / tokens_per_s(b):.2f}; same outputs: "
                      f"{b['outputs'] == r['outputs']})"))
-        summary += f", x{tps / tokens_per_s(b):.2f} baseline buckets"
+        summary += f", x{tps / tokens_per_s(b):.2f} baseline ({baseline_name(args)})"
     cb = (hf or {}).get("limits", {}).get(str(n), {})
     for key, name in (("cb", "transformers continuous batching"),
                       ("static8", "transformers generate, batches of 8")):
@@ -326,7 +336,7 @@ def report(args: argparse.Namespace, setup: dict[str, Any], runs: dict[int, dict
     ]
     summary = []
     for n, r in runs.items():
-        more, part = run_rows(n, r, flops[n], rate, hf)
+        more, part = run_rows(n, r, flops[n], rate, hf, args)
         rows += more
         summary.append(part)
     if hf is not None:
@@ -348,13 +358,18 @@ def report(args: argparse.Namespace, setup: dict[str, Any], runs: dict[int, dict
 
 def run_baseline(args: argparse.Namespace, loaded: tuple[Any, Any, Any], ea: Any,
                  setup: dict[str, Any], requests: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The requests on an engine with `--baseline-buckets`; None without that flag."""
-    if not args.baseline_buckets:
+    """The requests on the baseline engine: `--baseline-buckets` and / or the model with
+    `--baseline-attention` (loaded once, into `setup`); None without either flag."""
+    if not (args.baseline_buckets or args.baseline_attention):
         return None
-    fns, cfg, tokenizer = loaded
-    new = not set(args.baseline_buckets) <= set(setup["buckets"])  # else compiled already
-    engine, _ = build_engine(fns, cfg, tokenizer, ea, buckets=args.baseline_buckets,
-                             progress=False, precompile=new)
+    if args.baseline_attention and "baseline_fns" not in setup:
+        setup["baseline_fns"] = load(args, attention=args.baseline_attention)
+    fns, cfg, tokenizer = setup.get("baseline_fns", loaded)
+    buckets = args.baseline_buckets or args.token_buckets
+    compiled = not args.baseline_attention and set(buckets or setup["buckets"]) <= set(
+        setup["buckets"])
+    engine, _ = build_engine(fns, cfg, tokenizer, ea, buckets=buckets, progress=False,
+                             precompile=not compiled)
     return run_engine(engine, requests)
 
 
@@ -373,6 +388,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="comma-separated token buckets replacing the engine's (e.g. 16,32,...)")
     p.add_argument("--baseline-buckets", default=None,
                    help="also run each limit with these token buckets, side by side")
+    p.add_argument("--baseline-attention", default=None,
+                   choices=["reference", "cpu", "tpu", "gpu"],
+                   help="also run each limit with this attention backend, side by side")
     p.add_argument("--pool-ratio", action="store_true",
                    help="run the largest limit again on a x8 KV pool (docs/BENCHMARKS.md §3)")
     p.add_argument("--async-compare", action="store_true",
