@@ -1,0 +1,69 @@
+// The CPU attention kernel's units on one thread, without JAX: steadier timings than a whole
+// step while tuning pallas_kernels/cpu/ragged_paged_attention.cc (docs/BENCHMARKS.md §4).
+//
+//   g++ -O3 -march=native -std=c++17 -fopenmp-simd -fno-math-errno -fno-trapping-math \
+//       -w -I"$(.venv/bin/python -c 'import jax.ffi; print(jax.ffi.include_dir())')" \
+//       benchmarks/cpu_kernel_units.cc -o /tmp/cpu_kernel_units
+//   /tmp/cpu_kernel_units chunk|prefills|decodes [block_q] [passes]
+//
+// SmolLM2's heads (9 query, 3 KV, head dim 64), float32, 16-token pages shuffled over a pool;
+// `chunk`: 768 tokens after 512 cached, `prefills`: 1280 + 256, `decodes`: 64 at context 300.
+// Prints the best of `passes` (200) passes over every unit, and a checksum to compare builds by.
+#include "../pallas_kernels/cpu/ragged_paged_attention.cc"
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <random>
+#include <string>
+#include <utility>
+
+int main(int argc, char** argv) {
+  const std::string mode = argc > 1 ? argv[1] : "chunk";
+  const int64_t block_q = argc > 2 ? std::atoi(argv[2]) : 32;
+  const int passes = argc > 3 ? std::atoi(argv[3]) : 200;
+  const int64_t N = 9, K = 3, H = 64, L = 16, P = 3000, max_blocks = 512;
+  std::vector<std::pair<int64_t, int64_t>> shape;  // (tokens this step, context after it)
+  if (mode == "chunk") shape = {{768, 1280}};
+  else if (mode == "prefills") shape = {{1280, 1280}, {256, 256}};
+  else shape.assign(64, {1, 300});
+  std::mt19937 rng(0);
+  std::uniform_real_distribution<float> uniform(-1, 1);
+  int64_t T = 0;
+  for (auto& [q, ctx] : shape) T += q;
+  std::vector<float> cache(P * L * 2 * K * H), q(T * N * H), out(T * N * H);
+  for (auto& x : cache) x = uniform(rng);
+  for (auto& x : q) x = uniform(rng);
+  std::vector<int32_t> pages(P), tables(shape.size() * max_blocks);
+  std::iota(pages.begin(), pages.end(), 0);
+  std::shuffle(pages.begin(), pages.end(), rng);
+  std::vector<Request> reqs;
+  int64_t used = 0, start = 0;
+  double flops = 0;
+  for (size_t r = 0; r < shape.size(); ++r) {
+    const auto [len, ctx] = shape[r];
+    for (int64_t p = 0; p < (ctx + L - 1) / L; ++p) tables[r * max_blocks + p] = pages[used++];
+    reqs.push_back({start, len, ctx, tables.data() + r * max_blocks});
+    for (int64_t t = 0; t < len; ++t) flops += 4.0 * N * H * (ctx - len + t + 1);
+    start += len;
+  }
+  const Geometry g{T, N, K, N / K, H, P, L, max_blocks};
+  int64_t slots = 0;
+  const std::vector<Unit> units = plan(reqs, g, block_q, 32, &slots);
+  PagedAttention<float> attn(g, q.data(), cache.data(), 0.125f);
+  const int64_t stride = attn.slot_rows();
+  std::vector<float> m(slots * stride), l(slots * stride), acc(slots * stride * H);
+  Scratch sc;
+  double best = 1e9;
+  for (int pass = 0; pass < passes; ++pass) {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (const Unit& u : units)
+      attn.run(u, reqs[u.req], sc, out.data(), m.data() + u.slot * stride,
+               l.data() + u.slot * stride, acc.data() + u.slot * stride * H);
+    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
+                              .count());
+  }
+  std::printf("%s block_q=%ld units=%zu: %.3f ms, %.1f GFLOP/s, checksum %.6f\n", mode.c_str(),
+              long(block_q), units.size(), best * 1e3, flops / best / 1e9,
+              double(out[5] + out[T * N * H / 2]));
+}
