@@ -32,6 +32,7 @@ from jaxengine.lab.cost_model import (
     fit_report,
     plan_features,
 )
+from pallas_kernels import default_impl
 from scheduler import SamplingParams, SchedulerOutput, schedule
 
 # Reweighting rounds of the fit (`fit_coefficients`). On a SmolLM2 calibration against ten real
@@ -201,8 +202,11 @@ def calibrate(args: EngineArgs, *, scenes: Sequence[Scene] | None = None,
     model = fit_samples(samples, hold_out_every=hold_out_every)
     per_block = engine.runner.model.kv_bytes_per_block(cfg.block_size)
     device = jax.devices()[0]
+    # The backend as resolved, not None: what None picks changes with the platform and the
+    # version (on CPU it was the jnp reference, it is now the native kernel).
+    resolved = {"attention_backend": args.attention_backend or default_impl()}
     return dataclasses.replace(
-        model, engine_args=dataclasses.asdict(args), backend=jax.default_backend(),
+        model, engine_args=dataclasses.asdict(args) | resolved, backend=jax.default_backend(),
         device=getattr(device, "device_kind", str(device)), num_blocks=cfg.num_blocks,
         kv_bytes_per_token=per_block // cfg.block_size, kv_budget_bytes=kv_budget_bytes(args),
         max_model_len=cfg.max_model_len,

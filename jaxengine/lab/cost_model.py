@@ -48,7 +48,9 @@ FEATURES = ("const", "padded_tokens", *(f"tokens_upto_{k}" for k in TOKEN_KNOTS)
 # Engine arguments a cost model is only valid for: they change the work of a step or the loop.
 CALIBRATION_KEYS = ("model", "dtype", "attention_backend", "tensor_parallel_size",
                     "async_scheduling")
-VERSION = 2  # 2: the tokens_upto_* and sampler_rows features
+# 2: the tokens_upto_* and sampler_rows features; 3: the attention backend recorded as resolved
+# (a version-2 file's None meant the jnp reference on CPU, which the native kernel replaced)
+VERSION = 3
 
 
 def plan_features(plan: SchedulerOutput, buckets: Sequence[int],

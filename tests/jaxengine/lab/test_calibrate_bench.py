@@ -32,6 +32,9 @@ def cost() -> CostModel:
 
 def test_calibration_saves_what_it_was_calibrated_for(cost: CostModel) -> None:
     assert cost.engine_args["model"] == TINY and cost.backend == "cpu"
+    # The backend as resolved (ARGS leave it to the platform), so that a file made when None
+    # meant another kernel is not taken for this one's.
+    assert ARGS.attention_backend is None and cost.engine_args["attention_backend"] == "cpu"
     assert cost.num_blocks == 80 and cost.max_model_len == 128
     assert cost.model_max_model_len == 256 and cost.vocab_size == 128
     assert cost.kv_bytes_per_token > 0 and cost.idle_call_seconds > 0
@@ -46,7 +49,8 @@ def test_calibration_saves_what_it_was_calibrated_for(cost: CostModel) -> None:
                                sampling_params=SamplingParams(max_tokens=2)))
     _, plan = schedule(s)
     assert cost.step_seconds(plan, token_buckets(32), request_buckets(4)) > 0
-    assert simulation_args(cost) == dataclasses.replace(ARGS, precompile=None)
+    assert simulation_args(cost) == dataclasses.replace(ARGS, precompile=None,
+                                                        attention_backend="cpu")
     # Two passes over the grid: every scene was timed in each (samples keep the scene index).
     assert cost.info["repeats"] == 2
     assert len(cost.info["load_average"]) == 2 and min(cost.info["load_average"]) >= 0
