@@ -79,7 +79,9 @@ def ragged_paged_attention_cpu(
         raise ValueError(f"q ({q.dtype}) and kv_cache ({kv_cache.dtype}) must share a dtype")
     check_supported(num_heads=N, num_kv_heads=K, head_dim=H, page_size=kv_cache.shape[1])
     kv_cache = write_kv(kv_cache, k, v, slot_mapping)
-    call = jax.ffi.ffi_call(native.target(q.dtype), jax.ShapeDtypeStruct((T, N, H), jnp.float32))
+    # Under jax.vmap the kernel runs once per batch element (as the reference's loops would).
+    call = jax.ffi.ffi_call(native.target(q.dtype), jax.ShapeDtypeStruct((T, N, H), jnp.float32),
+                            vmap_method="sequential")
     out = call(q, kv_cache, block_tables.astype(jnp.int32), seq_lens.astype(jnp.int32),
                query_start_loc.astype(jnp.int32), jnp.asarray(num_seqs, jnp.int32),
                sm_scale=np.float32(sm_scale), block_q=np.int64(block_q),

@@ -172,3 +172,16 @@ def test_narrower_vector_builds_match_the_oracle(isa, tmp_path, monkeypatch):
         block_q=np.int64(32), pages_per_split=np.int64(4))
     want, _ = numpy_oracle(case)
     np.testing.assert_allclose(np.asarray(out)[: case.num_tokens], want, atol=2e-5, rtol=2e-5)
+
+
+def test_vmap_runs_the_kernel_per_element():
+    """Research code may vmap a step over a batch of queries: each element is the kernel's own
+    call (vmap_method="sequential")."""
+    case = make_case([(1, 40), (9, 30)], num_heads=4, num_kv_heads=2, head_dim=16, page_size=8)
+    q, *rest = case.args(jnp.float32)
+    qs = jnp.stack([q, 2 * q])
+    outs, _ = jax.vmap(lambda qq: ragged_paged_attention_cpu(qq, *rest, sm_scale=0.3))(qs)
+    for i in range(2):
+        one, _ = ragged_paged_attention_cpu(qs[i], *rest, sm_scale=0.3)
+        np.testing.assert_array_equal(np.asarray(outs[i]), np.asarray(one))
+    assert not np.allclose(np.asarray(outs[0]), np.asarray(outs[1]))
