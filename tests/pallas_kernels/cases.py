@@ -10,9 +10,12 @@ request rows past ``num_seqs`` with garbage metadata.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from hypothesis import strategies as st
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -164,3 +167,38 @@ def numpy_oracle(case: Case, dtype: np.dtype = np.float32) -> tuple[np.ndarray, 
 def assert_cache_equal(got: np.ndarray, want: np.ndarray) -> None:
     """Caches equal everywhere but block 0 (padding writes land there in unspecified order)."""
     np.testing.assert_array_equal(np.asarray(got, np.float32)[1:], want[1:])
+
+
+# Fixed shapes for the property tests (of the reference, of the CPU kernel), so that hypothesis
+# examples share one compilation. They fit the largest batch `random_batches` draws: 5 requests
+# of up to 116 tokens, 29 pages each (+ page 0).
+PROP_T, PROP_R, PROP_PAGES, PROP_MAX_BLOCKS, PROP_L = 96, 6, 150, 30, 4
+PROP_SM_SCALE = 8**-0.5  # head_dim 8
+
+
+@st.composite
+def random_batches(draw: st.DrawFn) -> list[tuple[int, int]]:
+    """1-5 requests: decodes, short chunks and whole prefills, and chunks over a cached prefix,
+    fitting the PROP_* shapes."""
+    reqs = draw(st.lists(st.tuples(st.integers(1, 16), st.integers(0, 100)), min_size=1,
+                         max_size=PROP_R - 1))  # fmt: skip
+    return [(q, q + cached) for q, cached in reqs]
+
+
+def check_random_batch(attention: Callable[..., tuple[jax.Array, jax.Array]],
+                       reqs: list[tuple[int, int]], seed: int) -> np.ndarray:
+    """`attention` (an implementation compiled for the PROP_* shapes and PROP_SM_SCALE) against
+    the numpy oracle on `reqs`: live rows and the cache. Returns its output, f32[PROP_T, 4, 8]."""
+    T = sum(q for q, _ in reqs)
+    pages = sum(-(-s // PROP_L) for _, s in reqs)
+    case = make_case(
+        reqs, num_heads=4, num_kv_heads=2, head_dim=8, page_size=PROP_L, seed=seed,
+        pad_tokens=PROP_T - T, pad_reqs=PROP_R - len(reqs), extra_pages=PROP_PAGES - 1 - pages,
+        max_blocks=PROP_MAX_BLOCKS,
+    )  # fmt: skip
+    assert case.sm_scale == PROP_SM_SCALE
+    out, cache = attention(*case.args(jnp.float32))
+    want, want_cache = numpy_oracle(case)
+    np.testing.assert_allclose(np.asarray(out)[:T], want, atol=2e-5, rtol=2e-5)
+    assert_cache_equal(np.asarray(cache), want_cache)
+    return np.asarray(out)

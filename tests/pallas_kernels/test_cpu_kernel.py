@@ -22,41 +22,28 @@ from hypothesis import strategies as st
 import pallas_kernels
 from pallas_kernels.cpu import native, ragged_paged_attention_cpu
 from pallas_kernels.reference import write_kv
-from tests.pallas_kernels.cases import assert_cache_equal, make_case, numpy_oracle
-
-PROP_T, PROP_R, PROP_L, PROP_PAGES, PROP_MAX_BLOCKS = 96, 6, 4, 150, 30
+from tests.pallas_kernels.cases import (
+    PROP_SM_SCALE,
+    check_random_batch,
+    make_case,
+    numpy_oracle,
+    random_batches,
+)
 
 
 @jax.jit
 def _fixed(*args):  # one compilation for every property example (the shapes are fixed)
-    return ragged_paged_attention_cpu(*args, sm_scale=8**-0.5, block_q=3, pages_per_split=2)
-
-
-@st.composite
-def batches(draw: st.DrawFn) -> list[tuple[int, int]]:
-    """1-5 requests: decodes, speculative-sized chunks (<= 8 tokens, split over pages) and
-    longer chunks over a cached prefix (cut into runs of block_q tokens)."""
-    reqs = draw(st.lists(st.tuples(st.integers(1, 16), st.integers(0, 100)), min_size=1,
-                         max_size=PROP_R - 1))  # fmt: skip
-    return [(q, q + cached) for q, cached in reqs]
+    return ragged_paged_attention_cpu(*args, sm_scale=PROP_SM_SCALE, block_q=3,
+                                      pages_per_split=2)
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(reqs=batches(), seed=st.integers(0, 2**16))
+@given(reqs=random_batches(), seed=st.integers(0, 2**16))
 def test_property_random_batches_match_numpy_oracle(reqs, seed):
-    T = sum(q for q, _ in reqs)
-    pages = sum(-(-s // PROP_L) for _, s in reqs)
-    case = make_case(
-        reqs, num_heads=4, num_kv_heads=2, head_dim=8, page_size=PROP_L, seed=seed,
-        pad_tokens=PROP_T - T, pad_reqs=PROP_R - len(reqs), extra_pages=PROP_PAGES - 1 - pages,
-        max_blocks=PROP_MAX_BLOCKS,
-    )  # fmt: skip
-    out, cache = _fixed(*case.args(jnp.float32))
-    want, want_cache = numpy_oracle(case)
-    out = np.asarray(out)
-    np.testing.assert_allclose(out[:T], want, atol=2e-5, rtol=2e-5)
-    assert not out[T:].any()  # padding rows are zeros
-    assert_cache_equal(np.asarray(cache), want_cache)
+    # block_q 3 and 2 pages per split: prefills cut into many units, decodes and short chunks
+    # (<= 8 tokens) split over pages and merged.
+    out = check_random_batch(_fixed, reqs, seed)
+    assert not out[sum(q for q, _ in reqs):].any()  # padding rows are zeros
 
 
 @pytest.mark.parametrize("head_dim", [8, 24, 64, 80, 128])

@@ -15,7 +15,14 @@ from hypothesis import strategies as st
 
 import pallas_kernels
 from pallas_kernels import ragged_paged_attention
-from tests.pallas_kernels.cases import assert_cache_equal, make_case, numpy_oracle
+from tests.pallas_kernels.cases import (
+    PROP_SM_SCALE,
+    assert_cache_equal,
+    check_random_batch,
+    make_case,
+    numpy_oracle,
+    random_batches,
+)
 
 # (q_len, context_len) per request.
 BATCHES = {
@@ -185,39 +192,17 @@ def test_memory_is_bounded_for_8k_contexts():
     assert memory.temp_size_in_bytes < 128 * 2**20
 
 
-# Fixed shapes for the property test, so hypothesis examples share one compilation. They fit
-# the largest batch `batches` draws: 5 requests of up to 116 tokens, 29 pages each (+ page 0).
-PROP_T, PROP_R, PROP_PAGES, PROP_MAX_BLOCKS, PROP_L = 96, 6, 150, 30, 4
 # Small loop steps, so items and decodes straddle steps (the defaults fit these in one).
 _reference_fixed = jax.jit(
-    lambda *a: ragged_paged_attention(*a, sm_scale=8**-0.5, block_q=4, pages_per_chunk=3,
+    lambda *a: ragged_paged_attention(*a, sm_scale=PROP_SM_SCALE, block_q=4, pages_per_chunk=3,
                                       decode_pages_per_step=3)
 )
 
 
-@st.composite
-def batches(draw: st.DrawFn) -> list[tuple[int, int]]:
-    """1-5 requests: decodes, whole prefills and chunks over a cached prefix, fitting the shapes."""
-    reqs = draw(st.lists(st.tuples(st.integers(1, 16), st.integers(0, 100)), min_size=1,
-                         max_size=PROP_R - 1))  # fmt: skip
-    return [(q, q + cached) for q, cached in reqs]
-
-
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(reqs=batches(), seed=st.integers(0, 2**16))
+@given(reqs=random_batches(), seed=st.integers(0, 2**16))
 def test_property_random_batches_match_numpy_oracle(reqs, seed):
-    T = sum(q for q, _ in reqs)
-    pages = sum(-(-s // PROP_L) for _, s in reqs)
-    case = make_case(
-        reqs, num_heads=4, num_kv_heads=2, head_dim=8, page_size=PROP_L, seed=seed,
-        pad_tokens=PROP_T - T, pad_reqs=PROP_R - len(reqs), extra_pages=PROP_PAGES - 1 - pages,
-        max_blocks=PROP_MAX_BLOCKS,
-    )  # fmt: skip
-    assert case.sm_scale == 8**-0.5  # the one compiled into _reference_fixed
-    out, cache = _reference_fixed(*case.args(jnp.float32))
-    want, want_cache = numpy_oracle(case)
-    np.testing.assert_allclose(np.asarray(out)[:T], want, atol=2e-5, rtol=2e-5)
-    assert_cache_equal(np.asarray(cache), want_cache)
+    check_random_batch(_reference_fixed, reqs, seed)
 
 
 def test_one_token_batch_matches_numpy_oracle():
