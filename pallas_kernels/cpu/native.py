@@ -25,6 +25,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 import jax
@@ -89,6 +90,7 @@ def _build(cxx: str, march: tuple[str, ...]) -> Path:
     fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so")
     os.close(fd)
     cmd = [cxx, *flags, "-I", jax.ffi.include_dir(), str(SOURCE), "-o", tmp]
+    logger.info("compiling %s into %s (once per source, toolchain and CPU)", SOURCE.name, out)
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         os.unlink(tmp)
@@ -98,19 +100,26 @@ def _build(cxx: str, march: tuple[str, ...]) -> Path:
     return out
 
 
-@functools.cache
+_lock = threading.Lock()  # engines built in threads (data parallel) load the library once
+_library: list[ctypes.CDLL] = []
+
+
 def _load() -> ctypes.CDLL:
-    cxx = _compiler()
-    try:
-        path = _build(cxx, ("-march=native",))
-    except NativeBuildError as native:  # e.g. a compiler without -march=native
-        logger.info("%s; building without -march=native", native)
-        path = _build(cxx, ())
-    library = ctypes.cdll.LoadLibrary(str(path))
-    for target, symbol in TARGETS.values():
-        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)),
-                                    platform="cpu")
-    return library
+    """The library, built if need be, its targets registered with XLA (once per process)."""
+    with _lock:
+        if not _library:
+            cxx = _compiler()
+            try:
+                path = _build(cxx, ("-march=native",))
+            except NativeBuildError as native:  # e.g. a compiler without -march=native
+                logger.info("%s; building without -march=native", native)
+                path = _build(cxx, ())
+            library = ctypes.cdll.LoadLibrary(str(path))
+            for target_name, symbol in TARGETS.values():
+                jax.ffi.register_ffi_target(
+                    target_name, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
+            _library.append(library)
+        return _library[0]
 
 
 def target(dtype: jnp.dtype) -> str:
