@@ -27,3 +27,9 @@ def test_the_driver_builds_and_runs_every_unit(tmp_path: Path) -> None:
     out = subprocess.run([str(exe), "chunk", "16", "1"], capture_output=True, text=True,
                          check=True)
     assert "units=48:" in out.stdout  # 768 tokens in runs of 16
+    # 64 decodes at context 1500: 94 pages each, three split units, whose states are merged
+    # (without the merge every output row would stay zero, and so would the checksum).
+    out = subprocess.run([str(exe), "long-decodes", "32", "1"], capture_output=True, text=True,
+                         check=True)
+    match = re.search(r"units=(\d+):.*checksum (-?[\d.]+)", out.stdout)
+    assert match and int(match[1]) == 192 and float(match[2]) != 0.0
