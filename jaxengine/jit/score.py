@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from jaxengine.jit.layout import block_tables, check_layout, check_rows, pages_per_row, prefill
 from jaxengine.model.fns import ModelFns
+from jaxengine.sampling.argmax import argmax
 
 
 @jax.tree_util.register_dataclass
@@ -92,6 +93,6 @@ def jaxengine_score(params: Any, prompt_ids: jax.Array, continuation_ids: jax.Ar
     lp = jnp.take_along_axis(raw, continuation_ids[:, :, None], axis=-1)[:, :, 0]  # f32[B, C]
     live = jnp.arange(C)[None, :] < continuation_lens[:, None]  # bool[B, C]
     lp = jnp.where(live, lp, 0.0)
-    greedy = jnp.argmax(raw, axis=-1) == continuation_ids
+    greedy = argmax(raw) == continuation_ids
     return ScoreOutput(logprobs=lp, total=lp.sum(axis=1),
                        is_greedy=jnp.all(greedy | ~live, axis=1))

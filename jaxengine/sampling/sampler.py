@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxengine.sampling.argmax import argmax
 from jaxengine.sampling.token_logprobs import token_logprobs
 
 
@@ -108,7 +109,7 @@ def _sample_random(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
     u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32, minval=1e-7))(keys)  # f32[R]
     token = jnp.sum(cdf < (u * cdf[:, -1])[:, None], axis=-1)
     # Rounding can push the search past the last token with mass: clamp to it.
-    last = V - 1 - jnp.argmax(jnp.flip(probs > 0, axis=-1), axis=-1)
+    last = V - 1 - argmax(jnp.flip(probs > 0, axis=-1))
     return jnp.minimum(token, last).astype(jnp.int32)
 
 
@@ -155,7 +156,7 @@ def sample_impl(logits: jax.Array, md: SamplingMetadata, *, max_logprobs: int,
     """
     raw = _ban(logits.astype(jnp.float32), md.banned_token_ids)
     logits = raw if adjust is None else adjust(raw)
-    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = argmax(logits)
     drawn = lax.cond(
         jnp.all(md.temperature <= 0), lambda: greedy, lambda: _sample_random(logits, md)
     )

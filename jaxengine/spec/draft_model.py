@@ -34,6 +34,7 @@ from jax import lax
 from jaxengine.model.batch import ModelBatch, RequestChunk, pack_batch
 from jaxengine.model.fns import ModelFns
 from jaxengine.runner.buckets import pick_bucket
+from jaxengine.sampling.argmax import argmax
 from jaxengine.spec.config import SpeculativeConfig
 from jaxengine.spec.speculator import Speculator, _Token
 from scheduler import PLACEHOLDER_TOKEN_ID, SchedulerOutput
@@ -81,7 +82,7 @@ def jaxengine_draft_propose(params: Any, kv: jax.Array, tokens: jax.Array,
             block_tables=tables, seq_lens=jnp.where(live, pos + 1, 0), query_start_loc=qsl,
             num_seqs=num_rows, logits_indices=jnp.arange(R, dtype=jnp.int32))
         kv, hidden = step_fn(params, kv, batch)
-        nxt = jnp.argmax(logits_fn(params, hidden), axis=-1).astype(jnp.int32)
+        nxt = argmax(logits_fn(params, hidden))
         return kv, nxt, drafts.at[:, j].set(nxt)
 
     kv, _, drafts = lax.fori_loop(0, k, body, (kv, tokens, jnp.zeros((R, k), jnp.int32)))
