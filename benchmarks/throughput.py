@@ -5,6 +5,7 @@ compilations, padding, and optionally sync against async scheduling and a x8 KV 
     python benchmarks/throughput.py [--workload benchmarks/workloads/mix64.json] [--limits 16,64]
         [--compare hf --hf-python .venv311/bin/python] [--async-compare] [--pool-ratio]
         [--baseline-buckets 1,2,3,... | --baseline-attention reference] [--attention-free]
+        [--step-times]
         [--max-num-seqs N ...]   # engine overrides; default: EngineArgs' own defaults
 
 All requests arrive at t=0 (greedy, ignore_eos, exactly max_tokens each). The engine is built
@@ -18,6 +19,7 @@ same GGUF weights, float32, in another interpreter (a Python 3.11 venv with torc
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import resource
@@ -165,18 +167,23 @@ def build_engine(fns: Any, cfg: Any, tokenizer: Any, ea: Any, *, buckets: tuple[
     return engine, time.perf_counter() - t0
 
 
-def run_engine(engine: Any, requests: list[dict[str, Any]]) -> dict[str, Any]:
-    """Run every request to the end; return timings and counters."""
+def add_requests(engine: Any, requests: list[dict[str, Any]], start: float) -> None:
+    """The workload's requests, all arriving at `start`: greedy, exactly max_tokens each."""
     from scheduler import SamplingParams
 
-    stats = engine.runner.stats
-    before = (stats.steps, stats.padded_tokens, stats.computed_tokens,
-              stats.compilations_after_warmup)
-    start = time.time()
     for r in requests:
         params = SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=True)
         engine.add_request(r["id"], {"prompt_token_ids": r["prompt_token_ids"]}, params,
                            arrival_time=start)
+
+
+def run_engine(engine: Any, requests: list[dict[str, Any]]) -> dict[str, Any]:
+    """Run every request to the end; return timings and counters."""
+    stats = engine.runner.stats
+    before = (stats.steps, stats.padded_tokens, stats.computed_tokens,
+              stats.compilations_after_warmup)
+    start = time.time()
+    add_requests(engine, requests, start)
     finished = []
     while engine.has_unfinished_requests():
         finished += [o for o in engine.step() if o.finished]
@@ -192,6 +199,27 @@ def run_engine(engine: Any, requests: list[dict[str, Any]]) -> dict[str, Any]:
         after_warmup=stats.compilations_after_warmup - before[3],
         outputs={o.request_id: list(o.outputs[0].token_ids) for o in finished},
     )
+
+
+def step_times(args: argparse.Namespace, loaded: tuple[Any, Any, Any],
+               requests: list[dict[str, Any]]) -> dict[int, list[tuple[float, int]]]:
+    """`--step-times`: the requests once more with async scheduling off, so that each
+    `step()` is one model step whose time is its own (schedule, pack, device, update); per
+    token bucket, the (seconds, scheduled tokens) of each of its steps."""
+    fns, cfg, tokenizer = loaded
+    # The same programs as the async engine's, already compiled.
+    ea = engine_args(args, async_scheduling=False, skip_tokenizer_init=tokenizer is None)
+    engine, _ = build_engine(fns, cfg, tokenizer, ea, buckets=args.token_buckets,
+                             progress=False, precompile=False)
+    add_requests(engine, requests, time.time())
+    stats, steps = engine.runner.stats, collections.defaultdict(list)
+    while engine.has_unfinished_requests():
+        real, padded, t0 = stats.computed_tokens, stats.padded_tokens, time.perf_counter()
+        engine.step()
+        real, padded = stats.computed_tokens - real, stats.padded_tokens - padded
+        if real:  # a step that ran the model (its bucket: real + padded tokens)
+            steps[real + padded].append((time.perf_counter() - t0, real))
+    return dict(sorted(steps.items()))
 
 
 def tokens_per_s(res: dict[str, Any]) -> float:
@@ -323,7 +351,8 @@ def run_rows(n: int, r: dict[str, Any], flops: dict[str, float], rate: float,
 
 def report(args: argparse.Namespace, setup: dict[str, Any], runs: dict[int, dict[str, Any]],
            flops: dict[int, dict[str, float]], hf: dict[str, Any] | None,
-           asyncs: list[tuple[str, dict, dict]], pool: tuple[float, bool] | None) -> None:
+           asyncs: list[tuple[str, dict, dict]], pool: tuple[float, bool] | None,
+           steps: dict[int, list[tuple[float, int]]]) -> None:
     """Print the tables and the one-line summary."""
     rate = max(setup["sgemm"].values())
     rows = [
@@ -350,6 +379,16 @@ def report(args: argparse.Namespace, setup: dict[str, Any], runs: dict[int, dict
     if pool is not None:
         rows.append(("x8 / x1 pool time (same outputs)", f"{pool[0]:.2f} ({pool[1]})"))
         summary.append(f"pool ratio {pool[0]:.2f}")
+    if steps:
+        total = sum(t for runs in steps.values() for t, _ in runs)
+        rows.append((f"step times, {max(runs)} requests, sync (bucket: steps, mean, total)",
+                     f"{total:.1f} s"))
+        for bucket, times in steps.items():
+            spent = sum(t for t, _ in times)
+            rows.append((f"  bucket {bucket}",
+                         f"{len(times)} steps, {1e3 * spent / len(times):.1f} ms each, "
+                         f"{spent:.2f} s ({100 * spent / total:.0f}%), "
+                         f"{sum(n for _, n in times) / len(times):.1f} tokens scheduled"))
     rows.append(("peak RSS",
                  f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB"))
     print_table(rows)
@@ -393,6 +432,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also run each limit with this attention backend, side by side")
     p.add_argument("--pool-ratio", action="store_true",
                    help="run the largest limit again on a x8 KV pool (docs/BENCHMARKS.md §3)")
+    p.add_argument("--step-times", action="store_true",
+                   help="run the largest limit again with async scheduling off and time "
+                        "every step, by token bucket")
     p.add_argument("--async-compare", action="store_true",
                    help="async_scheduling False vs True, default and tiny model")
     p.add_argument("--async-limit", type=int, default=16,
@@ -461,8 +503,10 @@ def main(argv: list[str] | None = None) -> int:
     setup["sgemm"] = {k: max(v, setup["sgemm"][k]) for k, v in sgemm_rate().items()}
     asyncs = async_compare(args, loaded, load_workload(args.workload, None)) \
         if args.async_compare else []
+    steps = step_times(args, loaded, load_workload(args.workload, max(runs))) \
+        if args.step_times else {}
     hf = run_hf(args) if args.compare == "hf" else None
-    report(args, setup, runs, flops, hf, asyncs, pool)
+    report(args, setup, runs, flops, hf, asyncs, pool, steps)
     return 0
 
 

@@ -38,3 +38,19 @@ def test_limits_and_bucket_flags_are_parsed() -> None:
     assert args.baseline_buckets == (16, 32)
     with pytest.raises(SystemExit):
         script.parse_args(["--token-buckets", "16,x"])
+
+
+def test_step_times_account_for_every_scheduled_token_by_bucket() -> None:
+    script = _script()
+    args = script.parse_args(["--step-times", "--token-buckets", "4,8,16,64"])
+    fns, cfg = script.tiny_model(vocab_size=64)
+    requests = [{"id": f"r{i}", "prompt_token_ids": list(range(1, 2 + 5 * i)), "max_tokens": 3 + i}
+                for i in range(3)]  # prompts of 1, 6, 11 tokens
+    steps = script.step_times(args, (fns, cfg, None), requests)
+    # Each prompt token and every output but the last goes through the model exactly once.
+    assert sum(n for runs in steps.values() for _, n in runs) == sum(
+        len(r["prompt_token_ids"]) + r["max_tokens"] - 1 for r in requests)
+    assert set(steps) <= {4, 8, 16, 64}
+    for bucket, runs in steps.items():
+        assert all(t > 0 and 0 < n <= bucket for t, n in runs)
+    assert len(steps[4]) >= 3  # the last request's lone decodes
