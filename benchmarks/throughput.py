@@ -380,7 +380,7 @@ def report(args: argparse.Namespace, setup: dict[str, Any], runs: dict[int, dict
         rows.append(("x8 / x1 pool time (same outputs)", f"{pool[0]:.2f} ({pool[1]})"))
         summary.append(f"pool ratio {pool[0]:.2f}")
     if steps:
-        total = sum(t for runs in steps.values() for t, _ in runs)
+        total = sum(t for times in steps.values() for t, _ in times)
         rows.append((f"step times, {max(runs)} requests, sync (bucket: steps, mean, total)",
                      f"{total:.1f} s"))
         for bucket, times in steps.items():
