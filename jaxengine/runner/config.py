@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -52,7 +52,7 @@ class RunnerStats:
     compilations: int = 0  # of the step and the sampler, during this runner's calls
     compilations_after_warmup: int = 0
     compile_seconds: float = 0.0  # precompile, plus the dispatch of every step that compiled
-    step_seconds: list[float] = field(default_factory=list)  # dispatch to tokens on the host
+    step_seconds: float = 0.0  # dispatch to tokens on the host, summed over steps
 
     @property
     def padding_waste(self) -> float:

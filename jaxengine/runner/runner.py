@@ -278,7 +278,7 @@ class Runner:
         s.steps += 1
         s.computed_tokens += step.total
         s.padded_tokens += step.num_tokens - step.total
-        s.step_seconds.append(time.perf_counter() - step.started)
+        s.step_seconds += time.perf_counter() - step.started
         return out
 
     @staticmethod

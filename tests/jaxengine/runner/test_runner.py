@@ -133,6 +133,6 @@ def test_steps_that_compile_count_as_compile_time() -> None:
     s = runner.stats
     assert s.compilations >= 1 and s.steps > s.compilations
     compiled = s.compile_seconds
-    assert 0 < compiled < sum(s.step_seconds)  # some steps compiled, the rest did not
+    assert 0 < compiled < s.step_seconds  # some steps compiled, the rest did not
     _drive(runner, [[4, 5, 6]], max_tokens=3)  # same shapes: nothing new to compile
     assert s.compile_seconds == compiled
