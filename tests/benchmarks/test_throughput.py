@@ -1,29 +1,39 @@
-"""benchmarks/throughput.py's arithmetic: the useful FLOPs behind its roofline share."""
+"""benchmarks/throughput.py: the useful FLOPs behind its roofline share (benchmarks/roofline.py),
+its flags and its step timing."""
 
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
 
 from jaxengine.model.config import ModelConfig
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "throughput.py"
+BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
-def _script():
-    spec = importlib.util.spec_from_file_location("throughput_benchmark", SCRIPT)
+def _load(name: str):
+    """A script of benchmarks/ as a module; its folder on sys.path, as when it runs there."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location(f"{name}_benchmark", BENCHMARKS / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _script():
+    return _load("throughput")
 
 
 def test_useful_flops_counts_weights_head_and_attention_by_hand() -> None:
     cfg = ModelConfig.tiny(vocab_size=10, hidden_size=4, intermediate_size=6, num_layers=2,
                            num_heads=2, num_kv_heads=1, head_dim=2)
     # prompt of 3, 2 outputs: 4 tokens through the layers (positions 0..3), 2 LM-head rows.
-    flops = _script().useful_flops(cfg, [{"prompt_token_ids": [1, 2, 3], "max_tokens": 2}])
+    flops = _load("roofline").useful_flops(cfg, [{"prompt_token_ids": [1, 2, 3],
+                                                   "max_tokens": 2}])
     weights = 4 * (2 + 2) * 2 + 2 * 2 * 4 + 3 * 4 * 6  # q,k,v + o + gate, up, down = 120
     assert flops["matmul"] == 2 * weights * 2 * 4
     assert flops["head"] == 2 * 4 * 10 * 2
