@@ -2,7 +2,8 @@
 
 ``ragged_paged_attention(..., impl=default_impl())`` is the one entry point; the layout and the
 semantics are documented in ``pallas_kernels.reference``. ``check_supported(impl, ...)`` says
-up front whether a kernel runs a model's shapes.
+up front whether a kernel runs a model's shapes. ``pallas_kernels.cpu`` also holds the native
+packed matmul the model's projections use on CPU (``pallas_kernels.cpu.matmul``).
 """
 
 from pallas_kernels.attention import (

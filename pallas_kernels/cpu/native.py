@@ -1,17 +1,19 @@
-"""Building and registering the CPU kernel's shared library.
+"""Building and registering the CPU kernels' shared library.
 
-`ragged_paged_attention.cc` is compiled with the machine's C++ compiler the first time a
-process needs it (a few seconds), into `$XDG_CACHE_HOME/jaxengine/native/<key>/` (by default
-`~/.cache/jaxengine/native/`; `$JAXENGINE_NATIVE_CACHE_DIR` overrides), and later processes
-load that file. The key hashes everything the binary depends on: the source, the compiler and
-its flags, jaxlib's version (the FFI headers come from it) and the CPU (`-march=native`), so a
-changed source, toolchain, jax or machine builds anew instead of loading a wrong binary. The
-compiler writes to a temporary file that is renamed into place, so processes that build at
-once do not see each other's half-written files.
+`ragged_paged_attention.cc` and `packed_matmul.cc` are compiled into one library with the
+machine's C++ compiler the first time a process needs it (a few seconds), into
+`$XDG_CACHE_HOME/jaxengine/native/<key>/` (by default `~/.cache/jaxengine/native/`;
+`$JAXENGINE_NATIVE_CACHE_DIR` overrides), and later processes load that file. The key hashes
+everything the binary depends on: the sources, the compiler and its flags, jaxlib's version
+(the FFI headers come from it) and the CPU (`-march=native`), so a changed source, toolchain,
+jax or machine builds anew instead of loading a wrong binary. The compiler writes to a
+temporary file that is renamed into place, so processes that build at once do not see each
+other's half-written files.
 
 Nothing here is needed on TPU or GPU. Without a C++ compiler (`$CXX`, else c++, g++ or
-clang++) the kernel is unavailable: `pallas_kernels.default_impl` then picks the jnp reference
-and says why in a warning, and an explicit ``impl="cpu"`` raises `NativeBuildError`.
+clang++) the kernels are unavailable: `pallas_kernels.default_impl` then picks the jnp reference
+and says why in a warning, an explicit ``impl="cpu"`` raises `NativeBuildError`, and the model
+keeps XLA's dots (`pallas_kernels.cpu.matmul`).
 """
 
 from __future__ import annotations
@@ -34,14 +36,16 @@ import jaxlib
 
 logger = logging.getLogger("jaxengine.kernels")
 
-SOURCE = Path(__file__).with_name("ragged_paged_attention.cc")
-LIBRARY = "libjaxengine_cpu_attention.so"
-# XLA custom-call target per input dtype, and the library symbol behind it.
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("ragged_paged_attention.cc",
+                                                             "packed_matmul.cc"))
+LIBRARY = "libjaxengine_cpu_kernels.so"
+# XLA custom-call target per attention input dtype, and the library symbol behind it.
 TARGETS = {
     jnp.dtype(jnp.float32): ("jaxengine_ragged_paged_attention_f32", "RaggedPagedAttentionF32"),
     jnp.dtype(jnp.bfloat16): ("jaxengine_ragged_paged_attention_bf16",
                               "RaggedPagedAttentionBF16"),
 }
+MATMUL_TARGET = ("jaxengine_packed_matmul_f32", "PackedMatmulF32")
 FLAGS = ("-O3", "-std=c++17", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
          "-shared", "-fPIC")
 ENV_CACHE = "JAXENGINE_NATIVE_CACHE_DIR"
@@ -81,20 +85,21 @@ def _build(cxx: str, march: tuple[str, ...]) -> Path:
     """Compile the library (cached) and return its path."""
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     flags = (*FLAGS, *march)
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), cxx, version, " ".join(flags),
-                                    jaxlib.__version__, _cpu_identity()]).encode()).hexdigest()
+    key = hashlib.sha256("\0".join([*(src.read_text() for src in SOURCES), cxx, version,
+                                    " ".join(flags), jaxlib.__version__,
+                                    _cpu_identity()]).encode()).hexdigest()
     out = cache_root() / key[:24] / LIBRARY
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".so")
     os.close(fd)
-    cmd = [cxx, *flags, "-I", jax.ffi.include_dir(), str(SOURCE), "-o", tmp]
-    logger.info("compiling %s into %s (once per source, toolchain and CPU)", SOURCE.name, out)
+    cmd = [cxx, *flags, "-I", jax.ffi.include_dir(), *map(str, SOURCES), "-o", tmp]
+    logger.info("compiling the CPU kernels into %s (once per source, toolchain and CPU)", out)
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
         os.unlink(tmp)
-        raise NativeBuildError(f"compiling {SOURCE.name} failed ({' '.join(cmd)}):\n"
+        raise NativeBuildError(f"compiling the CPU kernels failed ({' '.join(cmd)}):\n"
                                f"{done.stderr[-2000:]}")
     os.replace(tmp, out)
     return out
@@ -115,7 +120,7 @@ def _load() -> ctypes.CDLL:
                 logger.info("%s; building without -march=native", native)
                 path = _build(cxx, ())
             library = ctypes.cdll.LoadLibrary(str(path))
-            for target_name, symbol in TARGETS.values():
+            for target_name, symbol in (*TARGETS.values(), MATMUL_TARGET):
                 jax.ffi.register_ffi_target(
                     target_name, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
             _library.append(library)
@@ -134,6 +139,14 @@ def target(dtype: jnp.dtype) -> str:
         raise ValueError(f"the CPU attention kernel takes float32 or bfloat16, got {dtype}")
     _load()
     return TARGETS[dtype][0]
+
+
+def matmul_target() -> tuple[str, int]:
+    """The packed matmul's custom-call target and the panel width its weights are packed in
+    (built and loaded on first use; raises `NativeBuildError` as `target` does)."""
+    library = _load()
+    library.PackedMatmulPanel.restype = ctypes.c_int64
+    return MATMUL_TARGET[0], int(library.PackedMatmulPanel())
 
 
 @functools.cache

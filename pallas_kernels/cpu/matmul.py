@@ -1,0 +1,52 @@
+"""A float32 matmul on the CPU over weights packed in column panels (``packed_matmul.cc``).
+
+``pack(w)`` lays a kernel w [K, N] out as panels [ceil(N/W), K, W]: panel p holds columns
+p*W ... p*W+W-1 row by row, zeros past N, so that the native loop reads each panel as one
+contiguous stream; W is the width the library was built with (64 floats with AVX-512, 32 with
+AVX, 16 otherwise). ``packed_matmul(x, panels, n)`` is then ``x @ w`` with w's N = n columns.
+The model packs its projections this way on a one-device CPU mesh in float32
+(jaxengine/model/packing.py); everywhere else they stay XLA dots.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.cpu import native
+
+
+def panel_width() -> int:
+    """Columns per panel of this machine's build (raises `NativeBuildError` without one)."""
+    return native.matmul_target()[1]
+
+
+def pack(w: jax.Array | np.ndarray) -> jax.Array:
+    """w f32[K, N] -> panels f32[ceil(N/W), K, W] (zero columns past N)."""
+    width = panel_width()
+    K, N = w.shape
+    panels = -(-N // width)
+    w = jnp.pad(jnp.asarray(w, jnp.float32), ((0, 0), (0, panels * width - N)))
+    return w.reshape(K, panels, width).transpose(1, 0, 2)
+
+
+def packed_matmul(x: jax.Array, panels: jax.Array, n: int) -> jax.Array:
+    """x f32[..., K] @ w -> f32[..., n], w given as `pack(w)`'s panels f32[ceil(n/W), K, W].
+
+    Under jax.vmap the kernel runs once per batch element. There is no derivative rule: this
+    is for inference (the model's XLA layout serves training).
+    """
+    target, width = native.matmul_target()
+    K = x.shape[-1]
+    if panels.ndim != 3 or panels.shape[1] != K or panels.shape[2] != width or \
+            panels.shape[0] != -(-n // width):
+        raise ValueError(f"panels {panels.shape} do not pack a [{K}, {n}] kernel for a "
+                         f"panel width of {width}")
+    if x.dtype != jnp.float32 or panels.dtype != jnp.float32:
+        raise ValueError(f"packed_matmul takes float32, got {x.dtype} and {panels.dtype}")
+    lead = x.shape[:-1]
+    rows = x.reshape(-1, K)
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32),
+                            vmap_method="sequential")
+    return call(rows, panels).reshape(*lead, n)

@@ -1,0 +1,150 @@
+// A float32 matmul over weights packed in column panels, as an XLA FFI custom call: y = x @ w for
+// x [M, K] and w [K, N] held as panels [ceil(N/W), K, W] (W = kPanel columns, zero past N).
+// pallas_kernels/cpu/native.py compiles and registers it, pallas_kernels/cpu/matmul.py packs the
+// weights and calls it, and the tests hold it to numpy's product.
+//
+// Why native code: an engine's projections on the CPU are one step's few rows (decodes) times a
+// weight matrix read from memory once per step. XLA's CPU dots read a [K, N] matrix a 64-column
+// slice at a time, one short run per row of K, and at 2-32 rows took 1.2-1.5x the time of this
+// kernel, whose panels are one contiguous stream each (docs/BENCHMARKS.md §2). The same loop is
+// compute-bound on long prefill chunks and ran there at 1.07x XLA's speed, so one layout serves
+// every step.
+//
+// Work: units of one panel x a run of kRunRows rows, taken by XLA's intra-op threads from a
+// shared counter, so a decode step's panels (each read from memory once) spread over the cores
+// and a prefill chunk's runs of rows do too. Inside a unit, blocks of kRowBlock rows keep
+// kRowBlock x 4 vectors of sums in registers while the panel streams by, one row of K at a time.
+// Numerics: float32 multiply-adds in K's order for each output (no fast-math reassociation).
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int64_t kLanes = 16;
+constexpr int64_t kRowBlock = 6;  // 24 accumulators + 4 panel vectors + 1 broadcast of 32
+#elif defined(__AVX__)
+constexpr int64_t kLanes = 8;
+constexpr int64_t kRowBlock = 2;  // of 16 registers
+#else
+constexpr int64_t kLanes = 4;
+constexpr int64_t kRowBlock = 2;
+#endif
+constexpr int64_t kPanel = 4 * kLanes;  // columns per panel
+constexpr int64_t kAhead = 8;           // panel rows between a row's prefetch and its use
+constexpr int64_t kRunRows = 96;        // rows per unit (a decode step's rows are one run)
+
+typedef float fvec __attribute__((vector_size(kLanes * sizeof(float))));
+
+inline fvec loadv(const float* p) {
+  fvec v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline void storev(float* p, fvec v) { std::memcpy(p, &v, sizeof v); }
+
+// R rows of x (row stride K) against one panel [K, kPanel]; the sums go to out [R, kPanel].
+template <int64_t R>
+inline void row_block(const float* x, int64_t K, const float* panel, float* out) {
+  fvec acc[R][4] = {};
+  for (int64_t k = 0; k < K; ++k) {
+    const float* row = panel + k * kPanel;
+    if (k + kAhead < K)
+      for (int64_t v = 0; v < kPanel; v += 64 / sizeof(float))
+        __builtin_prefetch(row + kAhead * kPanel + v);
+    fvec w[4];
+    for (int64_t v = 0; v < 4; ++v) w[v] = loadv(row + v * kLanes);
+    for (int64_t r = 0; r < R; ++r) {
+      const float b = x[r * K + k];  // broadcast by the vector product
+      for (int64_t v = 0; v < 4; ++v) acc[r][v] += w[v] * b;
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t v = 0; v < 4; ++v) storev(out + r * kPanel + v * kLanes, acc[r][v]);
+}
+
+template <int64_t R = kRowBlock>
+inline void row_tail(int64_t rows, const float* x, int64_t K, const float* panel, float* out) {
+  if constexpr (R > 0) {
+    if (rows == R) return row_block<R>(x, K, panel, out);
+    row_tail<R - 1>(rows, x, K, panel, out);
+  }
+}
+
+// Rows [m0, m1) of x against panel p; writes y's columns of that panel (the last one may be
+// narrower than kPanel: its sums go through a buffer).
+void unit(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t p,
+          int64_t m0, int64_t m1) {
+  const float* panel = w + p * K * kPanel;
+  const int64_t n0 = p * kPanel, width = std::min(kPanel, N - n0);
+  alignas(64) float sums[kRowBlock * kPanel];
+  for (int64_t m = m0; m < m1; m += kRowBlock) {
+    const int64_t rows = std::min(kRowBlock, m1 - m);
+    row_tail(rows, x + m * K, K, panel, sums);
+    for (int64_t r = 0; r < rows; ++r)
+      std::memcpy(y + (m + r) * N + n0, sums + r * kPanel, width * sizeof(float));
+  }
+}
+
+// Runs work(i) for i in [0, n) on the calling thread and XLA's intra-op pool (as the attention
+// kernel does). Late helpers find the counter spent and return.
+template <typename F>
+void parallel_for(ffi::ThreadPool& pool, int64_t n, F work) {
+  struct Counters {
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  auto c = std::make_shared<Counters>();
+  auto loop = [c, n, &work] {
+    for (int64_t i; (i = c->next.fetch_add(1)) < n;) {
+      work(i);
+      c->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n - 1);
+  for (int64_t h = 0; h < helpers; ++h)
+    pool.Schedule([c, n, loop] {
+      if (c->next.load() < n) loop();
+    });
+  loop();
+  while (c->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
+}
+
+ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                        ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || wd[2] != kPanel ||
+      wd[1] != xd[1] || yd[0] != xd[0] || (yd[1] + kPanel - 1) / kPanel != wd[0])
+    return ffi::Error::InvalidArgument("packed_matmul: bad shapes");
+  const int64_t M = xd[0], K = xd[1], N = yd[1], panels = wd[0];
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  const int64_t runs = (M + kRunRows - 1) / kRunRows;
+  const float* X = x.typed_data();
+  const float* W = w.typed_data();
+  float* Y = y->typed_data();
+  parallel_for(pool, panels * runs, [&](int64_t i) {
+    const int64_t p = i / runs, m0 = i % runs * kRunRows;
+    unit(X, W, Y, K, N, p, m0, std::min(M, m0 + kRunRows));
+  });
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+// The panel width the library was built with (the packing must match it).
+extern "C" int64_t PackedMatmulPanel() { return kPanel; }
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PackedMatmulF32, PackedMatmul,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,0 +1,102 @@
+"""The native packed matmul against numpy's product: every row count around the kernel's
+register blocks and runs, column counts off the panel width, leading axes, vmap, narrower ISA
+builds, and clear errors for panels that do not fit."""
+
+from __future__ import annotations
+
+import ctypes
+import platform
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pallas_kernels.cpu import native
+from pallas_kernels.cpu.matmul import pack, packed_matmul, panel_width
+
+
+def operands(m: int, k: int, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((m, k)).astype(np.float32),
+            rng.standard_normal((k, n)).astype(np.float32))
+
+
+def check(y: jax.Array | np.ndarray, x: np.ndarray, w: np.ndarray) -> None:
+    want = x.astype(np.float64) @ w.astype(np.float64)
+    scale = np.sqrt(x.shape[1])  # float32 sums of K products of unit normals
+    np.testing.assert_allclose(np.asarray(y), want, atol=1e-5 * scale, rtol=1e-5)
+
+
+def test_panels_hold_the_columns_in_order_with_zeros_past_n():
+    w = np.arange(3 * 70, dtype=np.float32).reshape(3, 70)
+    panels = np.asarray(pack(w))
+    width = panel_width()
+    assert panels.shape == (-(-70 // width), 3, width)
+    flat = panels.transpose(1, 0, 2).reshape(3, -1)
+    np.testing.assert_array_equal(flat[:, :70], w)
+    assert not flat[:, 70:].any()
+
+
+@settings(max_examples=40, deadline=None)
+@given(m=st.integers(1, 200), k=st.integers(1, 80), n=st.integers(1, 200),
+       seed=st.integers(0, 2**16))
+def test_matches_numpy_for_any_shape(m, k, n, seed):
+    x, w = operands(m, k, n, seed)
+    check(packed_matmul(jnp.asarray(x), pack(w), n), x, w)
+
+
+@pytest.mark.parametrize("m", [1, 5, 6, 7, 95, 96, 97, 2048])  # row blocks of 6, runs of 96
+def test_matches_numpy_at_the_model_shapes(m):
+    x, w = operands(m, 576, 192, seed=m)
+    check(jax.jit(packed_matmul, static_argnums=2)(jnp.asarray(x), pack(w), 192), x, w)
+
+
+def test_leading_axes_are_rows():
+    x, w = operands(12, 16, 40, seed=1)
+    y = packed_matmul(jnp.asarray(x).reshape(2, 3, 2, 16), pack(w), 40)
+    assert y.shape == (2, 3, 2, 40)
+    check(np.asarray(y).reshape(12, 40), x, w)
+
+
+def test_vmap_runs_the_kernel_per_element():
+    x, w = operands(6, 16, 40, seed=2)
+    xs = jnp.stack([jnp.asarray(x), 2 * jnp.asarray(x)])
+    ys = jax.vmap(lambda a: packed_matmul(a, pack(w), 40))(xs)
+    check(ys[0], x, w)
+    check(ys[1], 2 * x, w)
+
+
+def test_panels_that_do_not_fit_are_refused_by_shape():
+    x, w = operands(3, 16, 40, seed=3)
+    n = 40 + panel_width()  # one panel more than the weights hold
+    with pytest.raises(ValueError, match=rf"do not pack a \[16, {n}\] kernel"):
+        packed_matmul(jnp.asarray(x), pack(w), n)
+    with pytest.raises(ValueError, match=r"do not pack a \[17, 40\] kernel"):
+        packed_matmul(jnp.ones((3, 17)), pack(w), 40)
+    with pytest.raises(ValueError, match="takes float32, got bfloat16"):
+        packed_matmul(jnp.asarray(x, jnp.bfloat16), pack(w), 40)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 ISA levels")
+@pytest.mark.parametrize("isa", ["-march=x86-64-v3", "-march=x86-64"])
+def test_narrower_vector_builds_match_numpy(isa, tmp_path, monkeypatch):
+    """Built for AVX2 (panels of 32 columns, 2-row blocks) and baseline SSE2 (16 columns):
+    the blocking changes with the vector width, the products must not."""
+    monkeypatch.setenv(native.ENV_CACHE, str(tmp_path))
+    library = ctypes.cdll.LoadLibrary(str(native._build(native._compiler(), (isa,))))
+    library.PackedMatmulPanel.restype = ctypes.c_int64
+    width = int(library.PackedMatmulPanel())
+    assert width == {"-march=x86-64-v3": 32, "-march=x86-64": 16}[isa]
+    target = f"jaxengine_test_packed_matmul_f32{isa.replace('-', '_')}"
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(library.PackedMatmulF32),
+                                platform="cpu")
+    for m, k, n in [(1, 9, 5), (7, 64, 100), (130, 33, 48)]:
+        x, w = operands(m, k, n, seed=m)
+        panels = -(-n // width)
+        wp = np.pad(w, ((0, 0), (0, panels * width - n))).reshape(k, panels, width)
+        y = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((m, n), jnp.float32))(
+            jnp.asarray(x), jnp.asarray(wp.transpose(1, 0, 2)))
+        check(y, x, w)
