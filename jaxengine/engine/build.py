@@ -71,15 +71,20 @@ def _check_kernel_shapes(impl: str, cfg: ModelConfig, *, block_size: int, tp: in
         ) from e
 
 
-def model_fns(model: Any, cfg: Any, *, attn_impl: str) -> ModelFns:
+def model_fns(model: Any, cfg: Any, *, attn_impl: str, pack: bool = True) -> ModelFns:
     """`ModelFns` of a loaded `jaxengine.model.llama.Model` (split once into graph and weights).
 
     The weights stay where the model put them (its mesh); the KV cache is made there too, its
-    head axis split over "tp", and `kv_bytes_per_block` counts one device's share.
+    head axis split over "tp", and `kv_bytes_per_block` counts one device's share. With `pack`,
+    the projections are first packed for the native CPU matmul in place where that applies
+    (jaxengine/model/packing.py: a one-device CPU mesh in float32); else XLA's dots.
     """
     from jaxengine.model.kv_cache import init_kv_cache, kv_cache_bytes_per_block
+    from jaxengine.model.packing import pack_projections
     from jaxengine.model.step import make_compute_logits, make_model_step, split_model
 
+    if pack:
+        pack_projections(model)
     graphdef, state = split_model(model)
     dtype, layout = model.dtype, model.layout
     return ModelFns(

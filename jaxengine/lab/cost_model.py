@@ -49,8 +49,9 @@ FEATURES = ("const", "padded_tokens", *(f"tokens_upto_{k}" for k in TOKEN_KNOTS)
 CALIBRATION_KEYS = ("model", "dtype", "attention_backend", "tensor_parallel_size",
                     "async_scheduling")
 # 2: the tokens_upto_* and sampler_rows features; 3: the attention backend recorded as resolved
-# (a version-2 file's None meant the jnp reference on CPU, which the native kernel replaced)
-VERSION = 3
+# (a version-2 file's None meant the jnp reference on CPU, which the native kernel replaced);
+# 4: CPU steps with the projections packed for the native matmul (every step's price changed)
+VERSION = 4
 
 
 def plan_features(plan: SchedulerOutput, buckets: Sequence[int],
