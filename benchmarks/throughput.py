@@ -4,7 +4,8 @@ compilations, padding, and optionally sync against async scheduling and a x8 KV 
 
     python benchmarks/throughput.py [--workload benchmarks/workloads/mix64.json] [--limits 16,64]
         [--compare hf --hf-python .venv311/bin/python] [--async-compare] [--pool-ratio]
-        [--baseline-buckets 1,2,3,... | --baseline-attention reference] [--attention-free]
+        [--baseline-buckets 1,2,3,... | --baseline-attention reference | --baseline-xla-dots]
+        [--attention-free]
         [--step-times]
         [--max-num-seqs N ...]   # engine overrides; default: EngineArgs' own defaults
 
@@ -75,9 +76,11 @@ def stub_attention() -> None:
     attention._KERNELS = dict.fromkeys(attention._KERNELS, stub)
 
 
-def load(args: argparse.Namespace, attention: str | None = None) -> tuple[Any, Any, Any]:
+def load(args: argparse.Namespace, attention: str | None = None, pack: bool = True
+         ) -> tuple[Any, Any, Any]:
     """The model's functions, config and tokenizer, loaded once as `build_engine` does (with
-    `attention`, that attention backend instead of the engine's default)."""
+    `attention`, that attention backend instead of the engine's default; without `pack`, the
+    projections as XLA dots where the engine would pack them for the native CPU matmul)."""
     from jaxengine.engine.build import attention_backend, model_fns
     from jaxengine.loading.load import load_model
     from jaxengine.parallel.mesh import engine_devices, make_mesh
@@ -87,7 +90,7 @@ def load(args: argparse.Namespace, attention: str | None = None) -> tuple[Any, A
     ea = engine_args(args, **({"attention_backend": attention} if attention else {}))
     model, cfg, tokenizer = load_model(ea.model, dtype=ea.dtype, mesh=make_mesh(
         engine_devices(1)))
-    return model_fns(model, cfg, attn_impl=attention_backend(ea, cfg)), cfg, tokenizer
+    return model_fns(model, cfg, attn_impl=attention_backend(ea, cfg), pack=pack), cfg, tokenizer
 
 
 def build_engine(fns: Any, cfg: Any, tokenizer: Any, ea: Any, *, buckets: tuple[int, ...]
@@ -253,9 +256,10 @@ def print_table(rows: list[tuple[str, str]]) -> None:
 
 
 def baseline_name(args: argparse.Namespace) -> str:
-    """What the baseline engine changes: its buckets and / or its attention backend."""
+    """What the baseline engine changes: its buckets, attention backend and / or dots."""
     parts = (["buckets"] if args.baseline_buckets else []) + (
-        [f"attention {args.baseline_attention}"] if args.baseline_attention else [])
+        [f"attention {args.baseline_attention}"] if args.baseline_attention else []) + (
+        ["XLA dots"] if args.baseline_xla_dots else [])
     return ", ".join(parts)
 
 
@@ -351,15 +355,17 @@ def report(args: argparse.Namespace, setup: dict[str, Any], runs: dict[int, dict
 def run_baseline(args: argparse.Namespace, loaded: tuple[Any, Any, Any], ea: Any,
                  setup: dict[str, Any], requests: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The requests on the baseline engine: `--baseline-buckets` and / or the model with
-    `--baseline-attention` (loaded once, into `setup`); None without either flag."""
-    if not (args.baseline_buckets or args.baseline_attention):
+    `--baseline-attention` or `--baseline-xla-dots` (loaded once, into `setup`); None without
+    any of them."""
+    other_model = args.baseline_attention or args.baseline_xla_dots
+    if not (args.baseline_buckets or other_model):
         return None
-    if args.baseline_attention and "baseline_fns" not in setup:
-        setup["baseline_fns"] = load(args, attention=args.baseline_attention)
+    if other_model and "baseline_fns" not in setup:
+        setup["baseline_fns"] = load(args, attention=args.baseline_attention,
+                                     pack=not args.baseline_xla_dots)
     fns, cfg, tokenizer = setup.get("baseline_fns", loaded)
     buckets = args.baseline_buckets or args.token_buckets
-    compiled = not args.baseline_attention and set(buckets or setup["buckets"]) <= set(
-        setup["buckets"])
+    compiled = not other_model and set(buckets or setup["buckets"]) <= set(setup["buckets"])
     engine, _ = build_engine(fns, cfg, tokenizer, ea, buckets=buckets, progress=False,
                              precompile=not compiled)
     return run_engine(engine, requests)
@@ -383,6 +389,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--baseline-attention", default=None,
                    choices=["reference", "cpu", "tpu", "gpu"],
                    help="also run each limit with this attention backend, side by side")
+    p.add_argument("--baseline-xla-dots", action="store_true",
+                   help="also run each limit with the projections as XLA dots (not packed for "
+                        "the native CPU matmul), side by side")
     p.add_argument("--pool-ratio", action="store_true",
                    help="run the largest limit again on a x8 KV pool (docs/BENCHMARKS.md §3)")
     p.add_argument("--step-times", action="store_true",
