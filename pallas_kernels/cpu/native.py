@@ -4,11 +4,11 @@
 machine's C++ compiler the first time a process needs it (a few seconds), into
 `$XDG_CACHE_HOME/jaxengine/native/<key>/` (by default `~/.cache/jaxengine/native/`;
 `$JAXENGINE_NATIVE_CACHE_DIR` overrides), and later processes load that file. The key hashes
-everything the binary depends on: the sources, the compiler and its flags, jaxlib's version
-(the FFI headers come from it) and the CPU (`-march=native`), so a changed source, toolchain,
-jax or machine builds anew instead of loading a wrong binary. The compiler writes to a
-temporary file that is renamed into place, so processes that build at once do not see each
-other's half-written files.
+everything the binary depends on: the sources and their headers, the compiler and its flags,
+jaxlib's version (the FFI headers come from it) and the CPU (`-march=native`), so a changed
+source, toolchain, jax or machine builds anew instead of loading a wrong binary. The compiler
+writes to a temporary file that is renamed into place, so processes that build at once do not
+see each other's half-written files.
 
 Nothing here is needed on TPU or GPU. Without a C++ compiler (`$CXX`, else c++, g++ or
 clang++) the kernels are unavailable: `pallas_kernels.default_impl` then picks the jnp reference
@@ -38,6 +38,7 @@ logger = logging.getLogger("jaxengine.kernels")
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("ragged_paged_attention.cc",
                                                              "packed_matmul.cc"))
+HEADERS = tuple(Path(__file__).with_name(name) for name in ("parallel_for.h", "simd.h"))
 LIBRARY = "libjaxengine_cpu_kernels.so"
 # XLA custom-call target per attention input dtype, and the library symbol behind it.
 TARGETS = {
@@ -85,8 +86,8 @@ def _build(cxx: str, march: tuple[str, ...]) -> Path:
     """Compile the library (cached) and return its path."""
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     flags = (*FLAGS, *march)
-    key = hashlib.sha256("\0".join([*(src.read_text() for src in SOURCES), cxx, version,
-                                    " ".join(flags), jaxlib.__version__,
+    texts = [f.read_text() for f in (*SOURCES, *HEADERS)]
+    key = hashlib.sha256("\0".join([*texts, cxx, version, " ".join(flags), jaxlib.__version__,
                                     _cpu_identity()]).encode()).hexdigest()
     out = cache_root() / key[:24] / LIBRARY
     if out.exists():

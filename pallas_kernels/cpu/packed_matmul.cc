@@ -17,40 +17,31 @@
 // Numerics: float32 multiply-adds in K's order for each output (no fast-math reassociation).
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 
+#include "parallel_for.h"
+#include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
+using jaxengine_cpu::fvec;
+using jaxengine_cpu::kLanes;
+using jaxengine_cpu::loadv;
+using jaxengine_cpu::parallel_for;
+using jaxengine_cpu::storev;
+
 #if defined(__AVX512F__)
-constexpr int64_t kLanes = 16;
 constexpr int64_t kRowBlock = 6;  // 24 accumulators + 4 panel vectors + 1 broadcast of 32
-#elif defined(__AVX__)
-constexpr int64_t kLanes = 8;
-constexpr int64_t kRowBlock = 2;  // of 16 registers
 #else
-constexpr int64_t kLanes = 4;
-constexpr int64_t kRowBlock = 2;
+constexpr int64_t kRowBlock = 2;  // of 16 registers
 #endif
 constexpr int64_t kPanel = 4 * kLanes;  // columns per panel
 constexpr int64_t kAhead = 8;           // panel rows between a row's prefetch and its use
 constexpr int64_t kRunRows = 96;        // rows per unit (a decode step's rows are one run)
-
-typedef float fvec __attribute__((vector_size(kLanes * sizeof(float))));
-
-inline fvec loadv(const float* p) {
-  fvec v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline void storev(float* p, fvec v) { std::memcpy(p, &v, sizeof v); }
 
 // R rows of x (row stride K) against one panel [K, kPanel]; the sums go to out [R, kPanel].
 template <int64_t R>
@@ -93,29 +84,6 @@ void unit(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_
     for (int64_t r = 0; r < rows; ++r)
       std::memcpy(y + (m + r) * N + n0, sums + r * kPanel, width * sizeof(float));
   }
-}
-
-// Runs work(i) for i in [0, n) on the calling thread and XLA's intra-op pool (as the attention
-// kernel does). Late helpers find the counter spent and return.
-template <typename F>
-void parallel_for(ffi::ThreadPool& pool, int64_t n, F work) {
-  struct Counters {
-    std::atomic<int64_t> next{0}, done{0};
-  };
-  auto c = std::make_shared<Counters>();
-  auto loop = [c, n, &work] {
-    for (int64_t i; (i = c->next.fetch_add(1)) < n;) {
-      work(i);
-      c->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n - 1);
-  for (int64_t h = 0; h < helpers; ++h)
-    pool.Schedule([c, n, loop] {
-      if (c->next.load() < n) loop();
-    });
-  loop();
-  while (c->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
 }
 
 ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,

@@ -38,26 +38,27 @@
 #include <utility>
 #include <vector>
 
+#include "parallel_for.h"
+#include "simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-// Vectors are the CPU's widest (16 floats with AVX-512, 8 with AVX, else 4: SSE, NEON), and a
-// tile is 4 of them. Register blocking: with AVX-512's 32 registers the score product keeps
+using jaxengine_cpu::fvec;  // vectors as wide as the CPU's (simd.h)
+using jaxengine_cpu::kLanes;
+using jaxengine_cpu::loadv;
+using jaxengine_cpu::parallel_for;
+using jaxengine_cpu::storev;
+
+// A tile is 4 vectors. Register blocking: with AVX-512's 32 registers the score product keeps
 // 6 rows x 4 vectors of accumulators (1.27x over 4 rows on a 1280-token prefill) and P.V
 // 4 rows x 4; with 16 registers (AVX2) 2 rows each avoid spills.
 #if defined(__AVX512F__)
-constexpr int64_t kLanes = 16;
 constexpr int64_t kRowBlock = 6;      // query rows that share each key load in a score tile
 constexpr int64_t kPvRows = 4;        // query rows that share each value load in P.V
-#elif defined(__AVX__)
-constexpr int64_t kLanes = 8;
-constexpr int64_t kRowBlock = 2;
-constexpr int64_t kPvRows = 2;
 #else
-constexpr int64_t kLanes = 4;
 constexpr int64_t kRowBlock = 2;
 constexpr int64_t kPvRows = 2;
 #endif
@@ -68,15 +69,6 @@ constexpr int64_t kSplitTokens = 8;   // requests of at most this many tokens sp
 constexpr float kMasked = -1e30f;     // running max before any visible key (finite: fast_exp)
 
 using bf16 = uint16_t;  // XLA FFI's BF16 native type: the upper half of a float32
-// One register of floats (GCC's vector extension, which Clang takes too).
-typedef float fvec __attribute__((vector_size(kLanes * sizeof(float))));
-
-inline fvec loadv(const float* p) {
-  fvec v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline void storev(float* p, fvec v) { std::memcpy(p, &v, sizeof v); }
 inline fvec vmax(fvec a, fvec b) { return a > b ? a : b; }
 
 // kLanes floats from p, widened when p points at bfloat16.
@@ -536,29 +528,6 @@ std::vector<Unit> plan(const std::vector<Request>& reqs, const Geometry& g, int6
     }
   }
   return units;
-}
-
-// Runs work(i) for i in [0, n) on the calling thread and XLA's intra-op pool. Late helpers find
-// the counter spent and return without touching anything but the shared counters.
-template <typename F>
-void parallel_for(ffi::ThreadPool& pool, int64_t n, F work) {
-  struct Counters {
-    std::atomic<int64_t> next{0}, done{0};
-  };
-  auto c = std::make_shared<Counters>();
-  auto loop = [c, n, &work] {
-    for (int64_t i; (i = c->next.fetch_add(1)) < n;) {
-      work(i);
-      c->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n - 1);
-  for (int64_t h = 0; h < helpers; ++h)
-    pool.Schedule([c, n, loop] {
-      if (c->next.load() < n) loop();
-    });
-  loop();
-  while (c->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
 }
 
 template <ffi::DataType DT>
