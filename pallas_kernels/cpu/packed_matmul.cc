@@ -4,10 +4,11 @@
 // weights and calls it, and the tests hold it to numpy's product.
 //
 // Why native code: an engine's projections on the CPU are one step's few rows (decodes) times a
-// weight matrix read from memory once per step. XLA's CPU dots read a [K, N] matrix a 64-column
-// slice at a time, one short run per row of K, and at 2-32 rows took 1.2-1.5x the time of this
-// kernel, whose panels are one contiguous stream each (docs/BENCHMARKS.md §2). The same loop is
-// compute-bound on long prefill chunks and ran there at 1.07x XLA's speed, so one layout serves
+// weight matrix read from memory once per step. XLA's CPU dots over the [K, N] matrix took
+// 1.4-1.5x the time of this kernel at 8-16 rows, while the same loop over the unpacked matrix
+// (64-column slices, one short run per row of K) gained only 1.0-1.2x: the panels, each one
+// contiguous stream, are what pays (docs/BENCHMARKS.md §2). The same loop is
+// compute-bound on long prefill chunks and ran there at 1.2x XLA's speed, so one layout serves
 // every step.
 //
 // Work: units of one panel x a run of kRunRows rows, taken by XLA's intra-op threads from a
