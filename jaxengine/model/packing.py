@@ -3,8 +3,9 @@
 On the CPU a decode step reads every projection's weights from memory for a few rows; packed in
 contiguous column panels, the same weights stream faster through the native loop than a [K, N]
 kernel through XLA's dots (or through the same loop reading [K, N] in short strided runs).
-`pack_projections(model)` swaps each layer's q/k/v/o and gate/up/down `nnx.Linear` (and an
-untied LM head) for a `PackedLinear` holding the packed kernel, in place; the weights are not
+`pack_projections(model)` swaps each layer's projections in place for packed ones: q/k/v
+merged into one `PackedLinear` (their kernels side by side) that each reads its columns of
+(`PackedColumns`), gate/up likewise, o/down (and an untied LM head) alone; the weights are not
 duplicated. It applies where the kernel runs and pays: a one-device CPU mesh, float32 weights,
 layers looped in Python (the CPU layout), and a C++ compiler on the machine (`packable` says
 why not otherwise). Measured against XLA's dots on the 2-core CPU (docs/BENCHMARKS.md §2),
@@ -24,12 +25,17 @@ from pallas_kernels.cpu import matmul, native
 
 class PackedLinear(nnx.Module):
     """`nnx.Linear`'s y = x @ kernel + bias with the kernel packed in column panels
-    ([ceil(N/W), K, W], `pallas_kernels.cpu.matmul.pack`); float32 in and out."""
+    ([ceil(N/W), K, W], `pallas_kernels.cpu.matmul.pack`); float32 in and out. Made from one
+    or more projections of the same input, their kernels (and biases) side by side."""
 
-    def __init__(self, linear: nnx.Linear) -> None:
-        self.kernel = nnx.Param(matmul.pack(linear.kernel[...]))
-        self.bias = None if linear.bias is None else nnx.Param(linear.bias[...])
-        self.in_features, self.out_features = linear.in_features, linear.out_features
+    def __init__(self, *linears: nnx.Linear) -> None:
+        kernel = jnp.concatenate([lin.kernel[...] for lin in linears], axis=1)
+        self.kernel = nnx.Param(matmul.pack(kernel))
+        biased = any(lin.bias is not None for lin in linears)
+        self.bias = nnx.Param(jnp.concatenate([
+            jnp.zeros(lin.out_features, kernel.dtype) if lin.bias is None else lin.bias[...]
+            for lin in linears])) if biased else None
+        self.in_features, self.out_features = kernel.shape
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x f32[..., K] -> f32[..., N]."""
@@ -37,8 +43,23 @@ class PackedLinear(nnx.Module):
         return y if self.bias is None else y + self.bias[...]
 
 
-PROJECTIONS = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
-               "mlp": ("gate_proj", "up_proj", "down_proj")}
+class PackedColumns(nnx.Module):
+    """One projection of a merged `PackedLinear`: columns [start, stop) of its product. The
+    merged product appears once per caller, and XLA's common-subexpression pass keeps one of
+    the identical custom calls, so q/k/v (gate/up) cost one call (a test counts them)."""
+
+    def __init__(self, merged: PackedLinear, start: int, stop: int) -> None:
+        self.merged, self.start, self.stop = merged, start, stop
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x f32[..., K] -> f32[..., stop - start]."""
+        return self.merged(x)[..., self.start:self.stop]
+
+
+# Projections of one input, merged into one packed product (one call and more panels to share
+# between the threads: SmolLM2's k/v have 3 panels each), then those alone.
+MERGED = {"self_attn": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_proj")}
+ALONE = {"self_attn": ("o_proj",), "mlp": ("down_proj",)}
 
 
 def packable(model: nnx.Module) -> str | None:
@@ -54,13 +75,21 @@ def packable(model: nnx.Module) -> str | None:
 
 
 def pack_projections(model: nnx.Module) -> int:
-    """Swap `model`'s projections for `PackedLinear`s in place; returns how many were packed
-    (0 when `packable` says no)."""
+    """Swap `model`'s projections for packed ones in place; returns how many projections were
+    packed (0 when `packable` says no)."""
     if packable(model) is not None:
         return 0
     count = 0
     for block in model.layers:
-        for part, names in PROJECTIONS.items():
+        for part, names in MERGED.items():
+            module = getattr(block, part)
+            linears = [getattr(module, name) for name in names]
+            merged, start = PackedLinear(*linears), 0
+            for name, lin in zip(names, linears, strict=True):
+                setattr(module, name, PackedColumns(merged, start, start + lin.out_features))
+                start += lin.out_features
+            count += len(names)
+        for part, names in ALONE.items():
             module = getattr(block, part)
             for name in names:
                 setattr(module, name, PackedLinear(getattr(module, name)))

@@ -11,7 +11,7 @@ import pytest
 from jaxengine.engine.build import model_fns
 from jaxengine.model.config import ModelConfig
 from jaxengine.model.llama import Model
-from jaxengine.model.packing import PackedLinear, pack_projections, packable
+from jaxengine.model.packing import PackedColumns, PackedLinear, pack_projections, packable
 from jaxengine.model.step import RequestChunk, make_model_step, pack_batch, split_model
 
 TARGET = "jaxengine_packed_matmul_f32"
@@ -41,11 +41,14 @@ def test_a_packed_model_computes_what_the_xla_one_does(architecture, tied):
     model = Model(cfg, seed=5)
     assert packable(model) is None
     assert pack_projections(model) == 7 * cfg.num_layers + (0 if tied else 1)
-    assert isinstance(model.layers[1].mlp.down_proj, PackedLinear)
+    attn, mlp = model.layers[1].self_attn, model.layers[1].mlp
+    assert isinstance(mlp.down_proj, PackedLinear) and isinstance(attn.k_proj, PackedColumns)
+    assert attn.q_proj.merged is attn.v_proj.merged  # one product of q/k/v, split by columns
     got, packed = run(model)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
-    # Every projection is the kernel in the compiled step; none is left to XLA.
-    assert packed.count(f'custom_call_target="{TARGET}"') == 7 * cfg.num_layers
+    # Every projection is the kernel in the compiled step, q/k/v and gate/up one call each
+    # (XLA's CSE keeps one of each merged product's identical calls); none is left to XLA.
+    assert packed.count(f'custom_call_target="{TARGET}"') == 4 * cfg.num_layers
     assert plain.count(TARGET) == 0
 
 
