@@ -71,6 +71,8 @@ def packable(model: nnx.Module) -> str | None:
         return f"packed projections are float32 (the model is {jnp.dtype(model.dtype)})"
     if not isinstance(model.layers, nnx.List):
         return "packed projections need the looped layer layout (scan_layers=False)"
+    if not all(isinstance(block.mlp.down_proj, nnx.Linear) for block in model.layers):
+        return "the projections are packed already"  # a second model_fns over one model
     return native.available()
 
 

@@ -44,6 +44,8 @@ def test_a_packed_model_computes_what_the_xla_one_does(architecture, tied):
     attn, mlp = model.layers[1].self_attn, model.layers[1].mlp
     assert isinstance(mlp.down_proj, PackedLinear) and isinstance(attn.k_proj, PackedColumns)
     assert attn.q_proj.merged is attn.v_proj.merged  # one product of q/k/v, split by columns
+    assert packable(model) == "the projections are packed already"
+    assert pack_projections(model) == 0  # a second pass leaves the packed model as it is
     got, packed = run(model)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
     # Every projection is the kernel in the compiled step, q/k/v and gate/up one call each
