@@ -27,13 +27,10 @@
 // slots hold (NaN included) never reaches the output.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
 #include <numeric>
-#include <thread>
 #include <type_traits>
 #include <utility>
 #include <vector>
