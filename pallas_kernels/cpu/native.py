@@ -142,9 +142,11 @@ def target(dtype: jnp.dtype) -> str:
     return TARGETS[dtype][0]
 
 
+@functools.cache
 def matmul_target() -> tuple[str, int]:
     """The packed matmul's custom-call target and the panel width its weights are packed in
-    (built and loaded on first use; raises `NativeBuildError` as `target` does)."""
+    (built and loaded on first use; raises `NativeBuildError` as `target` does, and is asked
+    again then)."""
     library = _load()
     library.PackedMatmulPanel.restype = ctypes.c_int64
     return MATMUL_TARGET[0], int(library.PackedMatmulPanel())
