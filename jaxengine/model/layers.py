@@ -146,6 +146,18 @@ def linear(in_features: int, out_features: int, *, sharding: Sharding, mesh: Mes
                       preferred_element_type=preferred_element_type, rngs=rngs)
 
 
+def live_tokens(batch: ModelBatch) -> jax.Array:
+    """i32[] the batch's scheduled tokens; the rows after them are the bucket's padding."""
+    return batch.query_start_loc[batch.num_seqs]
+
+
+def project(proj: nnx.Module, x: jax.Array, live: jax.Array | None) -> jax.Array:
+    """`proj(x)` for x [T, in]. A projection packed for the CPU's native matmul
+    (jaxengine/model/packing.py) is also told the `live` rows and skips the padding after
+    them, whose outputs are then the bias; XLA's dots compute every row."""
+    return proj(x) if isinstance(proj, nnx.Linear) or live is None else proj(x, live)
+
+
 class RMSNorm(nnx.Module):
     """RMSNorm over the last axis with a learned `scale` [dim] (HF Llama numerics)."""
 
@@ -234,9 +246,10 @@ class Attention(nnx.Module):
         """
         T = x.shape[0]
         N, K, H = self.num_heads, self.num_kv_heads, self.head_dim
-        q = self.q_proj(x).reshape(T, N, H)
-        k = self.k_proj(x).reshape(T, K, H)
-        v = self.v_proj(x).reshape(T, K, H)
+        live = live_tokens(batch)
+        q = project(self.q_proj, x, live).reshape(T, N, H)
+        k = project(self.k_proj, x, live).reshape(T, K, H)
+        v = project(self.v_proj, x, live).reshape(T, K, H)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -251,7 +264,7 @@ class Attention(nnx.Module):
             out_specs=(HEADS, PAGES), check_vma=False)  # kernels' loop carries start unvaried
         out, pages = attend(q, k, v, pages, slots, batch.block_tables + page_offset,
                             batch.seq_lens, batch.query_start_loc, batch.num_seqs)
-        return self.o_proj(out.astype(x.dtype).reshape(T, N * H)), pages
+        return project(self.o_proj, out.astype(x.dtype).reshape(T, N * H), live), pages
 
 
 class MLP(nnx.Module):
@@ -264,6 +277,7 @@ class MLP(nnx.Module):
         self.up_proj = linear(D, F, sharding=COLUMN, mesh=mesh, dtype=dtype, rngs=rngs)
         self.down_proj = linear(F, D, sharding=ROW, mesh=mesh, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """x [T, D] -> [T, D]."""
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+    def __call__(self, x: jax.Array, live: jax.Array | None = None) -> jax.Array:
+        """x [T, D] -> [T, D]; `live` (i32[]) as `project`'s."""
+        hidden = jax.nn.silu(project(self.gate_proj, x, live)) * project(self.up_proj, x, live)
+        return project(self.down_proj, hidden, live)

@@ -47,6 +47,7 @@ from jaxengine.model.layers import (
     Embedder,
     RMSNorm,
     linear,
+    live_tokens,
     padded,
     rope_inv_freq,
     rope_tables,
@@ -78,7 +79,7 @@ class Block(nnx.Module):
         out, pages = self.self_attn(self.input_layernorm(x), pages, page_offset, batch, cos,
                                     sin, attn_impl=attn_impl, interpret=interpret)
         x = x + out
-        return x + self.mlp(self.post_attention_layernorm(x)), pages
+        return x + self.mlp(self.post_attention_layernorm(x), live_tokens(batch)), pages
 
 
 # The layer axis of stacked weights is not split: vmap and scan insert / remove None there.

@@ -37,9 +37,10 @@ class PackedLinear(nnx.Module):
             for lin in linears])) if biased else None
         self.in_features, self.out_features = kernel.shape
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """x f32[..., K] -> f32[..., N]."""
-        y = matmul.packed_matmul(x, self.kernel[...], self.out_features)
+    def __call__(self, x: jax.Array, live: jax.Array | None = None) -> jax.Array:
+        """x f32[T, K] -> f32[T, N]; with `live` (i32[]) only the first `live` rows are
+        computed, the padding rows after them come out as the bias (zeros without one)."""
+        y = matmul.packed_matmul(x, self.kernel[...], self.out_features, live)
         return y if self.bias is None else y + self.bias[...]
 
 
@@ -51,9 +52,9 @@ class PackedColumns(nnx.Module):
     def __init__(self, merged: PackedLinear, start: int, stop: int) -> None:
         self.merged, self.start, self.stop = merged, start, stop
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """x f32[..., K] -> f32[..., stop - start]."""
-        return self.merged(x)[..., self.start:self.stop]
+    def __call__(self, x: jax.Array, live: jax.Array | None = None) -> jax.Array:
+        """x f32[T, K] -> f32[T, stop - start]; `live` as `PackedLinear`'s."""
+        return self.merged(x, live)[..., self.start:self.stop]
 
 
 # Projections of one input, merged into one packed product (one call and more panels to share

@@ -31,8 +31,12 @@ def pack(w: jax.Array | np.ndarray) -> jax.Array:
     return w.reshape(K, panels, width).transpose(1, 0, 2)
 
 
-def packed_matmul(x: jax.Array, panels: jax.Array, n: int) -> jax.Array:
+def packed_matmul(x: jax.Array, panels: jax.Array, n: int,
+                  live: jax.Array | int | None = None) -> jax.Array:
     """x f32[..., K] @ w -> f32[..., n], w given as `pack(w)`'s panels f32[ceil(n/W), K, W].
+
+    `live` (i32[], default: all) counts the rows of x (its leading axes flattened) that are
+    computed; the rows past it come out zero, at no cost (an engine step's padding).
 
     Under jax.vmap the kernel runs once per batch element. There is no derivative rule: this
     is for inference (the model's XLA layout serves training).
@@ -49,4 +53,5 @@ def packed_matmul(x: jax.Array, panels: jax.Array, n: int) -> jax.Array:
     rows = x.reshape(-1, K)
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32),
                             vmap_method="sequential")
-    return call(rows, panels).reshape(*lead, n)
+    live = rows.shape[0] if live is None else live
+    return call(rows, panels, jnp.asarray(live, jnp.int32)).reshape(*lead, n)

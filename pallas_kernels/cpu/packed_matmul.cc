@@ -1,5 +1,6 @@
 // A float32 matmul over weights packed in column panels, as an XLA FFI custom call: y = x @ w for
-// x [M, K] and w [K, N] held as panels [ceil(N/W), K, W] (W = kPanel columns, zero past N).
+// x [M, K] and w [K, N] held as panels [ceil(N/W), K, W] (W = kPanel columns, zero past N),
+// and live i32[], the rows of x to compute.
 // pallas_kernels/cpu/native.py compiles and registers it, pallas_kernels/cpu/matmul.py packs the
 // weights and calls it, and the tests hold it to numpy's product.
 //
@@ -15,6 +16,8 @@
 // shared counter, so a decode step's panels (each read from memory once) spread over the cores
 // and a prefill chunk's runs of rows do too. Inside a unit, blocks of kRowBlock rows keep
 // kRowBlock x 4 vectors of sums in registers while the panel streams by, one row of K at a time.
+// Only the first `live` rows are computed and the rest written as zeros: an engine step's token
+// bucket pads its rows, and the padding need not cost a product.
 // Numerics: float32 multiply-adds in K's order for each output (no fast-math reassociation).
 
 #include <algorithm>
@@ -88,17 +91,20 @@ void unit(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_
 }
 
 ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                        ffi::ResultBuffer<ffi::F32> y) {
+                        ffi::Buffer<ffi::S32> live, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || wd[2] != kPanel ||
-      wd[1] != xd[1] || yd[0] != xd[0] || (yd[1] + kPanel - 1) / kPanel != wd[0])
+      wd[1] != xd[1] || yd[0] != xd[0] || (yd[1] + kPanel - 1) / kPanel != wd[0] ||
+      live.element_count() != 1)
     return ffi::Error::InvalidArgument("packed_matmul: bad shapes");
-  const int64_t M = xd[0], K = xd[1], N = yd[1], panels = wd[0];
-  if (M == 0 || N == 0) return ffi::Error::Success();
-  const int64_t runs = (M + kRunRows - 1) / kRunRows;
+  const int64_t K = xd[1], N = yd[1], panels = wd[0];
+  const int64_t M = std::clamp<int64_t>(live.typed_data()[0], 0, xd[0]);  // rows computed
   const float* X = x.typed_data();
   const float* W = w.typed_data();
   float* Y = y->typed_data();
+  std::fill(Y + M * N, Y + xd[0] * N, 0.0f);
+  if (M == 0 || N == 0) return ffi::Error::Success();
+  const int64_t runs = (M + kRunRows - 1) / kRunRows;
   parallel_for(pool, panels * runs, [&](int64_t i) {
     const int64_t p = i / runs, m0 = i % runs * kRunRows;
     unit(X, W, Y, K, N, p, m0, std::min(M, m0 + kRunRows));
@@ -116,4 +122,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(PackedMatmulF32, PackedMatmul,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

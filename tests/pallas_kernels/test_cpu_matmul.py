@@ -54,6 +54,19 @@ def test_matches_numpy_at_the_model_shapes(m):
     check(jax.jit(packed_matmul, static_argnums=2)(jnp.asarray(x), pack(w), 192), x, w)
 
 
+@pytest.mark.parametrize("m,live", [(64, 49), (64, 0), (7, 7), (200, 97), (5, 9)])
+def test_live_rows_are_computed_and_the_padding_is_zero(m, live):
+    """`live` rows (clamped to x's) as numpy's product, the rows after them zeros, even where
+    x's padding holds NaN; traced, so one program serves every count."""
+    x, w = operands(m, 64, 100, seed=m + live)
+    x[min(live, m):] = np.nan
+    y = np.asarray(jax.jit(packed_matmul, static_argnums=2)(jnp.asarray(x), pack(w), 100,
+                                                            jnp.int32(live)))
+    rows = min(live, m)
+    check(y[:rows], x[:rows], w)
+    assert not y[rows:].any()
+
+
 def test_leading_axes_are_rows():
     x, w = operands(12, 16, 40, seed=1)
     y = packed_matmul(jnp.asarray(x).reshape(2, 3, 2, 16), pack(w), 40)
@@ -98,5 +111,5 @@ def test_narrower_vector_builds_match_numpy(isa, tmp_path, monkeypatch):
         panels = -(-n // width)
         wp = np.pad(w, ((0, 0), (0, panels * width - n))).reshape(k, panels, width)
         y = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((m, n), jnp.float32))(
-            jnp.asarray(x), jnp.asarray(wp.transpose(1, 0, 2)))
+            jnp.asarray(x), jnp.asarray(wp.transpose(1, 0, 2)), jnp.int32(m))
         check(y, x, w)

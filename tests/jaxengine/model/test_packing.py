@@ -17,8 +17,9 @@ from jaxengine.model.step import RequestChunk, make_model_step, pack_batch, spli
 TARGET = "jaxengine_packed_matmul_f32"
 
 
-def run(model: Model) -> tuple[np.ndarray, str]:
-    """Hidden states of a prefill chunk then a decode; and the compiled step's HLO."""
+def run(model: Model) -> tuple[np.ndarray, np.ndarray, str]:
+    """Hidden states of a prefill chunk then a decode, those of the decode step's 15 padding
+    rows, and the compiled step's HLO."""
     cfg = model.config
     graphdef, state = split_model(model)
     step = jax.jit(make_model_step(graphdef, attn_impl="cpu"), donate_argnames=("kv",))
@@ -31,13 +32,13 @@ def run(model: Model) -> tuple[np.ndarray, str]:
         hlo = hlo or step.lower(state, kv, batch).compile().as_text()
         kv, hidden = step(state, kv, batch)
         out.append(np.asarray(hidden[:n]))
-    return np.concatenate(out), hlo
+    return np.concatenate(out), np.asarray(hidden[n:]), hlo
 
 
 @pytest.mark.parametrize("architecture, tied", [("llama", True), ("qwen2", False)])
 def test_a_packed_model_computes_what_the_xla_one_does(architecture, tied):
     cfg = ModelConfig.tiny(architecture, tie_word_embeddings=tied, intermediate_size=100)
-    want, plain = run(Model(cfg, seed=5))
+    want, plain_padding, plain = run(Model(cfg, seed=5))
     model = Model(cfg, seed=5)
     assert packable(model) is None
     assert pack_projections(model) == 7 * cfg.num_layers + (0 if tied else 1)
@@ -46,8 +47,15 @@ def test_a_packed_model_computes_what_the_xla_one_does(architecture, tied):
     assert attn.q_proj.merged is attn.v_proj.merged  # one product of q/k/v, split by columns
     assert packable(model) == "the projections are packed already"
     assert pack_projections(model) == 0  # a second pass leaves the packed model as it is
-    got, packed = run(model)
+    got, padding, packed = run(model)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+    # The padding rows (token id 0) skip every packed projection: attention gives them zeros,
+    # so their residual stream stays token 0's embedding through the layers, where XLA's dots
+    # run the MLP on them.
+    embedding = model.embed[...][0]
+    np.testing.assert_allclose(padding, np.broadcast_to(
+        np.asarray(model.norm(embedding)), padding.shape), rtol=1e-6)
+    assert not np.allclose(plain_padding, padding, rtol=1e-3)
     # Every projection is the kernel in the compiled step, q/k/v and gate/up one call each
     # (XLA's CSE keeps one of each merged product's identical calls); none is left to XLA.
     assert packed.count(f'custom_call_target="{TARGET}"') == 4 * cfg.num_layers
