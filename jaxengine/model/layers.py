@@ -78,18 +78,30 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> n
 
 
 def rope_tables(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """cos, sin f32[T, H] for `positions` i32[T] (HF's non-interleaved half layout)."""
+    """cos, sin f32[T, H] for `positions` i32[T] (HF's non-interleaved half layout).
+
+    The tables are materialised once (an optimization barrier): left to itself, XLA's CPU
+    backend fused cos and sin into every layer's RoPE multiply and evaluated them again for
+    each head and layer, 5.7 of the 72 ms that a 2048-token SmolLM2 step spent per layer.
+    """
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, H/2]
     angles = jnp.concatenate([angles, angles], axis=-1)  # [T, H]
-    return jnp.cos(angles), jnp.sin(angles)
+    return jax.lax.optimization_barrier((jnp.cos(angles), jnp.sin(angles)))
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate x [T, heads, H] by the tables cos/sin f32[T, H]; result in x's dtype."""
+    """Rotate x [T, heads, H] by the tables cos/sin f32[T, H]; result in x's dtype.
+
+    HF's x * cos + rotate_half(x) * sin, with rotate_half(x) = [-x2, x1] written as the
+    halves swapped ([x2, x1], a reversal XLA fuses) times a sign folded into sin: one pass
+    over x, where the rotated copy cost XLA's CPU backend slices, a negation and a
+    concatenation first (the same float operations).
+    """
     half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    cos, sin = cos[:, None, :].astype(x.dtype), sin[:, None, :].astype(x.dtype)
-    return x * cos + rotated * sin
+    swapped = jnp.flip(x.reshape(*x.shape[:-1], 2, half), axis=-2).reshape(x.shape)
+    signed_sin = jnp.concatenate([-sin[:, :half], sin[:, half:]], axis=-1)
+    cos, signed_sin = cos[:, None, :].astype(x.dtype), signed_sin[:, None, :].astype(x.dtype)
+    return x * cos + swapped * signed_sin
 
 
 def _normal(key: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype) -> jax.Array:
