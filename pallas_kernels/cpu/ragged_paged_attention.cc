@@ -22,7 +22,9 @@
 // XLA's intra-op threads take units from one shared counter, longest first.
 //
 // Numerics: float32 (bfloat16 inputs are widened), an online softmax per tile of kKeys keys
-// (64 with AVX-512).
+// (64 with AVX-512). A decode's few query rows take each key's dots a vector of keys at a
+// time; a prefill chunk's rows take the tile's scores transposed, a vector of rows at a time
+// (see Scratch).
 // Only slots inside a request's context are read as keys or values, so whatever the other
 // slots hold (NaN included) never reaches the output.
 
@@ -49,19 +51,20 @@ using jaxengine_cpu::loadv;
 using jaxengine_cpu::parallel_for;
 using jaxengine_cpu::storev;
 
-// A tile is 4 vectors. Register blocking: with AVX-512's 32 registers the score product keeps
-// 6 rows x 4 vectors of accumulators (1.27x over 4 rows on a 1280-token prefill) and P.V
-// 4 rows x 4; with 16 registers (AVX2) 2 rows each avoid spills.
+// A tile is 4 vectors of keys. Register blocking: with AVX-512's 32 registers the transposed
+// score product keeps 6 keys x 4 vectors of query rows of accumulators and P.V 4 rows x 4
+// vectors; with 16 registers (AVX2) 2 keys / 2 rows avoid spills.
 #if defined(__AVX512F__)
-constexpr int64_t kRowBlock = 6;      // query rows that share each key load in a score tile
+constexpr int64_t kWideKeys = 6;      // keys whose broadcasts share each query-vector load
 constexpr int64_t kPvRows = 4;        // query rows that share each value load in P.V
 #else
-constexpr int64_t kRowBlock = 2;
+constexpr int64_t kWideKeys = 2;
 constexpr int64_t kPvRows = 2;
 #endif
+constexpr int64_t kWideVectors = 4;   // vectors of query rows per transposed score block
 constexpr int64_t kKeys = 4 * kLanes;  // keys per tile (one online-softmax step)
 constexpr int64_t kAhead = 8;         // keys between a token row's prefetch and its use
-constexpr int64_t kTransposeRows = 8; // rows from which a tile's keys are transposed first
+constexpr int64_t kWideRows = 8;      // rows from which a tile's scores are computed transposed
 constexpr int64_t kSplitTokens = 8;   // requests of at most this many tokens split over pages
 constexpr float kMasked = -1e30f;     // running max before any visible key (finite: fast_exp)
 
@@ -164,18 +167,26 @@ struct Unit {
 
 // A unit's working set. Rows are kv-head-major: row k * rows_k + t * G + g is token tok0 + t,
 // query head k * G + g, where rows_k = (tok1 - tok0) * G.
+//
+// A unit of few rows (a decode: rows_k < kWideRows) keeps its scores row-major, [rows, kKeys]:
+// each row's dots with kLanes keys at a time. A wider unit (a prefill chunk) keeps them
+// transposed, S^T [kKeys, R] with R = rows_k rounded up to whole vectors: a key row read in
+// place from the cache is broadcast against the queries held transposed ([H, R]), and the
+// softmax then runs down the keys a vector of rows at a time (no per-row reductions, no
+// transposed copy of every tile's keys).
 struct Scratch {
-  std::vector<float> q;    // [K, rows_pad, H] scaled queries (rows_pad: rows_k rounded up)
+  std::vector<float> q;    // decode: [K, rows_k, H]; wide: [K, H, R]; scaled queries
   std::vector<float> m;    // [K * rows_k] running max
   std::vector<float> l;    // [K * rows_k] running denominator
   std::vector<float> acc;  // [K * rows_k, H] running numerator
-  std::vector<float> s;    // [rows_pad, kKeys] a tile's scores, then its probabilities
-  std::vector<float> kt;   // [H, kKeys] a tile's keys, transposed
+  std::vector<float> s;    // a tile's scores, then its probabilities: [rows_k, kKeys] / [kKeys, R]
   std::vector<float> vt;   // [kKeys, H] a tile's values, widened (bfloat16 caches only)
-  std::vector<int64_t> visible;  // [rows_pad] per row, keys of the tile it sees
-  std::vector<float> alpha;      // [rows_pad] per row, the softmax rescale of the tile
+  std::vector<int64_t> visible;  // [rows] per row, keys of the tile it sees
+  std::vector<float> alpha;      // [rows] per row, the softmax rescale of the tile
   std::vector<float> spare;      // [kPvRows, H] accumulators of rows past the last
-  std::vector<float> zeros;      // [kKeys] the probabilities of rows past the last
+  std::vector<float> zeros;      // [kKeys] the probabilities of rows past the last (decode)
+  std::vector<float> token;      // wide: [R] each row's token (t, as a float; padding: the last)
+  std::vector<float> wm, wl, mx; // wide: [R] one kv head's running max and sum, the tile's max
 };
 
 template <typename T>
@@ -272,25 +283,35 @@ class PagedAttention {
     return ((rq.q_start + u.tok0 + t) * g_.N + k * g_.G + gi) * g_.H;
   }
 
-  static int64_t padded(int64_t rows_k) { return (rows_k + kRowBlock - 1) / kRowBlock * kRowBlock; }
+  // Rows of a wide unit's transposed scores: rows_k rounded up to whole vectors.
+  static int64_t wide_rows(int64_t rows_k) { return (rows_k + kLanes - 1) / kLanes * kLanes; }
 
   void load_queries(const Unit& u, const Request& rq, Scratch& sc) const {
-    const int64_t ntok = u.tok1 - u.tok0, G = g_.G, H = g_.H, pad = padded(ntok * G);
-    sc.q.assign(g_.K * pad * H, 0.0f);
+    const int64_t ntok = u.tok1 - u.tok0, G = g_.G, H = g_.H, rows_k = ntok * G;
+    const bool wide = rows_k >= kWideRows;
+    const int64_t R = wide ? wide_rows(rows_k) : rows_k;  // rows per kv head in sc.q
+    sc.q.assign(g_.K * R * H, 0.0f);
     for (int64_t k = 0; k < g_.K; ++k)
       for (int64_t t = 0; t < ntok; ++t)
         for (int64_t gi = 0; gi < G; ++gi) {
           const T* src = q_ + ((rq.q_start + u.tok0 + t) * g_.N + k * G + gi) * H;
-          float* dst = sc.q.data() + (k * pad + t * G + gi) * H;
-          for (int64_t h = 0; h < H; ++h) dst[h] = widen(src[h]) * scale_;
+          const int64_t r = t * G + gi;
+          float* dst = sc.q.data() + k * R * H;
+          for (int64_t h = 0; h < H; ++h)  // wide: [H, R], transposed; else [rows_k, H]
+            dst[wide ? h * R + r : r * H + h] = widen(src[h]) * scale_;
         }
-    sc.s.assign(pad * kKeys, 0.0f);
-    sc.kt.assign(H * kKeys, 0.0f);
-    sc.visible.assign(pad, 0);
-    sc.alpha.assign(pad, 1.0f);
+    sc.s.assign(std::max(R, kPvRows) * kKeys, 0.0f);
+    sc.visible.assign(R, 0);
+    sc.alpha.assign(R, 1.0f);
     sc.spare.assign(kPvRows * H, 0.0f);
     sc.zeros.assign(kKeys, 0.0f);
     if constexpr (!std::is_same_v<T, float>) sc.vt.assign(kKeys * H, 0.0f);
+    if (!wide) return;
+    sc.token.resize(R);
+    for (int64_t r = 0; r < R; ++r) sc.token[r] = float(std::min(r, rows_k - 1) / G);
+    sc.wm.resize(R);
+    sc.wl.resize(R);
+    sc.mx.resize(R);
   }
 
   // Requests the cache lines of one token row (all its heads' keys and values).
@@ -301,62 +322,85 @@ class PagedAttention {
   // 64-byte cache lines that one token row spans.
   int64_t line_count() const { return (g_.token_stride() * int64_t(sizeof(T)) + 63) / 64; }
 
-  // Scores s[i, j] = q_i . key_j of the rows of kv head k against the tile's nk keys;
-  // `tokens` has `have` >= nk rows, those past the tile to prefetch: head 0's pass requests
-  // each row kAhead keys before it reads it.
+  // A decode's scores s[i, j] = q_i . key_j (rows_k < kWideRows rows of kv head k against the
+  // tile's nk keys), kLanes keys' dots at a time; `tokens` has `have` >= nk rows, those past
+  // the tile to prefetch: head 0's pass requests each row kAhead keys before it reads it.
   void scores(Scratch& sc, int64_t k, int64_t rows_k, const T* const* tokens, int64_t nk,
               int64_t have) const {
-    const int64_t H = g_.H, pad = padded(rows_k), key_slot = 2 * k * H;
-    const float* q = sc.q.data() + k * pad * H;
+    const int64_t H = g_.H, key_slot = 2 * k * H;
+    const float* q = sc.q.data() + k * rows_k * H;
     float* s = sc.s.data();
-    if (rows_k < kTransposeRows) {  // a decode's few rows: kLanes keys' dots at a time
-      // A decode does little work per byte, so the next tile's rows (tokens[nk, have)) are
-      // also requested a few cache lines per key through every head's pass: the memory then
-      // stays busy through the whole tile, not only while head 0 reads. With group_dots,
-      // 1.28x on 64 decodes at context 1500 read from memory (as an engine step reads its
-      // pages), 0.8x on one decode whose pages sit in L2 (benchmarks/cpu_kernel_units.cc).
-      const int64_t lines = line_count(), next = std::max<int64_t>(have - nk, 0) * lines;
-      const int64_t per = (next + g_.K * nk - 1) / (g_.K * nk);
-      for (int64_t j0 = 0; j0 < nk; j0 += kLanes) {
-        for (int64_t j = j0; j < std::min(j0 + kLanes, nk); ++j) {
-          if (k == 0 && j + kAhead < have) prefetch_token(tokens[j + kAhead]);
-          const int64_t x = std::min((k * nk + j) * per, next), e = std::min(x + per, next);
-          for (int64_t r = x / lines, l = x - r * lines, n = x; n < e; ++n) {  // row r, line l
-            __builtin_prefetch(reinterpret_cast<const char*>(tokens[nk + r]) + l * 64);
-            if (++l == lines) l = 0, ++r;
-          }
-        }
-        for (int64_t i = 0; i < rows_k; ++i)
-          storev(s + i * kKeys + j0, group_dots(q + i * H, tokens + j0, nk - j0, key_slot));
-      }
-      return;
-    }
-    // Many rows: transpose the keys once, then each row's scores are whole vectors.
-    float* kt = sc.kt.data();
-    for (int64_t j = 0; j < kKeys; ++j) {
-      if (j < nk) {
-        const T* key = tokens[j] + key_slot;
+    // A decode does little work per byte, so the next tile's rows (tokens[nk, have)) are
+    // also requested a few cache lines per key through every head's pass: the memory then
+    // stays busy through the whole tile, not only while head 0 reads. With group_dots,
+    // 1.28x on 64 decodes at context 1500 read from memory (as an engine step reads its
+    // pages), 0.8x on one decode whose pages sit in L2 (benchmarks/cpu_kernel_units.cc).
+    const int64_t lines = line_count(), next = std::max<int64_t>(have - nk, 0) * lines;
+    const int64_t per = (next + g_.K * nk - 1) / (g_.K * nk);
+    for (int64_t j0 = 0; j0 < nk; j0 += kLanes) {
+      for (int64_t j = j0; j < std::min(j0 + kLanes, nk); ++j) {
         if (k == 0 && j + kAhead < have) prefetch_token(tokens[j + kAhead]);
-        for (int64_t h = 0; h < H; ++h) kt[h * kKeys + j] = widen(key[h]);
-      } else {
-        for (int64_t h = 0; h < H; ++h) kt[h * kKeys + j] = 0.0f;
-      }
-    }
-    constexpr int64_t V = kKeys / kLanes;  // vectors per row
-    for (int64_t i = 0; i < pad; i += kRowBlock) {
-      fvec acc[kRowBlock][V] = {};  // kRowBlock * V independent accumulators
-      const float* qi = q + i * H;
-      for (int64_t h = 0; h < H; ++h) {
-        fvec kh[V];
-        for (int64_t c = 0; c < V; ++c) kh[c] = loadv(kt + h * kKeys + c * kLanes);
-        for (int64_t r = 0; r < kRowBlock; ++r) {
-          const float qv = qi[r * H + h];
-          for (int64_t c = 0; c < V; ++c) acc[r][c] += qv * kh[c];
+        const int64_t x = std::min((k * nk + j) * per, next), e = std::min(x + per, next);
+        for (int64_t r = x / lines, l = x - r * lines, n = x; n < e; ++n) {  // row r, line l
+          __builtin_prefetch(reinterpret_cast<const char*>(tokens[nk + r]) + l * 64);
+          if (++l == lines) l = 0, ++r;
         }
       }
-      for (int64_t r = 0; r < kRowBlock; ++r)
-        for (int64_t c = 0; c < V; ++c) storev(s + (i + r) * kKeys + c * kLanes, acc[r][c]);
+      for (int64_t i = 0; i < rows_k; ++i)
+        storev(s + i * kKeys + j0, group_dots(q + i * H, tokens + j0, nk - j0, key_slot));
     }
+  }
+
+  // A wide unit's transposed scores s[j, r] = q_r . key_j (kv head k's rows_k rows against
+  // the tile's nk keys; row stride R): blocks of kWideKeys keys x kWideVectors vectors of rows
+  // in registers, each key element broadcast against a vector of queries. Head 0's pass
+  // requests each token row kAhead keys before it is read.
+  void wide_scores(Scratch& sc, int64_t k, int64_t rows_k, const T* const* tokens, int64_t nk,
+                   int64_t have) const {
+    const int64_t H = g_.H, R = wide_rows(rows_k), key_slot = 2 * k * H;
+    const float* qt = sc.q.data() + k * H * R;
+    for (int64_t j0 = 0; j0 < nk; j0 += kWideKeys) {
+      const int64_t nj = std::min(kWideKeys, nk - j0);
+      if (k == 0)
+        for (int64_t j = j0 + kAhead; j < std::min(j0 + kAhead + nj, have); ++j)
+          prefetch_token(tokens[j]);
+      for (int64_t v0 = 0; v0 < R; v0 += kWideVectors * kLanes)
+        score_keys(nj, std::min(kWideVectors, (R - v0) / kLanes), tokens + j0, key_slot,
+                   qt + v0, R, H, sc.s.data() + j0 * R + v0);
+    }
+  }
+
+  // score_block<J, V> for nj <= kWideKeys keys and nv <= kWideVectors vectors.
+  template <int64_t J = kWideKeys>
+  static void score_keys(int64_t nj, int64_t nv, const T* const* keys, int64_t slot,
+                         const float* qt, int64_t R, int64_t H, float* s) {
+    if constexpr (J > 0) {
+      if (nj < J) return score_keys<J - 1>(nj, nv, keys, slot, qt, R, H, s);
+      if (nv == 4) return score_block<J, 4>(keys, slot, qt, R, H, s);
+      if (nv == 3) return score_block<J, 3>(keys, slot, qt, R, H, s);
+      if (nv == 2) return score_block<J, 2>(keys, slot, qt, R, H, s);
+      return score_block<J, 1>(keys, slot, qt, R, H, s);
+    }
+  }
+
+  // J keys x V vectors of rows: s[j, v] = sum_h key_j[h] * qt[h, v].
+  template <int64_t J, int64_t V>
+  static void score_block(const T* const* keys, int64_t slot, const float* qt, int64_t R,
+                          int64_t H, float* s) {
+    static_assert(V <= kWideVectors);
+    fvec acc[J][V] = {};
+    const T* key[J];
+    for (int64_t j = 0; j < J; ++j) key[j] = keys[j] + slot;
+    for (int64_t h = 0; h < H; ++h) {
+      fvec q[V];
+      for (int64_t c = 0; c < V; ++c) q[c] = loadv(qt + h * R + c * kLanes);
+      for (int64_t j = 0; j < J; ++j) {
+        const float b = widen(key[j][h]);  // broadcast by the vector product
+        for (int64_t c = 0; c < V; ++c) acc[j][c] += b * q[c];
+      }
+    }
+    for (int64_t j = 0; j < J; ++j)
+      for (int64_t c = 0; c < V; ++c) storev(s + j * R + c * kLanes, acc[j][c]);
   }
 
   // The dots of query row qi with the keys of min(n, kLanes) token rows, as one vector (lane
@@ -385,7 +429,11 @@ class PagedAttention {
   void tile(Scratch& sc, int64_t k, int64_t rows_k, const T* const* tokens, int64_t nk,
             int64_t key0, const Unit& u, const Request& rq, int64_t have) const {
     const int64_t H = g_.H, value_slot = (2 * k + 1) * H;
-    scores(sc, k, rows_k, tokens, nk, have);
+    const bool wide = rows_k >= kWideRows;
+    if (wide)
+      wide_scores(sc, k, rows_k, tokens, nk, have);
+    else
+      scores(sc, k, rows_k, tokens, nk, have);
     const float* vals[kKeys];  // value rows of the tile's keys (widened for bfloat16)
     if constexpr (std::is_same_v<T, float>) {
       for (int64_t j = 0; j < nk; ++j) vals[j] = tokens[j] + value_slot;
@@ -397,27 +445,36 @@ class PagedAttention {
         vals[j] = dst;
       }
     }
-    softmax(sc, k * rows_k, rows_k, nk, rq.ctx - rq.q_len + u.tok0 - key0);
+    const int64_t offset = rq.ctx - rq.q_len + u.tok0 - key0;
+    if (wide)
+      wide_softmax(sc, k, rows_k, nk, offset);
+    else
+      softmax(sc, k * rows_k, rows_k, nk, offset);
+    // Probability p[r][j * stride] of row r and key j: S^T's rows are keys (a wide unit's
+    // padding rows, within R, stand in for missing ones), a decode's are query rows.
+    const int64_t stride = wide ? wide_rows(rows_k) : 1;
     for (int64_t i = 0; i < rows_k; i += kPvRows) {  // kPvRows rows share each value load
       const float* p[kPvRows];  // probabilities (zeros past a row's visible keys)
       float* acc[kPvRows];
       float alpha[kPvRows];
       int64_t nj = 0;
       for (int64_t r = 0; r < kPvRows; ++r) {
-        const bool live = i + r < rows_k;  // a missing row reads zeros into a spare row
-        p[r] = live ? sc.s.data() + (i + r) * kKeys : sc.zeros.data();
+        const bool live = i + r < rows_k;  // a missing row adds into a spare row
+        p[r] = wide ? sc.s.data() + i + r
+                    : live ? sc.s.data() + (i + r) * kKeys : sc.zeros.data();
         acc[r] = live ? sc.acc.data() + (k * rows_k + i + r) * H : sc.spare.data() + r * H;
         alpha[r] = live ? sc.alpha[i + r] : 1.0f;
         nj = std::max(nj, live ? sc.visible[i + r] : 0);
       }
       if (nj == 0) continue;
       int64_t h0 = 0;
-      for (; h0 + 4 * kLanes <= H; h0 += 4 * kLanes) pv_columns<4>(h0, nj, vals, p, alpha, acc);
-      for (; h0 + kLanes <= H; h0 += kLanes) pv_columns<1>(h0, nj, vals, p, alpha, acc);
+      for (; h0 + 4 * kLanes <= H; h0 += 4 * kLanes)
+        pv_columns<4>(h0, nj, vals, p, stride, alpha, acc);
+      for (; h0 + kLanes <= H; h0 += kLanes) pv_columns<1>(h0, nj, vals, p, stride, alpha, acc);
       for (; h0 < H; ++h0) {  // the last H % kLanes columns
         for (int64_t r = 0; r < kPvRows; ++r) {
           float x = acc[r][h0] * alpha[r];
-          for (int64_t j = 0; j < nj; ++j) x += p[r][j] * vals[j][h0];
+          for (int64_t j = 0; j < nj; ++j) x += p[r][j * stride] * vals[j][h0];
           acc[r][h0] = x;
         }
       }
@@ -430,7 +487,8 @@ class PagedAttention {
   // gathers through the row pointers (measured 2x slower).
   template <int C>
   static void pv_columns(int64_t h0, int64_t nj, const float* const* vals,
-                         const float* const* p, const float* alpha, float* const* acc) {
+                         const float* const* p, int64_t stride, const float* alpha,
+                         float* const* acc) {
     fvec r[kPvRows][C];
     for (int64_t i = 0; i < kPvRows; ++i)
       for (int c = 0; c < C; ++c) r[i][c] = loadv(acc[i] + h0 + c * kLanes) * alpha[i];
@@ -438,17 +496,18 @@ class PagedAttention {
       const float* v = vals[j] + h0;
       for (int c = 0; c < C; ++c) {
         const fvec vc = loadv(v + c * kLanes);
-        for (int64_t i = 0; i < kPvRows; ++i) r[i][c] += p[i][j] * vc;
+        for (int64_t i = 0; i < kPvRows; ++i) r[i][c] += p[i][j * stride] * vc;
       }
     }
     for (int64_t i = 0; i < kPvRows; ++i)
       for (int c = 0; c < C; ++c) storev(acc[i] + h0 + c * kLanes, r[i][c]);
   }
 
-  // The online softmax step of rows [row0, row0 + rows_k) (kv head order) over a tile of nk
-  // keys, `offset` = (position of the unit's first token) - (position of the tile's first
-  // key): turns their scores into probabilities (zero for invisible keys) and leaves each
-  // row's visible-key count and rescale factor in `visible` and `alpha`.
+  // A decode's online softmax step (row-major scores): rows [row0, row0 + rows_k) (kv head
+  // order) over a tile of nk keys, `offset` = (position of the unit's first token) -
+  // (position of the tile's first key): turns their scores into probabilities (zero for
+  // invisible keys) and leaves each row's visible-key count and rescale factor in `visible`
+  // and `alpha`.
   void softmax(Scratch& sc, int64_t row0, int64_t rows_k, int64_t nk, int64_t offset) const {
     for (int64_t t = 0, i = 0; i < rows_k; ++t) {
       // Keys at positions <= the token's are visible (causal inside the chunk).
@@ -475,6 +534,46 @@ class PagedAttention {
         sc.l[row] = sc.l[row] * sc.alpha[i] + sum;
       }
     }
+  }
+
+  // softmax's step for a wide unit, on S^T: kv head k's rows_k rows over a tile of nk keys,
+  // a vector of rows at a time down the keys. Row r (token t) sees key j when j <= offset + t.
+  void wide_softmax(Scratch& sc, int64_t k, int64_t rows_k, int64_t nk, int64_t offset) const {
+    const int64_t R = wide_rows(rows_k);
+    float *m = sc.wm.data(), *l = sc.wl.data(), *mx = sc.mx.data(), *alpha = sc.alpha.data();
+    const float* token = sc.token.data();
+    std::copy_n(sc.m.data() + k * rows_k, rows_k, m);
+    std::copy_n(sc.l.data() + k * rows_k, rows_k, l);
+    std::fill(m + rows_k, m + R, kMasked);  // padding rows: scores of zero queries, unused
+    std::fill(l + rows_k, l + R, 0.0f);
+    std::copy_n(m, R, mx);
+    const bool masked = offset < nk - 1;  // else every row sees every key of the tile
+    for (int64_t j = 0; j < nk; ++j) {
+      const float first = float(j - offset);  // the first token that sees key j
+      const float* sj = sc.s.data() + j * R;
+#pragma omp simd
+      for (int64_t r = 0; r < R; ++r)
+        if (!masked || token[r] >= first) mx[r] = std::max(mx[r], sj[r]);
+    }
+#pragma omp simd
+    for (int64_t r = 0; r < R; ++r) {
+      alpha[r] = fast_exp(m[r] - mx[r]);  // 1 for a row that sees nothing yet (kMasked twice)
+      l[r] *= alpha[r];
+    }
+    for (int64_t j = 0; j < nk; ++j) {
+      const float first = float(j - offset);
+      float* sj = sc.s.data() + j * R;
+#pragma omp simd
+      for (int64_t r = 0; r < R; ++r) {
+        const float p = !masked || token[r] >= first ? fast_exp(sj[r] - mx[r]) : 0.0f;
+        sj[r] = p;
+        l[r] += p;
+      }
+    }
+    for (int64_t r = 0; r < rows_k; ++r)  // keys the tile shows each row, for P.V
+      sc.visible[r] = std::clamp<int64_t>(offset + int64_t(token[r]) + 1, 0, nk);
+    std::copy_n(mx, rows_k, sc.m.data() + k * rows_k);
+    std::copy_n(l, rows_k, sc.l.data() + k * rows_k);
   }
 
   // The largest of s[0, visible): lane-wise over the tile's vectors, then across lanes. (A
