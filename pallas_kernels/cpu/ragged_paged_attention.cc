@@ -63,7 +63,7 @@ constexpr int64_t kPvRows = 2;
 #endif
 constexpr int64_t kWideVectors = 4;   // vectors of query rows per transposed score block
 constexpr int64_t kKeys = 4 * kLanes;  // keys per tile (one online-softmax step)
-constexpr int64_t kAhead = 8;         // keys between a token row's prefetch and its use
+constexpr int64_t kAhead = 4;         // keys between a token row's prefetch and its use
 constexpr int64_t kWideRows = 8;      // rows from which a tile's scores are computed transposed
 constexpr int64_t kSplitTokens = 8;   // requests of at most this many tokens split over pages
 constexpr float kMasked = -1e30f;     // running max before any visible key (finite: fast_exp)
@@ -220,6 +220,7 @@ class PagedAttention {
     for (int64_t j = 0; j < std::min(kAhead, have); ++j) prefetch_token(rows[j]);
     for (int64_t key0 = begin; key0 < end; key0 += kKeys) {
       const int64_t nk = std::min(kKeys, end - key0);
+      if (rows_k < kWideRows) scores(sc, rows_k, rows, nk, have);  // every kv head's at once
       for (int64_t k = 0; k < g_.K; ++k)
         tile(sc, k, rows_k, rows, nk, key0, u, rq, have);
       // Slide: the next tile's rows move down, the one after is looked up.
@@ -300,7 +301,7 @@ class PagedAttention {
           for (int64_t h = 0; h < H; ++h)  // wide: [H, R], transposed; else [rows_k, H]
             dst[wide ? h * R + r : r * H + h] = widen(src[h]) * scale_;
         }
-    sc.s.assign(std::max(R, kPvRows) * kKeys, 0.0f);
+    sc.s.assign((wide ? R : g_.K * rows_k) * kKeys, 0.0f);
     sc.visible.assign(R, 0);
     sc.alpha.assign(R, 1.0f);
     sc.spare.assign(kPvRows * H, 0.0f);
@@ -322,32 +323,26 @@ class PagedAttention {
   // 64-byte cache lines that one token row spans.
   int64_t line_count() const { return (g_.token_stride() * int64_t(sizeof(T)) + 63) / 64; }
 
-  // A decode's scores s[i, j] = q_i . key_j (rows_k < kWideRows rows of kv head k against the
-  // tile's nk keys), kLanes keys' dots at a time; `tokens` has `have` >= nk rows, those past
-  // the tile to prefetch: head 0's pass requests each row kAhead keys before it reads it.
-  void scores(Scratch& sc, int64_t k, int64_t rows_k, const T* const* tokens, int64_t nk,
+  // A decode's scores s[k * rows_k + i, j] = q_i . key_j of every kv head k (rows_k <
+  // kWideRows rows each) against the tile's nk keys, kLanes keys' dots at a time. The keys are
+  // taken token by token, every head's of one token row before the next row: a page's rows
+  // are read front to back, as the hardware prefetcher follows them, and the rows of each
+  // block of kLanes keys, kAhead keys on, are asked for as the block starts (`tokens` has
+  // `have` >= nk rows, the next tile's after). Against every head's pass over the whole tile
+  // with each row asked for kAhead = 8 keys ahead: 1.2-1.3x on 64 decodes at context 1500
+  // read from memory, 1.1-1.2x at 300 (benchmarks/cpu_kernel_units.cc, one core); spreading
+  // the next tile's requests evenly through the tile's work was slower, and so was asking
+  // for every other line (this machine's cores fetch no adjacent line).
+  void scores(Scratch& sc, int64_t rows_k, const T* const* tokens, int64_t nk,
               int64_t have) const {
-    const int64_t H = g_.H, key_slot = 2 * k * H;
-    const float* q = sc.q.data() + k * rows_k * H;
-    float* s = sc.s.data();
-    // A decode does little work per byte, so the next tile's rows (tokens[nk, have)) are
-    // also requested a few cache lines per key through every head's pass: the memory then
-    // stays busy through the whole tile, not only while head 0 reads. With group_dots,
-    // 1.28x on 64 decodes at context 1500 read from memory (as an engine step reads its
-    // pages), 0.8x on one decode whose pages sit in L2 (benchmarks/cpu_kernel_units.cc).
-    const int64_t lines = line_count(), next = std::max<int64_t>(have - nk, 0) * lines;
-    const int64_t per = (next + g_.K * nk - 1) / (g_.K * nk);
+    const int64_t H = g_.H;
     for (int64_t j0 = 0; j0 < nk; j0 += kLanes) {
-      for (int64_t j = j0; j < std::min(j0 + kLanes, nk); ++j) {
-        if (k == 0 && j + kAhead < have) prefetch_token(tokens[j + kAhead]);
-        const int64_t x = std::min((k * nk + j) * per, next), e = std::min(x + per, next);
-        for (int64_t r = x / lines, l = x - r * lines, n = x; n < e; ++n) {  // row r, line l
-          __builtin_prefetch(reinterpret_cast<const char*>(tokens[nk + r]) + l * 64);
-          if (++l == lines) l = 0, ++r;
-        }
-      }
-      for (int64_t i = 0; i < rows_k; ++i)
-        storev(s + i * kKeys + j0, group_dots(q + i * H, tokens + j0, nk - j0, key_slot));
+      for (int64_t j = j0 + kAhead; j < std::min(j0 + kAhead + kLanes, have); ++j)
+        prefetch_token(tokens[j]);
+      for (int64_t k = 0; k < g_.K; ++k)
+        for (int64_t i = k * rows_k; i < (k + 1) * rows_k; ++i)
+          storev(sc.s.data() + i * kKeys + j0,
+                 group_dots(sc.q.data() + i * H, tokens + j0, nk - j0, 2 * k * H));
     }
   }
 
@@ -430,10 +425,7 @@ class PagedAttention {
             int64_t key0, const Unit& u, const Request& rq, int64_t have) const {
     const int64_t H = g_.H, value_slot = (2 * k + 1) * H;
     const bool wide = rows_k >= kWideRows;
-    if (wide)
-      wide_scores(sc, k, rows_k, tokens, nk, have);
-    else
-      scores(sc, k, rows_k, tokens, nk, have);
+    if (wide) wide_scores(sc, k, rows_k, tokens, nk, have);  // a decode's are computed already
     const float* vals[kKeys];  // value rows of the tile's keys (widened for bfloat16)
     if constexpr (std::is_same_v<T, float>) {
       for (int64_t j = 0; j < nk; ++j) vals[j] = tokens[j] + value_slot;
@@ -461,7 +453,7 @@ class PagedAttention {
       for (int64_t r = 0; r < kPvRows; ++r) {
         const bool live = i + r < rows_k;  // a missing row adds into a spare row
         p[r] = wide ? sc.s.data() + i + r
-                    : live ? sc.s.data() + (i + r) * kKeys : sc.zeros.data();
+                    : live ? sc.s.data() + (k * rows_k + i + r) * kKeys : sc.zeros.data();
         acc[r] = live ? sc.acc.data() + (k * rows_k + i + r) * H : sc.spare.data() + r * H;
         alpha[r] = live ? sc.alpha[i + r] : 1.0f;
         nj = std::max(nj, live ? sc.visible[i + r] : 0);
@@ -513,7 +505,7 @@ class PagedAttention {
       // Keys at positions <= the token's are visible (causal inside the chunk).
       const int64_t visible = std::clamp<int64_t>(offset + t + 1, 0, nk);
       for (int64_t gi = 0; gi < g_.G; ++gi, ++i) {
-        float* si = sc.s.data() + i * kKeys;
+        float* si = sc.s.data() + (row0 + i) * kKeys;
         sc.visible[i] = visible;
         sc.alpha[i] = 1.0f;
         if (visible == 0) {  // nothing of this tile (nor of later tiles) for this row
