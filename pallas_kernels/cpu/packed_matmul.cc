@@ -15,7 +15,8 @@
 // Work: units of one panel x a run of kRunRows rows, taken by XLA's intra-op threads from a
 // shared counter, so a decode step's panels (each read from memory once) spread over the cores
 // and a prefill chunk's runs of rows do too. Inside a unit, blocks of kRowBlock rows keep
-// kRowBlock x 4 vectors of sums in registers while the panel streams by, one row of K at a time.
+// kRowBlock x 4 vectors of sums in registers while the panel streams by, one row of K at a time
+// (a unit of a few blocks takes the panel in chunks of rows, every block over each; see unit).
 // Only the first `live` rows are computed and the rest written as zeros: an engine step's token
 // bucket pads its rows, and the padding need not cost a product.
 // Numerics: float32 multiply-adds in K's order for each output (no fast-math reassociation).
@@ -46,20 +47,27 @@ constexpr int64_t kRowBlock = 2;  // of 16 registers
 constexpr int64_t kPanel = 4 * kLanes;  // columns per panel
 constexpr int64_t kAhead = 8;           // panel rows between a row's prefetch and its use
 constexpr int64_t kRunRows = 96;        // rows per unit (a decode step's rows are one run)
+constexpr int64_t kChunkRows = 48;      // the most rows of a unit taken in chunks of K
+constexpr int64_t kChunk = 16;          // panel rows per chunk
 
-// R rows of x (row stride K) against one panel [K, kPanel]; the sums go to out [R, kPanel].
-template <int64_t R>
-inline void row_block(const float* x, int64_t K, const float* panel, float* out) {
-  fvec acc[R][4] = {};
-  for (int64_t k = 0; k < K; ++k) {
+// R rows of x (row stride ldx) against kc rows of a panel; the sums go to out [R, kPanel],
+// added to what it holds when Add. Panel row k + kAhead is prefetched while below `ahead`.
+template <int64_t R, bool Add>
+inline void row_block(const float* x, int64_t ldx, int64_t kc, const float* panel,
+                      int64_t ahead, float* out) {
+  fvec acc[R][4];
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t v = 0; v < 4; ++v)
+      acc[r][v] = Add ? loadv(out + r * kPanel + v * kLanes) : fvec{};
+  for (int64_t k = 0; k < kc; ++k) {
     const float* row = panel + k * kPanel;
-    if (k + kAhead < K)
+    if (k + kAhead < ahead)
       for (int64_t v = 0; v < kPanel; v += 64 / sizeof(float))
         __builtin_prefetch(row + kAhead * kPanel + v);
     fvec w[4];
     for (int64_t v = 0; v < 4; ++v) w[v] = loadv(row + v * kLanes);
     for (int64_t r = 0; r < R; ++r) {
-      const float b = x[r * K + k];  // broadcast by the vector product
+      const float b = x[r * ldx + k];  // broadcast by the vector product
       for (int64_t v = 0; v < 4; ++v) acc[r][v] += w[v] * b;
     }
   }
@@ -68,23 +76,44 @@ inline void row_block(const float* x, int64_t K, const float* panel, float* out)
 }
 
 template <int64_t R = kRowBlock>
-inline void row_tail(int64_t rows, const float* x, int64_t K, const float* panel, float* out) {
+inline void row_tail(int64_t rows, bool add, const float* x, int64_t ldx, int64_t kc,
+                     const float* panel, int64_t ahead, float* out) {
   if constexpr (R > 0) {
-    if (rows == R) return row_block<R>(x, K, panel, out);
-    row_tail<R - 1>(rows, x, K, panel, out);
+    if (rows == R)
+      return add ? row_block<R, true>(x, ldx, kc, panel, ahead, out)
+                 : row_block<R, false>(x, ldx, kc, panel, ahead, out);
+    row_tail<R - 1>(rows, add, x, ldx, kc, panel, ahead, out);
   }
 }
 
 // Rows [m0, m1) of x against panel p; writes y's columns of that panel (the last one may be
 // narrower than kPanel: its sums go through a buffer).
+//
+// A few row blocks (a decode step's 7 to 48 rows) take the panel in chunks of kChunk rows,
+// every block over one chunk before the next, their sums kept in a buffer: the panel streams
+// from memory once while the blocks compute on the chunk in L1. Block by block, the first
+// streamed it from memory and the others reread it from L2 with the memory idle, which left
+// 8-16 rows 1.1-1.3x slower (benchmarks in docs/BENCHMARKS.md §2). One block, or a long
+// run of rows (compute-bound), takes the whole panel per block.
 void unit(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t p,
           int64_t m0, int64_t m1) {
   const float* panel = w + p * K * kPanel;
   const int64_t n0 = p * kPanel, width = std::min(kPanel, N - n0);
+  if (m1 - m0 > kRowBlock && m1 - m0 <= kChunkRows) {
+    alignas(64) float sums[kChunkRows * kPanel];
+    for (int64_t k0 = 0; k0 < K; k0 += kChunk)
+      for (int64_t m = m0; m < m1; m += kRowBlock)
+        row_tail(std::min(kRowBlock, m1 - m), k0 > 0, x + m * K + k0, K,
+                 std::min(kChunk, K - k0), panel + k0 * kPanel, m == m0 ? K - k0 : 0,
+                 sums + (m - m0) * kPanel);
+    for (int64_t m = m0; m < m1; ++m)
+      std::memcpy(y + m * N + n0, sums + (m - m0) * kPanel, width * sizeof(float));
+    return;
+  }
   alignas(64) float sums[kRowBlock * kPanel];
   for (int64_t m = m0; m < m1; m += kRowBlock) {
     const int64_t rows = std::min(kRowBlock, m1 - m);
-    row_tail(rows, x + m * K, K, panel, sums);
+    row_tail(rows, false, x + m * K, K, K, panel, K, sums);
     for (int64_t r = 0; r < rows; ++r)
       std::memcpy(y + (m + r) * N + n0, sums + r * kPanel, width * sizeof(float));
   }
