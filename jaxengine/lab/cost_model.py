@@ -50,8 +50,10 @@ CALIBRATION_KEYS = ("model", "dtype", "attention_backend", "tensor_parallel_size
                     "async_scheduling")
 # 2: the tokens_upto_* and sampler_rows features; 3: the attention backend recorded as resolved
 # (a version-2 file's None meant the jnp reference on CPU, which the native kernel replaced);
-# 4: CPU steps with the projections packed for the native matmul (every step's price changed)
-VERSION = 4
+# 4: CPU steps with the projections packed for the native matmul (every step's price changed);
+# 5: CPU steps whose packed projections skip the padding rows, with RoPE's tables computed once
+# and the attention kernel's new prefill and decode paths (every step's price changed again)
+VERSION = 5
 
 
 def plan_features(plan: SchedulerOutput, buckets: Sequence[int],
