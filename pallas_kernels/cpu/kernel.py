@@ -9,9 +9,10 @@ Layout assumptions and semantics are the jnp reference's (``pallas_kernels.refer
   into units: requests of at most 8 tokens (decodes, speculative chunks) as a whole, split over
   runs of ``pages_per_split`` pages when longer; longer requests (prefill chunks) in runs of
   ``block_q`` tokens. XLA's intra-op threads share the units, longest first. A unit walks its
-  keys in tiles of 64 positions on AVX-512 (an online-softmax step each), prefetching each
-  token's cache row 8 keys before it is read; a decode also requests the next tile's rows
-  through every head's pass, and sums its scores a vector's width of keys at a time.
+  keys in tiles of 64 positions on AVX-512 (an online-softmax step each), asking for each
+  token's cache row 4 keys before it is read. A decode takes every KV head's dots of one token
+  row before the next row's, a vector's width of keys at a time; a prefill chunk computes the
+  tile's scores transposed (a vector of query rows per key) and its softmax down the keys.
 - float32 arithmetic for float32 and bfloat16 inputs; the output is cast back to q's dtype.
   Only slots inside a request's context are read, so garbage (NaN) elsewhere cannot leak.
 """
