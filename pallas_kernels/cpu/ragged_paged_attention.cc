@@ -187,6 +187,7 @@ struct Scratch {
   std::vector<float> zeros;      // [kKeys] the probabilities of rows past the last (decode)
   std::vector<float> token;      // wide: [R] each row's token (t, as a float; padding: the last)
   std::vector<float> wm, wl, mx; // wide: [R] one kv head's running max and sum, the tile's max
+  std::vector<float> sum;        // wide: [R] the tile's probabilities summed
 };
 
 template <typename T>
@@ -313,6 +314,7 @@ class PagedAttention {
     sc.wm.resize(R);
     sc.wl.resize(R);
     sc.mx.resize(R);
+    sc.sum.resize(R);
   }
 
   // Requests the cache lines of one token row (all its heads' keys and values).
@@ -466,7 +468,9 @@ class PagedAttention {
       for (; h0 < H; ++h0) {  // the last H % kLanes columns
         for (int64_t r = 0; r < kPvRows; ++r) {
           float x = acc[r][h0] * alpha[r];
-          for (int64_t j = 0; j < nj; ++j) x += p[r][j * stride] * vals[j][h0];
+          // Fused (one rounding a key), as in pv_columns: compiled for either stride, the
+          // loop then rounds alike, so a decode and a prefill chunk agree bit for bit.
+          for (int64_t j = 0; j < nj; ++j) x = std::fma(p[r][j * stride], vals[j][h0], x);
           acc[r][h0] = x;
         }
       }
@@ -514,13 +518,10 @@ class PagedAttention {
         }
         const int64_t row = row0 + i;
         const float mx = std::max(sc.m[row], max_visible(si, visible));
-        float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = 0; j < kKeys; ++j) {
-          const float p = j < visible ? fast_exp(si[j] - mx) : 0.0f;
-          si[j] = p;
-          sum += p;
-        }
+#pragma omp simd
+        for (int64_t j = 0; j < kKeys; ++j) si[j] = j < visible ? fast_exp(si[j] - mx) : 0.0f;
+        float sum = 0.0f;  // in key order, as wide_softmax sums: the two paths agree bit for bit
+        for (int64_t j = 0; j < visible; ++j) sum += si[j];  // where their scores do
         sc.alpha[i] = fast_exp(sc.m[row] - mx);  // ~0 (underflow) before any visible key
         sc.m[row] = mx;
         sc.l[row] = sc.l[row] * sc.alpha[i] + sum;
@@ -547,11 +548,8 @@ class PagedAttention {
       for (int64_t r = 0; r < R; ++r)
         if (!masked || token[r] >= first) mx[r] = std::max(mx[r], sj[r]);
     }
-#pragma omp simd
-    for (int64_t r = 0; r < R; ++r) {
-      alpha[r] = fast_exp(m[r] - mx[r]);  // 1 for a row that sees nothing yet (kMasked twice)
-      l[r] *= alpha[r];
-    }
+    float* sum = sc.sum.data();  // each row's probabilities summed in key order
+    std::fill(sum, sum + R, 0.0f);
     for (int64_t j = 0; j < nk; ++j) {
       const float first = float(j - offset);
       float* sj = sc.s.data() + j * R;
@@ -559,8 +557,13 @@ class PagedAttention {
       for (int64_t r = 0; r < R; ++r) {
         const float p = !masked || token[r] >= first ? fast_exp(sj[r] - mx[r]) : 0.0f;
         sj[r] = p;
-        l[r] += p;
+        sum[r] += p;
       }
+    }
+#pragma omp simd
+    for (int64_t r = 0; r < R; ++r) {
+      alpha[r] = fast_exp(m[r] - mx[r]);  // 1 for a row that sees nothing yet (kMasked twice)
+      l[r] = l[r] * alpha[r] + sum[r];
     }
     for (int64_t r = 0; r < rows_k; ++r)  // keys the tile shows each row, for P.V
       sc.visible[r] = std::clamp<int64_t>(offset + int64_t(token[r]) + 1, 0, nk);

@@ -56,6 +56,34 @@ def test_head_dims_off_the_vector_width(head_dim):
     np.testing.assert_allclose(np.asarray(out)[: case.num_tokens], want, atol=2e-5, rtol=2e-5)
 
 
+def test_a_whole_prompt_and_its_uncached_tail_give_the_last_token_the_same_bits():
+    """A 23-token prompt attended whole (a prefill chunk: transposed scores) and as its last 3
+    tokens over the 20 cached (a decode-sized unit: row-major scores) give the last token the
+    same output, bit for bit, where the two score loops sum alike (head dim 8, under a vector):
+    the softmax sums and P.V run in key order on both paths. An echoed request with logprobs
+    and a prefix-cached plain one then report the same completion logprobs
+    (tests/jaxengine/server/test_prompt_logprobs.py)."""
+    N, K, H, L, P = 4, 4, 8, 4, 16
+    rng = np.random.default_rng(0)
+    cache = jnp.asarray(rng.standard_normal((P, L, 2 * K, H), np.float32))
+    q = rng.standard_normal((23, N, H)).astype(np.float32)
+    tables = np.zeros((2, 8), np.int32)
+    tables[0, :6] = np.arange(1, 7)
+
+    def last_row(rows: np.ndarray) -> np.ndarray:
+        n = len(rows)
+        qq = np.zeros((32, N, H), np.float32)
+        qq[:n] = rows
+        new_kv = jnp.zeros((32, K, H), jnp.float32)  # written to block 0, outside the table
+        out, _ = ragged_paged_attention_cpu(
+            jnp.asarray(qq), new_kv, new_kv, cache, jnp.zeros(32, jnp.int32),
+            jnp.asarray(tables), jnp.asarray([23, 0], jnp.int32),
+            jnp.asarray([0, n, n], jnp.int32), jnp.asarray(1, jnp.int32), sm_scale=H**-0.5)
+        return np.asarray(out)[n - 1]
+
+    np.testing.assert_array_equal(last_row(q), last_row(q[20:]))
+
+
 def test_a_long_decode_split_over_many_units_matches_one_unit():
     # pages_per_split 1: 125 partial softmax states merged; against no split at all.
     case = make_case([(1, 2000), (2, 1500), (1, 3)], num_heads=8, num_kv_heads=2, head_dim=64,
