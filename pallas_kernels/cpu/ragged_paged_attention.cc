@@ -221,7 +221,7 @@ class PagedAttention {
     for (int64_t j = 0; j < std::min(kAhead, have); ++j) prefetch_token(rows[j]);
     for (int64_t key0 = begin; key0 < end; key0 += kKeys) {
       const int64_t nk = std::min(kKeys, end - key0);
-      if (rows_k < kWideRows) scores(sc, rows_k, rows, nk, have);  // every kv head's at once
+      if (!is_wide(rows_k)) scores(sc, rows_k, rows, nk, have);  // every kv head's at once
       for (int64_t k = 0; k < g_.K; ++k)
         tile(sc, k, rows_k, rows, nk, key0, u, rq, have);
       // Slide: the next tile's rows move down, the one after is looked up.
@@ -285,12 +285,14 @@ class PagedAttention {
     return ((rq.q_start + u.tok0 + t) * g_.N + k * g_.G + gi) * g_.H;
   }
 
+  // Whether a unit of rows_k rows per kv head takes the transposed (prefill) path.
+  static bool is_wide(int64_t rows_k) { return rows_k >= kWideRows; }
   // Rows of a wide unit's transposed scores: rows_k rounded up to whole vectors.
   static int64_t wide_rows(int64_t rows_k) { return (rows_k + kLanes - 1) / kLanes * kLanes; }
 
   void load_queries(const Unit& u, const Request& rq, Scratch& sc) const {
     const int64_t ntok = u.tok1 - u.tok0, G = g_.G, H = g_.H, rows_k = ntok * G;
-    const bool wide = rows_k >= kWideRows;
+    const bool wide = is_wide(rows_k);
     const int64_t R = wide ? wide_rows(rows_k) : rows_k;  // rows per kv head in sc.q
     sc.q.assign(g_.K * R * H, 0.0f);
     for (int64_t k = 0; k < g_.K; ++k)
@@ -426,7 +428,7 @@ class PagedAttention {
   void tile(Scratch& sc, int64_t k, int64_t rows_k, const T* const* tokens, int64_t nk,
             int64_t key0, const Unit& u, const Request& rq, int64_t have) const {
     const int64_t H = g_.H, value_slot = (2 * k + 1) * H;
-    const bool wide = rows_k >= kWideRows;
+    const bool wide = is_wide(rows_k);
     if (wide) wide_scores(sc, k, rows_k, tokens, nk, have);  // a decode's are computed already
     const float* vals[kKeys];  // value rows of the tile's keys (widened for bfloat16)
     if constexpr (std::is_same_v<T, float>) {
