@@ -28,6 +28,20 @@ class ModelBatch:
     logits_indices: jax.Array  # i32[R]  last scheduled token of each request
 
 
+def requests_of_step(batch: ModelBatch) -> ModelBatch:
+    """`batch` with its request rows cut to the T it can hold: every live request schedules a
+    token, so rows past T are padding whatever R is. The attention metadata then costs a
+    step of few tokens little (each layer shifts the block table by its first page: [128, 512]
+    of R x max_blocks per layer was 4 ms of a one-token step). `logits_indices` keeps R rows
+    (the sampler's shapes do not depend on T)."""
+    T, R = batch.input_ids.shape[0], batch.seq_lens.shape[0]
+    if T >= R:
+        return batch
+    return dataclasses.replace(batch, block_tables=batch.block_tables[:T],
+                               seq_lens=batch.seq_lens[:T],
+                               query_start_loc=batch.query_start_loc[:T + 1])
+
+
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class RequestChunk:
     """Host description of one request's scheduled tokens, for `pack_batch`."""

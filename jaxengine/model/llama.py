@@ -37,7 +37,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from jaxengine.model.batch import ModelBatch
+from jaxengine.model.batch import ModelBatch, requests_of_step
 from jaxengine.model.config import ModelConfig
 from jaxengine.model.kv_cache import kv_cache_sharding
 from jaxengine.model.layers import (
@@ -260,6 +260,7 @@ class Model(nnx.Module):
             (new kv cache, hidden [T, D] after the final norm).
         """
         cfg = self.config
+        batch = requests_of_step(batch)
         x = self.embed_tokens.encode(batch.input_ids)  # [T, D]
         inv_freq = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
         cos, sin = rope_tables(batch.positions, inv_freq)  # f32[T, H]
