@@ -5,8 +5,8 @@ contiguous column panels, the same weights stream faster through the native loop
 kernel through XLA's dots (or through the same loop reading [K, N] in short strided runs).
 `pack_projections(model)` swaps each layer's projections in place for packed ones: q/k/v
 merged into one `PackedLinear` (their kernels side by side) that each reads its columns of
-(`PackedColumns`), gate/up likewise, o/down (and an untied LM head) alone; the weights are not
-duplicated. It applies where the kernel runs and pays: a one-device CPU mesh, float32 weights,
+(`PackedColumns`), gate/up likewise, o/down and the LM head alone (a tied one with the
+embedding: `PackedEmbedder`); the weights are not duplicated. It applies where the kernel runs and pays: a one-device CPU mesh, float32 weights,
 layers looped in Python (the CPU layout), and a C++ compiler on the machine (`packable` says
 why not otherwise). Measured against XLA's dots on the 2-core CPU (docs/BENCHMARKS.md §2),
 SmolLM2's projections: 1.0x at 1 row, 1.4-1.5x at 8-16, 1.2x at 64 and at 2048 (a prefill
@@ -57,6 +57,28 @@ class PackedColumns(nnx.Module):
         return self.merged(x, live)[..., self.start:self.stop]
 
 
+class PackedEmbedder(nnx.Module):
+    """A tied embedding held once, packed as its transpose (`panels` [ceil(V'/W), D, W]): the
+    LM head is then the packed matmul and a lookup gathers each token's column. A decode step
+    reads the whole table for a few rows; XLA's dot over the [V', D] table read it at a quarter
+    of the memory's rate, and a packed second copy would double it. The gather touches a line
+    per element, which costs a 2048-token step about 10 ms (docs/BENCHMARKS.md §2)."""
+
+    def __init__(self, embedder: nnx.Module) -> None:
+        table = embedder.embedding[...]  # [V', D]
+        self.panels = nnx.Param(matmul.pack(table.T))
+        self.num_embeddings = table.shape[0]
+
+    def encode(self, ids: jax.Array) -> jax.Array:
+        """Token ids i32[T] -> embeddings f32[T, D] (exactly the table's rows)."""
+        width = self.panels.shape[2]
+        return self.panels[...][ids // width, :, ids % width]
+
+    def decode(self, hidden: jax.Array) -> jax.Array:
+        """Hidden states f32[R, D] -> f32[R, V'] logits (the tied head)."""
+        return matmul.packed_matmul(hidden, self.panels[...], self.num_embeddings)
+
+
 # Projections of one input, merged into one packed product (one call and more panels to share
 # between the threads: SmolLM2's k/v have 3 panels each), then those alone.
 MERGED = {"self_attn": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_proj")}
@@ -97,7 +119,8 @@ def pack_projections(model: nnx.Module) -> int:
             for name in names:
                 setattr(module, name, PackedLinear(getattr(module, name)))
                 count += 1
-    if isinstance(model.lm_head, nnx.Linear):
+    if model.lm_head is None:
+        model.embed_tokens = PackedEmbedder(model.embed_tokens)
+    else:
         model.lm_head = PackedLinear(model.lm_head)
-        count += 1
-    return count
+    return count + 1

@@ -11,7 +11,8 @@ import pytest
 from jaxengine.engine.build import model_fns
 from jaxengine.model.config import ModelConfig
 from jaxengine.model.llama import Model
-from jaxengine.model.packing import PackedColumns, PackedLinear, pack_projections, packable
+from jaxengine.model.packing import (PackedColumns, PackedEmbedder, PackedLinear,
+                                     pack_projections, packable)
 from jaxengine.model.step import RequestChunk, make_model_step, pack_batch, split_model
 
 TARGET = "jaxengine_packed_matmul_f32"
@@ -41,7 +42,8 @@ def test_a_packed_model_computes_what_the_xla_one_does(architecture, tied):
     want, plain_padding, plain = run(Model(cfg, seed=5))
     model = Model(cfg, seed=5)
     assert packable(model) is None
-    assert pack_projections(model) == 7 * cfg.num_layers + (0 if tied else 1)
+    assert pack_projections(model) == 7 * cfg.num_layers + 1  # and the LM head
+    assert isinstance(model.embed_tokens, PackedEmbedder) == tied
     attn, mlp = model.layers[1].self_attn, model.layers[1].mlp
     assert isinstance(mlp.down_proj, PackedLinear) and isinstance(attn.k_proj, PackedColumns)
     assert attn.q_proj.merged is attn.v_proj.merged  # one product of q/k/v, split by columns
@@ -52,7 +54,7 @@ def test_a_packed_model_computes_what_the_xla_one_does(architecture, tied):
     # The padding rows (token id 0) skip every packed projection: attention gives them zeros,
     # so their residual stream stays token 0's embedding through the layers, where XLA's dots
     # run the MLP on them.
-    embedding = model.embed[...][0]
+    embedding = model.embed_tokens.encode(jnp.zeros(1, jnp.int32))[0]
     np.testing.assert_allclose(padding, np.broadcast_to(
         np.asarray(model.norm(embedding)), padding.shape), rtol=1e-6)
     assert not np.allclose(plain_padding, padding, rtol=1e-3)
@@ -62,8 +64,9 @@ def test_a_packed_model_computes_what_the_xla_one_does(architecture, tied):
     assert plain.count(TARGET) == 0
 
 
-def test_the_engine_functions_pack_and_the_logits_agree():
-    cfg = ModelConfig.tiny("qwen2", tie_word_embeddings=False)
+@pytest.mark.parametrize("tied", [False, True])
+def test_the_engine_functions_pack_and_the_logits_agree(tied):
+    cfg = ModelConfig.tiny("qwen2", tie_word_embeddings=tied)
     plain = model_fns(Model(cfg, seed=2), cfg, attn_impl="cpu", pack=False)
     packed = model_fns(Model(cfg, seed=2), cfg, attn_impl="cpu")
     shapes = {leaf.ndim for leaf in jax.tree.leaves(packed.params)}
@@ -73,6 +76,18 @@ def test_the_engine_functions_pack_and_the_logits_agree():
     np.testing.assert_allclose(np.asarray(packed.compute_logits(packed.params, hidden)),
                                np.asarray(plain.compute_logits(plain.params, hidden)),
                                atol=1e-5, rtol=1e-5)
+
+
+def test_a_packed_embedding_looks_up_the_tables_rows_and_is_the_tied_head():
+    cfg = ModelConfig.tiny(vocab_size=300)  # the last panel part zero columns at any width
+    model = Model(cfg, seed=3)
+    table = np.asarray(model.embed[...])
+    packed = PackedEmbedder(model.embed_tokens)
+    ids = jnp.asarray([0, 63, 64, 299, 7, 7], jnp.int32)
+    np.testing.assert_array_equal(np.asarray(packed.encode(ids)), table[np.asarray(ids)])
+    hidden = np.random.default_rng(4).standard_normal((5, cfg.hidden_size)).astype(np.float32)
+    np.testing.assert_allclose(np.asarray(packed.decode(jnp.asarray(hidden))), hidden @ table.T,
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_packing_applies_only_where_the_kernel_runs():
