@@ -5,8 +5,9 @@ contiguous column panels, the same weights stream faster through the native loop
 kernel through XLA's dots (or through the same loop reading [K, N] in short strided runs).
 `pack_projections(model)` swaps each layer's projections in place for packed ones: q/k/v
 merged into one `PackedLinear` (their kernels side by side) that each reads its columns of
-(`PackedColumns`), gate/up likewise, o/down and the LM head alone (a tied one with the
-embedding: `PackedEmbedder`); the weights are not duplicated. It applies where the kernel runs and pays: a one-device CPU mesh, float32 weights,
+(`PackedColumns`), o and the LM head alone (a tied one with the embedding: `PackedEmbedder`),
+and the MLP as a `PackedMLP` (gate/up interleaved into one SwiGLU call, then down); the
+weights are not duplicated. It applies where the kernel runs and pays: a one-device CPU mesh, float32 weights,
 layers looped in Python (the CPU layout), and a C++ compiler on the machine (`packable` says
 why not otherwise). Measured against XLA's dots on the 2-core CPU (docs/BENCHMARKS.md §2),
 SmolLM2's projections: 1.0x at 1 row, 1.4-1.5x at 8-16, 1.2x at 64 and at 2048 (a prefill
@@ -57,6 +58,24 @@ class PackedColumns(nnx.Module):
         return self.merged(x, live)[..., self.start:self.stop]
 
 
+class PackedMLP(nnx.Module):
+    """`layers.MLP` with gate and up packed together (`pallas_kernels.cpu.matmul.pack_swiglu`):
+    one call gives silu(x @ gate) * (x @ up), and down_proj is a `PackedLinear`. The fused call
+    spares writing the [T, 2F] product and XLA's pass over it (80 ms of a 2048-token step)."""
+
+    def __init__(self, mlp: nnx.Module) -> None:
+        gate, up = mlp.gate_proj, mlp.up_proj  # without bias, as every MLP of the family
+        self.gate_up = nnx.Param(matmul.pack_swiglu(gate.kernel[...], up.kernel[...]))
+        self.intermediate_size = gate.out_features
+        self.down_proj = PackedLinear(mlp.down_proj)
+
+    def __call__(self, x: jax.Array, live: jax.Array | None = None) -> jax.Array:
+        """x f32[T, D] -> f32[T, D]; `live` as `PackedLinear`'s (padding rows come out as
+        down_proj's bias)."""
+        hidden = matmul.packed_swiglu(x, self.gate_up[...], self.intermediate_size, live)
+        return self.down_proj(hidden, live)
+
+
 class PackedEmbedder(nnx.Module):
     """A tied embedding held once, packed as its transpose (`panels` [ceil(V'/W), D, W]): the
     LM head is then the packed matmul and a lookup gathers each token's column. A decode step
@@ -79,10 +98,9 @@ class PackedEmbedder(nnx.Module):
         return matmul.packed_matmul(hidden, self.panels[...], self.num_embeddings)
 
 
-# Projections of one input, merged into one packed product (one call and more panels to share
-# between the threads: SmolLM2's k/v have 3 panels each), then those alone.
-MERGED = {"self_attn": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_proj")}
-ALONE = {"self_attn": ("o_proj",), "mlp": ("down_proj",)}
+# q/k/v merged into one packed product (one call and more panels to share between the
+# threads: SmolLM2's k/v have 3 panels each), o alone; the MLP is a `PackedMLP`.
+MERGED = ("q_proj", "k_proj", "v_proj")
 
 
 def packable(model: nnx.Module) -> str | None:
@@ -106,19 +124,15 @@ def pack_projections(model: nnx.Module) -> int:
         return 0
     count = 0
     for block in model.layers:
-        for part, names in MERGED.items():
-            module = getattr(block, part)
-            linears = [getattr(module, name) for name in names]
-            merged, start = PackedLinear(*linears), 0
-            for name, lin in zip(names, linears, strict=True):
-                setattr(module, name, PackedColumns(merged, start, start + lin.out_features))
-                start += lin.out_features
-            count += len(names)
-        for part, names in ALONE.items():
-            module = getattr(block, part)
-            for name in names:
-                setattr(module, name, PackedLinear(getattr(module, name)))
-                count += 1
+        attn = block.self_attn
+        linears = [getattr(attn, name) for name in MERGED]
+        merged, start = PackedLinear(*linears), 0
+        for name, lin in zip(MERGED, linears, strict=True):
+            setattr(attn, name, PackedColumns(merged, start, start + lin.out_features))
+            start += lin.out_features
+        attn.o_proj = PackedLinear(attn.o_proj)
+        block.mlp = PackedMLP(block.mlp)
+        count += len(MERGED) + 4  # o, and gate, up, down
     if model.lm_head is None:
         model.embed_tokens = PackedEmbedder(model.embed_tokens)
     else:

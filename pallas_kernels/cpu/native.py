@@ -47,6 +47,7 @@ TARGETS = {
                               "RaggedPagedAttentionBF16"),
 }
 MATMUL_TARGET = ("jaxengine_packed_matmul_f32", "PackedMatmulF32")
+SWIGLU_TARGET = ("jaxengine_packed_swiglu_f32", "PackedSwiGLUF32")
 FLAGS = ("-O3", "-std=c++17", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
          "-shared", "-fPIC")
 ENV_CACHE = "JAXENGINE_NATIVE_CACHE_DIR"
@@ -121,7 +122,7 @@ def _load() -> ctypes.CDLL:
                 logger.info("%s; building without -march=native", native)
                 path = _build(cxx, ())
             library = ctypes.cdll.LoadLibrary(str(path))
-            for target_name, symbol in (*TARGETS.values(), MATMUL_TARGET):
+            for target_name, symbol in (*TARGETS.values(), MATMUL_TARGET, SWIGLU_TARGET):
                 jax.ffi.register_ffi_target(
                     target_name, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
             _library.append(library)
@@ -150,6 +151,13 @@ def matmul_target() -> tuple[str, int]:
     library = _load()
     library.PackedMatmulPanel.restype = ctypes.c_int64
     return MATMUL_TARGET[0], int(library.PackedMatmulPanel())
+
+
+def swiglu_target() -> str:
+    """The custom-call target of the packed SwiGLU product (built and loaded on first use;
+    raises `NativeBuildError` as `target` does)."""
+    _load()
+    return SWIGLU_TARGET[0]
 
 
 @functools.cache

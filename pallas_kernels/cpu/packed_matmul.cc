@@ -33,6 +33,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+using jaxengine_cpu::fast_exp;
 using jaxengine_cpu::fvec;
 using jaxengine_cpu::kLanes;
 using jaxengine_cpu::loadv;
@@ -86,8 +87,26 @@ inline void row_tail(int64_t rows, bool add, const float* x, int64_t ldx, int64_
   }
 }
 
-// Rows [m0, m1) of x against panel p; writes y's columns of that panel (the last one may be
-// narrower than kPanel: its sums go through a buffer).
+// Output columns of one panel's sums: y = sums (a plain product), or y = silu(gate) * up for a
+// SwiGLU pair (Glu: the gate's sums and the up projection's, side by side in their panels).
+template <bool Glu>
+inline void emit(const float* gate, const float* up, float* y, int64_t width) {
+  if constexpr (Glu) {
+#pragma omp simd
+    for (int64_t c = 0; c < width; ++c) {  // silu(g) = g * sigmoid(g), e^-|g| never overflows
+      const float g = gate[c], e = fast_exp(-std::abs(g));
+      y[c] = g * (g >= 0.0f ? 1.0f : e) / (1.0f + e) * up[c];
+    }
+  } else {
+    std::memcpy(y, gate, width * sizeof(float));
+  }
+}
+
+// Rows [m0, m1) of x against output panel p; writes y's columns of that panel (the last one may
+// be narrower than kPanel: its sums go through a buffer). Without Glu output panel p is weight
+// panel p; with Glu it is silu(x @ panel 2p) * (x @ panel 2p + 1): the gate and up projections'
+// panels interleaved, so the MLP's hidden activations come out of one call and the [M, 2F]
+// product of the two is never written.
 //
 // A few row blocks (a decode step's 7 to 48 rows) take the panel in chunks of kChunk rows,
 // every block over one chunk before the next, their sums kept in a buffer: the panel streams
@@ -95,38 +114,49 @@ inline void row_tail(int64_t rows, bool add, const float* x, int64_t ldx, int64_
 // streamed it from memory and the others reread it from L2 with the memory idle, which left
 // 8-16 rows 1.1-1.3x slower (benchmarks in docs/BENCHMARKS.md §2). One block, or a long
 // run of rows (compute-bound), takes the whole panel per block.
+template <bool Glu>
 void unit(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t p,
           int64_t m0, int64_t m1) {
-  const float* panel = w + p * K * kPanel;
+  constexpr int64_t kParts = Glu ? 2 : 1;  // weight panels per output panel
+  const float* panels = w + kParts * p * K * kPanel;
   const int64_t n0 = p * kPanel, width = std::min(kPanel, N - n0);
   if (m1 - m0 > kRowBlock && m1 - m0 <= kChunkRows) {
-    alignas(64) float sums[kChunkRows * kPanel];
-    for (int64_t k0 = 0; k0 < K; k0 += kChunk)
-      for (int64_t m = m0; m < m1; m += kRowBlock)
-        row_tail(std::min(kRowBlock, m1 - m), k0 > 0, x + m * K + k0, K,
-                 std::min(kChunk, K - k0), panel + k0 * kPanel, m == m0 ? K - k0 : 0,
-                 sums + (m - m0) * kPanel);
+    alignas(64) float sums[kParts][kChunkRows * kPanel];
+    for (int64_t part = 0; part < kParts; ++part) {
+      const float* panel = panels + part * K * kPanel;
+      for (int64_t k0 = 0; k0 < K; k0 += kChunk)
+        for (int64_t m = m0; m < m1; m += kRowBlock)
+          row_tail(std::min(kRowBlock, m1 - m), k0 > 0, x + m * K + k0, K,
+                   std::min(kChunk, K - k0), panel + k0 * kPanel, m == m0 ? K - k0 : 0,
+                   sums[part] + (m - m0) * kPanel);
+    }
     for (int64_t m = m0; m < m1; ++m)
-      std::memcpy(y + m * N + n0, sums + (m - m0) * kPanel, width * sizeof(float));
+      emit<Glu>(sums[0] + (m - m0) * kPanel, sums[kParts - 1] + (m - m0) * kPanel,
+                y + m * N + n0, width);
     return;
   }
-  alignas(64) float sums[kRowBlock * kPanel];
+  alignas(64) float sums[kParts][kRowBlock * kPanel];
   for (int64_t m = m0; m < m1; m += kRowBlock) {
     const int64_t rows = std::min(kRowBlock, m1 - m);
-    row_tail(rows, false, x + m * K, K, K, panel, K, sums);
+    for (int64_t part = 0; part < kParts; ++part)
+      row_tail(rows, false, x + m * K, K, K, panels + part * K * kPanel, K, sums[part]);
     for (int64_t r = 0; r < rows; ++r)
-      std::memcpy(y + (m + r) * N + n0, sums + r * kPanel, width * sizeof(float));
+      emit<Glu>(sums[0] + r * kPanel, sums[kParts - 1] + r * kPanel, y + (m + r) * N + n0,
+                width);
   }
 }
 
+// y [M, N] from x [M, K] and panels [(Glu ? 2 : 1) * ceil(N/W), K, W] (see unit).
+template <bool Glu>
 ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                         ffi::Buffer<ffi::S32> live, ffi::ResultBuffer<ffi::F32> y) {
+  constexpr int64_t kParts = Glu ? 2 : 1;
   const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || wd[2] != kPanel ||
-      wd[1] != xd[1] || yd[0] != xd[0] || (yd[1] + kPanel - 1) / kPanel != wd[0] ||
+      wd[1] != xd[1] || yd[0] != xd[0] || kParts * ((yd[1] + kPanel - 1) / kPanel) != wd[0] ||
       live.element_count() != 1)
     return ffi::Error::InvalidArgument("packed_matmul: bad shapes");
-  const int64_t K = xd[1], N = yd[1], panels = wd[0];
+  const int64_t K = xd[1], N = yd[1], panels = wd[0] / kParts;
   const int64_t M = std::clamp<int64_t>(live.typed_data()[0], 0, xd[0]);  // rows computed
   const float* X = x.typed_data();
   const float* W = w.typed_data();
@@ -136,7 +166,7 @@ ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   const int64_t runs = (M + kRunRows - 1) / kRunRows;
   parallel_for(pool, panels * runs, [&](int64_t i) {
     const int64_t p = i / runs, m0 = i % runs * kRunRows;
-    unit(X, W, Y, K, N, p, m0, std::min(M, m0 + kRunRows));
+    unit<Glu>(X, W, Y, K, N, p, m0, std::min(M, m0 + kRunRows));
   });
   return ffi::Error::Success();
 }
@@ -146,10 +176,13 @@ ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
 // The panel width the library was built with (the packing must match it).
 extern "C" int64_t PackedMatmulPanel() { return kPanel; }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(PackedMatmulF32, PackedMatmul,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+#define JAXENGINE_PACKED_HANDLER(name, glu)                               \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, PackedMatmul<glu>,                 \
+                                ffi::Ffi::Bind()                         \
+                                    .Ctx<ffi::ThreadPool>()              \
+                                    .Arg<ffi::Buffer<ffi::F32>>()        \
+                                    .Arg<ffi::Buffer<ffi::F32>>()        \
+                                    .Arg<ffi::Buffer<ffi::S32>>()        \
+                                    .Ret<ffi::Buffer<ffi::F32>>());
+JAXENGINE_PACKED_HANDLER(PackedMatmulF32, false)
+JAXENGINE_PACKED_HANDLER(PackedSwiGLUF32, true)

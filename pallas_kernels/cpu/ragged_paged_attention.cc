@@ -45,6 +45,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+using jaxengine_cpu::fast_exp;
 using jaxengine_cpu::fvec;  // vectors as wide as the CPU's (simd.h)
 using jaxengine_cpu::kLanes;
 using jaxengine_cpu::loadv;
@@ -124,25 +125,6 @@ inline float widen(bf16 x) {
   float f;
   std::memcpy(&f, &bits, sizeof f);
   return f;
-}
-
-// e^x for x <= 0 (Cephes' expf polynomial, within ~2 ulp), plain arithmetic so that compilers
-// vectorize the loops that call it (std::exp is an opaque call, which blocks that).
-inline float fast_exp(float x) {
-  x = std::max(x, -87.0f);  // e^-87 ~ 1.6e-38 is still a normal float
-  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
-  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (int32_t(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
 }
 
 struct Geometry {

@@ -1,9 +1,11 @@
-// The CPU kernels' vectors: as wide as the CPU's widest registers (16 floats with AVX-512, 8
+// The CPU kernels' vectors and the arithmetic they share: as wide as the CPU's widest registers (16 floats with AVX-512, 8
 // with AVX, else 4: SSE, NEON), as GCC's vector extension (which Clang takes too), so that one
 // source builds for every ISA level (included by ragged_paged_attention.cc and
 // packed_matmul.cc).
 #pragma once
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -26,5 +28,24 @@ inline fvec loadv(const float* p) {
   return v;
 }
 inline void storev(float* p, fvec v) { std::memcpy(p, &v, sizeof v); }
+
+// e^x for x <= 0 (Cephes' expf polynomial, within ~2 ulp), plain arithmetic so that compilers
+// vectorize the loops that call it (std::exp is an opaque call, which blocks that).
+inline float fast_exp(float x) {
+  x = std::max(x, -87.0f);  // e^-87 ~ 1.6e-38 is still a normal float
+  const float n = std::floor(x * 1.44269504088896341f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  const int32_t bits = (int32_t(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return p * scale;
+}
 
 }  // namespace jaxengine_cpu

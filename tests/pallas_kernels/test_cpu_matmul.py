@@ -1,6 +1,7 @@
 """The native packed matmul against numpy's product: every row count around the kernel's
 register blocks and runs, column counts off the panel width, leading axes, vmap, narrower ISA
-builds, and clear errors for panels that do not fit."""
+builds, and clear errors for panels that do not fit; the fused SwiGLU product against
+silu(x @ gate) * (x @ up)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pallas_kernels.cpu import native
-from pallas_kernels.cpu.matmul import pack, packed_matmul, panel_width
+from pallas_kernels.cpu.matmul import pack, pack_swiglu, packed_matmul, packed_swiglu, panel_width
 
 
 def operands(m: int, k: int, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -92,6 +93,37 @@ def test_panels_that_do_not_fit_are_refused_by_shape():
         packed_matmul(jnp.ones((3, 17)), pack(w), 40)
     with pytest.raises(ValueError, match="takes float32, got bfloat16"):
         packed_matmul(jnp.asarray(x, jnp.bfloat16), pack(w), 40)
+
+
+def swiglu(x: np.ndarray, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+    g = x.astype(np.float64) @ gate.astype(np.float64)
+    sigmoid = np.exp(-np.logaddexp(0, -g))  # without overflow for any g
+    return g * sigmoid * (x.astype(np.float64) @ up.astype(np.float64))
+
+
+# Row blocks, chunked units and runs as above; n off the panel width; gates of both signs and
+# past exp's range (|g| ~ 100 must neither overflow nor lose the product).
+@pytest.mark.parametrize("m,k,n,live", [(1, 576, 1536, 1), (13, 64, 100, 13), (48, 33, 70, 40),
+                                        (97, 64, 130, 97), (200, 16, 64, 150)])
+def test_the_swiglu_product_is_silu_of_the_gate_times_up(m, k, n, live):
+    rng = np.random.default_rng(m)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    gate = (rng.standard_normal((k, n)) * np.where(rng.random(n) < 0.1, 30, 1)).astype(np.float32)
+    up = rng.standard_normal((k, n)).astype(np.float32)
+    x[live:] = np.nan  # padding rows are never read
+    y = np.asarray(jax.jit(packed_swiglu, static_argnums=2)(
+        jnp.asarray(x), pack_swiglu(gate, up), n, jnp.int32(live)))
+    want = swiglu(x[:live], gate, up)
+    scale = np.sqrt(k) * np.maximum(1, np.abs(want))
+    assert np.all(np.abs(y[:live] - want) <= 2e-5 * scale)
+    assert np.abs(want).max() > 100  # the large gates reached the output
+    assert not y[live:].any()
+
+
+def test_swiglu_panels_that_do_not_fit_are_refused():
+    x, w = operands(3, 16, 40, seed=3)
+    with pytest.raises(ValueError, match=r"do not pack gate and up \[16, 40\] kernels"):
+        packed_swiglu(jnp.asarray(x), pack(w), 40)  # one kernel's panels, not two
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 ISA levels")

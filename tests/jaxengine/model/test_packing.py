@@ -11,11 +11,12 @@ import pytest
 from jaxengine.engine.build import model_fns
 from jaxengine.model.config import ModelConfig
 from jaxengine.model.llama import Model
-from jaxengine.model.packing import (PackedColumns, PackedEmbedder, PackedLinear,
+from jaxengine.model.packing import (PackedColumns, PackedEmbedder, PackedLinear, PackedMLP,
                                      pack_projections, packable)
 from jaxengine.model.step import RequestChunk, make_model_step, pack_batch, split_model
 
 TARGET = "jaxengine_packed_matmul_f32"
+SWIGLU = "jaxengine_packed_swiglu_f32"
 
 
 def run(model: Model) -> tuple[np.ndarray, np.ndarray, str]:
@@ -45,7 +46,8 @@ def test_a_packed_model_computes_what_the_xla_one_does(architecture, tied):
     assert pack_projections(model) == 7 * cfg.num_layers + 1  # and the LM head
     assert isinstance(model.embed_tokens, PackedEmbedder) == tied
     attn, mlp = model.layers[1].self_attn, model.layers[1].mlp
-    assert isinstance(mlp.down_proj, PackedLinear) and isinstance(attn.k_proj, PackedColumns)
+    assert isinstance(mlp, PackedMLP) and isinstance(mlp.down_proj, PackedLinear)
+    assert isinstance(attn.k_proj, PackedColumns)
     assert attn.q_proj.merged is attn.v_proj.merged  # one product of q/k/v, split by columns
     assert packable(model) == "the projections are packed already"
     assert pack_projections(model) == 0  # a second pass leaves the packed model as it is
@@ -58,10 +60,12 @@ def test_a_packed_model_computes_what_the_xla_one_does(architecture, tied):
     np.testing.assert_allclose(padding, np.broadcast_to(
         np.asarray(model.norm(embedding)), padding.shape), rtol=1e-6)
     assert not np.allclose(plain_padding, padding, rtol=1e-3)
-    # Every projection is the kernel in the compiled step, q/k/v and gate/up one call each
-    # (XLA's CSE keeps one of each merged product's identical calls); none is left to XLA.
-    assert packed.count(f'custom_call_target="{TARGET}"') == 4 * cfg.num_layers
-    assert plain.count(TARGET) == 0
+    # Every projection is a kernel in the compiled step: q/k/v one call (XLA's CSE keeps one of
+    # the merged product's identical calls), o and down one each, gate/up one SwiGLU call;
+    # none is left to XLA.
+    assert packed.count(f'custom_call_target="{TARGET}"') == 3 * cfg.num_layers
+    assert packed.count(f'custom_call_target="{SWIGLU}"') == cfg.num_layers
+    assert plain.count(TARGET) == plain.count(SWIGLU) == 0
 
 
 @pytest.mark.parametrize("tied", [False, True])
