@@ -7,11 +7,11 @@ kernel through XLA's dots (or through the same loop reading [K, N] in short stri
 merged into one `PackedLinear` (their kernels side by side) that each reads its columns of
 (`PackedColumns`), o and the LM head alone (a tied one with the embedding: `PackedEmbedder`),
 and the MLP as a `PackedMLP` (gate/up interleaved into one SwiGLU call, then down); the
-weights are not duplicated. It applies where the kernel runs and pays: a one-device CPU mesh, float32 weights,
-layers looped in Python (the CPU layout), and a C++ compiler on the machine (`packable` says
-why not otherwise). Measured against XLA's dots on the 2-core CPU (docs/BENCHMARKS.md §2),
-SmolLM2's projections: 1.0x at 1 row, 1.4-1.5x at 8-16, 1.2x at 64 and at 2048 (a prefill
-chunk).
+weights are not duplicated. It applies where the kernel runs and pays: a one-device CPU mesh,
+float32 weights, layers looped in Python (the CPU layout), and a C++ compiler on the machine
+(`packable` says why not otherwise). Measured against XLA's dots on the 2-core CPU
+(docs/BENCHMARKS.md §2), SmolLM2's projections: 1.0x at 1 row, 1.4-1.5x at 8-16, 1.2x at 64
+and at 2048 (a prefill chunk).
 """
 
 from __future__ import annotations

@@ -11,8 +11,14 @@ import pytest
 from jaxengine.engine.build import model_fns
 from jaxengine.model.config import ModelConfig
 from jaxengine.model.llama import Model
-from jaxengine.model.packing import (PackedColumns, PackedEmbedder, PackedLinear, PackedMLP,
-                                     pack_projections, packable)
+from jaxengine.model.packing import (
+    PackedColumns,
+    PackedEmbedder,
+    PackedLinear,
+    PackedMLP,
+    pack_projections,
+    packable,
+)
 from jaxengine.model.step import RequestChunk, make_model_step, pack_batch, split_model
 
 TARGET = "jaxengine_packed_matmul_f32"
