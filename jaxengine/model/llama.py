@@ -243,7 +243,8 @@ class Model(nnx.Module):
 
     @property
     def embed(self) -> nnx.Param:
-        """The embedding table [V, D] (also the output projection when tied)."""
+        """The embedding table [V, D] (also the output projection when tied); a model packed
+        for the CPU kernels holds a tied table as panels instead (`PackedEmbedder`)."""
         return self.embed_tokens.embedding
 
     def __call__(self, kv: jax.Array, batch: ModelBatch, *, attn_impl: str = "reference",
