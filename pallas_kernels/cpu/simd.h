@@ -1,7 +1,7 @@
-// The CPU kernels' vectors and the arithmetic they share: as wide as the CPU's widest registers (16 floats with AVX-512, 8
-// with AVX, else 4: SSE, NEON), as GCC's vector extension (which Clang takes too), so that one
-// source builds for every ISA level (included by ragged_paged_attention.cc and
-// packed_matmul.cc).
+// The CPU kernels' vectors and the arithmetic they share (included by ragged_paged_attention.cc
+// and packed_matmul.cc). Vectors are as wide as the CPU's widest registers (16 floats with
+// AVX-512, 8 with AVX, else 4: SSE, NEON), as GCC's vector extension (which Clang takes too),
+// so that one source builds for every ISA level.
 #pragma once
 
 #include <algorithm>
