@@ -52,8 +52,10 @@ CALIBRATION_KEYS = ("model", "dtype", "attention_backend", "tensor_parallel_size
 # (a version-2 file's None meant the jnp reference on CPU, which the native kernel replaced);
 # 4: CPU steps with the projections packed for the native matmul (every step's price changed);
 # 5: CPU steps whose packed projections skip the padding rows, with RoPE's tables computed once
-# and the attention kernel's new prefill and decode paths (every step's price changed again)
-VERSION = 5
+# and the attention kernel's new prefill and decode paths (every step's price changed again);
+# 6: CPU steps with the tied LM head packed, SwiGLU fused into the packed matmul and the
+# attention metadata cut to the step's rows (the sampler's and every step's price changed)
+VERSION = 6
 
 
 def plan_features(plan: SchedulerOutput, buckets: Sequence[int],
