@@ -64,7 +64,10 @@ def test_simulated_duration_is_near_the_real_replay(cost: CostModel) -> None:
     # All at t=0: the duration is the engine's own work, not the arrival process.
     w = scenario("srb_mix", num_requests=24, rate=float("inf"), seed=2, vocab_size=128,
                  scale=0.06)
-    real = bench(w, ARGS)
+    # The faster of two replays, each on a fresh warm engine (a second pass on one engine would
+    # hit its prefix cache): other processes' pauses only add time, and a one-off pause of the
+    # process (0.4 s seen in a first step within the full suite) would outweigh the whole run.
+    real = min((bench(w, ARGS) for _ in range(2)), key=lambda r: summary(r)["duration"])
     sim = simulate(w, cost, simulation_args(cost))
     assert [r.id for r in real.requests] == [r.id for r in sim.requests]
     assert [r.num_output_tokens for r in real.requests] == [r.max_tokens for r in w.requests]
