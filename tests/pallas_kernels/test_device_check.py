@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import jax.numpy as jnp
+import pytest
 
 from benchmarks import device_check
 from jaxengine.model.config import ModelConfig
@@ -15,6 +16,7 @@ from jaxengine.model.config import ModelConfig
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "device_check.py"
 
 
+@pytest.mark.slow  # 78 s; test_hlo_check_* below keeps the HLO check in the default run
 def test_cpu_smoke_prints_every_section_and_passes() -> None:
     run = subprocess.run([sys.executable, str(SCRIPT), "--cpu-smoke"], capture_output=True,
                          text=True, timeout=120)  # fmt: skip

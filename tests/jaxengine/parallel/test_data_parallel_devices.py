@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.parallel_helpers import run_python
 
 CHECKS = """
@@ -44,6 +46,7 @@ print(json.dumps(results))
 """
 
 
+@pytest.mark.slow  # 79 s: four engines in a subprocess; test_data_parallel*.py cover routing
 def test_replicas_on_their_own_devices_give_one_engines_outputs() -> None:
     out = run_python(CHECKS, num_devices=4, timeout=240)
     results = json.loads(out.strip().splitlines()[-1])

@@ -80,6 +80,7 @@ def test_replay_survives_preemption(async_scheduling: bool) -> None:
     assert counts.accepted == counts.draft_tokens > 0
 
 
+@pytest.mark.slow  # 42 s: two engines; the target-as-its-own-draft test covers drafting
 def test_another_draft_changes_no_output() -> None:
     plain, _ = run(GREEDY)
     spec, counts = run(GREEDY, speculative_config=draft_config(TINY / "llama_tied_mha"))
