@@ -62,8 +62,8 @@ def replay(workload: Workload, engine: Any) -> RunResult:
         the message names it.
     """
     pending = workload.by_arrival
-    # A collection the warm-up's garbage made due would otherwise land in the first steps: in a
-    # process holding many objects (the test suite's), a 0.4 s pause on a 0.06 s run.
+    # Keep a collection made due by the warm-up's garbage out of the timed steps: in a process
+    # holding many objects (the test suite's) the first step once paused 0.4 s of a 0.06 s run.
     gc.collect()
     load_start = os.getloadavg()[0]
     t0 = time.time()
