@@ -8,7 +8,6 @@ garbage tests run it beside the other kernels (test_kernels.py, test_garbage.py)
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import platform
 
@@ -169,12 +168,11 @@ def test_other_dtypes_are_refused_by_name():
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 ISA levels")
 @pytest.mark.parametrize("isa", ["-march=x86-64-v3", "-march=x86-64"])
-def test_narrower_vector_builds_match_the_oracle(isa, tmp_path, monkeypatch):
+def test_narrower_vector_builds_match_the_oracle(isa, isa_library):
     """The kernel built for AVX2 (8-float vectors, fewer rows per register block) and for
     baseline SSE2 (4 floats): the blocking changes with the vector width, the results must
     not. (This machine runs both; its own build is AVX-512 where the CPU has it.)"""
-    monkeypatch.setenv(native.ENV_CACHE, str(tmp_path))
-    library = ctypes.cdll.LoadLibrary(str(native._build(native._compiler(), (isa,))))
+    library = isa_library(isa)
     target = f"jaxengine_test_ragged_paged_attention_f32{isa.replace('-', '_')}"
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(library.RaggedPagedAttentionF32),
                                 platform="cpu")

@@ -15,7 +15,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pallas_kernels.cpu import native
 from pallas_kernels.cpu.matmul import pack, pack_swiglu, packed_matmul, packed_swiglu, panel_width
 
 
@@ -128,11 +127,10 @@ def test_swiglu_panels_that_do_not_fit_are_refused():
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 ISA levels")
 @pytest.mark.parametrize("isa", ["-march=x86-64-v3", "-march=x86-64"])
-def test_narrower_vector_builds_match_numpy(isa, tmp_path, monkeypatch):
+def test_narrower_vector_builds_match_numpy(isa, isa_library):
     """Built for AVX2 (panels of 32 columns, 2-row blocks) and baseline SSE2 (16 columns):
     the blocking changes with the vector width, the products must not."""
-    monkeypatch.setenv(native.ENV_CACHE, str(tmp_path))
-    library = ctypes.cdll.LoadLibrary(str(native._build(native._compiler(), (isa,))))
+    library = isa_library(isa)
     library.PackedMatmulPanel.restype = ctypes.c_int64
     width = int(library.PackedMatmulPanel())
     assert width == {"-march=x86-64-v3": 32, "-march=x86-64": 16}[isa]
