@@ -50,6 +50,7 @@ def test_limits_and_bucket_flags_are_parsed() -> None:
         script.parse_args(["--token-buckets", "16,x"])
 
 
+@pytest.mark.slow  # 21 s: a benchmark flag; the FLOP count and parsing tests stay
 def test_step_times_account_for_every_scheduled_token_by_bucket() -> None:
     script = _script()
     args = script.parse_args(["--step-times", "--token-buckets", "4,8,16,64"])

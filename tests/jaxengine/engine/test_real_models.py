@@ -64,6 +64,9 @@ def test_batched_greedy_equals_single_request_greedy() -> None:
     assert _tokens(_llm(), _prompts()) == _single_request_greedy()
 
 
+@pytest.mark.slow  # 45 s: each new pool compiles again. In the default run: the same against
+# an ample pool on the fake model (test_llm_engine.py), and preemption with prefix hits on a
+# real checkpoint (tensor_parallel_checks.py, tp=4 against tp=1)
 def test_preemption_and_prefix_caching_do_not_change_greedy_outputs() -> None:
     tight = _llm(num_gpu_blocks_override=24)
     assert _tokens(tight, _prompts()) == _single_request_greedy()

@@ -152,6 +152,7 @@ def _leave_early(base: str) -> None:
         next(r.iter_lines())
 
 
+@pytest.mark.slow  # 30 s: two serve processes; the two-process engine test covers the mesh
 def test_headless_follower_serves_with_process_0_and_stops_with_it(
         tmp_path: Path, one_process: list[dict[str, Any]]) -> None:
     work = [(p["prompt_token_ids"] if isinstance(p, dict) else p, sp)

@@ -42,6 +42,7 @@ assert dc.tensor_parallel(ctx) == []
 """
 
 
+@pytest.mark.slow  # 27 s: a device tool's smoke on CPU (the CPU smoke of every section is slow too)
 def test_device_checks_tensor_parallel_section_skips_what_the_devices_cannot_hold() -> None:
     """benchmarks/device_check.py's section in its smoke sizes on 2 devices: tp=1 and 2 timed
     against the roofline, 4 and 8 skipped."""
