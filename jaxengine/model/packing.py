@@ -61,7 +61,8 @@ class PackedColumns(nnx.Module):
 class PackedMLP(nnx.Module):
     """`layers.MLP` with gate and up packed together (`pallas_kernels.cpu.matmul.pack_swiglu`):
     one call gives silu(x @ gate) * (x @ up), and down_proj is a `PackedLinear`. The fused call
-    spares writing the [T, 2F] product and XLA's pass over it (80 ms of a 2048-token step)."""
+    spares writing the [T, 2F] product and XLA's pass over it (30 layers at 2048 rows: 1.2x,
+    docs/BENCHMARKS.md §2)."""
 
     def __init__(self, mlp: nnx.Module) -> None:
         gate, up = mlp.gate_proj, mlp.up_proj  # without bias, as every MLP of the family
@@ -80,8 +81,9 @@ class PackedEmbedder(nnx.Module):
     """A tied embedding held once, packed as its transpose (`panels` [ceil(V'/W), D, W]): the
     LM head is then the packed matmul and a lookup gathers each token's column. A decode step
     reads the whole table for a few rows; XLA's dot over the [V', D] table read it at a quarter
-    of the memory's rate, and a packed second copy would double it. The gather touches a line
-    per element, which costs a 2048-token step about 10 ms (docs/BENCHMARKS.md §2)."""
+    of the packed loop's rate for one row, and a packed second copy would double it. The
+    gather touches a line per element, which costs a 2048-token step 10-12 ms
+    (docs/BENCHMARKS.md §2)."""
 
     def __init__(self, embedder: nnx.Module) -> None:
         table = embedder.embedding[...]  # [V', D]
