@@ -7,6 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from jaxengine.engine.args import EngineArgs
 from jaxengine.engine.build import build_engine
 from scheduler import SamplingParams
@@ -62,6 +64,7 @@ def test_llm_takes_the_dict() -> None:
     assert llm.llm_engine.args.async_scheduling is True  # the default, kept with drafts
 
 
+@pytest.mark.slow  # 22 s: two engines; test_verify.py keeps grammar requests undrafted
 def test_a_grammar_request_beside_drafted_ones() -> None:
     import re
 
