@@ -12,18 +12,15 @@ from pallas_kernels.cpu import native
 
 @pytest.fixture(scope="session")
 def isa_library(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], ctypes.CDLL]:
-    """`load(isa)`: the native library built for an x86 ISA level (`"-march=x86-64-v3"`),
-    compiled once per level for the session into a directory of its own, so that the attention
-    and the matmul tests load the same build (about 10 s of g++ each on 2 cores)."""
+    """`load(isa)`: the native library built for an x86 ISA level (`"-march=x86-64-v3"`) in a
+    build cache of the session's own, so that the attention and the matmul tests load the
+    same build (native's cache compiles each level once: about 10 s of g++ on 2 cores)."""
     root = tmp_path_factory.mktemp("isa-builds")
-    built: dict[str, ctypes.CDLL] = {}
 
     def load(isa: str) -> ctypes.CDLL:
-        if isa not in built:
-            with pytest.MonkeyPatch.context() as mp:
-                mp.setenv(native.ENV_CACHE, str(root))
-                path = native._build(native._compiler(), (isa,))
-            built[isa] = ctypes.cdll.LoadLibrary(str(path))
-        return built[isa]
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv(native.ENV_CACHE, str(root))
+            path = native._build(native._compiler(), (isa,))
+        return ctypes.cdll.LoadLibrary(str(path))
 
     return load
