@@ -4,8 +4,11 @@ compiled programs freed after each test module.
 The engine turns the cache on by default (`jaxengine/runner/compilation_cache.py`), and child
 processes (serve, the CLI) inherit the setting. A directory of its own per run keeps the suite
 from writing into the user's ~/.cache and from depending on entries a stale run left behind; the
-cache itself still runs, as it does for users. To run warm or without it, set
-JAXENGINE_COMPILATION_CACHE_DIR yourself (a directory, or '' to disable): it is left alone.
+cache itself still runs, as it does for users. Under pytest-xdist (`make test`) each worker
+takes a subdirectory of the run's: jax writes an entry in place, so a worker reading a program
+another is still writing would get a truncated file (jax warns, and warnings fail tests). To run
+warm or without it, set JAXENGINE_COMPILATION_CACHE_DIR yourself (a directory, or '' to
+disable): it is left alone, workers included.
 
 Every program XLA compiles on CPU keeps memory mappings for its code until it is freed, and a
 process may hold at most vm.max_map_count of them (65530 here): the whole suite in one process
@@ -27,15 +30,20 @@ import pytest
 # jaxengine.runner.compilation_cache.ENV, spelled out so that collecting the pure-Python
 # scheduler tests does not import jax; test_compilation_cache.py checks the two agree.
 CACHE_ENV = "JAXENGINE_COMPILATION_CACHE_DIR"
+SUITE_CACHE_ENV = "JAXENGINE_TEST_SUITE_CACHE"  # the run's directory, seen by xdist's workers
 _made: list[str] = []
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """Point the compilation cache at a new temporary directory unless one is set."""
+    """Point the compilation cache at a new temporary directory unless one is set; an xdist
+    worker (started after its controller configured) at a subdirectory of its own."""
     del config
-    if CACHE_ENV not in os.environ:
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker and SUITE_CACHE_ENV in os.environ:
+        os.environ[CACHE_ENV] = os.path.join(os.environ[SUITE_CACHE_ENV], worker)
+    elif CACHE_ENV not in os.environ:
         _made.append(tempfile.mkdtemp(prefix="jaxengine-jax-cache-"))
-        os.environ[CACHE_ENV] = _made[0]
+        os.environ[CACHE_ENV] = os.environ[SUITE_CACHE_ENV] = _made[0]
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
@@ -44,6 +52,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     for path in _made:
         shutil.rmtree(path, ignore_errors=True)
         os.environ.pop(CACHE_ENV, None)
+        os.environ.pop(SUITE_CACHE_ENV, None)
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -23,7 +23,7 @@ from jaxengine.runner.config import RunnerConfig
 from jaxengine.runner.programs import SAMPLE_NAME, STEP_NAME
 from jaxengine.runner.runner import Runner
 from jaxengine.sampling.penalty_inputs import WRITE_SLOT_NAME
-from tests.conftest import CACHE_ENV
+from tests.conftest import CACHE_ENV, SUITE_CACHE_ENV
 
 CHILD = Path(__file__).with_name("compilation_cache_child.py")
 ROOT = Path(__file__).resolve().parents[3]
@@ -43,6 +43,9 @@ def test_the_suite_runs_with_its_own_cache_setting() -> None:
     assert CACHE_ENV == ENV and ENV in os.environ
     assert resolve_cache_dir(None) == (str(Path(os.environ[ENV]).absolute())
                                        if os.environ[ENV].strip() else None)
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker and SUITE_CACHE_ENV in os.environ:  # under `make test`: a directory per worker
+        assert Path(os.environ[ENV]) == Path(os.environ[SUITE_CACHE_ENV]) / worker
 
 
 def test_where_the_cache_lives(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
