@@ -47,24 +47,31 @@ constexpr int64_t kRowBlock = 2;  // of 16 registers
 #endif
 constexpr int64_t kPanel = 4 * kLanes;  // columns per panel
 constexpr int64_t kAhead = 8;           // panel rows between a row's prefetch and its use
+constexpr int64_t kLine = 64 / sizeof(float);  // floats per cache line
 constexpr int64_t kRunRows = 96;        // rows per unit (a decode step's rows are one run)
 constexpr int64_t kChunkRows = 48;      // the most rows of a unit taken in chunks of K
 constexpr int64_t kChunk = 16;          // panel rows per chunk
 
+// Memory a row block asks for while it computes: `rows` panel rows from `at`, one at each of
+// its first `rows` panel rows (a panel row is kPanel floats, kPanel / kLine cache lines).
+struct Prefetch {
+  const float* at;
+  int64_t rows;
+};
+
 // R rows of x (row stride ldx) against kc rows of a panel; the sums go to out [R, kPanel],
-// added to what it holds when Add. Panel row k + kAhead is prefetched while below `ahead`.
+// added to what it holds when Add.
 template <int64_t R, bool Add>
 inline void row_block(const float* x, int64_t ldx, int64_t kc, const float* panel,
-                      int64_t ahead, float* out) {
+                      Prefetch pf, float* out) {
   fvec acc[R][4];
   for (int64_t r = 0; r < R; ++r)
     for (int64_t v = 0; v < 4; ++v)
       acc[r][v] = Add ? loadv(out + r * kPanel + v * kLanes) : fvec{};
   for (int64_t k = 0; k < kc; ++k) {
     const float* row = panel + k * kPanel;
-    if (k + kAhead < ahead)
-      for (int64_t v = 0; v < kPanel; v += 64 / sizeof(float))
-        __builtin_prefetch(row + kAhead * kPanel + v);
+    if (k < pf.rows)
+      for (int64_t v = 0; v < kPanel; v += kLine) __builtin_prefetch(pf.at + k * kPanel + v);
     fvec w[4];
     for (int64_t v = 0; v < 4; ++v) w[v] = loadv(row + v * kLanes);
     for (int64_t r = 0; r < R; ++r) {
@@ -78,12 +85,12 @@ inline void row_block(const float* x, int64_t ldx, int64_t kc, const float* pane
 
 template <int64_t R = kRowBlock>
 inline void row_tail(int64_t rows, bool add, const float* x, int64_t ldx, int64_t kc,
-                     const float* panel, int64_t ahead, float* out) {
+                     const float* panel, Prefetch pf, float* out) {
   if constexpr (R > 0) {
     if (rows == R)
-      return add ? row_block<R, true>(x, ldx, kc, panel, ahead, out)
-                 : row_block<R, false>(x, ldx, kc, panel, ahead, out);
-    row_tail<R - 1>(rows, add, x, ldx, kc, panel, ahead, out);
+      return add ? row_block<R, true>(x, ldx, kc, panel, pf, out)
+                 : row_block<R, false>(x, ldx, kc, panel, pf, out);
+    row_tail<R - 1>(rows, add, x, ldx, kc, panel, pf, out);
   }
 }
 
@@ -112,8 +119,11 @@ inline void emit(const float* gate, const float* up, float* y, int64_t width) {
 // every block over one chunk before the next, their sums kept in a buffer: the panel streams
 // from memory once while the blocks compute on the chunk in L1. Block by block, the first
 // streamed it from memory and the others reread it from L2 with the memory idle, which left
-// 8-16 rows 1.1-1.3x slower (benchmarks in docs/BENCHMARKS.md §2). One block, or a long
-// run of rows (compute-bound), takes the whole panel per block.
+// 8-16 rows 1.1-1.3x slower (benchmarks in docs/BENCHMARKS.md §2). Each block of a chunk asks
+// for its share of the chunk two ahead, so the memory is busy while every block computes (the
+// first block asking for all of it, a row at a time, left 32-48 rows 1.2-1.3x slower). One block,
+// or a long run of rows (compute-bound), takes the whole panel per block, asking for each panel
+// row kAhead rows before its use.
 template <bool Glu>
 void unit(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t p,
           int64_t m0, int64_t m1) {
@@ -122,13 +132,22 @@ void unit(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_
   const int64_t n0 = p * kPanel, width = std::min(kPanel, N - n0);
   if (m1 - m0 > kRowBlock && m1 - m0 <= kChunkRows) {
     alignas(64) float sums[kParts][kChunkRows * kPanel];
+    const int64_t blocks = (m1 - m0 + kRowBlock - 1) / kRowBlock;
     for (int64_t part = 0; part < kParts; ++part) {
       const float* panel = panels + part * K * kPanel;
-      for (int64_t k0 = 0; k0 < K; k0 += kChunk)
-        for (int64_t m = m0; m < m1; m += kRowBlock)
-          row_tail(std::min(kRowBlock, m1 - m), k0 > 0, x + m * K + k0, K,
-                   std::min(kChunk, K - k0), panel + k0 * kPanel, m == m0 ? K - k0 : 0,
+      for (int64_t v = 0; v < std::min(2 * kChunk, K) * kPanel; v += kLine)
+        __builtin_prefetch(panel + v);  // the first two chunks, before any is used
+      for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
+        const int64_t kc = std::min(kChunk, K - k0), ahead = k0 + 2 * kChunk;
+        const int64_t rows = std::clamp<int64_t>(K - ahead, 0, kChunk);  // of the chunk ahead
+        for (int64_t b = 0; b < blocks; ++b) {
+          const int64_t m = m0 + b * kRowBlock, first = rows * b / blocks;
+          row_tail(std::min(kRowBlock, m1 - m), k0 > 0, x + m * K + k0, K, kc,
+                   panel + k0 * kPanel,
+                   {panel + (ahead + first) * kPanel, rows * (b + 1) / blocks - first},
                    sums[part] + (m - m0) * kPanel);
+        }
+      }
     }
     for (int64_t m = m0; m < m1; ++m)
       emit<Glu>(sums[0] + (m - m0) * kPanel, sums[kParts - 1] + (m - m0) * kPanel,
@@ -138,8 +157,11 @@ void unit(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_
   alignas(64) float sums[kParts][kRowBlock * kPanel];
   for (int64_t m = m0; m < m1; m += kRowBlock) {
     const int64_t rows = std::min(kRowBlock, m1 - m);
-    for (int64_t part = 0; part < kParts; ++part)
-      row_tail(rows, false, x + m * K, K, K, panels + part * K * kPanel, K, sums[part]);
+    for (int64_t part = 0; part < kParts; ++part) {
+      const float* panel = panels + part * K * kPanel;
+      row_tail(rows, false, x + m * K, K, K, panel,
+               {panel + kAhead * kPanel, std::max<int64_t>(K - kAhead, 0)}, sums[part]);
+    }
     for (int64_t r = 0; r < rows; ++r)
       emit<Glu>(sums[0] + r * kPanel, sums[kParts - 1] + r * kPanel, y + (m + r) * N + n0,
                 width);
