@@ -71,7 +71,8 @@ int main(int argc, char** argv) {
       const auto t0 = std::chrono::steady_clock::now();
       for (int64_t l = 0; l < layers; ++l) {
         weights = w.data() + l * layer_floats;
-        next = 0, done = 0;
+        done = 0, next = 0;  // in this order: a helper late from the last layer that takes a
+                             // panel of this one counts it after the reset, not before
         round.fetch_add(1);
         work();
         while (done.load() < P) {}
