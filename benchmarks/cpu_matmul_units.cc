@@ -9,10 +9,11 @@
 // SmolLM2's projections, float32, random weights: `glu` 30 layers of the fused gate/up
 // (576 -> 2 x 1536, 212 MB), `down` 30 of 1536 -> 576, `qkv` 30 of 576 -> 960, `head` the tied
 // LM head (576 -> 49152, 113 MB): more than the L3 holds, so every pass reads the weights from
-// memory, as a decode step does. Each pass runs every layer's panels on the calling thread and
-// one helper that spins between layers (the engine's parallel_for, without XLA's pool). Prints
-// the best of `passes` (20) per row count (default 1 8 16 32 48 64 96), and the largest
-// difference of the last layer's output from a plain loop over the unpacked weights.
+// memory, as a decode step does. Each pass runs every layer's units (panels x runs of rows, in
+// the kernel's order) on the calling thread and one helper that spins between layers (the
+// engine's parallel_for, without XLA's pool). Prints the best of `passes` (20) per row count
+// (default 1 8 16 32 48 64 96; 2048 is a prefill chunk), and the largest difference of the last
+// layer's output from a plain loop over the unpacked weights.
 #include "../pallas_kernels/cpu/packed_matmul.cc"
 
 #include <atomic>
@@ -37,7 +38,8 @@ int main(int argc, char** argv) {
   else if (mode == "head") N = 49152, layers = 1;
   else if (mode != "glu") return std::fprintf(stderr, "unknown mode %s\n", mode.c_str()), 2;
   const bool glu = mode == "glu";
-  const int64_t parts = glu ? 2 : 1, P = (N + kPanel - 1) / kPanel, M = 128;
+  const int64_t parts = glu ? 2 : 1, P = (N + kPanel - 1) / kPanel;
+  const int64_t M = std::max<int64_t>(128, *std::max_element(counts.begin(), counts.end()));
   const int64_t layer_floats = parts * P * K * kPanel;  // zeros past N in the last panel
   std::vector<float> w(layers * layer_floats, 0.0f), x(M * K), y(M * N);
   std::mt19937 rng(0);
@@ -51,12 +53,14 @@ int main(int argc, char** argv) {
 
   std::atomic<int64_t> round{0}, next{0}, done{0};
   std::atomic<bool> stop{false};
-  int64_t rows = 1;
+  int64_t rows = 1, units = P;  // units: P x the runs of `rows`
   const float* weights = w.data();
   auto work = [&] {
-    for (int64_t p; (p = next.fetch_add(1)) < P;) {
-      if (glu) unit<true>(x.data(), weights, y.data(), K, N, p, 0, rows);
-      else unit<false>(x.data(), weights, y.data(), K, N, p, 0, rows);
+    for (int64_t i; (i = next.fetch_add(1)) < units;) {
+      const Unit u = unit_at(i, P);
+      const int64_t m1 = std::min(rows, u.m0 + kRunRows);
+      if (glu) unit<true>(x.data(), weights, y.data(), K, N, u.panel, u.m0, m1);
+      else unit<false>(x.data(), weights, y.data(), K, N, u.panel, u.m0, m1);
       done.fetch_add(1);
     }
   };
@@ -65,7 +69,7 @@ int main(int argc, char** argv) {
       if (const int64_t r = round.load(); r != seen) seen = r, work();
   });
   for (const int64_t R : counts) {
-    rows = std::min(R, M);
+    rows = R, units = P * ((R + kRunRows - 1) / kRunRows);
     double best = 1e9;
     for (int pass = 0; pass < passes; ++pass) {
       const auto t0 = std::chrono::steady_clock::now();
@@ -75,21 +79,23 @@ int main(int argc, char** argv) {
                              // panel of this one counts it after the reset, not before
         round.fetch_add(1);
         work();
-        while (done.load() < P) {}
+        while (done.load() < units) {}
       }
       best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0)
                                 .count());
     }
-    std::printf("%s rows=%ld: %.3f ms, %.1f GB/s\n", mode.c_str(), long(rows), best * 1e3,
-                double(w.size()) * sizeof(float) / best / 1e9);
+    std::printf("%s rows=%ld: %.3f ms, %.1f GB/s, %.1f GFLOP/s\n", mode.c_str(), long(rows),
+                best * 1e3, double(w.size()) * sizeof(float) / best / 1e9,
+                2.0 * rows * K * N * parts * layers / best / 1e9);
   }
   stop = true;
   round.fetch_add(1);
   helper.join();
 
-  // The last layer's rows against a plain loop (silu(gate) * up for glu).
+  // The last layer's rows (at most 97 of them, spread) against a plain loop (silu(gate) * up
+  // for glu).
   double err = 0;
-  for (int64_t m = 0; m < rows; ++m)
+  for (int64_t m = 0; m < rows; m += std::max<int64_t>(1, rows / 97))
     for (int64_t n = 0; n < N; ++n) {
       double sum[2] = {0, 0};
       for (int64_t part = 0; part < parts; ++part)

@@ -10,8 +10,8 @@ and the MLP as a `PackedMLP` (gate/up interleaved into one SwiGLU call, then dow
 weights are not duplicated. It applies where the kernel runs and pays: a one-device CPU mesh,
 float32 weights, layers looped in Python (the CPU layout), and a C++ compiler on the machine
 (`packable` says why not otherwise). Measured against XLA's dots on the 2-core CPU
-(docs/BENCHMARKS.md §2), SmolLM2's projections: 1.0x at 1 row, 1.4-1.5x at 8-16, 1.2x at 64
-and at 2048 (a prefill chunk).
+(docs/BENCHMARKS.md §2), SmolLM2's projections: 1.0x at 1 row, 1.4-1.5x at 8-16, 1.2x at 64,
+1.1-2.0x at 2048 (a prefill chunk).
 """
 
 from __future__ import annotations

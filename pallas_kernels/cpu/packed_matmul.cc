@@ -9,12 +9,12 @@
 // 1.4-1.5x the time of this kernel at 8-16 rows, while the same loop over the unpacked matrix
 // (64-column slices, one short run per row of K) gained only 1.0-1.2x: the panels, each one
 // contiguous stream, are what pays (docs/BENCHMARKS.md §2). The same loop is
-// compute-bound on long prefill chunks and ran there at 1.2x XLA's speed, so one layout serves
-// every step.
+// compute-bound on long prefill chunks and runs there at numpy's sgemm rate, 1.1-2.0x XLA's
+// (2048 rows), so one layout serves every step.
 //
 // Work: units of one panel x a run of kRunRows rows, taken by XLA's intra-op threads from a
 // shared counter, so a decode step's panels (each read from memory once) spread over the cores
-// and a prefill chunk's runs of rows do too. Inside a unit, blocks of kRowBlock rows keep
+// and a prefill chunk's runs of rows do too (run by run: see Unit). Inside a unit, blocks of kRowBlock rows keep
 // kRowBlock x 4 vectors of sums in registers while the panel streams by, one row of K at a time
 // (a unit of a few blocks takes the panel in chunks of rows, every block over each; see unit).
 // Only the first `live` rows are computed and the rest written as zeros: an engine step's token
@@ -51,6 +51,17 @@ constexpr int64_t kLine = 64 / sizeof(float);  // floats per cache line
 constexpr int64_t kRunRows = 96;        // rows per unit (a decode step's rows are one run)
 constexpr int64_t kChunkRows = 48;      // the most rows of a unit taken in chunks of K
 constexpr int64_t kChunk = 16;          // panel rows per chunk
+
+// Unit i of a product over `panels` panels: run i / panels of rows against panel i % panels.
+// Run by run, a run's rows of x (at most kRunRows x K floats: 590 KB at K = 1536) stay in the
+// core's L2 while the panels stream past, each read once per run and reread from L2 by the
+// run's row blocks. Panel by panel instead, every unit read its run of x back from L3 (a 2048-row
+// chunk's x is larger than L2), six strided rows at a time, and 2048-row products ran 1.15-1.4x
+// slower (docs/BENCHMARKS.md §2).
+struct Unit {
+  int64_t panel, m0;  // rows [m0, m0 + kRunRows) of the product, clipped to the live rows
+};
+inline Unit unit_at(int64_t i, int64_t panels) { return {i % panels, i / panels * kRunRows}; }
 
 // Memory a row block asks for while it computes: `rows` panel rows from `at`, one at each of
 // its first `rows` panel rows (a panel row is kPanel floats, kPanel / kLine cache lines).
@@ -187,8 +198,8 @@ ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   if (M == 0 || N == 0) return ffi::Error::Success();
   const int64_t runs = (M + kRunRows - 1) / kRunRows;
   parallel_for(pool, panels * runs, [&](int64_t i) {
-    const int64_t p = i / runs, m0 = i % runs * kRunRows;
-    unit<Glu>(X, W, Y, K, N, p, m0, std::min(M, m0 + kRunRows));
+    const Unit u = unit_at(i, panels);
+    unit<Glu>(X, W, Y, K, N, u.panel, u.m0, std::min(M, u.m0 + kRunRows));
   });
   return ffi::Error::Success();
 }
