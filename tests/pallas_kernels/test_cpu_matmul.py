@@ -48,8 +48,8 @@ def test_matches_numpy_for_any_shape(m, k, n, seed):
     check(packed_matmul(jnp.asarray(x), pack(w), n), x, w)
 
 
-# Row blocks of 6, chunked units of 7-48 rows, runs of 96.
-@pytest.mark.parametrize("m", [1, 5, 6, 7, 13, 48, 49, 95, 96, 97, 2048])
+# Row blocks of 6, chunked units of 7-64 rows, runs of 96.
+@pytest.mark.parametrize("m", [1, 5, 6, 7, 13, 48, 49, 64, 65, 95, 96, 97, 2048])
 def test_matches_numpy_at_the_model_shapes(m):
     x, w = operands(m, 576, 192, seed=m)
     check(jax.jit(packed_matmul, static_argnums=2)(jnp.asarray(x), pack(w), 192), x, w)
