@@ -53,14 +53,13 @@ int main(int argc, char** argv) {
 
   std::atomic<int64_t> round{0}, next{0}, done{0};
   std::atomic<bool> stop{false};
-  int64_t rows = 1, units = P;  // units: P x the runs of `rows`
+  int64_t rows = 1, units = unit_count(rows, P);
   const float* weights = w.data();
   auto work = [&] {
     for (int64_t i; (i = next.fetch_add(1)) < units;) {
-      const Unit u = unit_at(i, P);
-      const int64_t m1 = std::min(rows, u.m0 + kRunRows);
-      if (glu) unit<true>(x.data(), weights, y.data(), K, N, u.panel, u.m0, m1);
-      else unit<false>(x.data(), weights, y.data(), K, N, u.panel, u.m0, m1);
+      const Unit u = unit_at(i, P, rows);
+      if (glu) unit<true>(x.data(), weights, y.data(), K, N, u.panel, u.m0, u.m1);
+      else unit<false>(x.data(), weights, y.data(), K, N, u.panel, u.m0, u.m1);
       done.fetch_add(1);
     }
   };
@@ -69,7 +68,7 @@ int main(int argc, char** argv) {
       if (const int64_t r = round.load(); r != seen) seen = r, work();
   });
   for (const int64_t R : counts) {
-    rows = R, units = P * ((R + kRunRows - 1) / kRunRows);
+    rows = R, units = unit_count(R, P);
     double best = 1e9;
     for (int pass = 0; pass < passes; ++pass) {
       const auto t0 = std::chrono::steady_clock::now();

@@ -14,9 +14,10 @@
 //
 // Work: units of one panel x a run of kRunRows rows, taken by XLA's intra-op threads from a
 // shared counter, so a decode step's panels (each read from memory once) spread over the cores
-// and a prefill chunk's runs of rows do too (run by run: see Unit). Inside a unit, blocks of kRowBlock rows keep
-// kRowBlock x 4 vectors of sums in registers while the panel streams by, one row of K at a time
-// (a unit of a few blocks takes the panel in chunks of rows, every block over each; see unit).
+// and a prefill chunk's runs of rows do too (run by run: see Unit). Inside a unit, blocks of
+// kRowBlock rows keep kRowBlock x 4 vectors of sums in registers while the panel streams by, one
+// row of K at a time (a unit of a few blocks takes the panel in chunks of rows, every block over
+// each; see unit).
 // Only the first `live` rows are computed and the rest written as zeros: an engine step's token
 // bucket pads its rows, and the padding need not cost a product.
 // Numerics: float32 multiply-adds in K's order for each output (no fast-math reassociation).
@@ -59,9 +60,16 @@ constexpr int64_t kChunk = 16;          // panel rows per chunk
 // chunk's x is larger than L2), six strided rows at a time, and 2048-row products ran 1.15-1.4x
 // slower (docs/BENCHMARKS.md §2).
 struct Unit {
-  int64_t panel, m0;  // rows [m0, m0 + kRunRows) of the product, clipped to the live rows
+  int64_t panel, m0, m1;  // rows [m0, m1) of the product against one panel
 };
-inline Unit unit_at(int64_t i, int64_t panels) { return {i % panels, i / panels * kRunRows}; }
+// Units of a product of `rows` rows over `panels` panels.
+inline int64_t unit_count(int64_t rows, int64_t panels) {
+  return panels * ((rows + kRunRows - 1) / kRunRows);
+}
+inline Unit unit_at(int64_t i, int64_t panels, int64_t rows) {
+  const int64_t m0 = i / panels * kRunRows;
+  return {i % panels, m0, std::min(rows, m0 + kRunRows)};
+}
 
 // Memory a row block asks for while it computes: `rows` panel rows from `at`, one at each of
 // its first `rows` panel rows (a panel row is kPanel floats, kPanel / kLine cache lines).
@@ -197,10 +205,9 @@ ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buff
   float* Y = y->typed_data();
   std::fill(Y + M * N, Y + xd[0] * N, 0.0f);
   if (M == 0 || N == 0) return ffi::Error::Success();
-  const int64_t runs = (M + kRunRows - 1) / kRunRows;
-  parallel_for(pool, panels * runs, [&](int64_t i) {
-    const Unit u = unit_at(i, panels);
-    unit<Glu>(X, W, Y, K, N, u.panel, u.m0, std::min(M, u.m0 + kRunRows));
+  parallel_for(pool, unit_count(M, panels), [&](int64_t i) {
+    const Unit u = unit_at(i, panels, M);
+    unit<Glu>(X, W, Y, K, N, u.panel, u.m0, u.m1);
   });
   return ffi::Error::Success();
 }
