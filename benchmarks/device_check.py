@@ -62,7 +62,7 @@ from jaxengine.model.kv_cache import kv_cache_shape, kv_cache_sharding  # noqa: 
 from jaxengine.model.llama import Model  # noqa: E402
 from jaxengine.model.step import pack_batch  # noqa: E402
 from jaxengine.parallel.mesh import TP_AXIS, make_mesh  # noqa: E402
-from jaxengine.runner.programs import jaxengine_model_step, jitted_sample, jitted_step  # noqa: E402
+from jaxengine.runner.programs import jaxengine_model_step, programs_for  # noqa: E402
 from jaxengine.sampling.logits_processors import build_adjustments  # noqa: E402
 from jaxengine.sampling.metadata import build_sampling_metadata  # noqa: E402
 from jaxengine.sampling.request_tables import init_tables  # noqa: E402
@@ -303,13 +303,14 @@ def _time_decode(cfg: ModelConfig, tp: int, ctx: Context) -> tuple[float, int, i
     adj = build_adjustments([], [], [], [], num_reqs)  # no penalties: their branch is skipped
     tables = [jax.tree.map(jnp.asarray, init_tables(num_reqs, fns.vocab_size))]
 
+    programs = programs_for(fns)
+
     def step(kv: jax.Array) -> tuple[jax.Array, jax.Array]:
-        kv, hidden = jitted_step(fns.params, kv, batch, no_tokens, fill, step_fn=fns.step)
+        kv, hidden = programs.step(fns.params, kv, batch, no_tokens, fill)
         t = tables[0]  # its output counts are donated and come back
-        out, _, counts = jitted_sample(fns.params, hidden, rows, md, adj, t.bias, t.prompt_mask,
-                                        t.output_counts, no_tokens,
-                                        logits_fn=fns.compute_logits, max_logprobs=0,
-                                        num_rows=num_reqs, token_sharding=None)
+        out, _, counts = programs.sample(fns.params, hidden, rows, md, adj, t.bias,
+                                         t.prompt_mask, t.output_counts, no_tokens,
+                                         max_logprobs=0, num_rows=num_reqs, token_sharding=None)
         tables[0] = dataclasses.replace(t, output_counts=counts)
         return kv, out.token_ids
 

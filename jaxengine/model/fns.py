@@ -15,7 +15,8 @@ import jax
 from jaxengine.model.batch import ModelBatch
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+# weakref_slot: the runner's jitted programs are dropped with the model (runner/programs.py).
+@dataclass(frozen=True, slots=True, kw_only=True, weakref_slot=True)
 class ModelFns:
     """What the runner needs from a model: pure functions and their weights."""
 

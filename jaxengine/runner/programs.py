@@ -1,12 +1,17 @@
 """The two jitted programs of a step: the model step (the forward pass over the packed batch,
 KV cache donated) and the sampler (logits of the sampling rows, penalties, biases and grammar
-masks, one token each). Module-level, so runners over the same model object share their
-compiled executables; `STEP_NAME` and `SAMPLE_NAME` are what compile counting keys on."""
+masks, one token each). `programs_for(model)` jits them once per model object: runners over
+the same object share their compiled executables, and they go with the model (a process that
+builds engine after engine keeps none of the old ones). `STEP_NAME` and `SAMPLE_NAME` are
+what compile counting keys on."""
 
 from __future__ import annotations
 
+import functools
+import threading
+import weakref
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
@@ -14,6 +19,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from jaxengine.model.batch import ModelBatch
+from jaxengine.model.fns import ModelFns
 from jaxengine.sampling.logits_processors import LogitsAdjustments, apply_logits_processors
 from jaxengine.sampling.prompt_logprobs import prompt_logprobs
 from jaxengine.sampling.request_tables import RequestTables, record_tokens
@@ -77,12 +83,42 @@ def jaxengine_sample(params: Any, hidden: jax.Array, rows: jax.Array, md: Sampli
     return out, tokens, record_tokens(tables, adj.slots, out.token_ids).output_counts
 
 
-# Static: the model's functions (a different model is a different program), the logprobs
-# width (of the sampler's and the step's prompt-logprobs outputs) and R (output shapes), and
-# where the tokens go. The KV cache is donated so the step
-# updates it in place, and the output counts so the sampler does.
-jitted_step = jax.jit(jaxengine_model_step, static_argnames=("step_fn", "logits_fn",
-                                                             "max_logprobs"),
-                       donate_argnames=("kv",))
-jitted_sample = jax.jit(jaxengine_sample, static_argnames=(
-    "logits_fn", "max_logprobs", "num_rows", "token_sharding"), donate_argnames=("output_counts",))
+@dataclass(frozen=True, slots=True)
+class ModelPrograms:
+    """The step and the sampler, jitted over one model's functions (`programs_for`)."""
+
+    # jaxengine_model_step(params, kv, batch, prev_tokens, fill, prompt_targets=None, *,
+    # max_logprobs): the KV cache donated, so the step updates it in place.
+    step: Callable
+    # jaxengine_sample(params, hidden, ..., *, max_logprobs, num_rows, token_sharding): the
+    # output counts donated, so the sampler updates them in place.
+    sample: Callable
+
+
+_lock = threading.Lock()  # data-parallel replicas build their runners in threads
+_programs: dict[int, ModelPrograms] = {}  # by id(model), dropped when the model is collected
+
+
+def programs_for(model: ModelFns) -> ModelPrograms:
+    """The jitted step and sampler over `model`'s functions, one pair per model object.
+
+    The model's functions are bound into the jitted callables instead of passed as static
+    arguments of module-level ones: JAX's caches hold static arguments, and with them every
+    executable ever compiled for them, as long as the jitted function lives (a module-level
+    one: the process). Bound, they go when the model is collected, executables included.
+    Static are the logprobs width (of the sampler's and the step's prompt-logprobs outputs),
+    R (output shapes) and where the tokens go.
+    """
+    key = id(model)
+    with _lock:
+        if key not in _programs:
+            step = functools.partial(jaxengine_model_step, step_fn=model.step,
+                                     logits_fn=model.compute_logits)
+            sample = functools.partial(jaxengine_sample, logits_fn=model.compute_logits)
+            _programs[key] = ModelPrograms(
+                step=jax.jit(step, static_argnames=("max_logprobs",), donate_argnames=("kv",)),
+                sample=jax.jit(sample, static_argnames=("max_logprobs", "num_rows",
+                                                        "token_sharding"),
+                               donate_argnames=("output_counts",)))
+            weakref.finalize(model, _programs.pop, key, None)
+        return _programs[key]

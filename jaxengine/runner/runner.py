@@ -40,13 +40,7 @@ from jaxengine.runner.compiles import (
 )
 from jaxengine.runner.config import RunnerConfig, RunnerStats
 from jaxengine.runner.in_flight import Forward, InFlight, SampledToken
-from jaxengine.runner.programs import (
-    SAMPLE_NAME,
-    STEP_NAME,
-    jaxengine_model_step,
-    jitted_sample,
-    jitted_step,
-)
+from jaxengine.runner.programs import SAMPLE_NAME, STEP_NAME, programs_for
 from jaxengine.sampling.logits_processors import build_adjustments
 from jaxengine.sampling.metadata import MAX_BANNED, SamplingRow, build_sampling_metadata
 from jaxengine.sampling.penalty_inputs import WRITE_SLOT_NAME, PenaltyInputs
@@ -92,12 +86,10 @@ class Runner:
         # Requests that asked for prompt logprobs, each step's targets (sampling/prompt_logprob*)
         self.prompt_logprobs = PromptLogprobInputs()
 
-        # The model's functions are static arguments of module-level jitted functions, so
-        # runners over the same model object share compiled executables.
-        self._step_statics = dict(step_fn=model.step, logits_fn=model.compute_logits,
-                                  max_logprobs=config.max_logprobs)
-        self._sample_statics = dict(logits_fn=model.compute_logits,
-                                    max_logprobs=config.max_logprobs,
+        # Runners over the same model object share its programs (runner/programs.py).
+        self._programs = programs_for(model)
+        self._step_statics = dict(max_logprobs=config.max_logprobs)
+        self._sample_statics = dict(max_logprobs=config.max_logprobs,
                                     num_rows=config.max_num_rows,
                                     token_sharding=self._token_sharding)
 
@@ -130,7 +122,7 @@ class Runner:
         specs = [("step", t) for t in self.token_buckets]
         specs += [("sample", r) for r in self.request_buckets] + [("write_slot", 1)]
         params, kv = self.model.params, self.kv
-        step = functools.partial(jaxengine_model_step, **self._step_statics)
+        step = functools.partial(self._programs.step, **self._step_statics)
         prev = jax.ShapeDtypeStruct(self._no_tokens.shape, np.int32,
                                     sharding=self._token_sharding)
         hidden = jax.eval_shape(step, params, kv, self._batch_spec(16), prev,
@@ -143,9 +135,9 @@ class Runner:
             t_spec, hits = time.perf_counter(), cache_hit_count(STEP_NAME, SAMPLE_NAME,
                                                                 WRITE_SLOT_NAME)
             if kind == "step":
-                compiled = jitted_step.lower(params, kv, self._batch_spec(size), prev,
-                                              self._fill_spec(size), self._fill_spec(size),
-                                              **self._step_statics).compile()
+                compiled = self._programs.step.lower(
+                    params, kv, self._batch_spec(size), prev, self._fill_spec(size),
+                    self._fill_spec(size), **self._step_statics).compile()
                 if committed:
                     hidden = jax.ShapeDtypeStruct(hidden.shape, hidden.dtype,
                                                   sharding=compiled.output_shardings[1])
@@ -156,9 +148,9 @@ class Runner:
                 t = self.penalties.spec()
                 mask = jax.ShapeDtypeStruct((size, bitmask_width(self.model.vocab_size)),
                                             np.int32, sharding=self._token_sharding)
-                jitted_sample.lower(params, hidden, rows, md, adj, t.bias, t.prompt_mask,
-                                     t.output_counts, prev, mask,
-                                     **self._sample_statics).compile()
+                self._programs.sample.lower(params, hidden, rows, md, adj, t.bias,
+                                            t.prompt_mask, t.output_counts, prev, mask,
+                                            **self._sample_statics).compile()
             else:
                 self.penalties.precompile_write_slot(prev)
             loaded = cache_hit_count(STEP_NAME, SAMPLE_NAME, WRITE_SLOT_NAME) > hits
@@ -237,8 +229,9 @@ class Runner:
         targets, spans = self.prompt_logprobs.targets(out, order, batch.query_start_loc,
                                                       len(batch.input_ids))
         prev_tokens = self._prev_tokens(prev)
-        self.kv, hidden, plp = jitted_step(self.model.params, self.kv, batch, prev_tokens,
-                                            fill, targets, **self._step_statics)
+        self.kv, hidden, plp = self._programs.step(self.model.params, self.kv, batch,
+                                                   prev_tokens, fill, targets,
+                                                   **self._step_statics)
         return Forward(plan=out, order=order, hidden=hidden, prev=prev, started=t0,
                        compiles_before=before, num_tokens=len(batch.input_ids),
                        total=int(batch.query_start_loc[-1]),
@@ -346,7 +339,7 @@ class Runner:
         adj = self.penalties.adjustments(sampling_ids, rows, size, _first_rows(prev),
                                          prev_tokens)
         t = self.penalties.tables
-        out, tokens, counts = jitted_sample(
+        out, tokens, counts = self._programs.sample(
             self.model.params, hidden, row_index, md, adj, t.bias, t.prompt_mask,
             t.output_counts, prev_tokens, self._bitmask(batch_rows, size),
             **self._sample_statics)

@@ -25,7 +25,7 @@ from jaxengine.model.kv_cache import init_kv_cache
 from jaxengine.model.llama import Model
 from jaxengine.model.step import make_model_step, split_model
 from jaxengine.parallel import make_mesh
-from jaxengine.runner.programs import jitted_sample, jitted_step
+from jaxengine.runner.programs import programs_for
 from jaxengine.sampling.logits_processors import build_adjustments
 from jaxengine.sampling.metadata import build_sampling_metadata
 from scheduler import SamplingParams
@@ -166,18 +166,18 @@ def test_weights_and_kv_cache_are_split_across_devices(checkpoints: dict[str, st
     layers = e.runner.model.params["layers"]
     batch = pack_batch([], num_tokens=16, max_seqs=4, max_blocks=16, block_size=4)
     no_placeholders = np.full(16, -1, np.int32)
-    step = jitted_step.lower(params, kv, batch, e.runner._no_tokens, no_placeholders,
-                              step_fn=e.runner.model.step).compile()
+    programs = programs_for(e.runner.model)
+    step = programs.step.lower(params, kv, batch, e.runner._no_tokens,
+                               no_placeholders).compile()
     assert _collectives(step.as_text()) == {"all-reduce": 2 * len(layers) + 1}
     hidden = step.output_shardings[1]
     hidden = jax.ShapeDtypeStruct((4, 64), np.float32, sharding=hidden)
     t = e.runner.penalties.tables  # penalty tables: replicated, so they add no collective
-    sample = jitted_sample.lower(params, hidden, np.zeros(4, np.int32),
-                                  build_sampling_metadata([], 4),
-                                  build_adjustments([], [], [], [], 4), t.bias, t.prompt_mask,
-                                  t.output_counts, e.runner._no_tokens, max_logprobs=2,
-                                  logits_fn=e.runner.model.compute_logits, num_rows=4,
-                                  token_sharding=e.runner._token_sharding).compile()
+    sample = programs.sample.lower(params, hidden, np.zeros(4, np.int32),
+                                   build_sampling_metadata([], 4),
+                                   build_adjustments([], [], [], [], 4), t.bias, t.prompt_mask,
+                                   t.output_counts, e.runner._no_tokens, max_logprobs=2,
+                                   num_rows=4, token_sharding=e.runner._token_sharding).compile()
     assert _collectives(sample.as_text()) == {"all-gather": 1}
 
 
