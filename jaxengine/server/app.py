@@ -88,7 +88,10 @@ def build_app(engine: LLMEngine | DataParallelEngine, *, model_name: str,
         async_engine.refresh_gauges()
         return Response(async_engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.api_route("/ping", methods=["GET", "POST"])
+    # One operation id per method: a route of two methods gives both the same id, which
+    # FastAPI warns of while it builds /openapi.json.
+    @app.get("/ping", operation_id="ping_get")
+    @app.post("/ping", operation_id="ping_post")
     async def ping() -> Response:
         """vLLM's /ping (GET and POST, for load balancers that expect it): /health."""
         return await health()
