@@ -30,6 +30,7 @@ from jaxengine.server import tokenization
 from jaxengine.server.async_engine import AsyncEngine
 from jaxengine.server.chat_protocol import ChatCompletionRequest
 from jaxengine.server.errors import install_error_handlers
+from jaxengine.server.middleware import RequestIdHeaderMiddleware
 from jaxengine.server.protocol import CompletionRequest
 from jaxengine.server.serving import OpenAIServing
 from jaxengine.server.tokenization import DetokenizeRequest, parse_tokenize
@@ -68,6 +69,7 @@ def build_app(engine: LLMEngine | DataParallelEngine, *, model_name: str,
     app.state.async_engine = async_engine
     app.state.serving = serving
     install_error_handlers(app)
+    app.add_middleware(RequestIdHeaderMiddleware)
 
     @app.get("/health")
     async def health() -> Response:
