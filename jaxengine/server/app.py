@@ -6,6 +6,8 @@ several replicas); the engine loop starts and stops with the app's lifespan. The
 compiles every bucket of a cold engine (`jaxengine.server.warmup`): uvicorn opens its socket
 only after the lifespan's startup is done, so `/health` is never 200, and no request is taken,
 before the engine is warm.
+`frontend` (`FrontendArgs`) adds the edge's middleware (`jaxengine.server.middleware`): the
+API key, the body limit, and the echo of `X-Request-Id`.
 `app.state.async_engine` is the `AsyncEngine` (tests read the scheduler state through
 `app.state.async_engine.engine.snapshot()`), `app.state.serving` the `OpenAIServing` (with
 the model's `default_sampling_params`).
@@ -27,10 +29,15 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from jaxengine.engine.llm_engine import LLMEngine
 from jaxengine.parallel.data_parallel import DataParallelEngine
 from jaxengine.server import tokenization
+from jaxengine.server.args import FrontendArgs
 from jaxengine.server.async_engine import AsyncEngine
 from jaxengine.server.chat_protocol import ChatCompletionRequest
 from jaxengine.server.errors import install_error_handlers
-from jaxengine.server.middleware import RequestIdHeaderMiddleware
+from jaxengine.server.middleware import (
+    APIKeyMiddleware,
+    BodyLimitMiddleware,
+    RequestIdHeaderMiddleware,
+)
 from jaxengine.server.protocol import CompletionRequest
 from jaxengine.server.serving import OpenAIServing
 from jaxengine.server.tokenization import DetokenizeRequest, parse_tokenize
@@ -40,7 +47,8 @@ __version__ = package_version("jaxengine")
 
 
 def build_app(engine: LLMEngine | DataParallelEngine, *, model_name: str,
-              log_interval: float = 10.0, warm_up: bool = True) -> FastAPI:
+              log_interval: float = 10.0, warm_up: bool = True,
+              frontend: FrontendArgs | None = None) -> FastAPI:
     """An OpenAI-compatible app serving `engine` as `model_name`.
 
     Args:
@@ -50,7 +58,9 @@ def build_app(engine: LLMEngine | DataParallelEngine, *, model_name: str,
       warm_up: compile every bucket of each cold replica when the app starts, before the
         engine loop (a warm engine costs nothing); False: requests compile what they need,
         stalling the batch when they do (tests that are not about warm-up).
+      frontend: the API key and body limit; None: `FrontendArgs()`, no key.
     """
+    frontend = FrontendArgs() if frontend is None else frontend
     async_engine = AsyncEngine(engine, model_name=model_name, log_interval=log_interval)
     serving = OpenAIServing(async_engine, model_name)
     created = int(time.time())
@@ -69,6 +79,11 @@ def build_app(engine: LLMEngine | DataParallelEngine, *, model_name: str,
     app.state.async_engine = async_engine
     app.state.serving = serving
     install_error_handlers(app)
+    # The last added runs first: the id is echoed on refusals too, and a request without the
+    # key is refused before its size matters.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=frontend.max_request_body_bytes)
+    if frontend.api_key is not None:
+        app.add_middleware(APIKeyMiddleware, api_key=frontend.api_key)
     app.add_middleware(RequestIdHeaderMiddleware)
 
     @app.get("/health")
