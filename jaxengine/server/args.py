@@ -1,7 +1,8 @@
 """`FrontendArgs`: the HTTP server's own settings (vLLM's name for them), apart from the engine's.
 
-They guard the server's edge: who may call it (`api_key`) and how big a request may be.
-`jaxengine serve` makes one flag per field (`--api-key`, `--max-request-body-bytes`), with the
+They guard the server's edge: who may call it (`api_key`), how big a request may be, how long a
+client may take to send one or stay idle, and how long a shutdown waits for running requests.
+`jaxengine serve` makes one flag per field (`--api-key`, `--shutdown-timeout`, ...), with the
 help text each field declares.
 """
 
@@ -36,6 +37,14 @@ class FrontendArgs:
     max_request_body_bytes: int = _arg(
         DEFAULT_MAX_REQUEST_BODY_BYTES, "largest request body in bytes; a larger one is a 413, "
                                         "refused before it is read whole")
+    timeout_keep_alive: float = _arg(5.0, "seconds an idle connection stays open after a "
+                                          "response (uvicorn's timeout_keep_alive)")
+    timeout_headers: float = _arg(10.0, "seconds a client has to send a request's headers, "
+                                        "from the connection's start or the previous response; "
+                                        "then the connection is closed")
+    shutdown_timeout: float = _arg(10.0, "on SIGTERM or Ctrl-C, seconds to wait for running "
+                                         "requests to finish before aborting the rest (0: "
+                                         "abort at once)")
 
     def __post_init__(self) -> None:
         if self.api_key is not None and (not self.api_key or self.api_key != self.api_key.strip()):
@@ -47,6 +56,13 @@ class FrontendArgs:
                 or self.max_request_body_bytes < 1):
             raise ValueError(f"max_request_body_bytes must be an integer >= 1, got "
                              f"{self.max_request_body_bytes!r}")
+        for name in ("timeout_keep_alive", "timeout_headers"):
+            if not 0 < getattr(self, name) < float("inf"):
+                raise ValueError(f"{name} must be a number of seconds > 0, got "
+                                 f"{getattr(self, name)!r}")
+        if not 0 <= self.shutdown_timeout < float("inf"):
+            raise ValueError(f"shutdown_timeout must be a number of seconds >= 0, got "
+                             f"{self.shutdown_timeout!r}")
 
     def with_env_api_key(self, environ: Mapping[str, str]) -> FrontendArgs:
         """These settings with the key from `environ[API_KEY_ENV]` when none is set (the flag

@@ -1,14 +1,12 @@
 """`serve`: build the engine from `EngineArgs`, compile every bucket, then run the app under
 uvicorn (so `/health` answers at all only once nothing is left to compile), with the HTTP
-settings of `FrontendArgs`."""
+settings of `FrontendArgs` (`jaxengine.server.http_server`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
 import os
-import signal
-import threading
 import time
 from typing import Any
 
@@ -101,15 +99,15 @@ def _check_role(process: int, processes: int, *, headless: bool) -> None:
 
 def _run_http(engine: Any, name: str, *, host: str, port: int, log_interval: float,
               log_level: str, frontend: FrontendArgs) -> None:
-    import uvicorn
-
     from jaxengine.server.app import build_app
+    from jaxengine.server.http_server import run_uvicorn
 
     if frontend.api_key is not None:
         logger.info("clients must send the API key (--api-key or $%s) on every route but "
                     "/health, /ping and /metrics", API_KEY_ENV)
     app = build_app(engine, model_name=name, log_interval=log_interval, frontend=frontend)
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+    run_uvicorn(app, host=host, port=port, log_level=log_level, frontend=frontend,
+                stop_requests=app.state.stop_engine)
 
 
 def _lead(engine: Any, name: str, **http: Any) -> None:
@@ -117,11 +115,7 @@ def _lead(engine: Any, name: str, **http: Any) -> None:
     from jaxengine.parallel.lockstep import LeaderEngine
 
     leader = LeaderEngine(engine)
-    # uvicorn shuts down gracefully on SIGTERM, then raises it again with the handler it found:
-    # by default that kills the process on the spot, before the followers hear. Make it a
-    # KeyboardInterrupt, as SIGINT is (uvicorn.run swallows that), so `finally` runs.
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, signal.default_int_handler)
+    # _run_http returns after SIGTERM too (see http_server), so the followers hear of it.
     try:
         _run_http(leader, name, **http)
     finally:  # also when uvicorn could not start: the followers must not wait forever

@@ -1,10 +1,13 @@
 """The server's edge, through a real `jaxengine serve` process: the API key (from the
-environment), oversized bodies; and `FrontendArgs` itself."""
+environment), slow clients, oversized bodies; and `FrontendArgs` itself."""
 
 from __future__ import annotations
 
+import socket
 import subprocess
+import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +20,7 @@ from jaxengine.server.args import API_KEY_ENV, FrontendArgs
 from tests.server_processes import free_port, start_tiny_serve, stop, wait_healthy
 
 KEY = "sk-edge-test"
+HEADER_TIMEOUT_S = 1.0
 BODY_LIMIT = 64 * 1024
 COMPLETION = {"prompt": "hi", "max_tokens": 2, "ignore_eos": True}
 
@@ -37,10 +41,11 @@ class Served:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    """One server for the module: its key from $JAXENGINE_API_KEY (no --api-key) and a 64 KiB
-    body limit."""
+    """One server for the module: its key from $JAXENGINE_API_KEY (no --api-key), a 1 s header
+    timeout and a 64 KiB body limit."""
     port, log = free_port(), tmp_path_factory.mktemp("edge") / "serve.log"
     proc = start_tiny_serve(port, log, "--served-model-name", "tiny",
+                            "--timeout-headers", str(HEADER_TIMEOUT_S),
                             "--max-request-body-bytes", str(BODY_LIMIT), env={API_KEY_ENV: KEY})
     try:
         base = f"http://127.0.0.1:{port}"
@@ -80,6 +85,32 @@ def test_the_api_key_from_the_environment_is_required(served: Served) -> None:
     assert KEY not in served.log.read_text()  # never logged
 
 
+def _dribble(port: int) -> float:
+    """Send a request's headers a byte every 0.2 s; the seconds until the server hangs up."""
+    t0 = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        for byte in b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: text/plain":
+            try:
+                s.sendall(bytes([byte]))
+            except OSError:  # reset: the server has closed it
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError("the server kept a connection whose headers never ended")
+    return time.monotonic() - t0
+
+
+def test_slow_headers_are_cut_off_while_others_are_served(served: Served) -> None:
+    port = int(served.base.rsplit(":", 1)[1])
+    with ThreadPoolExecutor(5) as pool:
+        dribbling = pool.map(lambda _: _dribble(port), range(5))
+        assert _post(served, "/v1/completions", json=COMPLETION).status_code == 200
+        # Closed after the 1 s deadline; the slack is for a busy machine (and the closing
+        # being seen at the next byte sent).
+        held = list(dribbling)
+        assert all(HEADER_TIMEOUT_S <= t < HEADER_TIMEOUT_S + 5 for t in held), held
+
+
 def test_an_oversized_body_is_a_413_and_the_server_goes_on(served: Served) -> None:
     big = {**COMPLETION, "prompt": "x" * BODY_LIMIT}
     declared = _post(served, "/v1/completions", json=big)
@@ -101,12 +132,15 @@ def test_an_oversized_body_is_a_413_and_the_server_goes_on(served: Served) -> No
 
 
 def test_frontend_args_flags_and_the_environment() -> None:
-    ns = build_parser().parse_args(["serve", "--api-key", "k", "--max-request-body-bytes", "9"])
-    assert (ns.api_key, ns.max_request_body_bytes) == ("k", 9)
+    ns = build_parser().parse_args(["serve", "--api-key", "k", "--shutdown-timeout", "2.5",
+                                    "--timeout-headers", "3", "--max-request-body-bytes", "9"])
+    assert (ns.api_key, ns.shutdown_timeout, ns.timeout_headers, ns.max_request_body_bytes) == (
+        "k", 2.5, 3.0, 9)
     assert FrontendArgs(api_key="k").with_env_api_key({API_KEY_ENV: "env"}).api_key == "k"
     assert FrontendArgs().with_env_api_key({API_KEY_ENV: "env"}).api_key == "env"
     assert FrontendArgs().with_env_api_key({API_KEY_ENV: ""}).api_key is None
     assert "sk-secret" not in repr(FrontendArgs(api_key="sk-secret"))
-    for bad in (dict(api_key=""), dict(api_key=" k"), dict(max_request_body_bytes=0)):
+    for bad in (dict(api_key=""), dict(api_key=" k"), dict(max_request_body_bytes=0),
+                dict(timeout_headers=0), dict(shutdown_timeout=-1)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             FrontendArgs(**bad)  # type: ignore[arg-type]
