@@ -4,8 +4,9 @@ in `jaxengine/lab/commands.py`).
 
 Engine flags are generated from the `EngineArgs` dataclass (vLLM's names with dashes:
 `--max-num-seqs`, `--enable-prefix-caching/--no-enable-prefix-caching`, ...), with the help
-text each field declares, so the CLI never drifts from the engine. A flag that is
-not given is not passed: `EngineArgs` keeps its own defaults.
+text each field declares, so the CLI never drifts from the engine; `serve`'s HTTP flags
+(`--api-key`, ...) likewise from `FrontendArgs`. A flag that is
+not given is not passed: the dataclass keeps its own defaults.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from typing import Any
 import scheduler
 from jaxengine.engine import args as engine_args_module
 from jaxengine.engine.args import EngineArgs
+from jaxengine.server.args import FrontendArgs
 
 CHOICES = {"dtype": engine_args_module.DTYPES,
            "scheduling_policy": tuple(scheduler.POLICIES),
@@ -46,25 +48,30 @@ _SCALARS = {"int": int, "float": float, "str": str, "dict[str, Any]": _json_dict
 BENCH_SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "throughput.py"
 
 
-# ---- engine flags from EngineArgs --------------------------------------------------------
+# ---- flags from EngineArgs and FrontendArgs -----------------------------------------------
 
-def _scalar_type(annotation: str) -> tuple[str, bool]:
-    """("int" | "float" | "str" | "bool", optional) of a field annotation like "int | None"."""
-    parts = [p.strip() for p in str(annotation).split("|")]
-    optional = "None" in parts
-    names = [p for p in parts if p != "None"]
+def _scalar_type(annotation: str) -> str:
+    """"int" | "float" | "str" | "bool" | "dict[str, Any]" of a field annotation like
+    "int | None" (an optional field is simply left out to keep None)."""
+    names = [p.strip() for p in str(annotation).split("|") if p.strip() != "None"]
     if len(names) != 1 or names[0] not in (*_SCALARS, "bool"):
-        raise TypeError(f"EngineArgs field type {annotation!r} has no CLI mapping; add one")
-    return names[0], optional
+        raise TypeError(f"field type {annotation!r} has no CLI mapping; add one")
+    return names[0]
 
 
 def add_engine_flags(parser: argparse.ArgumentParser, *, skip: Sequence[str] = ()) -> None:
     """Add one flag per `EngineArgs` field (except `skip`) in an "engine arguments" group."""
-    group = parser.add_argument_group("engine arguments (EngineArgs; vLLM's names)")
-    for f in dataclasses.fields(EngineArgs):
+    _add_flags(parser.add_argument_group("engine arguments (EngineArgs; vLLM's names)"),
+               EngineArgs, skip=skip)
+
+
+def _add_flags(group: Any, cls: type, *, skip: Sequence[str] = ()) -> None:
+    """One flag per field of the dataclass `cls` (except `skip`), with the help text and the
+    default the field declares."""
+    for f in dataclasses.fields(cls):
         if f.name in skip:
             continue
-        kind, optional = _scalar_type(f.type)  # type: ignore[arg-type]
+        kind = _scalar_type(f.type)  # type: ignore[arg-type]
         default = f.default
         help_text = f"{f.metadata['help']} (default: {default})"
         flag = "--" + f.name.replace("_", "-")
@@ -76,18 +83,24 @@ def add_engine_flags(parser: argparse.ArgumentParser, *, skip: Sequence[str] = (
             kw["choices"] = CHOICES[f.name]
         else:
             kw["metavar"] = f.name.upper()
-        # An optional field (None = derived at startup) is simply left out to keep None.
         group.add_argument(flag, type=_SCALARS[kind], **kw)
 
 
 def engine_args_from(ns: argparse.Namespace, parser: argparse.ArgumentParser,
                      **overrides: Any) -> EngineArgs:
     """`EngineArgs` from the flags that were given; a bad value exits with the engine's message."""
-    names = {f.name for f in dataclasses.fields(EngineArgs)}
+    return _args_from(EngineArgs, ns, parser, **overrides)
+
+
+def _args_from[T](cls: type[T], ns: argparse.Namespace, parser: argparse.ArgumentParser,
+                  **overrides: Any) -> T:
+    """The dataclass `cls` from the flags that were given (and `overrides` that are not None);
+    a bad value exits with its message."""
+    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     given = {k: v for k, v in vars(ns).items() if k in names}
     given.update({k: v for k, v in overrides.items() if v is not None})
     try:
-        return EngineArgs(**given)
+        return cls(**given)
     except ValueError as e:
         parser.error(str(e))
         raise  # unreachable: parser.error exits
@@ -176,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--headless", action="store_true",
                        help="multi-host: serve no HTTP, follow process 0's engine step by step "
                             "(processes 1 .. N-1; process 0 serves)")
+    _add_flags(serve.add_argument_group("HTTP server (FrontendArgs)"), FrontendArgs)
     add_engine_flags(serve)
 
     bench = sub.add_parser(
@@ -347,7 +361,8 @@ def run_serve(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"two models given: {ns.model_tag!r} and --model {flag_model!r}")
     args = engine_args_from(ns, parser, model=ns.model_tag)
     serve(args, host=ns.host, port=ns.port, model_name=ns.served_model_name,
-          log_interval=ns.log_interval, log_level=ns.uvicorn_log_level, headless=ns.headless)
+          log_interval=ns.log_interval, log_level=ns.uvicorn_log_level, headless=ns.headless,
+          frontend=_args_from(FrontendArgs, ns, parser))
     return 0
 
 

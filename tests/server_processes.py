@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
+import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 
 import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "tests" / "fixtures" / "tiny" / "llama_tied_mha"
+# Small engine flags, the same as the CLI tests' (the compilation cache then serves them all).
+SMALL = ["--max-num-batched-tokens", "32", "--max-num-seqs", "4", "--block-size", "4",
+         "--max-model-len", "128", "--num-gpu-blocks-override", "80"]
 
 
 def free_port() -> int:
@@ -42,3 +51,16 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait(timeout=10)
+
+
+
+def start_tiny_serve(port: int, log: Path, *flags: str,
+                     env: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """`jaxengine serve` on the tiny fixture model with `SMALL` and `flags`, on 127.0.0.1:`port`,
+    its output in `log`, `env` added to this process's environment; `wait_healthy` on it next."""
+    cmd = [sys.executable, "-m", "jaxengine", "serve", str(TINY), "--host", "127.0.0.1",
+           "--port", str(port), *SMALL, *flags]
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    with open(log, "wb") as out:
+        return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=full_env,
+                                cwd=ROOT)

@@ -6,15 +6,19 @@ several replicas); the engine loop starts and stops with the app's lifespan. The
 compiles every bucket of a cold engine (`jaxengine.server.warmup`): uvicorn opens its socket
 only after the lifespan's startup is done, so `/health` is never 200, and no request is taken,
 before the engine is warm.
+`frontend` (`FrontendArgs`) adds the edge's middleware (`jaxengine.server.middleware`): the
+API key, the body limit, and the echo of `X-Request-Id`.
 `app.state.async_engine` is the `AsyncEngine` (tests read the scheduler state through
 `app.state.async_engine.engine.snapshot()`), `app.state.serving` the `OpenAIServing` (with
-the model's `default_sampling_params`).
+the model's `default_sampling_params`), `app.state.stop_engine` what the lifespan's end
+runs (`serve` runs it sooner when a shutdown's drain time is up).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator
 from importlib.metadata import version as package_version
@@ -27,9 +31,15 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from jaxengine.engine.llm_engine import LLMEngine
 from jaxengine.parallel.data_parallel import DataParallelEngine
 from jaxengine.server import tokenization
+from jaxengine.server.args import FrontendArgs
 from jaxengine.server.async_engine import AsyncEngine
 from jaxengine.server.chat_protocol import ChatCompletionRequest
 from jaxengine.server.errors import install_error_handlers
+from jaxengine.server.middleware import (
+    APIKeyMiddleware,
+    BodyLimitMiddleware,
+    RequestIdHeaderMiddleware,
+)
 from jaxengine.server.protocol import CompletionRequest
 from jaxengine.server.serving import OpenAIServing
 from jaxengine.server.tokenization import DetokenizeRequest, parse_tokenize
@@ -37,9 +47,12 @@ from jaxengine.server.warmup import warm_up as warm_up_engine
 
 __version__ = package_version("jaxengine")
 
+logger = logging.getLogger("jaxengine.server")
+
 
 def build_app(engine: LLMEngine | DataParallelEngine, *, model_name: str,
-              log_interval: float = 10.0, warm_up: bool = True) -> FastAPI:
+              log_interval: float = 10.0, warm_up: bool = True,
+              frontend: FrontendArgs | None = None) -> FastAPI:
     """An OpenAI-compatible app serving `engine` as `model_name`.
 
     Args:
@@ -49,10 +62,20 @@ def build_app(engine: LLMEngine | DataParallelEngine, *, model_name: str,
       warm_up: compile every bucket of each cold replica when the app starts, before the
         engine loop (a warm engine costs nothing); False: requests compile what they need,
         stalling the batch when they do (tests that are not about warm-up).
+      frontend: the API key and body limit (its timeouts are uvicorn's: `serve` applies
+        them); None: `FrontendArgs()`, no key.
     """
+    frontend = FrontendArgs() if frontend is None else frontend
     async_engine = AsyncEngine(engine, model_name=model_name, log_interval=log_interval)
     serving = OpenAIServing(async_engine, model_name)
     created = int(time.time())
+
+    async def stop_engine() -> None:
+        """Stop the engine loop; the requests still running end (their streams with an error
+        event, then [DONE]). A second call does nothing."""
+        if left := async_engine.num_unfinished():
+            logger.warning("shutting down: aborting %d request(s) still running", left)
+        await async_engine.stop()
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -62,12 +85,19 @@ def build_app(engine: LLMEngine | DataParallelEngine, *, model_name: str,
         try:
             yield
         finally:
-            await async_engine.stop()
+            await stop_engine()
 
     app = FastAPI(title="jaxengine", lifespan=lifespan)
     app.state.async_engine = async_engine
     app.state.serving = serving
+    app.state.stop_engine = stop_engine
     install_error_handlers(app)
+    # The last added runs first: the id is echoed on refusals too, and a request without the
+    # key is refused before its size matters.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=frontend.max_request_body_bytes)
+    if frontend.api_key is not None:
+        app.add_middleware(APIKeyMiddleware, api_key=frontend.api_key)
+    app.add_middleware(RequestIdHeaderMiddleware)
 
     @app.get("/health")
     async def health() -> Response:

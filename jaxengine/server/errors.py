@@ -21,7 +21,10 @@ from scheduler import SamplingParamsError
 
 logger = logging.getLogger("jaxengine.server")
 
-_TYPES = {400: "BadRequestError", 404: "NotFoundError", 405: "MethodNotAllowedError",
+# The `openai` client's exception names where it has one (401: AuthenticationError); 413 is
+# pinned because its phrase differs between Python versions.
+_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+          405: "MethodNotAllowedError", 413: "RequestEntityTooLargeError",
           500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 

@@ -20,10 +20,17 @@ from jaxengine.server.tool_stream import ToolCallStream
 Kind = Literal["completion", "chat"]
 
 
-def random_id(kind: Kind, base: str | None = None) -> str:
-    """`cmpl-...` or `chatcmpl-...`, as OpenAI names them; `base` (vLLM's `request_id`
-    field) instead of a random part when given."""
-    return ("cmpl-" if kind == "completion" else "chatcmpl-") + (base or uuid.uuid4().hex)
+def request_ids(kind: Kind, base: str | None, n: int) -> tuple[str, list[str]]:
+    """A response's id and the engine's ids of its `n` choices.
+
+    The response's id is `cmpl-...` or `chatcmpl-...`, as OpenAI names them, then `base` (the
+    client's X-Request-Id or `request_id`, as vLLM uses it) or a random part. The engine's ids
+    add a random suffix, as vLLM's do, so that two clients sending the same id at once both run;
+    then `-i` per choice when there are several.
+    """
+    response_id = ("cmpl-" if kind == "completion" else "chatcmpl-") + (base or uuid.uuid4().hex)
+    unique = f"{response_id}-{uuid.uuid4().hex[:16]}"
+    return response_id, [unique] if n == 1 else [f"{unique}-{i}" for i in range(n)]
 
 
 def sse(data: dict[str, Any] | str) -> str:

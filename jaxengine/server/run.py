@@ -1,17 +1,17 @@
 """`serve`: build the engine from `EngineArgs`, compile every bucket, then run the app under
-uvicorn (so `/health` answers at all only once nothing is left to compile)."""
+uvicorn (so `/health` answers at all only once nothing is left to compile), with the HTTP
+settings of `FrontendArgs` (`jaxengine.server.http_server`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
 import os
-import signal
-import threading
 import time
 from typing import Any
 
 from jaxengine.engine.args import EngineArgs
+from jaxengine.server.args import API_KEY_ENV, FrontendArgs
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -27,7 +27,8 @@ def served_model_name(args: EngineArgs, explicit: str | None = None) -> str:
 
 def serve(args: EngineArgs, *, host: str = "127.0.0.1", port: int = 8000,
           model_name: str | None = None, log_interval: float = 10.0,
-          log_level: str = "info", headless: bool = False) -> None:
+          log_level: str = "info", headless: bool = False,
+          frontend: FrontendArgs | None = None) -> None:
     """Load the model, compile every bucket, then serve it until interrupted (blocks).
 
     The warm-up (`jaxengine.server.warmup`) runs whatever `args.precompile` says, on every
@@ -46,6 +47,8 @@ def serve(args: EngineArgs, *, host: str = "127.0.0.1", port: int = 8000,
       log_interval: seconds between throughput log lines.
       log_level: uvicorn's and jaxengine's log level.
       headless: serve no HTTP; follow process 0 (processes 1 .. N-1 of a multi-host run).
+      frontend: the HTTP server's settings (None: the defaults); without an API key, the one
+        in $JAXENGINE_API_KEY applies, if set.
     Raises:
       ValueError: `headless` on process 0, or not `headless` on another process.
     """
@@ -59,6 +62,7 @@ def serve(args: EngineArgs, *, host: str = "127.0.0.1", port: int = 8000,
                         format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     initialize_from_args(args)  # before anything starts a JAX backend
     _check_role(jax.process_index(), jax.process_count(), headless=headless)
+    frontend = (frontend or FrontendArgs()).with_env_api_key(os.environ)
     name = served_model_name(args, model_name)
     logger.info("loading %s", name)
     if args.precompile is False:
@@ -78,10 +82,10 @@ def serve(args: EngineArgs, *, host: str = "127.0.0.1", port: int = 8000,
         _follow(engine)
     elif jax.process_count() > 1:
         _lead(engine, name, host=host, port=port, log_interval=log_interval,
-              log_level=log_level)
+              log_level=log_level, frontend=frontend)
     else:
         _run_http(engine, name, host=host, port=port, log_interval=log_interval,
-                  log_level=log_level)
+                  log_level=log_level, frontend=frontend)
 
 
 def _check_role(process: int, processes: int, *, headless: bool) -> None:
@@ -94,13 +98,16 @@ def _check_role(process: int, processes: int, *, headless: bool) -> None:
 
 
 def _run_http(engine: Any, name: str, *, host: str, port: int, log_interval: float,
-              log_level: str) -> None:
-    import uvicorn
-
+              log_level: str, frontend: FrontendArgs) -> None:
     from jaxengine.server.app import build_app
+    from jaxengine.server.http_server import run_uvicorn
 
-    app = build_app(engine, model_name=name, log_interval=log_interval)
-    uvicorn.run(app, host=host, port=port, log_level=log_level)
+    if frontend.api_key is not None:
+        logger.info("clients must send the API key (--api-key or $%s) on every route but "
+                    "/health, /ping and /metrics", API_KEY_ENV)
+    app = build_app(engine, model_name=name, log_interval=log_interval, frontend=frontend)
+    run_uvicorn(app, host=host, port=port, log_level=log_level, frontend=frontend,
+                stop_requests=app.state.stop_engine)
 
 
 def _lead(engine: Any, name: str, **http: Any) -> None:
@@ -108,11 +115,7 @@ def _lead(engine: Any, name: str, **http: Any) -> None:
     from jaxengine.parallel.lockstep import LeaderEngine
 
     leader = LeaderEngine(engine)
-    # uvicorn shuts down gracefully on SIGTERM, then raises it again with the handler it found:
-    # by default that kills the process on the spot, before the followers hear. Make it a
-    # KeyboardInterrupt, as SIGINT is (uvicorn.run swallows that), so `finally` runs.
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, signal.default_int_handler)
+    # _run_http returns after SIGTERM too (see http_server), so the followers hear of it.
     try:
         _run_http(leader, name, **http)
     finally:  # also when uvicorn could not start: the followers must not wait forever

@@ -32,7 +32,7 @@ from jaxengine.server.protocol import (
     RequestError,
     resolve_max_tokens,
 )
-from jaxengine.server.responses import Formatter, Kind, random_id, sse, usage, usage_of_choice
+from jaxengine.server.responses import Formatter, Kind, request_ids, sse, usage, usage_of_choice
 from jaxengine.server.structured import ToolChoice, structured_outputs_of
 from jaxengine.structured.params import StructuredOutputsParams
 from scheduler import SamplingParams, SamplingParamsError
@@ -142,12 +142,7 @@ class OpenAIServing:
         """Submit one engine request per choice and respond (SSE when `body.stream`)."""
         # vLLM's `_base_request_id`: the X-Request-Id header, else the body's request_id
         base = raw.headers.get("x-request-id") or body.request_id
-        request_id = random_id(kind, base)
-        ids = [request_id] if len(children) == 1 else [
-            f"{request_id}-{i}" for i in range(len(children))]
-        if base is not None and any(self.engine.is_live(r) for r in ids):
-            raise RequestError(f"a request with id {base!r} (X-Request-Id or request_id) is "
-                               f"running; send a unique one", "request_id")
+        request_id, ids = request_ids(kind, base, len(children))
         try:
             group = await self.engine.add_all(
                 [(rid, prompt, params) for rid, (prompt, params) in zip(ids, children,
