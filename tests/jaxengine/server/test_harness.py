@@ -68,16 +68,23 @@ def start_server(*, warm_up: bool = False, **engine_args: Any) -> RunningServer:
     return serve_engine(build_engine(args), warm_up=warm_up)
 
 
-def serve_engine(engine: Any, *, warm_up: bool = False) -> RunningServer:
+def serve_engine(engine: Any, *, warm_up: bool = False,
+                 send_buffer_bytes: int | None = None) -> RunningServer:
     """Serve a built engine (an `LLMEngine` or a `DataParallelEngine`) on a free loopback
     port as `MODEL_NAME`; `stop()` it when done.
 
     `warm_up`: compile every bucket before listening, as `jaxengine serve` does. Off by default
     here: most server tests are not about warm-up, and a step compiles what it needs.
+    `send_buffer_bytes`: each connection's kernel send buffer (SO_SNDBUF of the listening
+    socket, which accepted sockets inherit); a small one makes a client that does not read
+    hold the server's writes back within kilobytes (tests of slow readers). Default: the
+    system's, which grows to megabytes.
     """
     app = build_app(engine, model_name=MODEL_NAME, log_interval=0, warm_up=warm_up)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if send_buffer_bytes is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     config = uvicorn.Config(app, log_level="warning", lifespan="on", timeout_graceful_shutdown=5)
