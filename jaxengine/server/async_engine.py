@@ -37,13 +37,19 @@ class RequestGroup:
     """The outputs of requests submitted together (n samples, a list of prompts), in step
     order; iterate it, or `abort()` it. Each output names its request (`request_id`)."""
 
-    __slots__ = ("_live", "_owner", "_queue", "request_ids")
+    __slots__ = ("_error", "_live", "_owner", "_ready", "_unread", "request_ids")
 
     def __init__(self, request_ids: Sequence[str], owner: AsyncEngine) -> None:
         """Outputs of `request_ids` (added to `owner` by `AsyncEngine.add_all`)."""
         self.request_ids = tuple(request_ids)
         self._owner = owner
-        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        # Each request's newest output not read yet. Outputs are cumulative (the whole text and
+        # tokens so far), so a newer one replaces it: a reader that lags gets several tokens in
+        # one output (as vLLM merges them), and one that stops reading holds one output per
+        # request, not one per step, each as long as the text so far.
+        self._unread: dict[str, RequestOutput] = {}
+        self._error: BaseException | None = None  # the engine failed: raised after the unread
+        self._ready = asyncio.Event()  # set when _unread or _error has something
         self._live = set(self.request_ids)  # requests whose final output has not come yet
 
     @property
@@ -60,15 +66,29 @@ class RequestGroup:
 
     async def _iterate(self) -> AsyncIterator[RequestOutput]:
         while self._live:
-            yield self._take(await self._queue.get())
+            yield await self._next()
 
-    def _take(self, item: RequestOutput | BaseException) -> RequestOutput:
-        if isinstance(item, BaseException):
+    def _put(self, out: RequestOutput) -> None:
+        """The engine's newest output of one of the group's requests (see `_unread`)."""
+        self._unread[out.request_id] = out
+        self._ready.set()
+
+    def _fail(self, error: BaseException) -> None:
+        self._error = error
+        self._ready.set()
+
+    async def _next(self) -> RequestOutput:
+        """The oldest unread output (raises the engine's error once none is left)."""
+        while not self._unread and self._error is None:
+            self._ready.clear()
+            await self._ready.wait()
+        if not self._unread:
             self._live.clear()
-            raise item
-        if item.finished:
-            self._live.discard(item.request_id)
-        return item
+            raise self._error
+        out = self._unread.pop(next(iter(self._unread)))
+        if out.finished:
+            self._live.discard(out.request_id)
+        return out
 
     async def final_all(self, is_disconnected: Callable[[], Awaitable[bool]] | None = None,
                         poll_s: float = 0.05) -> list[RequestOutput] | None:
@@ -90,11 +110,9 @@ class RequestGroup:
                     return None
                 next_check = loop.time() + poll_s
             try:
-                item = await asyncio.wait_for(self._queue.get(),
-                                              max(next_check - loop.time(), 0.001))
+                out = await asyncio.wait_for(self._next(), max(next_check - loop.time(), 0.001))
             except TimeoutError:
                 continue
-            out = self._take(item)
             last[out.request_id] = out
         return [last[r] for r in self.request_ids]
 
@@ -218,9 +236,9 @@ class AsyncEngine:
         await self._add(group, requests, priority, metadata)
         return group
 
-    def is_live(self, request_id: str) -> bool:
-        """True while the server streams a request of this id."""
-        return request_id in self._streams
+    def live_request_ids(self) -> list[str]:
+        """The engine ids of the requests whose outputs the server still delivers."""
+        return list(self._streams)
 
     async def _add(self, group: RequestGroup,
                    requests: Sequence[tuple[str, PromptType, SamplingParams]], priority: int,
@@ -281,13 +299,13 @@ class AsyncEngine:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue  # aborted while the step ran
-            stream._queue.put_nowait(out)
+            stream._put(out)
             if out.finished:
                 del self._streams[out.request_id]
 
     def _fail_all(self, error: BaseException) -> None:
         for group in set(self._streams.values()):
-            group._queue.put_nowait(error)
+            group._fail(error)
         self._streams.clear()
 
     async def _log_loop(self) -> None:

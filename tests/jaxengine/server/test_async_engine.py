@@ -147,3 +147,21 @@ def test_final_aborts_when_the_client_is_gone() -> None:
         await engine.stop()
 
     _run(scenario())
+
+
+def test_a_reader_that_lags_holds_one_output_and_gets_every_token_in_it() -> None:
+    """Outputs are cumulative, so a stream keeps only its newest unread one: a client that
+    stops reading costs one output of its request, not one per step (each as long as the text
+    so far: memory quadratic in the length), and it still gets every token."""
+    async def scenario() -> None:
+        engine = await _started()
+        stream = await engine.add("lag", {"prompt_token_ids": PROMPTS[0]}, LONG)
+        while engine.engine.has_unfinished_requests():
+            await asyncio.sleep(0.01)
+            assert len(stream._unread) <= 1
+        outputs = [o async for o in stream]
+        assert len(outputs) == 1 and outputs[0].finished
+        assert list(outputs[0].outputs[0].token_ids) == fake_greedy(PROMPTS[0], 200, V)
+        await engine.stop()
+
+    _run(scenario())

@@ -34,7 +34,7 @@ def test_a_refused_member_leaves_nothing_behind() -> None:
             await engine.add_all([("ok", {"prompt_token_ids": PROMPTS[0]}, LONG),
                                   ("bad", {"prompt_token_ids": [V + 5]}, LONG)])
         assert not engine.engine.has_unfinished_requests() and engine.num_unfinished() == 0
-        assert not engine.is_live("ok")
+        assert "ok" not in engine.live_request_ids()
         await engine.stop()
 
     _run(scenario())
