@@ -677,3 +677,8 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<DT> q,
 
 JAXENGINE_DEFINE_HANDLER(RaggedPagedAttentionF32, ffi::F32)
 JAXENGINE_DEFINE_HANDLER(RaggedPagedAttentionBF16, ffi::BF16)
+
+// The vector path the library was compiled for (simd.h), for native.isa() and
+// native.vector_lanes(): read from the binary, so it reports what runs, whatever was asked for.
+extern "C" const char* JaxengineCpuIsa() { return jaxengine_cpu::kIsa; }
+extern "C" int64_t JaxengineCpuLanes() { return jaxengine_cpu::kLanes; }
