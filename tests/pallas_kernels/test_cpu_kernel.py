@@ -1,6 +1,7 @@
 """The native CPU kernel: random batches against the numpy oracle, its work units, the build
 cache, the cache updated in place in a model-shaped step, the fallback without a compiler, and
-the build for each x86 ISA level the CPU runs.
+the build for each x86 ISA level the CPU runs: against the oracle, and what a decode and a
+prefill chunk share, to the bit where the head dim is under the vector width.
 
 The grid against the reference (page sizes, head dims, GQA ratios, float32 / bfloat16) and the
 garbage tests run it beside the other kernels (test_kernels.py, test_garbage.py).
@@ -54,15 +55,12 @@ def test_head_dims_off_the_vector_width(head_dim):
     np.testing.assert_allclose(np.asarray(out)[: case.num_tokens], want, atol=2e-5, rtol=2e-5)
 
 
-def test_a_whole_prompt_and_its_uncached_tail_give_the_last_token_the_same_bits():
-    """A 23-token prompt attended whole (a prefill chunk: transposed scores) and as its last 3
-    tokens over the 20 cached (a decode-sized unit: row-major scores) give the last token the
-    same output, bit for bit, where the two score loops sum alike (head dim 8, under a vector):
-    the softmax sums and P.V run in key order on both paths. An echoed request with logprobs
-    and a prefix-cached plain one then report the same completion logprobs
-    (tests/jaxengine/server/test_prompt_logprobs.py)."""
-    N, K, H, L, P = 4, 4, 8, 4, 16
-    rng = np.random.default_rng(0)
+def _last_token_whole_and_after_its_cache(attention, H: int) -> tuple[np.ndarray, np.ndarray]:
+    """The last token's output [N, H] of a 23-token prompt attended whole (a prefill chunk:
+    transposed scores) and as its last 3 tokens over the 20 cached (a decode-sized unit:
+    row-major scores), one kv head per query head."""
+    N, K, L, P = 4, 4, 4, 16
+    rng = np.random.default_rng(H)
     cache = jnp.asarray(rng.standard_normal((P, L, 2 * K, H), np.float32))
     q = rng.standard_normal((23, N, H)).astype(np.float32)
     tables = np.zeros((2, 8), np.int32)
@@ -72,14 +70,44 @@ def test_a_whole_prompt_and_its_uncached_tail_give_the_last_token_the_same_bits(
         n = len(rows)
         qq = np.zeros((32, N, H), np.float32)
         qq[:n] = rows
-        new_kv = jnp.zeros((32, K, H), jnp.float32)  # written to block 0, outside the table
-        out, _ = ragged_paged_attention_cpu(
-            jnp.asarray(qq), new_kv, new_kv, cache, jnp.zeros(32, jnp.int32),
-            jnp.asarray(tables), jnp.asarray([23, 0], jnp.int32),
-            jnp.asarray([0, n, n], jnp.int32), jnp.asarray(1, jnp.int32), sm_scale=H**-0.5)
+        out = attention(jnp.asarray(qq), cache, jnp.asarray(tables),
+                        jnp.asarray([23, 0], jnp.int32), jnp.asarray([0, n, n], jnp.int32),
+                        jnp.asarray(1, jnp.int32), sm_scale=H**-0.5, block_q=32,
+                        pages_per_split=32)
         return np.asarray(out)[n - 1]
 
-    np.testing.assert_array_equal(last_row(q), last_row(q[20:]))
+    return last_row(q), last_row(q[20:])
+
+
+# "native": the library this process loaded; the x86 levels: their own builds (where the CPU
+# runs them), and the floats per vector of each.
+ISAS = ["native", *native.X86_ISAS]
+LANES = {"avx512": 16, "avx2": 8, "sse2": 4}
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_head_dim_under_the_vector_gives_a_prompt_and_its_uncached_tail_the_same_bits(
+        isa, isa_attention):
+    """Under the build's vector width (head dim 3, under every build's, and the widest under
+    this build's) a decode's dots of each key sum over h in order, as a prefill chunk's
+    transposed scores do; the softmax sums and P.V run in key order on both paths, so the last
+    token's output is the same, bit for bit. An echoed request with logprobs and a
+    prefix-cached plain one then report the same completion logprobs where the model's head
+    dim is under the vector width (tests/jaxengine/server/test_prompt_logprobs.py)."""
+    lanes = native.vector_lanes() if isa == "native" else LANES[isa]
+    for head_dim in sorted({3, lanes - 1}):
+        whole, tail = _last_token_whole_and_after_its_cache(isa_attention(isa), H=head_dim)
+        np.testing.assert_array_equal(whole, tail, err_msg=f"head dim {head_dim}")
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_real_head_dim_gives_a_prompt_and_its_uncached_tail_float32_rounding_apart(
+        isa, isa_attention):
+    """From the vector width up, a decode sums each dot as a vector of partial sums and then
+    a tree (group_dots), a prefill chunk over h in order: the two round apart, by at most
+    6e-7 on outputs of about 1 at head dim 64 (20 seeds, every build here)."""
+    whole, tail = _last_token_whole_and_after_its_cache(isa_attention(isa), H=64)
+    np.testing.assert_allclose(whole, tail, rtol=0, atol=1e-6)
 
 
 def test_a_long_decode_split_over_many_units_matches_one_unit():
