@@ -81,6 +81,7 @@ def report(args: argparse.Namespace, setup: dict[str, Any], runs: dict[int, dict
     """Print the tables and the one-line summary."""
     rate = max(setup["sgemm"].values())
     rows = [
+        ("CPU kernels", setup["cpu"]),
         ("engine", setup["engine"]),
         ("token buckets", " ".join(map(str, setup["buckets"]))),
         ("warm-up (compile every bucket)", f"{setup['warmup']:.1f} s"),

@@ -1,6 +1,7 @@
 """Offline throughput as a user runs it (docs/BENCHMARKS.md §2-3): jaxengine with `LLM()`'s
 defaults beside transformers' continuous batching, the share of the CPU's FLOP roofline,
-compilations, padding, and optionally sync against async scheduling and a x8 KV pool.
+compilations, padding, and optionally sync against async scheduling and a x8 KV pool. The
+report opens with the CPU kernels' path (`$JAXENGINE_CPU_ISA`) and the CPU's model.
 
     python benchmarks/throughput.py [--workload benchmarks/workloads/mix64.json] [--limits 16,64]
         [--compare hf --hf-python .venv311/bin/python] [--async-compare] [--pool-ratio]
@@ -23,6 +24,7 @@ import argparse
 import collections
 import json
 import os
+import platform
 import subprocess
 import sys
 import time
@@ -49,6 +51,23 @@ def load_workload(path: Path, limit: int | None) -> list[dict[str, Any]]:
 
 
 # ---- the jaxengine side -------------------------------------------------------------------
+
+
+def cpu_kernels() -> str:
+    """The native CPU kernels' path, as the loaded library reports it ($JAXENGINE_CPU_ISA picks
+    it), and the CPU's model name: "avx512 (16-float vectors), <model name>"; or why the
+    kernels do not run. Timings of different paths or CPUs do not compare."""
+    from pallas_kernels.cpu import native
+
+    why = native.available()
+    path = (f"unavailable ({why})" if why else
+            f"{native.isa()} ({native.vector_lanes()}-float vectors)")
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        model = next(ln.partition(":")[2].strip() for ln in lines if ln.startswith("model name"))
+    except (OSError, StopIteration):  # no /proc/cpuinfo, or a CPU that names no model there
+        model = platform.processor() or platform.machine()
+    return f"{path}, {model}"
 
 
 def engine_args(args: argparse.Namespace, **extra: Any) -> Any:
@@ -313,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(REPO))
     setup: dict[str, Any] = {"load": " ".join(f"{x:.1f}" for x in os.getloadavg())}
     loaded = load(args)
+    setup["cpu"] = cpu_kernels()
     fns, cfg, tokenizer = loaded
     ea = engine_args(args)
     engine, setup["warmup"] = build_engine(fns, cfg, tokenizer, ea, buckets=args.token_buckets,

@@ -10,6 +10,11 @@ source, toolchain, jax or machine builds anew instead of loading a wrong binary.
 writes to a temporary file that is renamed into place, so processes that build at once do not
 see each other's half-written files.
 
+`$JAXENGINE_CPU_ISA` picks the instruction set: `native` (the default: all this CPU has) or, on
+x86, a named level this CPU can execute: `avx512` (x86-64-v4, 16-float vectors), `avx2`
+(x86-64-v3, 8) or `sse2` (x86-64, 4), e.g. to run the paths other machines take. `isa()` and
+`vector_lanes()` say which path the loaded library runs, as the binary itself reports it.
+
 Nothing here is needed on TPU or GPU. Without a C++ compiler (`$CXX`, else c++, g++ or
 clang++) the kernels are unavailable: `pallas_kernels.default_impl` then picks the jnp reference
 and says why in a warning, an explicit ``impl="cpu"`` raises `NativeBuildError`, and the model
@@ -51,6 +56,20 @@ SWIGLU_TARGET = ("jaxengine_packed_swiglu_f32", "PackedSwiGLUF32")
 FLAGS = ("-O3", "-std=c++17", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
          "-shared", "-fPIC")
 ENV_CACHE = "JAXENGINE_NATIVE_CACHE_DIR"
+ENV_ISA = "JAXENGINE_CPU_ISA"
+
+# The x86-64 psABI levels, each with the /proc/cpuinfo flags of every feature it lets the
+# compiler use (its own and the levels' below: v2 is SSE3 (pni) to SSE4.2, LZCNT is abm).
+_X86_V2 = ("cx16", "lahf_lm", "popcnt", "pni", "ssse3", "sse4_1", "sse4_2")
+_X86_V3 = (*_X86_V2, "abm", "avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "movbe", "xsave")
+_X86_V4 = (*_X86_V3, "avx512bw", "avx512cd", "avx512dq", "avx512f", "avx512vl")
+# $JAXENGINE_CPU_ISA's named levels, widest first: the compiler flag and the CPU flags needed
+# to run its code. The one place that maps names to flags.
+X86_ISAS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "avx512": ("-march=x86-64-v4", _X86_V4),
+    "avx2": ("-march=x86-64-v3", _X86_V3),
+    "sse2": ("-march=x86-64", ()),
+}
 
 
 class NativeBuildError(RuntimeError):
@@ -81,6 +100,60 @@ def _cpu_identity() -> str:
         return platform.machine() + "\n" + "\n".join(sorted(set(lines)))
     except OSError:
         return platform.machine() + platform.processor()
+
+
+def _is_x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64")
+
+
+def _cpu_flags() -> frozenset[str] | None:
+    """The CPU's feature flags from /proc/cpuinfo (the first CPU's), or None without one."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return frozenset(line.partition(":")[2].split())
+
+
+def missing_cpu_flags(name: str) -> tuple[str, ...]:
+    """The /proc/cpuinfo flags that x86 ISA level `name` (a key of `X86_ISAS`) needs and this
+    CPU lacks: () when it can run that build. Without /proc/cpuinfo every flag counts as
+    missing, as nothing says the CPU has it."""
+    needs = X86_ISAS[name][1]
+    have = _cpu_flags() or frozenset()
+    return tuple(f for f in needs if f not in have)
+
+
+def runnable_isas() -> tuple[str, ...]:
+    """The values `$JAXENGINE_CPU_ISA` may take here: "native", then the x86 levels this CPU
+    can execute, widest first."""
+    if not _is_x86():
+        return ("native",)
+    return ("native", *(name for name in X86_ISAS if not missing_cpu_flags(name)))
+
+
+def isa_flags(name: str) -> tuple[str, ...]:
+    """The compiler flags of a build for ISA `name` (a `$JAXENGINE_CPU_ISA` value).
+
+    Raises:
+      ValueError: an unknown name, an x86 level on another architecture, or one whose code this
+        CPU cannot execute (refused here: it would die of an illegal instruction).
+    """
+    if name == "native":
+        return ("-march=native",)
+    accepted = ", ".join(("native", *X86_ISAS))
+    if name not in X86_ISAS:
+        raise ValueError(f"{ENV_ISA}={name!r} is not an ISA the CPU kernels build for; "
+                         f"use one of {accepted}")
+    if not _is_x86():
+        raise ValueError(f"{ENV_ISA}={name!r} names an x86 level, and this machine is "
+                         f"{platform.machine()}; use native (or unset {ENV_ISA})")
+    if missing := missing_cpu_flags(name):
+        why = "lacks" if _cpu_flags() is not None else "may lack (no /proc/cpuinfo)"
+        raise ValueError(f"{ENV_ISA}={name!r}: this CPU {why} {', '.join(missing)}, which "
+                         f"that build needs; use one of {', '.join(runnable_isas())}")
+    return (X86_ISAS[name][0],)
 
 
 def _build(cxx: str, march: tuple[str, ...]) -> Path:
@@ -115,11 +188,15 @@ def _load() -> ctypes.CDLL:
     """The library, built if need be, its targets registered with XLA (once per process)."""
     with _lock:
         if not _library:
+            name = os.environ.get(ENV_ISA) or "native"
+            march = isa_flags(name)  # a mistake in the variable is the user's: checked first
             cxx = _compiler()
             try:
-                path = _build(cxx, ("-march=native",))
-            except NativeBuildError as native:  # e.g. a compiler without -march=native
-                logger.info("%s; building without -march=native", native)
+                path = _build(cxx, march)
+            except NativeBuildError as failed:  # e.g. a compiler without -march=native
+                if name != "native":
+                    raise
+                logger.info("%s; building without -march=native", failed)
                 path = _build(cxx, ())
             library = ctypes.cdll.LoadLibrary(str(path))
             for target_name, symbol in (*TARGETS.values(), MATMUL_TARGET, SWIGLU_TARGET):
@@ -134,7 +211,8 @@ def target(dtype: jnp.dtype) -> str:
 
     Raises:
       NativeBuildError: no compiler, or the build failed (the message has its output).
-      ValueError: a dtype the kernel does not take (float32 and bfloat16 only).
+      ValueError: a dtype the kernel does not take (float32 and bfloat16 only), or a
+        `$JAXENGINE_CPU_ISA` that this machine cannot build for or run (see `isa_flags`).
     """
     dtype = jnp.dtype(dtype)
     if dtype not in TARGETS:
@@ -160,9 +238,30 @@ def swiglu_target() -> str:
     return SWIGLU_TARGET[0]
 
 
+def isa() -> str:
+    """The vector path the loaded library runs, as the binary reports it: "avx512", "avx2",
+    "avx", "sse2", "neon" or "generic" (built and loaded on first use; raises
+    `NativeBuildError` as `target` does)."""
+    library = _load()
+    library.JaxengineCpuIsa.restype = ctypes.c_char_p
+    return library.JaxengineCpuIsa().decode()
+
+
+def vector_lanes() -> int:
+    """Floats per vector of the loaded library (16, 8 or 4; built and loaded on first use)."""
+    library = _load()
+    library.JaxengineCpuLanes.restype = ctypes.c_int64
+    return int(library.JaxengineCpuLanes())
+
+
 @functools.cache
 def available() -> str | None:
-    """None when the kernel builds and loads here, else why not (one line, for a warning)."""
+    """None when the kernel builds and loads here, else why not (one line, for a warning).
+
+    Raises:
+      ValueError: `$JAXENGINE_CPU_ISA` names an ISA this machine cannot build for or run: a
+        mistake to correct, not a reason to fall back to the slower reference.
+    """
     try:
         _load()
     except (NativeBuildError, OSError) as e:

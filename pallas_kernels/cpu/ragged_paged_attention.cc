@@ -24,7 +24,11 @@
 // Numerics: float32 (bfloat16 inputs are widened), an online softmax per tile of kKeys keys
 // (64 with AVX-512). A decode's few query rows take each key's dots a vector of keys at a
 // time; a prefill chunk's rows take the tile's scores transposed, a vector of rows at a time
-// (see Scratch).
+// (see Scratch). With a head dim under kLanes (16 with AVX-512, 8 with AVX2, 4 with SSE) the
+// two paths give a token the same bits: both sum each score over h in order (group_dots's
+// scalar tail, score_block), and the softmax sums and P.V in key order. From kLanes up a
+// decode's dots are vectors of partial sums added by a tree, and the paths differ by float32
+// rounding (under 1e-6 at head dim 64: tests/pallas_kernels/test_cpu_kernel.py).
 // Only slots inside a request's context are read as keys or values, so whatever the other
 // slots hold (NaN included) never reaches the output.
 
@@ -452,8 +456,9 @@ class PagedAttention {
       for (; h0 < H; ++h0) {  // the last H % kLanes columns
         for (int64_t r = 0; r < kPvRows; ++r) {
           float x = acc[r][h0] * alpha[r];
-          // Fused (one rounding a key), as in pv_columns: compiled for either stride, the
-          // loop then rounds alike, so a decode and a prefill chunk agree bit for bit.
+          // Fused (one rounding a key, as pv_columns's sums are where the CPU has FMA):
+          // compiled for either stride, the loop then rounds alike, so a decode's P.V and a
+          // prefill chunk's agree bit for bit (their outputs, where their scores do).
           for (int64_t j = 0; j < nj; ++j) x = std::fma(p[r][j * stride], vals[j][h0], x);
           acc[r][h0] = x;
         }
@@ -677,3 +682,8 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<DT> q,
 
 JAXENGINE_DEFINE_HANDLER(RaggedPagedAttentionF32, ffi::F32)
 JAXENGINE_DEFINE_HANDLER(RaggedPagedAttentionBF16, ffi::BF16)
+
+// The vector path the library was compiled for (simd.h), for native.isa() and
+// native.vector_lanes(): read from the binary, so it reports what runs, whatever was asked for.
+extern "C" const char* JaxengineCpuIsa() { return jaxengine_cpu::kIsa; }
+extern "C" int64_t JaxengineCpuLanes() { return jaxengine_cpu::kLanes; }

@@ -11,12 +11,26 @@
 
 namespace jaxengine_cpu {
 
+// kIsa names the path for native.isa() (JaxengineCpuIsa), decided here so that it cannot
+// disagree with kLanes.
 #if defined(__AVX512F__)
 constexpr int64_t kLanes = 16;
+constexpr char kIsa[] = "avx512";
+#elif defined(__AVX2__)
+constexpr int64_t kLanes = 8;
+constexpr char kIsa[] = "avx2";
 #elif defined(__AVX__)
 constexpr int64_t kLanes = 8;
+constexpr char kIsa[] = "avx";
+#elif defined(__SSE2__)
+constexpr int64_t kLanes = 4;
+constexpr char kIsa[] = "sse2";
+#elif defined(__ARM_NEON)
+constexpr int64_t kLanes = 4;
+constexpr char kIsa[] = "neon";
 #else
 constexpr int64_t kLanes = 4;
+constexpr char kIsa[] = "generic";
 #endif
 
 // One register of floats.

@@ -1,5 +1,5 @@
 """benchmarks/throughput.py: the useful FLOPs behind its roofline share (benchmarks/roofline.py),
-its flags and its step timing."""
+its flags, its step timing and the CPU kernels it names."""
 
 from __future__ import annotations
 
@@ -65,3 +65,11 @@ def test_step_times_account_for_every_scheduled_token_by_bucket() -> None:
     for bucket, runs in steps.items():
         assert all(t > 0 and 0 < n <= bucket for t, n in runs)
     assert len(steps[4]) >= 3  # the last request's lone decodes
+
+
+def test_the_report_names_the_cpu_kernels_path_and_the_cpu() -> None:
+    from pallas_kernels.cpu import native
+
+    line = _script().cpu_kernels()
+    assert line.startswith(f"{native.isa()} ({native.vector_lanes()}-float vectors), ")
+    assert line.split(", ", 1)[1]  # the CPU's model name

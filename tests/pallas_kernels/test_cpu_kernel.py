@@ -1,6 +1,7 @@
 """The native CPU kernel: random batches against the numpy oracle, its work units, the build
 cache, the cache updated in place in a model-shaped step, the fallback without a compiler, and
-builds for narrower vector units than this machine's.
+the build for each x86 ISA level the CPU runs: against the oracle, and what a decode and a
+prefill chunk share, to the bit where the head dim is under the vector width.
 
 The grid against the reference (page sizes, head dims, GQA ratios, float32 / bfloat16) and the
 garbage tests run it beside the other kernels (test_kernels.py, test_garbage.py).
@@ -9,7 +10,6 @@ garbage tests run it beside the other kernels (test_kernels.py, test_garbage.py)
 from __future__ import annotations
 
 import logging
-import platform
 
 import jax
 import jax.numpy as jnp
@@ -55,15 +55,12 @@ def test_head_dims_off_the_vector_width(head_dim):
     np.testing.assert_allclose(np.asarray(out)[: case.num_tokens], want, atol=2e-5, rtol=2e-5)
 
 
-def test_a_whole_prompt_and_its_uncached_tail_give_the_last_token_the_same_bits():
-    """A 23-token prompt attended whole (a prefill chunk: transposed scores) and as its last 3
-    tokens over the 20 cached (a decode-sized unit: row-major scores) give the last token the
-    same output, bit for bit, where the two score loops sum alike (head dim 8, under a vector):
-    the softmax sums and P.V run in key order on both paths. An echoed request with logprobs
-    and a prefix-cached plain one then report the same completion logprobs
-    (tests/jaxengine/server/test_prompt_logprobs.py)."""
-    N, K, H, L, P = 4, 4, 8, 4, 16
-    rng = np.random.default_rng(0)
+def _last_token_whole_and_after_its_cache(attention, H: int) -> tuple[np.ndarray, np.ndarray]:
+    """The last token's output [N, H] of a 23-token prompt attended whole (a prefill chunk:
+    transposed scores) and as its last 3 tokens over the 20 cached (a decode-sized unit:
+    row-major scores), one kv head per query head."""
+    N, K, L, P = 4, 4, 4, 16
+    rng = np.random.default_rng(H)
     cache = jnp.asarray(rng.standard_normal((P, L, 2 * K, H), np.float32))
     q = rng.standard_normal((23, N, H)).astype(np.float32)
     tables = np.zeros((2, 8), np.int32)
@@ -73,14 +70,44 @@ def test_a_whole_prompt_and_its_uncached_tail_give_the_last_token_the_same_bits(
         n = len(rows)
         qq = np.zeros((32, N, H), np.float32)
         qq[:n] = rows
-        new_kv = jnp.zeros((32, K, H), jnp.float32)  # written to block 0, outside the table
-        out, _ = ragged_paged_attention_cpu(
-            jnp.asarray(qq), new_kv, new_kv, cache, jnp.zeros(32, jnp.int32),
-            jnp.asarray(tables), jnp.asarray([23, 0], jnp.int32),
-            jnp.asarray([0, n, n], jnp.int32), jnp.asarray(1, jnp.int32), sm_scale=H**-0.5)
+        out = attention(jnp.asarray(qq), cache, jnp.asarray(tables),
+                        jnp.asarray([23, 0], jnp.int32), jnp.asarray([0, n, n], jnp.int32),
+                        jnp.asarray(1, jnp.int32), sm_scale=H**-0.5, block_q=32,
+                        pages_per_split=32)
         return np.asarray(out)[n - 1]
 
-    np.testing.assert_array_equal(last_row(q), last_row(q[20:]))
+    return last_row(q), last_row(q[20:])
+
+
+# "native": the library this process loaded; the x86 levels: their own builds (where the CPU
+# runs them), and the floats per vector of each.
+ISAS = ["native", *native.X86_ISAS]
+LANES = {"avx512": 16, "avx2": 8, "sse2": 4}
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_head_dim_under_the_vector_gives_a_prompt_and_its_uncached_tail_the_same_bits(
+        isa, isa_attention):
+    """Under the build's vector width (head dim 3, under every build's, and the widest under
+    this build's) a decode's dots of each key sum over h in order, as a prefill chunk's
+    transposed scores do; the softmax sums and P.V run in key order on both paths, so the last
+    token's output is the same, bit for bit. An echoed request with logprobs and a
+    prefix-cached plain one then report the same completion logprobs where the model's head
+    dim is under the vector width (tests/jaxengine/server/test_prompt_logprobs.py)."""
+    lanes = native.vector_lanes() if isa == "native" else LANES[isa]
+    for head_dim in sorted({3, lanes - 1}):
+        whole, tail = _last_token_whole_and_after_its_cache(isa_attention(isa), H=head_dim)
+        np.testing.assert_array_equal(whole, tail, err_msg=f"head dim {head_dim}")
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_a_real_head_dim_gives_a_prompt_and_its_uncached_tail_float32_rounding_apart(
+        isa, isa_attention):
+    """From the vector width up, a decode sums each dot as a vector of partial sums and then
+    a tree (group_dots), a prefill chunk over h in order: the two round apart, by at most
+    6e-7 on outputs of about 1 at head dim 64 (20 seeds, every build here)."""
+    whole, tail = _last_token_whole_and_after_its_cache(isa_attention(isa), H=64)
+    np.testing.assert_allclose(whole, tail, rtol=0, atol=1e-6)
 
 
 def test_a_long_decode_split_over_many_units_matches_one_unit():
@@ -166,23 +193,18 @@ def test_other_dtypes_are_refused_by_name():
         ragged_paged_attention_cpu(q, k, v, cache.astype(jnp.bfloat16), *rest, sm_scale=1.0)
 
 
-@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 ISA levels")
-@pytest.mark.parametrize("isa", ["-march=x86-64-v3", "-march=x86-64"])
-def test_narrower_vector_builds_match_the_oracle(isa, isa_library):
-    """The kernel built for AVX2 (8-float vectors, fewer rows per register block) and for
-    baseline SSE2 (4 floats): the blocking changes with the vector width, the results must
-    not. (This machine runs both; its own build is AVX-512 where the CPU has it.)"""
-    library = isa_library(isa)
-    target = f"jaxengine_test_ragged_paged_attention_f32{isa.replace('-', '_')}"
-    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(library.RaggedPagedAttentionF32),
-                                platform="cpu")
+@pytest.mark.parametrize("isa", native.X86_ISAS)
+def test_every_isa_build_matches_the_oracle(isa, isa_attention):
+    """The kernel built for AVX-512 (16-float vectors), AVX2 (8, fewer rows per register
+    block) and baseline SSE2 (4): the blocking changes with the vector width, the results must
+    not. Each runs where the CPU can execute it; the others are skipped, naming the missing
+    CPU flags."""
     case = make_case([(1, 300), (70, 70), (9, 140), (3, 16)], num_heads=6, num_kv_heads=2,
                      head_dim=80, page_size=16, seed=11)
     q, k, v, cache, slots, tables, seq_lens, qsl, num_seqs = case.args(jnp.float32)
     cache = write_kv(cache, k, v, slots)
-    out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
-        q, cache, tables, seq_lens, qsl, num_seqs, sm_scale=np.float32(case.sm_scale),
-        block_q=np.int64(32), pages_per_split=np.int64(4))
+    out = isa_attention(isa)(q, cache, tables, seq_lens, qsl, num_seqs, sm_scale=case.sm_scale,
+                             block_q=32, pages_per_split=4)
     want, _ = numpy_oracle(case)
     np.testing.assert_allclose(np.asarray(out)[: case.num_tokens], want, atol=2e-5, rtol=2e-5)
 

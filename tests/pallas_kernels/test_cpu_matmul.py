@@ -1,12 +1,11 @@
 """The native packed matmul against numpy's product: every row count around the kernel's
-register blocks and runs, column counts off the panel width, leading axes, vmap, narrower ISA
-builds, and clear errors for panels that do not fit; the fused SwiGLU product against
-silu(x @ gate) * (x @ up)."""
+register blocks and runs, column counts off the panel width, leading axes, vmap, the build for
+each x86 ISA level the CPU runs, and clear errors for panels that do not fit; the fused SwiGLU
+product against silu(x @ gate) * (x @ up)."""
 
 from __future__ import annotations
 
 import ctypes
-import platform
 
 import jax
 import jax.numpy as jnp
@@ -15,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pallas_kernels.cpu import native
 from pallas_kernels.cpu.matmul import pack, pack_swiglu, packed_matmul, packed_swiglu, panel_width
 
 
@@ -125,16 +125,17 @@ def test_swiglu_panels_that_do_not_fit_are_refused():
         packed_swiglu(jnp.asarray(x), pack(w), 40)  # one kernel's panels, not two
 
 
-@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 ISA levels")
-@pytest.mark.parametrize("isa", ["-march=x86-64-v3", "-march=x86-64"])
-def test_narrower_vector_builds_match_numpy(isa, isa_library):
-    """Built for AVX2 (panels of 32 columns, 2-row blocks) and baseline SSE2 (16 columns):
-    the blocking changes with the vector width, the products must not."""
+@pytest.mark.parametrize("isa", native.X86_ISAS)
+def test_every_isa_build_matches_numpy(isa, isa_library):
+    """Built for AVX-512 (panels of 64 columns, 6-row blocks), AVX2 (32, 2-row blocks) and
+    baseline SSE2 (16): the blocking changes with the vector width, the products must not.
+    Each runs where the CPU can execute it; the others are skipped, naming the missing CPU
+    flags."""
     library = isa_library(isa)
     library.PackedMatmulPanel.restype = ctypes.c_int64
     width = int(library.PackedMatmulPanel())
-    assert width == {"-march=x86-64-v3": 32, "-march=x86-64": 16}[isa]
-    target = f"jaxengine_test_packed_matmul_f32{isa.replace('-', '_')}"
+    assert width == {"avx512": 64, "avx2": 32, "sse2": 16}[isa]
+    target = f"jaxengine_test_packed_matmul_f32_{isa}"
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(library.PackedMatmulF32),
                                 platform="cpu")
     for m, k, n in [(1, 9, 5), (7, 64, 100), (130, 33, 48)]:
