@@ -20,6 +20,7 @@ from jaxengine.loading.generation_config import diff_sampling_params
 from jaxengine.server.async_engine import AsyncEngine, EngineDeadError, RequestGroup
 from jaxengine.server.chat_protocol import ChatCompletionRequest
 from jaxengine.server.errors import error_body, error_response
+from jaxengine.server.limits import RequestLimits
 from jaxengine.server.prompts import (
     EnginePrompt,
     chat_prompt,
@@ -56,6 +57,7 @@ class OpenAIServing:
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.max_model_len
         args = engine.engine.args
+        self.limits = RequestLimits(max_n=args.max_num_seqs)
         # vLLM's name: what fills the sampling fields a request leaves unset
         self.default_sampling_params = diff_sampling_params(args.model, args.generation_config)
 
@@ -75,6 +77,7 @@ class OpenAIServing:
     async def completions(self, body: CompletionRequest, raw: Request) -> Response:
         """POST /v1/completions."""
         self._check(body)
+        self.limits.check_choices(body.n, len(body.prompts()))
         so, _ = structured_outputs_of(body)
         await self._compile(so, body)
         children, echo = [], []
@@ -103,6 +106,7 @@ class OpenAIServing:
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response:
         """POST /v1/chat/completions."""
         self._check(body)
+        self.limits.check_choices(body.n, 1)
         so, tool_choice = structured_outputs_of(body, body.tool_choice, body.tools)
         await self._compile(so, body)
         prompt = truncated(chat_prompt(body, self.tokenizer), body.truncate_prompt_tokens,
