@@ -26,7 +26,6 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from jaxengine.engine.llm_engine import LLMEngine
 from jaxengine.parallel.data_parallel import DataParallelEngine
-from jaxengine.server import tokenization
 from jaxengine.server.async_engine import AsyncEngine
 from jaxengine.server.chat_protocol import ChatCompletionRequest
 from jaxengine.server.errors import install_error_handlers
@@ -101,16 +100,12 @@ def build_app(engine: LLMEngine | DataParallelEngine, *, model_name: str,
     @app.post("/tokenize")
     async def tokenize(body: Annotated[Any, Body()]) -> JSONResponse:
         """vLLM's /tokenize: a prompt, or a conversation through the chat template."""
-        request = parse_tokenize(body)
-        serving.check_model(request.model)
-        return JSONResponse(tokenization.tokenize(request, serving.tokenizer,
-                                                  engine.max_model_len))
+        return JSONResponse(await serving.tokenize(parse_tokenize(body)))
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> JSONResponse:
         """vLLM's /detokenize: token ids to text."""
-        serving.check_model(body.model)
-        return JSONResponse(tokenization.detokenize(body, serving.tokenizer))
+        return JSONResponse(await serving.detokenize(body))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:

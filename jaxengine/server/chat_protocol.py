@@ -71,6 +71,11 @@ class ChatTemplateFields(RequestModel):
     documents: list[dict[str, str]] | None = None  # the template's RAG documents, if it has any
     tools: list[dict[str, Any]] | None = None  # shown to the model by its chat template
 
+    def num_chars(self) -> int:
+        """The characters of the messages' text (what the rendered prompt has at least, when
+        the template renders every message, as chat templates do)."""
+        return sum(len(m.text()) for m in self.messages)
+
     def generation_prompt(self) -> bool:
         """`add_generation_prompt`, off when continuing the final message (and not set)."""
         if self.continue_final_message:

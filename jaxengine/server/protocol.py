@@ -322,8 +322,7 @@ def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: in
     """
     room = max_model_len - prompt_len
     if room <= 0:
-        raise RequestError(f"This model's maximum context length is {max_model_len} tokens; "
-                           f"the prompt has {prompt_len} tokens. Shorten the prompt.", prompt_param)
+        raise prompt_too_long(prompt_len, max_model_len, prompt_param)
     if requested is None:
         return room if default is None else min(default, room)
     if requested <= 0:
@@ -335,3 +334,9 @@ def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: in
             f"{requested} in the completion). Please reduce the length of the messages or "
             f"completion.", "max_tokens")
     return requested
+
+
+def prompt_too_long(prompt_len: int, max_model_len: int, param: str) -> RequestError:
+    """The 400 for a prompt of `prompt_len` tokens that leaves no room in the context."""
+    return RequestError(f"This model's maximum context length is {max_model_len} tokens; the "
+                        f"prompt has {prompt_len} tokens. Shorten the prompt.", param)

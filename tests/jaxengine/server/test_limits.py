@@ -3,7 +3,9 @@ a request over a bound is a fast 400 naming the field, and the server goes on se
 
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -54,3 +56,98 @@ def test_prompts_times_n_is_bounded(server: RunningServer) -> None:
     assert f"at most {MAX_CHOICES}" in error["message"]
     _refused_fast(server, "completions", {**COMPLETION, "prompt": [[5]] * (MAX_CHOICES + 1)},
                   "prompt")
+
+
+def _max_prompt_chars(server: RunningServer) -> int:
+    limit = server.app.state.serving.limits.max_prompt_chars
+    # the tiny tokenizer's longest token is "<|endoftext|>"; it has no normalizer
+    assert limit == ENGINE_ARGS["max_model_len"] * len("<|endoftext|>")
+    return limit
+
+
+def _rss_bytes() -> int:
+    """This process's resident memory (the test server runs in it)."""
+    with open("/proc/self/status") as f:
+        kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    return kb * 1024
+
+
+# (endpoint under /v1, the body with a prompt text, the field that holds it)
+PROMPTS = [
+    ("completions", lambda text: {**COMPLETION, "prompt": text}, "prompt"),
+    ("chat/completions", lambda text: {**CHAT, "messages": [{"role": "user", "content": text}]},
+     "messages"),
+    ("../tokenize", lambda text: {"model": MODEL_NAME, "prompt": text}, "prompt"),
+    ("../tokenize", lambda text: {"messages": [{"role": "user", "content": text}]}, "messages"),
+]
+
+
+@pytest.mark.parametrize(("endpoint", "body", "param"), PROMPTS,
+                         ids=[f"{e}-{p}" for e, _, p in PROMPTS])
+def test_a_prompt_longer_than_the_context_can_hold_is_refused_before_tokenizing(
+        server: RunningServer, endpoint: str, body: Callable[[str], dict[str, Any]],
+        param: str) -> None:
+    limit = _max_prompt_chars(server)
+    error = _refused_fast(server, endpoint, body("x" * (limit + 1)), param)
+    assert f"at most {limit} characters" in error["message"]
+    # 20 MB: tokenized, it would be 20M tokens and gigabytes of lists; refused, it costs its
+    # parsing, and the memory goes back.
+    big = body("y" * 20_000_000)
+    _refused_fast(server, endpoint, big, param)
+    before = _rss_bytes()
+    for _ in range(3):
+        _refused_fast(server, endpoint, big, param)
+    assert _rss_bytes() - before < 64 << 20, "the process kept what refused requests took"
+    assert _post(server, endpoint, body("ok")).status_code == 200
+
+
+def test_a_chat_that_renders_too_long_is_refused_before_tokenizing(server: RunningServer
+                                                                   ) -> None:
+    # the messages fit, the template's own text around them does not
+    content = "x" * _max_prompt_chars(server)
+    error = _refused_fast(server, "chat/completions",
+                          {**CHAT, "messages": [{"role": "user", "content": content}]},
+                          "messages")
+    assert "shorten it" in error["message"]
+
+
+def test_token_ids_beyond_the_context_are_refused_unless_truncated(server: RunningServer
+                                                                   ) -> None:
+    ids = [5] * 100_000
+    error = _refused_fast(server, "completions", {**COMPLETION, "prompt": ids}, "prompt")
+    assert "maximum context length is 128 tokens" in error["message"]
+    r = _post(server, "completions", {**COMPLETION, "prompt": [5] * 500,
+                                      "truncate_prompt_tokens": 8})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 8
+
+
+def test_health_answers_while_a_request_is_prepared(server: RunningServer) -> None:
+    # A chat template that takes seconds to render: the rendering runs in a worker thread,
+    # and the event loop goes on answering meanwhile. (max_tokens is refused once the prompt
+    # is tokenized: the request's time is its preparation, not a first step's compilation.)
+    slow = ("{% for i in range(20000) %}{% for j in range(1000) %}{% endfor %}{% endfor %}"
+            "{{ messages[0]['content'] }}")
+    done: list[float] = []
+
+    def chat() -> None:
+        start = time.perf_counter()
+        r = _post(server, "chat/completions", {**CHAT, "chat_template": slow,
+                                                "max_tokens": 10_000})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+        done.append(time.perf_counter() - start)
+
+    worker = threading.Thread(target=chat)
+    worker.start()
+    waits = []
+    with httpx.Client(base_url=server.base_url, trust_env=False, timeout=60) as http:
+        while worker.is_alive():
+            start = time.perf_counter()
+            assert http.get("/health").status_code == 200
+            waits.append(time.perf_counter() - start)
+            time.sleep(0.05)
+    worker.join()
+    assert done and len(waits) >= 5, "the template rendered too fast to test anything"
+    # Rendered on the event loop, one /health would wait for the whole rendering; here each
+    # waits for a GIL switch (or, rarely, a garbage collection of this big test process).
+    assert sorted(waits)[len(waits) // 2] < 0.1 and max(waits) < done[0] / 2, \
+        (done, sorted(waits)[-3:])
