@@ -176,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--headless", action="store_true",
                        help="multi-host: serve no HTTP, follow process 0's engine step by step "
                             "(processes 1 .. N-1; process 0 serves)")
+    serve.add_argument("--trust-request-chat-template", action="store_true",
+                       help="render the chat_template a request sends (Jinja the server runs; "
+                            "default: such a request is a 400)")
     add_engine_flags(serve)
 
     bench = sub.add_parser(
@@ -347,7 +350,8 @@ def run_serve(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"two models given: {ns.model_tag!r} and --model {flag_model!r}")
     args = engine_args_from(ns, parser, model=ns.model_tag)
     serve(args, host=ns.host, port=ns.port, model_name=ns.served_model_name,
-          log_interval=ns.log_interval, log_level=ns.uvicorn_log_level, headless=ns.headless)
+          log_interval=ns.log_interval, log_level=ns.uvicorn_log_level, headless=ns.headless,
+          trust_request_chat_template=ns.trust_request_chat_template)
     return 0
 
 

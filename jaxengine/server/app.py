@@ -38,7 +38,8 @@ __version__ = package_version("jaxengine")
 
 
 def build_app(engine: LLMEngine | DataParallelEngine, *, model_name: str,
-              log_interval: float = 10.0, warm_up: bool = True) -> FastAPI:
+              log_interval: float = 10.0, warm_up: bool = True,
+              trust_request_chat_template: bool = False) -> FastAPI:
     """An OpenAI-compatible app serving `engine` as `model_name`.
 
     Args:
@@ -48,9 +49,12 @@ def build_app(engine: LLMEngine | DataParallelEngine, *, model_name: str,
       warm_up: compile every bucket of each cold replica when the app starts, before the
         engine loop (a warm engine costs nothing); False: requests compile what they need,
         stalling the batch when they do (tests that are not about warm-up).
+      trust_request_chat_template: render the chat templates requests send (vLLM's flag; a
+        template is code the server runs); False: such a request is a 400.
     """
     async_engine = AsyncEngine(engine, model_name=model_name, log_interval=log_interval)
-    serving = OpenAIServing(async_engine, model_name)
+    serving = OpenAIServing(async_engine, model_name,
+                            trust_request_chat_template=trust_request_chat_template)
     created = int(time.time())
 
     @contextlib.asynccontextmanager

@@ -27,7 +27,8 @@ def served_model_name(args: EngineArgs, explicit: str | None = None) -> str:
 
 def serve(args: EngineArgs, *, host: str = "127.0.0.1", port: int = 8000,
           model_name: str | None = None, log_interval: float = 10.0,
-          log_level: str = "info", headless: bool = False) -> None:
+          log_level: str = "info", headless: bool = False,
+          trust_request_chat_template: bool = False) -> None:
     """Load the model, compile every bucket, then serve it until interrupted (blocks).
 
     The warm-up (`jaxengine.server.warmup`) runs whatever `args.precompile` says, on every
@@ -46,6 +47,7 @@ def serve(args: EngineArgs, *, host: str = "127.0.0.1", port: int = 8000,
       log_interval: seconds between throughput log lines.
       log_level: uvicorn's and jaxengine's log level.
       headless: serve no HTTP; follow process 0 (processes 1 .. N-1 of a multi-host run).
+      trust_request_chat_template: render the chat templates requests send (`build_app`).
     Raises:
       ValueError: `headless` on process 0, or not `headless` on another process.
     """
@@ -78,10 +80,10 @@ def serve(args: EngineArgs, *, host: str = "127.0.0.1", port: int = 8000,
         _follow(engine)
     elif jax.process_count() > 1:
         _lead(engine, name, host=host, port=port, log_interval=log_interval,
-              log_level=log_level)
+              log_level=log_level, trust_request_chat_template=trust_request_chat_template)
     else:
         _run_http(engine, name, host=host, port=port, log_interval=log_interval,
-                  log_level=log_level)
+                  log_level=log_level, trust_request_chat_template=trust_request_chat_template)
 
 
 def _check_role(process: int, processes: int, *, headless: bool) -> None:
@@ -94,12 +96,13 @@ def _check_role(process: int, processes: int, *, headless: bool) -> None:
 
 
 def _run_http(engine: Any, name: str, *, host: str, port: int, log_interval: float,
-              log_level: str) -> None:
+              log_level: str, trust_request_chat_template: bool) -> None:
     import uvicorn
 
     from jaxengine.server.app import build_app
 
-    app = build_app(engine, model_name=name, log_interval=log_interval)
+    app = build_app(engine, model_name=name, log_interval=log_interval,
+                    trust_request_chat_template=trust_request_chat_template)
     uvicorn.run(app, host=host, port=port, log_level=log_level)
 
 

@@ -83,10 +83,13 @@ class OpenAIServing:
     `seed + i` (vLLM V1's rule), so it is reproducible.
     """
 
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
-        """Serve `engine` under the name `model_name`."""
+    def __init__(self, engine: AsyncEngine, model_name: str, *,
+                 trust_request_chat_template: bool = False) -> None:
+        """Serve `engine` under the name `model_name`; render the chat templates requests send
+        only if `trust_request_chat_template` (vLLM's flag)."""
         self.engine = engine
         self.model_name = model_name
+        self.trust_request_chat_template = trust_request_chat_template
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.max_model_len
         args = engine.engine.args
@@ -151,6 +154,7 @@ class OpenAIServing:
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response:
         """POST /v1/chat/completions."""
         self._check(body)
+        body.check_chat_template(trusted=self.trust_request_chat_template)
         self.limits.check_choices(body.n, 1)
         self.limits.check_text(body.num_chars(), "messages")
         choices = await self._prepare(self._chat_choices, body)
@@ -177,7 +181,8 @@ class OpenAIServing:
                        ) -> dict[str, Any]:
         """vLLM's /tokenize."""
         self.check_model(body.model)
-        tokenization.check_tokenize(body, self.tokenizer, self.limits)
+        tokenization.check_tokenize(body, self.tokenizer, self.limits,
+                                    trusted=self.trust_request_chat_template)
         return await self._prepare(tokenization.tokenize, body, self.tokenizer, self.limits)
 
     async def detokenize(self, body: DetokenizeRequest) -> dict[str, str]:

@@ -65,8 +65,9 @@ def parse_tokenize(data: Any) -> TokenizeCompletionRequest | TokenizeChatRequest
 
 
 def check_tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest, tokenizer: Any,
-                   limits: RequestLimits) -> None:
-    """What `/tokenize` checks before tokenizing: valid text, a tokenizer, and `limits`.
+                   limits: RequestLimits, *, trusted: bool) -> None:
+    """What `/tokenize` checks before tokenizing: valid text, a tokenizer, a chat template only
+    if `trusted` (as for chat completions), and `limits`.
 
     Raises:
       RequestError: naming the field.
@@ -76,6 +77,7 @@ def check_tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest, tokeni
         raise RequestError("this server has no tokenizer (skip_tokenizer_init): /tokenize is "
                            "unavailable")
     if isinstance(body, TokenizeChatRequest):
+        body.check_chat_template(trusted=trusted)
         limits.check_text(body.num_chars(), "messages")
     else:
         limits.check_text(len(body.prompt), "prompt")

@@ -62,6 +62,13 @@ def test_flags_given_reach_engine_args_and_the_rest_keep_defaults() -> None:
     assert args.max_num_batched_tokens is None
 
 
+def test_serve_trusts_request_chat_templates_only_when_told() -> None:
+    parser = build_parser()
+    assert parser.parse_args(["serve"]).trust_request_chat_template is False
+    assert parser.parse_args(["serve", "--trust-request-chat-template"]
+                             ).trust_request_chat_template is True
+
+
 def test_bad_engine_values_exit_with_the_engines_message(
         capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:

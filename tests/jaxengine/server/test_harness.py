@@ -61,21 +61,24 @@ class RunningServer:
         self.thread.join(timeout=30)
 
 
-def start_server(*, warm_up: bool = False, **engine_args: Any) -> RunningServer:
+def start_server(*, warm_up: bool = False, app_args: dict[str, Any] | None = None,
+                 **engine_args: Any) -> RunningServer:
     """Build an engine (on the tiny fixture model unless `model=` says otherwise) and serve it
-    on a free loopback port (`warm_up`: as for `serve_engine`)."""
+    on a free loopback port (`warm_up`, `app_args`: as for `serve_engine`)."""
     args = EngineArgs(**{"model": str(TINY), **ENGINE_ARGS, **engine_args})
-    return serve_engine(build_engine(args), warm_up=warm_up)
+    return serve_engine(build_engine(args), warm_up=warm_up, **(app_args or {}))
 
 
-def serve_engine(engine: Any, *, warm_up: bool = False) -> RunningServer:
+def serve_engine(engine: Any, *, warm_up: bool = False, **app_args: Any) -> RunningServer:
     """Serve a built engine (an `LLMEngine` or a `DataParallelEngine`) on a free loopback
     port as `MODEL_NAME`; `stop()` it when done.
 
     `warm_up`: compile every bucket before listening, as `jaxengine serve` does. Off by default
     here: most server tests are not about warm-up, and a step compiles what it needs.
+    `app_args`: `build_app`'s other arguments (e.g. `trust_request_chat_template`).
     """
-    app = build_app(engine, model_name=MODEL_NAME, log_interval=0, warm_up=warm_up)
+    app = build_app(engine, model_name=MODEL_NAME, log_interval=0, warm_up=warm_up,
+                    **app_args)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
