@@ -180,8 +180,8 @@ class SamplingFields(RequestModel):
         for name, why in type(self).REFUSED.items():
             value = getattr(self, name)
             if not refused.is_neutral(value, why):
-                raise RequestError(f"'{name}' is not supported by this server ({why}); got "
-                                   f"{value!r}", name)
+                raise RequestError(f"'{name}' is not supported by this server "
+                                   f"({why.reason}); got {value!r}", name)
         if self.n < 1:
             raise RequestError(f"n must be at least 1, got {self.n}", "n")
         if self.best_of is not None and self.best_of != self.n:
