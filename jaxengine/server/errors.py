@@ -86,6 +86,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     reasons = list(dict.fromkeys(_reason(e) for e in same))
     others = sorted({".".join(_field_path(e.get("loc", ()))) for e in errors} - {field})
     message = f"invalid '{field}': " + "; or ".join(reasons)
+    if str(same[0].get("type", "")).endswith("_type"):  # the wrong type: say which it was
+        message += f" (got {_json_type(same[0].get('input'))})"
     if others:
         message += f" (also invalid: {', '.join(others)})"
     return message, path[0]
@@ -97,6 +99,16 @@ def _reason(error: Any) -> str:
         return "Input should be an object"
     # a validator's ValueError: its message is ours, already written for the client
     return str(error.get("msg", "invalid")).removeprefix("Value error, ")
+
+
+def _json_type(value: Any) -> str:
+    """The JSON type of a parsed value, as a client would name it."""
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    names = {str: "a string", list: "an array", dict: "an object"}
+    return next((name for kind, name in names.items() if isinstance(value, kind)), "null")
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -67,9 +67,14 @@ def has_lone_surrogate(value: Any) -> bool:
 class RequestModel(BaseModel):
     """A request body (or a part of one): unknown fields are refused, and an explicit `null`
     for a field that cannot be null means "not set" (OpenAI's and vLLM's reading), so
-    `"stream": null` is `false`; a field that can be null keeps it (`"max_tokens": null`)."""
+    `"stream": null` is `false`; a field that can be null keeps it (`"max_tokens": null`).
 
-    model_config = ConfigDict(extra="forbid")
+    Types are strict, as OpenAI's API is: `"max_tokens": true` or `"stream": "yes"` is a 400
+    naming the field, not one token or a stream (pydantic's lax mode converts them). A JSON
+    integer is still a number (`"temperature": 1`).
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     @model_validator(mode="before")
     @classmethod
