@@ -6,7 +6,7 @@ prepared in a worker thread: tokenizing, rendering a chat template and fanning o
 take time in proportion to the request, and the event loop must go on serving every other
 request (and /health) meanwhile. At most `PREPARE_THREADS` requests are prepared at once; the
 others wait for a thread, so a burst of large requests holds a bounded amount of memory and
-leaves the CPU to the engine loop. (`tokenizers` releases the GIL while it encodes; a Jinja
+leaves the CPU to the engine loop. (`tokenizers` releases the GIL for most of its work; a Jinja
 template holds it, but the interpreter hands it to the event loop every few milliseconds.)
 
 A streamed response is an async generator of server-sent events. When the client goes away,
@@ -62,7 +62,7 @@ PREPARE_THREADS = 4  # requests prepared at once (module docstring)
 T = TypeVar("T")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class _Choices:
     """A prepared request: one engine request per choice, and what its response needs."""
 
@@ -149,7 +149,8 @@ class OpenAIServing:
                 children.append((prompt, child))
                 echo.append(text)
         prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
-        return _Choices(children, echo, prompt_tokens, so)
+        return _Choices(children=children, echo=echo, prompt_tokens=prompt_tokens,
+                        structured_outputs=so)
 
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response:
         """POST /v1/chat/completions."""
@@ -175,7 +176,8 @@ class OpenAIServing:
                                       self.default_sampling_params, structured_outputs=so,
                                       prompt_logprobs=body.prompt_logprobs)
         children = [(prompt, child) for child in body.child_params(params)]
-        return _Choices(children, [body.echo_text()] * len(children), len(ids), so, tool_choice)
+        return _Choices(children=children, echo=[body.echo_text()] * len(children),
+                        prompt_tokens=len(ids), structured_outputs=so, tool_choice=tool_choice)
 
     async def tokenize(self, body: TokenizeCompletionRequest | TokenizeChatRequest
                        ) -> dict[str, Any]:
