@@ -94,6 +94,24 @@ class Tokenizer:
         """Number of token ids, added tokens included."""
         return self.backend.get_vocab_size(with_added_tokens=True)
 
+    def max_chars_per_token(self) -> int:
+        """The most characters of a text one token can stand for, so a text of C characters
+        has at least ceil(C / this) tokens (the server refuses a prompt before tokenizing it
+        when that many tokens could not fit the context).
+
+        A token's string in the vocabulary (added tokens included) covers at most as many
+        characters as it has: a byte-level token's string has one character per byte, and a
+        character takes at least one byte; a SentencePiece-style token's characters are the
+        text's own (its "▁" a space). A composing normalizer (NFC, NFKC) turns up to 4
+        characters into one (U+1FAF is 4 code points decomposed), so it multiplies the bound
+        by 4. Characters a tokenizer drops (a BERT normalizer's control characters) or fuses
+        into one unknown token are not bounded by this: a text made of them may tokenize to
+        fewer tokens than the bound says.
+        """
+        longest = max(map(len, self.backend.get_vocab(with_added_tokens=True)))
+        normalizer = json.dumps(json.loads(self.backend.to_str()).get("normalizer"))
+        return longest * (4 if '"NFC"' in normalizer or '"NFKC"' in normalizer else 1)
+
     def token_str(self, token_id: int | None) -> str:
         """The string of a (special) token, '' for None."""
         return "" if token_id is None else (self.backend.id_to_token(token_id) or "")

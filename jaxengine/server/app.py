@@ -30,7 +30,6 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from jaxengine.engine.llm_engine import LLMEngine
 from jaxengine.parallel.data_parallel import DataParallelEngine
-from jaxengine.server import tokenization
 from jaxengine.server.args import FrontendArgs
 from jaxengine.server.async_engine import AsyncEngine
 from jaxengine.server.chat_protocol import ChatCompletionRequest
@@ -62,12 +61,13 @@ def build_app(engine: LLMEngine | DataParallelEngine, *, model_name: str,
       warm_up: compile every bucket of each cold replica when the app starts, before the
         engine loop (a warm engine costs nothing); False: requests compile what they need,
         stalling the batch when they do (tests that are not about warm-up).
-      frontend: the API key and body limit (its timeouts are uvicorn's: `serve` applies
-        them); None: `FrontendArgs()`, no key.
+      frontend: the API key, the body limit and whether requests may bring chat templates
+        (its timeouts are uvicorn's: `serve` applies them); None: `FrontendArgs()`, no key.
     """
     frontend = FrontendArgs() if frontend is None else frontend
     async_engine = AsyncEngine(engine, model_name=model_name, log_interval=log_interval)
-    serving = OpenAIServing(async_engine, model_name)
+    serving = OpenAIServing(async_engine, model_name,
+                            trust_request_chat_template=frontend.trust_request_chat_template)
     created = int(time.time())
 
     async def stop_engine() -> None:
@@ -134,16 +134,12 @@ def build_app(engine: LLMEngine | DataParallelEngine, *, model_name: str,
     @app.post("/tokenize")
     async def tokenize(body: Annotated[Any, Body()]) -> JSONResponse:
         """vLLM's /tokenize: a prompt, or a conversation through the chat template."""
-        request = parse_tokenize(body)
-        serving.check_model(request.model)
-        return JSONResponse(tokenization.tokenize(request, serving.tokenizer,
-                                                  engine.max_model_len))
+        return JSONResponse(await serving.tokenize(parse_tokenize(body)))
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> JSONResponse:
         """vLLM's /detokenize: token ids to text."""
-        serving.check_model(body.model)
-        return JSONResponse(tokenization.detokenize(body, serving.tokenizer))
+        return JSONResponse(await serving.detokenize(body))
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, raw: Request) -> Response:

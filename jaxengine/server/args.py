@@ -1,7 +1,8 @@
 """`FrontendArgs`: the HTTP server's own settings (vLLM's name for them), apart from the engine's.
 
 They guard the server's edge: who may call it (`api_key`), how big a request may be, how long a
-client may take to send one or stay idle, and how long a shutdown waits for running requests.
+client may take to send one or stay idle, whether a request may bring its own chat template, and
+how long a shutdown waits for running requests.
 `jaxengine serve` makes one flag per field (`--api-key`, `--shutdown-timeout`, ...), with the
 help text each field declares.
 """
@@ -42,6 +43,9 @@ class FrontendArgs:
     timeout_headers: float = _arg(10.0, "seconds a client has to send a request's headers, "
                                         "from the connection's start or the previous response; "
                                         "then the connection is closed")
+    trust_request_chat_template: bool = _arg(
+        False, "render the chat_template a request sends (Jinja the server runs: vLLM's flag); "
+               "off, such a request is a 400")
     shutdown_timeout: float = _arg(10.0, "on SIGTERM or Ctrl-C, seconds to wait for running "
                                          "requests to finish before aborting the rest (0: "
                                          "abort at once)")

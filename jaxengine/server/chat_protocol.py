@@ -4,14 +4,24 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, field_validator
+from transformers import PreTrainedTokenizerBase
 
 from jaxengine.server import refused
 from jaxengine.server.protocol import RequestError, RequestModel, SamplingFields
 from jaxengine.server.refused import Refused
+
+# transformers' rendering arguments, which chat_template_kwargs (template variables) may not set:
+# they would change what rendering returns, or clash with the request's own fields. (vLLM
+# refuses `chat_template` and `tokenize` there; `messages` is the template's own variable.)
+_RENDER_ARGS = (set(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters)
+                - {"self", "conversation", "kwargs"} | {"messages"})
+_REQUEST_FIELDS = ("messages", "chat_template", "add_generation_prompt", "continue_final_message",
+                   "tools", "documents")
 
 
 class TextPart(RequestModel):
@@ -70,6 +80,31 @@ class ChatTemplateFields(RequestModel):
     chat_template_kwargs: dict[str, Any] | None = None  # extra template variables
     documents: list[dict[str, str]] | None = None  # the template's RAG documents, if it has any
     tools: list[dict[str, Any]] | None = None  # shown to the model by its chat template
+
+    def check_chat_template(self, *, trusted: bool) -> None:
+        """Refuse a chat template sent with the request unless the server trusts them (vLLM's
+        --trust-request-chat-template: a template is Jinja the server runs), and template
+        variables that are rendering arguments.
+
+        Raises:
+          RequestError: naming `chat_template` or `chat_template_kwargs`.
+        """
+        for key in sorted(_RENDER_ARGS & set(self.chat_template_kwargs or {})):
+            instead = (f"send it as the request's '{key}' field" if key in _REQUEST_FIELDS
+                       else "leave it out")
+            raise RequestError(f"chat_template_kwargs may not set '{key}', which is an argument "
+                               f"of the rendering, not a template variable: {instead}",
+                               "chat_template_kwargs")
+        if self.chat_template is not None and not trusted:
+            raise RequestError("this server does not render chat templates sent with a request "
+                               "(a template is code the server runs): leave 'chat_template' out "
+                               "to use the model's own, or start the server with "
+                               "--trust-request-chat-template", "chat_template")
+
+    def num_chars(self) -> int:
+        """The characters of the messages' text (what the rendered prompt has at least, when
+        the template renders every message, as chat templates do)."""
+        return sum(len(m.text()) for m in self.messages)
 
     def generation_prompt(self) -> bool:
         """`add_generation_prompt`, off when continuing the final message (and not set)."""

@@ -44,6 +44,9 @@ def error_response(message: str, *, code: int = 400, param: str | None = None) -
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after",
               "function-before", "literal", "model"}
+# pydantic's messages that would name our classes ("... or instance of StreamOptions"), in JSON's
+# words instead
+_OBJECT_EXPECTED = {"model_type", "model_attributes_type", "dict_type"}
 
 
 def _field_path(loc: Any) -> list[str]:
@@ -83,12 +86,32 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return (f"unknown field {names}: not an OpenAI or vLLM request field this server knows; "
                 f"remove it (docs/DESIGN.md lists the fields)", unknown[0][0])
     same = [e for e in errors if _field_path(e.get("loc", ())) == path]
-    reasons = list(dict.fromkeys(str(e.get("msg", "invalid")) for e in same))
+    reasons = list(dict.fromkeys(_reason(e) for e in same))
     others = sorted({".".join(_field_path(e.get("loc", ()))) for e in errors} - {field})
     message = f"invalid '{field}': " + "; or ".join(reasons)
+    if str(same[0].get("type", "")).endswith("_type"):  # the wrong type: say which it was
+        message += f" (got {_json_type(same[0].get('input'))})"
     if others:
         message += f" (also invalid: {', '.join(others)})"
     return message, path[0]
+
+
+def _reason(error: Any) -> str:
+    """What one of pydantic's errors says is wrong."""
+    if error.get("type") in _OBJECT_EXPECTED:
+        return "Input should be an object"
+    # a validator's ValueError: its message is ours, already written for the client
+    return str(error.get("msg", "invalid")).removeprefix("Value error, ")
+
+
+def _json_type(value: Any) -> str:
+    """The JSON type of a parsed value, as a client would name it."""
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int | float):
+        return "a number"
+    names = {str: "a string", list: "an array", dict: "an object"}
+    return next((name for kind, name in names.items() if isinstance(value, kind)), "null")
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -112,8 +135,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        # What went wrong is the server's to know: the log has it, the client is told that.
         logger.error("unhandled error in a request", exc_info=exc)
-        return error_response(f"internal error: {type(exc).__name__}: {exc}", code=500)
+        return error_response("internal server error (the server's log has the details)",
+                              code=500)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from jaxengine.server.chat_protocol import ChatTemplateFields
+from jaxengine.server.limits import RequestLimits
 from jaxengine.server.protocol import CompletionRequest, RequestError
 
 EnginePrompt = dict[str, Any]
@@ -32,12 +33,14 @@ def completion_prompts(body: CompletionRequest, tokenizer: Any) -> list[EnginePr
     return prompts
 
 
-def chat_prompt(body: ChatTemplateFields, tokenizer: Any) -> EnginePrompt:
+def chat_prompt(body: ChatTemplateFields, tokenizer: Any, limits: RequestLimits
+                ) -> EnginePrompt:
     """The conversation rendered by the chat template (the body's own, if it sends one).
 
     Raises:
-      RequestError: no tokenizer, a conversation that renders to nothing, or a template that
-        fails on it (the message is the template's).
+      RequestError: no tokenizer, a conversation that renders to nothing or to more text than
+        `limits` allow (before it is tokenized), or a template that fails on it (the message
+        is the template's).
     """
     if tokenizer is None:
         raise RequestError("this server has no tokenizer: chat is unavailable")
@@ -51,6 +54,7 @@ def chat_prompt(body: ChatTemplateFields, tokenizer: Any) -> EnginePrompt:
     except Exception as e:  # jinja's errors (a bad request template, raise_exception())
         raise RequestError(f"the chat template failed on this conversation: {e}",
                            "messages") from None
+    limits.check_text(len(text), "messages")
     ids = tokenizer.encode(text, add_special_tokens=body.add_special_tokens)
     if not ids:
         raise RequestError("the conversation renders to an empty prompt", "messages")

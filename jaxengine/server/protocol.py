@@ -67,9 +67,14 @@ def has_lone_surrogate(value: Any) -> bool:
 class RequestModel(BaseModel):
     """A request body (or a part of one): unknown fields are refused, and an explicit `null`
     for a field that cannot be null means "not set" (OpenAI's and vLLM's reading), so
-    `"stream": null` is `false`; a field that can be null keeps it (`"max_tokens": null`)."""
+    `"stream": null` is `false`; a field that can be null keeps it (`"max_tokens": null`).
 
-    model_config = ConfigDict(extra="forbid")
+    Types are strict, as OpenAI's API is: `"max_tokens": true` or `"stream": "yes"` is a 400
+    naming the field, not one token or a stream (pydantic's lax mode converts them). A JSON
+    integer is still a number (`"temperature": 1`).
+    """
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -180,8 +185,8 @@ class SamplingFields(RequestModel):
         for name, why in type(self).REFUSED.items():
             value = getattr(self, name)
             if not refused.is_neutral(value, why):
-                raise RequestError(f"'{name}' is not supported by this server ({why}); got "
-                                   f"{value!r}", name)
+                raise RequestError(f"'{name}' is not supported by this server "
+                                   f"({why.reason}); got {value!r}", name)
         if self.n < 1:
             raise RequestError(f"n must be at least 1, got {self.n}", "n")
         if self.best_of is not None and self.best_of != self.n:
@@ -322,8 +327,7 @@ def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: in
     """
     room = max_model_len - prompt_len
     if room <= 0:
-        raise RequestError(f"This model's maximum context length is {max_model_len} tokens; "
-                           f"the prompt has {prompt_len} tokens. Shorten the prompt.", prompt_param)
+        raise prompt_too_long(prompt_len, max_model_len, prompt_param)
     if requested is None:
         return room if default is None else min(default, room)
     if requested <= 0:
@@ -335,3 +339,9 @@ def resolve_max_tokens(requested: int | None, prompt_len: int, max_model_len: in
             f"{requested} in the completion). Please reduce the length of the messages or "
             f"completion.", "max_tokens")
     return requested
+
+
+def prompt_too_long(prompt_len: int, max_model_len: int, param: str) -> RequestError:
+    """The 400 for a prompt of `prompt_len` tokens that leaves no room in the context."""
+    return RequestError(f"This model's maximum context length is {max_model_len} tokens; the "
+                        f"prompt has {prompt_len} tokens. Shorten the prompt.", param)

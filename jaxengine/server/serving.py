@@ -1,4 +1,13 @@
-"""The two generation endpoints: validate, tokenize, submit to the `AsyncEngine`, respond.
+"""The generation endpoints (and /tokenize, /detokenize): validate, prepare, submit to the
+`AsyncEngine`, respond.
+
+A request is checked on the event loop (its fields, then `jaxengine.server.limits`), then
+prepared in a worker thread: tokenizing, rendering a chat template and fanning out n samples
+take time in proportion to the request, and the event loop must go on serving every other
+request (and /health) meanwhile. At most `PREPARE_THREADS` requests are prepared at once; the
+others wait for a thread, so a burst of large requests holds a bounded amount of memory and
+leaves the CPU to the engine loop. (`tokenizers` releases the GIL for most of its work; a Jinja
+template holds it, but the interpreter hands it to the event loop every few milliseconds.)
 
 A streamed response is an async generator of server-sent events. When the client goes away,
 Starlette cancels that generator; its `finally` aborts the request, which frees its KV blocks
@@ -9,17 +18,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
+import anyio
+import anyio.to_thread
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from jaxengine.engine.outputs import RequestOutput
 from jaxengine.loading.generation_config import diff_sampling_params
+from jaxengine.server import tokenization
 from jaxengine.server.async_engine import AsyncEngine, EngineDeadError, RequestGroup
 from jaxengine.server.chat_protocol import ChatCompletionRequest
 from jaxengine.server.errors import error_body, error_response
+from jaxengine.server.limits import RequestLimits
 from jaxengine.server.prompts import (
     EnginePrompt,
     chat_prompt,
@@ -34,14 +48,34 @@ from jaxengine.server.protocol import (
 )
 from jaxengine.server.responses import Formatter, Kind, request_ids, sse, usage, usage_of_choice
 from jaxengine.server.structured import ToolChoice, structured_outputs_of
+from jaxengine.server.tokenization import (
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+)
 from jaxengine.structured.params import StructuredOutputsParams
 from scheduler import SamplingParams, SamplingParamsError
 
 logger = logging.getLogger("jaxengine.server")
 
+PREPARE_THREADS = 4  # requests prepared at once (module docstring)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Choices:
+    """A prepared request: one engine request per choice, and what its response needs."""
+
+    children: list[tuple[EnginePrompt, SamplingParams]]  # (prompt, params) per choice
+    echo: list[str]  # per choice, the text before its own
+    prompt_tokens: int  # the prompts' tokens, each prompt counted once
+    structured_outputs: StructuredOutputsParams | None  # the output constraint, to compile
+    tool_choice: ToolChoice | None = None  # chat: the output is tool calls
+
 
 class OpenAIServing:
-    """Serves `/v1/completions` and `/v1/chat/completions` for one model.
+    """Serves `/v1/completions`, `/v1/chat/completions`, `/tokenize` and `/detokenize` for one
+    model.
 
     A request with n samples (and, for completions, a list of prompts) becomes one engine
     request per choice, all added in one step (`AsyncEngine.add_all`): the n samples of a
@@ -49,15 +83,21 @@ class OpenAIServing:
     `seed + i` (vLLM V1's rule), so it is reproducible.
     """
 
-    def __init__(self, engine: AsyncEngine, model_name: str) -> None:
-        """Serve `engine` under the name `model_name`."""
+    def __init__(self, engine: AsyncEngine, model_name: str, *,
+                 trust_request_chat_template: bool = False) -> None:
+        """Serve `engine` under the name `model_name`; render the chat templates requests send
+        only if `trust_request_chat_template` (vLLM's flag)."""
         self.engine = engine
         self.model_name = model_name
+        self.trust_request_chat_template = trust_request_chat_template
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.max_model_len
         args = engine.engine.args
+        self.limits = RequestLimits.of(max_model_len=self.max_model_len,
+                                       max_num_seqs=args.max_num_seqs, tokenizer=self.tokenizer)
         # vLLM's name: what fills the sampling fields a request leaves unset
         self.default_sampling_params = diff_sampling_params(args.model, args.generation_config)
+        self._threads = anyio.CapacityLimiter(PREPARE_THREADS)
 
     def check_model(self, model: str | None) -> None:
         """vLLM's 404 for a `model` this server does not serve (`OpenAIServing._check_model`),
@@ -72,11 +112,24 @@ class OpenAIServing:
         self.check_model(body.model)
         body.check_supported()
 
+    async def _prepare(self, fn: Callable[..., T], *args: Any) -> T:
+        """`fn(*args)` in a worker thread, at most `PREPARE_THREADS` at once."""
+        return await anyio.to_thread.run_sync(fn, *args, limiter=self._threads)
+
     async def completions(self, body: CompletionRequest, raw: Request) -> Response:
         """POST /v1/completions."""
         self._check(body)
+        prompts = body.prompts()
+        self.limits.check_choices(body.n, len(prompts))
+        self.limits.check_prompts(prompts, truncated=body.truncate_prompt_tokens is not None)
+        choices = await self._prepare(self._completion_choices, body)
+        await self._compile(choices.structured_outputs, body)
+        return await self._generate("completion", body, choices, raw,
+                                    with_logprobs=body.logprobs is not None)
+
+    def _completion_choices(self, body: CompletionRequest) -> _Choices:
+        """Tokenize each prompt and fan it out into n choices (in a worker thread)."""
         so, _ = structured_outputs_of(body)
-        await self._compile(so, body)
         children, echo = [], []
         prompts = completion_prompts(body, self.tokenizer)
         for prompt in prompts:
@@ -96,17 +149,25 @@ class OpenAIServing:
                 children.append((prompt, child))
                 echo.append(text)
         prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
-        return await self._generate("completion", body, children, raw, echo=echo,
-                                    prompt_tokens=prompt_tokens,
-                                    with_logprobs=body.logprobs is not None)
+        return _Choices(children=children, echo=echo, prompt_tokens=prompt_tokens,
+                        structured_outputs=so)
 
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response:
         """POST /v1/chat/completions."""
         self._check(body)
+        body.check_chat_template(trusted=self.trust_request_chat_template)
+        self.limits.check_choices(body.n, 1)
+        self.limits.check_text(body.num_chars(), "messages")
+        choices = await self._prepare(self._chat_choices, body)
+        await self._compile(choices.structured_outputs, body)
+        return await self._generate("chat", body, choices, raw, with_logprobs=body.logprobs)
+
+    def _chat_choices(self, body: ChatCompletionRequest) -> _Choices:
+        """Render and tokenize the conversation, and fan it out into n choices (in a worker
+        thread)."""
         so, tool_choice = structured_outputs_of(body, body.tool_choice, body.tools)
-        await self._compile(so, body)
-        prompt = truncated(chat_prompt(body, self.tokenizer), body.truncate_prompt_tokens,
-                           self.tokenizer)
+        prompt = truncated(chat_prompt(body, self.tokenizer, self.limits),
+                           body.truncate_prompt_tokens, self.tokenizer)
         ids = prompt["prompt_token_ids"]
         max_tokens = resolve_max_tokens(body.requested_max_tokens(), len(ids),
                                         self.max_model_len, prompt_param="messages",
@@ -115,10 +176,21 @@ class OpenAIServing:
                                       self.default_sampling_params, structured_outputs=so,
                                       prompt_logprobs=body.prompt_logprobs)
         children = [(prompt, child) for child in body.child_params(params)]
-        return await self._generate("chat", body, children, raw,
-                                    echo=[body.echo_text()] * len(children),
-                                    prompt_tokens=len(ids), with_logprobs=body.logprobs,
-                                    tool_choice=tool_choice)
+        return _Choices(children=children, echo=[body.echo_text()] * len(children),
+                        prompt_tokens=len(ids), structured_outputs=so, tool_choice=tool_choice)
+
+    async def tokenize(self, body: TokenizeCompletionRequest | TokenizeChatRequest
+                       ) -> dict[str, Any]:
+        """vLLM's /tokenize."""
+        self.check_model(body.model)
+        tokenization.check_tokenize(body, self.tokenizer, self.limits,
+                                    trusted=self.trust_request_chat_template)
+        return await self._prepare(tokenization.tokenize, body, self.tokenizer, self.limits)
+
+    async def detokenize(self, body: DetokenizeRequest) -> dict[str, str]:
+        """vLLM's /detokenize."""
+        self.check_model(body.model)
+        return await self._prepare(tokenization.detokenize, body, self.tokenizer)
 
     async def _compile(self, so: StructuredOutputsParams | None, body: Any) -> None:
         """Compile the request's grammar for the tokenizer before it is queued (off the event
@@ -135,13 +207,12 @@ class OpenAIServing:
     def _default_max_tokens(self) -> int | None:
         return self.default_sampling_params.get("max_tokens")
 
-    async def _generate(self, kind: Kind, body: Any,
-                        children: Sequence[tuple[EnginePrompt, SamplingParams]], raw: Request, *,
-                        echo: Sequence[str], prompt_tokens: int, with_logprobs: bool,
-                        tool_choice: ToolChoice | None = None) -> Response:
+    async def _generate(self, kind: Kind, body: Any, choices: _Choices, raw: Request, *,
+                        with_logprobs: bool) -> Response:
         """Submit one engine request per choice and respond (SSE when `body.stream`)."""
         # vLLM's `_base_request_id`: the X-Request-Id header, else the body's request_id
         base = raw.headers.get("x-request-id") or body.request_id
+        children = choices.children
         request_id, ids = request_ids(kind, base, len(children))
         try:
             group = await self.engine.add_all(
@@ -153,14 +224,16 @@ class OpenAIServing:
         except EngineDeadError as e:
             return error_response(str(e), code=503)
         completion = kind == "completion"
-        fmt = Formatter(kind, self.model_name, self.tokenizer, request_id, echo=echo,
-                        tokens_as_ids=body.return_tokens_as_token_ids, tool_choice=tool_choice,
+        fmt = Formatter(kind, self.model_name, self.tokenizer, request_id, echo=choices.echo,
+                        tokens_as_ids=body.return_tokens_as_token_ids,
+                        tool_choice=choices.tool_choice,
                         echo_logprobs=body.logprobs if completion and body.echo else None,
                         echo_only=completion and body.echo_only,
                         top_logprobs=0 if completion else body.top_logprobs or 0,
                         prompt_logprobs=body.prompt_logprobs is not None)
         if body.stream:
-            events = _events(group, fmt, with_logprobs=with_logprobs, prompt_tokens=prompt_tokens,
+            events = _events(group, fmt, with_logprobs=with_logprobs,
+                             prompt_tokens=choices.prompt_tokens,
                              include_usage=body.include_usage,
                              continuous_usage=body.continuous_usage)
             return StreamingResponse(events, media_type="text/event-stream")
@@ -173,7 +246,7 @@ class OpenAIServing:
         if outs is None:  # the client left; nobody reads this
             return Response(status_code=499)
         return JSONResponse(fmt.response(outs, with_logprobs=with_logprobs,
-                                         prompt_tokens=prompt_tokens))
+                                         prompt_tokens=choices.prompt_tokens))
 
 
 async def _events(group: RequestGroup, fmt: Formatter, *, with_logprobs: bool,

@@ -4,7 +4,8 @@
 `{"messages", "add_generation_prompt"?, "continue_final_message"?, ...}` (the chat template
 renders it as `/v1/chat/completions` would) and answers `{"count", "max_model_len", "tokens"}`
 (plus `"token_strs"` with `return_token_strs`); `/detokenize` takes `{"tokens"}` and answers
-`{"prompt"}`. Unknown fields are 400s naming them, as everywhere in this server.
+`{"prompt"}`. Unknown fields are 400s naming them, as everywhere in this server, and a prompt
+longer than the context could hold is refused before it is tokenized (`jaxengine.server.limits`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, ValidationError
 
 from jaxengine.server.chat_protocol import ChatTemplateFields
+from jaxengine.server.limits import RequestLimits
 from jaxengine.server.prompts import chat_prompt
 from jaxengine.server.protocol import (
     RequestError,
@@ -62,18 +64,33 @@ def parse_tokenize(data: Any) -> TokenizeCompletionRequest | TokenizeChatRequest
                                       for err in e.errors()]) from None
 
 
-def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest, tokenizer: Any,
-             max_model_len: int) -> dict[str, Any]:
-    """`/tokenize`'s response."""
+def check_tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest, tokenizer: Any,
+                   limits: RequestLimits, *, trusted: bool) -> None:
+    """What `/tokenize` checks before tokenizing: valid text, a tokenizer, a chat template only
+    if `trusted` (as for chat completions), and `limits`.
+
+    Raises:
+      RequestError: naming the field.
+    """
     _check_text(body)
     if tokenizer is None:
         raise RequestError("this server has no tokenizer (skip_tokenizer_init): /tokenize is "
                            "unavailable")
     if isinstance(body, TokenizeChatRequest):
-        ids = chat_prompt(body, tokenizer)["prompt_token_ids"]
+        body.check_chat_template(trusted=trusted)
+        limits.check_text(body.num_chars(), "messages")
+    else:
+        limits.check_text(len(body.prompt), "prompt")
+
+
+def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest, tokenizer: Any,
+             limits: RequestLimits) -> dict[str, Any]:
+    """`/tokenize`'s response (after `check_tokenize`)."""
+    if isinstance(body, TokenizeChatRequest):
+        ids = chat_prompt(body, tokenizer, limits)["prompt_token_ids"]
     else:
         ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-    response: dict[str, Any] = {"count": len(ids), "max_model_len": max_model_len,
+    response: dict[str, Any] = {"count": len(ids), "max_model_len": limits.max_model_len,
                                 "tokens": ids}
     if body.return_token_strs:
         response["token_strs"] = [tokenizer.token_str(i) for i in ids]

@@ -18,7 +18,11 @@ import llguidance.hf
 from jaxengine.loading.tokenizer import Tokenizer
 from jaxengine.structured.bitmask import bitmask_width
 from jaxengine.structured.matcher import GrammarMatcher
-from jaxengine.structured.params import StructuredOutputsError, StructuredOutputsParams
+from jaxengine.structured.params import (
+    StructuredOutputsError,
+    StructuredOutputsParams,
+    llguidance_reason,
+)
 
 
 class CompiledGrammar:
@@ -139,5 +143,6 @@ class GrammarCompiler:
             name = f"structured_outputs.{params.kind}"
             raise StructuredOutputsError(
                 f"{name}: the grammar does not compile for this model's tokenizer, change it: "
-                f"{template.get_error().strip()}", param=name, value=getattr(params, params.kind))
+                f"{llguidance_reason(template.get_error())}", param=name,
+                value=getattr(params, params.kind))
         return CompiledGrammar(template, self.eos_token_ids)

@@ -10,6 +10,7 @@ reported when the request arrives, not when it is compiled. Compiling against th
 
 import copy
 import json as jsonlib
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,8 +20,16 @@ import llguidance
 from scheduler.sampling_params import SamplingParamsError
 
 KINDS = ("json", "regex", "choice", "grammar", "json_object")  # vLLM's order
+# A choice list's bounds: OpenAI's on a structured-outputs schema's enum values (1000), and a
+# total length that compiles in well under a second. llguidance itself asserts (a panic) past
+# about 65k choices, and takes seconds long before that.
+MAX_CHOICES = 1000
+MAX_CHOICE_CHARS = 100_000
 _JSON_KINDS = ("json", "json_object")
 _JSON_OPTIONS = ("disable_additional_properties", "whitespace_pattern")
+
+
+logger = logging.getLogger("jaxengine.structured")
 
 
 class StructuredOutputsError(SamplingParamsError):
@@ -71,7 +80,8 @@ class StructuredOutputsParams:
         if error:
             raise StructuredOutputsError(
                 f"structured_outputs.{kind}: the {_NOUNS[kind]} is not valid, fix it: "
-                f"{error.strip()}", param=f"structured_outputs.{kind}", value=getattr(self, kind))
+                f"{llguidance_reason(error)}", param=f"structured_outputs.{kind}",
+                value=getattr(self, kind))
         object.__setattr__(self, "kind", kind)
         object.__setattr__(self, "key", (kind, grammar))
 
@@ -86,6 +96,15 @@ class StructuredOutputsParams:
 
 _NOUNS = {"json": "JSON schema", "regex": "regex", "choice": "choice list",
           "grammar": "grammar", "json_object": "json_object grammar"}
+
+
+def llguidance_reason(error: str) -> str:
+    """llguidance's error text, fit to show a client. A panic (llguidance hit an internal
+    limit; the text is Rust's assertion and backtrace) is logged and summarized instead."""
+    if not error.lstrip().startswith("panic") and "<backtrace>" not in error:
+        return error.strip()
+    logger.warning("llguidance panicked on a request's constraint: %s", error)
+    return "llguidance cannot handle it (it is past an internal limit); make it smaller"
 
 
 def _error(name: str, message: str, value: Any) -> StructuredOutputsError:
@@ -110,14 +129,29 @@ def _the_kind(p: StructuredOutputsParams) -> str:
                      f"{type(value).__name__}", value)
     if kind in ("regex", "grammar") and (not isinstance(value, str) or not value):
         raise _error(kind, f"must be a non-empty string, not {value!r}", value)
-    if kind == "choice" and (isinstance(value, str) or not isinstance(value, Sequence)
-                             or not value or not all(isinstance(c, str) and c for c in value)):
-        raise _error("choice", f"must be a non-empty list of non-empty strings, not {value!r}",
-                     value)
+    if kind == "choice":
+        _check_choice(value)
     if kind == "json_object" and value is not True:
         raise _error("json_object", f"must be true when given (got {value!r}); leave it unset "
                      "for no constraint", value)
     return kind
+
+
+def _check_choice(value: Any) -> None:
+    if isinstance(value, str) or not isinstance(value, Sequence) or not value:
+        raise _error("choice", f"must be a non-empty list of non-empty strings, not {value!r}",
+                     value)
+    if len(value) > MAX_CHOICES:
+        raise _error("choice", f"at most {MAX_CHOICES} choices are allowed, got {len(value)}",
+                     len(value))
+    if not all(isinstance(c, str) and c for c in value):
+        raise _error("choice", "must be a non-empty list of non-empty strings; got "
+                     f"{next(c for c in value if not (isinstance(c, str) and c))!r} in it",
+                     value)
+    chars = sum(map(len, value))
+    if chars > MAX_CHOICE_CHARS:
+        raise _error("choice", f"the choices may have at most {MAX_CHOICE_CHARS} characters "
+                     f"in all, got {chars}", chars)
 
 
 def _check_options(p: StructuredOutputsParams, kind: str) -> None:
@@ -146,14 +180,15 @@ def _serialize(p: StructuredOutputsParams, kind: str) -> str:
         try:
             return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=options)
         except ValueError as e:
-            raise _error(kind, f"the JSON schema is not valid, fix it: {e}", p.json) from None
+            raise _error(kind, f"the JSON schema is not valid, fix it: "
+                         f"{llguidance_reason(str(e))}", p.json) from None
     if kind == "choice":
         return llguidance.grammar_from("choice", jsonlib.dumps(list(p.choice)))
     try:
         return llguidance.grammar_from(kind, getattr(p, kind))
     except ValueError as e:  # a GBNF grammar that does not convert to Lark
-        raise _error(kind, f"the {_NOUNS[kind]} is not valid, fix it: {e}",
-                     getattr(p, kind)) from None
+        raise _error(kind, f"the {_NOUNS[kind]} is not valid, fix it: "
+                     f"{llguidance_reason(str(e))}", getattr(p, kind)) from None
 
 
 def _schema(p: StructuredOutputsParams) -> dict[str, Any]:

@@ -15,8 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from jaxengine.cli import build_parser, engine_args_from, main
+from jaxengine.cli import _args_from, build_parser, engine_args_from, main
 from jaxengine.engine.args import EngineArgs
+from jaxengine.server.args import FrontendArgs
 from tests.server_processes import free_port, stop, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,6 +61,16 @@ def test_flags_given_reach_engine_args_and_the_rest_keep_defaults() -> None:
         "priority", "bfloat16", 8)
     assert args.block_size == EngineArgs().block_size
     assert args.max_num_batched_tokens is None
+
+
+def test_serve_trusts_request_chat_templates_only_when_told() -> None:
+    parser = build_parser()
+
+    def frontend(*flags: str) -> FrontendArgs:
+        return _args_from(FrontendArgs, parser.parse_args(["serve", *flags]), parser)
+
+    assert frontend().trust_request_chat_template is False
+    assert frontend("--trust-request-chat-template").trust_request_chat_template is True
 
 
 def test_bad_engine_values_exit_with_the_engines_message(

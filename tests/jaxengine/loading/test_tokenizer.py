@@ -6,6 +6,8 @@ from __future__ import annotations
 import datetime
 
 import pytest
+from tokenizers import Tokenizer as Backend
+from tokenizers import models, normalizers
 
 from jaxengine.loading import load_model
 from jaxengine.loading.tokenizer import Tokenizer
@@ -78,3 +80,24 @@ def test_chat_templates_render_with_transformers_jinja_extensions() -> None:
     before = datetime.datetime.now().strftime("%d %b %Y")
     text = tok.apply_chat_template(messages)
     assert text in (f"{before}|su", f"{datetime.datetime.now().strftime('%d %b %Y')}|su")
+
+
+def test_no_text_has_fewer_tokens_than_max_chars_per_token_says(tok: Tokenizer) -> None:
+    # SmolLM2's longest token is 80 "#"s; the densest texts are made of long tokens
+    bound = tok.max_chars_per_token()
+    assert bound == 81
+    for text in ("#" * 10_000, " " * 10_000, "\n" + " " * 80, "é" * 1000, "日本語" * 500,
+                 " the" * 2000, "<|im_start|>" * 100):
+        assert len(text) <= bound * len(tok.encode(text, add_special_tokens=False)), text[:20]
+
+
+def test_a_composing_normalizer_multiplies_max_chars_per_token() -> None:
+    vocab = {"a": 0, "b": 1, "c": 2, "é": 3, "ab": 4, "abc": 5}
+    backend = Backend(models.BPE(vocab=vocab, merges=[("a", "b"), ("ab", "c")]))
+    plain = Tokenizer.from_backend(backend, eos_token_id=0)
+    assert plain.max_chars_per_token() == 3
+    backend.normalizer = normalizers.Sequence([normalizers.NFC()])
+    nfc = Tokenizer.from_backend(backend, eos_token_id=0)
+    assert nfc.max_chars_per_token() == 12
+    # "e" and a combining acute accent compose into the one token "é"
+    assert nfc.encode("e\u0301", add_special_tokens=False) == [3]

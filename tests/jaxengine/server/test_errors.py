@@ -167,3 +167,34 @@ def test_edge_values_vllm_accepts_are_served(server: RunningServer) -> None:
 def test_unknown_route_is_an_openai_style_404(server: RunningServer) -> None:
     r = httpx.get(f"{server.base_url}/v1/nothing-here", trust_env=False, timeout=10)
     assert r.status_code == 404 and r.json()["error"]["code"] == 404
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("guided_choice", [str(i) for i in range(200_000)]),
+    ("structured_outputs", {"choice": ["x" * 60_000, "y" * 60_000]}),
+])
+def test_an_oversized_choice_list_is_refused_by_its_bounds(server: RunningServer, field: str,
+                                                           value: Any) -> None:
+    # 200000 choices took llguidance two minutes to reach a panic, whose backtrace (with the
+    # build's file paths) was the 400's message.
+    r = _post(server, "completions", {**GOOD_COMPLETION, field: value})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == field
+    assert "at most" in error["message"]
+    assert not any(word in error["message"].lower() for word in ("backtrace", "panic", ".c:"))
+
+
+@pytest.mark.parametrize(("endpoint", "body", "param"), [
+    ("completions", {**GOOD_COMPLETION, "stream": True, "stream_options": 5}, "stream_options"),
+    ("chat/completions", {**GOOD_CHAT, "messages": [5]}, "messages"),
+    ("chat/completions", {**GOOD_CHAT, "messages": [{"role": "user", "content": [5]}]},
+     "messages"),
+])
+def test_errors_name_no_class_of_the_server(server: RunningServer, endpoint: str,
+                                            body: dict[str, Any], param: str) -> None:
+    r = _post(server, endpoint, body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    message = r.json()["error"]["message"]
+    assert not any(name in message for name in ("StreamOptions", "ChatMessage", "TextPart",
+                                                "instance of", "Value error"))

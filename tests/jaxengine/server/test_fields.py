@@ -81,10 +81,12 @@ REFUSALS = [(endpoint, name) for endpoint, table in TABLE.items() for name in ta
 @pytest.mark.parametrize(("endpoint", "name"), REFUSALS, ids=[f"{e}-{n}" for e, n in REFUSALS])
 def test_each_known_field_we_cannot_honour_is_a_400_naming_it(server: RunningServer,
                                                               endpoint: str, name: str) -> None:
+    table = TABLE[endpoint]
     r = _post(server, endpoint, {**GOOD[endpoint], name: "x"})  # x: no field's neutral value
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == name and f"'{name}' is not supported" in error["message"]
+    assert f"({table[name].reason})" in error["message"]  # the reason, not our NamedTuple
 
 
 @pytest.mark.parametrize(("endpoint", "name", "value"), NEUTRAL,

@@ -61,15 +61,16 @@ class RunningServer:
         self.thread.join(timeout=30)
 
 
-def start_server(*, warm_up: bool = False, **engine_args: Any) -> RunningServer:
+def start_server(*, warm_up: bool = False, app_args: dict[str, Any] | None = None,
+                 **engine_args: Any) -> RunningServer:
     """Build an engine (on the tiny fixture model unless `model=` says otherwise) and serve it
-    on a free loopback port (`warm_up`: as for `serve_engine`)."""
+    on a free loopback port (`warm_up`, `app_args`: as for `serve_engine`)."""
     args = EngineArgs(**{"model": str(TINY), **ENGINE_ARGS, **engine_args})
-    return serve_engine(build_engine(args), warm_up=warm_up)
+    return serve_engine(build_engine(args), warm_up=warm_up, **(app_args or {}))
 
 
-def serve_engine(engine: Any, *, warm_up: bool = False,
-                 send_buffer_bytes: int | None = None) -> RunningServer:
+def serve_engine(engine: Any, *, warm_up: bool = False, send_buffer_bytes: int | None = None,
+                 **app_args: Any) -> RunningServer:
     """Serve a built engine (an `LLMEngine` or a `DataParallelEngine`) on a free loopback
     port as `MODEL_NAME`; `stop()` it when done.
 
@@ -79,8 +80,10 @@ def serve_engine(engine: Any, *, warm_up: bool = False,
     socket, which accepted sockets inherit); a small one makes a client that does not read
     hold the server's writes back within kilobytes (tests of slow readers). Default: the
     system's, which grows to megabytes.
+    `app_args`: `build_app`'s other arguments (e.g. `frontend`).
     """
-    app = build_app(engine, model_name=MODEL_NAME, log_interval=0, warm_up=warm_up)
+    app = build_app(engine, model_name=MODEL_NAME, log_interval=0, warm_up=warm_up,
+                    **app_args)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     if send_buffer_bytes is not None:

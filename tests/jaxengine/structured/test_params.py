@@ -5,6 +5,7 @@ import pickle
 import pytest
 
 from jaxengine.structured import StructuredOutputsError, StructuredOutputsParams
+from jaxengine.structured.params import MAX_CHOICE_CHARS, MAX_CHOICES, llguidance_reason
 from scheduler import SamplingParamsError
 
 
@@ -23,6 +24,8 @@ from scheduler import SamplingParamsError
     ({"choice": "yes"}, "structured_outputs.choice"),
     ({"choice": ["", "a"]}, "structured_outputs.choice"),
     ({"choice": ["a", 1]}, "structured_outputs.choice"),
+    ({"choice": [str(i) for i in range(MAX_CHOICES + 1)]}, "structured_outputs.choice"),
+    ({"choice": ["x" * (MAX_CHOICE_CHARS // 2 + 1)] * 2}, "structured_outputs.choice"),
     ({"grammar": "start: foo\nfoo: 'x' bar"}, "structured_outputs.grammar"),
     ({"grammar": "root ::= ("}, "structured_outputs.grammar"),
     ({"json_object": False}, "structured_outputs.json_object"),
@@ -46,6 +49,29 @@ def test_bad_params_name_the_field(kwargs, param) -> None:
 def test_an_invalid_regex_says_why() -> None:
     with pytest.raises(StructuredOutputsError, match="unclosed group"):
         StructuredOutputsParams(regex="a(b")
+
+
+def test_the_largest_choice_list_is_accepted() -> None:
+    choices = [f"{i:04}" + "x" * (MAX_CHOICE_CHARS // MAX_CHOICES - 4) for i in range(MAX_CHOICES)]
+    assert StructuredOutputsParams(choice=choices).kind == "choice"
+
+
+# What llguidance answered past 65k choices (200000 of them took two minutes to get there).
+PANIC = """panic: assertion failed: grammar.symbols.len() < u16::MAX as usize - 10
+<backtrace>
+   0: <unknown>
+  16: type_call
+             at /tmp/python-build/Python-3.12.1/Objects/typeobject.c:1661:11
+</backtrace>"""
+
+
+def test_a_panic_of_llguidance_is_logged_not_shown(caplog: pytest.LogCaptureFixture) -> None:
+    reason = llguidance_reason(PANIC)
+    assert "make it smaller" in reason
+    assert not any(word in reason for word in ("panic", "backtrace", "/tmp", ".c:", "u16"))
+    assert "grammar.symbols.len()" in caplog.text  # the server's log has it all
+    assert llguidance_reason("regex parse error: unclosed group\n") == (
+        "regex parse error: unclosed group")
 
 
 @pytest.mark.parametrize("kwargs, kind", [
