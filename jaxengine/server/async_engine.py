@@ -30,7 +30,14 @@ logger = logging.getLogger("jaxengine.server")
 
 
 class EngineDeadError(RuntimeError):
-    """A step raised; the requests that were in flight were aborted."""
+    """The engine could not finish the request: a step raised (its requests were aborted; the
+    cause is in the server log and `__cause__`), or the loop stopped. The message is for the
+    client; `code` is the HTTP status to answer with (500: the step failed; 503: the server is
+    shutting down or not running)."""
+
+    def __init__(self, message: str, *, code: int) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 class RequestGroup:
@@ -204,7 +211,7 @@ class AsyncEngine:
                 await task
         self._tasks.clear()
         self.engine.abort_request(list(self._streams))
-        self._fail_all(EngineDeadError("the server is shutting down"))
+        self._fail_all(EngineDeadError("the server is shutting down", code=503))
 
     # ---- requests ----------------------------------------------------------------------
 
@@ -244,7 +251,7 @@ class AsyncEngine:
                    requests: Sequence[tuple[str, PromptType, SamplingParams]], priority: int,
                    metadata: Mapping[str, str] | None) -> None:
         if not self.is_running():
-            raise EngineDeadError("the engine loop is not running")
+            raise EngineDeadError("the engine loop is not running", code=503)
         async with self._lock:
             added: list[str] = []
             try:
@@ -284,7 +291,10 @@ class AsyncEngine:
                 except Exception as e:  # a bug or a device error: fail the batch, keep serving
                     logger.exception("engine step failed; aborting the running requests")
                     self.engine.abort_request(list(self._streams))
-                    self._fail_all(EngineDeadError(f"engine step failed: {e}"))
+                    error = EngineDeadError("the engine failed while running this request, "
+                                            "which was aborted; try again", code=500)
+                    error.__cause__ = e
+                    self._fail_all(error)
                     continue
             self._dispatch(outputs)
             await asyncio.sleep(0)  # let waiting handlers take the lock before the next step

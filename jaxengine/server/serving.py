@@ -222,7 +222,7 @@ class OpenAIServing:
         except SamplingParamsError as e:  # a limit of this engine (max_logprobs, vocabulary)
             raise body.request_error(e) from None
         except EngineDeadError as e:
-            return error_response(str(e), code=503)
+            return error_response(str(e), code=e.code)
         completion = kind == "completion"
         fmt = Formatter(kind, self.model_name, self.tokenizer, request_id, echo=choices.echo,
                         tokens_as_ids=body.return_tokens_as_token_ids,
@@ -240,7 +240,7 @@ class OpenAIServing:
         try:
             outs = await group.final_all(raw.is_disconnected)
         except EngineDeadError as e:
-            return error_response(str(e), code=500)
+            return error_response(str(e), code=e.code)
         finally:
             group.abort()  # no-op once finished; frees the blocks if anything went wrong
         if outs is None:  # the client left; nobody reads this
@@ -271,7 +271,7 @@ async def _events(group: RequestGroup, fmt: Formatter, *, with_logprobs: bool,
             yield sse(fmt.usage_chunk(prompt_tokens, [last[i] for i in sorted(last)]))
         yield sse("[DONE]")
     except EngineDeadError as e:
-        yield sse(error_body(str(e), code=500))
+        yield sse(error_body(str(e), code=e.code))
         yield sse("[DONE]")
     finally:
         # Reached early when the client disconnected (Starlette cancels this generator) or

@@ -115,17 +115,21 @@ def test_a_failing_step_fails_its_requests_and_the_next_ones_still_run() -> None
 
         engine.engine.step = flaky_step  # type: ignore[method-assign]
         doomed = await engine.add("doomed", {"prompt_token_ids": PROMPTS[0]}, GREEDY)
-        with pytest.raises(EngineDeadError, match="device fell over"):
+        with pytest.raises(EngineDeadError, match="engine failed") as failed:
             async for _ in doomed:
                 pass
+        # The client's message names no internals; the cause stays with the error (and log).
+        assert "device fell over" not in str(failed.value) and failed.value.code == 500
+        assert str(failed.value.__cause__) == "device fell over"
         assert _all_blocks_free(engine) and engine.is_running()
         fine = await engine.add("fine", {"prompt_token_ids": PROMPTS[0]}, GREEDY)
         final = await fine.final()
         assert final is not None and list(final.outputs[0].token_ids) == fake_greedy(
             PROMPTS[0], 8, V)
         await engine.stop()
-        with pytest.raises(EngineDeadError):
+        with pytest.raises(EngineDeadError) as stopped:
             await engine.add("after", {"prompt_token_ids": PROMPTS[0]}, GREEDY)
+        assert stopped.value.code == 503
 
     _run(scenario())
 

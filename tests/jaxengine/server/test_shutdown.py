@@ -96,7 +96,7 @@ def test_sigterm_finishes_a_short_stream_and_aborts_the_rest_after_the_timeout(
     answered = [lines for lines in long if lines and lines[-1] == "data: [DONE]"]
     cut = [lines for lines in answered if '"error"' in lines[-2]]
     assert cut, "no stream was still running at the drain's end"
-    assert json.loads(cut[0][-2][len("data: "):])["error"]["message"] == (
-        "the server is shutting down")
+    error = json.loads(cut[0][-2][len("data: "):])["error"]
+    assert (error["message"], error["code"]) == ("the server is shutting down", 503)
     aborted = int(text.split("shutting down: aborting ")[1].split()[0])
     assert aborted >= len(cut), text
