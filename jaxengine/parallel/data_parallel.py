@@ -63,6 +63,11 @@ class DataParallelEngine:
         return self.replicas[0].max_model_len
 
     @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary size (token ids are in [0, vocab_size))."""
+        return self.replicas[0].vocab_size
+
+    @property
     def scheduler_config(self) -> SchedulerConfig:
         """Replica 0's scheduler configuration (replicas on like devices get like pools)."""
         return self.replicas[0].scheduler_config

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from jaxengine.engine.inputs import resolve_prompt
 from jaxengine.server.chat_protocol import ChatTemplateFields
 from jaxengine.server.limits import RequestLimits
 from jaxengine.server.protocol import CompletionRequest, RequestError
@@ -16,11 +17,13 @@ from jaxengine.server.protocol import CompletionRequest, RequestError
 EnginePrompt = dict[str, Any]
 
 
-def completion_prompts(body: CompletionRequest, tokenizer: Any) -> list[EnginePrompt]:
+def completion_prompts(body: CompletionRequest, tokenizer: Any, vocab_size: int
+                       ) -> list[EnginePrompt]:
     """Each prompt of a completions request, tokenized (`add_special_tokens` as the body says).
 
     Raises:
-      RequestError: an empty prompt, or text without a tokenizer (naming `prompt`).
+      RequestError: an empty prompt, text without a tokenizer, or token ids outside the
+        vocabulary (naming `prompt`; checked before they are cut or decoded for `echo`).
     """
     prompts = []
     for prompt in body.prompts():
@@ -28,7 +31,11 @@ def completion_prompts(body: CompletionRequest, tokenizer: Any) -> list[EnginePr
             ids = _encode(tokenizer, prompt, add_special_tokens=body.add_special_tokens)
             engine_prompt: EnginePrompt = {"prompt": prompt, "prompt_token_ids": ids}
         else:
-            engine_prompt = {"prompt_token_ids": list(prompt)}
+            try:
+                _, ids = resolve_prompt({"prompt_token_ids": list(prompt)}, None, vocab_size)
+            except ValueError as e:
+                raise RequestError(str(e), "prompt") from None
+            engine_prompt = {"prompt_token_ids": ids}
         prompts.append(truncated(engine_prompt, body.truncate_prompt_tokens, tokenizer))
     return prompts
 

@@ -131,7 +131,7 @@ class OpenAIServing:
         """Tokenize each prompt and fan it out into n choices (in a worker thread)."""
         so, _ = structured_outputs_of(body)
         children, echo = [], []
-        prompts = completion_prompts(body, self.tokenizer)
+        prompts = completion_prompts(body, self.tokenizer, self.engine.engine.vocab_size)
         for prompt in prompts:
             # max_tokens defaults to 16 here (OpenAI's and vLLM's), so the model's default
             # max_tokens applies only to an explicit null, as in vLLM. Echo with 0 generates

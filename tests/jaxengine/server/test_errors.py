@@ -58,6 +58,10 @@ BAD: list[tuple[str, Any, str | None]] = [
     ("completions", {**GOOD_COMPLETION, "stop": ["ok", ""]}, "stop"),
     ("completions", {**GOOD_COMPLETION, "top_k": -5}, "top_k"),
     ("completions", {**GOOD_COMPLETION, "prompt": [5, 100_000]}, None),
+    # Out of the vocabulary, refused before truncation or echo decode them (found by the fuzz).
+    ("completions", {**GOOD_COMPLETION, "prompt": [5, -1, 7], "truncate_prompt_tokens": 2},
+     "prompt"),
+    ("completions", {**GOOD_COMPLETION, "prompt": [5, 100_000], "echo": True}, "prompt"),
     ("completions", {"model": MODEL_NAME, "max_tokens": 2}, "prompt"),
     ("completions", [1, 2, 3], None),
     ("chat/completions", {**GOOD_CHAT, "messages": []}, "messages"),
