@@ -27,7 +27,7 @@ from tests.jaxengine.server.test_harness import (
 
 pytestmark = pytest.mark.slow
 
-REQUESTS = 2000
+REQUESTS = 3000
 WARM_UP = 300  # requests before the resident-memory baseline (allocator pools, caches)
 CONCURRENCY = 16
 PROMPTS = ["The capital of France is", "Once upon a time", "1, 2, 3,", "Hello", "a b c d e f"]
