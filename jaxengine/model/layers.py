@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxengine.model.batch import ModelBatch
 from jaxengine.model.config import RopeScaling
+from jaxengine.model.reductions import fixed_order_sum
 from jaxengine.parallel.mesh import TP_AXIS
 from pallas_kernels import ragged_paged_attention
 
@@ -53,7 +54,9 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
         [..., D] in x's dtype.
     """
     x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    # A fixed order of the sum: a row's norm does not depend on the rows beside it.
+    mean_square = fixed_order_sum(x32 * x32)[..., None] / x.shape[-1]
+    x32 = x32 * jax.lax.rsqrt(mean_square + eps)
     return weight * x32.astype(x.dtype)
 
 
