@@ -245,7 +245,8 @@ class Attention(nnx.Module):
 
     def __call__(self, x: jax.Array, pages: jax.Array, page_offset: jax.Array | int,
                  batch: ModelBatch, cos: jax.Array, sin: jax.Array, *, attn_impl: str,
-                 interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                 interpret: bool = False, batch_invariant: bool = False
+                 ) -> tuple[jax.Array, jax.Array]:
         """Attend the batch's tokens to their context, writing their K/V into `pages` first.
 
         Args:
@@ -256,6 +257,7 @@ class Attention(nnx.Module):
             attn_impl: ragged paged attention implementation ("reference", "cpu", "tpu",
                 "gpu").
             interpret: run a Pallas kernel in interpret mode (to test "tpu"/"gpu" on CPU).
+            batch_invariant: the kernel's batch-invariant mode ("cpu" only).
         Returns:
             (output [T, D], updated pages).
         """
@@ -274,7 +276,7 @@ class Attention(nnx.Module):
         # d*K/tp.., so the local rule n // (N/K) holds too. The batch metadata is replicated.
         attend = jax.shard_map(
             functools.partial(ragged_paged_attention, sm_scale=H**-0.5, impl=attn_impl,
-                              interpret=interpret),
+                              interpret=interpret, batch_invariant=batch_invariant),
             mesh=self.mesh, in_specs=(HEADS, HEADS, HEADS, PAGES, *[P()] * 5),
             out_specs=(HEADS, PAGES), check_vma=False)  # kernels' loop carries start unvaried
         out, pages = attend(q, k, v, pages, slots, batch.block_tables + page_offset,
