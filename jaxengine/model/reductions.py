@@ -2,8 +2,8 @@
 depend on how many rows are beside it or where it sits among them.
 
 XLA's CPU backend picks a reduction's loop by the whole operand's shape, so one row's sum
-rounds differently in a [1, D] batch and a [64, D] one: RMSNorm's mean of SmolLM2's 576
-widths changed at 8 rows, a sampler row's log-softmax over 256 logits between the 8- and
+rounds differently in a [1, D] batch and a [64, D] one: RMSNorm's mean over SmolLM2's 576
+features changed at 8 rows, a sampler row's log-softmax over 256 logits between the 8- and
 16-row buckets, and a decode's hidden state moved by up to 6e-6 between the token buckets 4
 and 8, which flips a seeded draw now and then. These sums are elementwise adds in a fixed
 order instead (`fixed_order_sum`), which XLA may fuse and vectorize but never reorders:
