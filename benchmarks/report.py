@@ -22,10 +22,12 @@ def print_table(rows: list[tuple[str, str]]) -> None:
 
 
 def baseline_name(args: argparse.Namespace) -> str:
-    """What the baseline engine changes: its buckets, attention backend and / or dots."""
+    """What the baseline engine changes: its buckets, attention backend, dots and / or
+    batch invariance."""
     parts = (["buckets"] if args.baseline_buckets else []) + (
         [f"attention {args.baseline_attention}"] if args.baseline_attention else []) + (
-        ["XLA dots"] if args.baseline_xla_dots else [])
+        ["XLA dots"] if args.baseline_xla_dots else []) + (
+        ["batch-invariant"] if args.baseline_batch_invariant else [])
     return ", ".join(parts)
 
 
@@ -57,10 +59,11 @@ def run_rows(n: int, r: dict[str, Any], flops: dict[str, float], rate: float,
     summary = f"{n} req: {tps:.1f} tok/s, {100 * roof:.0f}% roofline"
     if "baseline" in r:
         b = r["baseline"]
-        rows.append((f"  baseline ({baseline_name(args)}): tok/s, padding",
-                     f"{tokens_per_s(b):.1f}, {100 * b['padding_waste']:.1f}% (this run "
-                     f"x{tps / tokens_per_s(b):.2f}; same outputs: "
-                     f"{b['outputs'] == r['outputs']})"))
+        # CPU seconds (every thread's) beside the wall time: on a busy machine they move less.
+        rows.append((f"  baseline ({baseline_name(args)}): tok/s, padding, CPU s",
+                     f"{tokens_per_s(b):.1f}, {100 * b['padding_waste']:.1f}%, "
+                     f"{b['cpu']:.1f} (this run x{tps / tokens_per_s(b):.2f}, {r['cpu']:.1f} "
+                     f"CPU s; same outputs: {b['outputs'] == r['outputs']})"))
         summary += f", x{tps / tokens_per_s(b):.2f} baseline ({baseline_name(args)})"
     cb = (hf or {}).get("limits", {}).get(str(n), {})
     for key, name in (("cb", "transformers continuous batching"),

@@ -5,7 +5,8 @@ report opens with the CPU kernels' path (`$JAXENGINE_CPU_ISA`) and the CPU's mod
 
     python benchmarks/throughput.py [--workload benchmarks/workloads/mix64.json] [--limits 16,64]
         [--compare hf --hf-python .venv311/bin/python] [--async-compare] [--pool-ratio]
-        [--baseline-buckets 1,2,3,... | --baseline-attention reference | --baseline-xla-dots]
+        [--baseline-buckets 1,2,3,... | --baseline-attention reference | --baseline-xla-dots
+         | --baseline-batch-invariant]
         [--attention-free]
         [--step-times]
         [--max-num-seqs N ...]   # engine overrides; default: EngineArgs' own defaults
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import os
 import platform
@@ -95,11 +97,12 @@ def stub_attention() -> None:
     attention._KERNELS = dict.fromkeys(attention._KERNELS, stub)
 
 
-def load(args: argparse.Namespace, attention: str | None = None, pack: bool = True
-         ) -> tuple[Any, Any, Any]:
+def load(args: argparse.Namespace, attention: str | None = None, pack: bool = True,
+         batch_invariant: bool = False) -> tuple[Any, Any, Any]:
     """The model's functions, config and tokenizer, loaded once as `build_engine` does (with
     `attention`, that attention backend instead of the engine's default; without `pack`, the
-    projections as XLA dots where the engine would pack them for the native CPU matmul)."""
+    projections as XLA dots where the engine would pack them for the native CPU matmul; with
+    `batch_invariant`, in the engine's batch-invariant mode)."""
     from jaxengine.engine.build import attention_backend, model_fns
     from jaxengine.loading.load import load_model
     from jaxengine.parallel.mesh import engine_devices, make_mesh
@@ -109,7 +112,9 @@ def load(args: argparse.Namespace, attention: str | None = None, pack: bool = Tr
     ea = engine_args(args, **({"attention_backend": attention} if attention else {}))
     model, cfg, tokenizer = load_model(ea.model, dtype=ea.dtype, mesh=make_mesh(
         engine_devices(1)))
-    return model_fns(model, cfg, attn_impl=attention_backend(ea, cfg), pack=pack), cfg, tokenizer
+    fns = model_fns(model, cfg, attn_impl=attention_backend(ea, cfg), pack=pack,
+                    batch_invariant=batch_invariant)
+    return fns, cfg, tokenizer
 
 
 def build_engine(fns: Any, cfg: Any, tokenizer: Any, ea: Any, *, buckets: tuple[int, ...]
@@ -157,14 +162,15 @@ def run_engine(engine: Any, requests: list[dict[str, Any]]) -> dict[str, Any]:
     stats = engine.runner.stats
     before = (stats.steps, stats.padded_tokens, stats.computed_tokens,
               stats.compilations_after_warmup)
-    start = time.time()
+    start, cpu = time.time(), time.process_time()
     add_requests(engine, requests, start)
     finished = []
     while engine.has_unfinished_requests():
         finished += [o for o in engine.step() if o.finished]
     elapsed = time.time() - start
     return dict(
-        elapsed=elapsed, output_tokens=sum(len(o.outputs[0].token_ids) for o in finished),
+        elapsed=elapsed, cpu=time.process_time() - cpu,
+        output_tokens=sum(len(o.outputs[0].token_ids) for o in finished),
         prompt_tokens=sum(len(r["prompt_token_ids"]) for r in requests),
         ttft=[o.metrics.ttft for o in finished if o.metrics.ttft is not None],
         tpot=[o.metrics.tpot for o in finished if o.metrics.tpot is not None],
@@ -262,14 +268,18 @@ def parse_limits(text: str) -> list[int | None]:
 def run_baseline(args: argparse.Namespace, loaded: tuple[Any, Any, Any], ea: Any,
                  setup: dict[str, Any], requests: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The requests on the baseline engine: `--baseline-buckets` and / or the model with
-    `--baseline-attention` or `--baseline-xla-dots` (loaded once, into `setup`); None without
-    any of them."""
-    other_model = args.baseline_attention or args.baseline_xla_dots
+    `--baseline-attention`, `--baseline-xla-dots` or `--baseline-batch-invariant` (loaded once,
+    into `setup`); None without any of them."""
+    other_model = (args.baseline_attention or args.baseline_xla_dots
+                   or args.baseline_batch_invariant)
     if not (args.baseline_buckets or other_model):
         return None
     if other_model and "baseline_fns" not in setup:
         setup["baseline_fns"] = load(args, attention=args.baseline_attention,
-                                     pack=not args.baseline_xla_dots)
+                                     pack=not args.baseline_xla_dots,
+                                     batch_invariant=args.baseline_batch_invariant)
+    if args.baseline_batch_invariant:
+        ea = dataclasses.replace(ea, batch_invariant=True)
     fns, cfg, tokenizer = setup.get("baseline_fns", loaded)
     buckets = args.baseline_buckets or args.token_buckets
     compiled = not other_model and set(buckets or setup["buckets"]) <= set(setup["buckets"])
@@ -299,6 +309,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--baseline-xla-dots", action="store_true",
                    help="also run each limit with the projections as XLA dots (not packed for "
                         "the native CPU matmul), side by side")
+    p.add_argument("--baseline-batch-invariant", action="store_true",
+                   help="also run each limit with batch_invariant=True, side by side")
     p.add_argument("--pool-ratio", action="store_true",
                    help="run the largest limit again on a x8 KV pool (docs/BENCHMARKS.md §3)")
     p.add_argument("--step-times", action="store_true",

@@ -100,6 +100,7 @@ def ragged_paged_attention(
     sm_scale: float,
     impl: Impl = "reference",
     interpret: bool = False,
+    batch_invariant: bool = False,
     **block_sizes: int,
 ) -> tuple[jax.Array, jax.Array]:
     """Write the new K/V into the paged cache, then attend causally over each request's pages.
@@ -118,6 +119,9 @@ def ragged_paged_attention(
         (Pallas Triton).
       interpret: run a Pallas kernel in interpret mode (CPU testing); ignored by the
         reference and the CPU kernel.
+      batch_invariant: a token's output the same bits whatever else the batch holds and
+        however its request's tokens were cut into chunks (a decode, a whole prompt, the tail
+        after a cached prefix); the "cpu" kernel's mode, a ``ValueError`` for the others.
       **block_sizes: implementation-specific static block sizes (e.g. ``block_q``).
 
     Returns:
@@ -126,11 +130,16 @@ def ragged_paged_attention(
 
     Raises:
       UnsupportedShapeError: the chosen kernel cannot run these shapes or block sizes.
-      ValueError: for an unknown ``impl``.
+      ValueError: for an unknown ``impl``, or ``batch_invariant`` with another than "cpu".
     """
     args = (q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, num_seqs)
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if batch_invariant:
+        if impl != "cpu":
+            raise ValueError(f"batch_invariant=True is a mode of the 'cpu' kernel only, not of "
+                             f"impl={impl!r}")
+        block_sizes = {**block_sizes, "batch_invariant": True}
     if impl == "reference":
         return ragged_paged_attention_reference(*args, sm_scale=sm_scale, **block_sizes)
     return _KERNELS[impl](*args, sm_scale=sm_scale, interpret=interpret, **block_sizes)

@@ -53,6 +53,11 @@ class EngineArgs:
     scheduling_policy: str = _arg("fcfs", "order of waiting requests and preemption victims")
     attention_backend: str | None = _arg(None, "attention implementation; None: chosen by "
                                                "jax.default_backend()")
+    batch_invariant: bool = _arg(
+        False, "a request's logits and logprobs the same bits whatever else runs beside it "
+               "and however its prompt is chunked (vLLM's VLLM_BATCH_INVARIANT): the CPU "
+               "attention kernel's batch-invariant mode beside the packed matmul; needs "
+               "float32 on one CPU device; decode-heavy steps cost 1.1-1.25x")
     precompile: bool | None = _arg(
         None, "compile every token/request bucket at startup; None: LLM() does, with a progress "
               "bar, a bare LLMEngine does not (serve always warms up before /health is 200)")
@@ -103,6 +108,7 @@ class EngineArgs:
         if self.num_gpu_blocks_override is not None:
             _check_int("num_gpu_blocks_override", self.num_gpu_blocks_override, minimum=2)
         _check_kv_offloading(self)
+        _check_batch_invariant(self)
         for name in ("long_prefill_token_threshold", "max_logprobs", "seed"):
             _check_int(name, getattr(self, name), minimum=0)
         for name in ("max_num_partial_prefills", "max_long_partial_prefills"):
@@ -159,6 +165,26 @@ def _check_distributed(args: EngineArgs) -> None:
         if not host or not port.isdigit():
             raise ValueError(f"coordinator_address must be HOST:PORT (process 0's address), "
                              f"got {address!r}")
+
+
+def _check_batch_invariant(args: EngineArgs) -> None:
+    """batch_invariant is a bool, and with it the settings that rule it out are not given (what
+    only the loaded model tells, jaxengine.engine.build checks)."""
+    if not isinstance(args.batch_invariant, bool):
+        raise ValueError(f"batch_invariant must be True or False, got {args.batch_invariant!r}")
+    if not args.batch_invariant:
+        return
+    # The packed matmul and the CPU kernel's batch-invariant mode are what make it hold.
+    if args.dtype == "bfloat16":
+        raise ValueError("batch_invariant=True needs dtype float32 (or auto): bfloat16 "
+                         "projections are XLA's dots, whose row sums depend on the row count")
+    if args.tensor_parallel_size != 1:
+        raise ValueError(f"batch_invariant=True needs tensor_parallel_size=1 (the packed CPU "
+                         f"matmul), got {args.tensor_parallel_size}")
+    if args.attention_backend not in (None, "cpu"):
+        raise ValueError(f"batch_invariant=True needs attention_backend 'cpu' (or None on a "
+                         f"CPU), got {args.attention_backend!r}: only the native CPU kernel has "
+                         f"a batch-invariant mode")
 
 
 def _check_kv_offloading(args: EngineArgs) -> None:

@@ -71,25 +71,36 @@ def _check_kernel_shapes(impl: str, cfg: ModelConfig, *, block_size: int, tp: in
         ) from e
 
 
-def model_fns(model: Any, cfg: Any, *, attn_impl: str, pack: bool = True) -> ModelFns:
+def model_fns(model: Any, cfg: Any, *, attn_impl: str, pack: bool = True,
+              batch_invariant: bool = False) -> ModelFns:
     """`ModelFns` of a loaded `jaxengine.model.llama.Model` (split once into graph and weights).
 
     The weights stay where the model put them (its mesh); the KV cache is made there too, its
     head axis split over "tp", and `kv_bytes_per_block` counts one device's share. With `pack`,
     the projections are first packed for the native CPU matmul in place where that applies
     (jaxengine/model/packing.py: a one-device CPU mesh in float32); else XLA's dots.
+
+    With `batch_invariant` a request's logits do not depend on its batch: the packed matmul
+    gives every row the same sums whatever the row count, and the attention kernel runs in
+    its batch-invariant mode (the norms and the sampler's sums are invariant always).
+
+    Raises:
+      ValueError: `batch_invariant` where the projections cannot be packed (XLA's dots round a
+        row differently as the row count changes) or the attention is not the "cpu" kernel.
     """
     from jaxengine.model.kv_cache import init_kv_cache, kv_cache_bytes_per_block
-    from jaxengine.model.packing import pack_projections
+    from jaxengine.model.packing import pack_projections, packable
     from jaxengine.model.step import make_compute_logits, make_model_step, split_model
 
+    if batch_invariant:
+        _check_batch_invariant(packable(model) if pack else "pack=False", attn_impl)
     if pack:
         pack_projections(model)
     graphdef, state = split_model(model)
     dtype, layout = model.dtype, model.layout
     return ModelFns(
         params=state,
-        step=make_model_step(graphdef, attn_impl=attn_impl),
+        step=make_model_step(graphdef, attn_impl=attn_impl, batch_invariant=batch_invariant),
         compute_logits=make_compute_logits(graphdef),
         init_kv=lambda num_blocks, block_size: init_kv_cache(
             cfg, num_blocks=num_blocks, block_size=block_size, dtype=dtype,
@@ -99,6 +110,20 @@ def model_fns(model: Any, cfg: Any, *, attn_impl: str, pack: bool = True) -> Mod
             shards=layout.tp),
         vocab_size=cfg.vocab_size,
     )
+
+
+def _check_batch_invariant(unpackable: str | None, attn_impl: str) -> None:
+    """`ValueError` saying what to change if batch_invariant=True cannot hold."""
+    if unpackable is not None:
+        raise ValueError(
+            f"batch_invariant=True needs the packed CPU matmul, which does not apply here "
+            f"({unpackable}): XLA's dots sum a row in an order that depends on the row count. "
+            f"Use one CPU device and dtype float32, or batch_invariant=False.")
+    if attn_impl != "cpu":
+        raise ValueError(
+            f"batch_invariant=True needs attention_backend='cpu' (the native CPU kernel's "
+            f"batch-invariant mode), got {attn_impl!r}; use the CPU kernel or "
+            f"batch_invariant=False.")
 
 
 def kv_budget_bytes(args: EngineArgs, device: jax.Device | None = None) -> int:
@@ -188,7 +213,8 @@ def build_engine(args: EngineArgs, *, devices: Sequence[jax.Device] | None = Non
     dtype = "float32" if args.dtype == "auto" else args.dtype
     model, cfg, tokenizer = load_model(args.model, dtype=dtype,
                                        with_tokenizer=not args.skip_tokenizer_init, mesh=mesh)
-    fns = model_fns(model, cfg, attn_impl=attention_backend(args, cfg))
+    fns = model_fns(model, cfg, attn_impl=attention_backend(args, cfg),
+                    batch_invariant=args.batch_invariant)
     limit = cfg.max_model_len  # position limit, capped by a sliding window (not applied)
     max_model_len = args.max_model_len or limit
     if max_model_len > limit:

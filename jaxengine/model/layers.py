@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxengine.model.batch import ModelBatch
 from jaxengine.model.config import RopeScaling
+from jaxengine.model.reductions import fixed_order_sum
 from jaxengine.parallel.mesh import TP_AXIS
 from pallas_kernels import ragged_paged_attention
 
@@ -53,7 +54,9 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
         [..., D] in x's dtype.
     """
     x32 = x.astype(jnp.float32)
-    x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    # A fixed order of the sum: a row's norm does not depend on the rows beside it.
+    mean_square = fixed_order_sum(x32 * x32)[..., None] / x.shape[-1]
+    x32 = x32 * jax.lax.rsqrt(mean_square + eps)
     return weight * x32.astype(x.dtype)
 
 
@@ -242,7 +245,8 @@ class Attention(nnx.Module):
 
     def __call__(self, x: jax.Array, pages: jax.Array, page_offset: jax.Array | int,
                  batch: ModelBatch, cos: jax.Array, sin: jax.Array, *, attn_impl: str,
-                 interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                 interpret: bool = False, batch_invariant: bool = False
+                 ) -> tuple[jax.Array, jax.Array]:
         """Attend the batch's tokens to their context, writing their K/V into `pages` first.
 
         Args:
@@ -253,6 +257,7 @@ class Attention(nnx.Module):
             attn_impl: ragged paged attention implementation ("reference", "cpu", "tpu",
                 "gpu").
             interpret: run a Pallas kernel in interpret mode (to test "tpu"/"gpu" on CPU).
+            batch_invariant: the kernel's batch-invariant mode ("cpu" only).
         Returns:
             (output [T, D], updated pages).
         """
@@ -271,7 +276,7 @@ class Attention(nnx.Module):
         # d*K/tp.., so the local rule n // (N/K) holds too. The batch metadata is replicated.
         attend = jax.shard_map(
             functools.partial(ragged_paged_attention, sm_scale=H**-0.5, impl=attn_impl,
-                              interpret=interpret),
+                              interpret=interpret, batch_invariant=batch_invariant),
             mesh=self.mesh, in_specs=(HEADS, HEADS, HEADS, PAGES, *[P()] * 5),
             out_specs=(HEADS, PAGES), check_vma=False)  # kernels' loop carries start unvaried
         out, pages = attend(q, k, v, pages, slots, batch.block_tables + page_offset,

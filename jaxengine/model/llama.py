@@ -74,10 +74,13 @@ class Block(nnx.Module):
 
     def __call__(self, x: jax.Array, pages: jax.Array, page_offset: jax.Array | int,
                  batch: ModelBatch, cos: jax.Array, sin: jax.Array, *, attn_impl: str,
-                 interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-        """x [T, D] -> (x [T, D], updated pages); pages and page_offset as in `Attention`."""
+                 interpret: bool = False, batch_invariant: bool = False
+                 ) -> tuple[jax.Array, jax.Array]:
+        """x [T, D] -> (x [T, D], updated pages); pages, page_offset and the keywords as in
+        `Attention`."""
         out, pages = self.self_attn(self.input_layernorm(x), pages, page_offset, batch, cos,
-                                    sin, attn_impl=attn_impl, interpret=interpret)
+                                    sin, attn_impl=attn_impl, interpret=interpret,
+                                    batch_invariant=batch_invariant)
         x = x + out
         return x + self.mlp(self.post_attention_layernorm(x), live_tokens(batch)), pages
 
@@ -248,7 +251,8 @@ class Model(nnx.Module):
         return self.embed_tokens.embedding
 
     def __call__(self, kv: jax.Array, batch: ModelBatch, *, attn_impl: str = "reference",
-                 interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+                 interpret: bool = False, batch_invariant: bool = False
+                 ) -> tuple[jax.Array, jax.Array]:
         """One step over a ragged batch of prefill chunks and decodes.
 
         Args:
@@ -257,6 +261,9 @@ class Model(nnx.Module):
             attn_impl: ragged paged attention implementation ("reference", "cpu", "tpu",
                 "gpu").
             interpret: run a Pallas kernel in interpret mode (to test "tpu"/"gpu" on CPU).
+            batch_invariant: the attention kernel's batch-invariant mode ("cpu" only; the rest
+                of the step is batch-invariant where its projections are packed:
+                jaxengine/engine/build.py `model_fns`).
         Returns:
             (new kv cache, hidden [T, D] after the final norm).
         """
@@ -272,7 +279,7 @@ class Model(nnx.Module):
         # kernel scatters and gathers in place.
         Ly, P, L, K2, H = kv.shape
         pages = kv.reshape(Ly * P, L, K2, H)
-        kw = {"attn_impl": attn_impl, "interpret": interpret}
+        kw = {"attn_impl": attn_impl, "interpret": interpret, "batch_invariant": batch_invariant}
         if isinstance(self.layers, nnx.List):
             for i, block in enumerate(self.layers):
                 x, pages = block(x, pages, i * P, batch, cos, sin, **kw)

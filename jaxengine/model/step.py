@@ -28,13 +28,14 @@ def split_model(model: Model) -> tuple[nnx.GraphDef, nnx.State]:
 
 
 def make_model_step(graphdef: nnx.GraphDef, *, attn_impl: str = "reference",
-                    interpret: bool = False) -> ModelStep:
+                    interpret: bool = False, batch_invariant: bool = False) -> ModelStep:
     """The pure step `model_step(state, kv, batch) -> (kv, hidden)`.
 
     Args:
         graphdef: from `nnx.split(model)`.
         attn_impl: ragged paged attention implementation; closed over (a static choice).
         interpret: run a Pallas kernel in interpret mode (CPU tests of "tpu"/"gpu").
+        batch_invariant: the attention kernel's batch-invariant mode (`Model.__call__`).
     Returns:
         A function of (state, kv [layers, P, L, 2*K, H], batch) returning the new cache and the
         final-norm hidden states [T, D]; jit it with `donate_argnames=("kv",)`.
@@ -43,7 +44,8 @@ def make_model_step(graphdef: nnx.GraphDef, *, attn_impl: str = "reference",
     def model_step(state: nnx.State, kv: jax.Array, batch: ModelBatch
                    ) -> tuple[jax.Array, jax.Array]:
         model = nnx.merge(graphdef, state)
-        return model(kv, batch, attn_impl=attn_impl, interpret=interpret)
+        return model(kv, batch, attn_impl=attn_impl, interpret=interpret,
+                     batch_invariant=batch_invariant)
 
     return model_step
 

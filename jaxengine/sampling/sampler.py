@@ -4,7 +4,9 @@ Every request row carries its own temperature, top-k, top-p, min-p, seed and out
 as fixed-size arrays (R = the request bucket), so one compiled function serves any mix of
 greedy and random requests. The PRNG key of a row is derived from `(seed, output position)`
 only, never from a batch-global key: the same seed gives the same tokens whatever the batch
-mates are, and a preempted-and-resumed request redraws exactly what it drew before.
+mates are, and a preempted-and-resumed request redraws exactly what it drew before. The
+softmaxes' sums run in an order fixed by V (`jaxengine.model.reductions`): a row's
+probabilities and logprobs do not depend on its batch mates or the request bucket either.
 
 Order of the transforms (as vLLM V1): temperature, then top-k, top-p and min-p on the scaled
 distribution. Logprobs (the sampled token's and the top-n) are those of the raw model output,
@@ -24,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxengine.model.reductions import softmax
 from jaxengine.sampling.argmax import argmax
 from jaxengine.sampling.token_logprobs import token_logprobs
 
@@ -77,7 +80,7 @@ def _filter_mask(scaled: jax.Array, md: SamplingMetadata) -> jax.Array:
     # top-p on the top-k renormalised distribution: keep a token if the mass strictly before
     # it is below top_p (the most likely token is always kept).
     masked = jnp.where(keep, sorted_logits, -jnp.inf)
-    probs = jax.nn.softmax(masked, axis=-1)
+    probs = softmax(masked)
     mass_before = jnp.cumsum(probs, axis=-1) - probs
     keep &= mass_before < md.top_p[:, None]
     # min-p: p_i >= min_p * p_max  <=>  logit_i - logit_max >= log(min_p); a ratio, so it does
@@ -103,7 +106,7 @@ def _sample_random(logits: jax.Array, md: SamplingMetadata) -> jax.Array:
     )
     # Inverse-CDF draw: one uniform per row instead of V Gumbel variates (the RNG dominates the
     # cost on CPU otherwise). Disallowed tokens have zero mass, so the search skips them.
-    probs = jax.nn.softmax(jnp.where(allowed, scaled, -jnp.inf), axis=-1)  # f32[R, V]
+    probs = softmax(jnp.where(allowed, scaled, -jnp.inf))  # f32[R, V]
     cdf = jnp.cumsum(probs, axis=-1)
     keys = row_keys(md.seeds, md.positions)
     u = jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32, minval=1e-7))(keys)  # f32[R]

@@ -10,10 +10,14 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxengine.model.reductions import log_softmax
+
 
 def token_logprobs(logits: jax.Array, tokens: jax.Array, num_top: int
                    ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """Each row's `log_softmax` (in float32) at its token, the token's rank, and the top k.
+    The sum runs in an order fixed by V, so a row's logprobs do not depend on the rows beside it
+    (`jaxengine.model.reductions`).
 
     Args:
       logits: [N, V] logits.
@@ -24,7 +28,7 @@ def token_logprobs(logits: jax.Array, tokens: jax.Array, num_top: int
       a rank is 1 + the tokens strictly more likely, the top k are best first.
     """
     N = logits.shape[0]
-    raw = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    raw = log_softmax(logits.astype(jnp.float32))
     lp = jnp.take_along_axis(raw, tokens[:, None], axis=-1)[:, 0]
     rank = 1 + jnp.sum(raw > lp[:, None], axis=-1, dtype=jnp.int32)
     if not num_top:

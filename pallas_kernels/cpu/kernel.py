@@ -58,6 +58,7 @@ def ragged_paged_attention_cpu(
     sm_scale: float,
     block_q: int = DEFAULT_BLOCK_Q,
     pages_per_split: int = DEFAULT_PAGES_PER_SPLIT,
+    batch_invariant: bool = False,
     interpret: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
     """Ragged paged attention with the native CPU kernel (arguments as the reference's).
@@ -65,6 +66,9 @@ def ragged_paged_attention_cpu(
     Args:
       block_q: query tokens per unit of a request longer than 8 tokens.
       pages_per_split: pages per unit of a shorter request (split-K over its context).
+      batch_invariant: give each token the same bits whatever chunk it comes in (a decode,
+        a whole prompt, the tail after a cached prefix): every unit takes the transposed
+        score path and none is split over pages (ragged_paged_attention.cc).
       interpret: ignored (no Pallas here); accepted so that every impl takes the same call.
 
     Returns:
@@ -87,5 +91,5 @@ def ragged_paged_attention_cpu(
     out = call(q, kv_cache, block_tables.astype(jnp.int32), seq_lens.astype(jnp.int32),
                query_start_loc.astype(jnp.int32), jnp.asarray(num_seqs, jnp.int32),
                sm_scale=np.float32(sm_scale), block_q=np.int64(block_q),
-               pages_per_split=np.int64(pages_per_split))
+               pages_per_split=np.int64(pages_per_split), batch_invariant=bool(batch_invariant))
     return out.astype(q.dtype), kv_cache

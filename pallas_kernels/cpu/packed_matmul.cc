@@ -20,7 +20,11 @@
 // each; see unit).
 // Only the first `live` rows are computed and the rest written as zeros: an engine step's token
 // bucket pads its rows, and the padding need not cost a product.
-// Numerics: float32 multiply-adds in K's order for each output (no fast-math reassociation).
+// Numerics: float32 multiply-adds in K's order for each output (no fast-math reassociation),
+// whatever the row count or a row's place among row blocks, chunks and runs: a row's result
+// does not depend on the rows beside it (an engine step's batch; tests/pallas_kernels/
+// test_batch_invariant.py). XLA's dots do not give that: a row alone is a matrix-vector
+// product there, rounded otherwise.
 
 #include <algorithm>
 #include <cstdint>

@@ -20,6 +20,13 @@
 //  - a longer request (a prefill chunk) is cut into runs of `block_q` tokens, each reading the
 //    pages up to its last token.
 // XLA's intra-op threads take units from one shared counter, longest first.
+// With batch_invariant, a token's output does not depend on the chunk it came in (a decode,
+// a whole prompt, the tail after a cached prefix, a chunk the token budget cut): every unit
+// takes the transposed path and none is split over pages. The two score paths sum a dot in
+// different orders (a decode: a vector of head-dim lanes, then a tree; the transposed path:
+// one lane down the head dim), and a split merges partial softmax states, which rounds
+// otherwise than one pass; the softmax sums and P.V already agree row by row. It costs a
+// decode the transposed path's idle lanes (one vector of rows for its G rows).
 //
 // Numerics: float32 (bfloat16 inputs are widened), an online softmax per tile of kKeys keys
 // (64 with AVX-512). A decode's few query rows take each key's dots a vector of keys at a
@@ -179,8 +186,9 @@ struct Scratch {
 template <typename T>
 class PagedAttention {
  public:
-  PagedAttention(const Geometry& g, const T* q, const T* cache, float sm_scale)
-      : g_(g), q_(q), cache_(cache), scale_(sm_scale) {}
+  PagedAttention(const Geometry& g, const T* q, const T* cache, float sm_scale,
+                 bool batch_invariant)
+      : g_(g), q_(q), cache_(cache), scale_(sm_scale), batch_invariant_(batch_invariant) {}
 
   int64_t rows(const Unit& u) const { return g_.K * (u.tok1 - u.tok0) * g_.G; }
   // Rows between scratch slots: the most a split unit has.
@@ -271,8 +279,9 @@ class PagedAttention {
     return ((rq.q_start + u.tok0 + t) * g_.N + k * g_.G + gi) * g_.H;
   }
 
-  // Whether a unit of rows_k rows per kv head takes the transposed (prefill) path.
-  static bool is_wide(int64_t rows_k) { return rows_k >= kWideRows; }
+  // Whether a unit of rows_k rows per kv head takes the transposed (prefill) path: every unit
+  // does when batch-invariant.
+  bool is_wide(int64_t rows_k) const { return batch_invariant_ || rows_k >= kWideRows; }
   // Rows of a wide unit's transposed scores: rows_k rounded up to whole vectors.
   static int64_t wide_rows(int64_t rows_k) { return (rows_k + kLanes - 1) / kLanes * kLanes; }
 
@@ -578,11 +587,14 @@ class PagedAttention {
   const T* q_;
   const T* cache_;
   const float scale_;
+  const bool batch_invariant_;  // one path for every unit (see the file comment)
 };
 
-// The units of the live requests (see the file comment); split units get scratch slots.
+// The units of the live requests (see the file comment); split units get scratch slots. A
+// batch-invariant plan splits nothing: a split merges partial softmax states, which rounds
+// otherwise than one pass over the keys.
 std::vector<Unit> plan(const std::vector<Request>& reqs, const Geometry& g, int64_t block_q,
-                       int64_t pages_per_split, int64_t* num_slots) {
+                       int64_t pages_per_split, bool batch_invariant, int64_t* num_slots) {
   std::vector<Unit> units;
   *num_slots = 0;
   auto pages_upto = [&](int64_t tokens) {
@@ -593,9 +605,10 @@ std::vector<Unit> plan(const std::vector<Request>& reqs, const Geometry& g, int6
     if (rq.q_len <= 0 || rq.ctx <= 0) continue;
     if (rq.q_len <= kSplitTokens) {
       const int64_t pages = pages_upto(rq.ctx);
-      const bool split = pages > pages_per_split;
-      for (int64_t p = 0; p < pages; p += pages_per_split) {
-        const int64_t p1 = std::min(pages, p + pages_per_split);
+      const bool split = !batch_invariant && pages > pages_per_split;
+      const int64_t run = split ? pages_per_split : std::max<int64_t>(pages, 1);
+      for (int64_t p = 0; p < pages; p += run) {
+        const int64_t p1 = std::min(pages, p + run);
         units.push_back({r, 0, rq.q_len, p, p1, split, split ? (*num_slots)++ : 0,
                          rq.q_len * (p1 - p)});
       }
@@ -616,7 +629,8 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<DT> q,
                                 ffi::Buffer<ffi::S32> seq_lens,
                                 ffi::Buffer<ffi::S32> query_start_loc,
                                 ffi::Buffer<ffi::S32> num_seqs, float sm_scale, int64_t block_q,
-                                int64_t pages_per_split, ffi::ResultBuffer<ffi::F32> out) {
+                                int64_t pages_per_split, bool batch_invariant,
+                                ffi::ResultBuffer<ffi::F32> out) {
   using T = ffi::NativeType<DT>;
   const auto qd = q.dimensions(), cd = kv_cache.dimensions(), td = block_tables.dimensions();
   if (qd.size() != 3 || cd.size() != 4 || td.size() != 2 || cd[2] % 2 || qd[2] != cd[3] ||
@@ -637,9 +651,10 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<DT> q,
   std::fill(o, o + g.T * g.N * g.H, 0.0f);
   int64_t num_slots = 0;
   std::vector<Unit> units = plan(reqs, g, std::max<int64_t>(block_q, 1),
-                                 std::max<int64_t>(pages_per_split, 1), &num_slots);
+                                 std::max<int64_t>(pages_per_split, 1), batch_invariant,
+                                 &num_slots);
   if (units.empty()) return ffi::Error::Success();
-  PagedAttention<T> attn(g, q.typed_data(), kv_cache.typed_data(), sm_scale);
+  PagedAttention<T> attn(g, q.typed_data(), kv_cache.typed_data(), sm_scale, batch_invariant);
   const int64_t stride = attn.slot_rows();
   std::vector<float> m(num_slots * stride), l(num_slots * stride), acc(num_slots * stride * g.H);
   std::vector<int64_t> order(units.size());
@@ -678,6 +693,7 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<DT> q,
                                     .Attr<float>("sm_scale") \
                                     .Attr<int64_t>("block_q") \
                                     .Attr<int64_t>("pages_per_split") \
+                                    .Attr<bool>("batch_invariant") \
                                     .Ret<ffi::Buffer<ffi::F32>>());
 
 JAXENGINE_DEFINE_HANDLER(RaggedPagedAttentionF32, ffi::F32)

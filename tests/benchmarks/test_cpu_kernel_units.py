@@ -33,3 +33,8 @@ def test_the_driver_builds_and_runs_every_unit(tmp_path: Path) -> None:
                          check=True)
     match = re.search(r"units=(\d+):.*checksum (-?[\d.]+)", out.stdout)
     assert match and int(match[1]) == 192 and float(match[2]) != 0.0
+    # The batch-invariant mode splits nothing; the outputs agree to the printed digits.
+    out = subprocess.run([str(exe), "long-decodes", "32", "1", "1"], capture_output=True,
+                         text=True, check=True)
+    invariant = re.search(r"units=(\d+):.*checksum (-?[\d.]+)", out.stdout)
+    assert invariant and int(invariant[1]) == 64 and invariant[2] == match[2]

@@ -42,7 +42,8 @@ def isa_library() -> Callable[[str], ctypes.CDLL]:
 def isa_attention(isa_library: Callable[[str], ctypes.CDLL]) -> Callable[[str], Callable]:
     """`attention(name)`: the float32 attention kernel of `name`'s build ("native": the library
     the process loaded) as `f(q, cache, tables, seq_lens, query_start_loc, num_seqs, *,
-    sm_scale, block_q, pages_per_split) -> out [T, N, H]`, the new K/V already in the cache.
+    sm_scale, block_q, pages_per_split, batch_invariant=False) -> out [T, N, H]`, the new K/V
+    already in the cache.
     Each build's custom-call target is registered once, under a name of its own."""
     targets: dict[str, str] = {}
 
@@ -57,10 +58,11 @@ def isa_attention(isa_library: Callable[[str], ctypes.CDLL]) -> Callable[[str], 
                     targets[name], jax.ffi.pycapsule(library.RaggedPagedAttentionF32),
                     platform="cpu")
 
-        def call(q, cache, *metadata, sm_scale: float, block_q: int, pages_per_split: int):
+        def call(q, cache, *metadata, sm_scale: float, block_q: int, pages_per_split: int,
+                 batch_invariant: bool = False):
             return jax.ffi.ffi_call(targets[name], jax.ShapeDtypeStruct(q.shape, jnp.float32))(
                 q, cache, *metadata, sm_scale=np.float32(sm_scale), block_q=np.int64(block_q),
-                pages_per_split=np.int64(pages_per_split))
+                pages_per_split=np.int64(pages_per_split), batch_invariant=batch_invariant)
 
         return call
 
