@@ -2,9 +2,9 @@
 
 With "required" the grammar makes the output vLLM's JSON array of calls, `[{"name": ...,
 "parameters": {...}}, ...]` (`jaxengine/server/structured.py`). vLLM streams it by parsing the
-partial JSON at every step; here `calls_so_far` scans the text so far (strings, escapes and
-nesting; keys in any order) for each call's name, once its string is complete, and the text of
-its `parameters` value up to where it has got. `ToolCallStream` turns successive texts into
+partial JSON at every step with `partial_json_parser`, and so does `calls_so_far` here (keys in
+any order): each call's name, once its string is complete, and the text of its `parameters`
+value up to where it has got. `ToolCallStream` turns successive texts into
 OpenAI's `delta.tool_calls`: a call opens with its index, id, type and name (and the arguments
 so far), then each delta carries the new `arguments` text, so a client that concatenates them
 (the official `openai` client does) ends with each call's parameters exactly as generated.
@@ -16,9 +16,13 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from partial_json_parser import Allow, loads
+
 from jaxengine.server.structured import tool_call
 
 _WHITESPACE = " \t\n\r"
+_DECODER = json.JSONDecoder()
+_PARTIAL_WITHOUT_STR = Allow.ALL & ~Allow.STR  # vLLM's flags until a call's name is sent
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +51,9 @@ def _calls(text: str, i: int) -> tuple[list[CallSoFar], int, int]:
         if text[i] == ",":
             i += 1
             continue
-        i, call, closed = _object(text, i + 1)
+        if (one := _object(text, i + 1)) is None:
+            break
+        i, call, closed = one
         calls.append(call)
         if not closed:
             return calls, len(calls) - 1, resume
@@ -55,81 +61,62 @@ def _calls(text: str, i: int) -> tuple[list[CallSoFar], int, int]:
     return calls, len(calls), resume
 
 
-def _object(text: str, i: int) -> tuple[int, CallSoFar, bool]:
-    """One call's members from after its "{": (where it ends, the call, whether it closed)."""
-    name, arguments = None, ""
-    while (i := _skip(text, i)) < len(text):
-        if text[i] == "}":
-            return i + 1, CallSoFar(name, arguments), True
+def _object(text: str, i: int) -> tuple[int, CallSoFar, bool] | None:
+    """One call from after its "{": (where it ends, the call, whether it closed); None when
+    the text there is not JSON (scanning stops).
+
+    A closed call is json's to decode (which also says where it ends); the one still being
+    generated is partial_json_parser's, as in vLLM's tool parsers, with partial strings left
+    out so that a name counts only once its string is complete."""
+    try:
+        call, end = _DECODER.raw_decode(text, i - 1)
+        closed = True
+    except ValueError:
+        try:  # its fast fix assumes valid partial JSON (it asserts); the full one checks it
+            call = loads(text[i - 1:], _PARTIAL_WITHOUT_STR, use_fast_fix=False)
+        except ValueError:  # partial_json_parser's MalformedJSON
+            return None
+        end = len(text)
+        closed = False
+    if not isinstance(call, dict):
+        return None
+    name = call.get("name")
+    return end, CallSoFar(name if isinstance(name, str) else None, _arguments(text, i)), closed
+
+
+def _arguments(text: str, i: int) -> str:
+    """The text of the `parameters` value of the call whose members start at `text[i]`, as
+    far as it has got ("" before it starts).
+
+    The one piece of scanning kept by hand (a walk over the members, values skipped by json):
+    json and partial_json_parser give values, not where they lie in the text, and the stream
+    must send the arguments exactly as generated, so that the deltas a client concatenates
+    are the generated text, not a re-serialization of it (vLLM's json.dumps and prefix diffs)."""
+    while (i := _skip(text, i)) < len(text) and text[i] != "}":
         if text[i] == ",":
             i += 1
             continue
-        if text[i] != '"':
-            break
-        end, done = _string(text, i)
-        if not done:
-            break
-        key = json.loads(text[i:end])
-        i = _skip(text, end)
-        if not text.startswith(":", i):
-            break
+        try:
+            key, i = _DECODER.raw_decode(text, i)
+        except ValueError:  # a key still being generated
+            return ""
+        i = _skip(text, i)
+        if not isinstance(key, str) or not text.startswith(":", i):
+            return ""
         start = _skip(text, i + 1)
-        if start >= len(text):
-            break
-        i, done = _value(text, start)
-        if key == "name" and done and text[start] == '"':
-            name = json.loads(text[start:i])
-        elif key == "parameters":
-            arguments = text[start:i]
-        if not done:
-            break
-    return len(text), CallSoFar(name, arguments), False
+        try:
+            i = _DECODER.raw_decode(text, start)[1]
+        except ValueError:  # the value is still being generated: it runs to the end
+            i = len(text)
+        if key == "parameters":
+            return text[start:i]
+    return ""
 
 
 def _skip(text: str, i: int) -> int:
     while i < len(text) and text[i] in _WHITESPACE:
         i += 1
     return i
-
-
-def _string(text: str, i: int) -> tuple[int, bool]:
-    """The end of the string starting at `text[i]` (a quote), and whether it closed."""
-    j = i + 1
-    while j < len(text):
-        if text[j] == "\\":
-            j += 2
-        elif text[j] == '"':
-            return j + 1, True
-        else:
-            j += 1
-    return len(text), False
-
-
-def _value(text: str, i: int) -> tuple[int, bool]:
-    """The end of the JSON value starting at `text[i]`, and whether it is complete."""
-    if text[i] == '"':
-        return _string(text, i)
-    if text[i] not in "{[":  # a number or literal: complete once something follows it
-        j = i
-        while j < len(text) and text[j] not in ",}]" + _WHITESPACE:
-            j += 1
-        return j, j < len(text)
-    depth, j = 0, i
-    while j < len(text):
-        c = text[j]
-        if c == '"':
-            j, done = _string(text, j)
-            if not done:
-                return j, False
-            continue
-        if c in "{[":
-            depth += 1
-        elif c in "}]":
-            depth -= 1
-            if depth == 0:
-                return j + 1, True
-        j += 1
-    return len(text), False
 
 
 @dataclass(slots=True)

@@ -78,3 +78,10 @@ def test_calls_already_sent_whole_are_not_scanned_again(monkeypatch: pytest.Monk
     assert opened == 40
     # at most the call that just closed and the one after it, per text: not all 40 each time
     assert len(scanned) <= 2 * len(steps)
+
+
+def test_scanning_stops_at_text_that_is_not_json() -> None:
+    (closed,) = calls_so_far('[{"name": "a", "parameters": {}} x {"name": "b"')
+    assert (closed.name, closed.arguments) == ("a", "{}")
+    # a call that is not JSON even as a prefix never opens (partial_json_parser refuses it)
+    assert calls_so_far('[{"name": "a", "parameters": {} x') == []
