@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
+import inspect
+from importlib.metadata import version
+from pathlib import Path
+
+import gguf
+import numpy as np
 import pytest
 
-from jaxengine.loading.gguf_file import gguf_tensor_name, model_config_from_gguf, tensor_name_map
+from jaxengine.loading.gguf_file import (
+    _Reader,
+    gguf_tensor_name,
+    model_config_from_gguf,
+    open_gguf,
+    tensor_name_map,
+)
 from jaxengine.model.config import ModelConfig, ModelLoadError
 
 # llama.cpp's names, as the loader's own table had them before it used gguf's map
@@ -53,3 +65,37 @@ def test_gguf_metadata() -> None:
 def test_unsupported_architecture_is_named() -> None:
     with pytest.raises(ModelLoadError, match="unsupported GGUF architecture 'falcon'"):
         model_config_from_gguf({"general.architecture": "falcon"}, tied=True)
+
+
+def test_the_reader_overrides_the_private_get_gguf_still_has() -> None:
+    """`_Reader._get` replaces gguf's private `GGUFReader._get` (pyproject.toml pins gguf to
+    the versions that have it as below); a gguf release that changes it must fail here."""
+    def shape(f):  # type: ignore[no-untyped-def]
+        return [(p.name, p.kind, p.default) for p in inspect.signature(f).parameters.values()]
+
+    assert shape(gguf.GGUFReader._get) == shape(_Reader._get), (
+        f"gguf {version('gguf')} changed GGUFReader._get's signature to "
+        f"{inspect.signature(gguf.GGUFReader._get)}; jaxengine/loading/gguf_file.py's _Reader "
+        "overrides it as (self, offset, dtype, count=1, override_order=None): update the "
+        "override (or drop it) and the gguf pin in pyproject.toml")
+
+
+def test_the_reader_reads_what_gguf_reads(tmp_path: Path) -> None:
+    path = tmp_path / "t.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_string("general.name", "tiny")
+    w.add_uint32("llama.block_count", 2)
+    w.add_float32("llama.rope.freq_base", 1e4)
+    w.add_array("tokenizer.ggml.tokens", ["a", "bb", "ccc"])
+    w.add_tensor("f32", np.arange(12, dtype=np.float32).reshape(3, 4))
+    w.add_tensor("f16", np.linspace(-1, 1, 8, dtype=np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    ours, theirs = open_gguf(str(path)), gguf.GGUFReader(str(path))
+    assert isinstance(ours, _Reader)
+    assert {k: f.contents() for k, f in ours.fields.items()} == {
+        k: f.contents() for k, f in theirs.fields.items()}
+    assert [(t.name, t.tensor_type, t.data.tolist()) for t in ours.tensors] == [
+        (t.name, t.tensor_type, t.data.tolist()) for t in theirs.tensors]
