@@ -5,8 +5,8 @@ so `LLM` and the server drive either alike (add, abort, step, ...). Each replica
 `LLMEngine` (its own scheduler state, KV pool and model copy, on `tensor_parallel_size` devices
 of its own); `router.route` picks the replica for each new request from the replicas'
 scheduler states (longest prefix-cache hit, else least loaded), and the request lives there
-until it finishes. Request ids are unique across replicas; an abort
-goes to the replica that owns the request; a step steps every replica that has work.
+until it finishes. Request ids are unique across replicas; an abort goes to the replica that
+owns the request; a step steps every replica that has work.
 
 Seeds: a request without a `seed` gets one here, drawn from `EngineArgs.seed` in the order
 requests arrive, exactly as a single engine draws them; so the outputs are the same whatever
@@ -173,13 +173,6 @@ class DataParallelEngine:
                         del self._owner[out.request_id]
                 outputs += step_outputs
         return outputs
-
-
-def replicas_of(engine: Any) -> tuple[Any, ...]:
-    """The engines that record statistics for `engine`: a `DataParallelEngine`'s replicas,
-    else the engine itself (an `LLMEngine`, or a wrapper with its surface)."""
-    replicas = getattr(engine, "replicas", None)
-    return tuple(replicas) if replicas is not None else (engine,)
 
 
 def device_groups(data_parallel_size: int, tensor_parallel_size: int,
