@@ -23,12 +23,15 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import scheduler
 from jaxengine.engine import args as engine_args_module
 from jaxengine.engine.args import EngineArgs
 from jaxengine.server.args import FrontendArgs
+
+if TYPE_CHECKING:  # annotations only: the commands import LLM when they run
+    from jaxengine.llm import LLM
 
 CHOICES = {"dtype": engine_args_module.DTYPES,
            "scheduling_policy": tuple(scheduler.POLICIES),
@@ -225,7 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 # ---- commands ------------------------------------------------------------------------------
 
-def _build_llm(args: EngineArgs) -> Any:
+def _build_llm(args: EngineArgs) -> LLM:
     from jaxengine.llm import LLM
 
     fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs)}
@@ -291,7 +294,7 @@ def run_chat(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         conversation.append({"role": "assistant", "content": reply})
 
 
-def _stream_reply(llm: Any, conversation: list[dict[str, str]],
+def _stream_reply(llm: LLM, conversation: list[dict[str, str]],
                   params: scheduler.SamplingParams) -> str | None:
     """Write the reply to `conversation` to stdout as it is produced, then a newline.
 

@@ -1,5 +1,6 @@
 """`LLM`: vLLM's offline API — `generate`, `chat` and `get_metrics` over an `LLMEngine`, or
-over `data_parallel_size` replicas of one (`jaxengine.parallel.data_parallel`)."""
+over `data_parallel_size` replicas of one (`jaxengine.parallel.data_parallel`); it reads only
+what `EngineClient` (`jaxengine/engine/client.py`) lists."""
 
 from __future__ import annotations
 
@@ -11,8 +12,8 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from jaxengine.engine.args import EngineArgs
+from jaxengine.engine.client import EngineClient
 from jaxengine.engine.inputs import PromptType
-from jaxengine.engine.llm_engine import LLMEngine
 from jaxengine.engine.outputs import RequestOutput
 from jaxengine.loading.generation_config import diff_sampling_params
 from jaxengine.metrics import (
@@ -22,7 +23,6 @@ from jaxengine.metrics import (
     attach_stat_loggers,
     get_metrics_snapshot,
 )
-from jaxengine.parallel.data_parallel import DataParallelEngine, replicas_of
 from scheduler import SamplingParams
 
 Conversation = Sequence[Mapping[str, Any]]
@@ -59,19 +59,20 @@ class LLM:
         self._attach(build_engines(args))
 
     @classmethod
-    def from_engine(cls, engine: LLMEngine | DataParallelEngine) -> LLM:
+    def from_engine(cls, engine: EngineClient) -> LLM:
         """Wrap an existing engine (e.g. one over a fake model in tests); its stat loggers
         gain the one `get_metrics` reads."""
         llm = cls.__new__(cls)
         llm._attach(engine)
         return llm
 
-    def _attach(self, engine: LLMEngine | DataParallelEngine) -> None:
-        self.llm_engine, self._ids = engine, itertools.count()
+    def _attach(self, engine: EngineClient) -> None:
+        self.llm_engine: EngineClient = engine
+        self._ids = itertools.count()
         args = engine.args
         self._default_params = SamplingParams(
             **diff_sampling_params(args.model, args.generation_config))
-        self._replicas = replicas_of(engine)
+        self._replicas = tuple(engine.replicas)
         model_name = "default" if args.model is None else str(args.model)
         self._metrics = PrometheusStatLogger(model_name, engine.max_model_len,
                                              engine_indexes=range(len(self._replicas)))

@@ -19,6 +19,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from jaxengine.engine.client import EngineClient
 from jaxengine.engine.inputs import PromptType
 from jaxengine.engine.outputs import RequestOutput
 from jaxengine.llm import LLM, Conversation, chat_prompt
@@ -47,9 +48,9 @@ class TextStream:
     seen here.
     """
 
-    def __init__(self, engine: Any, request_ids: Sequence[str]) -> None:
+    def __init__(self, engine: EngineClient, request_ids: Sequence[str]) -> None:
         """Args:
-          engine: an `LLMEngine` or `DataParallelEngine` holding the requests.
+          engine: the engine holding the requests (an `LLMEngine` or `DataParallelEngine`).
           request_ids: the requests to follow, in prompt order (they are already added).
         """
         self.engine = engine

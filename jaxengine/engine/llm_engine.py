@@ -48,6 +48,7 @@ from jaxengine.sampling.metadata import SamplingRow
 from jaxengine.spec.metrics import SpecDecodingStats
 from jaxengine.spec.speculator import make_speculator
 from jaxengine.structured.compiler import GrammarCompiler
+from jaxengine.structured.params import StructuredOutputsParams
 from scheduler import (
     KVConnector,
     Request,
@@ -68,7 +69,8 @@ logger = logging.getLogger("jaxengine.engine")
 
 
 class LLMEngine:
-    """Continuous batching over one model: add requests, call `step()` until done.
+    """Continuous batching over one model: add requests, call `step()` until done (an
+    `EngineClient`, `jaxengine/engine/client.py`).
 
     `stat_loggers` (a list; append to it) receive every step's `SchedulerStats` and
     `IterationStats`, and an `IterationStats` of the requests each `abort_request` finished.
@@ -153,6 +155,19 @@ class LLMEngine:
           SamplingParamsError: the engine has no tokenizer.
         """
         return self.grammars.compiler
+
+    def compile_grammar(self, params: StructuredOutputsParams) -> None:
+        """Compile a grammar now (into the compiler's cache, where `add_request` finds it).
+
+        Raises:
+          SamplingParamsError: the grammar does not compile, or the engine has no tokenizer.
+        """
+        self.grammar_compiler.compile(params)
+
+    @property
+    def replicas(self) -> tuple[LLMEngine]:
+        """This engine, its own only replica (`EngineClient.replicas`)."""
+        return (self,)
 
     def _give_runner_executor(self, compiler: GrammarCompiler) -> None:
         self.runner.grammar_executor = compiler.executor  # fills bitmask rows in parallel

@@ -15,7 +15,6 @@ from jaxengine.engine.args import EngineArgs
 from jaxengine.loading.load import load_model
 from jaxengine.loading.tokenizer import Tokenizer
 from jaxengine.model.fns import ModelFns
-from jaxengine.parallel.data_parallel import replicas_of
 from jaxengine.parallel.mesh import engine_devices, make_mesh
 
 
@@ -59,4 +58,4 @@ def model_fns_of(llm: Any) -> tuple[ModelFns, Any]:
     Returns:
       (ModelFns, the LLM's tokenizer or None).
     """
-    return replicas_of(llm.llm_engine)[0].runner.model, llm.get_tokenizer()
+    return llm.llm_engine.replicas[0].runner.model, llm.get_tokenizer()

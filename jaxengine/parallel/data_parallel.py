@@ -1,11 +1,12 @@
 """Data parallelism: M engine replicas, each on its own device group, behind one router.
 
-`DataParallelEngine` has the surface of `LLMEngine` that `LLM` and the server use (add, abort,
-step, ...). Each replica is a whole `LLMEngine` (its own scheduler state, KV pool and model
-copy, on `tensor_parallel_size` devices of its own); `router.route` picks the replica for each
-new request from the replicas' scheduler states (longest prefix-cache hit, else least loaded),
-and the request lives there until it finishes. Request ids are unique across replicas; an abort
-goes to the replica that owns the request; a step steps every replica that has work.
+`DataParallelEngine` is an `EngineClient` (`jaxengine/engine/client.py`), as `LLMEngine` is,
+so `LLM` and the server drive either alike (add, abort, step, ...). Each replica is a whole
+`LLMEngine` (its own scheduler state, KV pool and model copy, on `tensor_parallel_size` devices
+of its own); `router.route` picks the replica for each new request from the replicas'
+scheduler states (longest prefix-cache hit, else least loaded), and the request lives there
+until it finishes. Request ids are unique across replicas; an abort goes to the replica that
+owns the request; a step steps every replica that has work.
 
 Seeds: a request without a `seed` gets one here, drawn from `EngineArgs.seed` in the order
 requests arrive, exactly as a single engine draws them; so the outputs are the same whatever
@@ -27,11 +28,13 @@ from jaxengine.engine.inputs import PromptType, TokenizerLike
 from jaxengine.engine.llm_engine import LLMEngine
 from jaxengine.engine.outputs import RequestOutput
 from jaxengine.parallel.router import Route, route
+from jaxengine.structured.params import StructuredOutputsParams
 from scheduler import Request, SamplingParams, SchedulerConfig, SchedulerState
 
 
 class DataParallelEngine:
-    """Several `LLMEngine` replicas as one engine: add requests, call `step()` until done."""
+    """Several `LLMEngine` replicas as one engine: add requests, call `step()` until done (an
+    `EngineClient`, `jaxengine/engine/client.py`; `replicas` are the `LLMEngine`s)."""
 
     def __init__(self, replicas: Sequence[LLMEngine]) -> None:
         """Serve `replicas` (built alike: the same model and arguments, distinct devices).
@@ -132,6 +135,10 @@ class DataParallelEngine:
             outputs += self.replicas[i].abort_request(rids)
         return outputs
 
+    def compile_grammar(self, params: StructuredOutputsParams) -> None:
+        """Nothing: the replica the router picks compiles the grammar in its `add_request`
+        (a grammar that does not compile aborts the request at its replica's next step)."""
+
     def replica_of(self, request_id: str) -> int | None:
         """The index of the replica holding an unfinished request (None if none does)."""
         return self._owner.get(request_id)
@@ -166,13 +173,6 @@ class DataParallelEngine:
                         del self._owner[out.request_id]
                 outputs += step_outputs
         return outputs
-
-
-def replicas_of(engine: Any) -> tuple[Any, ...]:
-    """The engines that record statistics for `engine`: a `DataParallelEngine`'s replicas,
-    else the engine itself (an `LLMEngine`, or a wrapper with its surface)."""
-    replicas = getattr(engine, "replicas", None)
-    return tuple(replicas) if replicas is not None else (engine,)
 
 
 def device_groups(data_parallel_size: int, tensor_parallel_size: int,

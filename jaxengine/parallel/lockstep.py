@@ -31,10 +31,12 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from jaxengine.engine.inputs import PromptType
+from jaxengine.engine.args import EngineArgs
+from jaxengine.engine.inputs import PromptType, TokenizerLike
 from jaxengine.engine.llm_engine import LLMEngine
 from jaxengine.engine.outputs import RequestOutput
-from scheduler import SamplingParams
+from jaxengine.structured.params import StructuredOutputsParams
+from scheduler import SamplingParams, SchedulerConfig
 
 logger = logging.getLogger("jaxengine.parallel")
 
@@ -122,7 +124,8 @@ class LeaderEngine:
     `add_request` and `abort_request` go to the engine and are recorded; `step()` first hands
     the record to the followers (`exchange`), then steps. Additions are recorded in order,
     aborts after them: the server queues aborts and applies them just before a step, so that
-    is also the order they reach the engine here. Every other attribute is the engine's.
+    is also the order they reach the engine here. An `EngineClient`
+    (`jaxengine/engine/client.py`): what else the server reads is the engine's.
     Thread-safe: a lock keeps `shutdown()` from overtaking a step still running in a thread.
     """
 
@@ -135,17 +138,48 @@ class LeaderEngine:
         self._aborts: list[str] = []
         self._closed = False
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._engine, name)  # tokenizer, args, snapshot(), ... as the engine's
+    # ---- what the server reads (the engine's own; `EngineClient`) ---------------------
 
     @property
-    def stat_loggers(self) -> list[Any]:
-        """The engine's own list (the server appends its loggers to it)."""
-        return self._engine.stat_loggers
+    def args(self) -> EngineArgs:
+        """The engine's arguments."""
+        return self._engine.args
 
-    @stat_loggers.setter
-    def stat_loggers(self, loggers: list[Any]) -> None:
-        self._engine.stat_loggers = loggers
+    @property
+    def tokenizer(self) -> TokenizerLike | None:
+        """The engine's tokenizer (every process loaded the same one)."""
+        return self._engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest sequence (prompt + output) a request may reach."""
+        return self._engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        """The model's vocabulary size (token ids are in [0, vocab_size))."""
+        return self._engine.vocab_size
+
+    @property
+    def scheduler_config(self) -> SchedulerConfig:
+        """The engine's scheduler configuration."""
+        return self._engine.scheduler_config
+
+    @property
+    def replicas(self) -> tuple[LLMEngine]:
+        """The wrapped engine: its scheduler state, runner and `stat_loggers` (the server
+        appends its loggers there; only its steps run through this wrapper)."""
+        return (self._engine,)
+
+    def compile_grammar(self, params: StructuredOutputsParams) -> None:
+        """Nothing: the grammar compiles in `add_request`, on every process (a grammar that
+        does not compile aborts the request at the next step)."""
+
+    def has_unfinished_requests(self) -> bool:
+        """True while the engine has a request waiting or running."""
+        return self._engine.has_unfinished_requests()
+
+    # ---- what is recorded for the followers --------------------------------------------
 
     def add_request(self, request_id: str, prompt: PromptType,
                     params: SamplingParams | None = None, *, arrival_time: float | None = None,

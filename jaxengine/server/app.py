@@ -1,9 +1,10 @@
 """The FastAPI application over one engine: OpenAI routes, /health, /v1/models, /metrics, and
 vLLM's /ping, /version, /tokenize and /detokenize.
 
-`build_app(engine, model_name=...)` takes a built `LLMEngine` (or a `DataParallelEngine` of
-several replicas); the engine loop starts and stops with the app's lifespan. The lifespan first
-compiles every bucket of a cold engine (`jaxengine.server.warmup`): uvicorn opens its socket
+`build_app(engine, model_name=...)` takes a built engine (an `EngineClient`: an `LLMEngine`,
+a `DataParallelEngine` of several replicas, or a multi-host `LeaderEngine`); the engine loop
+starts and stops with the app's lifespan. The lifespan first compiles every bucket of a cold
+engine (`jaxengine.server.warmup`): uvicorn opens its socket
 only after the lifespan's startup is done, so `/health` is never 200, and no request is taken,
 before the engine is warm.
 `frontend` (`FrontendArgs`) adds the edge's middleware (`jaxengine.server.middleware`): the
@@ -28,8 +29,7 @@ from fastapi import Body, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from jaxengine.engine.llm_engine import LLMEngine
-from jaxengine.parallel.data_parallel import DataParallelEngine
+from jaxengine.engine.client import EngineClient
 from jaxengine.server.args import FrontendArgs
 from jaxengine.server.async_engine import AsyncEngine
 from jaxengine.server.chat_protocol import ChatCompletionRequest
@@ -49,7 +49,7 @@ __version__ = package_version("jaxengine")
 logger = logging.getLogger("jaxengine.server")
 
 
-def build_app(engine: LLMEngine | DataParallelEngine, *, model_name: str,
+def build_app(engine: EngineClient, *, model_name: str,
               log_interval: float = 10.0, warm_up: bool = True,
               frontend: FrontendArgs | None = None) -> FastAPI:
     """An OpenAI-compatible app serving `engine` as `model_name`.

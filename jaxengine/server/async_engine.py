@@ -8,8 +8,8 @@ its list of prompts) under one hold of the lock, as one `RequestGroup`. Aborts n
 are queued and applied by the loop before its next step, so a cancelled handler can abort from a
 `finally`.
 Metrics are the engine's own step statistics: the Prometheus and log-line loggers join its
-`stat_loggers`, each replica's under its index when the engine is a `DataParallelEngine`
-(`/metrics` has an `engine` label per replica; the log line sums them).
+`stat_loggers`, each replica's (`EngineClient.replicas`) under its index (`/metrics` has an
+`engine` label per replica of a `DataParallelEngine`; the log line sums them).
 """
 
 from __future__ import annotations
@@ -19,11 +19,10 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mapping, Sequence
 
+from jaxengine.engine.client import EngineClient
 from jaxengine.engine.inputs import PromptType
-from jaxengine.engine.llm_engine import LLMEngine
 from jaxengine.engine.outputs import RequestOutput
 from jaxengine.metrics import LoggingStatLogger, PrometheusStatLogger, attach_stat_loggers
-from jaxengine.parallel.data_parallel import DataParallelEngine, replicas_of
 from scheduler import SamplingParams, SchedulerStats
 
 logger = logging.getLogger("jaxengine.server")
@@ -152,10 +151,10 @@ class RequestStream(RequestGroup):
 
 
 class AsyncEngine:
-    """An `LLMEngine` (or `DataParallelEngine`) behind a background loop, with Prometheus
-    metrics and a log line."""
+    """An engine (an `EngineClient`: an `LLMEngine`, a `DataParallelEngine` or a multi-host
+    `LeaderEngine`) behind a background loop, with Prometheus metrics and a log line."""
 
-    def __init__(self, engine: LLMEngine | DataParallelEngine, *, model_name: str,
+    def __init__(self, engine: EngineClient, *, model_name: str,
                  log_interval: float = 10.0, metrics: PrometheusStatLogger | None = None
                  ) -> None:
         """Wrap `engine` (start the loop with `start()` inside a running event loop).
@@ -173,7 +172,7 @@ class AsyncEngine:
         self.engine = engine
         self.model_name = model_name
         self.log_interval = log_interval
-        self._replicas = replicas_of(engine)
+        self._replicas = tuple(engine.replicas)
         indexes = range(len(self._replicas))
         self.metrics = metrics or PrometheusStatLogger(model_name, engine.max_model_len,
                                                        engine_indexes=indexes)

@@ -8,10 +8,14 @@ import dataclasses
 import logging
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jaxengine.engine.args import EngineArgs
 from jaxengine.server.args import API_KEY_ENV, FrontendArgs
+
+if TYPE_CHECKING:  # annotations only: serve imports the engine modules when it runs
+    from jaxengine.engine.client import EngineClient
+    from jaxengine.engine.llm_engine import LLMEngine
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -97,7 +101,7 @@ def _check_role(process: int, processes: int, *, headless: bool) -> None:
                          f"HTTP; run the others with --headless")
 
 
-def _run_http(engine: Any, name: str, *, host: str, port: int, log_interval: float,
+def _run_http(engine: EngineClient, name: str, *, host: str, port: int, log_interval: float,
               log_level: str, frontend: FrontendArgs) -> None:
     from jaxengine.server.app import build_app
     from jaxengine.server.http_server import run_uvicorn
@@ -110,7 +114,7 @@ def _run_http(engine: Any, name: str, *, host: str, port: int, log_interval: flo
                 stop_requests=app.state.stop_engine)
 
 
-def _lead(engine: Any, name: str, **http: Any) -> None:
+def _lead(engine: LLMEngine, name: str, **http: Any) -> None:
     """Process 0 of a multi-host run: serve HTTP; on the way out, stop the followers."""
     from jaxengine.parallel.lockstep import LeaderEngine
 
@@ -123,7 +127,7 @@ def _lead(engine: Any, name: str, **http: Any) -> None:
         logger.info("told the followers to shut down")
 
 
-def _follow(engine: Any) -> None:
+def _follow(engine: LLMEngine) -> None:
     """Processes 1 .. N-1: run process 0's steps until it shuts down."""
     from jaxengine.parallel.lockstep import follow
 

@@ -194,12 +194,12 @@ class OpenAIServing:
 
     async def _compile(self, so: StructuredOutputsParams | None, body: Any) -> None:
         """Compile the request's grammar for the tokenizer before it is queued (off the event
-        loop), so a grammar llguidance refuses is a 400; the engine finds it in the cache."""
-        engine = self.engine.engine
-        if so is None or not hasattr(type(engine), "grammar_compiler"):
-            return  # a data-parallel engine: each replica's add_request compiles it
+        loop), so a grammar llguidance refuses is a 400; the engine finds it in the cache (an engine
+        that compiles only in `add_request` does nothing: `EngineClient.compile_grammar`)."""
+        if so is None:
+            return
         try:
-            await asyncio.to_thread(lambda: engine.grammar_compiler.compile(so))
+            await asyncio.to_thread(self.engine.engine.compile_grammar, so)
         except SamplingParamsError as e:  # StructuredOutputsError, or no tokenizer
             raise body.request_error(e) from None
 

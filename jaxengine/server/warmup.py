@@ -12,9 +12,8 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
 
-from jaxengine.parallel.data_parallel import replicas_of
+from jaxengine.engine.client import EngineClient
 from jaxengine.runner.compilation_cache import active_dir, cache_state, shown
 from jaxengine.runner.compiles import cache_hit_count
 from jaxengine.runner.programs import SAMPLE_NAME, STEP_NAME
@@ -32,16 +31,16 @@ class WarmUp:
     seconds: float  # wall time of the whole warm-up
 
 
-def warm_up(engine: Any) -> WarmUp:
+def warm_up(engine: EngineClient) -> WarmUp:
     """Precompile every replica of `engine` whose runner is not warm yet; log the summary.
 
     Args:
-      engine: an `LLMEngine`, a `DataParallelEngine`, or a wrapper with an engine's surface
-        (`jaxengine.parallel.lockstep.LeaderEngine`).
+      engine: an `LLMEngine`, a `DataParallelEngine` or a multi-host `LeaderEngine`; its
+        `replicas` are compiled.
     Returns:
       The counts and time of this warm-up (all zero when every replica was warm).
     """
-    replicas = replicas_of(engine)
+    replicas = engine.replicas
     cold = [i for i, r in enumerate(replicas) if not r.runner.warm]
     if not cold:
         return WarmUp(replicas=0, programs=0, cache_hits=0, seconds=0.0)

@@ -17,7 +17,6 @@ from jaxengine.parallel.data_parallel import (
     DataParallelEngine,
     build_engines,
     device_groups,
-    replicas_of,
 )
 from jaxengine.parallel.router import Route, route
 from scheduler import Request, SamplingParams, SchedulerConfig, add_request, init_state, schedule
@@ -193,7 +192,7 @@ def test_engine_args_validate_data_parallel_size() -> None:
 def test_replicas_of_an_engine_and_of_a_data_parallel_one() -> None:
     single = make_engine()
     dp = _dp(3)
-    assert replicas_of(single) == (single,)
-    assert replicas_of(dp) == dp.replicas and len(dp.replicas) == 3
+    assert single.replicas == (single,)
+    assert len(dp.replicas) == 3
     with pytest.raises(ValueError, match="at least one replica"):
         DataParallelEngine([])

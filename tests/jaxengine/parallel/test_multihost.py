@@ -196,7 +196,8 @@ def test_a_follower_fed_by_the_leader_produces_the_same_outputs() -> None:
         assert _summary(follower.last[rid]) == _summary(out), rid
     assert finals["stop"].outputs[0].finish_reason == "stop"
     assert follower.last["leaves"].outputs[0].finish_reason == "abort"
-    assert follower.engine.snapshot().num_free_blocks == leader.snapshot().num_free_blocks
+    (engine,) = leader.replicas
+    assert follower.engine.snapshot().num_free_blocks == engine.snapshot().num_free_blocks
     assert not follower.engine.has_unfinished_requests()
 
 

@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from jaxengine.parallel.data_parallel import DataParallelEngine, replicas_of
+from jaxengine.parallel.data_parallel import DataParallelEngine
 from jaxengine.parallel.lockstep import LeaderEngine
 from tests.jaxengine.engine.test_llm_engine import PROMPTS, FakeTokenizer, make_engine
 from tests.jaxengine.metrics.test_metrics import _value
@@ -90,7 +90,7 @@ def _eventually(done: Callable[[], bool], timeout_s: float = 30.0) -> bool:
 
 def _idle(server: RunningServer) -> bool:
     """No request left in the server or any replica, and every KV block free."""
-    replicas = replicas_of(server.engine)
+    replicas = server.engine.replicas
     return (server.async_engine.num_unfinished() == 0
             and not server.engine.has_unfinished_requests()
             and all(r.snapshot().num_free_blocks == r.scheduler_config.num_blocks - 1

@@ -1,0 +1,85 @@
+"""`EngineClient`: the plain, data-parallel and multi-host engines each have every member (their
+own, not forwarded), and the members that differ between them (`replicas`,
+`compile_grammar`) do what the protocol says. On the fake model at tiny sizes."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+
+from jaxengine.engine.args import EngineArgs
+from jaxengine.engine.client import EngineClient
+from jaxengine.engine.llm_engine import LLMEngine
+from jaxengine.model.fake import fake_model
+from jaxengine.parallel.data_parallel import DataParallelEngine
+from jaxengine.parallel.lockstep import LeaderEngine
+from jaxengine.structured import StructuredOutputsParams
+from scheduler import SamplingParams, SamplingParamsError
+from tests.jaxengine.engine.test_llm_engine import V, make_engine
+
+MEMBERS = {"args", "tokenizer", "max_model_len", "vocab_size", "scheduler_config", "replicas",
+           "add_request", "abort_request", "has_unfinished_requests", "step",
+           "compile_grammar"}
+ENGINES: dict[str, Callable[[], EngineClient]] = {
+    "plain": make_engine,
+    "data_parallel": lambda: DataParallelEngine([make_engine(), make_engine()]),
+    "lockstep": lambda: LeaderEngine(make_engine()),  # one process: its exchange is a no-op
+}
+REGEX = StructuredOutputsParams(regex="(ab)+")
+
+
+def _untokenized() -> LLMEngine:
+    """A fake-model engine without a tokenizer: it cannot compile a grammar."""
+    return LLMEngine(fake_model(V), EngineArgs(max_num_batched_tokens=32, max_num_seqs=4,
+                                               block_size=4),
+                     tokenizer=None, max_model_len=64, num_blocks=50)
+
+
+def test_the_protocol_lists_what_the_callers_read() -> None:
+    assert {n for n in vars(EngineClient) if not n.startswith("_")} == MEMBERS
+
+
+@pytest.mark.parametrize("kind", sorted(ENGINES))
+def test_each_engine_has_every_member_of_its_own(kind: str) -> None:
+    engine = ENGINES[kind]()
+    assert isinstance(engine, EngineClient)
+    # dir() lists the class's and the instance's attributes, never a __getattr__'s
+    missing = MEMBERS - set(dir(engine))
+    assert not missing, missing
+    assert not hasattr(type(engine), "__getattr__")
+    assert all(isinstance(r, LLMEngine) for r in engine.replicas)
+
+
+@pytest.mark.parametrize("kind", sorted(ENGINES))
+def test_each_engine_serves_a_request_through_the_protocol(kind: str) -> None:
+    engine: EngineClient = ENGINES[kind]()
+    replica = engine.replicas[0]
+    assert (engine.args, engine.tokenizer, engine.vocab_size) == (
+        replica.args, replica.tokenizer, replica.vocab_size)
+    assert engine.max_model_len == replica.max_model_len == 256
+    assert engine.scheduler_config == replica.scheduler_config
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    engine.add_request("a", {"prompt_token_ids": [1, 2, 3]}, params)
+    engine.add_request("b", {"prompt_token_ids": [4, 5]}, params)
+    assert [o.request_id for o in engine.abort_request("b")] == ["b"]
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update((o.request_id, o) for o in engine.step() if o.finished)
+    assert list(done) == ["a"] and len(done["a"].outputs[0].token_ids) == 3
+
+
+def test_replicas_of_each_engine() -> None:
+    single, inner = make_engine(), make_engine()
+    dp = DataParallelEngine([make_engine() for _ in range(3)])
+    assert single.replicas == (single,)
+    assert len(dp.replicas) == 3
+    assert LeaderEngine(inner).replicas == (inner,)
+
+
+def test_only_the_plain_engine_compiles_a_grammar_up_front() -> None:
+    with pytest.raises(SamplingParamsError, match="tokenizer"):
+        _untokenized().compile_grammar(REGEX)
+    # These compile in add_request, on the replica (or every process) the request reaches.
+    DataParallelEngine([_untokenized()]).compile_grammar(REGEX)
+    LeaderEngine(_untokenized()).compile_grammar(REGEX)
