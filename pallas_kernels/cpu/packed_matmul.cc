@@ -15,9 +15,9 @@
 // Work: units of one panel x a run of kRunRows rows, taken by XLA's intra-op threads from a
 // shared counter, so a decode step's panels (each read from memory once) spread over the cores
 // and a prefill chunk's runs of rows do too (run by run: see Unit). Inside a unit, blocks of
-// kRowBlock rows keep kRowBlock x 4 vectors of sums in registers while the panel streams by, one
-// row of K at a time (a unit of a few blocks takes the panel in chunks of rows, every block over
-// each; see unit).
+// kRowBlock rows keep kRowBlock x kVectors vectors of sums in registers while the panel (kVectors
+// vectors wide) streams by, one row of K at a time (a unit of a few blocks takes the panel in
+// chunks of rows, every block over each; see unit).
 // Only the first `live` rows are computed and the rest written as zeros: an engine step's token
 // bucket pads its rows, and the padding need not cost a product.
 // Numerics: float32 multiply-adds in K's order for each output (no fast-math reassociation),
@@ -45,13 +45,19 @@ using jaxengine_cpu::loadv;
 using jaxengine_cpu::parallel_for;
 using jaxengine_cpu::storev;
 
+// A row block's kRowBlock x kVectors sums, the panel row's kVectors vectors and one broadcast of
+// x fill the vector registers. AVX2 has 16: 4 rows x 3 vectors (panels of 24 floats) keep 12
+// sums where 2 x 4 kept 8 and load 7 vectors per 12 multiply-adds, not 6 per 8 (faster from
+// 3 rows up). kAhead panel rows between a row's prefetch and its use: AVX2's narrower panel
+// rows need more of them, 8 (768 bytes ahead) left one row slower (docs/BENCHMARKS.md §2).
 #if defined(__AVX512F__)
-constexpr int64_t kRowBlock = 6;  // 24 accumulators + 4 panel vectors + 1 broadcast of 32
+constexpr int64_t kRowBlock = 6, kVectors = 4, kAhead = 8;  // 24 + 4 + 1 of 32 registers
+#elif defined(__AVX2__)
+constexpr int64_t kRowBlock = 4, kVectors = 3, kAhead = 32;  // 12 + 3 + 1 of 16
 #else
-constexpr int64_t kRowBlock = 2;  // of 16 registers
+constexpr int64_t kRowBlock = 2, kVectors = 4, kAhead = 8;  // 8 + 4 + 1 of 16: SSE2, AVX
 #endif
-constexpr int64_t kPanel = 4 * kLanes;  // columns per panel
-constexpr int64_t kAhead = 8;           // panel rows between a row's prefetch and its use
+constexpr int64_t kPanel = kVectors * kLanes;  // columns per panel
 constexpr int64_t kLine = 64 / sizeof(float);  // floats per cache line
 constexpr int64_t kRunRows = 96;        // rows per unit (a decode step's rows are one run)
 constexpr int64_t kChunkRows = 64;      // the most rows of a unit taken in chunks of K
@@ -87,23 +93,23 @@ struct Prefetch {
 template <int64_t R, bool Add>
 inline void row_block(const float* x, int64_t ldx, int64_t kc, const float* panel,
                       Prefetch pf, float* out) {
-  fvec acc[R][4];
+  fvec acc[R][kVectors];
   for (int64_t r = 0; r < R; ++r)
-    for (int64_t v = 0; v < 4; ++v)
+    for (int64_t v = 0; v < kVectors; ++v)
       acc[r][v] = Add ? loadv(out + r * kPanel + v * kLanes) : fvec{};
   for (int64_t k = 0; k < kc; ++k) {
     const float* row = panel + k * kPanel;
     if (k < pf.rows)
       for (int64_t v = 0; v < kPanel; v += kLine) __builtin_prefetch(pf.at + k * kPanel + v);
-    fvec w[4];
-    for (int64_t v = 0; v < 4; ++v) w[v] = loadv(row + v * kLanes);
+    fvec w[kVectors];
+    for (int64_t v = 0; v < kVectors; ++v) w[v] = loadv(row + v * kLanes);
     for (int64_t r = 0; r < R; ++r) {
       const float b = x[r * ldx + k];  // broadcast by the vector product
-      for (int64_t v = 0; v < 4; ++v) acc[r][v] += w[v] * b;
+      for (int64_t v = 0; v < kVectors; ++v) acc[r][v] += w[v] * b;
     }
   }
   for (int64_t r = 0; r < R; ++r)
-    for (int64_t v = 0; v < 4; ++v) storev(out + r * kPanel + v * kLanes, acc[r][v]);
+    for (int64_t v = 0; v < kVectors; ++v) storev(out + r * kPanel + v * kLanes, acc[r][v]);
 }
 
 template <int64_t R = kRowBlock>

@@ -65,15 +65,18 @@ using jaxengine_cpu::storev;
 
 // A tile is 4 vectors of keys. Register blocking: with AVX-512's 32 registers the transposed
 // score product keeps 6 keys x 4 vectors of query rows of accumulators and P.V 4 rows x 4
-// vectors; with 16 registers (AVX2) 2 keys / 2 rows avoid spills.
+// vectors. With 16 (AVX2 and below) 4 keys x 3 vectors and 3 rows x 4 vectors fill them with
+// 12 sums, the loaded vectors and the broadcasts, and 3 rows are a decode's 3 query heads per
+// kv head in SmolLM2 (no spare row); faster than 2 x 4 and 2 rows (docs/BENCHMARKS.md §2).
 #if defined(__AVX512F__)
 constexpr int64_t kWideKeys = 6;      // keys whose broadcasts share each query-vector load
+constexpr int64_t kWideVectors = 4;   // vectors of query rows per transposed score block
 constexpr int64_t kPvRows = 4;        // query rows that share each value load in P.V
 #else
-constexpr int64_t kWideKeys = 2;
-constexpr int64_t kPvRows = 2;
+constexpr int64_t kWideKeys = 4;
+constexpr int64_t kWideVectors = 3;
+constexpr int64_t kPvRows = 3;
 #endif
-constexpr int64_t kWideVectors = 4;   // vectors of query rows per transposed score block
 constexpr int64_t kKeys = 4 * kLanes;  // keys per tile (one online-softmax step)
 constexpr int64_t kAhead = 4;         // keys between a token row's prefetch and its use
 constexpr int64_t kWideRows = 8;      // rows from which a tile's scores are computed transposed
@@ -370,7 +373,8 @@ class PagedAttention {
                          const float* qt, int64_t R, int64_t H, float* s) {
     if constexpr (J > 0) {
       if (nj < J) return score_keys<J - 1>(nj, nv, keys, slot, qt, R, H, s);
-      if (nv == 4) return score_block<J, 4>(keys, slot, qt, R, H, s);
+      if constexpr (kWideVectors >= 4)
+        if (nv == 4) return score_block<J, 4>(keys, slot, qt, R, H, s);
       if (nv == 3) return score_block<J, 3>(keys, slot, qt, R, H, s);
       if (nv == 2) return score_block<J, 2>(keys, slot, qt, R, H, s);
       return score_block<J, 1>(keys, slot, qt, R, H, s);
