@@ -3,7 +3,8 @@
 ``pack(w)`` lays a kernel w [K, N] out as panels [ceil(N/W), K, W]: panel p holds columns
 p*W ... p*W+W-1 row by row, zeros past N, so that the native loop reads each panel as one
 contiguous stream; W is the width the library was built with (64 floats with AVX-512, 24 with
-AVX2, 32 with AVX, 16 otherwise). ``packed_matmul(x, panels, n)`` is then ``x @ w`` with w's N = n columns.
+AVX2, 32 with AVX, 16 otherwise). ``packed_matmul(x, panels, n)`` is then ``x @ w`` with w's
+N = n columns.
 The model packs its projections this way on a one-device CPU mesh in float32
 (jaxengine/model/packing.py); everywhere else they stay XLA dots.
 

@@ -197,8 +197,8 @@ def test_other_dtypes_are_refused_by_name():
 def test_every_isa_build_matches_the_oracle(isa, isa_attention):
     """The kernel built for AVX-512 (16-float vectors), AVX2 (8, register blocks of 4 keys x
     3 vectors and 3 P.V rows) and baseline SSE2 (4): the blocking changes with the ISA, the
-    results must not. Each runs where the CPU can execute it; the others are skipped, naming the missing
-    CPU flags."""
+    results must not. Each runs where the CPU can execute it; the others are skipped, naming
+    the missing CPU flags."""
     case = make_case([(1, 300), (70, 70), (9, 140), (3, 16)], num_heads=6, num_kv_heads=2,
                      head_dim=80, page_size=16, seed=11)
     q, k, v, cache, slots, tables, seq_lens, qsl, num_seqs = case.args(jnp.float32)
