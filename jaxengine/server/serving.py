@@ -92,6 +92,7 @@ class OpenAIServing:
         self.trust_request_chat_template = trust_request_chat_template
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.max_model_len
+        self.vocab_size = engine.engine.vocab_size
         args = engine.engine.args
         self.limits = RequestLimits.of(max_model_len=self.max_model_len,
                                        max_num_seqs=args.max_num_seqs, tokenizer=self.tokenizer)
@@ -131,7 +132,7 @@ class OpenAIServing:
         """Tokenize each prompt and fan it out into n choices (in a worker thread)."""
         so, _ = structured_outputs_of(body)
         children, echo = [], []
-        prompts = completion_prompts(body, self.tokenizer, self.engine.engine.vocab_size)
+        prompts = completion_prompts(body, self.tokenizer, self.vocab_size)
         for prompt in prompts:
             # max_tokens defaults to 16 here (OpenAI's and vLLM's), so the model's default
             # max_tokens applies only to an explicit null, as in vLLM. Echo with 0 generates
