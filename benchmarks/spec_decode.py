@@ -77,7 +77,7 @@ def load(model: str | None) -> tuple[Any, Any]:
     its tokenizer."""
     from jaxengine.engine.build import attention_backend, model_fns
     from jaxengine.loading.load import load_model
-    from jaxengine.parallel.mesh import engine_devices, make_mesh
+    from jaxengine.model.mesh import engine_devices, make_mesh
 
     model, cfg, tokenizer = load_model(model, dtype="float32", mesh=make_mesh(engine_devices(1)))
     return model_fns(model, cfg, attn_impl=attention_backend(EngineArgs(), cfg)), tokenizer

@@ -105,7 +105,7 @@ def load(args: argparse.Namespace, attention: str | None = None, pack: bool = Tr
     `batch_invariant`, in the engine's batch-invariant mode)."""
     from jaxengine.engine.build import attention_backend, model_fns
     from jaxengine.loading.load import load_model
-    from jaxengine.parallel.mesh import engine_devices, make_mesh
+    from jaxengine.model.mesh import engine_devices, make_mesh
 
     if args.attention_free:
         stub_attention()

@@ -11,6 +11,8 @@ from jaxengine.llm import LLM
 from jaxengine.loading import load_model
 from jaxengine.loading.tokenizer import Tokenizer
 from jaxengine.model.config import ModelConfig, ModelLoadError
+from jaxengine.model.mesh import make_mesh
+from jaxengine.runner.distributed import initialize_from_args
 from jaxengine.streaming import TextDelta, TextStream, stream, stream_chat
 from scheduler import SamplingParams, SamplingParamsError
 
@@ -19,6 +21,8 @@ __all__ = [
     "RequestMetrics", "RequestOutput", "SamplingParams", "SamplingParamsError", "generate",
     "ModelConfig", "ModelLoadError", "TextDelta", "TextStream", "Tokenizer", "load_model",
     "stream", "stream_chat",
+    # scale-out: the mesh a model is split over; joining a multi-host runtime first thing
+    "initialize_from_args", "make_mesh",
     # generation inside your own jit (jaxengine/jit/generate.py)
     "ScoreOutput", "decode_batch", "encode_batch", "load_model_fns", "model_fns_of", "score",
 ]

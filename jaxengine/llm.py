@@ -1,5 +1,5 @@
 """`LLM`: vLLM's offline API — `generate`, `chat` and `get_metrics` over an `LLMEngine`, or
-over `data_parallel_size` replicas of one (`jaxengine.parallel.data_parallel`); it reads only
+over `data_parallel_size` replicas of one (`jaxengine.replicas.data_parallel`); it reads only
 what `EngineClient` (`jaxengine/engine/client.py`) lists."""
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ from jaxengine.metrics import (
     attach_stat_loggers,
     get_metrics_snapshot,
 )
+from jaxengine.replicas.data_parallel import build_engines
+from jaxengine.runner.distributed import initialize_from_args
 from scheduler import SamplingParams
 
 Conversation = Sequence[Mapping[str, Any]]
@@ -49,9 +51,6 @@ class LLM:
             `num_processes` and `process_id` (or none where JAX detects them); this joins
             `jax.distributed` first, so no JAX call may come before it.
         """
-        from jaxengine.parallel.data_parallel import build_engines
-        from jaxengine.parallel.distributed import initialize_from_args
-
         args = EngineArgs.from_kwargs(model=model, **engine_args)
         if args.precompile is None:  # EngineArgs leaves it to the caller: LLM() warms up
             args = dataclasses.replace(args, precompile=True)

@@ -9,10 +9,14 @@ import jax
 
 from jaxengine.engine.args import EngineArgs
 from jaxengine.engine.llm_engine import LLMEngine
+from jaxengine.loading.load import load_model
 from jaxengine.model.config import ModelConfig
 from jaxengine.model.fns import ModelFns
-from jaxengine.parallel.mesh import engine_devices, make_mesh
-from jaxengine.parallel.tensor_parallel import tp_layout
+from jaxengine.model.kv_cache import init_kv_cache, kv_cache_bytes_per_block
+from jaxengine.model.mesh import engine_devices, make_mesh
+from jaxengine.model.packing import pack_projections, packable
+from jaxengine.model.step import make_compute_logits, make_model_step, split_model
+from jaxengine.model.tensor_parallel import tp_layout
 from jaxengine.runner import compilation_cache
 from pallas_kernels import UnsupportedShapeError, check_supported, cpu, default_impl
 
@@ -88,10 +92,6 @@ def model_fns(model: Any, cfg: Any, *, attn_impl: str, pack: bool = True,
       ValueError: `batch_invariant` where the projections cannot be packed (XLA's dots round a
         row differently as the row count changes) or the attention is not the "cpu" kernel.
     """
-    from jaxengine.model.kv_cache import init_kv_cache, kv_cache_bytes_per_block
-    from jaxengine.model.packing import pack_projections, packable
-    from jaxengine.model.step import make_compute_logits, make_model_step, split_model
-
     if batch_invariant:
         _check_batch_invariant(packable(model) if pack else "pack=False", attn_impl)
     if pack:
@@ -206,8 +206,6 @@ def build_engine(args: EngineArgs, *, devices: Sequence[jax.Device] | None = Non
       ValueError: settings that do not fit the model or the devices, or a KV pool too small
         for one request of max_model_len tokens.
     """
-    from jaxengine.loading.load import load_model
-
     compilation_cache.configure(args.compilation_cache_dir)
     mesh = make_mesh(engine_devices(args.tensor_parallel_size, devices))
     dtype = "float32" if args.dtype == "auto" else args.dtype

@@ -1,8 +1,8 @@
 """`EngineClient`: what the server, `LLM` and the CLI may ask of an engine (vLLM's name).
 
 Three classes implement it: `LLMEngine` (one model), `DataParallelEngine` (replicas behind a
-router, `jaxengine/parallel/data_parallel.py`) and `LeaderEngine` (process 0 of a multi-host
-run, `jaxengine/parallel/lockstep.py`). Callers read only these members, so they need not know
+router, `jaxengine/replicas/data_parallel.py`) and `LeaderEngine` (process 0 of a multi-host
+run, `jaxengine/replicas/lockstep.py`). Callers read only these members, so they need not know
 which engine they drive; what differs per replica (the scheduler state, the runner, the stat
 loggers) they reach through `replicas`. `tests/jaxengine/engine/test_client.py` checks that
 each class has every member.

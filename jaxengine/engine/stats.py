@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from jaxengine.engine.outputs import RequestMetrics
+from jaxengine.kv_offload.worker import KVTransferStats
 from jaxengine.spec.metrics import SpecDecodingStats
 from scheduler import SchedulerCounters, SchedulerStats
 
@@ -27,15 +28,6 @@ class FinishedRequestStats:
     queued_time: float  # seconds, arrival to first scheduling
     mean_time_per_output_token: float | None  # seconds; None with fewer than two tokens
     max_tokens_param: int | None  # the request's max_tokens
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class KVTransferStats:
-    """One copy of KV blocks between the device and host memory (vLLM's offloading op)."""
-
-    transfer_type: str  # "GPU_to_CPU" (a save to the host) or "CPU_to_GPU" (a load)
-    num_bytes: int
-    seconds: float  # host time spent on it: dispatching it, and waiting for it
 
 
 @dataclass(slots=True, kw_only=True)

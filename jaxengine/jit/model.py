@@ -15,7 +15,7 @@ from jaxengine.engine.args import EngineArgs
 from jaxengine.loading.load import load_model
 from jaxengine.loading.tokenizer import Tokenizer
 from jaxengine.model.fns import ModelFns
-from jaxengine.parallel.mesh import engine_devices, make_mesh
+from jaxengine.model.mesh import engine_devices, make_mesh
 
 
 def load_model_fns(path: str | None = None, *, dtype: str = "float32",

@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jaxengine.engine.stats import IterationStats, KVTransferStats
 from jaxengine.kv_offload.connector import OffloadingConnector
 from jaxengine.kv_offload.copies import BLOCKS_PER_COPY, BlockCopier
 from jaxengine.kv_offload.host_store import HostKVStore, PendingPage, PendingPages
@@ -38,9 +38,19 @@ from scheduler import KVConnectorOutput, KVLoad, SchedulerOutput, SchedulerState
 from scheduler.hashing import BlockHash, extend_block_hashes
 
 if TYPE_CHECKING:
+    from jaxengine.engine.stats import IterationStats
     from jaxengine.runner.runner import Runner
 
 SAVE, LOAD = "GPU_to_CPU", "CPU_to_GPU"  # vLLM's transfer_type labels (device -> host: save)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KVTransferStats:
+    """One copy of KV blocks between the device and host memory (vLLM's offloading op)."""
+
+    transfer_type: str  # SAVE (device to host) or LOAD (host to device)
+    num_bytes: int
+    seconds: float  # host time spent on it: dispatching it, and waiting for it
 
 
 class OffloadingWorker:

@@ -18,6 +18,7 @@ import time
 from typing import Any
 
 from jaxengine.engine.args import EngineArgs
+from jaxengine.engine.build import build_engine
 from jaxengine.lab.results import RunResult, request_result
 from jaxengine.lab.timeline import EngineTimeline
 from jaxengine.lab.workloads import Workload
@@ -26,8 +27,6 @@ from scheduler import SamplingParams
 
 def build_warm_engine(args: EngineArgs) -> Any:
     """`build_engine(args)`, warmed up (`warm_up`) unless `args.precompile` is False."""
-    from jaxengine.engine.build import build_engine
-
     engine = build_engine(dataclasses.replace(args, precompile=None))  # warm_up compiles
     if args.precompile is not False:
         warm_up(engine)

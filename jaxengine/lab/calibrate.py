@@ -25,6 +25,8 @@ import jax
 import numpy as np
 
 from jaxengine.engine.args import EngineArgs
+from jaxengine.engine.build import kv_budget_bytes
+from jaxengine.lab.bench import build_warm_engine
 from jaxengine.lab.cost_model import (
     FEATURES,
     CostModel,
@@ -32,6 +34,9 @@ from jaxengine.lab.cost_model import (
     fit_report,
     plan_features,
 )
+from jaxengine.loading.gguf_file import gguf_metadata, open_gguf, read_gguf_config
+from jaxengine.loading.hf import read_hf_config
+from jaxengine.loading.load import default_model_path
 from pallas_kernels import default_impl
 from scheduler import SamplingParams, SchedulerOutput, schedule
 
@@ -172,9 +177,6 @@ def calibrate(args: EngineArgs, *, scenes: Sequence[Scene] | None = None,
     Raises:
       ValueError: what `build_engine` raises for bad arguments, or too few timed calls.
     """
-    from jaxengine.engine.build import kv_budget_bytes
-    from jaxengine.lab.bench import build_warm_engine
-
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     t_start, load_start = time.perf_counter(), os.getloadavg()[0]
@@ -223,10 +225,6 @@ def calibrate(args: EngineArgs, *, scenes: Sequence[Scene] | None = None,
 def _model_limit(args: EngineArgs) -> int:
     """The model's own max_model_len (the engine only knows the resolved one), read from its
     config alone."""
-    from jaxengine.loading.gguf_file import gguf_metadata, open_gguf, read_gguf_config
-    from jaxengine.loading.hf import read_hf_config
-    from jaxengine.loading.load import default_model_path
-
     path = args.model or default_model_path()
     if os.path.isdir(path):
         return read_hf_config(path).max_model_len

@@ -51,7 +51,7 @@ def load_model(path: str | None = None, *, dtype: str | jnp.dtype = "float32",
             file, or None for the embedded default (SmolLM2-135M-Instruct, Q4_1 GGUF).
         dtype: "float32" or "bfloat16" (weights, activations and KV cache).
         with_tokenizer: False (`skip_tokenizer_init`): the tokenizer is not read at all.
-        mesh: the devices the model is split over (`jaxengine.parallel.make_mesh`); each
+        mesh: the devices the model is split over (`jaxengine.make_mesh`); each
             weight is loaded straight into its shards. Default: jax's first device.
         progress: a tqdm bar over the tensors read; None: only when stderr is a terminal.
     Returns:

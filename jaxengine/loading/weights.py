@@ -25,8 +25,8 @@ from tqdm.auto import tqdm
 
 from jaxengine.model.config import ModelConfig, ModelLoadError
 from jaxengine.model.llama import Model, Path
-from jaxengine.parallel.mesh import make_mesh
-from jaxengine.parallel.tensor_parallel import TPLayout
+from jaxengine.model.mesh import make_mesh
+from jaxengine.model.tensor_parallel import TPLayout
 
 # module path (in the scanned layout, where "layers" holds every layer stacked) -> HF tensor
 # name; {layer} is the layer index. `kernel`s are nn.Linear weights, stored [out, in] by HF and
@@ -141,7 +141,7 @@ def load_weights(cfg: ModelConfig, source: TensorSource, *, dtype: jnp.dtype, wh
         source: checkpoint tensors by HF name.
         dtype: target dtype (float32 or bfloat16).
         where: path shown in error messages.
-        mesh: the model's devices (`jaxengine.parallel.make_mesh`); default: jax's first one.
+        mesh: the model's devices (`jaxengine.make_mesh`); default: jax's first one.
         progress: a tqdm bar over the checkpoint's tensors; None: only when stderr is a
             terminal (tqdm's rule), so server logs and captured output get none.
     Returns:

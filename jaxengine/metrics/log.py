@@ -11,7 +11,7 @@ import time
 from collections.abc import Sequence
 
 from jaxengine.engine.stats import IterationStats
-from jaxengine.metrics.spec_decode import SpecDecodingLogging
+from jaxengine.spec.metrics import SpecDecodingLogging
 from scheduler import SchedulerStats
 
 logger = logging.getLogger("jaxengine.metrics")

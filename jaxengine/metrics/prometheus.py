@@ -15,7 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.metrics import MetricWrapperBase
 
 from jaxengine.engine.stats import FinishedRequestStats, IterationStats
-from jaxengine.metrics.spec_decode import SpecDecodingProm
+from jaxengine.spec.metrics import SpecDecodingProm
 from scheduler import SchedulerStats
 
 PREFIX = "jaxengine:"

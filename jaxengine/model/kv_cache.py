@@ -18,7 +18,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxengine.model.config import ModelConfig
-from jaxengine.parallel.mesh import TP_AXIS, make_mesh
+from jaxengine.model.mesh import TP_AXIS, make_mesh
 
 KV_CACHE_SPEC = P(None, None, None, TP_AXIS, None)  # [layers, P, L, 2*K, H]: split on heads
 

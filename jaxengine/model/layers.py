@@ -9,7 +9,7 @@ replicated. Modules with sharded weights take the mesh they are placed on; those
 collectives of their own (`Embedder.encode`, attention) run per device under `jax.shard_map`.
 Fresh weights are N(0, 0.02) matrices, unit norm scales and zero biases, drawn at the
 checkpoint's sizes, so a model laid out for tp devices (KV heads repeated, vocabulary padded:
-jaxengine/parallel/tensor_parallel.py) holds the same values as for one. Numerics follow HF
+jaxengine/model/tensor_parallel.py) holds the same values as for one. Numerics follow HF
 transformers: norms and RoPE tables in float32, results cast back to the activation dtype.
 Projections are `nnx.Linear` with 2-D kernels [in, out]: plain dots over free reshapes (with head
 axes in the dot, XLA on CPU chose a layout that transposed the output projection every layer).
@@ -32,8 +32,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxengine.model.batch import ModelBatch
 from jaxengine.model.config import RopeScaling
+from jaxengine.model.mesh import TP_AXIS
 from jaxengine.model.reductions import fixed_order_sum
-from jaxengine.parallel.mesh import TP_AXIS
 from pallas_kernels import ragged_paged_attention
 
 Init = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]

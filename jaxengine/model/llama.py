@@ -16,7 +16,7 @@ The KV cache (`[layers, P, L, 2*K, H]`, see kv_cache.py) is passed in and return
 viewed as layers*P pages so each layer's ragged paged attention writes and reads its own pages
 in place.
 
-A model lives on a mesh (jaxengine/parallel/mesh.py; default: one device) and is laid out for
+A model lives on a mesh (jaxengine/model/mesh.py; default: one device) and is laid out for
 its "tp" size (`TPLayout`: KV heads repeated when tp > K, vocabulary padded to a multiple of
 tp). Its weights are created where their sharding is declared (layers.py) and placed straight
 into their shards: a fresh model is drawn by jits whose outputs have the weights' shardings
@@ -52,8 +52,8 @@ from jaxengine.model.layers import (
     rope_inv_freq,
     rope_tables,
 )
-from jaxengine.parallel.mesh import make_mesh, replicated, tp_size
-from jaxengine.parallel.tensor_parallel import TPLayout, tp_layout
+from jaxengine.model.mesh import make_mesh, replicated, tp_size
+from jaxengine.model.tensor_parallel import TPLayout, tp_layout
 
 Path = tuple[str | int, ...]  # a weight's module path, e.g. ("layers", "mlp", "up_proj", "kernel")
 
@@ -223,7 +223,7 @@ class Model(nnx.Module):
                 returns them; a fresh model is then only traced (`nnx.eval_shape`), not drawn.
             scan_layers: scan over stacked weights (True) or loop over per-layer blocks
                 (False); None picks the loop on CPU and the scan elsewhere.
-            mesh: the devices, axis "tp" (`jaxengine.parallel.make_mesh`); default: a mesh of
+            mesh: the devices, axis "tp" (`jaxengine.make_mesh`); default: a mesh of
                 jax's first device.
         Raises:
             ValueError: a weight is missing from `weights` or has the wrong shape, or the

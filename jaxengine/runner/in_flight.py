@@ -38,7 +38,7 @@ class InFlight:
     result: SamplerOutput | None  # device arrays; None when nobody samples
     tokens: jax.Array  # i32[R * (1 + K)]  sampled tokens in `row_ids` order, zeros after
     row_ids: tuple[str, ...]  # the request of each sampler row: sampling_req_ids, each
-    # followed by one row per draft it verifies (jaxengine/spec/verify.py)
+    # followed by one row per draft it verifies (jaxengine/runner/verify.py)
     started: float  # perf_counter() at dispatch
     num_tokens: int  # the token bucket
     total: int  # scheduled (real) tokens

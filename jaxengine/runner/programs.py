@@ -35,7 +35,7 @@ def jaxengine_model_step(params: Any, kv: jax.Array, batch: ModelBatch, prev_tok
                          step_fn: Callable, logits_fn: Callable | None = None,
                          max_logprobs: int = 0) -> tuple[Any, ...]:
     """The model step, then the hidden rows at `logits_indices` ([R, D], a fixed shape;
-    [R * (1 + K), D] under speculative decoding: jaxengine/spec/verify.py).
+    [R * (1 + K), D] under speculative decoding: jaxengine/runner/verify.py).
 
     Placeholder inputs (`fill` >= 0, i32[T]) take `prev_tokens[fill]` (i32[R]: the previous
     step's sampled tokens, still on the device). With `prompt_targets` (i32[T], the prompt

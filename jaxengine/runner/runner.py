@@ -30,7 +30,6 @@ from tqdm.auto import tqdm
 
 from jaxengine.model.batch import ModelBatch, RequestChunk, pack_batch
 from jaxengine.model.fns import ModelFns
-from jaxengine.parallel.distributed import to_host
 from jaxengine.runner.buckets import pick_bucket, request_buckets, token_buckets
 from jaxengine.runner.compiles import (
     RecompileError,
@@ -39,14 +38,15 @@ from jaxengine.runner.compiles import (
     ensure_listener,
 )
 from jaxengine.runner.config import RunnerConfig, RunnerStats
+from jaxengine.runner.distributed import to_host
 from jaxengine.runner.in_flight import Forward, InFlight, SampledToken
 from jaxengine.runner.programs import SAMPLE_NAME, STEP_NAME, programs_for
+from jaxengine.runner.verify import gather_indices, sampler_rows
 from jaxengine.sampling.logits_processors import build_adjustments
 from jaxengine.sampling.metadata import MAX_BANNED, SamplingRow, build_sampling_metadata
 from jaxengine.sampling.penalty_inputs import WRITE_SLOT_NAME, PenaltyInputs
 from jaxengine.sampling.prompt_logprob_inputs import PromptLogprobChunk, PromptLogprobInputs
 from jaxengine.sampling.sampler import SamplerOutput
-from jaxengine.spec.verify import gather_indices, sampler_rows
 from jaxengine.structured.bitmask import allocate_bitmask, bitmask_width, fill_bitmasks
 from scheduler import PLACEHOLDER_TOKEN_ID, SchedulerOutput
 

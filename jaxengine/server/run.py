@@ -8,14 +8,16 @@ import dataclasses
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from jaxengine.engine.args import EngineArgs
+from jaxengine.engine.client import EngineClient
+from jaxengine.engine.llm_engine import LLMEngine
+from jaxengine.replicas.data_parallel import build_engines
+from jaxengine.replicas.lockstep import LeaderEngine, follow
+from jaxengine.runner.distributed import initialize_from_args
 from jaxengine.server.args import API_KEY_ENV, FrontendArgs
-
-if TYPE_CHECKING:  # annotations only: serve imports the engine modules when it runs
-    from jaxengine.engine.client import EngineClient
-    from jaxengine.engine.llm_engine import LLMEngine
+from jaxengine.server.warmup import warm_up
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -42,7 +44,7 @@ def serve(args: EngineArgs, *, host: str = "127.0.0.1", port: int = 8000,
 
     Multi-host (`args.num_processes` > 1, or a cluster JAX detects): every process runs this
     with the same arguments; process 0 serves HTTP and leads, the others pass `headless` and
-    follow it step by step (`jaxengine.parallel.lockstep`) until process 0 stops.
+    follow it step by step (`jaxengine.replicas.lockstep`) until process 0 stops.
 
     Args:
       args: engine arguments (the model is `args.model`).
@@ -57,10 +59,6 @@ def serve(args: EngineArgs, *, host: str = "127.0.0.1", port: int = 8000,
       ValueError: `headless` on process 0, or not `headless` on another process.
     """
     import jax
-
-    from jaxengine.parallel.data_parallel import build_engines
-    from jaxengine.parallel.distributed import initialize_from_args
-    from jaxengine.server.warmup import warm_up
 
     logging.basicConfig(level=log_level.upper(),
                         format="%(levelname)s %(asctime)s %(name)s: %(message)s")
@@ -116,8 +114,6 @@ def _run_http(engine: EngineClient, name: str, *, host: str, port: int, log_inte
 
 def _lead(engine: LLMEngine, name: str, **http: Any) -> None:
     """Process 0 of a multi-host run: serve HTTP; on the way out, stop the followers."""
-    from jaxengine.parallel.lockstep import LeaderEngine
-
     leader = LeaderEngine(engine)
     # _run_http returns after SIGTERM too (see http_server), so the followers hear of it.
     try:
@@ -129,8 +125,6 @@ def _lead(engine: LLMEngine, name: str, **http: Any) -> None:
 
 def _follow(engine: LLMEngine) -> None:
     """Processes 1 .. N-1: run process 0's steps until it shuts down."""
-    from jaxengine.parallel.lockstep import follow
-
     logger.info("headless: following process 0")
     steps = follow(engine)
     logger.info("process 0 shut down after %d steps; exiting", steps)

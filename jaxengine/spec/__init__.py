@@ -2,7 +2,7 @@
 one target step.
 
 `SpeculativeConfig` parses the engine argument; `propose_ngram` drafts by prompt lookup;
-`jaxengine.spec.verify` holds the runner's side (which hidden rows to gather, which sampler
+`jaxengine.runner.verify` holds the runner's side (which hidden rows to gather, which sampler
 rows to draw) and why accepting the drafts the target samples is exact;
 `jaxengine.spec.speculator.Speculator` is the engine's side, and `SpecDecodingStats` what a step
 reports. docs/DESIGN.md, "Speculative decoding". This package's root imports no jax (the

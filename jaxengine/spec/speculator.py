@@ -19,10 +19,10 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
+from jaxengine.runner.verify import draftable, num_accepted
 from jaxengine.spec.config import SpeculativeConfig
 from jaxengine.spec.metrics import SpecDecodingStats
 from jaxengine.spec.ngram import propose_ngram
-from jaxengine.spec.verify import draftable, num_accepted
 from scheduler import SchedulerOutput, check_stop
 
 if TYPE_CHECKING:

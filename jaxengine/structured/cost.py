@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from jaxengine.loading import load_tokenizer
 from jaxengine.structured.bitmask import allocate_bitmask, fill_bitmasks
 from jaxengine.structured.compiler import GrammarCompiler
 from jaxengine.structured.params import StructuredOutputsParams
@@ -79,8 +80,6 @@ def _large_schema(num_properties: int) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     """Print the figures for each kind, with SmolLM2's tokenizer."""
-    from jaxengine.loading import load_tokenizer
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--rows", type=int, default=64)

@@ -9,7 +9,7 @@ import pytest
 
 from jaxengine.llm import LLM
 from jaxengine.model.fake import fake_greedy
-from jaxengine.parallel.data_parallel import DataParallelEngine
+from jaxengine.replicas.data_parallel import DataParallelEngine
 from jaxengine.streaming import TextDelta, in_prompt_order, stream, stream_chat
 from scheduler import SamplingParams
 from tests.jaxengine.engine.test_llm_engine import PROMPTS, FakeTokenizer, V, make_engine

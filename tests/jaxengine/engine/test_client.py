@@ -12,8 +12,8 @@ from jaxengine.engine.args import EngineArgs
 from jaxengine.engine.client import EngineClient
 from jaxengine.engine.llm_engine import LLMEngine
 from jaxengine.model.fake import fake_model
-from jaxengine.parallel.data_parallel import DataParallelEngine
-from jaxengine.parallel.lockstep import LeaderEngine
+from jaxengine.replicas.data_parallel import DataParallelEngine
+from jaxengine.replicas.lockstep import LeaderEngine
 from jaxengine.structured import StructuredOutputsParams
 from scheduler import SamplingParams, SamplingParamsError
 from tests.jaxengine.engine.test_llm_engine import V, make_engine

@@ -27,8 +27,8 @@ def test_bad_metadata_is_refused_and_the_engine_is_unchanged() -> None:
 
 
 def test_data_parallel_and_lockstep_engines_pass_metadata_on() -> None:
-    from jaxengine.parallel.data_parallel import DataParallelEngine
-    from jaxengine.parallel.lockstep import NewRequest, StepInputs, apply_inputs, decode, encode
+    from jaxengine.replicas.data_parallel import DataParallelEngine
+    from jaxengine.replicas.lockstep import NewRequest, StepInputs, apply_inputs, decode, encode
     from scheduler import SamplingParams
 
     dp = DataParallelEngine([make_engine(), make_engine()])

@@ -17,7 +17,7 @@ from jaxengine.metrics import (
     aggregate_engines,
     get_metrics_snapshot,
 )
-from jaxengine.parallel.data_parallel import DataParallelEngine
+from jaxengine.replicas.data_parallel import DataParallelEngine
 from scheduler import SamplingParams, SchedulerStats
 from tests.jaxengine.engine.test_llm_engine import PROMPTS, make_engine
 from tests.jaxengine.metrics.test_metrics import _value

@@ -25,8 +25,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from jaxengine.parallel.data_parallel import DataParallelEngine
-from jaxengine.parallel.lockstep import LeaderEngine
+from jaxengine.replicas.data_parallel import DataParallelEngine
+from jaxengine.replicas.lockstep import LeaderEngine
 from tests.jaxengine.engine.test_llm_engine import PROMPTS, FakeTokenizer, make_engine
 from tests.jaxengine.metrics.test_metrics import _value
 from tests.jaxengine.server.test_harness import MODEL_NAME, RunningServer, serve_engine

@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
-from jaxengine.parallel.data_parallel import DataParallelEngine
+from jaxengine.replicas.data_parallel import DataParallelEngine
 from jaxengine.runner.compiles import DEBUG_ENV
 from jaxengine.server import build_app
 from jaxengine.server.warmup import warm_up

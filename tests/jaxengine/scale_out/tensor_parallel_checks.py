@@ -23,13 +23,13 @@ from jaxengine.model.batch import RequestChunk, pack_batch
 from jaxengine.model.config import ModelConfig
 from jaxengine.model.kv_cache import init_kv_cache
 from jaxengine.model.llama import Model
+from jaxengine.model.mesh import make_mesh
 from jaxengine.model.step import make_model_step, split_model
-from jaxengine.parallel import make_mesh
 from jaxengine.runner.programs import programs_for
 from jaxengine.sampling.logits_processors import build_adjustments
 from jaxengine.sampling.metadata import build_sampling_metadata
 from scheduler import SamplingParams
-from tests.jaxengine.parallel.checkpoints import write_checkpoint
+from tests.jaxengine.scale_out.checkpoints import write_checkpoint
 
 if len(jax.devices()) < 8:
     raise RuntimeError(f"these checks need 8 devices, jax sees {len(jax.devices())}: run them "

@@ -24,10 +24,11 @@ from typing import Any
 import jax
 
 from jaxengine.engine.args import EngineArgs
+from jaxengine.engine.build import build_engine
 from jaxengine.engine.inputs import PromptType, TokenizerLike
 from jaxengine.engine.llm_engine import LLMEngine
 from jaxengine.engine.outputs import RequestOutput
-from jaxengine.parallel.router import Route, route
+from jaxengine.replicas.router import Route, route
 from jaxengine.structured.params import StructuredOutputsParams
 from scheduler import Request, SamplingParams, SchedulerConfig, SchedulerState
 
@@ -219,8 +220,6 @@ def build_engines(args: EngineArgs, *, devices: Sequence[jax.Device] | None = No
         every process would run every replica's step, also on devices it cannot address), or
         what `build_engine` raises.
     """
-    from jaxengine.engine.build import build_engine
-
     if args.data_parallel_size == 1:
         return build_engine(args, devices=devices)
     if jax.process_count() > 1:

@@ -25,7 +25,7 @@ import pytest
 
 from jaxengine.llm import LLM
 from scheduler import SamplingParams
-from tests.jaxengine.parallel import multihost_offline as offline
+from tests.jaxengine.scale_out import multihost_offline as offline
 from tests.parallel_helpers import REPO, device_env
 from tests.server_processes import free_port, wait_healthy
 

@@ -38,7 +38,7 @@ from jaxengine.engine.outputs import RequestOutput
 from jaxengine.structured.params import StructuredOutputsParams
 from scheduler import SamplingParams, SchedulerConfig
 
-logger = logging.getLogger("jaxengine.parallel")
+logger = logging.getLogger("jaxengine.replicas")
 
 MIN_BUFFER = 256  # bytes; payloads are padded to a power of two, so few shapes ever compile
 

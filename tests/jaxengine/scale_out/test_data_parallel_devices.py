@@ -16,7 +16,7 @@ from tests.parallel_helpers import run_python
 CHECKS = """
 import json, jax
 from jaxengine.llm import LLM
-from jaxengine.parallel.data_parallel import DataParallelEngine
+from jaxengine.replicas.data_parallel import DataParallelEngine
 from scheduler import SamplingParams
 
 KW = dict(skip_tokenizer_init=True, num_gpu_blocks_override=64, max_model_len=64,

@@ -28,7 +28,7 @@ from jax.experimental import multihost_utils
 if TYPE_CHECKING:  # at run time only its instances arrive; the runner imports this module
     from jaxengine.engine.args import EngineArgs
 
-logger = logging.getLogger("jaxengine.parallel")
+logger = logging.getLogger("jaxengine.distributed")
 
 DISTRIBUTED_FIELDS = ("coordinator_address", "num_processes", "process_id")
 # Engine arguments that may differ between processes: each host's own index, and the model
@@ -75,7 +75,7 @@ def _initialize(kwargs: dict[str, Any]) -> None:
     except RuntimeError as e:  # jax: "must be called before any JAX calls that ..."
         raise ValueError(
             f"multi-host setup ({_flags(given)}) came too late: {e} Build the LLM (or call "
-            f"jaxengine.parallel.initialize_from_args) before any other JAX call.") from e
+            f"jaxengine.initialize_from_args) before any other JAX call.") from e
     except ValueError as e:  # jax: "coordinator_address should be defined." and the like
         raise ValueError(
             f"jax.distributed.initialize could not start from {_flags(given) or 'nothing'}: "

@@ -13,12 +13,12 @@ from jaxengine.engine.args import EngineArgs
 from jaxengine.engine.llm_engine import LLMEngine
 from jaxengine.llm import LLM
 from jaxengine.model.fake import fake_greedy
-from jaxengine.parallel.data_parallel import (
+from jaxengine.replicas.data_parallel import (
     DataParallelEngine,
     build_engines,
     device_groups,
 )
-from jaxengine.parallel.router import Route, route
+from jaxengine.replicas.router import Route, route
 from scheduler import Request, SamplingParams, SchedulerConfig, add_request, init_state, schedule
 from tests.jaxengine.engine.test_llm_engine import PROMPTS, V, make_engine
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from jaxengine.runner.verify import draftable, gather_indices, num_accepted, sampler_rows
 from jaxengine.sampling.metadata import SamplingRow
-from jaxengine.spec.verify import draftable, gather_indices, num_accepted, sampler_rows
 from scheduler import SamplingParams
 
 

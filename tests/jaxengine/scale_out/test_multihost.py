@@ -19,8 +19,7 @@ from jaxengine.engine.args import EngineArgs
 from jaxengine.engine.llm_engine import LLMEngine
 from jaxengine.engine.outputs import RequestOutput
 from jaxengine.model.fake import fake_greedy
-from jaxengine.parallel.distributed import _detected_cluster, initialize_from_args, to_host
-from jaxengine.parallel.lockstep import (
+from jaxengine.replicas.lockstep import (
     LeaderEngine,
     NewRequest,
     StepInputs,
@@ -29,6 +28,7 @@ from jaxengine.parallel.lockstep import (
     exchange,
     follow,
 )
+from jaxengine.runner.distributed import _detected_cluster, initialize_from_args, to_host
 from jaxengine.server.async_engine import AsyncEngine
 from jaxengine.server.run import _check_role
 from scheduler import SamplingParams

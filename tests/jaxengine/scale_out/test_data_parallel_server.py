@@ -9,7 +9,7 @@ import time
 import httpx
 
 from jaxengine.model.fake import fake_greedy
-from jaxengine.parallel.data_parallel import DataParallelEngine
+from jaxengine.replicas.data_parallel import DataParallelEngine
 from jaxengine.server.async_engine import AsyncEngine
 from scheduler import SamplingParams
 from tests.jaxengine.engine.test_llm_engine import PROMPTS, FakeTokenizer, V, make_engine

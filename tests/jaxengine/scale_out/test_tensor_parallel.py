@@ -10,10 +10,10 @@ import pytest
 from jaxengine.engine.args import EngineArgs
 from jaxengine.engine.build import build_engine
 from jaxengine.model.config import ModelConfig
-from jaxengine.parallel.tensor_parallel import TPLayout, tp_layout, valid_tp_sizes
+from jaxengine.model.tensor_parallel import TPLayout, tp_layout, valid_tp_sizes
 from tests.parallel_helpers import run_pytest, run_python
 
-CHECKS = "tests/jaxengine/parallel/tensor_parallel_checks.py"
+CHECKS = "tests/jaxengine/scale_out/tensor_parallel_checks.py"
 
 PLACEMENT = """
 import json, jax
