@@ -42,7 +42,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from pallas_kernels import default_impl, ragged_paged_attention  # noqa: E402
+from jaxengine_kernels import default_impl, ragged_paged_attention  # noqa: E402
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -254,10 +254,10 @@ def cpu_batch(reqs: list[tuple[int, int]], seed: int = 0) -> tuple[dict, float]:
 
 def reference_at(rev: str) -> Callable:
     """``ragged_paged_attention_reference`` as of git revision ``rev`` (for ``--baseline``)."""
-    src = subprocess.run(["git", "show", f"{rev}:pallas_kernels/reference.py"], cwd=ROOT,
+    src = subprocess.run(["git", "show", f"{rev}:jaxengine_kernels/reference.py"], cwd=ROOT,
                          capture_output=True, text=True, check=True).stdout  # fmt: skip
     module = types.ModuleType(f"reference_at_{rev}")
-    exec(compile(src, f"{rev}:pallas_kernels/reference.py", "exec"), module.__dict__)
+    exec(compile(src, f"{rev}:jaxengine_kernels/reference.py", "exec"), module.__dict__)
     return module.ragged_paged_attention_reference
 
 
@@ -335,7 +335,7 @@ def main() -> None:
         help="kernel block sizes, e.g. pages_per_iter=8,num_splits=4 (gpu) or block_q=32 (tpu)",
     )  # fmt: skip
     p.add_argument("--baseline", default=None, metavar="REV",
-                   help="cpu mode: also time pallas_kernels/reference.py as of git REV")
+                   help="cpu mode: also time jaxengine_kernels/reference.py as of git REV")
     args = p.parse_args()
     backend = jax.default_backend()
     mode = args.mode if args.mode != "auto" else ("check" if backend == "cpu" else "time")

@@ -1,5 +1,5 @@
 // The CPU attention kernel's units on one thread, without JAX: steadier timings than a whole
-// step while tuning pallas_kernels/cpu/ragged_paged_attention.cc (docs/BENCHMARKS.md §4).
+// step while tuning jaxengine_kernels/cpu/ragged_paged_attention.cc (docs/BENCHMARKS.md §4).
 //
 //   g++ -O3 -march=native -std=c++17 -fopenmp-simd -fno-math-errno -fno-trapping-math \
 //       -w -I"$(.venv/bin/python -c 'import jax.ffi; print(jax.ffi.include_dir())')" \
@@ -12,7 +12,7 @@
 // (147 MB: read from memory every pass, as the engine's 1 GiB pool is).
 // `invariant` 1: the kernel's batch-invariant mode (every unit transposed, none split).
 // Prints the best of `passes` (200) passes over every unit, and a checksum to compare builds by.
-#include "../pallas_kernels/cpu/ragged_paged_attention.cc"
+#include "../jaxengine_kernels/cpu/ragged_paged_attention.cc"
 
 #include <chrono>
 #include <cstdio>

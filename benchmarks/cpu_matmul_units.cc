@@ -1,5 +1,5 @@
 // The packed matmul's units on two threads, without JAX: steadier timings than a whole step
-// while tuning pallas_kernels/cpu/packed_matmul.cc (docs/BENCHMARKS.md §2).
+// while tuning jaxengine_kernels/cpu/packed_matmul.cc (docs/BENCHMARKS.md §2).
 //
 //   g++ -O3 -march=native -std=c++17 -fopenmp-simd -fno-math-errno -fno-trapping-math \
 //       -w -I"$(.venv/bin/python -c 'import jax.ffi; print(jax.ffi.include_dir())')" \
@@ -14,7 +14,7 @@
 // engine's parallel_for, without XLA's pool). Prints the best of `passes` (20) per row count
 // (default 1 8 16 32 48 64 96; 2048 is a prefill chunk), and the largest difference of the last
 // layer's output from a plain loop over the unpacked weights.
-#include "../pallas_kernels/cpu/packed_matmul.cc"
+#include "../jaxengine_kernels/cpu/packed_matmul.cc"
 
 #include <atomic>
 #include <chrono>

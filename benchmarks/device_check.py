@@ -7,7 +7,7 @@ kernel correct there, is it what the engine's compiled step runs, and how fast i
 Sections, in order; each prints lines tagged with its name:
   correctness  the kernel against the jnp reference, both on the device, over a small grid of
                batches x head shapes x dtypes, with NaN / +Inf / -Inf garbage in every KV slot
-               no query may attend to (``tests/pallas_kernels/cases.py``): max |kernel - ref|.
+               no query may attend to (``tests/jaxengine_kernels/cases.py``): max |kernel - ref|.
   engine-hlo   the engine's step (``model_fns`` with ``attention_backend(...)``, as
                ``build_engine`` makes them, jitted like the runner's) lowered and compiled: the
                Triton / Mosaic custom call must be in it and the jnp reference must not.
@@ -66,8 +66,8 @@ from jaxengine.runner.programs import jaxengine_model_step, programs_for  # noqa
 from jaxengine.sampling.logits_processors import build_adjustments  # noqa: E402
 from jaxengine.sampling.metadata import build_sampling_metadata  # noqa: E402
 from jaxengine.sampling.request_tables import init_tables  # noqa: E402
-from pallas_kernels import check_supported, default_impl, ragged_paged_attention  # noqa: E402
-from tests.pallas_kernels.cases import make_case  # noqa: E402
+from jaxengine_kernels import check_supported, default_impl, ragged_paged_attention  # noqa: E402
+from tests.jaxengine_kernels.cases import make_case  # noqa: E402
 
 PAGE_SIZE = 16
 HEADS = {"llama3-8b": (32, 8, 128), "smollm2": (9, 3, 64), "smoke": (4, 2, 64)}  # N, K, H

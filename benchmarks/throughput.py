@@ -59,7 +59,7 @@ def cpu_kernels() -> str:
     """The native CPU kernels' path, as the loaded library reports it ($JAXENGINE_CPU_ISA picks
     it), and the CPU's model name: "avx512 (16-float vectors), <model name>"; or why the
     kernels do not run. Timings of different paths or CPUs do not compare."""
-    from pallas_kernels.cpu import native
+    from jaxengine_kernels.cpu import native
 
     why = native.available()
     path = (f"unavailable ({why})" if why else
@@ -86,8 +86,8 @@ def stub_attention() -> None:
     (every request ignores EOS and stops at max_tokens; mix64 shares no prefix), so the run's
     roofline share bounds what any attention kernel could reach with the rest of the engine
     (matmuls, norms, sampling, the loop) as it is."""
-    from pallas_kernels import attention
-    from pallas_kernels.reference import write_kv
+    from jaxengine_kernels import attention
+    from jaxengine_kernels.reference import write_kv
 
     def stub(q: Any, k: Any, v: Any, kv_cache: Any, slot_mapping: Any, *rest: Any,
              **kwargs: Any) -> tuple[Any, Any]:

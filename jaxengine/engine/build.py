@@ -18,14 +18,14 @@ from jaxengine.model.packing import pack_projections, packable
 from jaxengine.model.step import make_compute_logits, make_model_step, split_model
 from jaxengine.model.tensor_parallel import tp_layout
 from jaxengine.runner import compilation_cache
-from pallas_kernels import UnsupportedShapeError, check_supported, cpu, default_impl
+from jaxengine_kernels import UnsupportedShapeError, check_supported, cpu, default_impl
 
 # Leave room for activations when sizing the pool from device memory.
 ACTIVATION_RESERVE = 0.1
 
 
 def attention_backend(args: EngineArgs, cfg: ModelConfig) -> str:
-    """`args.attention_backend`, else `pallas_kernels.default_impl()` (the platform's kernel).
+    """`args.attention_backend`, else `jaxengine_kernels.default_impl()` (the platform's kernel).
 
     A kernel must run the model's shapes: there is no silent fallback to the reference at trace
     time, so an unsupported shape is an error here, at engine build; so is an explicit "cpu"

@@ -10,7 +10,7 @@ writes), laid out as `cache` says:
 Both give the same results.
 
 A row of width W holds left padding, then its `seq_lens[b]` real tokens (positions 0 ...
-seq_lens[b] - 1), which is the attention contract of `pallas_kernels.reference` for one
+seq_lens[b] - 1), which is the attention contract of `jaxengine_kernels.reference` for one
 prefill of W tokens per request: padding gets negative positions, attends to nothing that
 matters and writes to the null page.
 """

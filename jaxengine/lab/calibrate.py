@@ -37,7 +37,7 @@ from jaxengine.lab.cost_model import (
 from jaxengine.loading.gguf_file import gguf_metadata, open_gguf, read_gguf_config
 from jaxengine.loading.hf import read_hf_config
 from jaxengine.loading.load import default_model_path
-from pallas_kernels import default_impl
+from jaxengine_kernels import default_impl
 from scheduler import SamplingParams, SchedulerOutput, schedule
 
 # Reweighting rounds of the fit (`fit_coefficients`). On a SmolLM2 calibration against ten real

@@ -34,7 +34,7 @@ from jaxengine.model.batch import ModelBatch
 from jaxengine.model.config import RopeScaling
 from jaxengine.model.mesh import TP_AXIS
 from jaxengine.model.reductions import fixed_order_sum
-from pallas_kernels import ragged_paged_attention
+from jaxengine_kernels import ragged_paged_attention
 
 Init = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
 Sharding = tuple[str | None, ...]  # mesh axis (or None: not split) of each array axis

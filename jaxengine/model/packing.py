@@ -1,4 +1,4 @@
-"""Projections packed for the native CPU matmul (pallas_kernels/cpu/matmul.py).
+"""Projections packed for the native CPU matmul (jaxengine_kernels/cpu/matmul.py).
 
 On the CPU a decode step reads every projection's weights from memory for a few rows; packed in
 contiguous column panels, the same weights stream faster through the native loop than a [K, N]
@@ -21,12 +21,12 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
-from pallas_kernels.cpu import matmul, native
+from jaxengine_kernels.cpu import matmul, native
 
 
 class PackedLinear(nnx.Module):
     """`nnx.Linear`'s y = x @ kernel + bias with the kernel packed in column panels
-    ([ceil(N/W), K, W], `pallas_kernels.cpu.matmul.pack`); float32 in and out. Made from one
+    ([ceil(N/W), K, W], `jaxengine_kernels.cpu.matmul.pack`); float32 in and out. Made from one
     or more projections of the same input, their kernels (and biases) side by side."""
 
     def __init__(self, *linears: nnx.Linear) -> None:
@@ -59,7 +59,7 @@ class PackedColumns(nnx.Module):
 
 
 class PackedMLP(nnx.Module):
-    """`layers.MLP` with gate and up packed together (`pallas_kernels.cpu.matmul.pack_swiglu`):
+    """`layers.MLP` with gate and up packed together (`jaxengine_kernels.cpu.matmul.pack_swiglu`):
     one call gives silu(x @ gate) * (x @ up), and down_proj is a `PackedLinear`. The fused call
     spares writing the [T, 2F] product and XLA's pass over it (30 layers at 2048 rows: 1.2x,
     docs/BENCHMARKS.md §2)."""

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import jax
 
-from pallas_kernels.cpu import native
+from jaxengine_kernels.cpu import native
 
 DRIVER = Path(__file__).resolve().parents[2] / "benchmarks" / "cpu_kernel_units.cc"
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import jax
 import pytest
 
-from pallas_kernels.cpu import native
+from jaxengine_kernels.cpu import native
 
 DRIVER = Path(__file__).resolve().parents[2] / "benchmarks" / "cpu_matmul_units.cc"
 

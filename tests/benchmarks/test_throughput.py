@@ -68,7 +68,7 @@ def test_step_times_account_for_every_scheduled_token_by_bucket() -> None:
 
 
 def test_the_report_names_the_cpu_kernels_path_and_the_cpu() -> None:
-    from pallas_kernels.cpu import native
+    from jaxengine_kernels.cpu import native
 
     line = _script().cpu_kernels()
     assert line.startswith(f"{native.isa()} ({native.vector_lanes()}-float vectors), ")

@@ -15,7 +15,7 @@ from jaxengine.engine.build import attention_backend, build_engine
 from jaxengine.model.config import ModelConfig
 from jaxengine.model.llama import Model
 from jaxengine.model.step import RequestChunk, make_model_step, pack_batch, split_model
-from pallas_kernels import UnsupportedShapeError, cpu, default_impl
+from jaxengine_kernels import UnsupportedShapeError, cpu, default_impl
 
 TINY = Path(__file__).resolve().parents[2] / "fixtures" / "tiny" / "llama_tied_mha"  # head_dim 8
 KERNEL_OK = ModelConfig.tiny(hidden_size=64, head_dim=64)  # shapes both kernels accept

@@ -4,7 +4,7 @@ buckets, other rows, their prompts cut into chunks by the token budget, or all b
 token found in the prefix cache. A tiny random model with head_dim 64 (the attention kernel's
 vectorized dots) and a width where XLA's own mean changed order with the row count. Without the
 mode the attention kernel's cached-prefix tails round otherwise
-(tests/pallas_kernels/test_batch_invariant.py)."""
+(tests/jaxengine_kernels/test_batch_invariant.py)."""
 
 from __future__ import annotations
 

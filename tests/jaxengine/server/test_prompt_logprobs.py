@@ -87,7 +87,7 @@ def test_echo_with_logprobs_leads_with_the_prompts_tokens(client: openai.OpenAI,
     # The echoed request attends its prompt whole (prompt logprobs read no prefix cache), the
     # plain one the prompt's uncached tail as a decode: the same bits only where the head dim
     # (8) is under the CPU kernel's vector width, as with AVX-512 and not AVX2 or SSE
-    # (tests/pallas_kernels/test_cpu_kernel.py); float32 rounding apart elsewhere.
+    # (tests/jaxengine_kernels/test_cpu_kernel.py); float32 rounding apart elsewhere.
     assert lp.token_logprobs[n:] == pytest.approx(plain.choices[0].logprobs.token_logprobs,
                                                   rel=0, abs=1e-5)
     assert out.choices[0].text.endswith(plain.choices[0].text)

@@ -2,9 +2,9 @@
 source `ragged_paged_attention.cc`) and the packed float32 matmul of the model's projections
 (`matmul.py`, `packed_matmul.cc`); `native.py` builds both into one library and registers them."""
 
-from pallas_kernels.cpu.kernel import check_supported, ragged_paged_attention_cpu
-from pallas_kernels.cpu.matmul import pack, packed_matmul
-from pallas_kernels.cpu.native import NativeBuildError, available
+from jaxengine_kernels.cpu.kernel import check_supported, ragged_paged_attention_cpu
+from jaxengine_kernels.cpu.matmul import pack, packed_matmul
+from jaxengine_kernels.cpu.native import NativeBuildError, available
 
 __all__ = ["NativeBuildError", "available", "check_supported", "pack", "packed_matmul",
            "ragged_paged_attention_cpu"]

@@ -1,4 +1,4 @@
-"""The body of the TPU ragged paged attention kernel (layouts: ``pallas_kernels.tpu.kernel``).
+"""The body of the TPU ragged paged attention kernel (layouts: ``jaxengine_kernels.tpu.kernel``).
 
 One grid step = one q-block of ``block_q`` tokens. It (1) DMAs its tokens' new K/V rows into the
 cache, (2) walks every (request, kv block) pair that the block's tokens need, double-buffering

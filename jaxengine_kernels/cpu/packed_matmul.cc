@@ -1,7 +1,7 @@
 // A float32 matmul over weights packed in column panels, as an XLA FFI custom call: y = x @ w for
 // x [M, K] and w [K, N] held as panels [ceil(N/W), K, W] (W = kPanel columns, zero past N),
 // and live i32[], the rows of x to compute.
-// pallas_kernels/cpu/native.py compiles and registers it, pallas_kernels/cpu/matmul.py packs the
+// jaxengine_kernels/cpu/native.py compiles and registers it, jaxengine_kernels/cpu/matmul.py packs the
 // weights and calls it, and the tests hold it to numpy's product.
 //
 // Why native code: an engine's projections on the CPU are one step's few rows (decodes) times a
@@ -22,7 +22,7 @@
 // bucket pads its rows, and the padding need not cost a product.
 // Numerics: float32 multiply-adds in K's order for each output (no fast-math reassociation),
 // whatever the row count or a row's place among row blocks, chunks and runs: a row's result
-// does not depend on the rows beside it (an engine step's batch; tests/pallas_kernels/
+// does not depend on the rows beside it (an engine step's batch; tests/jaxengine_kernels/
 // test_batch_invariant.py). XLA's dots do not give that: a row alone is a matrix-vector
 // product there, rounded otherwise.
 

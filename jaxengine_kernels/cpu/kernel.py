@@ -1,6 +1,6 @@
 """Ragged paged attention on the CPU: a native kernel behind an XLA FFI custom call.
 
-Layout assumptions and semantics are the jnp reference's (``pallas_kernels.reference``):
+Layout assumptions and semantics are the jnp reference's (``jaxengine_kernels.reference``):
 
 - The new K/V are written with the reference's XLA scatter (``write_kv``) first; under the
   engine's jit with the cache donated, XLA updates the cache in place, and the kernel then
@@ -23,9 +23,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.cpu import native
-from pallas_kernels.errors import UnsupportedShapeError
-from pallas_kernels.reference import write_kv
+from jaxengine_kernels.cpu import native
+from jaxengine_kernels.errors import UnsupportedShapeError
+from jaxengine_kernels.reference import write_kv
 
 # Defaults measured on the 2-core CPU machine (docs/BENCHMARKS.md §4): 32 query tokens per
 # prefill unit (96 rows of SmolLM2's 3 query heads per kv head share each transposed key

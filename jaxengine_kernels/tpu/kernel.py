@@ -1,6 +1,6 @@
 """Ragged paged attention as a Pallas Mosaic TPU kernel.
 
-Layout assumptions (see ``pallas_kernels.reference`` for the semantics):
+Layout assumptions (see ``jaxengine_kernels.reference`` for the semantics):
 
 - The token axis is cut into q-blocks of ``block_q`` tokens; the grid has one step per q-block.
   A q-block may hold many requests (a whole batch of decodes fits in one), so decodes do not
@@ -42,8 +42,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.errors import UnsupportedShapeError
-from pallas_kernels.tpu import body
+from jaxengine_kernels.errors import UnsupportedShapeError
+from jaxengine_kernels.tpu import body
 
 NUM_LANES = 128  # m / l scratch is lane-replicated, as Mosaic wants full (8, 128) tiles.
 
@@ -188,7 +188,7 @@ def ragged_paged_attention_tpu(
 
     Args:
       q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, num_seqs: as in
-        ``pallas_kernels.ragged_paged_attention``.
+        ``jaxengine_kernels.ragged_paged_attention``.
       sm_scale: softmax scale.
       interpret: run in the TPU interpreter (``pltpu.InterpretParams()``), e.g. on CPU.
       block_q: tokens per q-block (grid step).

@@ -14,8 +14,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pallas_kernels.cpu import native
-from pallas_kernels.cpu.matmul import pack, pack_swiglu, packed_matmul, packed_swiglu, panel_width
+from jaxengine_kernels.cpu import native
+from jaxengine_kernels.cpu.matmul import (
+    pack,
+    pack_swiglu,
+    packed_matmul,
+    packed_swiglu,
+    panel_width,
+)
 
 
 def operands(m: int, k: int, n: int, seed: int) -> tuple[np.ndarray, np.ndarray]:

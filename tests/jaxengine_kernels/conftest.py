@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.cpu import native
+from jaxengine_kernels.cpu import native
 
 
 @pytest.fixture(scope="session")

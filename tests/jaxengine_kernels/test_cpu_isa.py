@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-import pallas_kernels
-from pallas_kernels.cpu import native
+import jaxengine_kernels
+from jaxengine_kernels.cpu import native
 
 REPO = Path(__file__).resolve().parents[2]
 V3_CPU = frozenset(native.X86_ISAS["avx2"][1])  # flags of an AVX2 machine without AVX-512
@@ -65,7 +65,7 @@ def test_a_wrong_variable_is_an_error_not_the_reference(monkeypatch):
     native.available.cache_clear()
     try:
         with pytest.raises(ValueError, match="JAXENGINE_CPU_ISA='avx3'"):
-            pallas_kernels.default_impl("cpu")
+            jaxengine_kernels.default_impl("cpu")
     finally:
         native.available.cache_clear()
 
@@ -74,8 +74,8 @@ def test_a_wrong_variable_is_an_error_not_the_reference(monkeypatch):
 # decodes and a chunk against the numpy oracle.
 PROBE = """
 import jax.numpy as jnp, numpy as np
-from pallas_kernels.cpu import native, ragged_paged_attention_cpu
-from tests.pallas_kernels.cases import make_case, numpy_oracle
+from jaxengine_kernels.cpu import native, ragged_paged_attention_cpu
+from tests.jaxengine_kernels.cases import make_case, numpy_oracle
 case = make_case([(1, 40), (9, 30), (2, 70)], num_heads=4, num_kv_heads=2, head_dim=24,
                  page_size=8, seed=1)
 out, _ = ragged_paged_attention_cpu(*case.args(jnp.float32), sm_scale=case.sm_scale)

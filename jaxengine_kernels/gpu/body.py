@@ -4,7 +4,7 @@ One program = one work item (up to ``tokens`` query tokens of one request, times
 heads of one kv head: ``rows = tokens * Gp``) x one kv head x one kv split. It walks its split's
 pages ``pages_per_iter`` at a time with an online softmax (float32) and writes either the
 normalized output (one split) or the unnormalized accumulator with its running max and
-denominator (several splits; ``pallas_kernels.gpu.kernel`` reduces them in a second pass).
+denominator (several splits; ``jaxengine_kernels.gpu.kernel`` reduces them in a second pass).
 """
 
 from __future__ import annotations

@@ -16,9 +16,9 @@ x86, a named level this CPU can execute: `avx512` (x86-64-v4, 16-float vectors),
 `vector_lanes()` say which path the loaded library runs, as the binary itself reports it.
 
 Nothing here is needed on TPU or GPU. Without a C++ compiler (`$CXX`, else c++, g++ or
-clang++) the kernels are unavailable: `pallas_kernels.default_impl` then picks the jnp reference
+clang++) the kernels are unavailable: `jaxengine_kernels.default_impl` then picks the jnp reference
 and says why in a warning, an explicit ``impl="cpu"`` raises `NativeBuildError`, and the model
-keeps XLA's dots (`pallas_kernels.cpu.matmul`).
+keeps XLA's dots (`jaxengine_kernels.cpu.matmul`).
 """
 
 from __future__ import annotations

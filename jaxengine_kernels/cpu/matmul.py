@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.cpu import native
+from jaxengine_kernels.cpu import native
 
 
 def panel_width() -> int:

@@ -1,6 +1,6 @@
 """Ragged paged attention as a Pallas kernel for NVIDIA GPUs (Triton lowering).
 
-Layout assumptions (see ``pallas_kernels.reference`` for the semantics):
+Layout assumptions (see ``jaxengine_kernels.reference`` for the semantics):
 
 - The new K/V are written with an XLA scatter before the kernel (``write_kv``); under the
   engine's jit with the cache donated, XLA updates the cache in place.
@@ -20,7 +20,7 @@ Layout assumptions (see ``pallas_kernels.reference`` for the semantics):
   ``jnp.where`` so NaN in unused pages cannot leak. float32 dots use IEEE precision (not TF32).
 
 Runs on CPU with ``interpret=True``; lowering to Triton IR is checked on CPU for an abstract
-H200 (``tests/pallas_kernels``); it has not been timed on a GPU yet.
+H200 (``tests/jaxengine_kernels``); it has not been timed on a GPU yet.
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.errors import UnsupportedShapeError
-from pallas_kernels.gpu import body
-from pallas_kernels.gpu.items import decode_items, gather_rows, prefill_items
-from pallas_kernels.reference import write_kv
+from jaxengine_kernels.errors import UnsupportedShapeError
+from jaxengine_kernels.gpu import body
+from jaxengine_kernels.gpu.items import decode_items, gather_rows, prefill_items
+from jaxengine_kernels.reference import write_kv
 
 
 def _pow2(n: int) -> int:
@@ -182,7 +182,7 @@ def ragged_paged_attention_gpu(
 
     Args:
       q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, num_seqs: as in
-        ``pallas_kernels.ragged_paged_attention``.
+        ``jaxengine_kernels.ragged_paged_attention``.
       sm_scale: softmax scale.
       interpret: run the kernel in the Pallas interpreter (CPU).
       decode_tokens: requests with at most this many new tokens take the split-K decode path.

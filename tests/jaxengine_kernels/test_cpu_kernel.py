@@ -18,10 +18,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import pallas_kernels
-from pallas_kernels.cpu import native, ragged_paged_attention_cpu
-from pallas_kernels.reference import write_kv
-from tests.pallas_kernels.cases import (
+import jaxengine_kernels
+from jaxengine_kernels.cpu import native, ragged_paged_attention_cpu
+from jaxengine_kernels.reference import write_kv
+from tests.jaxengine_kernels.cases import (
     PROP_SM_SCALE,
     check_random_batch,
     make_case,
@@ -173,10 +173,10 @@ def test_without_a_compiler_the_default_is_the_reference_with_a_warning(monkeypa
     monkeypatch.setenv("PATH", "")
     monkeypatch.setattr(native, "_library", [])  # as in a process that has not loaded it
     native.available.cache_clear()
-    monkeypatch.setattr(pallas_kernels.attention, "_warned_unavailable", False)
+    monkeypatch.setattr(jaxengine_kernels.attention, "_warned_unavailable", False)
     try:
         with caplog.at_level(logging.WARNING, logger="jaxengine.kernels"):
-            assert pallas_kernels.default_impl("cpu") == "reference"
+            assert jaxengine_kernels.default_impl("cpu") == "reference"
         assert "no C++ compiler found" in caplog.text
         with pytest.raises(native.NativeBuildError, match="no C\\+\\+ compiler"):
             native.target(jnp.float32)

@@ -1,6 +1,6 @@
-// Ragged paged attention on the CPU, as an XLA FFI custom call. pallas_kernels/cpu/native.py
-// compiles and registers it, pallas_kernels/cpu/kernel.py calls it, and the contract is the jnp
-// reference's (pallas_kernels/reference.py), which the tests hold it to.
+// Ragged paged attention on the CPU, as an XLA FFI custom call. jaxengine_kernels/cpu/native.py
+// compiles and registers it, jaxengine_kernels/cpu/kernel.py calls it, and the contract is the jnp
+// reference's (jaxengine_kernels/reference.py), which the tests hold it to.
 //
 // Why native code: XLA's CPU backend runs this op's irregular, memory-bound shape badly. A
 // decode reads each cached key and value once for a few multiply-adds, from pages scattered
@@ -35,7 +35,7 @@
 // two paths give a token the same bits: both sum each score over h in order (group_dots's
 // scalar tail, score_block), and the softmax sums and P.V in key order. From kLanes up a
 // decode's dots are vectors of partial sums added by a tree, and the paths differ by float32
-// rounding (under 1e-6 at head dim 64: tests/pallas_kernels/test_cpu_kernel.py).
+// rounding (under 1e-6 at head dim 64: tests/jaxengine_kernels/test_cpu_kernel.py).
 // Only slots inside a request's context are read as keys or values, so whatever the other
 // slots hold (NaN included) never reaches the output.
 

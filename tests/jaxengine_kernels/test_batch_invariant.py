@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.cpu import ragged_paged_attention_cpu
-from pallas_kernels.cpu.matmul import pack, pack_swiglu, packed_matmul, packed_swiglu
+from jaxengine_kernels.cpu import ragged_paged_attention_cpu
+from jaxengine_kernels.cpu.matmul import pack, pack_swiglu, packed_matmul, packed_swiglu
 
 # Around the kernel's row blocks (6), chunked units (7-64 rows) and runs (96).
 ROW_COUNTS = [1, 2, 5, 6, 7, 49, 64, 65, 96, 97, 2048]

@@ -13,9 +13,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import pallas_kernels
-from pallas_kernels import ragged_paged_attention
-from tests.pallas_kernels.cases import (
+import jaxengine_kernels
+from jaxengine_kernels import ragged_paged_attention
+from tests.jaxengine_kernels.cases import (
     PROP_SM_SCALE,
     assert_cache_equal,
     check_random_batch,
@@ -164,7 +164,7 @@ def test_unknown_impl_is_rejected():
 def test_default_impl_on_cpu():
     # The native kernel, which this machine (like every CI machine) can build.
     assert jax.default_backend() == "cpu"
-    assert pallas_kernels.default_impl() == "cpu"
+    assert jaxengine_kernels.default_impl() == "cpu"
 
 
 def test_reference_does_not_warn():

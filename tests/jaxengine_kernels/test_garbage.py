@@ -16,8 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import ragged_paged_attention
-from tests.pallas_kernels.cases import Case, make_case
+from jaxengine_kernels import ragged_paged_attention
+from tests.jaxengine_kernels.cases import Case, make_case
 
 # (q_len, context_len): decodes, a prefill spanning three TPU q-blocks, chunks over a cached
 # prefix, contexts ending mid-page.

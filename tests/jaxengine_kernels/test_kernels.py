@@ -19,16 +19,16 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
-from pallas_kernels import (
+from jaxengine_kernels import (
     UnsupportedShapeError,
     check_supported,
     ragged_paged_attention,
     ragged_paged_attention_reference,
 )
-from pallas_kernels.cpu import ragged_paged_attention_cpu
-from pallas_kernels.gpu.kernel import ragged_paged_attention_gpu
-from pallas_kernels.tpu.kernel import ragged_paged_attention_tpu
-from tests.pallas_kernels.cases import assert_cache_equal, make_case, numpy_oracle
+from jaxengine_kernels.cpu import ragged_paged_attention_cpu
+from jaxengine_kernels.gpu.kernel import ragged_paged_attention_gpu
+from jaxengine_kernels.tpu.kernel import ragged_paged_attention_tpu
+from tests.jaxengine_kernels.cases import assert_cache_equal, make_case, numpy_oracle
 
 # (q_len, context_len) per request.
 BATCHES = {

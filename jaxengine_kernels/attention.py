@@ -2,7 +2,7 @@
 
 ``impl`` picks the jnp reference, the native CPU kernel (an XLA FFI custom call), the Pallas
 Mosaic TPU kernel or the Pallas (Triton) GPU kernel; all share one signature and layout (see
-``pallas_kernels.reference``). A kernel that
+``jaxengine_kernels.reference``). A kernel that
 cannot handle a shape raises ``UnsupportedShapeError`` (a ``ValueError``) while tracing, and
 the error propagates: a kernel chosen explicitly never turns into the reference silently. A
 caller checks its shapes up front with ``check_supported`` (the engine does at build).
@@ -19,8 +19,8 @@ import jax
 # The kernels are imported eagerly although only one is used: importing Pallas defines config
 # options, which changes jax's tracing context; importing it lazily inside the first trace made
 # the caller's jit compile twice (measured).
-from pallas_kernels import cpu, gpu, tpu
-from pallas_kernels.reference import ragged_paged_attention_reference
+from jaxengine_kernels import cpu, gpu, tpu
+from jaxengine_kernels.reference import ragged_paged_attention_reference
 
 logger = logging.getLogger("jaxengine.kernels")
 

@@ -1,0 +1,27 @@
+"""The engine's kernels: ragged paged attention (a jnp reference, the native CPU kernel, Pallas
+kernels for TPU and GPU) and the native CPU packed matmul.
+
+``ragged_paged_attention(..., impl=default_impl())`` is the one entry point; the layout and the
+semantics are documented in ``jaxengine_kernels.reference``. ``check_supported(impl, ...)`` says
+up front whether a kernel runs a model's shapes. ``jaxengine_kernels.cpu`` also holds the native
+packed matmul the model's projections use on CPU (``jaxengine_kernels.cpu.matmul``).
+"""
+
+from jaxengine_kernels.attention import (
+    IMPLS,
+    check_supported,
+    default_impl,
+    ragged_paged_attention,
+)
+from jaxengine_kernels.errors import UnsupportedShapeError
+from jaxengine_kernels.reference import ragged_paged_attention_reference, write_kv
+
+__all__ = [
+    "IMPLS",
+    "UnsupportedShapeError",
+    "check_supported",
+    "default_impl",
+    "ragged_paged_attention",
+    "ragged_paged_attention_reference",
+    "write_kv",
+]
