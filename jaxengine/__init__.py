@@ -3,10 +3,10 @@
 from jaxengine.engine.args import EngineArgs
 from jaxengine.engine.llm_engine import LLMEngine
 from jaxengine.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from jaxengine.jit.generate import GenerateOutput, generate
-from jaxengine.jit.model import load_model_fns, model_fns_of
-from jaxengine.jit.score import ScoreOutput, score
-from jaxengine.jit.text import decode_batch, encode_batch
+from jaxengine.fixed_batch.generate import GenerateOutput, generate
+from jaxengine.fixed_batch.model import load_model_fns, model_fns_of
+from jaxengine.fixed_batch.score import ScoreOutput, score
+from jaxengine.fixed_batch.text import decode_batch, encode_batch
 from jaxengine.llm import LLM
 from jaxengine.loading import load_model
 from jaxengine.loading.tokenizer import Tokenizer
@@ -23,6 +23,6 @@ __all__ = [
     "stream", "stream_chat",
     # scale-out: the mesh a model is split over; joining a multi-host runtime first thing
     "initialize_from_args", "make_mesh",
-    # generation inside your own jit (jaxengine/jit/generate.py)
+    # generation inside your own jit (jaxengine/fixed_batch/generate.py)
     "ScoreOutput", "decode_batch", "encode_batch", "load_model_fns", "model_fns_of", "score",
 ]

@@ -125,8 +125,8 @@ def test_prompt_logprobs_above_max_logprobs_are_refused_by_name() -> None:
 
 
 def test_real_model_prompt_logprobs_equal_score_and_compile_nothing_new() -> None:
-    from jaxengine.jit.model import model_fns_of
-    from jaxengine.jit.score import score
+    from jaxengine.fixed_batch.model import model_fns_of
+    from jaxengine.fixed_batch.score import score
     from jaxengine.llm import LLM
 
     llm = LLM(str(TINY), max_num_batched_tokens=16, max_num_seqs=4, block_size=4,

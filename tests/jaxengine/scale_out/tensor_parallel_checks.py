@@ -18,7 +18,7 @@ from flax import nnx
 from jaxengine.engine.args import EngineArgs
 from jaxengine.engine.build import build_engine, model_fns
 from jaxengine.engine.llm_engine import LLMEngine
-from jaxengine.jit.generate import generate
+from jaxengine.fixed_batch.generate import generate
 from jaxengine.model.batch import RequestChunk, pack_batch
 from jaxengine.model.config import ModelConfig
 from jaxengine.model.kv_cache import init_kv_cache

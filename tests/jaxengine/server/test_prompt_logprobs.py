@@ -16,7 +16,7 @@ import numpy as np
 import openai
 import pytest
 
-from jaxengine.jit.score import score
+from jaxengine.fixed_batch.score import score
 from tests.jaxengine.server.test_harness import (
     MODEL_NAME,
     RunningServer,

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxengine.jit.generate import GenerateOutput
+from jaxengine.fixed_batch.generate import GenerateOutput
 from jaxengine.llm import chat_prompt
 
 # One prompt: text, token ids, or a conversation ([{"role": ..., "content": ...}, ...]).

@@ -2,7 +2,7 @@
 
 For research loops (evaluation, preference data, reranking): each row's prompt and
 continuation go through the model together in one prefill step over a private paged KV cache
-(`jaxengine.jit.layout`), and every continuation token's logprob is read from the raw model
+(`jaxengine.fixed_batch.layout`), and every continuation token's logprob is read from the raw model
 distribution at the position before it, the same distribution `generate` reports logprobs of.
 Like `generate`, it is a `jax.jit` program itself (`jaxengine_score`) and traceable inside the
 caller's jit; its retrace rules are `generate`'s: the shapes (B, S, C), `cache`, `block_size`
@@ -19,7 +19,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxengine.jit.layout import block_tables, check_layout, check_rows, pages_per_row, prefill
+from jaxengine.fixed_batch.layout import (
+    block_tables,
+    check_layout,
+    check_rows,
+    pages_per_row,
+    prefill,
+)
 from jaxengine.model.fns import ModelFns
 from jaxengine.sampling.argmax import argmax
 

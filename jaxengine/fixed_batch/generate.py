@@ -3,9 +3,10 @@
 No scheduler, no host round trips: one prefill step over all prompts, then a `lax.while_loop`
 of decode steps, all traceable, so it can sit inside the caller's own `jax.jit` (or be called
 as is: it is a `jax.jit` program itself, `jaxengine_generate`). It drives the same pure model
-step and sampler as the engine (`jaxengine.sampling.sampler.sample_impl`), over a private paged
-KV cache (`jaxengine.jit.layout`), and returns each generated token's logprob of the raw model
-distribution, as the engine's `SamplingParams(logprobs=...)` does (vLLM's "raw_logprobs").
+step and sampler as the engine (`jaxengine.sampling.sampler.sample_impl`), over a private
+paged KV cache (`jaxengine.fixed_batch.layout`), and returns each generated token's logprob of
+the raw model distribution, as the engine's `SamplingParams(logprobs=...)` does (vLLM's
+"raw_logprobs").
 
 Prompts are right-aligned in `prompt_ids` rows of width S (left padding); `prompt_lens` says
 how many trailing entries are real. `jaxengine.encode_batch` makes both from strings,
@@ -37,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxengine.jit.layout import (
+from jaxengine.fixed_batch.layout import (
     block_tables,
     check_layout,
     check_rows,

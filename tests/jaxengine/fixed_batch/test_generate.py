@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxengine.jit.generate import generate
+from jaxengine.fixed_batch.generate import generate
 from jaxengine.model.fake import LOGIT, fake_greedy, fake_model
 from jaxengine.runner.compiles import compile_count, ensure_listener
 from scheduler import SamplingParams
