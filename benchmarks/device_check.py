@@ -64,8 +64,8 @@ from jaxengine.model.mesh import TP_AXIS, make_mesh  # noqa: E402
 from jaxengine.model.step import pack_batch  # noqa: E402
 from jaxengine.runner.programs import jaxengine_model_step, programs_for  # noqa: E402
 from jaxengine.sampling.logits_processors import build_adjustments  # noqa: E402
-from jaxengine.sampling.metadata import build_sampling_metadata  # noqa: E402
 from jaxengine.sampling.request_tables import init_tables  # noqa: E402
+from jaxengine.sampling.rows import build_sampling_metadata  # noqa: E402
 from jaxengine_kernels import check_supported, default_impl, ragged_paged_attention  # noqa: E402
 from tests.jaxengine_kernels.cases import make_case  # noqa: E402
 

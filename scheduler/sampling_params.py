@@ -2,7 +2,7 @@
 
 Every rule that needs no model lives here, as vLLM's `SamplingParams._verify_args` does: types,
 ranges and the relations between fields. The engine adds the few that need the model or the
-engine's build (`jaxengine/sampling/metadata.py`: the `max_logprobs` cap, stop token ids below
+engine's build (`jaxengine/sampling/rows.py`: the `max_logprobs` cap, stop token ids below
 the vocabulary size, how many stop ids `min_tokens` can hold back, logit_bias and
 allowed_token_ids below the vocabulary size, bad_words as tokens) and raises the same error.
 """

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 from jaxengine.engine.detokenizer import StreamingTokenizer
-from jaxengine.sampling.metadata import validate_sampling_params
+from jaxengine.sampling.rows import validate_sampling_params
 from jaxengine.structured.params import StructuredOutputsParams
 from scheduler import SamplingParams, SamplingParamsError, SchedulerConfig
 

@@ -34,7 +34,7 @@ from jaxengine.engine.detokenizer import IncrementalDetokenizer
 from jaxengine.engine.grammars import Grammars, accept_sampled, samples_a_grammar
 from jaxengine.engine.inputs import PromptType, TokenizerLike
 from jaxengine.engine.outputs import RequestMetrics, RequestOutput
-from jaxengine.engine.prompt_logprobs import record_prompt_logprobs
+from jaxengine.engine.prompt_logprob_outputs import record_prompt_logprobs
 from jaxengine.engine.request_state import TrackedRequest
 from jaxengine.engine.stats import IterationStats, StatLogger
 from jaxengine.kv_offload import offloading_worker
@@ -44,7 +44,7 @@ from jaxengine.runner.config import RunnerConfig
 from jaxengine.runner.in_flight import InFlight, SampledToken
 from jaxengine.runner.runner import Runner
 from jaxengine.sampling.bad_words import tokenize_bad_words
-from jaxengine.sampling.metadata import SamplingRow
+from jaxengine.sampling.rows import SamplingRow
 from jaxengine.spec.metrics import SpecDecodingStats
 from jaxengine.spec.speculator import make_speculator
 from jaxengine.structured.compiler import GrammarCompiler

@@ -9,9 +9,9 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
-from jaxengine.sampling.metadata import SamplingRow
-from jaxengine.sampling.prompt_logprob_inputs import PromptSpan
+from jaxengine.runner.prompt_logprob_inputs import PromptSpan
 from jaxengine.sampling.prompt_logprobs import PromptLogprobs
+from jaxengine.sampling.rows import SamplingRow
 from jaxengine.sampling.sampler import SamplerOutput
 from scheduler import SchedulerOutput
 

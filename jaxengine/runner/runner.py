@@ -40,12 +40,12 @@ from jaxengine.runner.compiles import (
 from jaxengine.runner.config import RunnerConfig, RunnerStats
 from jaxengine.runner.distributed import to_host
 from jaxengine.runner.in_flight import Forward, InFlight, SampledToken
+from jaxengine.runner.penalty_inputs import WRITE_SLOT_NAME, PenaltyInputs
 from jaxengine.runner.programs import SAMPLE_NAME, STEP_NAME, programs_for
+from jaxengine.runner.prompt_logprob_inputs import PromptLogprobChunk, PromptLogprobInputs
 from jaxengine.runner.verify import gather_indices, sampler_rows
 from jaxengine.sampling.logits_processors import build_adjustments
-from jaxengine.sampling.metadata import MAX_BANNED, SamplingRow, build_sampling_metadata
-from jaxengine.sampling.penalty_inputs import WRITE_SLOT_NAME, PenaltyInputs
-from jaxengine.sampling.prompt_logprob_inputs import PromptLogprobChunk, PromptLogprobInputs
+from jaxengine.sampling.rows import MAX_BANNED, SamplingRow, build_sampling_metadata
 from jaxengine.sampling.sampler import SamplerOutput
 from jaxengine.structured.bitmask import allocate_bitmask, bitmask_width, fill_bitmasks
 from scheduler import PLACEHOLDER_TOKEN_ID, SchedulerOutput
@@ -74,7 +74,7 @@ class Runner:
         self._token_sharding = (NamedSharding(sharding.mesh, PartitionSpec())
                                 if isinstance(sharding, NamedSharding) else None)
         self._no_tokens = self._put(np.zeros(config.max_num_rows, np.int32))
-        # Penalty/bias rows of the requests that use them (sampling/penalty_inputs.py).
+        # Penalty/bias rows of the requests that use them (runner/penalty_inputs.py).
         self.penalties = PenaltyInputs(config.max_num_seqs, model.vocab_size, put=self._put,
                                        sharding=self._token_sharding)
         # Token bitmasks of structured outputs (jaxengine/structured): an i32[Rb, ceil(V/32)]

@@ -30,8 +30,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from jaxengine.sampling.metadata import SamplingRow
 from jaxengine.sampling.request_tables import uses_table
+from jaxengine.sampling.rows import SamplingRow
 from scheduler import SamplingParams
 
 

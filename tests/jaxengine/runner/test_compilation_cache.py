@@ -20,9 +20,9 @@ from jaxengine.model.fake import fake_model
 from jaxengine.runner.compilation_cache import ENV, configure, default_cache_dir, resolve_cache_dir
 from jaxengine.runner.compiles import cache_hit_count, compile_count, ensure_listener
 from jaxengine.runner.config import RunnerConfig
+from jaxengine.runner.penalty_inputs import WRITE_SLOT_NAME
 from jaxengine.runner.programs import SAMPLE_NAME, STEP_NAME
 from jaxengine.runner.runner import Runner
-from jaxengine.sampling.penalty_inputs import WRITE_SLOT_NAME
 from tests.conftest import CACHE_ENV, SUITE_CACHE_ENV
 
 CHILD = Path(__file__).with_name("compilation_cache_child.py")

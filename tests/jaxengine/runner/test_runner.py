@@ -12,9 +12,9 @@ from jaxengine.model.fake import fake_greedy, fake_model
 from jaxengine.runner.buckets import pick_bucket, request_buckets, token_buckets
 from jaxengine.runner.compiles import RecompileError, compile_count
 from jaxengine.runner.config import RunnerConfig
+from jaxengine.runner.penalty_inputs import WRITE_SLOT_NAME
 from jaxengine.runner.runner import Runner
-from jaxengine.sampling.metadata import SamplingRow
-from jaxengine.sampling.penalty_inputs import WRITE_SLOT_NAME
+from jaxengine.sampling.rows import SamplingRow
 from scheduler import (
     Request,
     SamplingParams,

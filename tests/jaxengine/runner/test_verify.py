@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxengine.runner.verify import draftable, gather_indices, num_accepted, sampler_rows
-from jaxengine.sampling.metadata import SamplingRow
+from jaxengine.sampling.rows import SamplingRow
 from scheduler import SamplingParams
 
 

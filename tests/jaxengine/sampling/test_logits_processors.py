@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxengine.runner.penalty_inputs import TableSlots
 from jaxengine.sampling.bad_words import (
     MAX_BAD_WORD_BANS,
     BadWordBan,
@@ -17,7 +18,6 @@ from jaxengine.sampling.bad_words import (
     tokenize_bad_words,
 )
 from jaxengine.sampling.logits_processors import apply_logits_processors, build_adjustments
-from jaxengine.sampling.penalty_inputs import TableSlots
 from jaxengine.sampling.request_tables import (
     init_tables,
     record_tokens,

@@ -27,7 +27,7 @@ from jaxengine.model.mesh import make_mesh
 from jaxengine.model.step import make_model_step, split_model
 from jaxengine.runner.programs import programs_for
 from jaxengine.sampling.logits_processors import build_adjustments
-from jaxengine.sampling.metadata import build_sampling_metadata
+from jaxengine.sampling.rows import build_sampling_metadata
 from scheduler import SamplingParams
 from tests.jaxengine.scale_out.checkpoints import write_checkpoint
 

@@ -3,7 +3,7 @@
 `RequestOutput.prompt_logprobs` has one entry per prompt token: `None` for the first (nothing
 predicts it), then `{token id: Logprob}` holding the prompt token (its logprob and rank) and the
 request's top `prompt_logprobs` tokens, the shape vLLM returns. Each step's chunk covers the
-positions it computed (`jaxengine/sampling/prompt_logprob_inputs.py`); a request that
+positions it computed (`jaxengine/runner/prompt_logprob_inputs.py`); a request that
 recomputes its prompt after a preemption gets positions it has already, and keeps the first.
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Callable, Collection, Mapping
 
 from jaxengine.engine.outputs import Logprob, PromptLogprobs
 from jaxengine.engine.request_state import TrackedRequest
-from jaxengine.sampling.prompt_logprob_inputs import PromptLogprobChunk
+from jaxengine.runner.prompt_logprob_inputs import PromptLogprobChunk
 
 
 def record_prompt_logprobs(tracked: Mapping[str, TrackedRequest],

@@ -1,6 +1,6 @@
 """The runner's side of penalties and biases: the device tables, their slots, and each batch's
-`LogitsAdjustments` (see `request_tables.py` for the tables, `logits_processors.py` for their
-use in the sampler).
+`LogitsAdjustments` (`jaxengine/sampling/request_tables.py` has the tables,
+`jaxengine/sampling/logits_processors.py` their use in the sampler).
 
 Per step the runner hands over the sampling rows; `PenaltyInputs.adjustments` gives each request
 that needs one a slot (writing its rows with a small jitted program, precompiled like the
@@ -17,7 +17,6 @@ from jax.sharding import Sharding
 
 from jaxengine.sampling.bad_words import BadWordBan, armed_bans
 from jaxengine.sampling.logits_processors import LogitsAdjustments, build_adjustments
-from jaxengine.sampling.metadata import SamplingRow
 from jaxengine.sampling.request_tables import (
     RequestTables,
     init_tables,
@@ -25,6 +24,7 @@ from jaxengine.sampling.request_tables import (
     uses_table,
     write_slot,
 )
+from jaxengine.sampling.rows import SamplingRow
 
 WRITE_SLOT_NAME = "jaxengine_write_slot"
 
