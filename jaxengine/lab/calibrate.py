@@ -35,9 +35,8 @@ from jaxengine.lab.cost_model import (
 from pallas_kernels import default_impl
 from scheduler import SamplingParams, SchedulerOutput, schedule
 
-# Reweighting rounds of the fit (`fit_coefficients`). On a SmolLM2 calibration against ten real
-# replays of docs/LAB.md's held-out workloads, 8 rounds put 7 of the 10 runs within the targets
-# (duration 20%, p50 TTFT and e2e 30%) against 2 with weights 1/y only (rounds 0).
+# Reweighting rounds of the fit (`fit_coefficients`): more of docs/LAB.md's held-out replays
+# within the targets (duration 20%, p50 TTFT and e2e 30%) than with weights 1/y only (rounds 0).
 FIT_ROUNDS = 8
 
 
@@ -145,8 +144,7 @@ def time_scene(engine, scene: Scene, index: int, *, rng: np.random.Generator,
     while engine.has_unfinished_requests():  # nothing left; collects a step still in flight
         engine.step()
     # A step dispatched for the aborted requests may still be running on the device; it would
-    # be charged to the next scene's first (idle) call: 0.1 s in a SmolLM2 calibration, where
-    # a replay's idle calls take 4-13 ms.
+    # be charged to the next scene's first (idle) call, many times an idle call's time.
     jax.block_until_ready(jax.live_arrays())
     return samples
 
@@ -202,8 +200,8 @@ def calibrate(args: EngineArgs, *, scenes: Sequence[Scene] | None = None,
     model = fit_samples(samples, hold_out_every=hold_out_every)
     per_block = engine.runner.model.kv_bytes_per_block(cfg.block_size)
     device = jax.devices()[0]
-    # The backend as resolved, not None: what None picks changes with the platform and the
-    # version (on CPU it was the jnp reference, it is now the native kernel).
+    # The backend as resolved, not None: what None picks depends on the platform and on
+    # whether the native CPU kernel builds (`pallas_kernels.default_impl`).
     resolved = {"attention_backend": args.attention_backend or default_impl()}
     return dataclasses.replace(
         model, engine_args=dataclasses.asdict(args) | resolved, backend=jax.default_backend(),
