@@ -61,11 +61,10 @@ def default_grid(*, max_num_seqs: int, budget: int, max_model_len: int,
     sampler bucket), plus 3 and 48 (more requests in the same buckets: `num_seqs`). The
     injections are a short and a medium prompt and one of 1.5x the budget (a full chunk, then
     one with context). A lone prompt of 3/4 of every power-of-two token bucket from 16 up to
-    the budget prefills at an idle engine, as most prompts of a lightly loaded server do (the
-    grid had one such call in each of the 16, 128, 512 and 2048 buckets only, beside 35 calls
-    of 2048 tokens, so a replay's lone 256-505-token prefills could not be checked against it
-    call by call, docs/LAB.md); these scenes are spread through the grid, so one burst of other
-    load does not fall on all.
+    the budget prefills at an idle engine, as most prompts of a lightly loaded server do (so
+    that a replay's lone prefills of a few hundred tokens are checked against calls like them,
+    not only against 2048-token chunks, docs/LAB.md); these scenes are spread through the grid,
+    so one burst of other load does not fall on all.
     """
     limit = max_model_len // 2
     powers = [1 << k for k in range(max_num_seqs.bit_length())]
