@@ -17,8 +17,8 @@ from typing import Literal
 import jax
 
 # The kernels are imported eagerly although only one is used: importing Pallas defines config
-# options, which changes jax's tracing context; importing it lazily inside the first trace made
-# the caller's jit compile twice (measured).
+# options, which changes jax's tracing context; importing it lazily inside the first trace makes
+# the caller's jit compile twice.
 from jaxengine_kernels import cpu, gpu, tpu
 from jaxengine_kernels.reference import ragged_paged_attention_reference
 

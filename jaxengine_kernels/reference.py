@@ -32,12 +32,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-# Defaults: 128 query tokens per item, 256 cached tokens per online-softmax step. Measured on
-# the 2-core CPU machine (SmolLM2 heads, f32, best-of-7 CPU ms per layer; G heads stacked as
-# rows of one product per KV head, block_q 64 before / 128 now): a 512-token prefill 11.8 /
-# 9.4, prefills of 1280 + 256 tokens 43.2 / 35.5, a 768-token chunk after 512 cached 38.2 /
-# 32.8; 512 cached tokens per step was slower (11.6, 47.5, 39.5). Earlier, block_q 16 against
-# 64: 24 / 15, 103 / 65. The decode pass is untouched (benchmarks/attention.py --mode cpu).
+# Defaults: 128 query tokens per item and 256 cached tokens per online-softmax step, faster on
+# CPU at SmolLM2's heads than 64 and 512 (docs/BENCHMARKS.md §4, "Why the jnp reference is as
+# it is").
 DEFAULT_BLOCK_Q = 128
 DEFAULT_KV_TOKENS_PER_CHUNK = 256
 # The oracle must not lose bits on accelerators (float32 dots default to bf16 passes on TPU and
@@ -59,9 +56,9 @@ def write_kv(
     """
     P, L, K2, H = kv_cache.shape
     if k.shape[0] == 1:
-        # XLA on CPU made the one-row scatter a fusion it duplicated, copying the whole cache
-        # several times a layer (a 1-token SmolLM2 step took 32 s with a 2048-page pool, 0.1 s
-        # at 2 tokens); a second row that writes into the null block 0 keeps it in place.
+        # XLA on CPU makes a one-row scatter a fusion it duplicates, copying the whole cache
+        # several times a layer (docs/BENCHMARKS.md §3); a second row that writes into the null
+        # block 0 keeps it in place.
         k, v = (jnp.concatenate([x, jnp.zeros_like(x)]) for x in (k, v))
         slot_mapping = jnp.concatenate([slot_mapping, jnp.zeros_like(slot_mapping)])
     T, K, _ = k.shape
@@ -232,11 +229,9 @@ def _decode_pass(
 
 def _decode_pages_per_step(kv_cache: jax.Array) -> int:
     """Pages per decode-pass step: ~384 KiB gathered on CPU (a step stays in cache; loop
-    iterations are cheap), ~64 MiB on accelerators (fewer, larger steps).
-
-    Measured on the 2-core CPU machine (SmolLM2 heads, ms per layer, 16 pages / 64 pages per
-    step): 16 decodes at context 1000 8.4 / 11.8, one at 1500 with 15 at 40 1.6 / 2.4, 16 at
-    300 3.4 / 3.0; the previous request-vectorized pass took 12.9, 9.9 and 3.2.
+    iterations are cheap), ~64 MiB on accelerators (fewer, larger steps). On CPU, 16 SmolLM2
+    pages a step beat 64 on long and mixed contexts, and a request-vectorized pass on every
+    case (docs/BENCHMARKS.md §4, "Why the jnp reference is as it is").
     """
     _, L, K2, H = kv_cache.shape
     per_page = L * K2 * H * 4  # float32 after the upcast

@@ -36,9 +36,9 @@ def build_warm_engine(args: EngineArgs) -> Any:
 def warm_up(engine: Any) -> None:
     """Compile every bucket, then run each token bucket and each request bucket once.
 
-    Compiling is not enough: the first run of each bucket measured several times slower than
-    later ones (the tiny model: 0.23 s against 0.10-0.13 s for the same 40 requests; the host
-    side of a new shape is slow once), which would be charged to the first requests.
+    Compiling is not enough: the first run of each bucket is several times slower than later
+    ones (the host side of a new shape is slow once), which would be charged to the first
+    requests.
     """
     engine.runner.precompile(progress=False)
     engine.runner.mark_warm()
@@ -62,7 +62,7 @@ def replay(workload: Workload, engine: Any) -> RunResult:
     """
     pending = workload.by_arrival
     # Keep a collection made due by the warm-up's garbage out of the timed steps: in a process
-    # holding many objects (the test suite's) the first step once paused 0.4 s of a 0.06 s run.
+    # holding many objects (the test suite's) it can pause one step longer than a short run.
     gc.collect()
     load_start = os.getloadavg()[0]
     t0 = time.time()

@@ -40,9 +40,8 @@ from jaxengine.loading.load import default_model_path
 from jaxengine_kernels import default_impl
 from scheduler import SamplingParams, SchedulerOutput, schedule
 
-# Reweighting rounds of the fit (`fit_coefficients`). On a SmolLM2 calibration against ten real
-# replays of docs/LAB.md's held-out workloads, 8 rounds put 7 of the 10 runs within the targets
-# (duration 20%, p50 TTFT and e2e 30%) against 2 with weights 1/y only (rounds 0).
+# Reweighting rounds of the fit (`fit_coefficients`): more of docs/LAB.md's held-out replays
+# within the targets (duration 20%, p50 TTFT and e2e 30%) than with weights 1/y only (rounds 0).
 FIT_ROUNDS = 8
 
 
@@ -67,11 +66,10 @@ def default_grid(*, max_num_seqs: int, budget: int, max_model_len: int,
     sampler bucket), plus 3 and 48 (more requests in the same buckets: `num_seqs`). The
     injections are a short and a medium prompt and one of 1.5x the budget (a full chunk, then
     one with context). A lone prompt of 3/4 of every power-of-two token bucket from 16 up to
-    the budget prefills at an idle engine, as most prompts of a lightly loaded server do (the
-    grid had one such call in each of the 16, 128, 512 and 2048 buckets only, beside 35 calls
-    of 2048 tokens, so a replay's lone 256-505-token prefills could not be checked against it
-    call by call, docs/LAB.md); these scenes are spread through the grid, so one burst of other
-    load does not fall on all.
+    the budget prefills at an idle engine, as most prompts of a lightly loaded server do (so
+    that a replay's lone prefills of a few hundred tokens are checked against calls like them,
+    not only against 2048-token chunks, docs/LAB.md); these scenes are spread through the grid,
+    so one burst of other load does not fall on all.
     """
     limit = max_model_len // 2
     powers = [1 << k for k in range(max_num_seqs.bit_length())]
@@ -150,8 +148,7 @@ def time_scene(engine, scene: Scene, index: int, *, rng: np.random.Generator,
     while engine.has_unfinished_requests():  # nothing left; collects a step still in flight
         engine.step()
     # A step dispatched for the aborted requests may still be running on the device; it would
-    # be charged to the next scene's first (idle) call: 0.1 s in a SmolLM2 calibration, where
-    # a replay's idle calls take 4-13 ms.
+    # be charged to the next scene's first (idle) call, many times an idle call's time.
     jax.block_until_ready(jax.live_arrays())
     return samples
 
@@ -204,8 +201,8 @@ def calibrate(args: EngineArgs, *, scenes: Sequence[Scene] | None = None,
     model = fit_samples(samples, hold_out_every=hold_out_every)
     per_block = engine.runner.model.kv_bytes_per_block(cfg.block_size)
     device = jax.devices()[0]
-    # The backend as resolved, not None: what None picks changes with the platform and the
-    # version (on CPU it was the jnp reference, it is now the native kernel).
+    # The backend as resolved, not None: what None picks depends on the platform and on
+    # whether the native CPU kernel builds (`pallas_kernels.default_impl`).
     resolved = {"attention_backend": args.attention_backend or default_impl()}
     return dataclasses.replace(
         model, engine_args=dataclasses.asdict(args) | resolved, backend=jax.default_backend(),

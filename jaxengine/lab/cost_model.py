@@ -10,8 +10,8 @@ before; the synchronous loop completes its own):
   non-negative fit, a token costs more in small buckets than in large ones (a piecewise linear,
   concave price of the bucket). Small steps multiply a few rows by every weight (bound by
   streaming the weights), large ones run the matmuls near peak; one slope fitted over both
-  was set by the large prefill steps and priced a decode sequence at 1.4-4.2 ms where
-  SmolLM2 f32 on the 2-core CPU measured ~10 ms (docs/LAB.md);
+  is set by the large prefill steps and prices decodes far below their measured time
+  (docs/LAB.md);
 - `sampler_rows`: the sampler's request bucket (`jaxengine.runner.buckets.request_buckets`)
   of the requests that sample: every row, padding included, multiplies by the lm head
   (576 x 49152 for SmolLM2), whatever the token bucket;
@@ -184,10 +184,8 @@ def fit_coefficients(x: np.ndarray, y: np.ndarray, *, rounds: int = 0) -> np.nda
     `rounds` > 0 the weights become 1/prediction, refitted that many times (iteratively
     reweighted least squares: the quasi-likelihood of times with multiplicative noise), which
     is unbiased in the mean: weights 1/y fit low when the noise has a slow tail (other load on
-    the machine). On two SmolLM2 calibrations the summed prediction was 21% and 26% below
-    the summed measurement with 1/y, 2% and 5% below with 8 rounds. With the features of
-    version 1 the reweighted fit predicted the held-out workloads of docs/LAB.md worse (p50
-    TTFT and e2e); with those of version 2 better, so `jaxengine.lab.calibrate` uses 8 rounds.
+    the machine). docs/LAB.md has the measured bias of each and why `jaxengine.lab.calibrate`
+    uses 8 rounds.
 
     Args:
       x: f64[n, len(FEATURES)] features of n timed calls.

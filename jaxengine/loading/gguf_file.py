@@ -34,8 +34,8 @@ class _Reader(gguf.GGUFReader):
     """GGUFReader that slices a plain ndarray view of its memory map.
 
     Slicing an `np.memmap` runs `__array_finalize__` per slice; the reader makes ~250k slices
-    for a 49k-token vocabulary, so parsing took ~4x longer than with a plain view of the same
-    mapped bytes (measured: 12 s -> 2-3 s on a loaded 2-core box). Same bytes, same results.
+    for a 49k-token vocabulary, so parsing takes several times longer than with a plain view of
+    the same mapped bytes. Same bytes, same results.
     gguf has no public way to do this (its constructor takes only a path and a mode and keeps
     the memmap), so this overrides the private `_get`: pyproject.toml pins gguf to the releases
     where it is as below (0.17.0-0.19.0), and tests/jaxengine/loading/test_gguf_file.py fails

@@ -31,8 +31,9 @@ class ModelBatch:
 def requests_of_step(batch: ModelBatch) -> ModelBatch:
     """`batch` with its request rows cut to the T it can hold: every live request schedules a
     token, so rows past T are padding whatever R is. The attention metadata then costs a
-    step of few tokens little (each layer shifts the block table by its first page: [128, 512]
-    of R x max_blocks per layer was 4 ms of a one-token step). `logits_indices` keeps R rows
+    step of few tokens little (each layer shifts the block table by its first page, which at
+    R = 128 rows is a measurable share of a one-token step: docs/BENCHMARKS.md §2, "Other work
+    in a step"). `logits_indices` keeps R rows
     (the sampler's shapes do not depend on T)."""
     T, R = batch.input_ids.shape[0], batch.seq_lens.shape[0]
     if T >= R:

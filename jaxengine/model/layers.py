@@ -84,8 +84,8 @@ def rope_tables(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, j
     """cos, sin f32[T, H] for `positions` i32[T] (HF's non-interleaved half layout).
 
     The tables are materialised once (an optimization barrier): left to itself, XLA's CPU
-    backend fused cos and sin into every layer's RoPE multiply and evaluated them again for
-    each head and layer, 5.7 of the 72 ms that a 2048-token SmolLM2 step spent per layer.
+    backend fuses cos and sin into every layer's RoPE multiply and evaluates them again for
+    each head and layer (docs/BENCHMARKS.md §2, "Other work in a step").
     """
     angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, H/2]
     angles = jnp.concatenate([angles, angles], axis=-1)  # [T, H]

@@ -8,7 +8,7 @@ jaxengine/loading/weights.py maps one to the other in a single table.
 On accelerators `layers` is one `Block` whose weights carry a leading layer axis, created by
 `nnx.vmap` over split rngs and run by `nnx.scan`, so compile time does not grow with depth. On
 CPU, XLA copies each scanned layer's weight slices out of the stacked arrays before the dots,
-every step (a 16-token SmolLM2 step: 160 ms scanned, 110 ms looped, 2-core CPU), so there
+every step (docs/BENCHMARKS.md §2, "Other work in a step"), so there
 `layers` is an `nnx.List` of one `Block` per layer looped in Python (`scan_layers=False`),
 paying compile time that grows with depth (about 3x for SmolLM2's 30 layers). Layer i's
 weights come from its own key either way, so a seed gives the same model in both layouts.
@@ -273,8 +273,8 @@ class Model(nnx.Module):
         inv_freq = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
         cos, sin = rope_tables(batch.positions, inv_freq)  # f32[T, H]
         # The kernel takes one layer's pages. Slicing layer i out of the cache (and writing it
-        # back) copies [P, L, 2K, H] twice per layer, so the step's time grew with P (measured
-        # 0.44 s -> 0.99 s for P = 64 -> 1024 on SmolLM2, CPU). Instead, view the cache as one
+        # back) copies [P, L, 2K, H] twice per layer, so the step's time would grow with P
+        # (docs/BENCHMARKS.md §2, "Other work in a step"). Instead, view the cache as one
         # layer of layers*P pages (a free reshape) and shift layer i's page ids by i*P: the
         # kernel scatters and gathers in place.
         Ly, P, L, K2, H = kv.shape

@@ -9,9 +9,8 @@ merged into one `PackedLinear` (their kernels side by side) that each reads its 
 and the MLP as a `PackedMLP` (gate/up interleaved into one SwiGLU call, then down); the
 weights are not duplicated. It applies where the kernel runs and pays: a one-device CPU mesh,
 float32 weights, layers looped in Python (the CPU layout), and a C++ compiler on the machine
-(`packable` says why not otherwise). Measured against XLA's dots on the 2-core CPU
-(docs/BENCHMARKS.md §2), SmolLM2's projections: 1.0x at 1 row, 1.4-1.5x at 8-16, 1.2x at 64,
-1.1-2.0x at 2048 (a prefill chunk).
+(`packable` says why not otherwise). Against XLA's dots, as fast at one row and faster from a
+few rows up to a prefill chunk (docs/BENCHMARKS.md §2, "Packed projections").
 """
 
 from __future__ import annotations
@@ -61,8 +60,8 @@ class PackedColumns(nnx.Module):
 class PackedMLP(nnx.Module):
     """`layers.MLP` with gate and up packed together (`jaxengine_kernels.cpu.matmul.pack_swiglu`):
     one call gives silu(x @ gate) * (x @ up), and down_proj is a `PackedLinear`. The fused call
-    spares writing the [T, 2F] product and XLA's pass over it (30 layers at 2048 rows: 1.2x,
-    docs/BENCHMARKS.md §2)."""
+    spares writing the [T, 2F] product and XLA's pass over it (docs/BENCHMARKS.md §2, "Packed
+    projections")."""
 
     def __init__(self, mlp: nnx.Module) -> None:
         gate, up = mlp.gate_proj, mlp.up_proj  # without bias, as every MLP of the family
@@ -80,10 +79,10 @@ class PackedMLP(nnx.Module):
 class PackedEmbedder(nnx.Module):
     """A tied embedding held once, packed as its transpose (`panels` [ceil(V'/W), D, W]): the
     LM head is then the packed matmul and a lookup gathers each token's column. A decode step
-    reads the whole table for a few rows; XLA's dot over the [V', D] table read it at a quarter
+    reads the whole table for a few rows; XLA's dot over the [V', D] table reads it at a quarter
     of the packed loop's rate for one row, and a packed second copy would double it. The
-    gather touches a line per element, which costs a 2048-token step 10-12 ms
-    (docs/BENCHMARKS.md §2)."""
+    gather touches a line per element, once per step (docs/BENCHMARKS.md §2, "Packed
+    projections")."""
 
     def __init__(self, embedder: nnx.Module) -> None:
         table = embedder.embedding[...]  # [V', D]

@@ -8,8 +8,8 @@ features changed at 8 rows, a sampler row's log-softmax over 256 logits between 
 and 8, which flips a seeded draw now and then. These sums are elementwise adds in a fixed
 order instead (`fixed_order_sum`), which XLA may fuse and vectorize but never reorders:
 `WIDTH` running sums a row, each adding one chunk after the next, then halved pairwise.
-SmolLM2's model steps of 1 to 2048 tokens and its sampler took 0.94-1.04x the time they took
-with XLA's sums (docs/DESIGN.md, "Batch invariance").
+SmolLM2's model steps of 1 to 2048 tokens and its sampler cost what they cost with XLA's
+sums, within the noise (docs/DESIGN.md, "Batch invariance").
 
 Axis names: V (or D) the summed axis; `...` any leading axes.
 """

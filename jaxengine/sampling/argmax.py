@@ -1,9 +1,8 @@
 """`argmax` over the last axis as two plain reductions, for the vocabulary-wide argmaxes of a step.
 
 `jnp.argmax` lowers to one variadic (value, index) reduce, which XLA's CPU backend runs as a
-scalar loop: over greedy decoding's [R, V] logits it cost 6.9 ms a step at 64 rows of
-SmolLM2's 49 152 tokens, 6% of a 64-decode step, where a max and then the first index that
-holds it take 0.9 ms (one process, best of 20; 5.5-9x at 1 to 128 rows). The result is
+scalar loop over greedy decoding's [R, V] logits, several times slower than a max and then the
+first index that holds it (docs/BENCHMARKS.md §2, "Other work in a step"). The result is
 jnp.argmax's, ties and NaNs included: the first index of the largest value, or of the first
 NaN when there is one.
 """

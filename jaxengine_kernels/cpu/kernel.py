@@ -27,10 +27,10 @@ from jaxengine_kernels.cpu import native
 from jaxengine_kernels.errors import UnsupportedShapeError
 from jaxengine_kernels.reference import write_kv
 
-# Defaults measured on the 2-core CPU machine (docs/BENCHMARKS.md §4): 32 query tokens per
-# prefill unit (96 rows of SmolLM2's 3 query heads per kv head share each transposed key
-# tile; 1.04-1.07x over 16 on the prefill cases); 32 pages (512 tokens at page size 16) per
-# run of a split decode, enough to spread one long decode over the cores.
+# Defaults (docs/BENCHMARKS.md §4, "Why the kernel is as it is"): 32 query tokens per prefill
+# unit (96 rows of SmolLM2's 3 query heads per kv head share each transposed key tile; faster
+# than 16); 32 pages (512 tokens at page size 16) per run of a split decode, enough to spread
+# one long decode over the cores.
 DEFAULT_BLOCK_Q = 32
 DEFAULT_PAGES_PER_SPLIT = 32
 

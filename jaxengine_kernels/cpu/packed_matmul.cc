@@ -5,12 +5,11 @@
 // weights and calls it, and the tests hold it to numpy's product.
 //
 // Why native code: an engine's projections on the CPU are one step's few rows (decodes) times a
-// weight matrix read from memory once per step. XLA's CPU dots over the [K, N] matrix took
-// 1.4-1.5x the time of this kernel at 8-16 rows, while the same loop over the unpacked matrix
-// (64-column slices, one short run per row of K) gained only 1.0-1.2x: the panels, each one
-// contiguous stream, are what pays (docs/BENCHMARKS.md §2). The same loop is
-// compute-bound on long prefill chunks and runs there at numpy's sgemm rate, 1.1-2.0x XLA's
-// (2048 rows), so one layout serves every step.
+// weight matrix read from memory once per step. Packed in panels, each one contiguous stream,
+// the weights go through this loop faster than through XLA's dots over [K, N] or through the
+// same loop over [K, N]'s column slices (one short run per row of K): the panels are what pays.
+// On long prefill chunks the loop is compute-bound and runs at numpy's sgemm rate, above XLA's
+// dots, so one layout serves every step (docs/BENCHMARKS.md §2, "Packed projections").
 //
 // Work: units of one panel x a run of kRunRows rows, taken by XLA's intra-op threads from a
 // shared counter, so a decode step's panels (each read from memory once) spread over the cores
@@ -47,9 +46,9 @@ using jaxengine_cpu::storev;
 
 // A row block's kRowBlock x kVectors sums, the panel row's kVectors vectors and one broadcast of
 // x fill the vector registers. AVX2 has 16: 4 rows x 3 vectors (panels of 24 floats) keep 12
-// sums where 2 x 4 kept 8 and load 7 vectors per 12 multiply-adds, not 6 per 8 (faster from
-// 3 rows up). kAhead panel rows between a row's prefetch and its use: AVX2's narrower panel
-// rows need more of them, 8 (768 bytes ahead) left one row slower (docs/BENCHMARKS.md §2).
+// sums and load 7 vectors per 12 multiply-adds, where 2 x 4 keeps 8 and loads 6 per 8.
+// kAhead panel rows between a row's prefetch and its use: AVX2's narrower panel rows need more
+// of them to ask far enough ahead in bytes (docs/BENCHMARKS.md §2, "AVX2 builds").
 #if defined(__AVX512F__)
 constexpr int64_t kRowBlock = 6, kVectors = 4, kAhead = 8;  // 24 + 4 + 1 of 32 registers
 #elif defined(__AVX2__)
@@ -66,9 +65,9 @@ constexpr int64_t kChunk = 16;          // panel rows per chunk
 // Unit i of a product over `panels` panels: run i / panels of rows against panel i % panels.
 // Run by run, a run's rows of x (at most kRunRows x K floats: 590 KB at K = 1536) stay in the
 // core's L2 while the panels stream past, each read once per run and reread from L2 by the
-// run's row blocks. Panel by panel instead, every unit read its run of x back from L3 (a 2048-row
-// chunk's x is larger than L2), six strided rows at a time, and 2048-row products ran 1.15-1.4x
-// slower (docs/BENCHMARKS.md §2).
+// run's row blocks, where panel by panel every unit would read its run of x back from L3 (a
+// 2048-row chunk's x is larger than L2), six strided rows at a time (docs/BENCHMARKS.md §2,
+// "Packed projections").
 struct Unit {
   int64_t panel, m0, m1;  // rows [m0, m1) of the product against one panel
 };
@@ -146,14 +145,13 @@ inline void emit(const float* gate, const float* up, float* y, int64_t width) {
 //
 // A few row blocks (a decode step's 7 to 64 rows) take the panel in chunks of kChunk rows,
 // every block over one chunk before the next, their sums kept in a buffer: the panel streams
-// from memory once while the blocks compute on the chunk in L1. Block by block, the first
-// streamed it from memory and the others reread it from L2 with the memory idle, which left
-// 8-16 rows 1.1-1.3x slower (benchmarks in docs/BENCHMARKS.md §2). Each block of a chunk asks
-// for its share of the chunk two ahead, so the memory is busy while every block computes (the
-// first block asking for all of it, a row at a time, left 32-48 rows 1.2-1.3x slower). One block,
-// or a long run of rows (compute-bound), takes the whole panel per block, asking for each panel
-// row kAhead rows before its use. Chunks up to 64 rows rather than 48 made 49-64 rows 1.1-1.2x
-// faster; at 96 rows they were as often slower as faster, and a prefill's runs stay unchunked.
+// from memory once while the blocks compute on the chunk in L1 (block by block, all but the
+// first would reread it from L2 with the memory idle). Each block of a chunk asks for its share
+// of the chunk two ahead, so the memory is busy while every block computes, not only the first.
+// One block, or a long run of rows (compute-bound), takes the whole panel per block, asking for
+// each panel row kAhead rows before its use. Chunks go up to 64 rows: a bucket-64 decode step's
+// live rows gain from them, 96-row runs do not, and a prefill's runs stay unchunked
+// (docs/BENCHMARKS.md §2, "Packed projections").
 template <bool Glu>
 void unit(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t p,
           int64_t m0, int64_t m1) {

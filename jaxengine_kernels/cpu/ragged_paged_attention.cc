@@ -4,7 +4,7 @@
 //
 // Why native code: XLA's CPU backend runs this op's irregular, memory-bound shape badly. A
 // decode reads each cached key and value once for a few multiply-adds, from pages scattered
-// over the pool; in jnp that became page gathers, layout copies and thousands of tiny batched
+// over the pool; in jnp that becomes page gathers, layout copies and thousands of tiny batched
 // dots (docs/BENCHMARKS.md §4). Here every request reads its own pages in place.
 //
 // Layout (the reference's): q [T, N, H]; kv_cache [P, L, 2K, H] with key head k at head slot
@@ -67,7 +67,8 @@ using jaxengine_cpu::storev;
 // score product keeps 6 keys x 4 vectors of query rows of accumulators and P.V 4 rows x 4
 // vectors. With 16 (AVX2 and below) 4 keys x 3 vectors and 3 rows x 4 vectors fill them with
 // 12 sums, the loaded vectors and the broadcasts, and 3 rows are a decode's 3 query heads per
-// kv head in SmolLM2 (no spare row); faster than 2 x 4 and 2 rows (docs/BENCHMARKS.md §2).
+// kv head in SmolLM2 (no spare row); faster than 2 x 4 and 2 rows (docs/BENCHMARKS.md §2,
+// "AVX2 builds").
 #if defined(__AVX512F__)
 constexpr int64_t kWideKeys = 6;      // keys whose broadcasts share each query-vector load
 constexpr int64_t kWideVectors = 4;   // vectors of query rows per transposed score block
@@ -330,11 +331,9 @@ class PagedAttention {
   // taken token by token, every head's of one token row before the next row: a page's rows
   // are read front to back, as the hardware prefetcher follows them, and the rows of each
   // block of kLanes keys, kAhead keys on, are asked for as the block starts (`tokens` has
-  // `have` >= nk rows, the next tile's after). Against every head's pass over the whole tile
-  // with each row asked for kAhead = 8 keys ahead: 1.2-1.3x on 64 decodes at context 1500
-  // read from memory, 1.1-1.2x at 300 (benchmarks/cpu_kernel_units.cc, one core); spreading
-  // the next tile's requests evenly through the tile's work was slower, and so was asking
-  // for every other line (this machine's cores fetch no adjacent line).
+  // `have` >= nk rows, the next tile's after). Faster than every head's pass over the whole
+  // tile, than asking for the next tile's rows evenly through the tile's work, and than asking
+  // for every other line (docs/BENCHMARKS.md §4, "Why the kernel is as it is").
   void scores(Scratch& sc, int64_t rows_k, const T* const* tokens, int64_t nk,
               int64_t have) const {
     const int64_t H = g_.H;
@@ -404,9 +403,8 @@ class PagedAttention {
   // The dots of query row qi with the keys of min(n, kLanes) token rows, as one vector (lane
   // j: key j; zero past n). Each key's products stay a vector of partial sums; the kLanes
   // vectors are then summed lane-wise by a halving tree (transpose_sum), which costs about
-  // one shuffle-add per key where a horizontal sum per key cost a dozen scalar adds (beside
-  // the next-tile prefetch, those sums had become three quarters of a decode whose pages sit
-  // in L2; the tree made it 1.33x faster).
+  // one shuffle-add per key where a horizontal sum per key costs a dozen scalar adds, most of
+  // a decode whose pages sit in L2 (docs/BENCHMARKS.md §4, "Why the kernel is as it is").
   fvec group_dots(const float* qi, const T* const* tokens, int64_t n, int64_t slot) const {
     fvec part[kLanes];
     const int64_t H = g_.H, full = H / kLanes * kLanes;
@@ -481,8 +479,8 @@ class PagedAttention {
 
   // Columns [h0, h0 + kLanes C) of kPvRows rows: acc = alpha * acc + P.V over the tile's first
   // nj keys, with kPvRows * C accumulators in registers (independent FMA chains). Written
-  // with vector types: left to itself, GCC vectorised the loop over keys instead, with
-  // gathers through the row pointers (measured 2x slower).
+  // with vector types: left to itself, GCC vectorises the loop over keys instead, with
+  // gathers through the row pointers, at half the speed (docs/BENCHMARKS.md §4).
   template <int C>
   static void pv_columns(int64_t h0, int64_t nj, const float* const* vals,
                          const float* const* p, int64_t stride, const float* alpha,
@@ -574,7 +572,7 @@ class PagedAttention {
   }
 
   // The largest of s[0, visible): lane-wise over the tile's vectors, then across lanes. (A
-  // plain max loop stayed scalar: GCC does not vectorise a float max reduction by itself.)
+  // plain max loop stays scalar: GCC does not vectorise a float max reduction by itself.)
   static float max_visible(const float* s, int64_t visible) {
     fvec best = loadv(s);
     for (int64_t c = 1; c < kKeys / kLanes; ++c) best = vmax(best, loadv(s + c * kLanes));

@@ -52,9 +52,9 @@ def test_a_dropped_llm_leaves_no_engine_weights_or_programs_behind() -> None:
 def test_three_default_llms_in_one_process_keep_the_memory_of_one() -> None:
     """The embedded SmolLM2 built three times in one process: resident memory after the third
     (returned to the system with malloc_trim, so that what is measured is what is still
-    referenced) is within 60 MB of the first's: 307 -> 313 -> 316 MB here, where programs
-    jitted once for the process, with each model's functions as static arguments, held every
-    engine's executables: 397 -> 445 -> 526 MB."""
+    referenced) is within 60 MB of the first's. Programs jitted once for the process, with each
+    model's functions as static arguments, would hold every engine's executables and grow it by
+    50-80 MB an engine."""
     script = textwrap.dedent("""
         import ctypes, gc, os
         from jaxengine import LLM, SamplingParams

@@ -243,7 +243,7 @@ def _cache_copies(num_tokens: int) -> int:
 
 
 def test_one_token_step_updates_the_cache_in_place():
-    # XLA on CPU once turned the one-row scatter into fusions it duplicated, each with its own
-    # copy of the whole cache (7 copies at T=1 against 1 at T=2; a 1-token SmolLM2 step took
-    # 32 s instead of 0.1 s). The write must cost no more copies at one token than at two.
+    # XLA on CPU turns a one-row scatter into fusions it duplicates, each with its own copy of
+    # the whole cache (docs/BENCHMARKS.md §3), unless write_kv pads it. The write must cost no
+    # more copies at one token than at two.
     assert _cache_copies(1) <= _cache_copies(2)

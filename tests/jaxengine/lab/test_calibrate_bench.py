@@ -66,7 +66,7 @@ def test_simulated_duration_is_near_the_real_replay(cost: CostModel) -> None:
                  scale=0.06)
     # The faster of two replays, each on a fresh warm engine (a second pass on one engine would
     # hit its prefix cache): other processes' pauses only add time, and a one-off pause of the
-    # process (0.4 s seen in a first step within the full suite) would outweigh the whole run.
+    # process (a garbage collection within the full suite) would outweigh the whole run.
     real = min((bench(w, ARGS) for _ in range(2)), key=lambda r: summary(r)["duration"])
     sim = simulate(w, cost, simulation_args(cost))
     assert [r.id for r in real.requests] == [r.id for r in sim.requests]

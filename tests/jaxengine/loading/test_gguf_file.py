@@ -19,7 +19,7 @@ from jaxengine.loading.gguf_file import (
 )
 from jaxengine.model.config import ModelConfig, ModelLoadError
 
-# llama.cpp's names, as the loader's own table had them before it used gguf's map
+# llama.cpp's names, written out here independently of gguf's map, which the loader uses
 LLAMA_CPP_NAMES = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight", "lm_head.weight": "output.weight",
