@@ -6,22 +6,10 @@ No jax here: this package is plain Python.
 """
 
 from scheduler.config import SchedulerConfig
-from scheduler.invariants import check_invariants
-from scheduler.kv_connector import (
-    KVConnector,
-    KVConnectorMetadata,
-    KVConnectorOutput,
-    KVLoad,
-    KVSave,
-)
-from scheduler.metadata import RequestMetadata
-from scheduler.policies import POLICIES, Policy, SortedPolicy, register
-from scheduler.prefix_query import prefix_cache_hit
-from scheduler.request import Request, RequestStatus
-from scheduler.request_view import RequestView
-from scheduler.sampling_params import SamplingParams, SamplingParamsError
-from scheduler.schedule import schedule
-from scheduler.state import (
+from scheduler.core.invariants import check_invariants
+from scheduler.core.prefix_query import prefix_cache_hit
+from scheduler.core.schedule import schedule
+from scheduler.core.state import (
     PLACEHOLDER_TOKEN_ID,
     NewRequestData,
     RequestDelta,
@@ -31,13 +19,25 @@ from scheduler.state import (
     SchedulerStats,
     init_state,
 )
-from scheduler.update import (
+from scheduler.core.update import (
     abort_requests,
     add_request,
     check_stop,
     grammars_ready,
     update_from_output,
 )
+from scheduler.kv_connector import (
+    KVConnector,
+    KVConnectorMetadata,
+    KVConnectorOutput,
+    KVLoad,
+    KVSave,
+)
+from scheduler.metadata import RequestMetadata
+from scheduler.policies.policies import POLICIES, Policy, SortedPolicy, register
+from scheduler.policies.request_view import RequestView
+from scheduler.request import Request, RequestStatus
+from scheduler.sampling_params import SamplingParams, SamplingParamsError
 
 __all__ = [
     "PLACEHOLDER_TOKEN_ID", "POLICIES", "KVConnector", "KVConnectorMetadata", "KVConnectorOutput",

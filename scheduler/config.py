@@ -23,7 +23,7 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0  # most tokens one request gets per step (0 = off)
     max_num_partial_prefills: int = 1  # > 1 turns on concurrent partial prefill limits (§6)
     max_long_partial_prefills: int = 1  # of those, most "long" ones at once
-    policy: str = "fcfs"  # a name registered in scheduler.policies
+    policy: str = "fcfs"  # a name registered in scheduler.POLICIES
     block_size: int = 16  # tokens per KV block
     num_blocks: int  # KV blocks in the pool, including the reserved null block 0
     enable_prefix_caching: bool = True  # automatic prefix caching (§5)
@@ -52,7 +52,7 @@ class SchedulerConfig:
 def _validate(c: SchedulerConfig) -> None:
     # Imported here: policies import request types that import nothing from config, but keeping
     # the registry lookup lazy lets research code register a policy before building configs.
-    from scheduler.policies import POLICIES
+    from scheduler.policies.policies import POLICIES
 
     for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens",
                  "max_model_len"):

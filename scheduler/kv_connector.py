@@ -19,8 +19,8 @@ scheduler calls into. Here the scheduler stays pure, so the exchange is split by
 
 from dataclasses import dataclass
 
-from scheduler.hashing import BlockHash
-from scheduler.request_view import RequestView
+from scheduler.kv.hashing import BlockHash
+from scheduler.policies.request_view import RequestView
 
 
 class KVConnector:

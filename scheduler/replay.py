@@ -14,11 +14,11 @@ import sys
 from collections.abc import Iterator
 
 from scheduler.config import SchedulerConfig
+from scheduler.core.schedule import schedule
+from scheduler.core.state import init_state
+from scheduler.core.update import add_request, update_from_output
 from scheduler.kv_connector import KVConnector
 from scheduler.request import Request, SamplingParams
-from scheduler.schedule import schedule
-from scheduler.state import init_state
-from scheduler.update import add_request, update_from_output
 
 
 def replay(trace: dict, kv_connector: KVConnector | None = None) -> Iterator[dict]:

@@ -1,6 +1,6 @@
 """`HostKVStore`: KV pages in host memory, keyed by their prefix-cache block hash (LRU).
 
-A page's hash (scheduler/hashing.py) names its whole prefix, so a page stored under it is valid
+A page's hash (scheduler/kv/hashing.py) names its whole prefix, so a page stored under it is valid
 for any request whose block has that hash, as in the device's prefix cache (docs/SCHEDULING.md
 §5). The store holds at most `capacity_bytes // page_bytes` pages; a new page beyond that
 evicts the least recently used one (stored or loaded last = used last). vLLM's CPU offloading
@@ -19,7 +19,7 @@ from collections import OrderedDict
 import jax
 import numpy as np
 
-from scheduler.hashing import BlockHash
+from scheduler.kv.hashing import BlockHash
 
 
 class PendingPages:

@@ -35,7 +35,7 @@ from jaxengine.kv_offload.connector import OffloadingConnector
 from jaxengine.kv_offload.copies import BLOCKS_PER_COPY, BlockCopier
 from jaxengine.kv_offload.host_store import HostKVStore, PendingPage, PendingPages
 from scheduler import KVConnectorOutput, KVLoad, SchedulerOutput, SchedulerState
-from scheduler.hashing import BlockHash, extend_block_hashes
+from scheduler.kv.hashing import BlockHash, extend_block_hashes
 
 if TYPE_CHECKING:
     from jaxengine.engine.stats import IterationStats

@@ -26,7 +26,7 @@ from scheduler import (
     schedule,
     update_from_output,
 )
-from scheduler.hashing import extend_block_hashes
+from scheduler.kv.hashing import extend_block_hashes
 from scheduler.replay import replay
 
 from .util import req, state_with

@@ -18,7 +18,7 @@ from scheduler import (
     add_request,
     register,
 )
-from scheduler._work import Work
+from scheduler.core._work import Work
 
 from .util import req, run, state_with, step
 
@@ -51,7 +51,7 @@ def test_shortest_remaining_prompt_first_research_policy():
 
 
 def test_a_new_policy_plugs_in_without_touching_schedule():
-    source_before = inspect.getsource(importlib.import_module("scheduler.schedule"))
+    source_before = inspect.getsource(importlib.import_module("scheduler.core.schedule"))
 
     @register
     class LongestFirst(SortedPolicy):

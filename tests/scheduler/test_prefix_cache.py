@@ -110,7 +110,7 @@ def test_preempted_request_hits_its_own_blocks_on_readmission():
 
 
 def test_block_hashes_chain_and_salt_only_the_first_block():
-    from scheduler.hashing import ROOT_HASH, extend_block_hashes, hash_block
+    from scheduler.kv.hashing import ROOT_HASH, extend_block_hashes, hash_block
 
     tokens = list(range(40))
     hashes = extend_block_hashes([], tokens, 2, 16, "s")

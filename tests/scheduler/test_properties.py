@@ -17,7 +17,7 @@ from scheduler import (
     schedule,
     update_from_output,
 )
-from scheduler.kv_cache import cdiv
+from scheduler.kv.kv_cache import cdiv
 
 EOS = 3
 

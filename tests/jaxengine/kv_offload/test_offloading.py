@@ -19,7 +19,7 @@ from jaxengine.kv_offload import OffloadingConnector, OffloadingWorker
 from jaxengine.metrics import LoggingStatLogger, PrometheusStatLogger
 from jaxengine.model.fake import fake_greedy
 from scheduler import KVConnectorOutput, RequestStatus, SamplingParams, check_invariants
-from scheduler.hashing import extend_block_hashes
+from scheduler.kv.hashing import extend_block_hashes
 from tests.jaxengine.engine.test_llm_engine import GREEDY, V, make_engine
 from tests.jaxengine.engine.test_llm_engine import PROMPTS as ENGINE_PROMPTS
 

@@ -1,7 +1,7 @@
 """`RequestView`: what a policy sees of one request, read lazily from the scheduler's columns.
 
-A policy (`scheduler/policies.py`) is called inside a pure function, on its private `Work`
-(scheduler/_work.py). Building a full `Request` per call would copy its token history; a view
+A policy (`scheduler/policies/policies.py`) is called inside a pure function, on its private `Work`
+(scheduler/core/_work.py). Building a full `Request` per call would copy its token history; a view
 instead holds the request id and reads each field from the columns when the policy asks for it,
 so a policy pays only for what it reads. A view is valid only during the policy call it was
 passed to (it reads the working copy, which changes as the step goes on).
@@ -11,13 +11,13 @@ from collections.abc import Iterator, Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
-from scheduler.hashing import BlockHash
+from scheduler.kv.hashing import BlockHash
 from scheduler.metadata import RequestMetadata
 from scheduler.request import Request, RequestStatus
 from scheduler.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from scheduler._work import Work
+    from scheduler.core._work import Work
 
 
 class RequestView:

@@ -15,7 +15,7 @@ import itertools
 from collections.abc import Iterable, Mapping, Sequence
 
 from scheduler._versioned import Journal
-from scheduler.hashing import BlockHash, extend_block_hashes
+from scheduler.kv.hashing import BlockHash, extend_block_hashes
 
 
 def cdiv(a: int, b: int) -> int:

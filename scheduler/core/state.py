@@ -4,7 +4,7 @@ A state keeps per-request progress as small columns (read-only dicts keyed by re
 each pure function copies before changing, and everything large in one `StateData` (the KV pool
 and the token histories) reached through a `scheduler._versioned.Version`: versions share that
 data without copying it, and each sees exactly its own content (the module explains how). Only
-`scheduler/_work.py` changes it, and only through the version's journal. `state.requests`
+`scheduler/core/_work.py` changes it, and only through the version's journal. `state.requests`
 rebuilds public `Request` values from both on access.
 """
 
@@ -16,9 +16,9 @@ from typing import NamedTuple
 
 from scheduler._versioned import Version
 from scheduler.config import SchedulerConfig
-from scheduler.kv_cache import PoolData
+from scheduler.core.kv_transfer import NO_TRANSFERS, KVTransfers
+from scheduler.kv.kv_cache import PoolData
 from scheduler.kv_connector import KVConnectorMetadata
-from scheduler.kv_transfer import NO_TRANSFERS, KVTransfers
 from scheduler.request import Request, SamplingParams
 
 _EMPTY: Mapping = MappingProxyType({})
@@ -131,7 +131,7 @@ class SchedulerState:
 class StateData:
     """The large, mutable part of a lineage of states, shared through a `Version`.
 
-    Changed only through the journal of an open edit (`scheduler/_work.py`), so that every
+    Changed only through the journal of an open edit (`scheduler/core/_work.py`), so that every
     version sees exactly its own content."""
 
     __slots__ = ("kv", "tokens")

@@ -3,8 +3,8 @@
 A policy decides two things and nothing else: (a) where a request goes in `waiting`, (b) which
 running request to preempt when the KV pool is short. Everything else (budgets, blocks, caching)
 is the shared mechanism in `scheduler.schedule`, which never looks at the policy's name. A policy
-sees each request as a `RequestView` (scheduler/request_view.py): what was asked, its metadata
-and its progress now. To add a research policy, subclass `Policy` (or `SortedPolicy`) and
+sees each request as a `RequestView` (scheduler/policies/request_view.py): what was asked, its
+metadata and its progress now. To add a research policy, subclass `Policy` (or `SortedPolicy`) and
 `register` it:
 
     @register
@@ -21,7 +21,7 @@ import bisect
 from collections.abc import Callable, Sequence
 from typing import ClassVar
 
-from scheduler.request_view import RequestView, RequestViews
+from scheduler.policies.request_view import RequestView, RequestViews
 
 POLICIES: dict[str, "Policy"] = {}
 

@@ -2,9 +2,9 @@
 
 from collections import Counter
 
-from scheduler.kv_cache import PoolData, cdiv
+from scheduler.core.state import SchedulerOutput, SchedulerState, StateData
+from scheduler.kv.kv_cache import PoolData, cdiv
 from scheduler.request import RequestStatus
-from scheduler.state import SchedulerOutput, SchedulerState, StateData
 
 _UNLOADED = (RequestStatus.WAITING, RequestStatus.WAITING_FOR_FSM, RequestStatus.PREEMPTED)
 

@@ -19,7 +19,7 @@ from scheduler.kv_connector import KVConnector, KVConnectorOutput, KVSave
 from scheduler.request import RequestStatus
 
 if TYPE_CHECKING:
-    from scheduler._work import Work
+    from scheduler.core._work import Work
 
 RECV, SEND = "recv", "send"  # why a finished request's blocks are held
 

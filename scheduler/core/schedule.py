@@ -9,17 +9,17 @@ prefix-cache hits, resumed preemptions and speculative drafts.
 import dataclasses
 from types import MappingProxyType
 
-from scheduler import kv_transfer
-from scheduler._work import Work
-from scheduler.kv_connector import KVConnector, KVConnectorMetadata, KVLoad
-from scheduler.partial_prefill import PartialPrefills
-from scheduler.request import Request, RequestStatus
-from scheduler.state import (
+from scheduler.core import kv_transfer
+from scheduler.core._work import Work
+from scheduler.core.partial_prefill import PartialPrefills
+from scheduler.core.state import (
     PLACEHOLDER_TOKEN_ID,
     NewRequestData,
     SchedulerOutput,
     SchedulerState,
 )
+from scheduler.kv_connector import KVConnector, KVConnectorMetadata, KVLoad
+from scheduler.request import Request, RequestStatus
 
 
 class _Step:

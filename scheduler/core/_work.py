@@ -11,13 +11,13 @@ pool by `KVCacheManager`, the token histories by the helpers below.
 import dataclasses
 from types import MappingProxyType
 
-from scheduler import kv_transfer
-from scheduler.kv_cache import KVCacheManager
+from scheduler.core import kv_transfer
+from scheduler.core.state import PLACEHOLDER_TOKEN_ID, SchedulerCounters, SchedulerState, StateData
+from scheduler.kv.kv_cache import KVCacheManager
 from scheduler.kv_connector import KVConnector
-from scheduler.policies import get_policy
+from scheduler.policies.policies import get_policy
+from scheduler.policies.request_view import RequestViews
 from scheduler.request import Request, RequestStatus
-from scheduler.request_view import RequestViews
-from scheduler.state import PLACEHOLDER_TOKEN_ID, SchedulerCounters, SchedulerState, StateData
 
 
 class Work:

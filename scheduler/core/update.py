@@ -4,12 +4,12 @@
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 
-from scheduler import kv_transfer
-from scheduler._work import Work
+from scheduler.core import kv_transfer
+from scheduler.core._work import Work
+from scheduler.core.state import RequestDelta, SchedulerOutput, SchedulerState
 from scheduler.kv_connector import KVConnector, KVConnectorOutput
 from scheduler.request import Request, RequestStatus
 from scheduler.sampling_params import SamplingParams
-from scheduler.state import RequestDelta, SchedulerOutput, SchedulerState
 
 _FSM = RequestStatus.WAITING_FOR_FSM
 

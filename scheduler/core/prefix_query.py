@@ -2,7 +2,7 @@
 
 A data-parallel router asks each replica's state this before it picks one (a prefix cached on
 one replica cannot help a request sent to another). The answer is the one admission would give
-if the request were admitted now: the same hashes (`scheduler.hashing`, `cache_salt` on the
+if the request were admitted now: the same hashes (`scheduler.kv.hashing`, `cache_salt` on the
 first block), the same lookup (`kv_cache.longest_cached_prefix`) and the same cap
 (`kv_cache.num_hittable_blocks`: the last token is always computed). Nothing is written: not
 the state, not its shared data, not the memo of request hashes.
@@ -10,10 +10,10 @@ the state, not its shared data, not the memo of request hashes.
 
 from collections.abc import Iterator, Sequence
 
-from scheduler.hashing import BlockHash, extend_block_hashes
-from scheduler.kv_cache import longest_cached_prefix, num_hittable_blocks
+from scheduler.core.state import SchedulerState, StateData
+from scheduler.kv.hashing import BlockHash, extend_block_hashes
+from scheduler.kv.kv_cache import longest_cached_prefix, num_hittable_blocks
 from scheduler.request import Request
-from scheduler.state import SchedulerState, StateData
 
 
 def prefix_cache_hit(state: SchedulerState, request: Request) -> int:
