@@ -6,6 +6,8 @@ import dataclasses
 import warnings
 from dataclasses import dataclass
 
+from scheduler.policies.policies import POLICIES
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class SchedulerConfig:
@@ -50,10 +52,6 @@ class SchedulerConfig:
 
 
 def _validate(c: SchedulerConfig) -> None:
-    # Imported here: policies import request types that import nothing from config, but keeping
-    # the registry lookup lazy lets research code register a policy before building configs.
-    from scheduler.policies.policies import POLICIES
-
     for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens",
                  "max_model_len"):
         if getattr(c, name) < 1:
