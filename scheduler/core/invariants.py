@@ -18,32 +18,33 @@ def check_invariants(state: SchedulerState, output: SchedulerOutput | None = Non
     running, waiting = state.running, state.waiting
     assert len(running) <= cfg.max_num_seqs, f"{len(running)} running > max_num_seqs"
     assert len(set(running)) == len(running) and len(set(waiting)) == len(waiting), "duplicates"
-    assert set(running) | set(waiting) == set(state._static), "queues must hold every request"
+    assert set(running) | set(waiting) == set(state.requests), "queues must hold every request"
     assert not set(running) & set(waiting), "a request is both running and waiting"
     for rid in running:
-        assert state._static[rid].status == RequestStatus.RUNNING, f"{rid} running but not RUNNING"
+        assert state.status(rid) == RequestStatus.RUNNING, f"{rid} running but not RUNNING"
     for rid in waiting:
-        status = state._static[rid].status
+        status = state.status(rid)
         # Only KV loaded (or being loaded) by a connector is kept in `waiting`, in blocks held.
-        loaded = status == RequestStatus.WAITING_FOR_REMOTE_KVS or state._computed[rid] > 0
-        assert loaded == (rid in state._tables), f"waiting {rid}: computed tokens or blocks"
+        computed = state.num_computed_tokens[rid]
+        loaded = status == RequestStatus.WAITING_FOR_REMOTE_KVS or computed > 0
+        assert loaded == (rid in state.block_tables), f"waiting {rid}: computed tokens or blocks"
         assert loaded or status in _UNLOADED, rid
         assert not (loaded and status == RequestStatus.WAITING_FOR_FSM), f"{rid}: KV before FSM"
-    kvt = state._kv_transfers
+    kvt = state.kv_transfers
     for rid in kvt.recved:
-        assert state._static[rid].status == RequestStatus.WAITING_FOR_REMOTE_KVS, rid
-    assert not set(kvt.held) & set(state._static), "an unfinished request in held"
+        assert state.status(rid) == RequestStatus.WAITING_FOR_REMOTE_KVS, rid
+    assert not set(kvt.held) & set(state.requests), "an unfinished request in held"
     if output is not None:
         total = sum(output.num_scheduled_tokens.values())
         assert total == output.total_num_scheduled_tokens <= cfg.max_num_scheduled_tokens
-    state._data.read(lambda d: _check_data(state, d))
+    state.read_data(lambda d: _check_data(state, d))
 
 
 def _check_data(state: SchedulerState, data: StateData) -> None:
-    assert data.tokens.keys() == state._static.keys(), "token histories must follow the requests"
-    for rid, computed in state._computed.items():
-        spec = state._static[rid].spec_token_ids
-        owed, known = state._placeholders.get(rid, 0), len(data.tokens[rid])
+    assert set(data.tokens) == set(state.requests), "token histories must follow the requests"
+    for rid, computed in state.num_computed_tokens.items():
+        spec = state.spec_token_ids(rid)
+        owed, known = state.num_output_placeholders.get(rid, 0), len(data.tokens[rid])
         assert computed <= known + len(spec) + owed, f"{rid}: computed past its tokens"
         # Async scheduling: past its owed tokens only by the drafts a step in flight verifies
         assert not owed or computed < known + owed or spec, f"{rid}: computed past owed tokens"
@@ -54,17 +55,17 @@ def _check_pool(state: SchedulerState, d: PoolData) -> None:
     cfg = state.config
     bs = cfg.block_size
     holders: Counter[int] = Counter()
-    for rid, table in state._tables.items():
+    for rid, table in state.block_tables.items():
         assert rid in state.running or rid in state.waiting, f"finished {rid} holds blocks"
         assert 0 not in table, f"{rid} holds the null block"
-        assert len(table) >= cdiv(state._computed[rid], bs), f"{rid}: too few blocks"
+        assert len(table) >= cdiv(state.num_computed_tokens[rid], bs), f"{rid}: too few blocks"
         holders.update(table)
-    for rid, held in state._kv_transfers.held.items():
+    for rid, held in state.kv_transfers.held.items():
         assert held.pending and 0 not in held.block_ids, f"finished {rid} holds blocks"
         holders.update(held.block_ids)
     for rid in state.running:
-        assert rid in state._tables, f"running {rid} holds no block table"
-    assert set(state._num_cached) == set(state._tables), "num_cached must follow the tables"
+        assert rid in state.block_tables, f"running {rid} holds no block table"
+    assert set(state.num_cached_blocks) == set(state.block_tables), "num_cached must follow tables"
     assert d.ref[0] == 0, "the null block is referenced"
     for b in range(1, cfg.num_blocks):
         assert d.ref[b] == holders[b], f"block {b}: ref {d.ref[b]} != {holders[b]} holders"

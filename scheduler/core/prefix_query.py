@@ -38,7 +38,7 @@ def prefix_cache_hit(state: SchedulerState, request: Request) -> int:
     def lookup(data: StateData) -> int:
         return len(longest_cached_prefix(data.kv.cached, hashes))
 
-    return state._data.read(lookup) * cfg.block_size
+    return state.read_data(lookup) * cfg.block_size
 
 
 def _hashes(tokens: Sequence[int], count: int, block_size: int,

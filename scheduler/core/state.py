@@ -5,11 +5,13 @@ each pure function copies before changing, and everything large in one `StateDat
 and the token histories) reached through a `scheduler._versioned.Version`: versions share that
 data without copying it, and each sees exactly its own content (the module explains how). Only
 `scheduler/core/_work.py` changes it, and only through the version's journal. `state.requests`
-rebuilds public `Request` values from both on access.
+rebuilds public `Request` values from both on access; for readers that must not pay for that
+(`invariants.py`, `prefix_query.py`), the state hands out its columns as they are (read-only)
+and reads its shared data under the lineage's lock (`read_data`).
 """
 
 import dataclasses
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import NamedTuple
@@ -19,7 +21,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.core.kv_transfer import NO_TRANSFERS, KVTransfers
 from scheduler.kv.kv_cache import PoolData
 from scheduler.kv_connector import KVConnectorMetadata
-from scheduler.request import Request, SamplingParams
+from scheduler.request import Request, RequestStatus, SamplingParams
 
 _EMPTY: Mapping = MappingProxyType({})
 
@@ -105,6 +107,55 @@ class SchedulerState:
         """The KV block ids of a request (empty while it holds none)."""
         return self._tables.get(request_id, ())
 
+    # The columns, for checkers and tools that must not build whole `Request`s per step: each
+    # mapping is the state's own read-only one, keyed by request id, returned without a copy.
+
+    def status(self, request_id: str) -> RequestStatus:
+        """The status of an unfinished request, without building its `Request`."""
+        return self._static[request_id].status
+
+    def spec_token_ids(self, request_id: str) -> tuple[int, ...]:
+        """The draft tokens an unfinished request has yet to verify."""
+        return self._static[request_id].spec_token_ids
+
+    @property
+    def num_computed_tokens(self) -> Mapping[str, int]:
+        """Tokens whose KV is computed (or loaded by a KV connector), per unfinished request."""
+        return self._computed
+
+    @property
+    def block_tables(self) -> Mapping[str, tuple[int, ...]]:
+        """The block table of each request that holds blocks: every running one, and a waiting
+        one a KV connector loads (or has loaded) KV for (docs/SCHEDULING.md §11)."""
+        return self._tables
+
+    @property
+    def num_cached_blocks(self) -> Mapping[str, int]:
+        """Per request in `block_tables`: its leading blocks registered in the prefix cache."""
+        return self._num_cached
+
+    @property
+    def num_output_placeholders(self) -> Mapping[str, int]:
+        """Async scheduling: the tokens owed to a request by steps in flight (absent: none)."""
+        return self._placeholders
+
+    @property
+    def finished_served(self) -> Mapping[str | None, int]:
+        """Tokens served to finished requests, by `metadata["tenant"]` (None: no tenant)."""
+        return self._served
+
+    @property
+    def kv_transfers(self) -> KVTransfers:
+        """A KV connector's bookkeeping (docs/SCHEDULING.md §11): loads done but not yet
+        taken up, blocks finished requests still hold, saves the next plan reports."""
+        return self._kv_transfers
+
+    def read_data[T](self, read: Callable[["StateData"], T]) -> T:
+        """`read(data)` of this state's `StateData` (its KV pool and token histories), under
+        the lock of its lineage. `read` must only read, and keep nothing of `data`: the
+        lineage's other states share it, and editing one of them changes it."""
+        return self._data.read(read)
+
     @property
     def held_req_ids(self) -> frozenset[str]:
         """Finished requests whose blocks a KV connector still holds (a save, or a load it
@@ -163,6 +214,9 @@ class RequestsView(Mapping[str, Request]):
             num_computed_tokens=s._computed[rid],
             num_output_placeholders=s._placeholders.get(rid, 0),
         )
+
+    def __contains__(self, rid: object) -> bool:
+        return rid in self._s._static  # without building the Request
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._s._static)

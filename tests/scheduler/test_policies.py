@@ -238,7 +238,7 @@ def test_fair_serves_the_tenant_with_least_service_first_finished_requests_inclu
     s = state_with(CFG.replace(policy="fair"), *reqs)
     s, out, _ = step(s)  # tags: a1 0, b1 0, n 0 (no tenant), a2 8 (a1's prompt ahead of it)
     assert list(out.num_scheduled_tokens) == ["a1"] and s.waiting == ("b1", "n", "a2")
-    assert dict(s._served) == {"A": 9}  # a1 finished: 8 prompt + 1 output tokens
+    assert dict(s.finished_served) == {"A": 9}  # a1 finished: 8 prompt + 1 output tokens
     assert _admission_order(CFG.replace(policy="fair"), reqs) == ["a1", "b1", "n", "a2"]
 
 

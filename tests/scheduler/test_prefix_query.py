@@ -60,11 +60,11 @@ def test_nothing_is_cached_before_a_step_or_without_caching() -> None:
 def test_the_query_agrees_with_admission_and_changes_nothing() -> None:
     s = _cached_a()
     twin = _cached_a()
-    memo = s._data.read(lambda d: dict(d.kv.req_hashes))
+    memo = s.read_data(lambda d: dict(d.kv.req_hashes))
     b = req("B", PROMPT[:8] + (60, 61), 1, arrival=1.0)
     assert prefix_cache_hit(s, b) == 8
     assert s == twin and s.counters == twin.counters  # state, pool and cache as they were
-    assert s._data.read(lambda d: dict(d.kv.req_hashes)) == memo  # no hashes memoized
+    assert s.read_data(lambda d: dict(d.kv.req_hashes)) == memo  # no hashes memoized
     _, plan = schedule(add_request(s, b))
     assert plan.num_computed_tokens["B"] == 8
 
