@@ -1,23 +1,46 @@
 """`RequestView`: what a policy sees of one request, read lazily from the scheduler's columns.
 
-A policy (`scheduler/policies/policies.py`) is called inside a pure function, on its private `Work`
-(scheduler/core/_work.py). Building a full `Request` per call would copy its token history; a view
-instead holds the request id and reads each field from the columns when the policy asks for it,
-so a policy pays only for what it reads. A view is valid only during the policy call it was
-passed to (it reads the working copy, which changes as the step goes on).
+A policy (`scheduler/policies/policies.py`) is called inside a pure function, on its private
+working copy of the state (`Work`, scheduler/core/_work.py). Building a full `Request` per call
+would copy its token history; a view instead holds the request id and reads each field from the
+copy's columns (`Columns`: what a view reads of it) when the policy asks for it, so a policy
+pays only for what it reads. A view is valid only during the policy call it was passed to (it
+reads the working copy, which changes as the step goes on).
 """
 
 from collections.abc import Iterator, Mapping
 from types import MappingProxyType
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from scheduler.kv.hashing import BlockHash
+from scheduler.kv.kv_cache import KVCacheManager
 from scheduler.metadata import RequestMetadata
 from scheduler.request import Request, RequestStatus
 from scheduler.sampling_params import SamplingParams
 
-if TYPE_CHECKING:
-    from scheduler.core._work import Work
+
+class Columns(Protocol):
+    """What a view reads of the scheduler's working copy (`Work` is one)."""
+
+    @property
+    def static(self) -> Mapping[str, Request]:
+        """Each unfinished request as added, with its status, preemptions and drafts now."""
+
+    @property
+    def tokens(self) -> Mapping[str, list[int]]:
+        """Each request's prompt and output tokens."""
+
+    @property
+    def computed(self) -> Mapping[str, int]:
+        """Each request's computed tokens."""
+
+    @property
+    def served(self) -> Mapping[str | None, int]:
+        """Tokens served to finished requests, by tenant."""
+
+    @property
+    def kv(self) -> KVCacheManager:
+        """The KV pool, for prefix-cache hashes and hits."""
 
 
 class RequestView:
@@ -25,7 +48,7 @@ class RequestView:
 
     __slots__ = ("_req", "_rid", "_w")
 
-    def __init__(self, work: "Work", rid: str) -> None:
+    def __init__(self, work: Columns, rid: str) -> None:
         self._w = work
         self._rid = rid
         self._req: Request = work.static[rid]
@@ -99,7 +122,7 @@ class RequestView:
         connector that stores blocks by content looks up (docs §11)."""
         w, req = self._w, self._req
         tokens = w.tokens[self._rid]
-        count = len(tokens) // w.config.block_size
+        count = len(tokens) // w.kv.block_size
         return w.kv.block_hashes(self._rid, tokens, count, req.cache_salt)
 
     @property
@@ -120,7 +143,7 @@ class RequestView:
         w = self._w
         tokens = w.tokens[self._rid]
         hit = w.kv.find_cached_prefix(self._rid, tokens, len(tokens), req.cache_salt)
-        return len(hit) * w.config.block_size
+        return len(hit) * w.kv.block_size
 
     @property
     def num_tokens_to_compute(self) -> int:
@@ -154,7 +177,7 @@ class RequestViews(Mapping[str, RequestView]):
 
     __slots__ = ("_w",)
 
-    def __init__(self, work: "Work") -> None:
+    def __init__(self, work: Columns) -> None:
         self._w = work
 
     def __getitem__(self, rid: str) -> RequestView:
