@@ -23,7 +23,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import FrameType, UnionType
-from typing import TYPE_CHECKING, Any, Union, get_args, get_origin, get_type_hints
+from typing import TYPE_CHECKING, Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import scheduler
 from jaxengine.engine import args as engine_args_module
@@ -60,12 +60,17 @@ BENCH_SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "throughput.
 
 def _flag_type(name: str, hint: Any) -> Any:
     """The type field `name`'s flag parses: its resolved type `hint` without an optional None
-    (a flag that is not given keeps the field's None default), bool or a key of `_PARSERS`."""
+    (a flag that is not given keeps the field's None default): bool, a key of `_PARSERS`, or
+    a `Literal` of values of one such type (the flag's choices)."""
     if get_origin(hint) in (Union, UnionType):
         others = [a for a in get_args(hint) if a is not type(None)]
         hint = others[0] if len(others) == 1 else hint
     if hint is bool or hint in _PARSERS:
         return hint
+    if get_origin(hint) is Literal:
+        kinds = {type(v) for v in get_args(hint)}
+        if len(kinds) == 1 and kinds <= _PARSERS.keys():
+            return hint
     raise TypeError(f"field {name!r} of type {hint!r} has no CLI mapping; add one to _PARSERS")
 
 
@@ -90,7 +95,10 @@ def _add_flags(group: Any, cls: type, *, skip: Sequence[str] = ()) -> None:
         if kind is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
             continue
-        if f.name in CHOICES:
+        if get_origin(kind) is Literal:
+            kw["choices"] = get_args(kind)
+            kind = type(kw["choices"][0])
+        elif f.name in CHOICES:
             kw["choices"] = CHOICES[f.name]
         else:
             kw["metavar"] = f.name.upper()

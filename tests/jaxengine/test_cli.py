@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Literal
 
 import httpx
 import pytest
@@ -95,6 +96,21 @@ def test_optional_fields_parse_the_type_beside_their_none() -> None:
                 ["--attention-backend", "cuda"]):
         with pytest.raises(SystemExit):
             parser.parse_args(["serve", *bad])
+
+
+def test_a_literal_field_is_a_flag_with_its_values_as_choices() -> None:
+    @dataclasses.dataclass
+    class Picky:
+        mode: Literal["a", "b"] | None = dataclasses.field(default=None, metadata={"help": "m"})
+        level: Literal[1, 2] = dataclasses.field(default=1, metadata={"help": "l"})
+
+    parser = argparse.ArgumentParser()
+    _add_flags(parser, Picky)
+    assert vars(parser.parse_args(["--mode", "b", "--level", "2"])) == {"mode": "b", "level": 2}
+    assert vars(parser.parse_args([])) == {}
+    for bad in (["--mode", "c"], ["--level", "3"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(bad)
 
 
 def test_a_field_type_without_a_flag_mapping_is_an_error_naming_it() -> None:
