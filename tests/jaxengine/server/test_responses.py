@@ -1,14 +1,22 @@
-"""The response bodies' JSON on their own (`jaxengine.server.responses`): which fields are
-absent and which are null, as vLLM's server sends them and clients read them."""
+"""The response bodies' JSON (`jaxengine.server.responses`): which fields are absent and
+which are null, as vLLM's server sends them and clients read them; and what the server sends
+parses back as the type /openapi.json documents."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
+import httpx
+import pytest
+from pydantic import TypeAdapter
+
 from jaxengine.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from jaxengine.server.chat_protocol import ChatCompletionResponse, ChatCompletionStreamResponse
+from jaxengine.server.protocol import CompletionResponse, CompletionStreamResponse
 from jaxengine.server.responses import ChatFormatter, CompletionFormatter, sse, usage
 from jaxengine.server.structured import ToolChoice
+from tests.jaxengine.server.test_harness import MODEL_NAME, RunningServer
 
 
 def _out(text: str, *, finished: bool = False, logprobs: bool = False,
@@ -101,3 +109,28 @@ def test_completion_chunks_carry_usage_only_when_given() -> None:
                               usage_so_far=usage(2, [_out("a b")])))
     assert counted["usage"]["completion_tokens"] == 2
     assert counted["choices"][0]["text"] == " b"
+
+
+@pytest.mark.parametrize(("path", "body", "whole", "chunk"), [
+    ("/v1/completions", {"prompt": ["hello", "the cat"], "n": 2, "echo": True, "logprobs": 2,
+                         "prompt_logprobs": 1}, CompletionResponse, CompletionStreamResponse),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 2,
+                              "logprobs": True, "top_logprobs": 2},
+     ChatCompletionResponse, ChatCompletionStreamResponse),
+])
+def test_what_the_server_sends_parses_as_its_documented_type(
+        server: RunningServer, path: str, body: dict[str, Any], whole: type,
+        chunk: type) -> None:
+    body = {"model": MODEL_NAME, "max_tokens": 4, **body}
+    with httpx.Client(base_url=server.base_url, trust_env=False, timeout=60) as http:
+        r = http.post(path, json=body)
+        assert r.status_code == 200, r.text
+        parsed = TypeAdapter(whole).validate_json(r.content)
+        assert len(parsed.choices) == (4 if path == "/v1/completions" else 2)
+        stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        stream.pop("prompt_logprobs", None)  # not with stream (vLLM's rule)
+        with http.stream("POST", path, json=stream) as events:
+            lines = [line.removeprefix("data: ") for line in events.iter_lines()
+                     if line.startswith("data: {")]
+    chunks = [TypeAdapter(chunk).validate_json(line) for line in lines]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0
