@@ -22,8 +22,8 @@ import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from types import FrameType
-from typing import TYPE_CHECKING, Any
+from types import FrameType, UnionType
+from typing import TYPE_CHECKING, Any, Literal, Union, get_args, get_origin, get_type_hints
 
 import scheduler
 from jaxengine.engine import args as engine_args_module
@@ -36,6 +36,8 @@ if TYPE_CHECKING:  # annotations only: the commands import LLM when they run
 CHOICES = {"dtype": engine_args_module.DTYPES,
            "scheduling_policy": tuple(scheduler.POLICIES),
            "attention_backend": engine_args_module.ATTENTION_BACKENDS}
+
+
 def _json_dict(text: str) -> dict[str, Any]:
     """A flag's JSON object (`--speculative-config '{"method": "ngram", ...}'`)."""
     try:
@@ -47,19 +49,29 @@ def _json_dict(text: str) -> dict[str, Any]:
     return value
 
 
-_SCALARS = {"int": int, "float": float, "str": str, "dict[str, Any]": _json_dict}
+# The value types a flag parses, keyed by the field's resolved type (`typing.get_type_hints`)
+# with its `| None` taken off; bool fields get --flag/--no-flag instead.
+_PARSERS: dict[Any, Callable[[str], Any]] = {int: int, float: float, str: str,
+                                             dict[str, Any]: _json_dict}
 BENCH_SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "throughput.py"
 
 
 # ---- flags from EngineArgs and FrontendArgs -----------------------------------------------
 
-def _scalar_type(annotation: str) -> str:
-    """"int" | "float" | "str" | "bool" | "dict[str, Any]" of a field annotation like
-    "int | None" (an optional field is simply left out to keep None)."""
-    names = [p.strip() for p in str(annotation).split("|") if p.strip() != "None"]
-    if len(names) != 1 or names[0] not in (*_SCALARS, "bool"):
-        raise TypeError(f"field type {annotation!r} has no CLI mapping; add one")
-    return names[0]
+def _flag_type(name: str, hint: Any) -> Any:
+    """The type field `name`'s flag parses: its resolved type `hint` without an optional None
+    (a flag that is not given keeps the field's None default): bool, a key of `_PARSERS`, or
+    a `Literal` of values of one such type (the flag's choices)."""
+    if get_origin(hint) in (Union, UnionType):
+        others = [a for a in get_args(hint) if a is not type(None)]
+        hint = others[0] if len(others) == 1 else hint
+    if hint is bool or hint in _PARSERS:
+        return hint
+    if get_origin(hint) is Literal:
+        kinds = {type(v) for v in get_args(hint)}
+        if len(kinds) == 1 and kinds <= _PARSERS.keys():
+            return hint
+    raise TypeError(f"field {name!r} of type {hint!r} has no CLI mapping; add one to _PARSERS")
 
 
 def add_engine_flags(parser: argparse.ArgumentParser, *, skip: Sequence[str] = ()) -> None:
@@ -71,22 +83,26 @@ def add_engine_flags(parser: argparse.ArgumentParser, *, skip: Sequence[str] = (
 def _add_flags(group: Any, cls: type, *, skip: Sequence[str] = ()) -> None:
     """One flag per field of the dataclass `cls` (except `skip`), with the help text and the
     default the field declares."""
+    hints = get_type_hints(cls)
     for f in dataclasses.fields(cls):
         if f.name in skip:
             continue
-        kind = _scalar_type(f.type)  # type: ignore[arg-type]
+        kind = _flag_type(f.name, hints[f.name])
         default = f.default
         help_text = f"{f.metadata['help']} (default: {default})"
         flag = "--" + f.name.replace("_", "-")
         kw: dict[str, Any] = dict(dest=f.name, default=argparse.SUPPRESS, help=help_text)
-        if kind == "bool":
+        if kind is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
             continue
-        if f.name in CHOICES:
+        if get_origin(kind) is Literal:
+            kw["choices"] = get_args(kind)
+            kind = type(kw["choices"][0])
+        elif f.name in CHOICES:
             kw["choices"] = CHOICES[f.name]
         else:
             kw["metavar"] = f.name.upper()
-        group.add_argument(flag, type=_SCALARS[kind], **kw)
+        group.add_argument(flag, type=_PARSERS[kind], **kw)
 
 
 def engine_args_from(ns: argparse.Namespace, parser: argparse.ArgumentParser,

@@ -32,14 +32,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from jaxengine.engine.client import EngineClient
 from jaxengine.server.args import FrontendArgs
 from jaxengine.server.async_engine import AsyncEngine
-from jaxengine.server.chat_protocol import ChatCompletionRequest
+from jaxengine.server.chat_protocol import ChatCompletionRequest, ChatCompletionResponse
 from jaxengine.server.errors import install_error_handlers
 from jaxengine.server.middleware import (
     APIKeyMiddleware,
     BodyLimitMiddleware,
     RequestIdHeaderMiddleware,
 )
-from jaxengine.server.protocol import CompletionRequest
+from jaxengine.server.protocol import CompletionRequest, CompletionResponse
 from jaxengine.server.serving import OpenAIServing
 from jaxengine.server.tokenization import DetokenizeRequest, parse_tokenize
 from jaxengine.server.warmup import warm_up as warm_up_engine
@@ -141,12 +141,14 @@ def build_app(engine: EngineClient, *, model_name: str,
         """vLLM's /detokenize: token ids to text."""
         return JSONResponse(await serving.detokenize(body))
 
-    @app.post("/v1/completions")
+    # response_model documents the body in /openapi.json; the route returns it already
+    # serialized (a JSON Response, or server-sent events of the *StreamResponse chunks).
+    @app.post("/v1/completions", response_model=CompletionResponse)
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         """OpenAI completions (SSE when `stream`)."""
         return await serving.completions(body, raw)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse)
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         """OpenAI chat completions (SSE when `stream`)."""
         return await serving.chat(body, raw)

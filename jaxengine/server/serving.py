@@ -17,6 +17,7 @@ at the next step. A non-streamed request polls for a disconnect while it waits.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -25,7 +26,7 @@ from typing import Any, TypeVar
 import anyio
 import anyio.to_thread
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from jaxengine.engine.outputs import RequestOutput
 from jaxengine.loading.generation_config import diff_sampling_params
@@ -45,8 +46,18 @@ from jaxengine.server.protocol import (
     CompletionRequest,
     RequestError,
     resolve_max_tokens,
+    to_json,
 )
-from jaxengine.server.responses import Formatter, Kind, request_ids, sse, usage, usage_of_choice
+from jaxengine.server.responses import (
+    ChatFormatter,
+    CompletionFormatter,
+    Formatter,
+    engine_request_ids,
+    response_id,
+    sse,
+    usage,
+    usage_of_choice,
+)
 from jaxengine.server.structured import ToolChoice, structured_outputs_of
 from jaxengine.server.tokenization import (
     DetokenizeRequest,
@@ -125,7 +136,13 @@ class OpenAIServing:
         self.limits.check_prompts(prompts, truncated=body.truncate_prompt_tokens is not None)
         choices = await self._prepare(self._completion_choices, body)
         await self._compile(choices.structured_outputs, body)
-        return await self._generate("completion", body, choices, raw,
+        fmt = CompletionFormatter(
+            model=self.model_name, tokenizer=self.tokenizer, echo=choices.echo,
+            request_id=response_id(CompletionFormatter.ID_PREFIX, _base_id(body, raw)),
+            tokens_as_ids=body.return_tokens_as_token_ids,
+            prompt_logprobs=body.prompt_logprobs is not None,
+            echo_logprobs=body.logprobs if body.echo else None, echo_only=body.echo_only)
+        return await self._generate(body, choices, raw, fmt,
                                     with_logprobs=body.logprobs is not None)
 
     def _completion_choices(self, body: CompletionRequest) -> _Choices:
@@ -161,7 +178,13 @@ class OpenAIServing:
         self.limits.check_text(body.num_chars(), "messages")
         choices = await self._prepare(self._chat_choices, body)
         await self._compile(choices.structured_outputs, body)
-        return await self._generate("chat", body, choices, raw, with_logprobs=body.logprobs)
+        fmt = ChatFormatter(
+            model=self.model_name, tokenizer=self.tokenizer, echo=choices.echo,
+            request_id=response_id(ChatFormatter.ID_PREFIX, _base_id(body, raw)),
+            tokens_as_ids=body.return_tokens_as_token_ids,
+            prompt_logprobs=body.prompt_logprobs is not None,
+            tool_choice=choices.tool_choice, top_logprobs=body.top_logprobs or 0)
+        return await self._generate(body, choices, raw, fmt, with_logprobs=body.logprobs)
 
     def _chat_choices(self, body: ChatCompletionRequest) -> _Choices:
         """Render and tokenize the conversation, and fan it out into n choices (in a worker
@@ -208,13 +231,12 @@ class OpenAIServing:
     def _default_max_tokens(self) -> int | None:
         return self.default_sampling_params.get("max_tokens")
 
-    async def _generate(self, kind: Kind, body: Any, choices: _Choices, raw: Request, *,
+    async def _generate(self, body: Any, choices: _Choices, raw: Request, fmt: Formatter, *,
                         with_logprobs: bool) -> Response:
-        """Submit one engine request per choice and respond (SSE when `body.stream`)."""
-        # vLLM's `_base_request_id`: the X-Request-Id header, else the body's request_id
-        base = raw.headers.get("x-request-id") or body.request_id
+        """Submit one engine request per choice and respond with `fmt`'s bodies (SSE when
+        `body.stream`)."""
         children = choices.children
-        request_id, ids = request_ids(kind, base, len(children))
+        ids = engine_request_ids(fmt.request_id, len(children))
         try:
             group = await self.engine.add_all(
                 [(rid, prompt, params) for rid, (prompt, params) in zip(ids, children,
@@ -224,14 +246,6 @@ class OpenAIServing:
             raise body.request_error(e) from None
         except EngineDeadError as e:
             return error_response(str(e), code=e.code)
-        completion = kind == "completion"
-        fmt = Formatter(kind, self.model_name, self.tokenizer, request_id, echo=choices.echo,
-                        tokens_as_ids=body.return_tokens_as_token_ids,
-                        tool_choice=choices.tool_choice,
-                        echo_logprobs=body.logprobs if completion and body.echo else None,
-                        echo_only=completion and body.echo_only,
-                        top_logprobs=0 if completion else body.top_logprobs or 0,
-                        prompt_logprobs=body.prompt_logprobs is not None)
         if body.stream:
             events = _events(group, fmt, with_logprobs=with_logprobs,
                              prompt_tokens=choices.prompt_tokens,
@@ -246,13 +260,19 @@ class OpenAIServing:
             group.abort()  # no-op once finished; frees the blocks if anything went wrong
         if outs is None:  # the client left; nobody reads this
             return Response(status_code=499)
-        return JSONResponse(fmt.response(outs, with_logprobs=with_logprobs,
-                                         prompt_tokens=choices.prompt_tokens))
+        body_out = fmt.response(outs, with_logprobs=with_logprobs,
+                                prompt_tokens=choices.prompt_tokens)
+        return Response(to_json(body_out), media_type="application/json")
+
+
+def _base_id(body: CompletionRequest | ChatCompletionRequest, raw: Request) -> str | None:
+    """vLLM's `_base_request_id`: the X-Request-Id header, else the body's request_id."""
+    return raw.headers.get("x-request-id") or body.request_id
 
 
 async def _events(group: RequestGroup, fmt: Formatter, *, with_logprobs: bool,
                   prompt_tokens: int, include_usage: bool, continuous_usage: bool
-                  ) -> AsyncIterator[str]:
+                  ) -> AsyncIterator[bytes]:
     """The SSE body of a streamed request; aborts its requests if it is not read to the end."""
     last: dict[int, RequestOutput] = {}
     try:
@@ -272,7 +292,7 @@ async def _events(group: RequestGroup, fmt: Formatter, *, with_logprobs: bool,
             yield sse(fmt.usage_chunk(prompt_tokens, [last[i] for i in sorted(last)]))
         yield sse("[DONE]")
     except EngineDeadError as e:
-        yield sse(error_body(str(e), code=e.code))
+        yield sse(json.dumps(error_body(str(e), code=e.code)))
         yield sse("[DONE]")
     finally:
         # Reached early when the client disconnected (Starlette cancels this generator) or

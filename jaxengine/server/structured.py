@@ -20,6 +20,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from jaxengine.server.chat_protocol import (
+    DeltaFunctionCall,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
+)
 from jaxengine.server.protocol import RequestError
 from jaxengine.structured.params import StructuredOutputsError, StructuredOutputsParams
 
@@ -39,7 +45,7 @@ class ToolChoice:
 
     name: str | None  # the named tool; None: "required" (any of the tools, one or more)
 
-    def tool_calls(self, text: str) -> list[dict[str, Any]] | None:
+    def tool_calls(self, text: str) -> list[ToolCall] | None:
         """OpenAI's `message.tool_calls` for the generated `text` (vLLM's rule: a named tool's
         arguments are the text itself; "required" parses the JSON array). None when the text
         is not a complete array of calls (e.g. cut by max_tokens)."""
@@ -61,11 +67,21 @@ def tool_call_id() -> str:
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
-def tool_call(name: str, arguments: str) -> dict[str, Any]:
-    """One OpenAI tool call with a fresh id (`message.tool_calls`' entries; a stream's first
-    delta of a call is this with its `index`)."""
-    return {"id": tool_call_id(), "type": "function",
-            "function": {"name": name, "arguments": arguments}}
+def tool_call(name: str, arguments: str) -> ToolCall:
+    """One OpenAI tool call with a fresh id (an entry of `message.tool_calls`)."""
+    return ToolCall(id=tool_call_id(), function=FunctionCall(name=name, arguments=arguments))
+
+
+def opening_delta(index: int, name: str, arguments: str) -> DeltaToolCall:
+    """A stream's first delta of call `index`: a fresh id, the name and the arguments so far
+    (vLLM's stream)."""
+    return DeltaToolCall(index=index, id=tool_call_id(), type="function",
+                         function=DeltaFunctionCall(name=name, arguments=arguments))
+
+
+def arguments_delta(index: int, arguments: str) -> DeltaToolCall:
+    """A later delta of call `index`: its arguments' new text."""
+    return DeltaToolCall(index=index, function=DeltaFunctionCall(arguments=arguments))
 
 
 def structured_outputs_of(body: Any, tool_choice: Any = None,

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
 
 from partial_json_parser import Allow, loads
 
-from jaxengine.server.structured import tool_call
+from jaxengine.server.chat_protocol import DeltaToolCall
+from jaxengine.server.structured import arguments_delta, opening_delta
 
 _WHITESPACE = " \t\n\r"
 _DECODER = json.JSONDecoder()
@@ -130,7 +130,7 @@ class ToolCallStream:
     _resume: int = 0  # where in the text the calls not final yet start (0: before the "[")
     _num_final: int = 0  # calls before `_resume`
 
-    def deltas(self, text: str) -> list[dict[str, Any]]:
+    def deltas(self, text: str) -> list[DeltaToolCall]:
         """The `delta.tool_calls` entries for the whole output `text` so far (none new: [])."""
         if not self._resume:
             i = _skip(text, 0)
@@ -144,9 +144,9 @@ class ToolCallStream:
             if index < len(self.sent):
                 new = call.arguments[self.sent[index]:]
                 if new:
-                    out.append({"index": index, "function": {"arguments": new}})
+                    out.append(arguments_delta(index, new))
             elif call.name is not None and index == len(self.sent):
-                out.append({"index": index, **tool_call(call.name, call.arguments)})
+                out.append(opening_delta(index, call.name, call.arguments))
                 self.sent.append(0)
             else:
                 break

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import io
 import json
@@ -11,12 +12,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Literal
 
 import httpx
 import pytest
 
-from jaxengine.cli import _args_from, build_parser, engine_args_from, main
-from jaxengine.engine.args import EngineArgs
+import scheduler
+from jaxengine.cli import _add_flags, _args_from, build_parser, engine_args_from, main
+from jaxengine.engine.args import ATTENTION_BACKENDS, DTYPES, EngineArgs
 from jaxengine.server.args import FrontendArgs
 from tests.server_processes import free_port, stop, wait_healthy
 
@@ -48,6 +51,75 @@ def test_every_engine_arg_has_a_flag_with_vllms_name() -> None:
         assert helps[flag].startswith(f.metadata["help"]) and len(f.metadata["help"]) > 10
     for bool_flag in ("--no-enable-prefix-caching", "--no-enable-chunked-prefill"):
         assert bool_flag in flags
+
+
+def _serve_actions() -> dict[str, argparse.Action]:
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    return {a.dest: a for a in serve._actions}
+
+
+def test_each_field_flag_keeps_its_name_default_help_and_value_type() -> None:
+    """Every EngineArgs and FrontendArgs field: its flag, no parser default (the dataclass
+    keeps its own), the field's help with its default, and a value type that gives back the
+    field's default from its text."""
+    actions = _serve_actions()
+    for cls in (EngineArgs, FrontendArgs):
+        for f in dataclasses.fields(cls):
+            action = actions[f.name]
+            assert action.option_strings[0] == "--" + f.name.replace("_", "-")
+            assert action.default is argparse.SUPPRESS
+            assert action.help == f"{f.metadata['help']} (default: {f.default})"
+            if isinstance(f.default, bool):
+                assert isinstance(action, argparse.BooleanOptionalAction), f.name
+            elif f.default is not None:
+                assert action.type is not None and action.type(str(f.default)) == f.default
+    assert actions["dtype"].choices == DTYPES
+    assert actions["attention_backend"].choices == ATTENTION_BACKENDS
+    assert list(actions["scheduling_policy"].choices or ()) == list(scheduler.POLICIES)
+    assert actions["max_model_len"].metavar == "MAX_MODEL_LEN"
+
+
+SPEC = '{"method": "ngram", "num_speculative_tokens": 3}'
+
+
+def test_optional_fields_parse_the_type_beside_their_none() -> None:
+    parser = build_parser()
+    ns = parser.parse_args(["serve", "--max-model-len", "64", "--kv-offloading-size", "0.5",
+                            "--speculative-config", SPEC, "--no-precompile",
+                            "--attention-backend", "cpu", "--api-key", "k"])
+    args = engine_args_from(ns, parser)
+    assert (args.max_model_len, args.kv_offloading_size) == (64, 0.5)
+    assert (args.precompile, args.attention_backend) == (False, "cpu")
+    assert _args_from(FrontendArgs, ns, parser).api_key == "k"
+    assert ns.speculative_config == json.loads(SPEC)
+    for bad in (["--max-model-len", "1.5"], ["--speculative-config", "[1]"],
+                ["--attention-backend", "cuda"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["serve", *bad])
+
+
+def test_a_literal_field_is_a_flag_with_its_values_as_choices() -> None:
+    @dataclasses.dataclass
+    class Picky:
+        mode: Literal["a", "b"] | None = dataclasses.field(default=None, metadata={"help": "m"})
+        level: Literal[1, 2] = dataclasses.field(default=1, metadata={"help": "l"})
+
+    parser = argparse.ArgumentParser()
+    _add_flags(parser, Picky)
+    assert vars(parser.parse_args(["--mode", "b", "--level", "2"])) == {"mode": "b", "level": 2}
+    assert vars(parser.parse_args([])) == {}
+    for bad in (["--mode", "c"], ["--level", "3"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(bad)
+
+
+def test_a_field_type_without_a_flag_mapping_is_an_error_naming_it() -> None:
+    @dataclasses.dataclass
+    class Odd:
+        sizes: list[int] = dataclasses.field(default_factory=list, metadata={"help": "?"})
+
+    with pytest.raises(TypeError, match="'sizes'"):
+        _add_flags(argparse.ArgumentParser(), Odd)
 
 
 def test_flags_given_reach_engine_args_and_the_rest_keep_defaults() -> None:

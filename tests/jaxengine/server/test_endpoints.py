@@ -93,3 +93,16 @@ def test_the_openapi_document_builds_without_a_warning(http: httpx.Client) -> No
     doc = http.get("/openapi.json")
     assert doc.status_code == 200
     assert {"get", "post"} <= set(doc.json()["paths"]["/ping"])
+
+
+def test_the_openapi_document_describes_the_generation_responses(http: httpx.Client) -> None:
+    doc = http.get("/openapi.json").json()
+    schemas = doc["components"]["schemas"]
+    for path, name in (("/v1/completions", "CompletionResponse"),
+                       ("/v1/chat/completions", "ChatCompletionResponse")):
+        ok = doc["paths"][path]["post"]["responses"]["200"]["content"]["application/json"]
+        assert ok["schema"]["$ref"] == f"#/components/schemas/{name}"
+        assert {"id", "object", "created", "model", "choices", "usage"} <= set(
+            schemas[name]["properties"])
+    message = schemas["ChatMessage"]["properties"]
+    assert set(message) == {"role", "content", "tool_calls"}

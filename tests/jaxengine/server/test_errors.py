@@ -200,5 +200,5 @@ def test_errors_name_no_class_of_the_server(server: RunningServer, endpoint: str
     r = _post(server, endpoint, body)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
     message = r.json()["error"]["message"]
-    assert not any(name in message for name in ("StreamOptions", "ChatMessage", "TextPart",
-                                                "instance of", "Value error"))
+    assert not any(name in message for name in ("StreamOptions", "ChatCompletionMessageParam",
+                                                "TextPart", "instance of", "Value error"))

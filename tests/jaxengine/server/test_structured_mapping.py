@@ -66,13 +66,14 @@ def test_required_uses_vllms_array_schema_with_the_defs_lifted() -> None:
 
 def test_text_back_to_tool_calls() -> None:
     (call,) = ToolChoice("weather").tool_calls('{"unit": "c"}')
-    assert call["type"] == "function" and call["id"].startswith("chatcmpl-tool-")
-    assert call["function"] == {"name": "weather", "arguments": '{"unit": "c"}'}
+    assert call.type == "function" and call.id.startswith("chatcmpl-tool-")
+    assert (call.function.name, call.function.arguments) == ("weather", '{"unit": "c"}')
     calls = ToolChoice(None).tool_calls('[{"name": "ping", "parameters": {}}, '
                                         '{"name": "weather", "parameters": {"unit": "f"}}]')
-    assert [c["function"]["name"] for c in calls] == ["ping", "weather"]
-    assert json.loads(calls[1]["function"]["arguments"]) == {"unit": "f"}
-    assert len({c["id"] for c in calls}) == 2
+    assert calls is not None
+    assert [c.function.name for c in calls] == ["ping", "weather"]
+    assert json.loads(calls[1].function.arguments) == {"unit": "f"}
+    assert len({c.id for c in calls}) == 2
     assert ToolChoice(None).tool_calls('[{"name": "ping", "param') is None  # cut short
 
 

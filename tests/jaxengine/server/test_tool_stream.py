@@ -9,6 +9,8 @@ import json
 
 import pytest
 
+from jaxengine.server.chat_protocol import DeltaToolCall
+from jaxengine.server.protocol import to_json
 from jaxengine.server.tool_stream import ToolCallStream, calls_so_far
 
 TEXTS = [
@@ -20,10 +22,15 @@ TEXTS = [
 ]
 
 
+def _wire(delta: DeltaToolCall) -> dict:
+    """The delta as the client gets it."""
+    return json.loads(to_json(delta))
+
+
 def _accumulate(text: str) -> list[dict]:
     stream, calls = ToolCallStream(), []
     for end in range(len(text) + 1):
-        for d in stream.deltas(text[:end]):
+        for d in map(_wire, stream.deltas(text[:end])):
             if "id" in d:
                 assert d["index"] == len(calls) and d["type"] == "function"
                 assert d["function"]["name"] is not None
@@ -48,10 +55,10 @@ def test_a_call_opens_only_once_its_name_is_complete() -> None:
     assert partial.name is None and partial.arguments == ""
     stream = ToolCallStream()
     assert stream.deltas('[{"name": "wea') == [] and not stream.opened
-    (opened,) = stream.deltas('[{"name": "weather", "parameters": {"ci')
+    (opened,) = map(_wire, stream.deltas('[{"name": "weather", "parameters": {"ci'))
     assert opened["function"] == {"name": "weather", "arguments": '{"ci'}
     assert stream.deltas('[{"name": "weather", "parameters": {"ci') == []
-    (more,) = stream.deltas('[{"name": "weather", "parameters": {"city": 1}} ')
+    (more,) = map(_wire, stream.deltas('[{"name": "weather", "parameters": {"city": 1}} '))
     assert more == {"index": 0, "function": {"arguments": 'ty": 1}'}}
 
 
@@ -74,7 +81,7 @@ def test_calls_already_sent_whole_are_not_scanned_again(monkeypatch: pytest.Monk
     text = "[" + ", ".join(f'{{"name": "f{i}", "parameters": {{"i": {i}}}}}' for i in range(40))
     text += "]"
     stream, steps = ToolCallStream(), range(0, len(text) + 1, 7)
-    opened = sum("id" in d for end in steps for d in stream.deltas(text[:end]))
+    opened = sum("id" in _wire(d) for end in steps for d in stream.deltas(text[:end]))
     assert opened == 40
     # at most the call that just closed and the one after it, per text: not all 40 each time
     assert len(scanned) <= 2 * len(steps)
