@@ -202,7 +202,7 @@ def calibrate(args: EngineArgs, *, scenes: Sequence[Scene] | None = None,
     per_block = engine.runner.model.kv_bytes_per_block(cfg.block_size)
     device = jax.devices()[0]
     # The backend as resolved, not None: what None picks depends on the platform and on
-    # whether the native CPU kernel builds (`pallas_kernels.default_impl`).
+    # whether the native CPU kernel builds (`jaxengine_kernels.default_impl`).
     resolved = {"attention_backend": args.attention_backend or default_impl()}
     return dataclasses.replace(
         model, engine_args=dataclasses.asdict(args) | resolved, backend=jax.default_backend(),
