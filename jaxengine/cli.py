@@ -2,11 +2,8 @@
 the lab's calibrate | simulate | tune | workload (docs/LAB.md; their parsers and runners are
 in `jaxengine/lab/commands.py`).
 
-Engine flags are generated from the `EngineArgs` dataclass (vLLM's names with dashes:
-`--max-num-seqs`, `--enable-prefix-caching/--no-enable-prefix-caching`, ...), with the help
-text each field declares, so the CLI never drifts from the engine; `serve`'s HTTP flags
-(`--api-key`, ...) likewise from `FrontendArgs`. A flag that is
-not given is not passed: the dataclass keeps its own defaults.
+Engine flags are generated from the `EngineArgs` dataclass, `serve`'s HTTP flags (`--api-key`,
+...) from `FrontendArgs` (`jaxengine/flags.py`), so the CLI never drifts from the engine.
 """
 
 from __future__ import annotations
@@ -22,107 +19,19 @@ import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from types import FrameType, UnionType
-from typing import TYPE_CHECKING, Any, Literal, Union, get_args, get_origin, get_type_hints
+from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 import scheduler
-from jaxengine.engine import args as engine_args_module
 from jaxengine.engine.args import EngineArgs
+from jaxengine.flags import add_engine_flags, add_flags, args_from, engine_args_from
+from jaxengine.lab import commands as lab_commands
 from jaxengine.server.args import FrontendArgs
 
 if TYPE_CHECKING:  # annotations only: the commands import LLM when they run
     from jaxengine.llm import LLM
 
-CHOICES = {"dtype": engine_args_module.DTYPES,
-           "scheduling_policy": tuple(scheduler.POLICIES),
-           "attention_backend": engine_args_module.ATTENTION_BACKENDS}
-
-
-def _json_dict(text: str) -> dict[str, Any]:
-    """A flag's JSON object (`--speculative-config '{"method": "ngram", ...}'`)."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"must be a JSON object {{...}}, got {text!r}")
-    return value
-
-
-# The value types a flag parses, keyed by the field's resolved type (`typing.get_type_hints`)
-# with its `| None` taken off; bool fields get --flag/--no-flag instead.
-_PARSERS: dict[Any, Callable[[str], Any]] = {int: int, float: float, str: str,
-                                             dict[str, Any]: _json_dict}
 BENCH_SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "throughput.py"
-
-
-# ---- flags from EngineArgs and FrontendArgs -----------------------------------------------
-
-def _flag_type(name: str, hint: Any) -> Any:
-    """The type field `name`'s flag parses: its resolved type `hint` without an optional None
-    (a flag that is not given keeps the field's None default): bool, a key of `_PARSERS`, or
-    a `Literal` of values of one such type (the flag's choices)."""
-    if get_origin(hint) in (Union, UnionType):
-        others = [a for a in get_args(hint) if a is not type(None)]
-        hint = others[0] if len(others) == 1 else hint
-    if hint is bool or hint in _PARSERS:
-        return hint
-    if get_origin(hint) is Literal:
-        kinds = {type(v) for v in get_args(hint)}
-        if len(kinds) == 1 and kinds <= _PARSERS.keys():
-            return hint
-    raise TypeError(f"field {name!r} of type {hint!r} has no CLI mapping; add one to _PARSERS")
-
-
-def add_engine_flags(parser: argparse.ArgumentParser, *, skip: Sequence[str] = ()) -> None:
-    """Add one flag per `EngineArgs` field (except `skip`) in an "engine arguments" group."""
-    _add_flags(parser.add_argument_group("engine arguments (EngineArgs; vLLM's names)"),
-               EngineArgs, skip=skip)
-
-
-def _add_flags(group: Any, cls: type, *, skip: Sequence[str] = ()) -> None:
-    """One flag per field of the dataclass `cls` (except `skip`), with the help text and the
-    default the field declares."""
-    hints = get_type_hints(cls)
-    for f in dataclasses.fields(cls):
-        if f.name in skip:
-            continue
-        kind = _flag_type(f.name, hints[f.name])
-        default = f.default
-        help_text = f"{f.metadata['help']} (default: {default})"
-        flag = "--" + f.name.replace("_", "-")
-        kw: dict[str, Any] = dict(dest=f.name, default=argparse.SUPPRESS, help=help_text)
-        if kind is bool:
-            group.add_argument(flag, action=argparse.BooleanOptionalAction, **kw)
-            continue
-        if get_origin(kind) is Literal:
-            kw["choices"] = get_args(kind)
-            kind = type(kw["choices"][0])
-        elif f.name in CHOICES:
-            kw["choices"] = CHOICES[f.name]
-        else:
-            kw["metavar"] = f.name.upper()
-        group.add_argument(flag, type=_PARSERS[kind], **kw)
-
-
-def engine_args_from(ns: argparse.Namespace, parser: argparse.ArgumentParser,
-                     **overrides: Any) -> EngineArgs:
-    """`EngineArgs` from the flags that were given; a bad value exits with the engine's message."""
-    return _args_from(EngineArgs, ns, parser, **overrides)
-
-
-def _args_from[T](cls: type[T], ns: argparse.Namespace, parser: argparse.ArgumentParser,
-                  **overrides: Any) -> T:
-    """The dataclass `cls` from the flags that were given (and `overrides` that are not None);
-    a bad value exits with its message."""
-    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-    given = {k: v for k, v in vars(ns).items() if k in names}
-    given.update({k: v for k, v in overrides.items() if v is not None})
-    try:
-        return cls(**given)
-    except ValueError as e:
-        parser.error(str(e))
-        raise  # unreachable: parser.error exits
 
 
 # ---- sampling flags ------------------------------------------------------------------------
@@ -208,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--headless", action="store_true",
                        help="multi-host: serve no HTTP, follow process 0's engine step by step "
                             "(processes 1 .. N-1; process 0 serves)")
-    _add_flags(serve.add_argument_group("HTTP server (FrontendArgs)"), FrontendArgs)
+    add_flags(serve.add_argument_group("HTTP server (FrontendArgs)"), FrontendArgs)
     add_engine_flags(serve)
 
     bench = sub.add_parser(
@@ -221,7 +130,6 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--workload", metavar="WORKLOAD.json", help="the workload to replay")
     bench.add_argument("--output", metavar="OUT.json", help="where to write the results")
     add_engine_flags(bench)
-    from jaxengine.lab import commands as lab_commands  # it imports this module
 
     lab_commands.add_parsers(sub)
 
@@ -381,7 +289,7 @@ def run_serve(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     args = engine_args_from(ns, parser, model=ns.model_tag)
     serve(args, host=ns.host, port=ns.port, model_name=ns.served_model_name,
           log_interval=ns.log_interval, log_level=ns.uvicorn_log_level, headless=ns.headless,
-          frontend=_args_from(FrontendArgs, ns, parser))
+          frontend=args_from(FrontendArgs, ns, parser))
     return 0
 
 
@@ -432,7 +340,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns, extra = parser.parse_known_args(argv)
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    from jaxengine.lab import commands as lab_commands
 
     try:
         if ns.command in lab_commands.COMMANDS:

@@ -1,7 +1,7 @@
 """The lab's subcommands of `jaxengine` (docs/LAB.md): calibrate, simulate, tune, workload, and
 `bench --workload` (the real replay; `jaxengine bench` without it runs benchmarks/throughput.py).
 
-Thin wrappers over `jaxengine.lab`: each parses its flags (engine flags from `jaxengine.cli`),
+Thin wrappers over `jaxengine.lab`: each parses its flags (engine flags from `jaxengine.flags`),
 calls one lab function and prints or writes its result.
 """
 
@@ -13,7 +13,7 @@ import json
 import sys
 from typing import Any
 
-from jaxengine import cli
+from jaxengine import flags
 from jaxengine.engine.args import EngineArgs
 
 
@@ -27,7 +27,7 @@ def add_parsers(sub: Any) -> None:
     cal.add_argument("--repeats", type=int, default=1,
                      help="passes over the grid, alternating order, to average out other "
                           "load on the machine (default: 1)")
-    cli.add_engine_flags(cal)
+    flags.add_engine_flags(cal)
     sim = sub.add_parser("simulate", help="simulate a workload with the real scheduler",
                          description="Run WORKLOAD.json through the real scheduler on a "
                                      "virtual clock priced by COST.json (no weights loaded); "
@@ -40,7 +40,7 @@ def add_parsers(sub: Any) -> None:
     sim.add_argument("--compare", metavar="REAL.json",
                      help="a real run's results (`jaxengine bench --workload`): print the "
                           "simulation's relative errors against it")
-    cli.add_engine_flags(sim)
+    flags.add_engine_flags(sim)
     tune = sub.add_parser("tune", help="sweep engine settings in the simulator under an SLO",
                           description="Simulate WORKLOAD.json under a grid of scheduler "
                                       "settings, print the Pareto table of the configurations "
@@ -53,7 +53,7 @@ def add_parsers(sub: Any) -> None:
                            "ttft, tpot, e2e, queue; percentiles p50, p90, p99)")
     tune.add_argument("--output", metavar="OUT.json", help="write every configuration's summary")
     tune.add_argument("--plot", metavar="PATH.png", help="draw the Pareto front there")
-    cli.add_engine_flags(tune)
+    flags.add_engine_flags(tune)
     wl = sub.add_parser("workload", help="write a generated workload (a named scenario)",
                         description="Write a workload of a named scenario (docs/LAB.md).")
     from jaxengine.lab.generators import SCENARIOS
@@ -78,7 +78,7 @@ def run_bench_workload(ns: argparse.Namespace, parser: argparse.ArgumentParser) 
     from jaxengine.lab import bench, workloads
 
     workload = workloads.load_workload(ns.workload)
-    result = bench.bench(workload, cli.engine_args_from(ns, parser))
+    result = bench.bench(workload, flags.engine_args_from(ns, parser))
     _report(result, ns.output, "real")
     return 0
 
@@ -87,7 +87,7 @@ def run_calibrate(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     """`jaxengine calibrate --output COST.json [engine flags]`: prints the fit's errors."""
     from jaxengine.lab import calibrate, cost_model
 
-    model = calibrate.calibrate(cli.engine_args_from(ns, parser), repeats=ns.repeats,
+    model = calibrate.calibrate(flags.engine_args_from(ns, parser), repeats=ns.repeats,
                                 log=lambda m: print(m, file=sys.stderr, flush=True))
     cost_model.save_cost_model(model, ns.output)
     coefs = ", ".join(f"{k} {v:.3g}" for k, v in model.coefficients.items())

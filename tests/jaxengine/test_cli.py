@@ -18,8 +18,9 @@ import httpx
 import pytest
 
 import scheduler
-from jaxengine.cli import _add_flags, _args_from, build_parser, engine_args_from, main
+from jaxengine.cli import build_parser, main
 from jaxengine.engine.args import ATTENTION_BACKENDS, DTYPES, EngineArgs
+from jaxengine.flags import add_flags, args_from, engine_args_from
 from jaxengine.server.args import FrontendArgs
 from tests.server_processes import free_port, stop, wait_healthy
 
@@ -90,7 +91,7 @@ def test_optional_fields_parse_the_type_beside_their_none() -> None:
     args = engine_args_from(ns, parser)
     assert (args.max_model_len, args.kv_offloading_size) == (64, 0.5)
     assert (args.precompile, args.attention_backend) == (False, "cpu")
-    assert _args_from(FrontendArgs, ns, parser).api_key == "k"
+    assert args_from(FrontendArgs, ns, parser).api_key == "k"
     assert ns.speculative_config == json.loads(SPEC)
     for bad in (["--max-model-len", "1.5"], ["--speculative-config", "[1]"],
                 ["--attention-backend", "cuda"]):
@@ -105,7 +106,7 @@ def test_a_literal_field_is_a_flag_with_its_values_as_choices() -> None:
         level: Literal[1, 2] = dataclasses.field(default=1, metadata={"help": "l"})
 
     parser = argparse.ArgumentParser()
-    _add_flags(parser, Picky)
+    add_flags(parser, Picky)
     assert vars(parser.parse_args(["--mode", "b", "--level", "2"])) == {"mode": "b", "level": 2}
     assert vars(parser.parse_args([])) == {}
     for bad in (["--mode", "c"], ["--level", "3"]):
@@ -119,7 +120,7 @@ def test_a_field_type_without_a_flag_mapping_is_an_error_naming_it() -> None:
         sizes: list[int] = dataclasses.field(default_factory=list, metadata={"help": "?"})
 
     with pytest.raises(TypeError, match="'sizes'"):
-        _add_flags(argparse.ArgumentParser(), Odd)
+        add_flags(argparse.ArgumentParser(), Odd)
 
 
 def test_flags_given_reach_engine_args_and_the_rest_keep_defaults() -> None:
@@ -139,7 +140,7 @@ def test_serve_trusts_request_chat_templates_only_when_told() -> None:
     parser = build_parser()
 
     def frontend(*flags: str) -> FrontendArgs:
-        return _args_from(FrontendArgs, parser.parse_args(["serve", *flags]), parser)
+        return args_from(FrontendArgs, parser.parse_args(["serve", *flags]), parser)
 
     assert frontend().trust_request_chat_template is False
     assert frontend("--trust-request-chat-template").trust_request_chat_template is True
