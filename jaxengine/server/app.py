@@ -32,14 +32,15 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from jaxengine.engine.client import EngineClient
 from jaxengine.server.args import FrontendArgs
 from jaxengine.server.async_engine import AsyncEngine
-from jaxengine.server.chat_protocol import ChatCompletionRequest, ChatCompletionResponse
+from jaxengine.server.chat_protocol import ChatCompletionRequest
 from jaxengine.server.errors import install_error_handlers
 from jaxengine.server.middleware import (
     APIKeyMiddleware,
     BodyLimitMiddleware,
     RequestIdHeaderMiddleware,
 )
-from jaxengine.server.protocol import CompletionRequest, CompletionResponse
+from jaxengine.server.protocol import CompletionRequest
+from jaxengine.server.response_bodies import ChatCompletionResponse, CompletionResponse
 from jaxengine.server.serving import OpenAIServing
 from jaxengine.server.tokenization import DetokenizeRequest, parse_tokenize
 from jaxengine.server.warmup import warm_up as warm_up_engine

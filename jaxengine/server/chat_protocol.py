@@ -1,25 +1,21 @@
-"""The /v1/chat/completions bodies: the request (messages, what renders them through the chat
+"""The /v1/chat/completions request body: the messages, what renders them through the chat
 template (shared with /tokenize's chat form), and chat's own fields on top of the sampling
-fields of `jaxengine.server.protocol`) and the response, whole and streamed, with its tool
-calls and logprobs (vLLM's names)."""
+fields of `jaxengine.server.protocol` (the response: `jaxengine.server.response_bodies`)."""
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import MISSING, Field, field_validator
+from pydantic import Field, field_validator
 from transformers import PreTrainedTokenizerBase
 
 from jaxengine.server import refused
 from jaxengine.server.protocol import (
-    PromptLogprobs,
     RequestError,
     RequestModel,
     SamplingFields,
-    UsageInfo,
 )
 from jaxengine.server.refused import Refused
 
@@ -191,132 +187,3 @@ class ChatCompletionRequest(ChatTemplateFields, SamplingFields):
         assistant's (the role of the reply), else nothing (vLLM's rule)."""
         last = self.messages[-1]
         return last.text() if self.echo and last.role == "assistant" else ""
-
-
-# ---- response bodies (vLLM's protocol names; `jaxengine.server.protocol.to_json`) --------------
-
-
-@dataclasses.dataclass(slots=True, kw_only=True)
-class FunctionCall:
-    """The function a tool call calls, and its arguments: JSON text as generated."""
-
-    name: str
-    arguments: str
-
-
-@dataclasses.dataclass(slots=True, kw_only=True)
-class ToolCall:
-    """One entry of a reply's `message.tool_calls`."""
-
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-@dataclasses.dataclass(slots=True, kw_only=True)
-class DeltaFunctionCall:
-    """A streamed call's function: its name once, when the call opens, then arguments text."""
-
-    name: str | MISSING = MISSING
-    arguments: str
-
-
-@dataclasses.dataclass(slots=True, kw_only=True)
-class DeltaToolCall:
-    """A streamed call's piece: the first carries its id, type and name, each later one only
-    the arguments' new text; `index` says which call of the reply it belongs to."""
-
-    index: int
-    id: str | MISSING = MISSING
-    type: Literal["function"] | MISSING = MISSING
-    function: DeltaFunctionCall
-
-
-@dataclasses.dataclass(slots=True, kw_only=True)
-class ChatMessage:
-    """A whole reply: its text, or its tool calls with null content."""
-
-    role: Literal["assistant"] = "assistant"
-    content: str | None
-    tool_calls: list[ToolCall] | MISSING = MISSING
-
-
-@dataclasses.dataclass(slots=True, kw_only=True)
-class DeltaMessage:
-    """What a streamed chunk adds to a reply: the role (opening chunk), text or tool calls; {}
-    when it adds nothing (a chunk that only finishes)."""
-
-    role: Literal["assistant"] | MISSING = MISSING
-    content: str | MISSING = MISSING
-    tool_calls: list[DeltaToolCall] | MISSING = MISSING
-
-
-@dataclasses.dataclass(slots=True, kw_only=True)
-class ChatCompletionLogProb:
-    """A token's text, logprob (-inf sent as -9999.0) and UTF-8 bytes."""
-
-    token: str
-    logprob: float
-    bytes: list[int]
-
-
-@dataclasses.dataclass(slots=True, kw_only=True)
-class ChatCompletionLogProbsContent(ChatCompletionLogProb):
-    """A generated token's logprob and the `top_logprobs` best alternatives."""
-
-    top_logprobs: list[ChatCompletionLogProb]
-
-
-@dataclasses.dataclass(slots=True, kw_only=True)
-class ChatCompletionLogProbs:
-    """A choice's logprobs, one entry per generated token."""
-
-    content: list[ChatCompletionLogProbsContent]
-
-
-@dataclasses.dataclass(slots=True, kw_only=True)
-class ChatCompletionResponseChoice:
-    """One choice of a whole chat response."""
-
-    index: int
-    message: ChatMessage
-    logprobs: ChatCompletionLogProbs | None
-    finish_reason: str | None
-    stop_reason: int | str | None  # the stop token id or string that ended it (vLLM's)
-
-
-@dataclasses.dataclass(slots=True, kw_only=True)
-class ChatCompletionResponse:
-    """The body of a /v1/chat/completions response that is not streamed."""
-
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatCompletionResponseChoice]
-    usage: UsageInfo
-    # vLLM's, when the request asks for them
-    prompt_logprobs: PromptLogprobs | None | MISSING = MISSING
-
-
-@dataclasses.dataclass(slots=True, kw_only=True)
-class ChatCompletionResponseStreamChoice:
-    """One choice's delta in a streamed chunk; the opening chunks carry no `stop_reason`."""
-
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatCompletionLogProbs | None
-    finish_reason: str | None
-    stop_reason: int | str | None | MISSING = MISSING
-
-
-@dataclasses.dataclass(slots=True, kw_only=True)
-class ChatCompletionStreamResponse:
-    """One server-sent event of a streamed /v1/chat/completions response."""
-
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatCompletionResponseStreamChoice]
-    usage: UsageInfo | MISSING = MISSING  # the final usage chunk, or continuous usage stats

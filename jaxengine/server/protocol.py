@@ -1,6 +1,6 @@
 """OpenAI request bodies (pydantic) and their translation into `SamplingParams`: the shared
-sampling fields and /v1/completions; then the /v1/completions response bodies and what both
-endpoints' responses share (the chat bodies: `jaxengine.server.chat_protocol`).
+sampling fields and /v1/completions (the chat bodies: `jaxengine.server.chat_protocol`; the
+response bodies: `jaxengine.server.response_bodies`).
 
 Field names and defaults follow OpenAI's API plus vLLM's extra sampling fields (`top_k`,
 `min_p`, `min_tokens`, `ignore_eos`, `stop_token_ids`, `include_stop_str_in_output`,
@@ -18,11 +18,10 @@ its error names our field, which `request_error` turns into the request's field 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal, get_args
 
-from pydantic import MISSING, BaseModel, ConfigDict, Field, TypeAdapter, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.fields import FieldInfo
 
 from jaxengine.server import refused
@@ -347,103 +346,3 @@ def prompt_too_long(prompt_len: int, max_model_len: int, param: str) -> RequestE
     """The 400 for a prompt of `prompt_len` tokens that leaves no room in the context."""
     return RequestError(f"This model's maximum context length is {max_model_len} tokens; the "
                         f"prompt has {prompt_len} tokens. Shorten the prompt.", param)
-
-
-# ---- response bodies (vLLM's protocol names) -----------------------------------------------
-#
-# Plain dataclasses that pydantic serializes (`to_json`) and documents (/openapi.json), not
-# validated: the server builds them itself, several per streamed chunk, and validating each as
-# it is built costs more than writing the chunk's JSON (docs/BENCHMARKS.md §10). A field that
-# defaults to `MISSING` is left out of the JSON until set; None is null.
-
-
-@functools.cache
-def _adapter(cls: type) -> TypeAdapter[Any]:
-    return TypeAdapter(cls)
-
-
-def to_json(body: object) -> bytes:
-    """A response body's JSON, as the client gets it."""
-    return _adapter(type(body)).dump_json(body)
-
-
-@dataclasses.dataclass(slots=True, kw_only=True)
-class UsageInfo:
-    """Token counts of a response or, streamed with continuous usage, of one choice so far."""
-
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-@dataclasses.dataclass(slots=True, kw_only=True)
-class PromptLogprob:
-    """vLLM's entry of a prompt token's `prompt_logprobs`: -inf is sent as -9999.0."""
-
-    logprob: float
-    rank: int | None
-    decoded_token: str | None
-
-
-# Per prompt token: null (the first, which nothing predicts) or {token id: its entry}.
-PromptLogprobs = list[dict[int, PromptLogprob] | None]
-
-
-@dataclasses.dataclass(slots=True, kw_only=True)
-class CompletionLogProbs:
-    """OpenAI's legacy logprobs: per token its text, logprob, top alternatives ({text:
-    logprob}, the sampled token included) and character offset; the first echoed prompt token
-    has null logprob and alternatives."""
-
-    tokens: list[str]
-    token_logprobs: list[float | None]
-    top_logprobs: list[dict[str, float] | None]
-    text_offset: list[int]
-
-
-@dataclasses.dataclass(slots=True, kw_only=True)
-class CompletionResponseChoice:
-    """One choice of a whole completions response."""
-
-    index: int
-    text: str
-    logprobs: CompletionLogProbs | None
-    finish_reason: str | None
-    stop_reason: int | str | None  # the stop token id or string that ended it (vLLM's)
-    # vLLM's, when the request asks for them
-    prompt_logprobs: PromptLogprobs | None | MISSING = MISSING
-
-
-@dataclasses.dataclass(slots=True, kw_only=True)
-class CompletionResponse:
-    """The body of a /v1/completions response that is not streamed."""
-
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionResponseChoice]
-    usage: UsageInfo
-
-
-@dataclasses.dataclass(slots=True, kw_only=True)
-class CompletionResponseStreamChoice:
-    """One choice's new text (and logprobs) in a streamed chunk."""
-
-    index: int
-    text: str
-    logprobs: CompletionLogProbs | None
-    finish_reason: str | None
-    stop_reason: int | str | None
-
-
-@dataclasses.dataclass(slots=True, kw_only=True)
-class CompletionStreamResponse:
-    """One server-sent event of a streamed /v1/completions response."""
-
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionResponseStreamChoice]
-    usage: UsageInfo | MISSING = MISSING  # the final usage chunk, or continuous usage stats

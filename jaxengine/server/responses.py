@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 from pydantic import MISSING
 
 from jaxengine.engine.outputs import Logprob, RequestOutput
-from jaxengine.server.chat_protocol import (
+from jaxengine.server.response_bodies import (
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
     ChatCompletionLogProbsContent,
@@ -26,14 +26,12 @@ from jaxengine.server.chat_protocol import (
     ChatCompletionResponseStreamChoice,
     ChatCompletionStreamResponse,
     ChatMessage,
-    DeltaMessage,
-)
-from jaxengine.server.protocol import (
     CompletionLogProbs,
     CompletionResponse,
     CompletionResponseChoice,
     CompletionResponseStreamChoice,
     CompletionStreamResponse,
+    DeltaMessage,
     PromptLogprob,
     PromptLogprobs,
     UsageInfo,

@@ -42,12 +42,8 @@ from jaxengine.server.prompts import (
     prompt_text,
     truncated,
 )
-from jaxengine.server.protocol import (
-    CompletionRequest,
-    RequestError,
-    resolve_max_tokens,
-    to_json,
-)
+from jaxengine.server.protocol import CompletionRequest, RequestError, resolve_max_tokens
+from jaxengine.server.response_bodies import to_json
 from jaxengine.server.responses import (
     ChatFormatter,
     CompletionFormatter,

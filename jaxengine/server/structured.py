@@ -20,13 +20,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from jaxengine.server.chat_protocol import (
+from jaxengine.server.protocol import RequestError
+from jaxengine.server.response_bodies import (
     DeltaFunctionCall,
     DeltaToolCall,
     FunctionCall,
     ToolCall,
 )
-from jaxengine.server.protocol import RequestError
 from jaxengine.structured.params import StructuredOutputsError, StructuredOutputsParams
 
 # vLLM's StructuredOutputsParams fields a request may set (its other fields are internal).

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from partial_json_parser import Allow, loads
 
-from jaxengine.server.chat_protocol import DeltaToolCall
+from jaxengine.server.response_bodies import DeltaToolCall
 from jaxengine.server.structured import arguments_delta, opening_delta
 
 _WHITESPACE = " \t\n\r"

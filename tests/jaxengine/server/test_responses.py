@@ -12,8 +12,12 @@ import pytest
 from pydantic import TypeAdapter
 
 from jaxengine.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from jaxengine.server.chat_protocol import ChatCompletionResponse, ChatCompletionStreamResponse
-from jaxengine.server.protocol import CompletionResponse, CompletionStreamResponse
+from jaxengine.server.response_bodies import (
+    ChatCompletionResponse,
+    ChatCompletionStreamResponse,
+    CompletionResponse,
+    CompletionStreamResponse,
+)
 from jaxengine.server.responses import ChatFormatter, CompletionFormatter, sse, usage
 from jaxengine.server.structured import ToolChoice
 from tests.jaxengine.server.test_harness import MODEL_NAME, RunningServer

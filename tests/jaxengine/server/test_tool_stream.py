@@ -9,8 +9,7 @@ import json
 
 import pytest
 
-from jaxengine.server.chat_protocol import DeltaToolCall
-from jaxengine.server.protocol import to_json
+from jaxengine.server.response_bodies import DeltaToolCall, to_json
 from jaxengine.server.tool_stream import ToolCallStream, calls_so_far
 
 TEXTS = [
