@@ -26,7 +26,7 @@ from importlib.metadata import version as package_version
 from typing import Annotated, Any
 
 from fastapi import Body, FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from jaxengine.engine.client import EngineClient
@@ -40,7 +40,16 @@ from jaxengine.server.middleware import (
     RequestIdHeaderMiddleware,
 )
 from jaxengine.server.protocol import CompletionRequest
-from jaxengine.server.response_bodies import ChatCompletionResponse, CompletionResponse
+from jaxengine.server.response_bodies import (
+    ChatCompletionResponse,
+    CompletionResponse,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeResponse,
+    VersionResponse,
+    to_json,
+)
 from jaxengine.server.serving import OpenAIServing
 from jaxengine.server.tokenization import DetokenizeRequest, parse_tokenize
 from jaxengine.server.warmup import warm_up as warm_up_engine
@@ -106,12 +115,12 @@ def build_app(engine: EngineClient, *, model_name: str,
         alive = async_engine.is_running()
         return Response(status_code=200 if alive else 503)
 
-    @app.get("/v1/models")
-    async def models() -> JSONResponse:
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> Response:
         """The one served model."""
-        card = {"id": model_name, "object": "model", "created": created, "owned_by": "jaxengine",
-                "root": model_name, "max_model_len": engine.max_model_len}
-        return JSONResponse({"object": "list", "data": [card]})
+        card = ModelCard(id=model_name, created=created, root=model_name,
+                         max_model_len=engine.max_model_len)
+        return _json(ModelList(data=[card]))
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -127,20 +136,20 @@ def build_app(engine: EngineClient, *, model_name: str,
         """vLLM's /ping (GET and POST, for load balancers that expect it): /health."""
         return await health()
 
-    @app.get("/version")
-    async def version() -> JSONResponse:
+    @app.get("/version", response_model=VersionResponse)
+    async def version() -> Response:
         """The server's version (vLLM answers its own; this is jaxengine's)."""
-        return JSONResponse({"version": __version__})
+        return _json(VersionResponse(version=__version__))
 
-    @app.post("/tokenize")
-    async def tokenize(body: Annotated[Any, Body()]) -> JSONResponse:
+    @app.post("/tokenize", response_model=TokenizeResponse)
+    async def tokenize(body: Annotated[Any, Body()]) -> Response:
         """vLLM's /tokenize: a prompt, or a conversation through the chat template."""
-        return JSONResponse(await serving.tokenize(parse_tokenize(body)))
+        return _json(await serving.tokenize(parse_tokenize(body)))
 
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> JSONResponse:
+    @app.post("/detokenize", response_model=DetokenizeResponse)
+    async def detokenize(body: DetokenizeRequest) -> Response:
         """vLLM's /detokenize: token ids to text."""
-        return JSONResponse(await serving.detokenize(body))
+        return _json(await serving.detokenize(body))
 
     # response_model documents the body in /openapi.json; the route returns it already
     # serialized (a JSON Response, or server-sent events of the *StreamResponse chunks).
@@ -155,3 +164,8 @@ def build_app(engine: EngineClient, *, model_name: str,
         return await serving.chat(body, raw)
 
     return app
+
+
+def _json(body: object) -> Response:
+    """A 200 response of a response body's JSON."""
+    return Response(to_json(body), media_type="application/json")

@@ -13,10 +13,11 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from jaxengine.server.protocol import RequestError
+from jaxengine.server.response_bodies import ErrorInfo, ErrorResponse, to_json
 from scheduler import SamplingParamsError
 
 logger = logging.getLogger("jaxengine.server")
@@ -28,18 +29,19 @@ _TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundErro
           500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 
-def error_body(message: str, *, code: int = 400, param: str | None = None) -> dict[str, Any]:
+def error_body(message: str, *, code: int = 400, param: str | None = None) -> ErrorResponse:
     """The OpenAI error object for `code`."""
     err_type = _TYPES.get(code) or HTTPStatus(code).phrase.replace(" ", "") + "Error"
     # A message that quotes the request may carry a lone surrogate, which UTF-8 cannot encode:
     # escape it, or rendering the error would itself fail and drop the connection.
     message = message.encode("utf-8", "backslashreplace").decode("utf-8")
-    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+    return ErrorResponse(error=ErrorInfo(message=message, type=err_type, param=param, code=code))
 
 
-def error_response(message: str, *, code: int = 400, param: str | None = None) -> JSONResponse:
+def error_response(message: str, *, code: int = 400, param: str | None = None) -> Response:
     """A JSON error response."""
-    return JSONResponse(error_body(message, code=code, param=param), status_code=code)
+    return Response(to_json(error_body(message, code=code, param=param)), status_code=code,
+                    media_type="application/json")
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after",
@@ -118,28 +120,28 @@ def install_error_handlers(app: FastAPI) -> None:
     """Register handlers for validation errors, `RequestError`/`ValueError` and HTTP errors."""
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(_: Request, exc: RequestValidationError) -> Response:
         message, param = _validation_message(exc)
         return error_response(message, param=param)
 
     @app.exception_handler(RequestError)
-    async def _request_error(_: Request, exc: RequestError) -> JSONResponse:
+    async def _request_error(_: Request, exc: RequestError) -> Response:
         return error_response(str(exc), code=exc.code, param=exc.param)
 
     @app.exception_handler(ValueError)
-    async def _value_error(_: Request, exc: ValueError) -> JSONResponse:
+    async def _value_error(_: Request, exc: ValueError) -> Response:
         # The endpoints turn a SamplingParamsError into a RequestError with the request's field
         # name; one that got past them still names its field, as data. Others name none.
         param = exc.param if isinstance(exc, SamplingParamsError) else None
         return error_response(str(exc), param=param)
 
     @app.exception_handler(Exception)
-    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+    async def _internal(_: Request, exc: Exception) -> Response:
         # What went wrong is the server's to know: the log has it, the client is told that.
         logger.error("unhandled error in a request", exc_info=exc)
         return error_response("internal server error (the server's log has the details)",
                               code=500)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> Response:
         return error_response(str(exc.detail), code=exc.status_code)

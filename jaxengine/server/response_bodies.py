@@ -235,3 +235,67 @@ class ChatCompletionStreamResponse:
     model: str
     choices: list[ChatCompletionResponseStreamChoice]
     usage: UsageInfo | MISSING = MISSING  # the final usage chunk, or continuous usage stats
+
+
+# ---- the other endpoints -----------------------------------------------------------------
+
+
+@dataclasses.dataclass(slots=True, kw_only=True)
+class ModelCard:
+    """One entry of /v1/models (vLLM's fields; `owned_by` is this server)."""
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "jaxengine"
+    root: str
+    max_model_len: int
+
+
+@dataclasses.dataclass(slots=True, kw_only=True)
+class ModelList:
+    """The body of /v1/models."""
+
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+@dataclasses.dataclass(slots=True, kw_only=True)
+class TokenizeResponse:
+    """The body of /tokenize (vLLM's): the ids, their count, and the context they must fit."""
+
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | MISSING = MISSING  # when `return_token_strs`
+
+
+@dataclasses.dataclass(slots=True, kw_only=True)
+class DetokenizeResponse:
+    """The body of /detokenize: the ids' text."""
+
+    prompt: str
+
+
+@dataclasses.dataclass(slots=True, kw_only=True)
+class VersionResponse:
+    """The body of /version: this server's version."""
+
+    version: str
+
+
+@dataclasses.dataclass(slots=True, kw_only=True)
+class ErrorInfo:
+    """OpenAI's error object: `type` is the `openai` client's exception name for `code`."""
+
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+@dataclasses.dataclass(slots=True, kw_only=True)
+class ErrorResponse:
+    """The body of every error response, and of the error event that ends a broken stream."""
+
+    error: ErrorInfo

@@ -17,7 +17,6 @@ at the next step. A non-streamed request polls for a disconnect while it waits.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -43,7 +42,7 @@ from jaxengine.server.prompts import (
     truncated,
 )
 from jaxengine.server.protocol import CompletionRequest, RequestError, resolve_max_tokens
-from jaxengine.server.response_bodies import to_json
+from jaxengine.server.response_bodies import DetokenizeResponse, TokenizeResponse, to_json
 from jaxengine.server.responses import (
     ChatFormatter,
     CompletionFormatter,
@@ -200,14 +199,14 @@ class OpenAIServing:
                         prompt_tokens=len(ids), structured_outputs=so, tool_choice=tool_choice)
 
     async def tokenize(self, body: TokenizeCompletionRequest | TokenizeChatRequest
-                       ) -> dict[str, Any]:
+                       ) -> TokenizeResponse:
         """vLLM's /tokenize."""
         self.check_model(body.model)
         tokenization.check_tokenize(body, self.tokenizer, self.limits,
                                     trusted=self.trust_request_chat_template)
         return await self._prepare(tokenization.tokenize, body, self.tokenizer, self.limits)
 
-    async def detokenize(self, body: DetokenizeRequest) -> dict[str, str]:
+    async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
         """vLLM's /detokenize."""
         self.check_model(body.model)
         return await self._prepare(tokenization.detokenize, body, self.tokenizer)
@@ -288,7 +287,7 @@ async def _events(group: RequestGroup, fmt: Formatter, *, with_logprobs: bool,
             yield sse(fmt.usage_chunk(prompt_tokens, [last[i] for i in sorted(last)]))
         yield sse("[DONE]")
     except EngineDeadError as e:
-        yield sse(json.dumps(error_body(str(e), code=e.code)))
+        yield sse(error_body(str(e), code=e.code))
         yield sse("[DONE]")
     finally:
         # Reached early when the client disconnected (Starlette cancels this generator) or

@@ -24,6 +24,7 @@ from jaxengine.server.protocol import (
     RequestModel,
     has_lone_surrogate,
 )
+from jaxengine.server.response_bodies import DetokenizeResponse, TokenizeResponse
 
 
 class TokenizeCompletionRequest(RequestModel):
@@ -84,20 +85,19 @@ def check_tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest, tokeni
 
 
 def tokenize(body: TokenizeCompletionRequest | TokenizeChatRequest, tokenizer: Any,
-             limits: RequestLimits) -> dict[str, Any]:
+             limits: RequestLimits) -> TokenizeResponse:
     """`/tokenize`'s response (after `check_tokenize`)."""
     if isinstance(body, TokenizeChatRequest):
         ids = chat_prompt(body, tokenizer, limits)["prompt_token_ids"]
     else:
         ids = tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-    response: dict[str, Any] = {"count": len(ids), "max_model_len": limits.max_model_len,
-                                "tokens": ids}
+    response = TokenizeResponse(count=len(ids), max_model_len=limits.max_model_len, tokens=ids)
     if body.return_token_strs:
-        response["token_strs"] = [tokenizer.token_str(i) for i in ids]
+        response.token_strs = [tokenizer.token_str(i) for i in ids]
     return response
 
 
-def detokenize(body: DetokenizeRequest, tokenizer: Any) -> dict[str, str]:
+def detokenize(body: DetokenizeRequest, tokenizer: Any) -> DetokenizeResponse:
     """`/detokenize`'s response: the ids' text, special tokens included (vLLM's decode)."""
     if tokenizer is None:
         raise RequestError("this server has no tokenizer (skip_tokenizer_init): /detokenize "
@@ -106,7 +106,7 @@ def detokenize(body: DetokenizeRequest, tokenizer: Any) -> dict[str, str]:
     if bad:
         raise RequestError(f"tokens must be ids in [0, {tokenizer.vocab_size}); got {bad[:5]}",
                            "tokens")
-    return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}
+    return DetokenizeResponse(prompt=tokenizer.decode(body.tokens, skip_special_tokens=False))
 
 
 def _check_text(body: BaseModel) -> None:

@@ -8,7 +8,15 @@ from typing import Any
 
 import httpx
 import pytest
+from pydantic import TypeAdapter
 
+from jaxengine.server.response_bodies import (
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelList,
+    TokenizeResponse,
+    VersionResponse,
+)
 from tests.jaxengine.server.test_harness import MODEL_NAME, RunningServer
 
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
@@ -106,3 +114,28 @@ def test_the_openapi_document_describes_the_generation_responses(http: httpx.Cli
             schemas[name]["properties"])
     message = schemas["ChatMessage"]["properties"]
     assert set(message) == {"role", "content", "tool_calls"}
+    for path, method, name in (("/v1/models", "get", "ModelList"),
+                               ("/version", "get", "VersionResponse"),
+                               ("/tokenize", "post", "TokenizeResponse"),
+                               ("/detokenize", "post", "DetokenizeResponse")):
+        ok = doc["paths"][path][method]["responses"]["200"]["content"]["application/json"]
+        assert ok["schema"]["$ref"] == f"#/components/schemas/{name}", path
+
+
+def test_the_other_endpoints_send_their_documented_bodies(http: httpx.Client) -> None:
+    """/v1/models, /version, /tokenize, /detokenize and an error parse as their types, and an
+    unset optional field is left out, not null."""
+    models = TypeAdapter(ModelList).validate_json(http.get("/v1/models").content)
+    assert [m.object for m in models.data] == ["model"] and models.data[0].max_model_len > 0
+    assert TypeAdapter(VersionResponse).validate_json(http.get("/version").content).version
+    r = http.post("/tokenize", json={"prompt": "hello there"})
+    assert "token_strs" not in r.json()
+    ids = TypeAdapter(TokenizeResponse).validate_json(r.content).tokens
+    r = http.post("/tokenize", json={"prompt": "hello there", "return_token_strs": True})
+    assert len(r.json()["token_strs"]) == len(ids)
+    r = http.post("/detokenize", json={"tokens": ids})
+    assert TypeAdapter(DetokenizeResponse).validate_json(r.content).prompt.endswith("there")
+    r = http.post("/detokenize", json={"tokens": [-1]})
+    error = TypeAdapter(ErrorResponse).validate_json(r.content).error
+    assert (r.status_code, error.code, error.param, error.type) == (
+        400, 400, "tokens", "BadRequestError")
