@@ -6,11 +6,13 @@ strings) -> `update_from_output` (host, pure; it takes the stop strings too) -> 
 the step's statistics to `stat_loggers`. The scheduler state is a value held here, so
 `snapshot()` is free. Errors a user can cause raise `ValueError` before anything changes.
 
-With `async_scheduling` (docs/DESIGN.md, "Async scheduling") one `step()` call is: schedule
-step N+1 (its decodes read placeholders), dispatch it — JAX enqueues it behind step N and
-returns — then wait for step N's tokens and detokenize and update them. The host's scheduling
-and packing of N+1 overlap the device's step N, and its output work for N overlaps step N+1;
-no thread is involved. Outputs are those of the synchronous loop, one call later.
+The loop itself is one of two, picked once when the engine is built (`engine/loops.py`):
+`SyncLoop` finishes each plan in the call that made it; with `async_scheduling`
+(docs/DESIGN.md, "Async scheduling") `AsyncLoop` schedules step N+1 (its decodes read
+placeholders), dispatches it — JAX enqueues it behind step N and returns — then waits for step
+N's tokens and detokenizes and updates them. The host's scheduling and packing of N+1 overlap
+the device's step N, and its output work for N overlaps step N+1; no thread is involved.
+Outputs are those of the synchronous loop, one call later.
 
 Structured outputs (docs/DESIGN.md, "Structured outputs"): `add_request` submits the grammar to
 the engine's `GrammarCompiler` and the request waits as WAITING_FOR_FSM; each `step()` first
@@ -31,8 +33,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from jaxengine.engine import inputs
 from jaxengine.engine.args import EngineArgs
 from jaxengine.engine.detokenizer import IncrementalDetokenizer
-from jaxengine.engine.grammars import Grammars, accept_sampled, samples_a_grammar
+from jaxengine.engine.grammars import Grammars, accept_sampled
 from jaxengine.engine.inputs import PromptType, TokenizerLike
+from jaxengine.engine.loops import AsyncLoop, SyncLoop
 from jaxengine.engine.outputs import RequestMetrics, RequestOutput
 from jaxengine.engine.prompt_logprobs import record_prompt_logprobs
 from jaxengine.engine.request_state import TrackedRequest
@@ -123,9 +126,8 @@ class LLMEngine:
         self._seeds = random.Random(args.seed)
         self._tracked: dict[str, TrackedRequest] = {}
         self.stat_loggers: list[StatLogger] = list(stat_loggers)
-        self._in_flight: InFlight | None = None  # async: the step dispatched last
-        self._dropped: set[str] = set()  # ids whose tokens in `_in_flight` are stale
-        self._in_flight_plan: SchedulerOutput | None = None  # the plan `_dropped` refers to
+        # The step loop, chosen once: async scheduling's holds the step in flight.
+        self._loop = AsyncLoop(self) if args.async_scheduling else SyncLoop(self)
         self.grammars = Grammars(tokenizer, vocab_size=self.vocab_size,
                                  eos_token_id=self.eos_token_id,
                                  on_compiler=self._give_runner_executor)
@@ -242,7 +244,7 @@ class LLMEngine:
             return []
         for t in live:
             self.grammars.forget(t.request_id)
-        self._drop_in_flight(t.request_id for t in live)
+        self._loop.drop(t.request_id for t in live)
         self.state = abort_requests(self.state, [t.request_id for t in live],
                                     kv_connector=self._kv_connector)
         stats = IterationStats(timestamp=time.time())
@@ -273,7 +275,7 @@ class LLMEngine:
         """The scheduler state: an immutable value (schedule it again to replay or fork)."""
         return self.state
 
-    # ---- the loop ----------------------------------------------------------------------
+    # ---- the loop (what every call does; the rest is `self._loop`'s, engine/loops.py) ----
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration; return outputs of requests that progressed or finished.
@@ -289,49 +291,7 @@ class LLMEngine:
         if self.kv_offload is not None:  # copies out and in, before the step overwrites them
             self.kv_offload.start_step(plan, state)
         self._note_scheduled(plan)
-        if not self.args.async_scheduling:
-            step = self.runner.dispatch(plan, self._sampling_rows(plan))  # pack, run, sample
-            sampled = {} if step is None else self.runner.collect_rows(step)
-            self._take_prompt_logprobs(step)
-            sampled, spec_stats = self._verify(plan, sampled)
-            return failed + self._update(state, before, plan, sampled,
-                                         spec_decoding=spec_stats)
-        prev = self._in_flight
-        dropped, self._dropped = self._dropped, set()
-        self._in_flight_plan = plan
-        if prev is not None and samples_a_grammar(self._tracked, plan.sampling_req_ids):
-            # The bitmasks of this step need the tokens of the step in flight (vLLM's order):
-            # dispatch this step's forward, collect that step while it runs, then sample.
-            tracked = {r: self._tracked[r] for r in plan.sampling_req_ids}
-            forward = self.runner.dispatch_forward(plan, prev)
-            self.state = state
-            self._take_prompt_logprobs(prev, dropped)
-            outputs = self._collect_and_update(state, before, prev, dropped, plan)
-            assert forward is not None  # the plan samples a request
-            self._in_flight = self.runner.dispatch_sample(forward,
-                                                          self._sampling_rows(plan, tracked))
-            return failed + outputs
-        self._in_flight = self.runner.dispatch(plan, self._sampling_rows(plan), prev)
-        self.state = state
-        if prev is None and self._in_flight is None:  # an empty plan, nothing in flight: done
-            return failed + self._update(state, before, plan, {})
-        if prev is None:  # nothing to collect yet; the step's statistics are its scheduling
-            self._record(IterationStats.between(before.counters, state.counters,
-                                                timestamp=time.time()))
-            return failed
-        self._take_prompt_logprobs(prev, dropped)
-        return failed + self._collect_and_update(state, before, prev, dropped, plan)
-
-    def _collect_and_update(self, state: SchedulerState, before: SchedulerState,
-                            prev: InFlight, dropped: set[str],
-                            in_flight: SchedulerOutput) -> list[RequestOutput]:
-        """Async scheduling: wait for the step before's tokens, verify its drafts and update
-        (`in_flight`: the plan just dispatched, which the next drafts must follow)."""
-        rows = self.runner.collect_rows(prev)
-        rows = {r: t for r, t in rows.items() if r not in dropped}
-        sampled, spec_stats = self._verify(prev.plan, rows, dropped)
-        return self._update(state, before, prev.plan, sampled,
-                            spec_decoding=spec_stats, in_flight=in_flight)
+        return failed + self._loop.step(state, before, plan)
 
     def _verify(self, plan: SchedulerOutput, rows: dict[str, list[SampledToken]],
                 dropped: set[str] | None = None
@@ -359,7 +319,7 @@ class LLMEngine:
         whose grammar failed, with their outputs. With nothing else to do, wait for one."""
         if not self.grammars.num_compiling:
             return []
-        idle = self.grammars.num_compiling == len(self._tracked) and self._in_flight is None
+        idle = self.grammars.num_compiling == len(self._tracked) and self._loop.in_flight is None
         ready, failed = self.grammars.take_compiled(self._tracked, wait=idle)
         if ready:
             self.state = grammars_ready(self.state, ready)
@@ -389,13 +349,6 @@ class LLMEngine:
                    for d in deltas]
         self._record(stats)
         return outputs
-
-    def _drop_in_flight(self, request_ids: Iterable[str]) -> None:
-        """These requests left: tokens the step in flight samples for them are stale (an id
-        may be reused by a new request before that step is collected)."""
-        if self._in_flight_plan is not None:
-            self._dropped.update(r for r in request_ids
-                                 if r in self._in_flight_plan.num_scheduled_tokens)
 
     def _note_scheduled(self, plan: SchedulerOutput) -> None:
         now = time.time()
@@ -445,7 +398,7 @@ class LLMEngine:
         tracked.apply(delta, sampled, stats.timestamp)
         if tracked.finish_reason is not None:
             del self._tracked[delta.request_id]
-            self._drop_in_flight((delta.request_id,))
+            self._loop.drop((delta.request_id,))
             stats.finished_requests.append(tracked.finished_stats())
         return tracked.output()
 
