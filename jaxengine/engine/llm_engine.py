@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from jaxengine.engine import inputs
 from jaxengine.engine.args import EngineArgs
@@ -70,6 +70,9 @@ from scheduler import (
 
 logger = logging.getLogger("jaxengine.engine")
 
+# What `on_schedule` is given: (state before, state after, plan) of a step's `schedule` call.
+OnSchedule = Callable[[SchedulerState, SchedulerState, SchedulerOutput], None]
+
 
 class LLMEngine:
     """Continuous batching over one model: add requests, call `step()` until done (an
@@ -81,7 +84,10 @@ class LLMEngine:
 
     def __init__(self, model: ModelFns, args: EngineArgs, *, tokenizer: TokenizerLike | None,
                  max_model_len: int, num_blocks: int,
-                 stat_loggers: Sequence[StatLogger] = ()) -> None:
+                 stat_loggers: Sequence[StatLogger] = (),
+                 make_runner: Callable[[ModelFns, RunnerConfig], Runner] = Runner,
+                 clock: Callable[[], float] = time.time,
+                 on_schedule: OnSchedule | None = None) -> None:
         """Build the scheduler state and the runner (allocates the KV pool).
 
         Args:
@@ -91,6 +97,14 @@ class LLMEngine:
           max_model_len: the resolved longest sequence.
           num_blocks: KV pages in the pool, including the null block 0.
           stat_loggers: receivers of each step's statistics (e.g. `jaxengine.metrics`').
+          make_runner: builds the runner from the model and its sizes: a `Runner`, or
+            anything with the `Runner` methods the loops call (`engine/loops.py`; the
+            simulator's prices each step instead: `jaxengine.lab.cost_runner`).
+          clock: the time in seconds (default: since the epoch); every time the engine
+            stamps (arrivals, request metrics, step statistics) is read from it (the
+            simulator's is virtual).
+          on_schedule: called with (state before, state after, plan) of every step's
+            `schedule` call, before the plan runs (the simulator's step records).
         """
         spec = args.resolved_speculative_config
         self.args = args
@@ -107,7 +121,7 @@ class LLMEngine:
             enable_prefix_caching=args.enable_prefix_caching,
             async_scheduling=args.async_scheduling)
         self.state: SchedulerState = init_state(self.scheduler_config)
-        self.runner = Runner(model, RunnerConfig(
+        self.runner = make_runner(model, RunnerConfig(
             max_num_batched_tokens=budget, max_num_seqs=args.max_num_seqs,
             max_model_len=max_model_len, block_size=args.block_size, num_blocks=num_blocks,
             max_logprobs=args.max_logprobs,
@@ -123,6 +137,8 @@ class LLMEngine:
             self.runner.precompile()
         # Host offloading (kv_offloading_size): its connector answers every schedule() call.
         self.kv_offload = offloading_worker(args, self.runner, model.kv_page_axis)
+        self.clock = clock
+        self._on_schedule = on_schedule
         self._seeds = random.Random(args.seed)
         self._tracked: dict[str, TrackedRequest] = {}
         self.stat_loggers: list[StatLogger] = list(stat_loggers)
@@ -186,7 +202,7 @@ class LLMEngine:
           request_id: unique among live requests.
           prompt: text, `{"prompt_token_ids": [...]}` / `{"prompt": "..."}`, or token ids.
           params: sampling parameters (default `SamplingParams()`).
-          arrival_time: `time.time()` of arrival (default: now).
+          arrival_time: when it arrived, on the engine's `clock` (default: now).
           priority: lower is served first under `scheduling_policy="priority"`.
           metadata: who sent it, e.g. `{"tenant": "a", "user": "u1"}` (str keys; str, int,
             float or bool values), for scheduling policies such as `fair`.
@@ -206,7 +222,7 @@ class LLMEngine:
         bad_words = (tokenize_bad_words(self.tokenizer, params.bad_words,
                                         vocab_size=self.vocab_size)
                      if params.bad_words and self.tokenizer is not None else ())
-        arrival = time.time() if arrival_time is None else arrival_time
+        arrival = self.clock() if arrival_time is None else arrival_time
         request = Request(request_id=request_id, prompt_token_ids=tuple(ids),
                           sampling_params=params, arrival_time=arrival, priority=priority,
                           eos_token_id=self.eos_token_id,
@@ -247,7 +263,7 @@ class LLMEngine:
         self._loop.drop(t.request_id for t in live)
         self.state = abort_requests(self.state, [t.request_id for t in live],
                                     kv_connector=self._kv_connector)
-        stats = IterationStats(timestamp=time.time())
+        stats = IterationStats(timestamp=self.clock())
         outputs = [t.abort(stats.timestamp) for t in live]
         stats.finished_requests.extend(t.finished_stats() for t in live)
         self._record(stats)
@@ -288,6 +304,8 @@ class LLMEngine:
         before = self.state
         # Pure scheduler: if anything below raises, self.state is still the old, consistent one.
         state, plan = schedule(before, self._kv_connector)
+        if self._on_schedule is not None:
+            self._on_schedule(before, state, plan)
         if self.kv_offload is not None:  # copies out and in, before the step overwrites them
             self.kv_offload.start_step(plan, state)
         self._note_scheduled(plan)
@@ -343,7 +361,7 @@ class LLMEngine:
             stopped=stopped,
             kv_connector=self._kv_connector, kv_connector_output=kv_output)
         stats = IterationStats.between(before.counters, self.state.counters,
-                                       timestamp=time.time())
+                                       timestamp=self.clock())
         stats.spec_decoding = spec_decoding
         outputs = [self._apply(d, (sampled.get(d.request_id) or [None])[0], stats)
                    for d in deltas]
@@ -351,7 +369,7 @@ class LLMEngine:
         return outputs
 
     def _note_scheduled(self, plan: SchedulerOutput) -> None:
-        now = time.time()
+        now = self.clock()
         for rid in plan.num_scheduled_tokens:
             self._tracked[rid].on_scheduled(now, plan.num_computed_tokens[rid])
 

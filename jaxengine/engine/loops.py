@@ -14,7 +14,6 @@ finished; each is the engine's own part and calls its stages (`_sampling_rows`, 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -75,7 +74,7 @@ class AsyncLoop:
             return e._update(state, before, plan, {})
         if prev is None:  # nothing to collect yet; the step's statistics are its scheduling
             e._record(IterationStats.between(before.counters, state.counters,
-                                             timestamp=time.time()))
+                                             timestamp=e.clock()))
             return []
         return self._finish(state, before, prev, dropped)
 
