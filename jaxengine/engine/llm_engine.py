@@ -6,11 +6,13 @@ strings) -> `update_from_output` (host, pure; it takes the stop strings too) -> 
 the step's statistics to `stat_loggers`. The scheduler state is a value held here, so
 `snapshot()` is free. Errors a user can cause raise `ValueError` before anything changes.
 
-With `async_scheduling` (docs/DESIGN.md, "Async scheduling") one `step()` call is: schedule
-step N+1 (its decodes read placeholders), dispatch it — JAX enqueues it behind step N and
-returns — then wait for step N's tokens and detokenize and update them. The host's scheduling
-and packing of N+1 overlap the device's step N, and its output work for N overlaps step N+1;
-no thread is involved. Outputs are those of the synchronous loop, one call later.
+The loop itself is one of two, picked once when the engine is built (`engine/loops.py`):
+`SyncLoop` finishes each plan in the call that made it; with `async_scheduling`
+(docs/DESIGN.md, "Async scheduling") `AsyncLoop` schedules step N+1 (its decodes read
+placeholders), dispatches it — JAX enqueues it behind step N and returns — then waits for step
+N's tokens and detokenizes and updates them. The host's scheduling and packing of N+1 overlap
+the device's step N, and its output work for N overlaps step N+1; no thread is involved.
+Outputs are those of the synchronous loop, one call later.
 
 Structured outputs (docs/DESIGN.md, "Structured outputs"): `add_request` submits the grammar to
 the engine's `GrammarCompiler` and the request waits as WAITING_FOR_FSM; each `step()` first
@@ -26,13 +28,14 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from jaxengine.engine import inputs
 from jaxengine.engine.args import EngineArgs
 from jaxengine.engine.detokenizer import IncrementalDetokenizer
-from jaxengine.engine.grammars import Grammars, accept_sampled, samples_a_grammar
+from jaxengine.engine.grammars import Grammars, accept_sampled
 from jaxengine.engine.inputs import PromptType, TokenizerLike
+from jaxengine.engine.loops import AsyncLoop, SyncLoop
 from jaxengine.engine.outputs import RequestMetrics, RequestOutput
 from jaxengine.engine.prompt_logprob_outputs import record_prompt_logprobs
 from jaxengine.engine.request_state import TrackedRequest
@@ -67,6 +70,9 @@ from scheduler import (
 
 logger = logging.getLogger("jaxengine.engine")
 
+# What `on_schedule` is given: (state before, state after, plan) of a step's `schedule` call.
+OnSchedule = Callable[[SchedulerState, SchedulerState, SchedulerOutput], None]
+
 
 class LLMEngine:
     """Continuous batching over one model: add requests, call `step()` until done (an
@@ -78,7 +84,10 @@ class LLMEngine:
 
     def __init__(self, model: ModelFns, args: EngineArgs, *, tokenizer: TokenizerLike | None,
                  max_model_len: int, num_blocks: int,
-                 stat_loggers: Sequence[StatLogger] = ()) -> None:
+                 stat_loggers: Sequence[StatLogger] = (),
+                 make_runner: Callable[[ModelFns, RunnerConfig], Runner] = Runner,
+                 clock: Callable[[], float] = time.time,
+                 on_schedule: OnSchedule | None = None) -> None:
         """Build the scheduler state and the runner (allocates the KV pool).
 
         Args:
@@ -88,6 +97,14 @@ class LLMEngine:
           max_model_len: the resolved longest sequence.
           num_blocks: KV pages in the pool, including the null block 0.
           stat_loggers: receivers of each step's statistics (e.g. `jaxengine.metrics`').
+          make_runner: builds the runner from the model and its sizes: a `Runner`, or
+            anything with the `Runner` methods the loops call (`engine/loops.py`; the
+            simulator's prices each step instead: `jaxengine.lab.cost_runner`).
+          clock: the time in seconds (default: since the epoch); every time the engine
+            stamps (arrivals, request metrics, step statistics) is read from it (the
+            simulator's is virtual).
+          on_schedule: called with (state before, state after, plan) of every step's
+            `schedule` call, before the plan runs (the simulator's step records).
         """
         spec = args.resolved_speculative_config
         self.args = args
@@ -104,7 +121,7 @@ class LLMEngine:
             enable_prefix_caching=args.enable_prefix_caching,
             async_scheduling=args.async_scheduling)
         self.state: SchedulerState = init_state(self.scheduler_config)
-        self.runner = Runner(model, RunnerConfig(
+        self.runner = make_runner(model, RunnerConfig(
             max_num_batched_tokens=budget, max_num_seqs=args.max_num_seqs,
             max_model_len=max_model_len, block_size=args.block_size, num_blocks=num_blocks,
             max_logprobs=args.max_logprobs,
@@ -120,12 +137,13 @@ class LLMEngine:
             self.runner.precompile()
         # Host offloading (kv_offloading_size): its connector answers every schedule() call.
         self.kv_offload = offloading_worker(args, self.runner, model.kv_page_axis)
+        self.clock = clock
+        self._on_schedule = on_schedule
         self._seeds = random.Random(args.seed)
         self._tracked: dict[str, TrackedRequest] = {}
         self.stat_loggers: list[StatLogger] = list(stat_loggers)
-        self._in_flight: InFlight | None = None  # async: the step dispatched last
-        self._dropped: set[str] = set()  # ids whose tokens in `_in_flight` are stale
-        self._in_flight_plan: SchedulerOutput | None = None  # the plan `_dropped` refers to
+        # The step loop, chosen once: async scheduling's holds the step in flight.
+        self._loop = AsyncLoop(self) if args.async_scheduling else SyncLoop(self)
         self.grammars = Grammars(tokenizer, vocab_size=self.vocab_size,
                                  eos_token_id=self.eos_token_id,
                                  on_compiler=self._give_runner_executor)
@@ -184,7 +202,7 @@ class LLMEngine:
           request_id: unique among live requests.
           prompt: text, `{"prompt_token_ids": [...]}` / `{"prompt": "..."}`, or token ids.
           params: sampling parameters (default `SamplingParams()`).
-          arrival_time: `time.time()` of arrival (default: now).
+          arrival_time: when it arrived, on the engine's `clock` (default: now).
           priority: lower is served first under `scheduling_policy="priority"`.
           metadata: who sent it, e.g. `{"tenant": "a", "user": "u1"}` (str keys; str, int,
             float or bool values), for scheduling policies such as `fair`.
@@ -204,7 +222,7 @@ class LLMEngine:
         bad_words = (tokenize_bad_words(self.tokenizer, params.bad_words,
                                         vocab_size=self.vocab_size)
                      if params.bad_words and self.tokenizer is not None else ())
-        arrival = time.time() if arrival_time is None else arrival_time
+        arrival = self.clock() if arrival_time is None else arrival_time
         request = Request(request_id=request_id, prompt_token_ids=tuple(ids),
                           sampling_params=params, arrival_time=arrival, priority=priority,
                           eos_token_id=self.eos_token_id,
@@ -242,10 +260,10 @@ class LLMEngine:
             return []
         for t in live:
             self.grammars.forget(t.request_id)
-        self._drop_in_flight(t.request_id for t in live)
+        self._loop.drop(t.request_id for t in live)
         self.state = abort_requests(self.state, [t.request_id for t in live],
                                     kv_connector=self._kv_connector)
-        stats = IterationStats(timestamp=time.time())
+        stats = IterationStats(timestamp=self.clock())
         outputs = [t.abort(stats.timestamp) for t in live]
         stats.finished_requests.extend(t.finished_stats() for t in live)
         self._record(stats)
@@ -273,7 +291,7 @@ class LLMEngine:
         """The scheduler state: an immutable value (schedule it again to replay or fork)."""
         return self.state
 
-    # ---- the loop ----------------------------------------------------------------------
+    # ---- the loop (what every call does; the rest is `self._loop`'s, engine/loops.py) ----
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration; return outputs of requests that progressed or finished.
@@ -286,52 +304,12 @@ class LLMEngine:
         before = self.state
         # Pure scheduler: if anything below raises, self.state is still the old, consistent one.
         state, plan = schedule(before, self._kv_connector)
+        if self._on_schedule is not None:
+            self._on_schedule(before, state, plan)
         if self.kv_offload is not None:  # copies out and in, before the step overwrites them
             self.kv_offload.start_step(plan, state)
         self._note_scheduled(plan)
-        if not self.args.async_scheduling:
-            step = self.runner.dispatch(plan, self._sampling_rows(plan))  # pack, run, sample
-            sampled = {} if step is None else self.runner.collect_rows(step)
-            self._take_prompt_logprobs(step)
-            sampled, spec_stats = self._verify(plan, sampled)
-            return failed + self._update(state, before, plan, sampled,
-                                         spec_decoding=spec_stats)
-        prev = self._in_flight
-        dropped, self._dropped = self._dropped, set()
-        self._in_flight_plan = plan
-        if prev is not None and samples_a_grammar(self._tracked, plan.sampling_req_ids):
-            # The bitmasks of this step need the tokens of the step in flight (vLLM's order):
-            # dispatch this step's forward, collect that step while it runs, then sample.
-            tracked = {r: self._tracked[r] for r in plan.sampling_req_ids}
-            forward = self.runner.dispatch_forward(plan, prev)
-            self.state = state
-            self._take_prompt_logprobs(prev, dropped)
-            outputs = self._collect_and_update(state, before, prev, dropped, plan)
-            assert forward is not None  # the plan samples a request
-            self._in_flight = self.runner.dispatch_sample(forward,
-                                                          self._sampling_rows(plan, tracked))
-            return failed + outputs
-        self._in_flight = self.runner.dispatch(plan, self._sampling_rows(plan), prev)
-        self.state = state
-        if prev is None and self._in_flight is None:  # an empty plan, nothing in flight: done
-            return failed + self._update(state, before, plan, {})
-        if prev is None:  # nothing to collect yet; the step's statistics are its scheduling
-            self._record(IterationStats.between(before.counters, state.counters,
-                                                timestamp=time.time()))
-            return failed
-        self._take_prompt_logprobs(prev, dropped)
-        return failed + self._collect_and_update(state, before, prev, dropped, plan)
-
-    def _collect_and_update(self, state: SchedulerState, before: SchedulerState,
-                            prev: InFlight, dropped: set[str],
-                            in_flight: SchedulerOutput) -> list[RequestOutput]:
-        """Async scheduling: wait for the step before's tokens, verify its drafts and update
-        (`in_flight`: the plan just dispatched, which the next drafts must follow)."""
-        rows = self.runner.collect_rows(prev)
-        rows = {r: t for r, t in rows.items() if r not in dropped}
-        sampled, spec_stats = self._verify(prev.plan, rows, dropped)
-        return self._update(state, before, prev.plan, sampled,
-                            spec_decoding=spec_stats, in_flight=in_flight)
+        return failed + self._loop.step(state, before, plan)
 
     def _verify(self, plan: SchedulerOutput, rows: dict[str, list[SampledToken]],
                 dropped: set[str] | None = None
@@ -359,7 +337,7 @@ class LLMEngine:
         whose grammar failed, with their outputs. With nothing else to do, wait for one."""
         if not self.grammars.num_compiling:
             return []
-        idle = self.grammars.num_compiling == len(self._tracked) and self._in_flight is None
+        idle = self.grammars.num_compiling == len(self._tracked) and self._loop.in_flight is None
         ready, failed = self.grammars.take_compiled(self._tracked, wait=idle)
         if ready:
             self.state = grammars_ready(self.state, ready)
@@ -383,22 +361,15 @@ class LLMEngine:
             stopped=stopped,
             kv_connector=self._kv_connector, kv_connector_output=kv_output)
         stats = IterationStats.between(before.counters, self.state.counters,
-                                       timestamp=time.time())
+                                       timestamp=self.clock())
         stats.spec_decoding = spec_decoding
         outputs = [self._apply(d, (sampled.get(d.request_id) or [None])[0], stats)
                    for d in deltas]
         self._record(stats)
         return outputs
 
-    def _drop_in_flight(self, request_ids: Iterable[str]) -> None:
-        """These requests left: tokens the step in flight samples for them are stale (an id
-        may be reused by a new request before that step is collected)."""
-        if self._in_flight_plan is not None:
-            self._dropped.update(r for r in request_ids
-                                 if r in self._in_flight_plan.num_scheduled_tokens)
-
     def _note_scheduled(self, plan: SchedulerOutput) -> None:
-        now = time.time()
+        now = self.clock()
         for rid in plan.num_scheduled_tokens:
             self._tracked[rid].on_scheduled(now, plan.num_computed_tokens[rid])
 
@@ -445,7 +416,7 @@ class LLMEngine:
         tracked.apply(delta, sampled, stats.timestamp)
         if tracked.finish_reason is not None:
             del self._tracked[delta.request_id]
-            self._drop_in_flight((delta.request_id,))
+            self._loop.drop((delta.request_id,))
             stats.finished_requests.append(tracked.finished_stats())
         return tracked.output()
 

@@ -1,51 +1,37 @@
-"""The simulator: the real pure scheduler against a calibrated cost model, on a virtual clock.
+"""The simulator: a real `LLMEngine` against a calibrated cost model, on a virtual clock.
 
-No weights are loaded and nothing runs on a device. The loop is `LLMEngine.step()`'s, call for
-call, inside the online loop of a real replay (`jaxengine.lab.bench`):
+No weights are loaded and nothing runs on a device. The engine is built from the simulated
+engine arguments, its own step loop (`jaxengine.engine.loops`) and scheduler included, with
+two things swapped through its constructor: its runner is a
+`jaxengine.lab.cost_runner.CostModelRunner` (each step's tokens at once, a fixed token per
+sampling request; EOS is ignored, so only `max_tokens` ends a request) and its clock a
+`VirtualClock` that runner advances by the cost model's price of each engine call. Around it
+runs the online loop of a real replay (`jaxengine.lab.bench`): requests whose `arrival_time`
+has passed on the virtual clock are added (in arrival order); when none is unfinished, the
+clock jumps to the next arrival; otherwise the engine steps. The engine stamps the request
+times itself (first scheduled at the start of a call, tokens and finishes at its end), so the
+results read like a real run's.
 
-- requests whose `arrival_time` has passed on the virtual clock are added (in arrival order);
-  when none is unfinished, the clock jumps to the next arrival;
-- one call schedules the next plan (`scheduler.schedule`), then completes a plan: its own
-  (synchronous loop) or the one the call before dispatched (async scheduling, the default),
-  whose sampled tokens (a fixed token; EOS is ignored, so only `max_tokens` ends a request) go
-  to `scheduler.update_from_output`; the clock advances by the cost model's price of the call;
-- request times are stamped as the engine stamps them (first scheduled at the start of a call,
-  tokens and finishes at its end), so the results read like a real run's.
-
-Every call also leaves a `jaxengine.lab.timeline.StepRecord` (with its predicted seconds).
+Every call also leaves a `jaxengine.lab.timeline.StepRecord` (with its predicted seconds),
+made from the engine's `on_schedule`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from jaxengine.engine.args import EngineArgs
-from jaxengine.engine.outputs import RequestMetrics
-from jaxengine.lab.cost_model import (
-    CALIBRATION_KEYS,
-    CostModel,
-    engine_buckets,
-    engine_request_buckets,
-)
+from jaxengine.engine.llm_engine import LLMEngine
+from jaxengine.engine.outputs import RequestOutput
+from jaxengine.lab.cost_model import CALIBRATION_KEYS, CostModel
+from jaxengine.lab.cost_runner import CostModelRunner, VirtualClock
 from jaxengine.lab.results import RunResult, request_result
-from jaxengine.lab.timeline import step_record
+from jaxengine.lab.timeline import StepRecord, step_record
 from jaxengine.lab.workloads import Workload, WorkloadRequest
-from scheduler import (
-    Request,
-    SamplingParams,
-    SchedulerConfig,
-    SchedulerOutput,
-    SchedulerState,
-    add_request,
-    init_state,
-    schedule,
-    update_from_output,
-)
-
-SAMPLED_TOKEN = 7  # what every simulated sampler returns (EOS is ignored)
+from jaxengine.model.fake import fake_model
+from scheduler import SamplingParams, SchedulerConfig, SchedulerOutput, SchedulerState
 
 
 def simulation_args(cost: CostModel, overrides: Mapping[str, Any] | None = None) -> EngineArgs:
@@ -102,46 +88,39 @@ def scheduler_config(args: EngineArgs, cost: CostModel) -> SchedulerConfig:
         async_scheduling=args.async_scheduling)
 
 
-def scheduler_request(r: WorkloadRequest, arrival_time: float) -> Request:
-    """The scheduler's `Request` of a workload request (greedy, exactly max_tokens)."""
-    return Request(request_id=r.request_id, prompt_token_ids=r.prompt_token_ids,
-                   sampling_params=SamplingParams(max_tokens=r.max_tokens, temperature=0.0,
-                                                  ignore_eos=True),
-                   arrival_time=arrival_time, priority=r.priority,
-                   metadata={"tenant": r.tenant} if r.tenant is not None else {})
-
-
-@dataclass(slots=True)
-class _Tracked:
-    """A simulated request's engine-side times (as `TrackedRequest` keeps them)."""
-
-    metrics: RequestMetrics
-    num_cached_tokens: int = 0
+def _check_simulatable(args: EngineArgs) -> None:
+    """Refuse the engine arguments the cost model cannot price (their steps do other work)."""
+    for name in ("speculative_config", "kv_offloading_size"):
+        if getattr(args, name) is not None:
+            raise ValueError(f"the simulator does not price {name}; simulate without it "
+                             f"(got {name}={getattr(args, name)!r})")
 
 
 class Simulation:
-    """One simulated run; `run()` drives it to the end. `plans` keeps every plan if asked."""
+    """One simulated run of a real `LLMEngine` (with the cost-model runner and a virtual clock);
+    `run()` drives it to the end. `plans` keeps every plan if asked."""
 
     def __init__(self, workload: Workload, cost: CostModel, args: EngineArgs, *,
                  keep_plans: bool = False) -> None:
+        _check_simulatable(args)
         self.workload, self.cost, self.args = workload, cost, args
         self.config = scheduler_config(args, cost)
-        self.buckets = engine_buckets(self.config.max_num_batched_tokens,
-                                      intermediate=args.intermediate_token_buckets)
-        self.request_buckets = engine_request_buckets(self.config.max_num_seqs)
-        self.state: SchedulerState = init_state(self.config)
-        self.clock = 0.0
+        self.clock = VirtualClock()
         self.records: list[dict[str, Any]] = []
         self.plans: list[SchedulerOutput] | None = [] if keep_plans else None
-        self._tracked: dict[str, _Tracked] = {}
-        self._done: dict[str, _Tracked] = {}
-        self._in_flight: SchedulerOutput | None = None  # async: dispatched, not completed
-        self._dropped: set[str] = set()
+        self._record: StepRecord | None = None  # of the engine call under way
+        self.engine = LLMEngine(
+            fake_model(cost.vocab_size), args, tokenizer=None,
+            max_model_len=self.config.max_model_len, num_blocks=self.config.num_blocks,
+            make_runner=lambda _, config: CostModelRunner(
+                config, cost, self.clock, async_scheduling=args.async_scheduling),
+            clock=self.clock, on_schedule=self._scheduled)
+        self.runner: CostModelRunner = self.engine.runner
+        self._done: dict[str, RequestOutput] = {}
 
     def run(self) -> RunResult:
         """Simulate every request to its end; the run's result (with step records)."""
         pending = self.workload.by_arrival
-        i = 0
         for r in pending:
             if len(r.prompt_token_ids) + r.max_tokens > self.config.max_model_len:
                 raise ValueError(f"request {r.request_id!r}: prompt ({len(r.prompt_token_ids)}"
@@ -152,72 +131,41 @@ class Simulation:
                                  f"{max(r.prompt_token_ids)} is beyond the calibrated model's "
                                  f"vocabulary of {self.cost.vocab_size} (make the workload "
                                  f"with --vocab-size {self.cost.vocab_size})")
-        while i < len(pending) or self._tracked:
-            while i < len(pending) and pending[i].arrival_time <= self.clock:
+        engine, i = self.engine, 0
+        while i < len(pending) or engine.has_unfinished_requests():
+            while i < len(pending) and pending[i].arrival_time <= self.clock.now:
                 self._add(pending[i])
                 i += 1
-            if not self._tracked:
-                self.clock = max(self.clock, pending[i].arrival_time)
+            if not engine.has_unfinished_requests():
+                self.clock.now = max(self.clock.now, pending[i].arrival_time)
                 continue
-            self._call()
+            outputs = engine.step()
+            self.records.append({**dataclasses.asdict(self._record),
+                                 "seconds": self.runner.last_seconds})
+            self._done.update((o.request_id, o) for o in outputs if o.finished)
         return self._result()
 
     def _add(self, r: WorkloadRequest) -> None:
-        self.state = add_request(self.state, scheduler_request(r, r.arrival_time))
-        self._tracked[r.request_id] = _Tracked(RequestMetrics(arrival_time=r.arrival_time))
+        """Add a request as a client would: greedy, exactly max_tokens, at its arrival time."""
+        self.engine.add_request(
+            r.request_id, list(r.prompt_token_ids),
+            SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True),
+            arrival_time=r.arrival_time, priority=r.priority,
+            metadata={"tenant": r.tenant} if r.tenant is not None else None)
 
-    def _call(self) -> None:
-        """One `LLMEngine.step()` call."""
-        before, start = self.state, self.clock
-        state, plan = schedule(before)
+    def _scheduled(self, before: SchedulerState, after: SchedulerState,
+                   plan: SchedulerOutput) -> None:
+        """The engine's `on_schedule`: the call's step record, at its start."""
+        self._record = step_record(before, after, plan, time_s=self.clock.now)
         if self.plans is not None:
             self.plans.append(plan)
-        for rid in plan.num_scheduled_tokens:
-            t = self._tracked[rid]
-            if t.metrics.first_scheduled_time is None:
-                t.metrics = dataclasses.replace(t.metrics, first_scheduled_time=start)
-                t.num_cached_tokens = plan.num_computed_tokens[rid]
-        if self.args.async_scheduling:
-            completed, self._in_flight = self._in_flight, (
-                plan if plan.num_scheduled_tokens else None)
-        else:
-            completed = plan if plan.num_scheduled_tokens else None
-        seconds = self.cost.step_seconds(completed, self.buckets, self.request_buckets)
-        self.clock += seconds
-        record = step_record(before, state, plan, time_s=start)
-        self.records.append({**dataclasses.asdict(record), "seconds": seconds})
-        self.state = state
-        if completed is not None:
-            self._complete(completed)
-
-    def _complete(self, plan: SchedulerOutput) -> None:
-        """Take `plan`'s sampled tokens into the state; stamp the requests at the clock."""
-        dropped, self._dropped = self._dropped, set()
-        sampled = {rid: [SAMPLED_TOKEN] for rid in plan.sampling_req_ids if rid not in dropped}
-        self.state, deltas = update_from_output(self.state, plan, sampled)
-        now = self.clock
-        for d in deltas:
-            t = self._tracked[d.request_id]
-            m = t.metrics
-            if d.new_token_ids:
-                m = dataclasses.replace(
-                    m, first_token_time=m.first_token_time or now, last_token_time=now,
-                    num_generation_tokens=m.num_generation_tokens + len(d.new_token_ids))
-            if d.finish_reason is not None:
-                m = dataclasses.replace(m, finished_time=now)
-                self._done[d.request_id] = self._tracked.pop(d.request_id)
-                # As the engine does: a finished request's token in the step in flight is stale.
-                if (self._in_flight is not None
-                        and d.request_id in self._in_flight.num_scheduled_tokens):
-                    self._dropped.add(d.request_id)
-            t.metrics = m
 
     def _result(self) -> RunResult:
         done = self._done
         requests = tuple(request_result(r, done[r.request_id].metrics,
                                         num_cached_tokens=done[r.request_id].num_cached_tokens)
                          for r in self.workload.requests)
-        duration = max(t.metrics.finished_time or 0.0 for t in done.values())
+        duration = max(o.metrics.finished_time or 0.0 for o in done.values())
         info = {"kind": "simulated", "engine_args": dataclasses.asdict(self.args),
                 "num_blocks": self.config.num_blocks, "steps": len(self.records),
                 "cost_model_device": self.cost.device}

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from scheduler import SchedulerOutput, SchedulerState, schedule
 
-if TYPE_CHECKING:  # the engine pulls in jax; the simulator needs only the scheduler
+if TYPE_CHECKING:  # the engine pulls in jax; step_record needs only the scheduler
     from jaxengine.engine.llm_engine import LLMEngine
     from jaxengine.engine.outputs import RequestOutput
 

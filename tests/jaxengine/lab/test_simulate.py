@@ -1,4 +1,4 @@
-"""The simulator: the engine's scheduling call for call, times priced by the cost model."""
+"""The simulator: a real engine's loop call for call, times priced by the cost model."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 
 from jaxengine.engine.args import EngineArgs
 from jaxengine.engine.llm_engine import LLMEngine
+from jaxengine.engine.loops import AsyncLoop, SyncLoop
 from jaxengine.lab.cost_model import FEATURES, CostModel
 from jaxengine.lab.generators import scenario
 from jaxengine.lab.simulate import Simulation, scheduler_config, simulate, simulation_args
@@ -77,6 +78,67 @@ def test_the_simulator_schedules_exactly_what_the_engine_schedules(
     assert max(s["kv_cache_usage"] for s in result.steps) > 0.8
     assert all(r.num_output_tokens == q.max_tokens
                for r, q in zip(result.requests, w.requests, strict=True))
+
+
+class Lifecycle:
+    """A stat logger: per engine step, (prompt tokens, generation tokens, the finished requests
+    with their reasons and token counts): the requests' lifecycle as the engine reports it."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple] = []
+
+    def record(self, scheduler_stats: Any, stats: Any) -> None:
+        finished = sorted((f.finish_reason, f.num_prompt_tokens, f.num_generation_tokens)
+                          for f in stats.finished_requests)
+        self.steps.append((stats.num_prompt_tokens, stats.num_generation_tokens, finished))
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_simulation_steps_the_engines_own_loop(async_scheduling: bool,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every simulated call is one call of the engine's loop (`jaxengine.engine.loops`), and the
+    requests' lifecycle the engine's stat loggers see is that of a fake-model engine running the
+    same requests on a real runner."""
+    loop = AsyncLoop if async_scheduling else SyncLoop
+    calls = []
+    real_step = loop.step
+
+    def counted(self: Any, *a: Any) -> Any:
+        calls.append(self.engine)
+        return real_step(self, *a)
+
+    monkeypatch.setattr(loop, "step", counted)
+    args = EngineArgs(**SMALL, async_scheduling=async_scheduling)
+    w = workload()
+    sim = Simulation(w, cost_model(const=1e-3, async_scheduling=async_scheduling), args)
+    simulated = Lifecycle()
+    sim.engine.stat_loggers.append(simulated)
+    result = sim.run()
+    assert len(calls) == len(result.steps) and set(calls) == {sim.engine}
+
+    engine = LLMEngine(fake_model(V), args, tokenizer=None, max_model_len=args.max_model_len,
+                       num_blocks=40)
+    real = Lifecycle()
+    engine.stat_loggers.append(real)
+    for r in w.requests:
+        engine.add_request(r.request_id, list(r.prompt_token_ids),
+                           SamplingParams(max_tokens=r.max_tokens, temperature=0.0,
+                                          ignore_eos=True), arrival_time=0.0,
+                           priority=r.priority)
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert simulated.steps == real.steps
+    assert sum(len(f) for *_, f in real.steps) == len(w.requests)
+
+
+def test_what_the_cost_model_cannot_price_is_refused() -> None:
+    cost = cost_model()
+    for name, value in (("speculative_config", {"method": "ngram",
+                                                "num_speculative_tokens": 2}),
+                        ("kv_offloading_size", 0.001)):
+        args = simulation_args(cost, {name: value})
+        with pytest.raises(ValueError, match=f"does not price {name}"):
+            simulate(workload(), cost, args)
 
 
 def test_config_matches_the_engines() -> None:

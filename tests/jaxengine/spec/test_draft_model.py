@@ -116,7 +116,7 @@ def test_an_id_reused_while_its_old_step_is_in_flight() -> None:
         engine.add_request(f"r{i}", p, GREEDY)
     for _ in range(40):
         engine.step()
-        plan = engine._in_flight_plan
+        plan = engine._loop.plan
         if plan is not None and PLACEHOLDER_TOKEN_ID in plan.input_token_ids.get("r0", ()):
             break
     else:
