@@ -7,7 +7,7 @@ import difflib
 from typing import Any
 
 import scheduler
-from jaxengine.spec.config import SpeculativeConfig
+from jaxengine.config import SpeculativeConfig
 
 DTYPES = ("auto", "float32", "bfloat16")
 ATTENTION_BACKENDS = ("reference", "cpu", "tpu", "gpu")

@@ -31,11 +31,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxengine.config import SpeculativeConfig
 from jaxengine.model.batch import ModelBatch, RequestChunk, pack_batch
 from jaxengine.model.fns import ModelFns
 from jaxengine.runner.buckets import pick_bucket
 from jaxengine.sampling.argmax import argmax
-from jaxengine.spec.config import SpeculativeConfig
 from jaxengine.spec.speculator import Speculator, _Token
 from scheduler import PLACEHOLDER_TOKEN_ID, SchedulerOutput
 

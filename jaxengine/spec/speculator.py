@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
-from jaxengine.spec.config import SpeculativeConfig
+from jaxengine.config import SpeculativeConfig
 from jaxengine.spec.metrics import SpecDecodingStats
 from jaxengine.spec.ngram import propose_ngram
 from jaxengine.spec.verify import draftable, num_accepted

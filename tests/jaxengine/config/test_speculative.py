@@ -7,8 +7,8 @@ from typing import Any
 import pytest
 
 from jaxengine.cli import build_parser, engine_args_from, main
+from jaxengine.config import SpeculativeConfig
 from jaxengine.engine.args import EngineArgs
-from jaxengine.spec import SpeculativeConfig
 
 
 @pytest.mark.parametrize(("given", "bounds"), [
