@@ -5,7 +5,8 @@ one target step.
 prompt lookup; `jaxengine.spec.verify` holds the runner's side (which hidden rows to gather,
 which sampler rows to draw) and why accepting the drafts the target samples is exact;
 `jaxengine.spec.speculator.Speculator` is the engine's side, and `SpecDecodingStats` what a step
-reports. docs/DESIGN.md, "Speculative decoding".
+reports. A draft model's functions come from the engine's build
+(`jaxengine.engine.build.load_draft`). docs/DESIGN.md, "Speculative decoding".
 """
 
 from jaxengine.spec.metrics import SpecDecodingStats

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
-from jaxengine.config import SpeculativeConfig
+from jaxengine.config.speculative import SpeculativeConfig
 from jaxengine.spec.metrics import SpecDecodingStats
 from jaxengine.spec.ngram import propose_ngram
 from jaxengine.spec.verify import draftable, num_accepted
@@ -27,6 +27,7 @@ from scheduler import SchedulerOutput, check_stop
 
 if TYPE_CHECKING:
     from jaxengine.engine.request_state import TrackedRequest
+    from jaxengine.model.fns import ModelFns
     from jaxengine.runner.runner import Runner
 
 
@@ -148,20 +149,24 @@ def tokens_in_flight(in_flight: SchedulerOutput | None, request_id: str) -> int 
     return None if request_id in in_flight.scheduled_spec_decode_tokens else 1
 
 
-def make_speculator(config: SpeculativeConfig, *, runner: Runner, dtype: str,
-                    attention_backend: str | None, max_model_len: int,
-                    eos_token_id: int | None, async_scheduling: bool = False) -> Speculator:
-    """The engine's speculator for `config.method` ("draft_model" loads its model here;
-    under `async_scheduling` its proposal runs one greedy step more, for the token in flight).
+def make_speculator(config: SpeculativeConfig, *, runner: Runner, draft: ModelFns | None,
+                    max_model_len: int, eos_token_id: int | None,
+                    async_scheduling: bool = False) -> Speculator:
+    """The engine's speculator for `config.method` (for "draft_model", over the `draft`
+    model's functions, which the engine's build loaded; under `async_scheduling` its proposal
+    runs one greedy step more, for the token in flight).
 
     Raises:
-      ValueError: the draft model cannot be loaded or its vocabulary is not the target's.
+      ValueError: "draft_model" without `draft`, or a draft whose vocabulary is not the
+        target's.
     """
     if config.method != "draft_model":
         return Speculator(config, max_model_len=max_model_len, eos_token_id=eos_token_id)
-    from jaxengine.spec.draft_model import DraftModelSpeculator, load_draft
+    # Here, not at the top: draft_model.py subclasses Speculator from this module.
+    from jaxengine.spec.draft_model import DraftModelSpeculator
 
-    assert config.model is not None  # SpeculativeConfig requires it for draft_model
-    draft = load_draft(config.model, dtype=dtype, attention_backend=attention_backend)
+    if draft is None:
+        raise ValueError("speculative_config: method 'draft_model' needs the draft model's "
+                         "functions (jaxengine.engine.build.load_draft loads them)")
     return DraftModelSpeculator(config, draft, runner, max_model_len=max_model_len,
                                 eos_token_id=eos_token_id, async_scheduling=async_scheduling)
