@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxengine.engine.args import EngineArgs
-from jaxengine.engine.build import num_kv_blocks
+from jaxengine.engine.build import resolve_config
 from jaxengine.engine.llm_engine import LLMEngine
 from jaxengine.engine.stats import IterationStats
 from scheduler import SamplingParams, SchedulerStats
@@ -72,26 +72,25 @@ def mix64(n: int) -> list[dict[str, Any]]:
     return [dict(r, id=str(r.get("id", i))) for i, r in enumerate(requests[:n])]
 
 
-def load(model: str | None) -> tuple[Any, Any]:
-    """The model's functions (loaded once: engines over them share compiled programs) and
-    its tokenizer."""
+def load(model: str | None) -> tuple[Any, Any, Any]:
+    """The model's functions (loaded once: engines over them share compiled programs), its
+    config and its tokenizer."""
     from jaxengine.engine.build import attention_backend, model_fns
     from jaxengine.loading.load import load_model
     from jaxengine.model.mesh import engine_devices, make_mesh
 
     model, cfg, tokenizer = load_model(model, dtype="float32", mesh=make_mesh(engine_devices(1)))
-    return model_fns(model, cfg, attn_impl=attention_backend(EngineArgs(), cfg)), tokenizer
+    return model_fns(model, cfg, attn_impl=attention_backend(EngineArgs(), cfg)), cfg, tokenizer
 
 
-def run(args: argparse.Namespace, fns: Any, tokenizer: Any, requests: list[dict[str, Any]],
-        *, precompile: bool, **kw: Any) -> dict[str, Any]:
+def run(args: argparse.Namespace, fns: Any, cfg: Any, tokenizer: Any,
+        requests: list[dict[str, Any]], *, precompile: bool, **kw: Any) -> dict[str, Any]:
     """Build a fresh engine (no prefix-cache hits from an earlier run), warm it, run the
     requests to the end; timings and counters. `precompile=False`: an engine of the same
     shapes compiled the programs before (jit's cache holds them), so it is only declared warm."""
     ea = EngineArgs(max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
                     max_num_batched_tokens=args.max_num_batched_tokens, **kw)
-    engine = LLMEngine(fns, ea, tokenizer=tokenizer, max_model_len=args.max_model_len,
-                       num_blocks=num_kv_blocks(ea, fns, args.max_model_len))
+    engine = LLMEngine(fns, ea, resolve_config(ea, fns, cfg), tokenizer=tokenizer)
     if precompile:
         engine.runner.precompile(progress=False)
     else:
@@ -140,7 +139,7 @@ def main() -> None:
     spec = {"method": "ngram", "num_speculative_tokens": args.num_speculative_tokens,
             "prompt_lookup_min": args.prompt_lookup_min,
             "prompt_lookup_max": args.prompt_lookup_max}
-    fns, tokenizer = load(args.model)
+    fns, cfg, tokenizer = load(args.model)
     workloads = {"repetitive": repetitive(tokenizer, args.num_requests)}
     if args.mix_requests:
         workloads["mix64"] = mix64(args.mix_requests)
@@ -155,7 +154,7 @@ def main() -> None:
         runs: dict[str, list[dict[str, Any]]] = {k: [] for k in kinds}
         for i in range(args.repeats):
             for kind, kw in kinds.items():
-                runs[kind].append(run(args, fns, tokenizer, requests,
+                runs[kind].append(run(args, fns, cfg, tokenizer, requests,
                                       precompile=i == 0 and name == next(iter(workloads)),
                                       **kw))
         res = {k: min(rs, key=lambda r: r["elapsed"]) for k, rs in runs.items()}

@@ -127,16 +127,12 @@ def build_engine(fns: Any, cfg: Any, tokenizer: Any, ea: Any, *, buckets: tuple[
     `precompile=False` the engine is only declared warm: an engine of the same shapes over the
     same functions was warmed up before, and jit's cache holds its programs.
     """
-    import jax
-
-    from jaxengine.engine.build import num_kv_blocks
+    from jaxengine.engine.build import resolve_config
     from jaxengine.engine.llm_engine import LLMEngine
     from jaxengine.runner.compilation_cache import configure
 
     configure(ea.compilation_cache_dir)
-    max_model_len = ea.max_model_len or cfg.max_model_len
-    engine = LLMEngine(fns, ea, tokenizer=tokenizer, max_model_len=max_model_len,
-                       num_blocks=num_kv_blocks(ea, fns, max_model_len, jax.devices()[0]))
+    engine = LLMEngine(fns, ea, resolve_config(ea, fns, cfg), tokenizer=tokenizer)
     if buckets is not None:
         engine.runner.token_buckets = buckets
     t0 = time.perf_counter()

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from typing import Any
+from typing import Any, get_args
 
 import scheduler
-from jaxengine.spec.config import SpeculativeConfig
+from jaxengine.config import Dtype, SpeculativeConfig
 
-DTYPES = ("auto", "float32", "bfloat16")
+DTYPES = ("auto", *get_args(Dtype))  # "auto": jaxengine.config.DEFAULT_DTYPE
 ATTENTION_BACKENDS = ("reference", "cpu", "tpu", "gpu")
 
 
@@ -20,7 +20,9 @@ def _arg(default: Any, help: str) -> Any:
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class EngineArgs:
-    """Engine configuration (vLLM's engine-argument names; None = derived at startup)."""
+    """Engine settings as the user gives them (vLLM's engine-argument names), each field
+    checked when built; None and "auto" are resolved at startup, once, by
+    `jaxengine.engine.engine_config.create_engine_config`."""
 
     model: str | None = _arg(None, "HF directory or .gguf file; None: the embedded "
                                    "SmolLM2-135M-Instruct")
@@ -133,21 +135,6 @@ class EngineArgs:
                 hints.append(f"{name!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
             raise ValueError(f"unknown engine argument(s): {', '.join(hints)}")
         return cls(**kwargs)
-
-    @property
-    def resolved_speculative_config(self) -> SpeculativeConfig | None:
-        """`speculative_config` parsed (None: no speculative decoding)."""
-        if self.speculative_config is None:
-            return None
-        return SpeculativeConfig.from_dict(self.speculative_config)
-
-    def resolved_max_num_batched_tokens(self, max_model_len: int) -> int:
-        """The token budget: as given, else 2048 (or max_model_len when prefill is unchunked)."""
-        if self.max_num_batched_tokens is not None:
-            return self.max_num_batched_tokens
-        if not self.enable_chunked_prefill:
-            return max(max_model_len, 2048)
-        return max(2048, self.max_num_seqs)
 
 
 def _check_distributed(args: EngineArgs) -> None:

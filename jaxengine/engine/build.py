@@ -1,4 +1,5 @@
-"""Building an `LLMEngine` from `EngineArgs`: load the model, pick attention, size the KV pool."""
+"""Building an `LLMEngine` from `EngineArgs`: load the model, pick attention, resolve the
+settings (`jaxengine.engine.engine_config`) with the model's and the devices' facts."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ from typing import Any
 
 import jax
 
+from jaxengine.config import Dtype, EngineConfig, SpeculativeConfig, resolve_dtype
 from jaxengine.engine.args import EngineArgs
+from jaxengine.engine.engine_config import create_engine_config
 from jaxengine.engine.llm_engine import LLMEngine
 from jaxengine.loading.load import load_model
 from jaxengine.model.config import ModelConfig
@@ -126,14 +129,14 @@ def _check_batch_invariant(unpackable: str | None, attn_impl: str) -> None:
             f"batch_invariant=False.")
 
 
-def kv_budget_bytes(args: EngineArgs, device: jax.Device | None = None) -> int:
-    """Bytes for the KV pool: explicit, else a fraction of free device memory, else CPU's.
+def device_kv_budget_bytes(args: EngineArgs, device: jax.Device | None = None) -> int:
+    """Bytes the devices give the KV pool: a fraction of `device`'s free memory on an
+    accelerator, `cpu_kv_cache_bytes` on CPU (`kv_cache_memory_bytes`, when given, overrides
+    this in `create_engine_config`).
 
     Args:
         device: whose free memory to measure (default: jax's first device).
     """
-    if args.kv_cache_memory_bytes is not None:
-        return args.kv_cache_memory_bytes
     device = device or jax.devices()[0]
     stats = device.memory_stats() if device.platform != "cpu" else None
     if not stats or "bytes_limit" not in stats:
@@ -142,55 +145,41 @@ def kv_budget_bytes(args: EngineArgs, device: jax.Device | None = None) -> int:
     return int(free * (1 - ACTIVATION_RESERVE))
 
 
-def num_kv_blocks(args: EngineArgs, fns: ModelFns, max_model_len: int,
-                  device: jax.Device | None = None) -> int:
-    """Pages in the pool: `num_gpu_blocks_override`, else what the budget holds.
-
-    Args:
-        device: whose free memory sets the budget (default: jax's first device).
+def resolve_config(args: EngineArgs, fns: ModelFns, cfg: ModelConfig,
+                   device: jax.Device | None = None) -> EngineConfig:
+    """`create_engine_config` for a loaded model (`fns`, of config `cfg`) on `device`'s
+    memory (default: jax's first device).
 
     Raises:
-      ValueError: the pool cannot hold one request of `max_model_len` tokens. vLLM refuses to
-        start then too; the message gives the numbers and what to change.
+      ValueError: what `create_engine_config` raises.
     """
-    bs, per_block = args.block_size, fns.kv_bytes_per_block(args.block_size)
-    need = -(-max_model_len // bs) + 1  # one full-length request, plus the null block 0
-    if args.num_gpu_blocks_override is not None:
-        blocks = args.num_gpu_blocks_override
-        if blocks < need:
-            raise ValueError(
-                f"num_gpu_blocks_override={blocks} leaves {blocks - 1} usable KV blocks of {bs} "
-                f"tokens, but one request of max_model_len={max_model_len} tokens needs "
-                f"{need - 1} (plus the null block: {need} in all). Raise "
-                f"num_gpu_blocks_override to at least {need}, or lower max_model_len to at most "
-                f"{(blocks - 1) * bs}.")
-        return blocks
-    budget = kv_budget_bytes(args, device)
-    blocks = max(budget // per_block, 0)  # a device already full gives a negative budget
-    if blocks < need:
-        shrink = (f"lower max_model_len to at most {(blocks - 1) * bs}, or "
-                  if blocks >= 2 else "")
-        raise ValueError(
-            f"the KV cache budget of {budget} bytes ({_size(budget)}) holds {blocks} blocks of "
-            f"{bs} tokens ({per_block} bytes each, null block included), but one request of "
-            f"max_model_len={max_model_len} tokens needs {need} blocks: {need * per_block} "
-            f"bytes ({_size(need * per_block)}). To start, {shrink}raise the budget "
-            f"(kv_cache_memory_bytes; or gpu_memory_utilization on an accelerator, "
-            f"cpu_kv_cache_bytes on CPU), or set num_gpu_blocks_override >= {need}.")
-    return int(blocks)
+    return create_engine_config(
+        args, model_max_model_len=cfg.max_model_len,
+        kv_bytes_per_block=fns.kv_bytes_per_block(args.block_size),
+        device_kv_budget_bytes=device_kv_budget_bytes(args, device))
 
 
-def _size(n: int) -> str:
-    """`n` bytes for a reader: "1.50 GiB", "96.0 KiB"."""
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.3g} {unit}"
-    return f"{n} B"
+def load_draft(spec: SpeculativeConfig | None, *, dtype: Dtype,
+               attention: str | None) -> ModelFns | None:
+    """The draft model's functions for `"method": "draft_model"` (None for other methods or
+    no speculation), loaded as a target is: in `dtype`, with the `attention` backend (None:
+    the platform's kernel), on jax's first device.
+
+    Raises:
+      ModelLoadError (a ValueError): a bad path or files, named by the loader.
+    """
+    if spec is None or spec.method != "draft_model":
+        return None
+    model, cfg, _ = load_model(spec.model, dtype=dtype, with_tokenizer=False)
+    attn = attention_backend(EngineArgs(attention_backend=attention), cfg)
+    return model_fns(model, cfg, attn_impl=attn)
 
 
 def build_engine(args: EngineArgs, *, devices: Sequence[jax.Device] | None = None
                  ) -> LLMEngine:
-    """Load `args.model` (never downloads) and build one engine replica around it.
+    """Load `args.model` (never downloads) and build one engine replica around it: its
+    settings resolved once (`resolve_config`), and the draft model's functions when
+    speculative decoding asks for one.
 
     The model, the KV cache and the steps live on a mesh over the replica's devices (a
     1-device mesh for tensor_parallel_size=1: one code path). JAX's persistent compilation
@@ -208,15 +197,11 @@ def build_engine(args: EngineArgs, *, devices: Sequence[jax.Device] | None = Non
     """
     compilation_cache.configure(args.compilation_cache_dir)
     mesh = make_mesh(engine_devices(args.tensor_parallel_size, devices))
-    dtype = "float32" if args.dtype == "auto" else args.dtype
-    model, cfg, tokenizer = load_model(args.model, dtype=dtype,
+    model, cfg, tokenizer = load_model(args.model, dtype=resolve_dtype(args.dtype),
                                        with_tokenizer=not args.skip_tokenizer_init, mesh=mesh)
     fns = model_fns(model, cfg, attn_impl=attention_backend(args, cfg),
                     batch_invariant=args.batch_invariant)
-    limit = cfg.max_model_len  # position limit, capped by a sliding window (not applied)
-    max_model_len = args.max_model_len or limit
-    if max_model_len > limit:
-        raise ValueError(f"max_model_len={max_model_len} exceeds the model's limit of {limit}")
-    return LLMEngine(fns, args, tokenizer=tokenizer, max_model_len=max_model_len,
-                     num_blocks=num_kv_blocks(args, fns, max_model_len, mesh.devices.flat[0]))
+    config = resolve_config(args, fns, cfg, mesh.devices.flat[0])
+    draft = load_draft(config.speculative, dtype=config.dtype, attention=args.attention_backend)
+    return LLMEngine(fns, args, config, tokenizer=tokenizer, draft=draft)
 

@@ -30,6 +30,7 @@ import random
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
+from jaxengine.config import EngineConfig
 from jaxengine.engine import inputs
 from jaxengine.engine.args import EngineArgs
 from jaxengine.engine.detokenizer import IncrementalDetokenizer
@@ -42,14 +43,13 @@ from jaxengine.engine.request_state import TrackedRequest
 from jaxengine.engine.stats import IterationStats, StatLogger
 from jaxengine.kv_offload import offloading_worker
 from jaxengine.model.fns import ModelFns
-from jaxengine.runner.compiles import debug_recompiles_from_env
 from jaxengine.runner.config import RunnerConfig
 from jaxengine.runner.in_flight import InFlight, SampledToken
 from jaxengine.runner.runner import Runner
 from jaxengine.sampling.bad_words import tokenize_bad_words
 from jaxengine.sampling.rows import SamplingRow
+from jaxengine.spec.factory import make_speculator
 from jaxengine.spec.metrics import SpecDecodingStats
-from jaxengine.spec.speculator import make_speculator
 from jaxengine.structured.compiler import GrammarCompiler
 from jaxengine.structured.params import StructuredOutputsParams
 from scheduler import (
@@ -57,7 +57,6 @@ from scheduler import (
     Request,
     RequestDelta,
     SamplingParams,
-    SchedulerConfig,
     SchedulerOutput,
     SchedulerState,
     abort_requests,
@@ -82,8 +81,8 @@ class LLMEngine:
     `IterationStats`, and an `IterationStats` of the requests each `abort_request` finished.
     """
 
-    def __init__(self, model: ModelFns, args: EngineArgs, *, tokenizer: TokenizerLike | None,
-                 max_model_len: int, num_blocks: int,
+    def __init__(self, model: ModelFns, args: EngineArgs, config: EngineConfig, *,
+                 tokenizer: TokenizerLike | None, draft: ModelFns | None = None,
                  stat_loggers: Sequence[StatLogger] = (),
                  make_runner: Callable[[ModelFns, RunnerConfig], Runner] = Runner,
                  clock: Callable[[], float] = time.time,
@@ -92,10 +91,11 @@ class LLMEngine:
 
         Args:
           model: the model's pure functions and weights (real or fake).
-          args: engine arguments.
+          args: the engine arguments, as given (what `EngineClient.args` reports).
+          config: `args` resolved for this model and these devices
+            (`jaxengine.engine.engine_config.create_engine_config`); all the engine reads.
           tokenizer: encodes string prompts and decodes outputs; None = token ids only.
-          max_model_len: the resolved longest sequence.
-          num_blocks: KV pages in the pool, including the null block 0.
+          draft: the draft model's functions, for speculative method "draft_model".
           stat_loggers: receivers of each step's statistics (e.g. `jaxengine.metrics`').
           make_runner: builds the runner from the model and its sizes: a `Runner`, or
             anything with the `Runner` methods the loops call (`engine/loops.py`; the
@@ -105,45 +105,32 @@ class LLMEngine:
             simulator's is virtual).
           on_schedule: called with (state before, state after, plan) of every step's
             `schedule` call, before the plan runs (the simulator's step records).
+        Raises:
+          ValueError: a draft model missing for method "draft_model", or its vocabulary not
+            the target's.
         """
-        spec = args.resolved_speculative_config
-        self.args = args
+        self.args, self.config = args, config
         self.tokenizer = tokenizer
         self.vocab_size = model.vocab_size
-        budget = args.resolved_max_num_batched_tokens(max_model_len)
-        self.scheduler_config = SchedulerConfig(
-            max_num_batched_tokens=budget, max_num_seqs=args.max_num_seqs,
-            max_model_len=max_model_len, enable_chunked_prefill=args.enable_chunked_prefill,
-            long_prefill_token_threshold=args.long_prefill_token_threshold,
-            max_num_partial_prefills=args.max_num_partial_prefills,
-            max_long_partial_prefills=args.max_long_partial_prefills,
-            policy=args.scheduling_policy, block_size=args.block_size, num_blocks=num_blocks,
-            enable_prefix_caching=args.enable_prefix_caching,
-            async_scheduling=args.async_scheduling)
+        self.scheduler_config = config.scheduler
         self.state: SchedulerState = init_state(self.scheduler_config)
-        self.runner = make_runner(model, RunnerConfig(
-            max_num_batched_tokens=budget, max_num_seqs=args.max_num_seqs,
-            max_model_len=max_model_len, block_size=args.block_size, num_blocks=num_blocks,
-            max_logprobs=args.max_logprobs,
-            intermediate_token_buckets=args.intermediate_token_buckets,
-            debug_recompiles=args.debug_recompiles or debug_recompiles_from_env(),
-            num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens))
-        self.speculator = None if spec is None else make_speculator(
-            spec, runner=self.runner, dtype=args.dtype, attention_backend=args.attention_backend,
-            max_model_len=max_model_len,
+        self.runner = make_runner(model, RunnerConfig.of(config))
+        self.speculator = None if config.speculative is None else make_speculator(
+            config.speculative, runner=self.runner, draft=draft,
+            max_model_len=config.max_model_len,
             eos_token_id=None if tokenizer is None else tokenizer.eos_token_id,
-            async_scheduling=args.async_scheduling)
-        if args.precompile:
+            async_scheduling=config.scheduler.async_scheduling)
+        if config.precompile:
             self.runner.precompile()
         # Host offloading (kv_offloading_size): its connector answers every schedule() call.
-        self.kv_offload = offloading_worker(args, self.runner, model.kv_page_axis)
+        self.kv_offload = offloading_worker(config, self.runner, model.kv_page_axis)
         self.clock = clock
         self._on_schedule = on_schedule
-        self._seeds = random.Random(args.seed)
+        self._seeds = random.Random(config.seed)
         self._tracked: dict[str, TrackedRequest] = {}
         self.stat_loggers: list[StatLogger] = list(stat_loggers)
         # The step loop, chosen once: async scheduling's holds the step in flight.
-        self._loop = AsyncLoop(self) if args.async_scheduling else SyncLoop(self)
+        self._loop = AsyncLoop(self) if config.scheduler.async_scheduling else SyncLoop(self)
         self.grammars = Grammars(tokenizer, vocab_size=self.vocab_size,
                                  eos_token_id=self.eos_token_id,
                                  on_compiler=self._give_runner_executor)
@@ -215,7 +202,7 @@ class LLMEngine:
         if not isinstance(params, SamplingParams):  # its own checks ran when it was built
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
         text, ids = self.resolve_prompt(prompt)
-        inputs.check_params(params, max_logprobs=self.args.max_logprobs,
+        inputs.check_params(params, max_logprobs=self.config.max_logprobs,
                             vocab_size=self.vocab_size, has_tokenizer=self.tokenizer is not None)
         if params.structured_outputs is not None:
             _ = self.grammar_compiler  # raises without a tokenizer

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from jaxengine.config import resolve_dtype
 from jaxengine.engine import build
 from jaxengine.engine.args import EngineArgs
 from jaxengine.loading.load import load_model
@@ -42,8 +43,8 @@ def load_model_fns(path: str | None = None, *, dtype: str = "float32",
     args = EngineArgs(model=path, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
                       attention_backend=attention_backend, block_size=block_size)
     mesh = make_mesh(engine_devices(tensor_parallel_size))
-    model, cfg, tokenizer = load_model(path, dtype="float32" if dtype == "auto" else dtype,
-                                       mesh=mesh, progress=progress)
+    model, cfg, tokenizer = load_model(path, dtype=resolve_dtype(args.dtype), mesh=mesh,
+                                       progress=progress)
     return build.model_fns(model, cfg, attn_impl=build.attention_backend(args, cfg)), tokenizer
 
 

@@ -25,7 +25,6 @@ import jax
 import numpy as np
 
 from jaxengine.engine.args import EngineArgs
-from jaxengine.engine.build import kv_budget_bytes
 from jaxengine.lab.bench import build_warm_engine
 from jaxengine.lab.cost_model import (
     FEATURES,
@@ -34,9 +33,6 @@ from jaxengine.lab.cost_model import (
     fit_report,
     plan_features,
 )
-from jaxengine.loading.gguf_file import gguf_metadata, open_gguf, read_gguf_config
-from jaxengine.loading.hf import read_hf_config
-from jaxengine.loading.load import default_model_path
 from jaxengine_kernels import default_impl
 from scheduler import SamplingParams, SchedulerOutput, schedule
 
@@ -156,7 +152,7 @@ def time_scene(engine, scene: Scene, index: int, *, rng: np.random.Generator,
 def _completed(engine, plan: SchedulerOutput, state: dict) -> SchedulerOutput | None:
     """The plan the coming `step()` call completes (see `jaxengine.lab.cost_model`)."""
     live = plan if plan.num_scheduled_tokens else None
-    if not engine.args.async_scheduling:
+    if not engine.config.scheduler.async_scheduling:
         return live
     completed, state["in_flight"] = state["in_flight"], live
     return completed
@@ -199,7 +195,7 @@ def calibrate(args: EngineArgs, *, scenes: Sequence[Scene] | None = None,
                 f"{' + ' + str(list(scene.inject)) if scene.inject else ''}: "
                 f"{time.perf_counter() - t0:.1f} s")
     model = fit_samples(samples, hold_out_every=hold_out_every)
-    per_block = engine.runner.model.kv_bytes_per_block(cfg.block_size)
+    config = engine.config
     device = jax.devices()[0]
     # The backend as resolved, not None: what None picks depends on the platform and on
     # whether the native CPU kernel builds (`jaxengine_kernels.default_impl`).
@@ -207,9 +203,10 @@ def calibrate(args: EngineArgs, *, scenes: Sequence[Scene] | None = None,
     return dataclasses.replace(
         model, engine_args=dataclasses.asdict(args) | resolved, backend=jax.default_backend(),
         device=getattr(device, "device_kind", str(device)), num_blocks=cfg.num_blocks,
-        kv_bytes_per_token=per_block // cfg.block_size, kv_budget_bytes=kv_budget_bytes(args),
+        kv_bytes_per_token=config.cache.kv_bytes_per_block // cfg.block_size,
+        kv_budget_bytes=config.cache.kv_budget_bytes,
         max_model_len=cfg.max_model_len,
-        model_max_model_len=_model_limit(args), vocab_size=engine.vocab_size,
+        model_max_model_len=config.model_max_model_len, vocab_size=engine.vocab_size,
         info={**model.info, "scenes": [dataclasses.asdict(s) for s in grid],
               "repeats": repeats,
               # 1-minute load averages at the start and the end: other processes' load sets
@@ -217,16 +214,6 @@ def calibrate(args: EngineArgs, *, scenes: Sequence[Scene] | None = None,
               "load_average": [load_start, os.getloadavg()[0]],
               "seconds": round(time.perf_counter() - t_start, 1),
               "date": time.strftime("%Y-%m-%d %H:%M:%S")})
-
-
-def _model_limit(args: EngineArgs) -> int:
-    """The model's own max_model_len (the engine only knows the resolved one), read from its
-    config alone."""
-    path = args.model or default_model_path()
-    if os.path.isdir(path):
-        return read_hf_config(path).max_model_len
-    reader = open_gguf(path)
-    return read_gguf_config(reader, gguf_metadata(reader)).max_model_len
 
 
 def fit_samples(samples: Sequence[Sample], *, hold_out_every: int = 4,

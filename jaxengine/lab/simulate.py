@@ -22,7 +22,9 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from jaxengine.config import EngineConfig
 from jaxengine.engine.args import EngineArgs
+from jaxengine.engine.engine_config import create_engine_config
 from jaxengine.engine.llm_engine import LLMEngine
 from jaxengine.engine.outputs import RequestOutput
 from jaxengine.lab.cost_model import CALIBRATION_KEYS, CostModel
@@ -31,7 +33,7 @@ from jaxengine.lab.results import RunResult, request_result
 from jaxengine.lab.timeline import StepRecord, step_record
 from jaxengine.lab.workloads import Workload, WorkloadRequest
 from jaxengine.model.fake import fake_model
-from scheduler import SamplingParams, SchedulerConfig, SchedulerOutput, SchedulerState
+from scheduler import SamplingParams, SchedulerOutput, SchedulerState
 
 
 def simulation_args(cost: CostModel, overrides: Mapping[str, Any] | None = None) -> EngineArgs:
@@ -52,40 +54,19 @@ def simulation_args(cost: CostModel, overrides: Mapping[str, Any] | None = None)
     return EngineArgs.from_kwargs(**(base | overrides))
 
 
-def scheduler_config(args: EngineArgs, cost: CostModel) -> SchedulerConfig:
-    """The `SchedulerConfig` an `LLMEngine` built from `args` would use on the calibrated
-    machine (as `LLMEngine.__init__` and `build_engine` derive it), with the KV pool sized
-    from the calibrated budget and per-token KV bytes.
+def simulation_config(args: EngineArgs, cost: CostModel) -> EngineConfig:
+    """The `EngineConfig` an engine built from `args` would resolve on the calibrated machine
+    (`create_engine_config`, with the model's limit, per-token KV bytes and KV budget the
+    cost model recorded).
 
     Raises:
-      ValueError: max_model_len beyond the model's limit, or a pool that cannot hold one
-        request of max_model_len tokens (the engine refuses to start then too).
+      ValueError: what `create_engine_config` raises: max_model_len beyond the model's limit,
+        or a pool that cannot hold one request of max_model_len tokens.
     """
-    max_model_len = args.max_model_len or cost.model_max_model_len
-    if max_model_len > cost.model_max_model_len:
-        raise ValueError(f"max_model_len={max_model_len} exceeds the model's limit of "
-                         f"{cost.model_max_model_len}")
-    bs = args.block_size
-    need = -(-max_model_len // bs) + 1
-    if args.num_gpu_blocks_override is not None:
-        blocks = args.num_gpu_blocks_override
-    else:
-        budget = args.kv_cache_memory_bytes or cost.kv_budget_bytes
-        blocks = budget // (cost.kv_bytes_per_token * bs)
-    if blocks < need:
-        raise ValueError(f"{blocks} KV blocks of {bs} tokens cannot hold one request of "
-                         f"max_model_len={max_model_len} tokens ({need} blocks); raise "
-                         "num_gpu_blocks_override or lower max_model_len")
-    return SchedulerConfig(
-        max_num_batched_tokens=args.resolved_max_num_batched_tokens(max_model_len),
-        max_num_seqs=args.max_num_seqs, max_model_len=max_model_len,
-        enable_chunked_prefill=args.enable_chunked_prefill,
-        long_prefill_token_threshold=args.long_prefill_token_threshold,
-        max_num_partial_prefills=args.max_num_partial_prefills,
-        max_long_partial_prefills=args.max_long_partial_prefills,
-        policy=args.scheduling_policy, block_size=bs, num_blocks=int(blocks),
-        enable_prefix_caching=args.enable_prefix_caching,
-        async_scheduling=args.async_scheduling)
+    return create_engine_config(
+        args, model_max_model_len=cost.model_max_model_len,
+        kv_bytes_per_block=cost.kv_bytes_per_token * args.block_size,
+        device_kv_budget_bytes=cost.kv_budget_bytes)
 
 
 def _check_simulatable(args: EngineArgs) -> None:
@@ -104,14 +85,14 @@ class Simulation:
                  keep_plans: bool = False) -> None:
         _check_simulatable(args)
         self.workload, self.cost, self.args = workload, cost, args
-        self.config = scheduler_config(args, cost)
+        engine_config = simulation_config(args, cost)
+        self.config = engine_config.scheduler
         self.clock = VirtualClock()
         self.records: list[dict[str, Any]] = []
         self.plans: list[SchedulerOutput] | None = [] if keep_plans else None
         self._record: StepRecord | None = None  # of the engine call under way
         self.engine = LLMEngine(
-            fake_model(cost.vocab_size), args, tokenizer=None,
-            max_model_len=self.config.max_model_len, num_blocks=self.config.num_blocks,
+            fake_model(cost.vocab_size), args, engine_config, tokenizer=None,
             make_runner=lambda _, config: CostModelRunner(
                 config, cost, self.clock, async_scheduling=args.async_scheduling),
             clock=self.clock, on_schedule=self._scheduled)

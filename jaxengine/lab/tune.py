@@ -23,7 +23,7 @@ from typing import Any
 from jaxengine.engine.args import EngineArgs
 from jaxengine.lab.cost_model import CostModel
 from jaxengine.lab.results import METRICS, PERCENTILES, summary
-from jaxengine.lab.simulate import simulate
+from jaxengine.lab.simulate import simulate, simulation_config
 from jaxengine.lab.workloads import Workload
 
 SIZES = {"max_num_seqs": (8, 16, 32, 64, 128),
@@ -151,10 +151,13 @@ def tune(workload: Workload, cost: CostModel, base: EngineArgs, *,
       base: every other engine argument (and the starting point of the unswept ones).
       slo: metric -> limit in seconds (`parse_slo`); empty: every configuration meets it.
       sizes: stage 1's grid (default `SIZES`).
+    Raises:
+      ValueError: `base` itself cannot run (`simulation_config`), or no configuration of the
+        sweep can run the workload.
     """
     metric = next(iter(slo), "ttft_p99")
     sizes = dict(SIZES, **(sizes or {}))
-    max_model_len = base.max_model_len or cost.model_max_model_len
+    max_model_len = simulation_config(base, cost).max_model_len
     trials: dict[str, Trial] = {}
 
     def add(changes: Mapping[str, Any]) -> None:

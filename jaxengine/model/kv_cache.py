@@ -44,8 +44,8 @@ def kv_cache_shape(cfg: ModelConfig, *, num_blocks: int, block_size: int,
 
 def kv_cache_bytes_per_block(cfg: ModelConfig, *, block_size: int, dtype: jnp.dtype,
                              num_kv_heads: int | None = None, shards: int = 1) -> int:
-    """Bytes one page takes across all layers on each device (`engine.build.num_kv_blocks`
-    sizes the pool from one device's budget).
+    """Bytes one page takes across all layers on each device (`create_engine_config` sizes the
+    pool from one device's budget).
 
     Args:
         num_kv_heads: K as the model lays it out (default: the config's).

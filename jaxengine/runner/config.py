@@ -4,32 +4,35 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from jaxengine.config import EngineConfig
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RunnerConfig:
-    """Static sizes of the runner (all fixed for its lifetime)."""
+    """Static sizes of the runner (all fixed for its lifetime): an engine's are `of` its
+    `EngineConfig`, whose parts checked them; a test may give plain numbers."""
 
     max_num_batched_tokens: int  # largest token bucket
     max_num_seqs: int  # R, size of every request-indexed array
     max_model_len: int  # sets the block-table width
     block_size: int  # L
     num_blocks: int  # P, pages in the KV pool (block 0 is the null block)
-    max_logprobs: int = 20  # n of the top-logprobs output
-    intermediate_token_buckets: bool = False  # add 1.5x buckets: less padding, more compiles
-    debug_recompiles: bool = False  # raise RecompileError on a compilation after warm-up
-    num_speculative_tokens: int = 0  # K: drafts a request may verify per step (jaxengine/spec)
+    max_logprobs: int  # n of the top-logprobs output
+    intermediate_token_buckets: bool  # add 1.5x buckets: less padding, more compiles
+    debug_recompiles: bool  # raise RecompileError on a compilation after warm-up
+    num_speculative_tokens: int  # K: drafts a request may verify per step (jaxengine/spec)
 
-    def __post_init__(self) -> None:
-        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_blocks < 2:
-            raise ValueError(f"num_blocks must be >= 2 (block 0 is null), got {self.num_blocks}")
-        if self.max_logprobs < 0:
-            raise ValueError(f"max_logprobs must be >= 0, got {self.max_logprobs}")
-        if self.num_speculative_tokens < 0:
-            raise ValueError(f"num_speculative_tokens must be >= 0, got "
-                             f"{self.num_speculative_tokens}")
+    @classmethod
+    def of(cls, config: EngineConfig) -> RunnerConfig:
+        """The runner's part of an engine's resolved configuration."""
+        s = config.scheduler
+        return cls(max_num_batched_tokens=s.max_num_batched_tokens,
+                   max_num_seqs=s.max_num_seqs, max_model_len=s.max_model_len,
+                   block_size=s.block_size, num_blocks=s.num_blocks,
+                   max_logprobs=config.max_logprobs,
+                   intermediate_token_buckets=config.intermediate_token_buckets,
+                   debug_recompiles=config.debug_recompiles,
+                   num_speculative_tokens=config.num_speculative_tokens)
 
     @property
     def max_blocks_per_seq(self) -> int:

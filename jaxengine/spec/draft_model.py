@@ -31,11 +31,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxengine.config.speculative import SpeculativeConfig
 from jaxengine.model.batch import ModelBatch, RequestChunk, pack_batch
 from jaxengine.model.fns import ModelFns
 from jaxengine.runner.buckets import pick_bucket
 from jaxengine.sampling.argmax import argmax
-from jaxengine.spec.config import SpeculativeConfig
 from jaxengine.spec.speculator import Speculator, _Token
 from scheduler import PLACEHOLDER_TOKEN_ID, SchedulerOutput
 
@@ -194,21 +194,3 @@ def _known_inputs(plan: SchedulerOutput, rid: str, t: TrackedRequest | None
     start, history = plan.num_computed_tokens[rid], (*t.prompt_token_ids, *t.token_ids)
     return tuple(history[start + j] if x == PLACEHOLDER_TOKEN_ID else x
                  for j, x in enumerate(ids))
-
-
-def load_draft(path: str, *, dtype: str, attention_backend: str | None) -> ModelFns:
-    """The draft model's functions, loaded as `jaxengine.engine.build` loads a target (its
-    own devices: jax's first; the default attention for the platform unless one is given).
-
-    Raises:
-      ModelLoadError (a ValueError): a bad path or files, named by the loader.
-    """
-    from jaxengine.engine.args import EngineArgs
-    from jaxengine.engine.build import attention_backend as pick_attention
-    from jaxengine.engine.build import model_fns
-    from jaxengine.loading.load import load_model
-
-    model, cfg, _ = load_model(path, dtype="float32" if dtype == "auto" else dtype,
-                               with_tokenizer=False)
-    attn = pick_attention(EngineArgs(attention_backend=attention_backend), cfg)
-    return model_fns(model, cfg, attn_impl=attn)

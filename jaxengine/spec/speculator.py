@@ -19,15 +19,14 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
+from jaxengine.config.speculative import SpeculativeConfig
 from jaxengine.runner.verify import draftable, num_accepted
-from jaxengine.spec.config import SpeculativeConfig
 from jaxengine.spec.metrics import SpecDecodingStats
 from jaxengine.spec.ngram import propose_ngram
 from scheduler import SchedulerOutput, check_stop
 
 if TYPE_CHECKING:
     from jaxengine.engine.request_state import TrackedRequest
-    from jaxengine.runner.runner import Runner
 
 
 class _Token(Protocol):
@@ -146,22 +145,3 @@ def tokens_in_flight(in_flight: SchedulerOutput | None, request_id: str) -> int 
     if in_flight is None or request_id not in in_flight.sampling_req_ids:
         return 0
     return None if request_id in in_flight.scheduled_spec_decode_tokens else 1
-
-
-def make_speculator(config: SpeculativeConfig, *, runner: Runner, dtype: str,
-                    attention_backend: str | None, max_model_len: int,
-                    eos_token_id: int | None, async_scheduling: bool = False) -> Speculator:
-    """The engine's speculator for `config.method` ("draft_model" loads its model here;
-    under `async_scheduling` its proposal runs one greedy step more, for the token in flight).
-
-    Raises:
-      ValueError: the draft model cannot be loaded or its vocabulary is not the target's.
-    """
-    if config.method != "draft_model":
-        return Speculator(config, max_model_len=max_model_len, eos_token_id=eos_token_id)
-    from jaxengine.spec.draft_model import DraftModelSpeculator, load_draft
-
-    assert config.model is not None  # SpeculativeConfig requires it for draft_model
-    draft = load_draft(config.model, dtype=dtype, attention_backend=attention_backend)
-    return DraftModelSpeculator(config, draft, runner, max_model_len=max_model_len,
-                                eos_token_id=eos_token_id, async_scheduling=async_scheduling)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxengine.lab.simulate import scheduler_config, simulation_args
+from jaxengine.lab.simulate import simulation_args, simulation_config
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "simulator_speed.py"
 
@@ -22,7 +22,7 @@ def _script():
 
 def test_the_cost_model_is_smollm2_sized_and_holds_the_default_engine() -> None:
     cost = _script().smollm2_sized_cost()
-    config = scheduler_config(simulation_args(cost), cost)
+    config = simulation_config(simulation_args(cost), cost).scheduler
     assert (cost.vocab_size, config.max_model_len, config.max_num_seqs) == (49152, 8192, 128)
     # 1 GiB of f32 KV at 30 layers x 3 KV heads x 64 x 2 (K and V) x 4 bytes a token.
     assert config.num_blocks == (1 << 30) // (46080 * 16)

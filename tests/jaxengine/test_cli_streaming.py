@@ -19,6 +19,7 @@ from jaxengine.engine.llm_engine import LLMEngine
 from jaxengine.engine.outputs import RequestOutput
 from jaxengine.llm import LLM
 from jaxengine.model.fake import fake_greedy, fake_model
+from tests.engine_helpers import engine_over
 from tests.jaxengine.engine.test_llm_engine import V
 from tests.jaxengine.test_llm import ChatTokenizer
 
@@ -64,8 +65,8 @@ class Log:
         streaming under async scheduling is tested in test_streaming.py)."""
         args = EngineArgs(max_num_batched_tokens=32, max_num_seqs=4, block_size=4,
                           long_prefill_token_threshold=8, async_scheduling=False)
-        engine = LLMEngine(fake_model(V), args, tokenizer=TOK, max_model_len=128,
-                           num_blocks=64)
+        engine = engine_over(fake_model(V), args, tokenizer=TOK, max_model_len=128,
+                             num_blocks=64)
         real_step = engine.step
 
         def step() -> list[RequestOutput]:

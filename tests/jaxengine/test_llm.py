@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 
 from jaxengine.engine.args import EngineArgs
-from jaxengine.engine.llm_engine import LLMEngine
 from jaxengine.llm import LLM
 from jaxengine.model.fake import fake_greedy, fake_model
 from scheduler import SamplingParams
+from tests.engine_helpers import engine_over
 from tests.jaxengine.engine.test_llm_engine import FakeTokenizer, V
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
@@ -29,8 +29,8 @@ class ChatTokenizer(FakeTokenizer):
 
 def _llm() -> LLM:
     args = EngineArgs(max_num_batched_tokens=32, max_num_seqs=4, block_size=4)
-    engine = LLMEngine(fake_model(V), args, tokenizer=ChatTokenizer(), max_model_len=128,
-                       num_blocks=64)
+    engine = engine_over(fake_model(V), args, tokenizer=ChatTokenizer(), max_model_len=128,
+                         num_blocks=64)
     return LLM.from_engine(engine)
 
 

@@ -19,6 +19,7 @@ from jaxengine.engine.llm_engine import LLMEngine
 from jaxengine.model.config import ModelConfig
 from jaxengine.model.llama import Model
 from scheduler import SamplingParams
+from tests.engine_helpers import engine_over
 
 CFG = ModelConfig.tiny(hidden_size=256, head_dim=64, num_heads=4, num_kv_heads=2,
                        vocab_size=256, max_position_embeddings=512)
@@ -38,7 +39,7 @@ def _fns() -> Any:
 def _engine() -> LLMEngine:
     args = EngineArgs(batch_invariant=True, max_num_batched_tokens=128, max_num_seqs=48,
                       block_size=16)
-    return LLMEngine(_fns(), args, tokenizer=None, max_model_len=256, num_blocks=600)
+    return engine_over(_fns(), args, tokenizer=None, max_model_len=256, num_blocks=600)
 
 
 def _run(engine: LLMEngine, crowd: int) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from jaxengine.replicas.data_parallel import DataParallelEngine
 from jaxengine.replicas.lockstep import LeaderEngine
 from jaxengine.structured import StructuredOutputsParams
 from scheduler import SamplingParams, SamplingParamsError
+from tests.engine_helpers import engine_over
 from tests.jaxengine.engine.test_llm_engine import V, make_engine
 
 MEMBERS = {"args", "tokenizer", "max_model_len", "vocab_size", "scheduler_config", "replicas",
@@ -31,9 +32,9 @@ REGEX = StructuredOutputsParams(regex="(ab)+")
 
 def _untokenized() -> LLMEngine:
     """A fake-model engine without a tokenizer: it cannot compile a grammar."""
-    return LLMEngine(fake_model(V), EngineArgs(max_num_batched_tokens=32, max_num_seqs=4,
-                                               block_size=4),
-                     tokenizer=None, max_model_len=64, num_blocks=50)
+    return engine_over(fake_model(V), EngineArgs(max_num_batched_tokens=32, max_num_seqs=4,
+                                                 block_size=4),
+                       tokenizer=None, max_model_len=64, num_blocks=50)
 
 
 def test_the_protocol_lists_what_the_callers_read() -> None:

@@ -10,6 +10,7 @@ from jaxengine.llm import LLM
 from jaxengine.loading.tokenizer import Tokenizer
 from jaxengine.model.fake import fake_greedy, fake_model
 from scheduler import SamplingParams, check_invariants
+from tests.engine_helpers import engine_over
 from tests.fixtures.char_tokenizer import char_tokenizer
 
 V = 97
@@ -29,8 +30,8 @@ def make_engine(*, num_blocks: int = 200, max_model_len: int = 256, **kw: Any) -
     """An engine over the fake model and tokenizer, with small default sizes."""
     base: dict[str, Any] = dict(max_num_batched_tokens=32, max_num_seqs=4, block_size=4)
     base.update(kw)
-    return LLMEngine(fake_model(V), EngineArgs(**base), tokenizer=FakeTokenizer(),
-                     max_model_len=max_model_len, num_blocks=num_blocks)
+    return engine_over(fake_model(V), EngineArgs(**base), tokenizer=FakeTokenizer(),
+                       max_model_len=max_model_len, num_blocks=num_blocks)
 
 
 def run_all(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from jaxengine.engine.args import EngineArgs
-from jaxengine.engine.llm_engine import LLMEngine
 from jaxengine.model.fake import LOGIT, fake_greedy, fake_model, fake_next_token
 from scheduler import SamplingParams, SamplingParamsError
+from tests.engine_helpers import engine_over
 from tests.jaxengine.engine.test_async_scheduling import both, run
 from tests.jaxengine.engine.test_llm_engine import PROMPTS, FakeTokenizer, V, make_engine
 from tests.jaxengine.sampling.penalty_reference import reference_logits
@@ -122,9 +122,9 @@ def test_ids_outside_the_vocabulary_name_their_field(params: SamplingParams, fie
 
 
 def test_bad_words_need_a_tokenizer() -> None:
-    engine = LLMEngine(fake_model(V), EngineArgs(max_num_batched_tokens=32, max_num_seqs=4,
-                                                 block_size=4),
-                       tokenizer=None, max_model_len=64, num_blocks=50)
+    engine = engine_over(fake_model(V), EngineArgs(max_num_batched_tokens=32, max_num_seqs=4,
+                                                   block_size=4),
+                         tokenizer=None, max_model_len=64, num_blocks=50)
     with pytest.raises(SamplingParamsError, match="tokenizer") as info:
         engine.add_request("a", [1, 2], SamplingParams(bad_words=["x"]))
     assert info.value.param == "bad_words"

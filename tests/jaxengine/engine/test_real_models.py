@@ -12,12 +12,13 @@ from typing import Any
 import pytest
 
 from jaxengine.engine.args import EngineArgs
-from jaxengine.engine.build import build_engine, model_fns, num_kv_blocks
-from jaxengine.engine.llm_engine import LLMEngine
+from jaxengine.engine.build import build_engine, model_fns, resolve_config
 from jaxengine.llm import LLM
+from jaxengine.loading.hf import read_hf_config
 from jaxengine.loading.load import load_model
 from jaxengine.loading.tokenizer import Tokenizer
 from scheduler import SamplingParams
+from tests.engine_helpers import engine_over
 
 ROOT = Path(__file__).resolve().parents[3]
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
@@ -49,8 +50,8 @@ def _llm(**kw: Any) -> LLM:
     """An LLM over the tiny model, loaded once so all engines share compiled executables."""
     fns, tokenizer = _loaded()
     args = EngineArgs(**{**SMALL, "num_gpu_blocks_override": 200, **kw})
-    engine = LLMEngine(fns, args, tokenizer=tokenizer, max_model_len=args.max_model_len,
-                       num_blocks=args.num_gpu_blocks_override)
+    engine = engine_over(fns, args, tokenizer=tokenizer, max_model_len=args.max_model_len,
+                         num_blocks=args.num_gpu_blocks_override)
     return LLM.from_engine(engine)
 
 
@@ -114,7 +115,8 @@ def test_a_kv_pool_that_cannot_hold_max_model_len_is_refused_at_build() -> None:
     fits = build_engine(EngineArgs(model=str(TINY), **SMALL, kv_cache_memory_bytes=33 * per_block))
     assert fits.scheduler_config.num_blocks == 33
     almost = EngineArgs(**SMALL, kv_cache_memory_bytes=34 * per_block - 1)  # whole blocks only
-    assert num_kv_blocks(almost, _loaded()[0], max_model_len=128) == 33
+    config = resolve_config(almost, _loaded()[0], read_hf_config(str(TINY)))
+    assert config.scheduler.num_blocks == 33
 
 
 def test_serve_with_a_kv_pool_too_small_exits_with_the_numbers() -> None:

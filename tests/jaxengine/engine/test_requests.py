@@ -7,10 +7,10 @@ from typing import Any
 import pytest
 
 from jaxengine.engine.args import EngineArgs
-from jaxengine.engine.llm_engine import LLMEngine
 from jaxengine.llm import LLM
 from jaxengine.model.fake import fake_greedy, fake_model
 from scheduler import SamplingParams, SamplingParamsError
+from tests.engine_helpers import engine_over
 from tests.jaxengine.engine.test_llm_engine import EOS, FakeTokenizer, V, make_engine, run_all
 
 P = [5, 6, 7, 8]
@@ -74,9 +74,9 @@ def test_what_only_the_engine_can_check_names_the_param(params: SamplingParams,
 
 
 def test_stop_strings_without_a_tokenizer_name_stop() -> None:
-    engine = LLMEngine(fake_model(V), EngineArgs(max_num_batched_tokens=32, max_num_seqs=4,
-                                                 block_size=4),
-                       tokenizer=None, max_model_len=64, num_blocks=40)
+    engine = engine_over(fake_model(V), EngineArgs(max_num_batched_tokens=32, max_num_seqs=4,
+                                                   block_size=4),
+                         tokenizer=None, max_model_len=64, num_blocks=40)
     with pytest.raises(SamplingParamsError, match="stop_token_ids instead") as info:
         engine.add_request("a", {"prompt_token_ids": P}, SamplingParams(stop=["x"]))
     assert info.value.param == "stop"

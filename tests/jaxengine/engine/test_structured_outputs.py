@@ -22,6 +22,7 @@ from jaxengine.engine.llm_engine import LLMEngine
 from jaxengine.model.fake import fake_model
 from jaxengine.structured import StructuredOutputsError, StructuredOutputsParams
 from scheduler import SamplingParams, SamplingParamsError, check_invariants
+from tests.engine_helpers import engine_over
 from tests.jaxengine.engine.test_llm_engine import V
 
 TINY = Path(__file__).resolve().parents[2] / "fixtures" / "tiny" / "llama_tied_mha"
@@ -135,9 +136,9 @@ def test_a_grammar_that_fails_to_compile_aborts_its_request() -> None:
 
 
 def test_structured_outputs_need_the_models_tokenizer() -> None:
-    engine = LLMEngine(fake_model(V), EngineArgs(max_num_batched_tokens=32, max_num_seqs=4,
-                                                 block_size=4),
-                       tokenizer=None, max_model_len=64, num_blocks=50)  # skip_tokenizer_init
+    engine = engine_over(fake_model(V), EngineArgs(max_num_batched_tokens=32, max_num_seqs=4,
+                                                   block_size=4),
+                         tokenizer=None, max_model_len=64, num_blocks=50)  # skip_tokenizer_init
     with pytest.raises(SamplingParamsError, match="need the model's tokenizer") as e:
         engine.add_request("r", [1, 2], SamplingParams(
             structured_outputs=StructuredOutputsParams(regex="a")))

@@ -9,7 +9,6 @@ import pytest
 from matplotlib.collections import PathCollection
 
 from jaxengine.engine.args import EngineArgs
-from jaxengine.engine.llm_engine import LLMEngine
 from jaxengine.lab.plots import (
     LatencySamples,
     ParetoPoint,
@@ -29,6 +28,7 @@ from scheduler import (
     schedule,
     update_from_output,
 )
+from tests.engine_helpers import engine_over
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -244,9 +244,9 @@ def test_figures_do_not_accumulate_in_pyplot() -> None:
 
 
 def test_engine_timeline_records_a_real_engine_run() -> None:
-    engine = LLMEngine(fake_model(97), EngineArgs(max_num_batched_tokens=16, max_num_seqs=4,
-                                                  block_size=4),
-                       tokenizer=None, max_model_len=64, num_blocks=40)
+    engine = engine_over(fake_model(97), EngineArgs(max_num_batched_tokens=16, max_num_seqs=4,
+                                                    block_size=4),
+                         tokenizer=None, max_model_len=64, num_blocks=40)
     prompts = [list(range(1, 21)), [5, 6, 7], list(range(30, 39))]
     params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(prompts):

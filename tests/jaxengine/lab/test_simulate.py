@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 
 from jaxengine.engine.args import EngineArgs
-from jaxengine.engine.llm_engine import LLMEngine
 from jaxengine.engine.loops import AsyncLoop, SyncLoop
 from jaxengine.lab.cost_model import FEATURES, CostModel
 from jaxengine.lab.generators import scenario
-from jaxengine.lab.simulate import Simulation, scheduler_config, simulate, simulation_args
+from jaxengine.lab.simulate import Simulation, simulate, simulation_args, simulation_config
 from jaxengine.lab.workloads import Workload, WorkloadRequest, parse_workload
 from jaxengine.model.fake import fake_model
 from scheduler import SamplingParams, schedule
+from tests.engine_helpers import engine_over
 
 V = 97
 SMALL = dict(max_num_batched_tokens=32, max_num_seqs=4, block_size=4, max_model_len=112,
@@ -42,8 +42,8 @@ def workload(n: int = 12, seed: int = 0) -> Workload:
 
 def engine_plans(w: Workload, args: EngineArgs, num_blocks: int) -> list[Any]:
     """Every plan a fake-model LLMEngine computes for `w` (all added before the first step)."""
-    engine = LLMEngine(fake_model(V), args, tokenizer=None, max_model_len=args.max_model_len,
-                       num_blocks=num_blocks)
+    engine = engine_over(fake_model(V), args, tokenizer=None, max_model_len=args.max_model_len,
+                         num_blocks=num_blocks)
     for r in w.requests:
         engine.add_request(r.request_id, list(r.prompt_token_ids),
                            SamplingParams(max_tokens=r.max_tokens, temperature=0.0,
@@ -116,8 +116,8 @@ def test_the_simulation_steps_the_engines_own_loop(async_scheduling: bool,
     result = sim.run()
     assert len(calls) == len(result.steps) and set(calls) == {sim.engine}
 
-    engine = LLMEngine(fake_model(V), args, tokenizer=None, max_model_len=args.max_model_len,
-                       num_blocks=40)
+    engine = engine_over(fake_model(V), args, tokenizer=None, max_model_len=args.max_model_len,
+                         num_blocks=40)
     real = Lifecycle()
     engine.stat_loggers.append(real)
     for r in w.requests:
@@ -146,17 +146,17 @@ def test_config_matches_the_engines() -> None:
     for extra in ({}, {"enable_chunked_prefill": False, "max_num_batched_tokens": 112},
                   {"max_num_partial_prefills": 2, "long_prefill_token_threshold": 8}):
         args = EngineArgs(**(SMALL | extra))
-        engine = LLMEngine(fake_model(V), args, tokenizer=None, max_model_len=112,
-                           num_blocks=40)
-        assert scheduler_config(args, cost) == engine.scheduler_config
+        engine = engine_over(fake_model(V), args, tokenizer=None, max_model_len=112,
+                             num_blocks=40)
+        assert simulation_config(args, cost).scheduler == engine.scheduler_config
 
 
 def test_pool_is_sized_from_the_calibrated_budget() -> None:
     cost = cost_model()
     args = dataclasses.replace(EngineArgs(**SMALL), num_gpu_blocks_override=None)
-    assert scheduler_config(args, cost).num_blocks == (1 << 20) // (4 * 4)
-    with pytest.raises(ValueError, match="cannot hold one request"):
-        scheduler_config(dataclasses.replace(args, num_gpu_blocks_override=5), cost)
+    assert simulation_config(args, cost).scheduler.num_blocks == (1 << 20) // (4 * 4)
+    with pytest.raises(ValueError, match="num_gpu_blocks_override=5 leaves 4 usable KV blocks"):
+        simulation_config(dataclasses.replace(args, num_gpu_blocks_override=5), cost)
 
 
 def one_request(arrival: float) -> Workload:

@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 
 from jaxengine.engine.args import EngineArgs
-from jaxengine.engine.llm_engine import LLMEngine
 from jaxengine.llm import LLM
 from jaxengine.loading.generation_config import diff_sampling_params
 from jaxengine.model.config import ModelLoadError
 from jaxengine.model.fake import fake_greedy, fake_model
 from scheduler import SamplingParams
+from tests.engine_helpers import engine_over
 from tests.jaxengine.engine.test_llm_engine import EOS, FakeTokenizer, V
 
 TINY = Path(__file__).resolve().parents[2] / "fixtures" / "tiny" / "llama_tied_mha"
@@ -82,8 +82,8 @@ def test_a_bad_file_is_a_load_error_naming_it(tmp_path: Path, content: str,
 def _fake_llm(model: Path | None, **kw: Any) -> LLM:
     args = EngineArgs(model=None if model is None else str(model), max_num_batched_tokens=32,
                       max_num_seqs=4, block_size=4, **kw)
-    return LLM.from_engine(LLMEngine(fake_model(V), args, tokenizer=FakeTokenizer(),
-                                     max_model_len=128, num_blocks=64))
+    return LLM.from_engine(engine_over(fake_model(V), args, tokenizer=FakeTokenizer(),
+                                       max_model_len=128, num_blocks=64))
 
 
 def test_llm_uses_the_models_defaults_when_given_no_params(tmp_path: Path) -> None:

@@ -99,7 +99,9 @@ def test_a_warm_cache_keeps_the_precompile_guarantees(cache_at: Path) -> None:
     # A program loaded from the cache is counted like one compiled: precompile reports every
     # bucket either way, and after warm-up nothing is loaded or compiled.
     config = RunnerConfig(max_num_batched_tokens=20, max_num_seqs=3, max_model_len=36,
-                          block_size=4, num_blocks=16, debug_recompiles=True)
+                          block_size=4, num_blocks=16, max_logprobs=20,
+                          intermediate_token_buckets=False, debug_recompiles=True,
+                          num_speculative_tokens=0)
     # fake_model is functools.cache'd; __wrapped__ builds a new object of the same programs
     cold = Runner(fake_model.__wrapped__(89), config)
     writers = compile_count(WRITE_SLOT_NAME)

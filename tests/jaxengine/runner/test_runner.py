@@ -31,7 +31,8 @@ V = 97
 
 def _config(**kw: int) -> RunnerConfig:
     base = dict(max_num_batched_tokens=32, max_num_seqs=4, max_model_len=128, block_size=4,
-                num_blocks=64)
+                num_blocks=64, max_logprobs=20, intermediate_token_buckets=False,
+                debug_recompiles=False, num_speculative_tokens=0)
     base.update(kw)
     return RunnerConfig(**base)
 

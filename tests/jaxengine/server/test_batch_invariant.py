@@ -17,10 +17,10 @@ import pytest
 
 from jaxengine.engine.args import EngineArgs
 from jaxengine.engine.build import model_fns
-from jaxengine.engine.llm_engine import LLMEngine
 from jaxengine.loading.tokenizer import Tokenizer
 from jaxengine.model.config import ModelConfig
 from jaxengine.model.llama import Model
+from tests.engine_helpers import engine_over
 from tests.jaxengine.server.test_harness import (
     MODEL_NAME,
     TINY,
@@ -44,8 +44,8 @@ def server() -> Iterator[RunningServer]:
     args = EngineArgs(batch_invariant=True, max_num_batched_tokens=128, max_num_seqs=32,
                       block_size=16)
     fns = model_fns(Model(CFG, seed=0), CFG, attn_impl="cpu", batch_invariant=True)
-    engine = LLMEngine(fns, args, tokenizer=Tokenizer.from_hf_dir(str(TINY)), max_model_len=512,
-                       num_blocks=600)
+    engine = engine_over(fns, args, tokenizer=Tokenizer.from_hf_dir(str(TINY)),
+                         max_model_len=512, num_blocks=600)
     running = serve_engine(engine)
     yield running
     running.stop()

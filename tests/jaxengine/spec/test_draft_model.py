@@ -10,12 +10,15 @@ from typing import Any
 
 import pytest
 
+from jaxengine.config import SpeculativeConfig
 from jaxengine.engine.args import EngineArgs
-from jaxengine.engine.build import build_engine
+from jaxengine.engine.build import build_engine, load_draft
+from jaxengine.model.fake import fake_model
 from jaxengine.runner.compiles import compile_count
 from jaxengine.spec.draft_model import PROPOSE_NAME, REPLAY_NAME
 from scheduler import PLACEHOLDER_TOKEN_ID, SamplingParams, check_invariants
-from tests.jaxengine.engine.test_llm_engine import make_engine
+from tests.engine_helpers import engine_over
+from tests.jaxengine.engine.test_llm_engine import V
 from tests.jaxengine.spec.test_spec_engine import LOOPS, Counts
 
 TINY = Path(__file__).resolve().parents[2] / "fixtures" / "tiny"
@@ -93,11 +96,19 @@ def test_another_draft_changes_no_output() -> None:
 def test_bad_draft_models_are_named() -> None:
     with pytest.raises(ValueError, match="model .* is required by method 'draft_model'"):
         EngineArgs(speculative_config={"method": "draft_model", "num_speculative_tokens": 2})
+    args = EngineArgs(max_num_batched_tokens=32, max_num_seqs=4, block_size=4,
+                      speculative_config=draft_config(TARGET))
+    draft = load_draft(SpeculativeConfig.from_dict(draft_config(TARGET)), dtype="float32",
+                       attention="reference")
     with pytest.raises(ValueError, match="draft model's vocabulary \\(128\\) must be the "
                                          "target's \\(97\\)"):
-        make_engine(speculative_config=draft_config(TARGET))
+        engine_over(fake_model(V), args, tokenizer=None, max_model_len=64, num_blocks=50,
+                    draft=draft)
+    with pytest.raises(ValueError, match="method 'draft_model' needs the draft model's"):
+        engine_over(fake_model(V), args, tokenizer=None, max_model_len=64, num_blocks=50)
     with pytest.raises(ValueError, match="no_such_model"):
-        make_engine(speculative_config=draft_config(TINY / "no_such_model"))
+        load_draft(SpeculativeConfig.from_dict(draft_config(TINY / "no_such_model")),
+                   dtype="float32", attention=None)
 
 
 @pytest.mark.slow  # 21 s: two engines, the draft's replay and proposal

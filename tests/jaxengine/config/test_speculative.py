@@ -7,8 +7,9 @@ from typing import Any
 import pytest
 
 from jaxengine.cli import build_parser, engine_args_from, main
+from jaxengine.config import SpeculativeConfig
 from jaxengine.engine.args import EngineArgs
-from jaxengine.spec import SpeculativeConfig
+from jaxengine.engine.engine_config import create_engine_config
 
 
 @pytest.mark.parametrize(("given", "bounds"), [
@@ -59,11 +60,13 @@ def test_a_draft_model_config() -> None:
         SpeculativeConfig(method="ngram", num_speculative_tokens=2, model="/m")
 
 
-def test_engine_args_resolve_the_dict() -> None:
-    assert EngineArgs().resolved_speculative_config is None
+def test_the_engine_config_holds_the_parsed_dict() -> None:
+    facts = dict(model_max_model_len=256, kv_bytes_per_block=64, device_kv_budget_bytes=1 << 20)
+    assert create_engine_config(EngineArgs(), **facts).speculative is None
     args = EngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": 2})
-    assert args.resolved_speculative_config == SpeculativeConfig(method="ngram",
-                                                                 num_speculative_tokens=2)
+    config = create_engine_config(args, **facts)
+    assert config.speculative == SpeculativeConfig(method="ngram", num_speculative_tokens=2)
+    assert config.num_speculative_tokens == 2
 
 
 def test_the_cli_flag_takes_json(capsys: pytest.CaptureFixture[str]) -> None:

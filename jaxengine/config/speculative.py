@@ -24,7 +24,7 @@ _NOT_BUILT = ("eagle", "eagle3", "medusa", "mlp_speculator", "mtp", "suffix")
 class SpeculativeConfig:
     """Speculative decoding settings (vLLM's names), validated when built."""
 
-    method: str  # "ngram": prompt lookup (ngram.py); "draft_model": a small model (draft_model.py)
+    method: str  # "ngram": prompt lookup (spec/ngram.py); "draft_model": spec/draft_model.py
     num_speculative_tokens: int  # k, the most draft tokens a request gets per step
     model: str | None = None  # draft_model: the draft's HF directory or .gguf file
     prompt_lookup_min: int = DEFAULT_PROMPT_LOOKUP  # shortest suffix n-gram that may match

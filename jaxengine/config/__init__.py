@@ -1,0 +1,20 @@
+"""The engine's resolved configuration: `EngineConfig` and its parts, and `SpeculativeConfig`.
+
+A low layer: it imports nothing from jaxengine's other packages, only the `scheduler` package.
+`jaxengine.engine.engine_config.create_engine_config` resolves `EngineArgs` into it; the
+engine, the runner, KV offloading and the simulator read it.
+"""
+
+from jaxengine.config.engine import (
+    DEFAULT_DTYPE,
+    CacheConfig,
+    Dtype,
+    EngineConfig,
+    ParallelConfig,
+    check_max_model_len,
+    resolve_dtype,
+)
+from jaxengine.config.speculative import SpeculativeConfig
+
+__all__ = ["DEFAULT_DTYPE", "CacheConfig", "Dtype", "EngineConfig", "ParallelConfig",
+           "SpeculativeConfig", "check_max_model_len", "resolve_dtype"]

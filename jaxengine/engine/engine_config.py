@@ -1,0 +1,126 @@
+"""`create_engine_config`: `EngineArgs` resolved into one frozen `EngineConfig`.
+
+The only place a default is decided: dtype "auto", the token budget, max_model_len (the model's
+limit), the KV pool's size (`num_gpu_blocks_override`, else the budget), the offloading store's
+bytes, the debug-recompiles switch. The engine's build calls it with the loaded model's facts
+and the devices' free memory; the simulator with the calibrated machine's.
+"""
+
+from __future__ import annotations
+
+from jaxengine.config import (
+    CacheConfig,
+    EngineConfig,
+    ParallelConfig,
+    SpeculativeConfig,
+    check_max_model_len,
+    resolve_dtype,
+)
+from jaxengine.engine.args import EngineArgs
+from jaxengine.runner.compiles import debug_recompiles_from_env
+from scheduler import SchedulerConfig
+
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # vLLM's token budget per step under chunked prefill
+
+
+def create_engine_config(args: EngineArgs, *, model_max_model_len: int,
+                         kv_bytes_per_block: int, device_kv_budget_bytes: int) -> EngineConfig:
+    """Resolve `args` for one model on one replica's devices.
+
+    Args:
+      args: the engine arguments (validated field by field when built).
+      model_max_model_len: the model's own limit (`ModelConfig.max_model_len`).
+      kv_bytes_per_block: bytes one KV page of `args.block_size` tokens takes on one device,
+        in the resolved dtype.
+      device_kv_budget_bytes: what the devices give the KV pool when `kv_cache_memory_bytes`
+        is unset (`jaxengine.engine.build.device_kv_budget_bytes`).
+    Returns:
+      The frozen `EngineConfig` every layer below the engine reads.
+    Raises:
+      ValueError: max_model_len beyond the model's limit, a pool that cannot hold one request
+        of max_model_len tokens, or scheduler limits that do not fit together; the message
+        names the setting to change.
+    """
+    max_model_len = args.max_model_len or model_max_model_len
+    check_max_model_len(max_model_len, model_max_model_len)
+    budget = (args.kv_cache_memory_bytes if args.kv_cache_memory_bytes is not None
+              else device_kv_budget_bytes)
+    num_blocks = num_kv_blocks(args, max_model_len=max_model_len,
+                               kv_bytes_per_block=kv_bytes_per_block, budget=budget)
+    scheduler = SchedulerConfig(
+        max_num_batched_tokens=max_num_batched_tokens(args, max_model_len),
+        max_num_seqs=args.max_num_seqs, max_model_len=max_model_len,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        max_num_partial_prefills=args.max_num_partial_prefills,
+        max_long_partial_prefills=args.max_long_partial_prefills,
+        policy=args.scheduling_policy, block_size=args.block_size, num_blocks=num_blocks,
+        enable_prefix_caching=args.enable_prefix_caching,
+        async_scheduling=args.async_scheduling)
+    return EngineConfig(
+        dtype=resolve_dtype(args.dtype), model_max_model_len=model_max_model_len,
+        scheduler=scheduler,
+        cache=CacheConfig(kv_bytes_per_block=kv_bytes_per_block, kv_budget_bytes=budget,
+                          kv_offloading_bytes=(int(args.kv_offloading_size * 2**30)
+                                               if args.kv_offloading_size else None)),
+        parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
+                                data_parallel_size=args.data_parallel_size),
+        speculative=(None if args.speculative_config is None
+                     else SpeculativeConfig.from_dict(args.speculative_config)),
+        max_logprobs=args.max_logprobs,
+        intermediate_token_buckets=args.intermediate_token_buckets,
+        debug_recompiles=args.debug_recompiles or debug_recompiles_from_env(),
+        precompile=args.precompile, seed=args.seed)
+
+
+def max_num_batched_tokens(args: EngineArgs, max_model_len: int) -> int:
+    """The token budget: as given, else 2048 (at least max_num_seqs), or max_model_len when
+    prefill is unchunked (a whole prompt must fit one step)."""
+    if args.max_num_batched_tokens is not None:
+        return args.max_num_batched_tokens
+    if not args.enable_chunked_prefill:
+        return max(max_model_len, DEFAULT_MAX_NUM_BATCHED_TOKENS)
+    return max(DEFAULT_MAX_NUM_BATCHED_TOKENS, args.max_num_seqs)
+
+
+def num_kv_blocks(args: EngineArgs, *, max_model_len: int, kv_bytes_per_block: int,
+                  budget: int) -> int:
+    """Pages in the pool, the null block 0 included: `num_gpu_blocks_override`, else what
+    `budget` bytes hold.
+
+    Raises:
+      ValueError: the pool cannot hold one request of `max_model_len` tokens. vLLM refuses to
+        start then too; the message gives the numbers and what to change.
+    """
+    bs, per_block = args.block_size, kv_bytes_per_block
+    need = -(-max_model_len // bs) + 1  # one full-length request, plus the null block 0
+    if args.num_gpu_blocks_override is not None:
+        blocks = args.num_gpu_blocks_override
+        if blocks < need:
+            raise ValueError(
+                f"num_gpu_blocks_override={blocks} leaves {blocks - 1} usable KV blocks of {bs} "
+                f"tokens, but one request of max_model_len={max_model_len} tokens needs "
+                f"{need - 1} (plus the null block: {need} in all). Raise "
+                f"num_gpu_blocks_override to at least {need}, or lower max_model_len to at most "
+                f"{(blocks - 1) * bs}.")
+        return blocks
+    blocks = max(budget // per_block, 0)  # a device already full gives a negative budget
+    if blocks < need:
+        shrink = (f"lower max_model_len to at most {(blocks - 1) * bs}, or "
+                  if blocks >= 2 else "")
+        raise ValueError(
+            f"the KV cache budget of {budget} bytes ({_size(budget)}) holds {blocks} blocks of "
+            f"{bs} tokens ({per_block} bytes each, null block included), but one request of "
+            f"max_model_len={max_model_len} tokens needs {need} blocks: {need * per_block} "
+            f"bytes ({_size(need * per_block)}). To start, {shrink}raise the budget "
+            f"(kv_cache_memory_bytes; or gpu_memory_utilization on an accelerator, "
+            f"cpu_kv_cache_bytes on CPU), or set num_gpu_blocks_override >= {need}.")
+    return int(blocks)
+
+
+def _size(n: int) -> str:
+    """`n` bytes for a reader: "1.50 GiB", "96.0 KiB"."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}"
+    return f"{n} B"
