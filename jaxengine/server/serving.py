@@ -99,9 +99,10 @@ class OpenAIServing:
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.max_model_len
         self.vocab_size = engine.engine.vocab_size
+        self.limits = RequestLimits.of(
+            max_model_len=self.max_model_len,
+            max_num_seqs=engine.engine.scheduler_config.max_num_seqs, tokenizer=self.tokenizer)
         args = engine.engine.args
-        self.limits = RequestLimits.of(max_model_len=self.max_model_len,
-                                       max_num_seqs=args.max_num_seqs, tokenizer=self.tokenizer)
         # vLLM's name: what fills the sampling fields a request leaves unset
         self.default_sampling_params = diff_sampling_params(args.model, args.generation_config)
         self._threads = anyio.CapacityLimiter(PREPARE_THREADS)
