@@ -25,7 +25,7 @@ from jaxengine.lab.cost_model import CostModel
 from jaxengine.runner.buckets import request_buckets, token_buckets
 from jaxengine.runner.config import RunnerConfig
 from jaxengine.runner.in_flight import SampledToken
-from jaxengine.sampling.metadata import SamplingRow
+from jaxengine.sampling.rows import SamplingRow
 from scheduler import SchedulerOutput
 
 SAMPLED_TOKEN = 7  # what every simulated sampler returns (EOS is ignored)
