@@ -351,7 +351,8 @@ class LLMEngine:
         none of requests that left while it was in flight) into `state`, with the next step's
         drafts (after `in_flight`, the plan dispatched since, under async scheduling); its
         outputs."""
-        accept_sampled(self._tracked, sampled)
+        if self.grammars.in_use:
+            accept_sampled(self._tracked, sampled)
         stopped = self._detokenize(sampled)  # before update: a stop string ends the request there
         drafts = (None if self.speculator is None
                   else self.speculator.propose(self._tracked, sampled, stopped, in_flight))
@@ -397,7 +398,9 @@ class LLMEngine:
     def _detokenize(self, sampled: Mapping[str, list[SampledToken]]) -> dict[str, str]:
         """Decode each sampled token in order; request id -> the stop string one completed
         (the tokens after it are cut from its list: never emitted)."""
-        stopped = {}
+        stopped: dict[str, str] = {}
+        if self.tokenizer is None:  # no detokenizers: nothing to decode, no stop strings
+            return stopped
         for rid, tokens in sampled.items():
             for i, token in enumerate(tokens):
                 hit = self._tracked[rid].detokenize(token.token_id)

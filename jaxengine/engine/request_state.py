@@ -79,11 +79,12 @@ class TrackedRequest:
         self.token_ids.extend(new)
         if new and sampled is not None and self.params.logprobs is not None:
             self._add_logprobs(sampled)
-        if new:
+        if new:  # per request and step: built directly (`dataclasses.replace` reads its fields)
             m = self.metrics
-            self.metrics = dataclasses.replace(
-                m, first_token_time=m.first_token_time or now, last_token_time=now,
-                num_generation_tokens=len(self.token_ids))
+            self.metrics = RequestMetrics(
+                arrival_time=m.arrival_time, first_scheduled_time=m.first_scheduled_time,
+                first_token_time=m.first_token_time or now, last_token_time=now,
+                finished_time=m.finished_time, num_generation_tokens=len(self.token_ids))
         if delta.finish_reason is None:
             return
         if (delta.finish_reason == "stop" and not isinstance(delta.stop_reason, str)

@@ -96,6 +96,10 @@ def _check_simulatable(args: EngineArgs) -> None:
                              f"(got {name}={getattr(args, name)!r})")
 
 
+# A step record's fields, all numbers: its dict is read field by field (`asdict` deep-copies).
+_RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(StepRecord))
+
+
 class Simulation:
     """One simulated run of a real `LLMEngine` (with the cost-model runner and a virtual clock);
     `run()` drives it to the end. `plans` keeps every plan if asked."""
@@ -140,8 +144,9 @@ class Simulation:
                 self.clock.now = max(self.clock.now, pending[i].arrival_time)
                 continue
             outputs = engine.step()
-            self.records.append({**dataclasses.asdict(self._record),
-                                 "seconds": self.runner.last_seconds})
+            record = self._record
+            self.records.append({f: getattr(record, f) for f in _RECORD_FIELDS}
+                                | {"seconds": self.runner.last_seconds})
             self._done.update((o.request_id, o) for o in outputs if o.finished)
         return self._result()
 
