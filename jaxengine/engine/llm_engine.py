@@ -56,6 +56,7 @@ from scheduler import (
     KVConnector,
     Request,
     RequestDelta,
+    RequestOutputKind,
     SamplingParams,
     SchedulerConfig,
     SchedulerOutput,
@@ -294,7 +295,8 @@ class LLMEngine:
     # ---- the loop (what every call does; the rest is `self._loop`'s, engine/loops.py) ----
 
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; return outputs of requests that progressed or finished.
+        """Run one iteration; return outputs of requests that progressed or finished (only
+        the finished ones of a request whose `output_kind` is `FINAL_ONLY`).
 
         With `async_scheduling` the outputs are those of the step dispatched by the call
         before (the first call returns none; a call that schedules nothing still collects).
@@ -364,8 +366,11 @@ class LLMEngine:
         stats = IterationStats.between(before.counters, self.state.counters,
                                        timestamp=self.clock())
         stats.spec_decoding = spec_decoding
-        outputs = [self._apply(d, (sampled.get(d.request_id) or [None])[0], stats)
-                   for d in deltas]
+        outputs = []
+        for d in deltas:
+            out = self._apply(d, (sampled.get(d.request_id) or [None])[0], stats)
+            if out is not None:
+                outputs.append(out)
         self._record(stats)
         return outputs
 
@@ -411,8 +416,9 @@ class LLMEngine:
         return stopped
 
     def _apply(self, delta: RequestDelta, sampled: SampledToken | None,
-               stats: IterationStats) -> RequestOutput:
-        """Take one request's delta into its engine state and the step's statistics."""
+               stats: IterationStats) -> RequestOutput | None:
+        """Take one request's delta into its engine state and the step's statistics; its
+        output (None: it runs on, and its client asked only for the final one)."""
         tracked = self._tracked[delta.request_id]
         stats.observe_tokens(len(delta.new_token_ids), prompt_len=len(tracked.prompt_token_ids),
                              before=tracked.metrics)
@@ -421,6 +427,8 @@ class LLMEngine:
             del self._tracked[delta.request_id]
             self._loop.drop((delta.request_id,))
             stats.finished_requests.append(tracked.finished_stats())
+        elif tracked.params.output_kind is RequestOutputKind.FINAL_ONLY:
+            return None
         return tracked.output()
 
     def _record(self, stats: IterationStats) -> None:

@@ -31,7 +31,13 @@ from jaxengine.lab.results import RunResult, request_result
 from jaxengine.lab.timeline import StepRecord, step_record
 from jaxengine.lab.workloads import Workload, WorkloadRequest
 from jaxengine.model.fake import fake_model
-from scheduler import SamplingParams, SchedulerConfig, SchedulerOutput, SchedulerState
+from scheduler import (
+    RequestOutputKind,
+    SamplingParams,
+    SchedulerConfig,
+    SchedulerOutput,
+    SchedulerState,
+)
 
 
 def simulation_args(cost: CostModel, overrides: Mapping[str, Any] | None = None) -> EngineArgs:
@@ -151,10 +157,12 @@ class Simulation:
         return self._result()
 
     def _add(self, r: WorkloadRequest) -> None:
-        """Add a request as a client would: greedy, exactly max_tokens, at its arrival time."""
+        """Add a request as a client would: greedy, exactly max_tokens, at its arrival time;
+        only its final output is read (its metrics), so only that one is built."""
         self.engine.add_request(
             r.request_id, list(r.prompt_token_ids),
-            SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True),
+            SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True,
+                           output_kind=RequestOutputKind.FINAL_ONLY),
             arrival_time=r.arrival_time, priority=r.priority,
             metadata={"tenant": r.tenant} if r.tenant is not None else None)
 
