@@ -39,9 +39,10 @@ class SamplingParamsError(ValueError):
         self.value = value
 
 
-class RequestOutputKind(enum.Enum):
+class RequestOutputKind(enum.IntEnum):
     """Which outputs of a request the engine's `step()` returns (vLLM's names and values;
-    vLLM's `DELTA` is not offered). The scheduler never reads it."""
+    vLLM's `DELTA` is not offered). The scheduler never reads it. An int, so that
+    `SamplingParams` crosses JSON wires (multi-host lockstep) as plain data."""
 
     CUMULATIVE = 0  # one per step that gives the request tokens, each with all its tokens so far
     FINAL_ONLY = 2  # only the finished one (what a batch client reads; no output built per step)
@@ -181,10 +182,16 @@ def _check_stops(sp: SamplingParams) -> None:
 
 
 def _check_output_kind(sp: SamplingParams) -> None:
-    if not isinstance(sp.output_kind, RequestOutputKind):
+    """The kind, or its value (as JSON carries it), becomes a `RequestOutputKind`."""
+    try:
+        kind = RequestOutputKind(sp.output_kind) if _is_int(sp.output_kind) else None
+    except ValueError:
+        kind = None
+    if kind is None:
         raise _fail("output_kind", sp.output_kind,
                     f"output_kind must be a RequestOutputKind (CUMULATIVE or FINAL_ONLY), got "
                     f"{sp.output_kind!r}")
+    object.__setattr__(sp, "output_kind", kind)
 
 
 def _check_penalties(sp: SamplingParams) -> None:
