@@ -36,7 +36,7 @@ from jaxengine.engine.detokenizer import IncrementalDetokenizer
 from jaxengine.engine.grammars import Grammars, accept_sampled
 from jaxengine.engine.inputs import PromptType, TokenizerLike
 from jaxengine.engine.loops import AsyncLoop, SyncLoop
-from jaxengine.engine.outputs import RequestMetrics, RequestOutput
+from jaxengine.engine.outputs import RequestOutput
 from jaxengine.engine.prompt_logprob_outputs import record_prompt_logprobs
 from jaxengine.engine.request_state import TrackedRequest
 from jaxengine.engine.stats import IterationStats, StatLogger
@@ -243,8 +243,7 @@ class LLMEngine:
                 skip_special_tokens=params.skip_special_tokens)
         self._tracked[request_id] = TrackedRequest(
             request_id=request_id, prompt=text, prompt_token_ids=ids, params=params, seed=seed,
-            detokenizer=detok, metrics=RequestMetrics(arrival_time=arrival),
-            bad_words_token_ids=bad_words)
+            detokenizer=detok, arrival_time=arrival, bad_words_token_ids=bad_words)
         if params.structured_outputs is not None:  # WAITING_FOR_FSM until it compiles
             self.grammars.submit(request_id, params.structured_outputs)
 
@@ -421,7 +420,7 @@ class LLMEngine:
         output (None: it runs on, and its client asked only for the final one)."""
         tracked = self._tracked[delta.request_id]
         stats.observe_tokens(len(delta.new_token_ids), prompt_len=len(tracked.prompt_token_ids),
-                             before=tracked.metrics)
+                             before=tracked)
         tracked.apply(delta, sampled, stats.timestamp)
         if tracked.finish_reason is not None:
             del self._tracked[delta.request_id]
