@@ -362,15 +362,20 @@ class LLMEngine:
             state, plan, {rid: [t.token_id for t in ts] for rid, ts in sampled.items()}, drafts,
             stopped=stopped,
             kv_connector=self._kv_connector, kv_connector_output=kv_output)
-        stats = IterationStats.between(before.counters, self.state.counters,
-                                       timestamp=self.clock())
-        stats.spec_decoding = spec_decoding
+        now = self.clock()
+        # The step's statistics are made only for their readers: the stat loggers and the
+        # offloading worker (which moves its transfers into them).
+        stats = None
+        if self.stat_loggers or self.kv_offload is not None:
+            stats = IterationStats.between(before.counters, self.state.counters, timestamp=now)
+            stats.spec_decoding = spec_decoding
         outputs = []
         for d in deltas:
-            out = self._apply(d, (sampled.get(d.request_id) or [None])[0], stats)
+            out = self._apply(d, (sampled.get(d.request_id) or [None])[0], now, stats)
             if out is not None:
                 outputs.append(out)
-        self._record(stats)
+        if stats is not None:
+            self._record(stats)
         return outputs
 
     def _note_scheduled(self, plan: SchedulerOutput) -> None:
@@ -414,18 +419,21 @@ class LLMEngine:
                     break
         return stopped
 
-    def _apply(self, delta: RequestDelta, sampled: SampledToken | None,
-               stats: IterationStats) -> RequestOutput | None:
-        """Take one request's delta into its engine state and the step's statistics; its
-        output (None: it runs on, and its client asked only for the final one)."""
+    def _apply(self, delta: RequestDelta, sampled: SampledToken | None, now: float,
+               stats: IterationStats | None) -> RequestOutput | None:
+        """Take one request's delta (of the step that ended `now`) into its engine state and
+        the step's statistics (None: nobody reads them); its output (None: it runs on, and its
+        client asked only for the final one)."""
         tracked = self._tracked[delta.request_id]
-        stats.observe_tokens(len(delta.new_token_ids), prompt_len=len(tracked.prompt_token_ids),
-                             before=tracked)
-        tracked.apply(delta, sampled, stats.timestamp)
+        if stats is not None:
+            stats.observe_tokens(len(delta.new_token_ids),
+                                 prompt_len=len(tracked.prompt_token_ids), before=tracked)
+        tracked.apply(delta, sampled, now)
         if tracked.finish_reason is not None:
             del self._tracked[delta.request_id]
             self._loop.drop((delta.request_id,))
-            stats.finished_requests.append(tracked.finished_stats())
+            if stats is not None:
+                stats.finished_requests.append(tracked.finished_stats())
         elif tracked.params.output_kind is RequestOutputKind.FINAL_ONLY:
             return None
         return tracked.output()
