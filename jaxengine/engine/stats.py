@@ -3,8 +3,8 @@
 The engine fills one `IterationStats` per `step()` as it makes the step's outputs (and one per
 `abort_request()` that finished something), then hands it, with the scheduler's
 `SchedulerStats` snapshot, to each `StatLogger` it holds (a step's is made only when it holds
-one, or offloads KV to the host, whose transfers go into it). Nothing outside the engine re-derives
-these from outputs; `jaxengine.metrics` only records them (Prometheus, the log line).
+one, or offloads KV to the host, whose transfers go into it). Nothing outside the engine
+re-derives these from outputs; `jaxengine.metrics` only records them (Prometheus, the log line).
 """
 
 from __future__ import annotations
