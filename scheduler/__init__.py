@@ -37,12 +37,13 @@ from scheduler.metadata import RequestMetadata
 from scheduler.policies.policies import POLICIES, Policy, SortedPolicy, register
 from scheduler.policies.request_view import RequestView
 from scheduler.request import Request, RequestStatus
-from scheduler.sampling_params import SamplingParams, SamplingParamsError
+from scheduler.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
 
 __all__ = [
     "PLACEHOLDER_TOKEN_ID", "POLICIES", "KVConnector", "KVConnectorMetadata", "KVConnectorOutput",
     "KVLoad", "KVSave", "NewRequestData", "Policy", "Request", "RequestDelta",
-    "RequestMetadata", "RequestStatus", "RequestView", "SamplingParams", "SamplingParamsError",
+    "RequestMetadata", "RequestOutputKind", "RequestStatus", "RequestView", "SamplingParams",
+    "SamplingParamsError",
     "SchedulerConfig", "SchedulerCounters", "SchedulerOutput", "SchedulerState", "SchedulerStats",
     "SortedPolicy",
     "abort_requests", "add_request", "check_invariants", "check_stop", "grammars_ready",

@@ -7,6 +7,7 @@ the vocabulary size, how many stop ids `min_tokens` can hold back, logit_bias an
 allowed_token_ids below the vocabulary size, bad_words as tokens) and raises the same error.
 """
 
+import enum
 import functools
 import math
 from collections.abc import Mapping
@@ -36,6 +37,15 @@ class SamplingParamsError(ValueError):
         super().__init__(message)
         self.param = param
         self.value = value
+
+
+class RequestOutputKind(enum.IntEnum):
+    """Which outputs of a request the engine's `step()` returns (vLLM's names and values;
+    vLLM's `DELTA` is not offered). The scheduler never reads it. An int, so that
+    `SamplingParams` crosses JSON wires (multi-host lockstep) as plain data."""
+
+    CUMULATIVE = 0  # one per step that gives the request tokens, each with all its tokens so far
+    FINAL_ONLY = 2  # only the finished one (what a batch client reads; no output built per step)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -78,6 +88,7 @@ class SamplingParams:
     # (validated when built; typed loosely because the scheduler never imports jaxengine, and
     # checked by the engine). None: unconstrained.
     structured_outputs: Any = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # the outputs step() returns
 
     def __post_init__(self) -> None:
         # Lists (or None) are accepted for convenience; tuples keep the object hashable and pure.
@@ -89,6 +100,7 @@ class SamplingParams:
         _check_sampling(self)
         _check_stops(self)
         _check_penalties(self)
+        _check_output_kind(self)
         _normalize_logits_fields(self)
 
     def __reduce__(self) -> tuple[Any, tuple[()]]:
@@ -167,6 +179,19 @@ def _check_stops(sp: SamplingParams) -> None:
         if not isinstance(getattr(sp, name), bool):
             raise _fail(name, getattr(sp, name),
                         f"{name} must be True or False, got {getattr(sp, name)!r}")
+
+
+def _check_output_kind(sp: SamplingParams) -> None:
+    """The kind, or its value (as JSON carries it), becomes a `RequestOutputKind`."""
+    try:
+        kind = RequestOutputKind(sp.output_kind) if _is_int(sp.output_kind) else None
+    except ValueError:
+        kind = None
+    if kind is None:
+        raise _fail("output_kind", sp.output_kind,
+                    f"output_kind must be a RequestOutputKind (CUMULATIVE or FINAL_ONLY), got "
+                    f"{sp.output_kind!r}")
+    object.__setattr__(sp, "output_kind", kind)
 
 
 def _check_penalties(sp: SamplingParams) -> None:

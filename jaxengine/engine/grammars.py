@@ -62,6 +62,12 @@ class Grammars:
         return self._compiler
 
     @property
+    def in_use(self) -> bool:
+        """Whether the compiler was built: until then no request has a grammar, and the
+        loop skips its per-request grammar checks."""
+        return self._compiler is not None
+
+    @property
     def num_compiling(self) -> int:
         """Requests whose grammar is still compiling."""
         return len(self._compiling)

@@ -37,7 +37,7 @@ from jaxengine.engine.detokenizer import IncrementalDetokenizer
 from jaxengine.engine.grammars import Grammars, accept_sampled
 from jaxengine.engine.inputs import PromptType, TokenizerLike
 from jaxengine.engine.loops import AsyncLoop, SyncLoop
-from jaxengine.engine.outputs import RequestMetrics, RequestOutput
+from jaxengine.engine.outputs import RequestOutput
 from jaxengine.engine.prompt_logprob_outputs import record_prompt_logprobs
 from jaxengine.engine.request_state import TrackedRequest
 from jaxengine.engine.stats import IterationStats, StatLogger
@@ -56,6 +56,7 @@ from scheduler import (
     KVConnector,
     Request,
     RequestDelta,
+    RequestOutputKind,
     SamplingParams,
     SchedulerOutput,
     SchedulerState,
@@ -229,8 +230,7 @@ class LLMEngine:
                 skip_special_tokens=params.skip_special_tokens)
         self._tracked[request_id] = TrackedRequest(
             request_id=request_id, prompt=text, prompt_token_ids=ids, params=params, seed=seed,
-            detokenizer=detok, metrics=RequestMetrics(arrival_time=arrival),
-            bad_words_token_ids=bad_words)
+            detokenizer=detok, arrival_time=arrival, bad_words_token_ids=bad_words)
         if params.structured_outputs is not None:  # WAITING_FOR_FSM until it compiles
             self.grammars.submit(request_id, params.structured_outputs)
 
@@ -281,7 +281,8 @@ class LLMEngine:
     # ---- the loop (what every call does; the rest is `self._loop`'s, engine/loops.py) ----
 
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; return outputs of requests that progressed or finished.
+        """Run one iteration; return outputs of requests that progressed or finished (only
+        the finished ones of a request whose `output_kind` is `FINAL_ONLY`).
 
         With `async_scheduling` the outputs are those of the step dispatched by the call
         before (the first call returns none; a call that schedules nothing still collects).
@@ -338,7 +339,8 @@ class LLMEngine:
         none of requests that left while it was in flight) into `state`, with the next step's
         drafts (after `in_flight`, the plan dispatched since, under async scheduling); its
         outputs."""
-        accept_sampled(self._tracked, sampled)
+        if self.grammars.in_use:
+            accept_sampled(self._tracked, sampled)
         stopped = self._detokenize(sampled)  # before update: a stop string ends the request there
         drafts = (None if self.speculator is None
                   else self.speculator.propose(self._tracked, sampled, stopped, in_flight))
@@ -347,12 +349,20 @@ class LLMEngine:
             state, plan, {rid: [t.token_id for t in ts] for rid, ts in sampled.items()}, drafts,
             stopped=stopped,
             kv_connector=self._kv_connector, kv_connector_output=kv_output)
-        stats = IterationStats.between(before.counters, self.state.counters,
-                                       timestamp=self.clock())
-        stats.spec_decoding = spec_decoding
-        outputs = [self._apply(d, (sampled.get(d.request_id) or [None])[0], stats)
-                   for d in deltas]
-        self._record(stats)
+        now = self.clock()
+        # The step's statistics are made only for their readers: the stat loggers and the
+        # offloading worker (which moves its transfers into them).
+        stats = None
+        if self.stat_loggers or self.kv_offload is not None:
+            stats = IterationStats.between(before.counters, self.state.counters, timestamp=now)
+            stats.spec_decoding = spec_decoding
+        outputs = []
+        for d in deltas:
+            out = self._apply(d, (sampled.get(d.request_id) or [None])[0], now, stats)
+            if out is not None:
+                outputs.append(out)
+        if stats is not None:
+            self._record(stats)
         return outputs
 
     def _note_scheduled(self, plan: SchedulerOutput) -> None:
@@ -384,7 +394,9 @@ class LLMEngine:
     def _detokenize(self, sampled: Mapping[str, list[SampledToken]]) -> dict[str, str]:
         """Decode each sampled token in order; request id -> the stop string one completed
         (the tokens after it are cut from its list: never emitted)."""
-        stopped = {}
+        stopped: dict[str, str] = {}
+        if self.tokenizer is None:  # no detokenizers: nothing to decode, no stop strings
+            return stopped
         for rid, tokens in sampled.items():
             for i, token in enumerate(tokens):
                 hit = self._tracked[rid].detokenize(token.token_id)
@@ -394,17 +406,23 @@ class LLMEngine:
                     break
         return stopped
 
-    def _apply(self, delta: RequestDelta, sampled: SampledToken | None,
-               stats: IterationStats) -> RequestOutput:
-        """Take one request's delta into its engine state and the step's statistics."""
+    def _apply(self, delta: RequestDelta, sampled: SampledToken | None, now: float,
+               stats: IterationStats | None) -> RequestOutput | None:
+        """Take one request's delta (of the step that ended `now`) into its engine state and
+        the step's statistics (None: nobody reads them); its output (None: it runs on, and its
+        client asked only for the final one)."""
         tracked = self._tracked[delta.request_id]
-        stats.observe_tokens(len(delta.new_token_ids), prompt_len=len(tracked.prompt_token_ids),
-                             before=tracked.metrics)
-        tracked.apply(delta, sampled, stats.timestamp)
+        if stats is not None:
+            stats.observe_tokens(len(delta.new_token_ids),
+                                 prompt_len=len(tracked.prompt_token_ids), before=tracked)
+        tracked.apply(delta, sampled, now)
         if tracked.finish_reason is not None:
             del self._tracked[delta.request_id]
             self._loop.drop((delta.request_id,))
-            stats.finished_requests.append(tracked.finished_stats())
+            if stats is not None:
+                stats.finished_requests.append(tracked.finished_stats())
+        elif tracked.params.output_kind is RequestOutputKind.FINAL_ONLY:
+            return None
         return tracked.output()
 
     def _record(self, stats: IterationStats) -> None:

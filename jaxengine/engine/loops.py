@@ -66,7 +66,8 @@ class AsyncLoop:
         e = self.engine
         prev, dropped = self.in_flight, self._dropped
         self._dropped, self.plan = set(), plan
-        if prev is not None and samples_a_grammar(e._tracked, plan.sampling_req_ids):
+        if (prev is not None and e.grammars.in_use
+                and samples_a_grammar(e._tracked, plan.sampling_req_ids)):
             return self._step_sampling_a_grammar(state, before, plan, prev, dropped)
         self.in_flight = e.runner.dispatch(plan, e._sampling_rows(plan), prev)
         e.state = state
@@ -100,7 +101,8 @@ class AsyncLoop:
         e = self.engine
         e._take_prompt_logprobs(prev, dropped)
         rows = e.runner.collect_rows(prev)
-        rows = {r: t for r, t in rows.items() if r not in dropped}
+        if dropped:
+            rows = {r: t for r, t in rows.items() if r not in dropped}
         sampled, spec_stats = e._verify(prev.plan, rows, dropped)
         return e._update(state, before, prev.plan, sampled, spec_decoding=spec_stats,
                          in_flight=self.plan)

@@ -8,7 +8,6 @@ takes the scheduler's `RequestDelta`.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 from jaxengine.engine.detokenizer import IncrementalDetokenizer
@@ -35,7 +34,12 @@ class TrackedRequest:
     params: SamplingParams
     seed: int
     detokenizer: IncrementalDetokenizer | None
-    metrics: RequestMetrics
+    # Its times (`metrics` snapshots them with the output count, as an output needs them):
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = None
@@ -52,10 +56,18 @@ class TrackedRequest:
         if self.prompt_logprobs is None and self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None]
 
+    @property
+    def metrics(self) -> RequestMetrics:
+        """Its times and output count now."""
+        return RequestMetrics(
+            arrival_time=self.arrival_time, first_scheduled_time=self.first_scheduled_time,
+            first_token_time=self.first_token_time, last_token_time=self.last_token_time,
+            finished_time=self.finished_time, num_generation_tokens=len(self.token_ids))
+
     def on_scheduled(self, now: float, num_computed_before: int) -> None:
         """Record the first time the request is scheduled (and its prefix-cache hit)."""
-        if self.metrics.first_scheduled_time is None:
-            self.metrics = dataclasses.replace(self.metrics, first_scheduled_time=now)
+        if self.first_scheduled_time is None:
+            self.first_scheduled_time = now
             self.num_cached_tokens = num_computed_before
 
     def detokenize(self, token_id: int) -> str | None:
@@ -80,22 +92,20 @@ class TrackedRequest:
         if new and sampled is not None and self.params.logprobs is not None:
             self._add_logprobs(sampled)
         if new:
-            m = self.metrics
-            self.metrics = dataclasses.replace(
-                m, first_token_time=m.first_token_time or now, last_token_time=now,
-                num_generation_tokens=len(self.token_ids))
+            self.first_token_time = self.first_token_time or now
+            self.last_token_time = now
         if delta.finish_reason is None:
             return
         if (delta.finish_reason == "stop" and not isinstance(delta.stop_reason, str)
                 and self.detokenizer is not None):
             self.detokenizer.drop_last_token()  # EOS or a stop token id: never shown (vLLM)
         self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
-        self.metrics = dataclasses.replace(self.metrics, finished_time=now)
+        self.finished_time = now
 
     def abort(self, now: float) -> RequestOutput:
         """Finish as aborted at `now` (vLLM's finish_reason "abort"); the final output."""
         self.finish_reason, self.stop_reason = "abort", None
-        self.metrics = dataclasses.replace(self.metrics, finished_time=now)
+        self.finished_time = now
         return self.output()
 
     def finished_stats(self) -> FinishedRequestStats:

@@ -2,8 +2,9 @@
 
 The engine fills one `IterationStats` per `step()` as it makes the step's outputs (and one per
 `abort_request()` that finished something), then hands it, with the scheduler's
-`SchedulerStats` snapshot, to each `StatLogger` it holds. Nothing outside the engine re-derives
-these from outputs; `jaxengine.metrics` only records them (Prometheus, the log line).
+`SchedulerStats` snapshot, to each `StatLogger` it holds (a step's is made only when it holds
+one, or offloads KV to the host, whose transfers go into it). Nothing outside the engine
+re-derives these from outputs; `jaxengine.metrics` only records them (Prometheus, the log line).
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from jaxengine.engine.outputs import RequestMetrics
 from jaxengine.kv_offload.worker import KVTransferStats
 from jaxengine.spec.metrics import SpecDecodingStats
 from scheduler import SchedulerCounters, SchedulerStats
@@ -70,7 +70,7 @@ class IterationStats:
         """Prompt plus generation tokens (what `iteration_tokens_total` observes)."""
         return self.num_prompt_tokens + self.num_generation_tokens
 
-    def observe_tokens(self, num_new: int, *, prompt_len: int, before: RequestMetrics) -> None:
+    def observe_tokens(self, num_new: int, *, prompt_len: int, before: TokenTimes) -> None:
         """Count a request's `num_new` tokens of this step (vLLM's `update_from_output`).
 
         Args:
@@ -87,6 +87,18 @@ class IterationStats:
         else:
             assert before.last_token_time is not None
             self.inter_token_latencies.append(self.timestamp - before.last_token_time)
+
+
+class TokenTimes(Protocol):
+    """A request's times that `observe_tokens` reads (a `RequestMetrics` has them, and so has
+    the engine's live request)."""
+
+    @property
+    def arrival_time(self) -> float: ...
+    @property
+    def first_token_time(self) -> float | None: ...
+    @property
+    def last_token_time(self) -> float | None: ...
 
 
 class StatLogger(Protocol):

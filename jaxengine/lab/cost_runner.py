@@ -29,6 +29,7 @@ from jaxengine.sampling.rows import SamplingRow
 from scheduler import SchedulerOutput
 
 SAMPLED_TOKEN = 7  # what every simulated sampler returns (EOS is ignored)
+_SAMPLED = SampledToken(SAMPLED_TOKEN, None)  # a frozen value: every row shares it
 
 
 class VirtualClock:
@@ -84,7 +85,7 @@ class CostModelRunner:
     @staticmethod
     def collect_rows(step: PricedStep) -> dict[str, list[SampledToken]]:
         """`SAMPLED_TOKEN` for each sampling request of the step."""
-        return {r: [SampledToken(SAMPLED_TOKEN, None)] for r in step.plan.sampling_req_ids}
+        return {r: [_SAMPLED] for r in step.plan.sampling_req_ids}
 
     @staticmethod
     def collect_prompt_logprobs(step: PricedStep) -> dict:

@@ -33,7 +33,7 @@ from jaxengine.lab.results import RunResult, request_result
 from jaxengine.lab.timeline import StepRecord, step_record
 from jaxengine.lab.workloads import Workload, WorkloadRequest
 from jaxengine.model.fake import fake_model
-from scheduler import SamplingParams, SchedulerOutput, SchedulerState
+from scheduler import RequestOutputKind, SamplingParams, SchedulerOutput, SchedulerState
 
 
 def simulation_args(cost: CostModel, overrides: Mapping[str, Any] | None = None) -> EngineArgs:
@@ -75,6 +75,10 @@ def _check_simulatable(args: EngineArgs) -> None:
         if getattr(args, name) is not None:
             raise ValueError(f"the simulator does not price {name}; simulate without it "
                              f"(got {name}={getattr(args, name)!r})")
+
+
+# A step record's fields, all numbers: its dict is read field by field (`asdict` deep-copies).
+_RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(StepRecord))
 
 
 class Simulation:
@@ -121,16 +125,19 @@ class Simulation:
                 self.clock.now = max(self.clock.now, pending[i].arrival_time)
                 continue
             outputs = engine.step()
-            self.records.append({**dataclasses.asdict(self._record),
-                                 "seconds": self.runner.last_seconds})
+            record = self._record
+            self.records.append({f: getattr(record, f) for f in _RECORD_FIELDS}
+                                | {"seconds": self.runner.last_seconds})
             self._done.update((o.request_id, o) for o in outputs if o.finished)
         return self._result()
 
     def _add(self, r: WorkloadRequest) -> None:
-        """Add a request as a client would: greedy, exactly max_tokens, at its arrival time."""
+        """Add a request as a client would: greedy, exactly max_tokens, at its arrival time;
+        only its final output is read (its metrics), so only that one is built."""
         self.engine.add_request(
             r.request_id, list(r.prompt_token_ids),
-            SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True),
+            SamplingParams(max_tokens=r.max_tokens, temperature=0.0, ignore_eos=True,
+                           output_kind=RequestOutputKind.FINAL_ONLY),
             arrival_time=r.arrival_time, priority=r.priority,
             metadata={"tenant": r.tenant} if r.tenant is not None else None)
 

@@ -53,9 +53,13 @@ def validate_sampling_params(sp: SamplingParams, *, max_logprobs: int,
                     param=name, value=t)
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(slots=True, kw_only=True)
 class SamplingRow:
-    """What one request contributes to a sampling batch."""
+    """What one request contributes to a sampling batch.
+
+    Nothing changes a row once it is built; it is not frozen because the engine builds one per
+    sampling request and step, and a frozen dataclass's `__init__` costs three times as much.
+    """
 
     params: SamplingParams
     seed: int  # the request's own seed or one the engine drew; the sampler keys on its low 32 bits

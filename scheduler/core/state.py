@@ -171,8 +171,7 @@ class SchedulerState:
         usable = self.config.num_blocks - 1
         used = usable - self.num_free_blocks
         return SchedulerStats(
-            **{f.name: getattr(self.counters, f.name)
-               for f in dataclasses.fields(SchedulerCounters)},
+            **{name: getattr(self.counters, name) for name in SchedulerCounters.__slots__},
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             kv_cache_usage=used / usable if usable else 0.0,

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from scheduler import SamplingParams, SamplingParamsError
+from scheduler import RequestOutputKind, SamplingParams, SamplingParamsError
 
 # (keyword arguments, the field the error names, a word of the message)
 BAD: list[tuple[dict[str, Any], str, str]] = [
@@ -45,6 +45,9 @@ BAD: list[tuple[dict[str, Any], str, str]] = [
     (dict(ignore_eos="yes"), "ignore_eos", "True or False"),
     (dict(include_stop_str_in_output=1), "include_stop_str_in_output", "True or False"),
     (dict(skip_special_tokens=None), "skip_special_tokens", "True or False"),
+    (dict(output_kind="final_only"), "output_kind", "RequestOutputKind"),
+    (dict(output_kind=1), "output_kind", "CUMULATIVE or FINAL_ONLY"),  # vLLM's DELTA
+    (dict(output_kind=True), "output_kind", "RequestOutputKind"),
     (dict(presence_penalty=2.5), "presence_penalty", r"\[-2, 2\]"),
     (dict(presence_penalty=math.nan), "presence_penalty", "presence_penalty"),
     (dict(frequency_penalty=-2.01), "frequency_penalty", r"\[-2, 2\]"),
@@ -110,6 +113,13 @@ def test_lists_become_tuples_and_a_single_stop_string_a_tuple() -> None:
     none = SamplingParams(stop=None, stop_token_ids=None)
     assert none.stop == () and none.stop_token_ids == ()
     assert hash(sp) == hash(SamplingParams(stop=["end"], stop_token_ids=(3, 4)))
+
+
+def test_output_kind_is_cumulative_unless_asked_and_its_value_is_read_back() -> None:
+    assert SamplingParams().output_kind is RequestOutputKind.CUMULATIVE
+    final = SamplingParams(output_kind=RequestOutputKind.FINAL_ONLY)
+    assert SamplingParams(output_kind=2).output_kind is RequestOutputKind.FINAL_ONLY  # JSON's
+    assert pickle.loads(pickle.dumps(final)) == final
 
 
 def test_vllm_defaults() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -9,7 +10,7 @@ import pytest
 from jaxengine.engine.args import EngineArgs
 from jaxengine.llm import LLM
 from jaxengine.model.fake import fake_greedy, fake_model
-from scheduler import SamplingParams, SamplingParamsError
+from scheduler import RequestOutputKind, SamplingParams, SamplingParamsError
 from tests.engine_helpers import engine_over
 from tests.jaxengine.engine.test_llm_engine import EOS, FakeTokenizer, V, make_engine, run_all
 
@@ -221,3 +222,26 @@ def test_research_policies_are_engine_choices() -> None:
     assert EngineArgs(scheduling_policy="srpf").scheduling_policy == "srpf"
     with pytest.raises(ValueError, match="fcfs, priority, srpf"):
         EngineArgs(scheduling_policy="lifo")
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_final_only_requests_get_just_their_final_output(async_scheduling: bool) -> None:
+    # The same two requests run once with every output and once final-only (for "b" only):
+    # "b"'s one output is the cumulative run's last, and "a" still gets one per step.
+    # (Compared without their metrics: the two runs' clocks differ.)
+    def run(kind: RequestOutputKind) -> dict[str, list[Any]]:
+        engine = make_engine(async_scheduling=async_scheduling)
+        params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+        engine.add_request("a", {"prompt_token_ids": P}, params)
+        engine.add_request("b", {"prompt_token_ids": [1, 2, 3]},
+                           dataclasses.replace(params, max_tokens=7, output_kind=kind))
+        outputs: dict[str, list[Any]] = {"a": [], "b": []}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                outputs[o.request_id].append((o.finished, o.outputs, o.prompt_token_ids))
+        return outputs
+
+    every, final = run(RequestOutputKind.CUMULATIVE), run(RequestOutputKind.FINAL_ONLY)
+    assert len(every["b"]) == 7 and len(final["b"]) == 1
+    assert final["b"][0][0] and final["b"][0] == every["b"][-1]
+    assert final["a"] == every["a"] and len(final["a"]) == 5
