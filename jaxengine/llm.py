@@ -25,7 +25,7 @@ from jaxengine.metrics import (
 )
 from jaxengine.replicas.data_parallel import build_engines
 from jaxengine.runner.distributed import initialize_from_args
-from scheduler import SamplingParams
+from scheduler import RequestOutputKind, SamplingParams
 
 Conversation = Sequence[Mapping[str, Any]]
 
@@ -118,7 +118,9 @@ class LLM:
         Raises:
           ValueError: a bad prompt or parameter; nothing was added to the engine.
         """
-        ids = self.add_requests(prompts, sampling_params)
+        # Only the finished outputs are read: the engine builds no per-step output (vLLM's
+        # LLM does the same)
+        ids = self._add(prompts, sampling_params, RequestOutputKind.FINAL_ONLY)
         try:
             return self._run(ids, use_tqdm)
         except BaseException:
@@ -136,8 +138,16 @@ class LLM:
         Raises:
           ValueError: a bad prompt or parameter; nothing was added to the engine.
         """
+        return self._add(prompts, sampling_params, None)
+
+    def _add(self, prompts: PromptType | Sequence[PromptType],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+             output_kind: RequestOutputKind | None) -> list[str]:
+        """`add_requests`, each request's `output_kind` set when given."""
         prompts = _as_list(prompts)
         params = _params_list(sampling_params, len(prompts), self._default_params)
+        if output_kind is not None:
+            params = [dataclasses.replace(sp, output_kind=output_kind) for sp in params]
         ids = [str(next(self._ids)) for _ in prompts]
         try:
             for rid, prompt, sp in zip(ids, prompts, params, strict=True):

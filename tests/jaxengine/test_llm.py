@@ -66,3 +66,35 @@ def test_chat_renders_the_template() -> None:
     assert list(outs[0].outputs[0].token_ids) == fake_greedy([1, 10, 11, 2], 4, V)
     assert outs[1].prompt_token_ids == [1, 10, 11, 2, 12, 2]
     assert llm.chat(conv, GREEDY, use_tqdm=False)[0].prompt_token_ids == [1, 10, 11, 2]
+
+
+def test_generate_asks_only_for_final_outputs() -> None:
+    """`generate` reads finished outputs only, so the engine builds none per step (vLLM's
+    FINAL_ONLY); the outputs equal a cumulative run's, and `add_requests` (what streaming
+    uses) still gets one per step."""
+    llm = _llm()
+    steps: list[list[Any]] = []
+    step = llm.llm_engine.step
+
+    def recorded() -> list[Any]:
+        outs = step()
+        steps.append(outs)
+        return outs
+
+    llm.llm_engine.step = recorded  # type: ignore[method-assign]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=1)
+    final = llm.generate([{"prompt_token_ids": [3, 4, 5]}, {"prompt_token_ids": [7]}], params,
+                         use_tqdm=False)
+    assert all(o.finished for outs in steps for o in outs)
+    assert sum(len(outs) for outs in steps) == 2
+
+    steps.clear()
+    ids = llm.add_requests([{"prompt_token_ids": [3, 4, 5]}, {"prompt_token_ids": [7]}], params)
+    done = {}
+    while llm.llm_engine.has_unfinished_requests():
+        done.update((o.request_id, o) for o in llm.llm_engine.step() if o.finished)
+    assert sum(len(outs) for outs in steps) > 2
+    for a, b in zip(final, (done[i] for i in ids), strict=True):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        assert a.outputs[0].logprobs == b.outputs[0].logprobs
+        assert a.outputs[0].cumulative_logprob == b.outputs[0].cumulative_logprob
