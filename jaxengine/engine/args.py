@@ -13,9 +13,10 @@ DTYPES = ("auto", *get_args(Dtype))  # "auto": jaxengine.config.DEFAULT_DTYPE
 ATTENTION_BACKENDS = ("reference", "cpu", "tpu", "gpu")
 
 
-def _arg(default: Any, help: str) -> Any:
-    """A field with its default and the help text the CLI shows for its flag."""
-    return dataclasses.field(default=default, metadata={"help": help})
+def arg(default: Any, help: str, **kw: Any) -> Any:
+    """A dataclass field with its default and the help text the CLI shows for its flag
+    (`jaxengine/flags.py` reads it); `kw` go to `dataclasses.field`."""
+    return dataclasses.field(default=default, metadata={"help": help}, **kw)
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -24,77 +25,77 @@ class EngineArgs:
     checked when built; None and "auto" are resolved at startup, once, by
     `jaxengine.engine.engine_config.create_engine_config`."""
 
-    model: str | None = _arg(None, "HF directory or .gguf file; None: the embedded "
-                                   "SmolLM2-135M-Instruct")
-    dtype: str = _arg("auto", "weights, activations and KV cache: auto (= float32), float32 "
-                              "or bfloat16")
-    seed: int = _arg(0, "seeds the per-request seeds of requests that give none")
-    max_model_len: int | None = _arg(None, "longest sequence (prompt + output); None: the "
-                                           "model's max positions")
-    max_num_batched_tokens: int | None = _arg(
+    model: str | None = arg(None, "HF directory or .gguf file; None: the embedded "
+                                  "SmolLM2-135M-Instruct")
+    dtype: str = arg("auto", "weights, activations and KV cache: auto (= float32), float32 "
+                             "or bfloat16")
+    seed: int = arg(0, "seeds the per-request seeds of requests that give none")
+    max_model_len: int | None = arg(None, "longest sequence (prompt + output); None: the "
+                                          "model's max positions")
+    max_num_batched_tokens: int | None = arg(
         None, "tokens one step may process; None: 2048 (max_model_len if not chunking)")
-    max_num_seqs: int = _arg(128, "most requests running at once")
-    enable_chunked_prefill: bool = _arg(True, "split long prompts over several steps")
-    enable_prefix_caching: bool = _arg(True, "reuse the KV of shared prompt prefixes")
-    block_size: int = _arg(16, "tokens per KV cache page")
-    num_gpu_blocks_override: int | None = _arg(
+    max_num_seqs: int = arg(128, "most requests running at once")
+    enable_chunked_prefill: bool = arg(True, "split long prompts over several steps")
+    enable_prefix_caching: bool = arg(True, "reuse the KV of shared prompt prefixes")
+    block_size: int = arg(16, "tokens per KV cache page")
+    num_gpu_blocks_override: int | None = arg(
         None, "KV pages in the pool, the null block 0 included; None: from the memory budget")
-    kv_cache_memory_bytes: int | None = _arg(
+    kv_cache_memory_bytes: int | None = arg(
         None, "KV cache budget in bytes; None: see gpu_memory_utilization / cpu_kv_cache_bytes")
-    gpu_memory_utilization: float = _arg(
+    gpu_memory_utilization: float = arg(
         0.9, "accelerators: fraction of device memory for the run (weights, KV, activations)")
-    cpu_kv_cache_bytes: int = _arg(1 << 30, "CPU: the KV budget when none is given")
-    kv_offloading_size: float | None = _arg(
+    cpu_kv_cache_bytes: int = arg(1 << 30, "CPU: the KV budget when none is given")
+    kv_offloading_size: float | None = arg(
         None, "GiB of host memory for KV blocks evicted from the device's prefix cache, loaded "
               "back when a prefix needs them again; None or 0: off (needs prefix caching)")
-    long_prefill_token_threshold: int = _arg(
+    long_prefill_token_threshold: int = arg(
         0, "most tokens one request gets in one step while others wait (0: no cap)")
-    max_num_partial_prefills: int = _arg(1, "prompts partially prefilled at once (>1: "
-                                            "concurrent partial prefill limits)")
-    max_long_partial_prefills: int = _arg(1, "of those, most long ones at once")
-    scheduling_policy: str = _arg("fcfs", "order of waiting requests and preemption victims")
-    attention_backend: str | None = _arg(None, "attention implementation; None: chosen by "
-                                               "jax.default_backend()")
-    batch_invariant: bool = _arg(
+    max_num_partial_prefills: int = arg(1, "prompts partially prefilled at once (>1: "
+                                           "concurrent partial prefill limits)")
+    max_long_partial_prefills: int = arg(1, "of those, most long ones at once")
+    scheduling_policy: str = arg("fcfs", "order of waiting requests and preemption victims")
+    attention_backend: str | None = arg(None, "attention implementation; None: chosen by "
+                                              "jax.default_backend()")
+    batch_invariant: bool = arg(
         False, "a request's logits and logprobs the same bits whatever else runs beside it "
                "and however its prompt is chunked (vLLM's VLLM_BATCH_INVARIANT): the CPU "
                "attention kernel's batch-invariant mode beside the packed matmul; needs "
                "float32 on one CPU device; decode-heavy steps cost 1.1-1.25x")
-    precompile: bool | None = _arg(
+    precompile: bool | None = arg(
         None, "compile every token/request bucket at startup; None: LLM() does, with a progress "
               "bar, a bare LLMEngine does not (serve always warms up before /health is 200)")
-    async_scheduling: bool = _arg(True, "schedule step N+1 on the host while the device runs "
-                                        "step N (same outputs as the synchronous loop; with "
-                                        "speculative_config a request verifying drafts sits "
-                                        "out the next step)")
-    speculative_config: dict[str, Any] | None = _arg(
+    async_scheduling: bool = arg(True, "schedule step N+1 on the host while the device runs "
+                                       "step N (same outputs as the synchronous loop; with "
+                                       "speculative_config a request verifying drafts sits "
+                                       "out the next step)")
+    speculative_config: dict[str, Any] | None = arg(
         None, "speculative decoding, vLLM's dict (JSON on the command line), e.g. "
               '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, '
               '"prompt_lookup_max": 4} or {"method": "draft_model", "model": DIR, '
               '"num_speculative_tokens": 3}; None: off')
-    compilation_cache_dir: str | None = _arg(
+    compilation_cache_dir: str | None = arg(
         None, "directory of JAX's persistent compilation cache (process-wide); None: "
               "$JAXENGINE_COMPILATION_CACHE_DIR, else JAX's own setting, else "
               "$XDG_CACHE_HOME/jaxengine/jax (~/.cache/jaxengine/jax); '' disables")
-    debug_recompiles: bool = _arg(False, "raise if anything compiles after warm-up")
-    max_logprobs: int = _arg(20, "most top logprobs a request may ask for")
-    intermediate_token_buckets: bool = _arg(False, "1.5x token buckets too: less padding, "
-                                                   "more compilations")
-    skip_tokenizer_init: bool = _arg(False, "load no tokenizer: prompts are token ids and "
-                                            "outputs have no text")
-    generation_config: str = _arg("auto", "default sampling parameters: auto (the model's "
-                                          "generation_config.json), vllm (none) or a directory")
-    tensor_parallel_size: int = _arg(1, "devices one engine replica's model is split over "
-                                        "(tensor parallel, mesh axis tp)")
-    data_parallel_size: int = _arg(1, "engine replicas, each on its own tensor_parallel_size "
-                                      "devices, behind a prefix-aware router")
-    coordinator_address: str | None = _arg(
+    debug_recompiles: bool = arg(False, "raise if anything compiles after warm-up")
+    max_logprobs: int = arg(20, "most top logprobs a request may ask for")
+    intermediate_token_buckets: bool = arg(False, "1.5x token buckets too: less padding, "
+                                                  "more compilations")
+    skip_tokenizer_init: bool = arg(False, "load no tokenizer: prompts are token ids and "
+                                           "outputs have no text")
+    generation_config: str = arg("auto", "default sampling parameters: auto (the model's "
+                                         "generation_config.json), vllm (none) or a directory")
+    tensor_parallel_size: int = arg(1, "devices one engine replica's model is split over "
+                                       "(tensor parallel, mesh axis tp)")
+    data_parallel_size: int = arg(1, "engine replicas, each on its own tensor_parallel_size "
+                                     "devices, behind a prefix-aware router")
+    coordinator_address: str | None = arg(
         None, "multi-host: HOST:PORT of process 0's jax.distributed coordinator (the same on "
               "every process); None with the next two: detected by JAX (Cloud TPU, SLURM, ...) "
               "or a single process")
-    num_processes: int | None = _arg(None, "multi-host: how many processes (hosts) take part")
-    process_id: int | None = _arg(None, "multi-host: this process's index, 0 .. num_processes-1 "
-                                        "(0 serves HTTP, the others run serve --headless)")
+    num_processes: int | None = arg(None, "multi-host: how many processes (hosts) take part")
+    process_id: int | None = arg(None, "multi-host: this process's index, 0 .. num_processes-1 "
+                                       "(0 serves HTTP, the others run serve --headless)")
 
     def __post_init__(self) -> None:
         _check_choice("dtype", self.dtype, DTYPES)

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
+
+from jaxengine.engine.args import arg
 
 API_KEY_ENV = "JAXENGINE_API_KEY"  # vLLM's VLLM_API_KEY: a key that should not show in `ps`
 
@@ -22,33 +23,28 @@ API_KEY_ENV = "JAXENGINE_API_KEY"  # vLLM's VLLM_API_KEY: a key that should not 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 << 20
 
 
-def _arg(default: Any, help: str, **kw: Any) -> Any:
-    """A field with its default and the help text the CLI shows for its flag."""
-    return dataclasses.field(default=default, metadata={"help": help}, **kw)
-
-
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class FrontendArgs:
     """HTTP settings of `jaxengine serve`; validated when constructed."""
 
     # repr=False: the key must not reach a log line or a traceback
-    api_key: str | None = _arg(
+    api_key: str | None = arg(
         None, "clients must send `Authorization: Bearer KEY` on every route but /health, /ping "
               f"and /metrics; None: ${API_KEY_ENV} if set, else no key", repr=False)
-    max_request_body_bytes: int = _arg(
+    max_request_body_bytes: int = arg(
         DEFAULT_MAX_REQUEST_BODY_BYTES, "largest request body in bytes; a larger one is a 413, "
                                         "refused before it is read whole")
-    timeout_keep_alive: float = _arg(5.0, "seconds an idle connection stays open after a "
-                                          "response (uvicorn's timeout_keep_alive)")
-    timeout_headers: float = _arg(10.0, "seconds a client has to send a request's headers, "
-                                        "from the connection's start or the previous response; "
-                                        "then the connection is closed")
-    trust_request_chat_template: bool = _arg(
+    timeout_keep_alive: float = arg(5.0, "seconds an idle connection stays open after a "
+                                         "response (uvicorn's timeout_keep_alive)")
+    timeout_headers: float = arg(10.0, "seconds a client has to send a request's headers, "
+                                       "from the connection's start or the previous response; "
+                                       "then the connection is closed")
+    trust_request_chat_template: bool = arg(
         False, "render the chat_template a request sends (Jinja the server runs: vLLM's flag); "
                "off, such a request is a 400")
-    shutdown_timeout: float = _arg(10.0, "on SIGTERM or Ctrl-C, seconds to wait for running "
-                                         "requests to finish before aborting the rest (0: "
-                                         "abort at once)")
+    shutdown_timeout: float = arg(10.0, "on SIGTERM or Ctrl-C, seconds to wait for running "
+                                        "requests to finish before aborting the rest (0: "
+                                        "abort at once)")
 
     def __post_init__(self) -> None:
         if self.api_key is not None and (not self.api_key or self.api_key != self.api_key.strip()):
