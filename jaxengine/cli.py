@@ -20,16 +20,19 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import scheduler
+from jaxengine import streaming
 from jaxengine.engine.args import EngineArgs
 from jaxengine.flags import add_engine_flags, add_flags, args_from, engine_args_from
 from jaxengine.lab import commands as lab_commands
+from jaxengine.llm import LLM
+from jaxengine.loading import load_tokenizer
 from jaxengine.server.args import FrontendArgs
-
-if TYPE_CHECKING:  # annotations only: the commands import LLM when they run
-    from jaxengine.llm import LLM
+from jaxengine.server.run import serve
+from scheduler import SamplingParams
+from scheduler.replay import main as replay_main
 
 BENCH_SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "throughput.py"
 
@@ -61,8 +64,6 @@ def add_sampling_flags(parser: argparse.ArgumentParser, *, max_tokens: int) -> N
 def sampling_overrides(ns: argparse.Namespace) -> dict[str, Any]:
     """The `SamplingParams` fields the sampling flags set, checked now (before any model
     loads): a bad value raises `SamplingParamsError` naming the flag's field."""
-    from scheduler import SamplingParams
-
     given = dict(max_tokens=ns.max_tokens, min_tokens=ns.min_tokens, temperature=ns.temperature,
                  top_p=ns.top_p, top_k=ns.top_k, min_p=ns.min_p, stop=tuple(ns.stop),
                  ignore_eos=ns.ignore_eos, seed=ns.sampling_seed)
@@ -153,8 +154,6 @@ def build_parser() -> argparse.ArgumentParser:
 # ---- commands ------------------------------------------------------------------------------
 
 def _build_llm(args: EngineArgs) -> LLM:
-    from jaxengine.llm import LLM
-
     fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineArgs)}
     return LLM(**fields)
 
@@ -169,14 +168,12 @@ def run_generate(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     as if nothing streamed (a pipe reading it sees completions whole and in order), and the
     first tokens show as soon as they exist.
     """
-    from jaxengine.streaming import in_prompt_order, stream
-
     overrides = sampling_overrides(ns)
     llm = _build_llm(engine_args_from(ns, parser))
     params = dataclasses.replace(llm.get_default_sampling_params(), **overrides)
     if not ns.json:
-        with stream(llm, list(ns.prompts), params) as pieces:
-            for piece in in_prompt_order(pieces):
+        with streaming.stream(llm, list(ns.prompts), params) as pieces:
+            for piece in streaming.in_prompt_order(pieces):
                 _write(piece.text + ("\n" if piece.finished else ""))
         return 0
     for out in llm.generate(list(ns.prompts), params, use_tqdm=False):
@@ -227,8 +224,6 @@ def _stream_reply(llm: LLM, conversation: list[dict[str, str]],
     Raises:
       ValueError: the engine refused the conversation (nothing was written).
     """
-    from jaxengine import streaming
-
     with (streaming.stream_chat(llm, conversation, params) as pieces,
           _first_sigint_caught() as interrupted):
         reply = ""
@@ -281,8 +276,6 @@ def _write(text: str) -> None:
 def run_serve(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """`jaxengine serve [MODEL]`: blocks until interrupted (with --headless: until process 0
     stops)."""
-    from jaxengine.server.run import serve
-
     flag_model = getattr(ns, "model", None)
     if ns.model_tag is not None and flag_model is not None and ns.model_tag != flag_model:
         parser.error(f"two models given: {ns.model_tag!r} and --model {flag_model!r}")
@@ -317,8 +310,6 @@ def run_bench(extra: Sequence[str]) -> int:
 
 def run_export_tokenizer(ns: argparse.Namespace) -> int:
     """`jaxengine export-tokenizer DIR [--model PATH]`: print the files written."""
-    from jaxengine.loading import load_tokenizer
-
     for path in load_tokenizer(ns.model).save_pretrained(ns.directory):
         print(path)
     return 0
@@ -326,8 +317,6 @@ def run_export_tokenizer(ns: argparse.Namespace) -> int:
 
 def run_replay(ns: argparse.Namespace) -> int:
     """`jaxengine replay TRACE.json [-o OUT]`: scheduler.replay's main."""
-    from scheduler.replay import main as replay_main
-
     return replay_main([ns.trace, *(["-o", ns.output] if ns.output else [])])
 
 

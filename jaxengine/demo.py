@@ -12,6 +12,11 @@ from __future__ import annotations
 import sys
 import time
 
+from jaxengine import LLM, SamplingParams
+from jaxengine.runner import compilation_cache, compiles
+from jaxengine.runner.compilation_cache import cache_state, shown
+from jaxengine.runner.programs import SAMPLE_NAME, STEP_NAME
+
 QUESTIONS = [
     "What is the capital of France?",
     "Give me three tips for staying focused while studying.",
@@ -24,10 +29,6 @@ QUESTIONS = [
 
 def main() -> int:
     """Run the demo; returns the process exit status."""
-    from jaxengine import LLM, SamplingParams
-    from jaxengine.runner import compilation_cache, compiles
-    from jaxengine.runner.programs import SAMPLE_NAME, STEP_NAME
-
     compiles.ensure_listener()
     hits_before = compiles.cache_hit_count(STEP_NAME, SAMPLE_NAME)
     t0 = time.perf_counter()
@@ -72,8 +73,6 @@ def compile_summary(programs: int, loaded: int, seconds: float, cache_dir: str |
       seconds: time in precompile and the steps that compiled.
       cache_dir: the cache directory; None: the cache is disabled.
     """
-    from jaxengine.runner.compilation_cache import cache_state, shown
-
     if cache_dir is None:
         return f"compiled {programs} programs in {seconds:.1f}s (persistent cache disabled)"
     where = shown(cache_dir)

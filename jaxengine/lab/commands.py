@@ -15,6 +15,18 @@ from typing import Any
 
 from jaxengine import flags
 from jaxengine.engine.args import EngineArgs
+from jaxengine.lab import (
+    bench,
+    calibrate,
+    cost_model,
+    generators,
+    plots,
+    results,
+    simulate,
+    tune,
+    workloads,
+)
+from jaxengine.lab.generators import SCENARIOS
 
 
 def add_parsers(sub: Any) -> None:
@@ -56,8 +68,6 @@ def add_parsers(sub: Any) -> None:
     flags.add_engine_flags(tune)
     wl = sub.add_parser("workload", help="write a generated workload (a named scenario)",
                         description="Write a workload of a named scenario (docs/LAB.md).")
-    from jaxengine.lab.generators import SCENARIOS
-
     wl.add_argument("scenario", choices=SCENARIOS, help="the scenario")
     wl.add_argument("--output", required=True, metavar="WORKLOAD.json", help="the file to write")
     wl.add_argument("--num-requests", type=int, default=64, help="requests (default: 64)")
@@ -75,8 +85,6 @@ def add_parsers(sub: Any) -> None:
 def run_bench_workload(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """`jaxengine bench --workload W.json [--output OUT.json] [engine flags]`: the real
     online replay; prints the summary."""
-    from jaxengine.lab import bench, workloads
-
     workload = workloads.load_workload(ns.workload)
     result = bench.bench(workload, flags.engine_args_from(ns, parser))
     _report(result, ns.output, "real")
@@ -85,8 +93,6 @@ def run_bench_workload(ns: argparse.Namespace, parser: argparse.ArgumentParser) 
 
 def run_calibrate(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """`jaxengine calibrate --output COST.json [engine flags]`: prints the fit's errors."""
-    from jaxengine.lab import calibrate, cost_model
-
     model = calibrate.calibrate(flags.engine_args_from(ns, parser), repeats=ns.repeats,
                                 log=lambda m: print(m, file=sys.stderr, flush=True))
     cost_model.save_cost_model(model, ns.output)
@@ -104,8 +110,6 @@ def run_calibrate(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> in
 
 def _lab_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[Any, Any, Any]:
     """(workload, cost model, engine args: the cost model's, with the flags given)."""
-    from jaxengine.lab import cost_model, simulate, workloads
-
     cost = cost_model.load_cost_model(ns.cost_model)
     names = {f.name for f in dataclasses.fields(EngineArgs)}
     given = {k: v for k, v in vars(ns).items() if k in names}
@@ -117,8 +121,6 @@ def run_simulate(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     """`jaxengine simulate W.json --cost-model COST.json [--output OUT.json] [--plot P]`."""
     import time
 
-    from jaxengine.lab import simulate
-
     workload, cost, args = _lab_args(ns, parser)
     t0 = time.perf_counter()
     result = simulate.simulate(workload, cost, args)
@@ -127,13 +129,9 @@ def run_simulate(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int
           f"({len(result.steps) / max(seconds, 1e-9):.0f} steps/s)", file=sys.stderr)
     _report(result, ns.output, "simulated")
     if ns.compare:
-        from jaxengine.lab import results
-
         errors = results.compare(result, results.load_result(ns.compare))
         print("simulated / real - 1: " + ", ".join(f"{k} {v:+.1%}" for k, v in errors.items()))
     if ns.plot:
-        from jaxengine.lab import plots
-
         plots.timeline(result.steps, x="time", title=f"simulated {ns.workload}", save=ns.plot)
         print(f"wrote {ns.plot}")
     return 0
@@ -142,8 +140,6 @@ def run_simulate(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int
 def run_tune(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """`jaxengine tune W.json --cost-model COST.json --slo ttft_p99=S,...`: the Pareto table
     and the recommended flags."""
-    from jaxengine.lab import tune
-
     workload, cost, args = _lab_args(ns, parser)
     slo = tune.parse_slo(ns.slo)
     report = tune.tune(workload, cost, args, slo=slo)
@@ -159,8 +155,6 @@ def run_tune(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 def run_workload(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """`jaxengine workload SCENARIO --output W.json [...]`: write a generated workload."""
-    from jaxengine.lab import generators, workloads
-
     w = generators.scenario(ns.scenario, num_requests=ns.num_requests, rate=ns.rate,
                             seed=ns.seed, vocab_size=ns.vocab_size, scale=ns.scale,
                             burst_size=ns.burst_size)
@@ -171,8 +165,6 @@ def run_workload(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int
 
 
 def _report(result: Any, output: str | None, label: str) -> None:
-    from jaxengine.lab import results
-
     print(results.format_summary(result, label))
     if output:
         results.save_result(result, output)

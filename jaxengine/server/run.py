@@ -101,6 +101,8 @@ def _check_role(process: int, processes: int, *, headless: bool) -> None:
 
 def _run_http(engine: EngineClient, name: str, *, host: str, port: int, log_interval: float,
               log_level: str, frontend: FrontendArgs) -> None:
+    # Here: FastAPI and uvicorn come with the `serve` extra, which `--headless` followers and
+    # the offline API do without.
     from jaxengine.server.app import build_app
     from jaxengine.server.http_server import run_uvicorn
 
