@@ -20,7 +20,6 @@ from jaxengine.lab import (
     calibrate,
     cost_model,
     generators,
-    plots,
     results,
     simulate,
     tune,
@@ -132,6 +131,8 @@ def run_simulate(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         errors = results.compare(result, results.load_result(ns.compare))
         print("simulated / real - 1: " + ", ".join(f"{k} {v:+.1%}" for k, v in errors.items()))
     if ns.plot:
+        from jaxengine.lab import plots  # here: matplotlib comes with the `lab` extra
+
         plots.timeline(result.steps, x="time", title=f"simulated {ns.workload}", save=ns.plot)
         print(f"wrote {ns.plot}")
     return 0

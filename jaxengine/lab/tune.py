@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from jaxengine.engine.args import EngineArgs
-from jaxengine.lab import plots
 from jaxengine.lab.cost_model import CostModel
 from jaxengine.lab.results import METRICS, PERCENTILES, summary
 from jaxengine.lab.simulate import simulate, simulation_config
@@ -231,6 +230,8 @@ def format_report(report: TuneReport) -> str:
 def plot(report: TuneReport, path: str) -> None:
     """Draw every configuration's throughput against the latency metric, with its SLO line
     and the recommended point (`plots.pareto_front`)."""
+    from jaxengine.lab import plots  # here: matplotlib comes with the `lab` extra
+
     m = report.latency_metric
     points = [plots.ParetoPoint(label=t.label, throughput=t.summary["output_tokens_per_s"],
                                 latency_s=t.summary[m]) for t in report.trials]

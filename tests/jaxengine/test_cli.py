@@ -277,3 +277,16 @@ def test_serve_subprocess_answers_and_logs_throughput(tmp_path: Path) -> None:
     text = log.read_text()
     for part in ("Running: ", "GPU KV cache usage: ", "Prefix cache hit rate: "):
         assert part in text
+
+
+def test_the_command_loads_without_the_optional_extras() -> None:
+    """uvicorn (the `serve` extra) and matplotlib (the `lab` extra) are imported only by the
+    commands that use them: without them `jaxengine generate` and friends still load."""
+    code = ("import sys\n"
+            "sys.modules['uvicorn'] = sys.modules['matplotlib'] = None  # as if not installed\n"
+            "from jaxengine.cli import build_parser\n"
+            "build_parser().parse_args(['simulate', '--help'])\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120, cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "usage:" in done.stdout
