@@ -62,12 +62,6 @@ class Grammars:
         return self._compiler
 
     @property
-    def in_use(self) -> bool:
-        """Whether the compiler was built: until then no request has a grammar, and the
-        loop skips its per-request grammar checks."""
-        return self._compiler is not None
-
-    @property
     def num_compiling(self) -> int:
         """Requests whose grammar is still compiling."""
         return len(self._compiling)
@@ -83,6 +77,26 @@ class Grammars:
     def forget(self, request_id: str) -> None:
         """A request left (aborted): its compilation's result is not wanted."""
         self._compiling.pop(request_id, None)
+
+    def samples_a_grammar(self, tracked: Mapping[str, TrackedRequest],
+                          sampling_ids: Sequence[str]) -> bool:
+        """Whether any of these sampling requests has a grammar (none can before the compiler
+        is built: the per-request look is skipped)."""
+        return self._compiler is not None and any(tracked[r].grammar is not None
+                                                  for r in sampling_ids)
+
+    def accept_sampled(self, tracked: Mapping[str, TrackedRequest],
+                       sampled: Mapping[str, Sequence[SampledToken]]) -> None:
+        """Advance each grammar past its request's sampled token (before the update: a
+        terminated grammar has accepted the EOS the scheduler stops on; a grammar request gets
+        no drafts, so it has one). Nothing to do before the compiler is built."""
+        if self._compiler is None:
+            return
+        for rid, (token, *_) in sampled.items():
+            grammar = tracked[rid].grammar
+            if grammar is not None and not grammar.accept_tokens([token.token_id]):
+                logger.warning("request %r: the grammar refused sampled token %d: %s", rid,
+                               token.token_id, grammar.error)
 
     def take_compiled(self, tracked: Mapping[str, TrackedRequest], *, wait: bool
                       ) -> tuple[list[str], list[str]]:
@@ -102,20 +116,3 @@ class Grammars:
                 failed.append(rid)
         return ready, failed
 
-
-def samples_a_grammar(tracked: Mapping[str, TrackedRequest], sampling_ids: Sequence[str]
-                      ) -> bool:
-    """Whether any of these sampling requests has a grammar."""
-    return any(tracked[r].grammar is not None for r in sampling_ids)
-
-
-def accept_sampled(tracked: Mapping[str, TrackedRequest],
-                   sampled: Mapping[str, Sequence[SampledToken]]) -> None:
-    """Advance each grammar past its request's sampled token (before the update: a terminated
-    grammar has accepted the EOS the scheduler stops on; a grammar request gets no drafts, so
-    it has one)."""
-    for rid, (token, *_) in sampled.items():
-        grammar = tracked[rid].grammar
-        if grammar is not None and not grammar.accept_tokens([token.token_id]):
-            logger.warning("request %r: the grammar refused sampled token %d: %s", rid,
-                           token.token_id, grammar.error)

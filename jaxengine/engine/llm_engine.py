@@ -34,7 +34,7 @@ from jaxengine.config import EngineConfig
 from jaxengine.engine import inputs
 from jaxengine.engine.args import EngineArgs
 from jaxengine.engine.detokenizer import IncrementalDetokenizer
-from jaxengine.engine.grammars import Grammars, accept_sampled
+from jaxengine.engine.grammars import Grammars
 from jaxengine.engine.inputs import PromptType, TokenizerLike
 from jaxengine.engine.loops import AsyncLoop, SyncLoop
 from jaxengine.engine.outputs import RequestOutput
@@ -339,8 +339,7 @@ class LLMEngine:
         none of requests that left while it was in flight) into `state`, with the next step's
         drafts (after `in_flight`, the plan dispatched since, under async scheduling); its
         outputs."""
-        if self.grammars.in_use:
-            accept_sampled(self._tracked, sampled)
+        self.grammars.accept_sampled(self._tracked, sampled)
         stopped = self._detokenize(sampled)  # before update: a stop string ends the request there
         drafts = (None if self.speculator is None
                   else self.speculator.propose(self._tracked, sampled, stopped, in_flight))

@@ -17,7 +17,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
-from jaxengine.engine.grammars import samples_a_grammar
 from jaxengine.engine.outputs import RequestOutput
 from jaxengine.engine.stats import IterationStats
 from jaxengine.runner.in_flight import InFlight
@@ -66,8 +65,7 @@ class AsyncLoop:
         e = self.engine
         prev, dropped = self.in_flight, self._dropped
         self._dropped, self.plan = set(), plan
-        if (prev is not None and e.grammars.in_use
-                and samples_a_grammar(e._tracked, plan.sampling_req_ids)):
+        if prev is not None and e.grammars.samples_a_grammar(e._tracked, plan.sampling_req_ids):
             return self._step_sampling_a_grammar(state, before, plan, prev, dropped)
         self.in_flight = e.runner.dispatch(plan, e._sampling_rows(plan), prev)
         e.state = state
