@@ -37,8 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from jaxengine.runner.buckets import pick_bucket, token_buckets
-from jaxengine.runner.buckets import request_buckets as _request_buckets
+from jaxengine.runner.buckets import pick_bucket
 from scheduler import SchedulerOutput
 
 # The caps of the `tokens_upto_*` features (token buckets where the price per token changes).
@@ -230,14 +229,3 @@ def fit_report(coef: np.ndarray, x_train: np.ndarray, x_test: np.ndarray,
                      median_rel_error=float(np.median(err)),
                      p90_rel_error=float(np.percentile(err, 90)),
                      max_rel_error=float(err.max()))
-
-
-def engine_buckets(max_num_batched_tokens: int, *, intermediate: bool) -> tuple[int, ...]:
-    """The token buckets an engine with this budget runs (as `Runner` builds them)."""
-    return token_buckets(max_num_batched_tokens, intermediate=intermediate)
-
-
-def engine_request_buckets(max_num_seqs: int) -> tuple[int, ...]:
-    """The sampler's request buckets of an engine with this `max_num_seqs` (as `Runner` builds
-    them without speculative decoding)."""
-    return _request_buckets(max_num_seqs)

@@ -22,7 +22,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from jaxengine.lab.cost_model import CostModel
-from jaxengine.runner.buckets import request_buckets, token_buckets
 from jaxengine.runner.config import RunnerConfig
 from jaxengine.runner.in_flight import SampledToken
 from jaxengine.sampling.rows import SamplingRow
@@ -64,9 +63,7 @@ class CostModelRunner:
         """
         self.config, self.cost, self.clock = config, cost, clock
         self.async_scheduling = async_scheduling
-        self.token_buckets = token_buckets(config.max_num_batched_tokens,
-                                           intermediate=config.intermediate_token_buckets)
-        self.request_buckets = request_buckets(config.max_num_rows)
+        self.token_buckets, self.request_buckets = config.buckets()
         self.last_seconds = 0.0  # the price of the last call
 
     def precompile(self) -> None:

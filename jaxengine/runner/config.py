@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from jaxengine.config import EngineConfig
+from jaxengine.runner.buckets import request_buckets, token_buckets
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -43,6 +44,12 @@ class RunnerConfig:
     def max_num_rows(self) -> int:
         """Hidden rows a step keeps, the sampler's largest bucket: R * (1 + K)."""
         return self.max_num_seqs * (1 + self.num_speculative_tokens)
+
+    def buckets(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The token buckets a step is padded to, and the sampler's request buckets."""
+        return (token_buckets(self.max_num_batched_tokens,
+                              intermediate=self.intermediate_token_buckets),
+                request_buckets(self.max_num_rows))
 
 
 @dataclass(slots=True)

@@ -30,7 +30,7 @@ from tqdm.auto import tqdm
 
 from jaxengine.model.batch import ModelBatch, RequestChunk, pack_batch
 from jaxengine.model.fns import ModelFns
-from jaxengine.runner.buckets import pick_bucket, request_buckets, token_buckets
+from jaxengine.runner.buckets import pick_bucket
 from jaxengine.runner.compiles import (
     RecompileError,
     cache_hit_count,
@@ -61,9 +61,7 @@ class Runner:
         ensure_listener()
         self.model = model
         self.config = config
-        self.token_buckets = token_buckets(config.max_num_batched_tokens,
-                                           intermediate=config.intermediate_token_buckets)
-        self.request_buckets = request_buckets(config.max_num_rows)
+        self.token_buckets, self.request_buckets = config.buckets()
         self.kv = model.init_kv(config.num_blocks, config.block_size)
         self.stats = RunnerStats()
         self.warm = False
