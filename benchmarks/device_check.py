@@ -59,7 +59,7 @@ from jaxengine.engine.build import attention_backend, model_fns  # noqa: E402
 from jaxengine.model.batch import ModelBatch, RequestChunk  # noqa: E402
 from jaxengine.model.config import ModelConfig  # noqa: E402
 from jaxengine.model.kv_cache import kv_cache_shape, kv_cache_sharding  # noqa: E402
-from jaxengine.model.llama import Model  # noqa: E402
+from jaxengine.model.decoder import Model  # noqa: E402
 from jaxengine.model.mesh import TP_AXIS, make_mesh  # noqa: E402
 from jaxengine.model.step import pack_batch  # noqa: E402
 from jaxengine.runner.programs import jaxengine_model_step, programs_for  # noqa: E402

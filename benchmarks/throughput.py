@@ -206,7 +206,7 @@ def tiny_model(vocab_size: int) -> tuple[Any, Any]:
     """A random 2-layer model of width 32 over the workload's vocabulary: host-bound steps."""
     from jaxengine.engine.build import model_fns
     from jaxengine.model.config import ModelConfig
-    from jaxengine.model.llama import Model
+    from jaxengine.model.decoder import Model
 
     cfg = ModelConfig.tiny(vocab_size=vocab_size, max_position_embeddings=4096)
     return model_fns(Model(cfg), cfg, attn_impl="reference"), cfg

@@ -80,7 +80,7 @@ def _check_kernel_shapes(impl: str, cfg: ModelConfig, *, block_size: int, tp: in
 
 def model_fns(model: Any, cfg: Any, *, attn_impl: str, pack: bool = True,
               batch_invariant: bool = False) -> ModelFns:
-    """`ModelFns` of a loaded `jaxengine.model.llama.Model` (split once into graph and weights).
+    """`ModelFns` of a loaded `jaxengine.model.decoder.Model` (split once into graph and weights).
 
     The weights stay where the model put them (its mesh); the KV cache is made there too, its
     head axis split over "tp", and `kv_bytes_per_block` counts one device's share. With `pack`,

@@ -16,18 +16,12 @@ from typing import Any
 import gguf
 import numpy as np
 
-from jaxengine.model.config import (
-    SUPPORTED_ARCHITECTURES,
-    ModelConfig,
-    ModelLoadError,
-    RopeScaling,
-)
+from jaxengine.model.config import ModelConfig, ModelLoadError, RopeScaling
+from jaxengine.model.families import GGUF_ARCHS, family
 
-# our architecture -> gguf's; llama.cpp converts Mistral as "llama", and a file that says
-# "mistral" has the same tensors
-_GGUF_ARCHS = {"llama": gguf.MODEL_ARCH.LLAMA, "mistral": gguf.MODEL_ARCH.LLAMA,
-               "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3}
-_PERMUTED_ARCHS = ("llama", "mistral")  # llama.cpp permutes Q/K only for these
+# gguf's architecture enum by name; a "mistral" file has llama's tensor names
+_GGUF_ENUM = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
+_GGUF_ENUM["mistral"] = gguf.MODEL_ARCH.LLAMA
 
 
 class _Reader(gguf.GGUFReader):
@@ -80,7 +74,8 @@ def gguf_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
 
 def tensor_name_map(cfg: ModelConfig) -> gguf.TensorNameMap:
     """The `gguf` package's HF -> GGUF tensor-name map for `cfg`'s architecture and depth."""
-    return gguf.get_tensor_name_map(_GGUF_ARCHS[cfg.architecture], cfg.num_layers)
+    arch = next(a for a, t in GGUF_ARCHS.items() if t == cfg.architecture)
+    return gguf.get_tensor_name_map(_GGUF_ENUM[arch], cfg.num_layers)
 
 
 def gguf_tensor_name(names: gguf.TensorNameMap, name: str) -> str | None:
@@ -105,7 +100,15 @@ class GGUFSource:
     def __init__(self, reader: gguf.GGUFReader, cfg: ModelConfig, path: str) -> None:
         self._tensors = {t.name: t for t in reader.tensors}
         self._names = tensor_name_map(cfg)
-        self._cfg, self._path = cfg, path
+        self._cfg, self._path, self._family = cfg, path, family(cfg.architecture)
+        known = {gguf_tensor_name(self._names, name.format(layer=layer))
+                 for name in self._family.hf_names(cfg).values()
+                 for layer in range(cfg.num_layers)}
+        unmapped = [t.name for t in reader.tensors if t.name not in known]
+        if unmapped:
+            raise ModelLoadError(f"{path}: tensor {unmapped[0]} has no place in a "
+                                 f"{cfg.architecture} model; the file's architecture or "
+                                 "converter is not one this engine reads")
 
     def get(self, name: str) -> np.ndarray | None:
         """The tensor `name` in HF layout as float32, or None if the file lacks it."""
@@ -119,11 +122,15 @@ class GGUFSource:
                                  f"({type(e).__name__}: {e}); the file is corrupt or uses an "
                                  "unsupported quantization") from None
         arr = arr.reshape(tuple(int(d) for d in reversed(tensor.shape)))
-        if self._cfg.architecture in _PERMUTED_ARCHS:
+        if self._cfg.architecture in self._family.gguf_permuted:
             if name.endswith("self_attn.q_proj.weight"):
                 arr = _unpermute(arr, self._cfg.num_heads)
             elif name.endswith("self_attn.k_proj.weight"):
                 arr = _unpermute(arr, self._cfg.num_kv_heads)
+        if self._family.norm_offset and "norm" in name:
+            # llama.cpp stores a (offset + w) norm with the offset added in (transformers'
+            # GGUF loader takes it back out, as here)
+            arr = arr - self._family.norm_offset
         return np.asarray(arr, np.float32)
 
 
@@ -146,9 +153,10 @@ def model_config_from_gguf(meta: Mapping[str, Any], *, tied: bool) -> ModelConfi
         ModelLoadError: unsupported architecture, or a missing field (named).
     """
     arch = str(meta.get("general.architecture", "<missing general.architecture>"))
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if arch not in GGUF_ARCHS:
         raise ModelLoadError(f"unsupported GGUF architecture {arch!r}; supported: "
-                             f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+                             f"{', '.join(GGUF_ARCHS)}")
+    model_type = GGUF_ARCHS[arch]
 
     def get(key: str, default: Any = None) -> Any:
         value = meta.get(f"{arch}.{key}", default)
@@ -162,8 +170,9 @@ def model_config_from_gguf(meta: Mapping[str, Any], *, tied: bool) -> ModelConfi
     if meta.get(f"{arch}.rope.scaling.type", "none") not in ("none", None):
         scaling = RopeScaling(kind=str(get("rope.scaling.type")),
                               factor=float(get("rope.scaling.factor")))
+    fields = family(model_type).gguf_fields(lambda key, default=None: meta.get(key, default))
     return ModelConfig(
-        architecture=arch, vocab_size=int(vocab), hidden_size=hidden,
+        architecture=model_type, vocab_size=int(vocab), hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
         num_layers=int(get("block_count")), num_heads=heads,
         num_kv_heads=int(get("attention.head_count_kv", heads)),
@@ -171,7 +180,8 @@ def model_config_from_gguf(meta: Mapping[str, Any], *, tied: bool) -> ModelConfi
         rms_norm_eps=_f32_value(get("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=_f32_value(get("rope.freq_base", 10000.0)), rope_scaling=scaling,
         max_position_embeddings=int(get("context_length", 4096)),
-        tie_word_embeddings=tied, qkv_bias=arch == "qwen2", qk_norm=arch == "qwen3")
+        tie_word_embeddings=tied, **{"qkv_bias": arch == "qwen2", "qk_norm": arch == "qwen3",
+                                     **fields})
 
 
 def _f32_value(x: Any) -> float:

@@ -20,11 +20,17 @@ import numpy as np
 from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
-from jaxengine.model.config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelLoadError, RopeScaling
+from jaxengine.model.config import ModelConfig, ModelLoadError, RopeScaling
+from jaxengine.model.families import MODEL_TYPES, Family, family
+from jaxengine.model.families.family import refuse
 
 # config.json fields without a meaningful default (transformers' would be Llama-7B's)
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
              "num_attention_heads")
+# HF fields only some families implement -> the ModelConfig field their reader sets
+_FAMILY_ONLY = {"attn_logit_softcapping": "attn_softcap",
+                "final_logit_softcapping": "final_softcap",
+                "query_pre_attn_scalar": "attn_scale"}
 
 
 def read_hf_config(path: str | os.PathLike[str]) -> ModelConfig:
@@ -38,7 +44,9 @@ def read_hf_config(path: str | os.PathLike[str]) -> ModelConfig:
     cfg_path = os.path.join(path, "config.json")
     raw = _read_config_json(path, cfg_path)
     arch = _supported_model_type(raw)
-    missing = [name for name in _REQUIRED if raw.get(name) is None]
+    fam = family(arch)
+    text_raw = raw.get("text_config", raw) if fam.text_config else raw
+    missing = [name for name in _REQUIRED if text_raw.get(name) is None]
     if missing:
         raise ModelLoadError(f"config.json lacks required field {missing[0]!r}")
     try:
@@ -46,19 +54,30 @@ def read_hf_config(path: str | os.PathLike[str]) -> ModelConfig:
     except Exception as e:  # transformers and huggingface_hub raise their own error types
         raise ModelLoadError(f"{cfg_path}: transformers cannot read it "
                              f"({type(e).__name__}: {e})") from None
-    return _model_config(hf, arch)
+    return _model_config(fam.text_config(hf) if fam.text_config else hf, arch, fam)
 
 
-def _model_config(hf: PretrainedConfig, arch: str) -> ModelConfig:
-    """ModelConfig from transformers' parsed config of a supported `arch` (its model_type).
+def _model_config(hf: PretrainedConfig, arch: str, fam: Family) -> ModelConfig:
+    """ModelConfig from transformers' parsed (text) config of model_type `arch`: the common
+    fields here, the family's own from `fam.hf_fields`.
 
     Raises:
-        ModelLoadError: an unsupported feature (biases, RoPE type) or an invalid value.
+        ModelLoadError: an unsupported feature (biases, RoPE type, a field of another
+            family) or an invalid value.
     """
     if getattr(hf, "mlp_bias", False) or (arch != "qwen2" and getattr(hf, "attention_bias",
                                                                       False)):
         raise ModelLoadError(f"{arch}: mlp_bias / attention_bias=True is not supported")
+
+    def get(name: str, default: object = None) -> object:
+        return getattr(hf, name, default)
+
+    fields = fam.hf_fields(get)
+    for name, field in _FAMILY_ONLY.items():
+        if get(name) is not None and field not in fields:
+            raise refuse(name, get(name), f"the {arch} family does not implement it")
     rope = hf.rope_parameters  # transformers >= 5: theta and scaling, old configs included
+    rope = rope.get("full_attention", rope)  # keyed by layer type (Gemma 3): global layers'
     return ModelConfig(
         architecture=arch, vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
         intermediate_size=hf.intermediate_size, num_layers=hf.num_hidden_layers,
@@ -67,8 +86,7 @@ def _model_config(hf: PretrainedConfig, arch: str) -> ModelConfig:
         head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
         rms_norm_eps=float(hf.rms_norm_eps), rope_theta=float(rope["rope_theta"]),
         rope_scaling=_rope_scaling(rope), max_position_embeddings=hf.max_position_embeddings,
-        tie_word_embeddings=bool(hf.tie_word_embeddings), qkv_bias=arch == "qwen2",
-        qk_norm=arch == "qwen3", sliding_window=getattr(hf, "sliding_window", None))
+        tie_word_embeddings=bool(hf.tie_word_embeddings), **fields)
 
 
 def _read_config_json(path: str, cfg_path: str) -> dict[str, Any]:
@@ -86,10 +104,10 @@ def _supported_model_type(raw: Mapping[str, Any]) -> str:
     """The config's model_type if we support it (checked before transformers, which knows
     more architectures than we do and fails on ones it does not know)."""
     arch = str(raw.get("model_type", "")).lower()
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if arch not in MODEL_TYPES:
         names = raw.get("architectures") or [arch or "<no model_type>"]
         raise ModelLoadError(f"unsupported architecture {names[0]!r} (model_type={arch!r}); "
-                             f"supported model_type values: {', '.join(SUPPORTED_ARCHITECTURES)}")
+                             f"supported model_type values: {', '.join(MODEL_TYPES)}")
     return arch
 
 
@@ -126,8 +144,14 @@ def _shard_files(path: str) -> list[str]:
     return [os.path.join(path, f) for f in files]
 
 
+# Where a multimodal checkpoint (Gemma 3) keeps its text decoder's `model.*` tensors:
+# transformers 5 writes `model.language_model.*`, older ones `language_model.model.*`.
+_TEXT_PREFIXES = ("model.language_model.", "language_model.model.")
+
+
 class SafetensorsSource:
-    """Tensors of all shards by name, read lazily (memory-mapped) one at a time."""
+    """Tensors of all shards by name, read lazily (memory-mapped) one at a time; a
+    multimodal checkpoint's text-decoder tensors are found under their plain names too."""
 
     def __init__(self, path: str) -> None:
         self._stack = ExitStack()
@@ -143,8 +167,16 @@ class SafetensorsSource:
 
     def get(self, name: str) -> np.ndarray | None:
         """The tensor `name`, or None if no shard has it."""
-        handle = self._where.get(name)
-        return None if handle is None else handle.get_tensor(name)
+        names = [name]
+        if name.startswith("model."):
+            names += [prefix + name.removeprefix("model.") for prefix in _TEXT_PREFIXES]
+        elif name.startswith("lm_head."):
+            names.append("language_model." + name)
+        for key in names:
+            handle = self._where.get(key)
+            if handle is not None:
+                return handle.get_tensor(key)
+        return None
 
     def close(self) -> None:
         """Release the shard files."""

@@ -13,7 +13,7 @@ from jaxengine.loading.hf import SafetensorsSource, read_hf_config
 from jaxengine.loading.tokenizer import Tokenizer
 from jaxengine.loading.weights import load_weights
 from jaxengine.model.config import ModelConfig, ModelLoadError
-from jaxengine.model.llama import Model
+from jaxengine.model.decoder import Model
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}

@@ -24,34 +24,11 @@ from jax.sharding import Mesh, NamedSharding
 from tqdm.auto import tqdm
 
 from jaxengine.model.config import ModelConfig, ModelLoadError
-from jaxengine.model.llama import Model, Path
+from jaxengine.model.decoder import Model
+from jaxengine.model.families import family
+from jaxengine.model.families.family import Path
 from jaxengine.model.mesh import make_mesh
 from jaxengine.model.tensor_parallel import TPLayout
-
-# module path (in the scanned layout, where "layers" holds every layer stacked) -> HF tensor
-# name; {layer} is the layer index. `kernel`s are nn.Linear weights, stored [out, in] by HF and
-# [in, out] by us; every other tensor has the same layout in both. Tensors load in this order.
-HF_NAMES: dict[Path, str] = {
-    ("embed_tokens", "embedding"): "model.embed_tokens.weight",
-    ("norm", "scale"): "model.norm.weight",
-    **{("layers", *path.split(".")): f"model.layers.{{layer}}.{hf}" for path, hf in {
-        "input_layernorm.scale": "input_layernorm.weight",
-        "self_attn.q_proj.kernel": "self_attn.q_proj.weight",
-        "self_attn.k_proj.kernel": "self_attn.k_proj.weight",
-        "self_attn.v_proj.kernel": "self_attn.v_proj.weight",
-        "self_attn.o_proj.kernel": "self_attn.o_proj.weight",
-        "post_attention_layernorm.scale": "post_attention_layernorm.weight",
-        "mlp.gate_proj.kernel": "mlp.gate_proj.weight",
-        "mlp.up_proj.kernel": "mlp.up_proj.weight",
-        "mlp.down_proj.kernel": "mlp.down_proj.weight",
-        "self_attn.q_proj.bias": "self_attn.q_proj.bias",
-        "self_attn.k_proj.bias": "self_attn.k_proj.bias",
-        "self_attn.v_proj.bias": "self_attn.v_proj.bias",
-        "self_attn.q_norm.scale": "self_attn.q_norm.weight",
-        "self_attn.k_norm.scale": "self_attn.k_norm.weight",
-    }.items()},
-    ("lm_head", "kernel"): "lm_head.weight",
-}
 
 
 class TensorSource(Protocol):
@@ -113,13 +90,15 @@ def num_tensors(path: Path, shape: tuple[int, ...]) -> int:
     return shape[0] if path[0] == "layers" else 1
 
 
-def load_weight(path: Path, shape: tuple[int, ...], source: TensorSource, dtype: jnp.dtype,
-                where: str, on_tensor: Callable[[], object] = lambda: None) -> np.ndarray:
-    """The weight at module `path`, assembled on the host in `dtype` (layers on axis 0).
+def load_weight(path: Path, name: str, shape: tuple[int, ...], source: TensorSource,
+                dtype: jnp.dtype, where: str, on_tensor: Callable[[], object] = lambda: None
+                ) -> np.ndarray:
+    """The weight at module `path`, checkpoint tensor `name` (`{layer}` for each layer),
+    assembled on the host in `dtype` (layers on axis 0).
 
     `on_tensor()` is called after each checkpoint tensor is read (a progress bar's tick).
     """
-    name, transpose = HF_NAMES[path], path[-1] == "kernel"
+    transpose = path[-1] == "kernel"
     if path[0] != "layers":
         out = _read(source, name, transpose, shape, where).astype(dtype)
         on_tensor()
@@ -153,17 +132,19 @@ def load_weights(cfg: ModelConfig, source: TensorSource, *, dtype: jnp.dtype, wh
     """
     np_dtype = jnp.dtype(dtype)
     shapes = model_weight_shapes(cfg)
-    unmapped = shapes.keys() - HF_NAMES.keys()
+    names = family(cfg.architecture).hf_names(cfg)
+    unmapped = shapes.keys() - names.keys()
     if unmapped:  # a module gained a weight the table does not know: a bug here, not user error
         raise RuntimeError(f"no checkpoint name for model weights {sorted(unmapped)}")
     layout, shardings = model_weight_shardings(cfg, mesh or make_mesh(jax.devices()[:1]))
-    paths = [p for p in HF_NAMES if p in shapes]
+    paths = [p for p in names if p in shapes]
     weights = {}
     with tqdm(total=sum(num_tensors(p, shapes[p]) for p in paths), desc="loading weights",
               unit="tensor", disable=None if progress is None else not progress) as bar:
         for path in paths:
-            host = to_layout(path, load_weight(path, shapes[path], source, np_dtype, where,
-                                               on_tensor=bar.update), layout, cfg.head_dim)
+            host = to_layout(path, load_weight(path, names[path], shapes[path], source,
+                                               np_dtype, where, on_tensor=bar.update),
+                             layout, cfg.head_dim)
             # dtype: a process holding none of the shards (multi-host) calls no callback at all
             weights[path] = jax.make_array_from_callback(
                 host.shape, shardings[path], lambda index, host=host: host[index],

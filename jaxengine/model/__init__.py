@@ -3,8 +3,8 @@ cache layout, the jit boundary, and `ModelFns` (what runs a model sees of it, fa
 
 from jaxengine.model.batch import ModelBatch, RequestChunk, pack_batch
 from jaxengine.model.config import ModelConfig, ModelLoadError, RopeScaling
+from jaxengine.model.decoder import Model
 from jaxengine.model.fns import ModelFns
-from jaxengine.model.llama import Model
 
 __all__ = ["Model", "ModelBatch", "ModelConfig", "ModelFns", "ModelLoadError", "RequestChunk",
            "RopeScaling", "pack_batch"]

@@ -1,10 +1,11 @@
-"""Model configuration: one frozen, validated `ModelConfig` for the Llama family.
+"""Model configuration: one frozen, validated `ModelConfig` for every decoder family.
 
-Covers Llama 2/3 (incl. llama3 RoPE scaling), SmolLM2, Mistral, Qwen2 (q/k/v bias) and Qwen3
-(q/k RMSNorm); any other architecture raises `ModelLoadError` naming it. This is the schema
-only: the readers that fill it live with the formats, `jaxengine/loading/hf.py` (an HF
-`config.json`, through transformers' `AutoConfig`) and `jaxengine/loading/gguf_file.py` (GGUF
-metadata).
+The schema only: which families exist (`architecture`, an HF `model_type`) is the registry's
+(jaxengine/model/families/), and the readers that fill a config live with the formats,
+`jaxengine/loading/hf.py` (an HF `config.json`, through transformers' `AutoConfig`, with each
+family's own fields read by its module) and `jaxengine/loading/gguf_file.py` (GGUF metadata).
+Per-layer attention (a sliding window on some layers, their own RoPE base) is data here
+(`layer_types`), so one compiled scan runs layers that differ only in it.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+FULL, SLIDING = "full_attention", "sliding_attention"  # HF's layer_types values
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # the MLP's gate activation, by HF name
 
 
 class ModelLoadError(ValueError):
@@ -39,13 +41,13 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
 class ModelConfig:
-    """Shape and numerics of a Llama-family decoder.
+    """Shape and numerics of a decoder.
 
     Axis names used across the model: D hidden, N query heads, K kv heads, H head dim,
-    F MLP width, V vocab.
+    F MLP width, V vocab, W sliding window.
     """
 
-    architecture: str  # one of SUPPORTED_ARCHITECTURES
+    architecture: str  # the family's model_type (jaxengine/model/families)
     vocab_size: int  # V
     hidden_size: int  # D
     intermediate_size: int  # F
@@ -60,12 +62,17 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     qkv_bias: bool = False  # Qwen2
     qk_norm: bool = False  # Qwen3
-    sliding_window: int | None = None  # Mistral; not applied: cap max_model_len to it
+    # W: a query at position p sees keys p-W < k <= p on its sliding layers
+    sliding_window: int | None = None
+    # per layer FULL or SLIDING; None: every layer slides when sliding_window is set (Mistral)
+    layer_types: tuple[str, ...] | None = None
+    rope_local_theta: float | None = None  # sliding layers' RoPE base, unscaled (Gemma 3)
+    attn_scale: float | None = None  # softmax scale; None: head_dim ** -0.5
+    attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
+    final_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
+    hidden_act: str = "silu"  # one of ACTIVATIONS
 
     def __post_init__(self) -> None:
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
-            raise ModelLoadError(f"unsupported architecture {self.architecture!r}; "
-                                 f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                      "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
             if getattr(self, name) <= 0:
@@ -78,25 +85,39 @@ class ModelConfig:
         if self.rms_norm_eps <= 0 or self.rope_theta <= 0:
             raise ModelLoadError(f"rms_norm_eps={self.rms_norm_eps} and "
                                  f"rope_theta={self.rope_theta} must be > 0")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ModelLoadError(f"hidden_act={self.hidden_act!r} is not supported "
+                                 f"(supported: {', '.join(ACTIVATIONS)})")
+        for name in ("sliding_window", "rope_local_theta", "attn_scale", "attn_softcap",
+                     "final_softcap"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ModelLoadError(f"{name} must be > 0 or absent, got {value}")
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_layers:
+                raise ModelLoadError(f"layer_types has {len(self.layer_types)} entries for "
+                                     f"num_layers={self.num_layers}")
+            bad = [t for t in self.layer_types if t not in (FULL, SLIDING)]
+            if bad:
+                raise ModelLoadError(f"layer_types value {bad[0]!r} is not supported "
+                                     f"(supported: {FULL!r}, {SLIDING!r})")
+            if SLIDING in self.layer_types and self.sliding_window is None:
+                raise ModelLoadError("layer_types has sliding layers but sliding_window is "
+                                     "not set")
 
     @property
     def max_model_len(self) -> int:
-        """Longest context computed exactly: the position limit, capped by a sliding window
-        (attention here is full, so past the window it would differ from the reference)."""
-        if self.sliding_window is None:
-            return self.max_position_embeddings
-        return min(self.max_position_embeddings, self.sliding_window)
+        """Longest context: the position limit (a sliding window limits what a layer sees,
+        not the context)."""
+        return self.max_position_embeddings
 
     @property
-    def num_params(self) -> int:
-        """Number of weights (embedding counted once when tied)."""
-        D, F, N, K, H = (self.hidden_size, self.intermediate_size, self.num_heads,
-                         self.num_kv_heads, self.head_dim)
-        per_layer = 2 * D + D * (N + 2 * K) * H + N * H * D + 3 * D * F
-        per_layer += (N + 2 * K) * H if self.qkv_bias else 0
-        per_layer += 2 * H if self.qk_norm else 0
-        heads = 0 if self.tie_word_embeddings else self.vocab_size * D
-        return self.vocab_size * D + D + heads + self.num_layers * per_layer
+    def layer_windows(self) -> tuple[int, ...]:
+        """Each layer's window W, 0 for full attention (the kernels' `sliding_window`)."""
+        if self.sliding_window is None:
+            return (0,) * self.num_layers
+        types = self.layer_types or (SLIDING,) * self.num_layers
+        return tuple(self.sliding_window if t == SLIDING else 0 for t in types)
 
     # ---- named presets -------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""Leaf layers of the Llama-family decoder: pure functions of arrays and small NNX modules.
+"""Leaf layers shared by the decoder families: pure functions of arrays and small NNX modules.
 
 The functions (norm, RoPE) take plain arrays; the modules (`RMSNorm`, `Embedder`, `Attention`,
 `MLP`) take plain numbers (no config), so a test can build one alone. Each module's constructor
@@ -44,8 +44,9 @@ HEADS = P(None, TP_AXIS, None)  # q/k/v [T, heads, H] under shard_map
 PAGES = P(None, None, TP_AXIS, None)  # one layer's pages [P, L, 2*K, H]: split on heads
 
 
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """RMSNorm over the last axis, as HF Llama does it (normalise in f32, scale in x's dtype).
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """RMSNorm over the last axis, as HF does it: normalise in f32, then scale by `weight` in
+    x's dtype (Llama) or by `offset + weight` in f32 (Gemma's `1 + w`, offset 1).
 
     Args:
         x: [..., D] activations.
@@ -57,6 +58,8 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     # A fixed order of the sum: a row's norm does not depend on the rows beside it.
     mean_square = fixed_order_sum(x32 * x32)[..., None] / x.shape[-1]
     x32 = x32 * jax.lax.rsqrt(mean_square + eps)
+    if offset:
+        return (x32 * (offset + weight.astype(jnp.float32))).astype(x.dtype)
     return weight * x32.astype(x.dtype)
 
 
@@ -174,15 +177,16 @@ def project(proj: nnx.Module, x: jax.Array, live: jax.Array | None) -> jax.Array
 
 
 class RMSNorm(nnx.Module):
-    """RMSNorm over the last axis with a learned `scale` [dim] (HF Llama numerics)."""
+    """RMSNorm over the last axis with a learned `scale` [dim]; `offset` as `rms_norm`'s."""
 
-    def __init__(self, dim: int, *, eps: float, dtype: jnp.dtype) -> None:
-        self.scale = nnx.Param(jnp.ones((dim,), dtype))
-        self.eps = eps
+    def __init__(self, dim: int, *, eps: float, dtype: jnp.dtype, offset: float = 0.0) -> None:
+        # A fresh norm is the identity: scale 1 (stored as 0 when the model adds 1).
+        self.scale = nnx.Param(jnp.full((dim,), 1.0 - offset, dtype))
+        self.eps, self.offset = eps, offset
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x [..., dim] -> normalised and scaled [..., dim] in x's dtype."""
-        return rms_norm(x, self.scale[...], self.eps)
+        return rms_norm(x, self.scale[...], self.eps, self.offset)
 
 
 class Embedder(nnx.Module):
@@ -223,13 +227,16 @@ class Embedder(nnx.Module):
 
 class Attention(nnx.Module):
     """Grouped-query self-attention with RoPE over the paged KV cache (q/k/v/o projections,
-    optional q/k bias and q/k RMSNorm)."""
+    optional q/k bias and q/k RMSNorm, a sliding window and score soft-capping)."""
 
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
                  qkv_bias: bool, qk_norm: bool, eps: float, mesh: Mesh, dtype: jnp.dtype,
-                 rngs: nnx.Rngs, kv_repeat: int = 1) -> None:
+                 rngs: nnx.Rngs, kv_repeat: int = 1, sm_scale: float | None = None,
+                 soft_cap: float | None = None, norm_offset: float = 0.0) -> None:
         """`num_kv_heads` K of the checkpoint; with `kv_repeat` r the k/v projections (and the
-        cache) have K*r heads, each checkpoint head repeated r times (tp > K)."""
+        cache) have K*r heads, each checkpoint head repeated r times (tp > K). `sm_scale`
+        (default head_dim**-0.5) and `soft_cap` as the kernel's; `norm_offset` is the q/k
+        norms' (`RMSNorm`)."""
         D, N, K, H = hidden_size, num_heads, num_kv_heads * kv_repeat, head_dim
         kv_init = functools.partial(head_repeated, repeat=kv_repeat, head_dim=H)
         column = functools.partial(linear, sharding=COLUMN, mesh=mesh, use_bias=qkv_bias,
@@ -238,15 +245,18 @@ class Attention(nnx.Module):
         self.k_proj = column(D, K * H, init=kv_init)
         self.v_proj = column(D, K * H, init=kv_init)
         self.o_proj = linear(N * H, D, sharding=ROW, mesh=mesh, dtype=dtype, rngs=rngs)
-        self.q_norm = RMSNorm(H, eps=eps, dtype=dtype) if qk_norm else None
-        self.k_norm = RMSNorm(H, eps=eps, dtype=dtype) if qk_norm else None
+        norm = functools.partial(RMSNorm, H, eps=eps, dtype=dtype, offset=norm_offset)
+        self.q_norm = norm() if qk_norm else None
+        self.k_norm = norm() if qk_norm else None
         self.num_heads, self.num_kv_heads, self.head_dim = N, K, H
+        self.sm_scale = H**-0.5 if sm_scale is None else sm_scale
+        self.soft_cap = soft_cap
         self.mesh = mesh
 
     def __call__(self, x: jax.Array, pages: jax.Array, page_offset: jax.Array | int,
-                 batch: ModelBatch, cos: jax.Array, sin: jax.Array, *, attn_impl: str,
-                 interpret: bool = False, batch_invariant: bool = False
-                 ) -> tuple[jax.Array, jax.Array]:
+                 batch: ModelBatch, cos: jax.Array, sin: jax.Array,
+                 window: jax.Array | int = 0, *, attn_impl: str, interpret: bool = False,
+                 batch_invariant: bool = False) -> tuple[jax.Array, jax.Array]:
         """Attend the batch's tokens to their context, writing their K/V into `pages` first.
 
         Args:
@@ -254,6 +264,8 @@ class Attention(nnx.Module):
             pages: [P', L, 2*K, H] pages the kernel sees; page p of the batch is
                 `page_offset + p` (each layer owns a range of pages, see `Model.__call__`).
             cos, sin: f32[T, H] RoPE tables of the batch's positions.
+            window: this layer's sliding window W (0: full attention); an i32[] when the
+                layers are scanned, so one program serves layers of different windows.
             attn_impl: ragged paged attention implementation ("reference", "cpu", "tpu",
                 "gpu").
             interpret: run a Pallas kernel in interpret mode (to test "tpu"/"gpu" on CPU).
@@ -274,27 +286,40 @@ class Attention(nnx.Module):
         # Per device, over its own heads: the kernels never see the mesh. Query head n reads
         # KV head n // (N/K) globally, and device d holds query heads d*N/tp.. and KV heads
         # d*K/tp.., so the local rule n // (N/K) holds too. The batch metadata is replicated.
+        kernel = functools.partial(ragged_paged_attention, sm_scale=self.sm_scale,
+                                   soft_cap=self.soft_cap, impl=attn_impl, interpret=interpret,
+                                   batch_invariant=batch_invariant)
         attend = jax.shard_map(
-            functools.partial(ragged_paged_attention, sm_scale=H**-0.5, impl=attn_impl,
-                              interpret=interpret, batch_invariant=batch_invariant),
-            mesh=self.mesh, in_specs=(HEADS, HEADS, HEADS, PAGES, *[P()] * 5),
+            lambda *a: kernel(*a[:-1], sliding_window=a[-1]),
+            mesh=self.mesh, in_specs=(HEADS, HEADS, HEADS, PAGES, *[P()] * 6),
             out_specs=(HEADS, PAGES), check_vma=False)  # kernels' loop carries start unvaried
         out, pages = attend(q, k, v, pages, slots, batch.block_tables + page_offset,
-                            batch.seq_lens, batch.query_start_loc, batch.num_seqs)
+                            batch.seq_lens, batch.query_start_loc, batch.num_seqs,
+                            jnp.asarray(window, jnp.int32))
         return project(self.o_proj, out.astype(x.dtype).reshape(T, N * H), live), pages
 
 
+# HF activation name -> function (the gate of a gated MLP)
+ACTIVATIONS: dict[str, Callable[[jax.Array], jax.Array]] = {
+    "silu": jax.nn.silu,
+    "gelu_pytorch_tanh": functools.partial(jax.nn.gelu, approximate=True),
+}
+
+
 class MLP(nnx.Module):
-    """SwiGLU MLP: gate_proj, up_proj [D, F] and down_proj [F, D]."""
+    """Gated MLP: gate_proj, up_proj [D, F] and down_proj [F, D]; SwiGLU with "silu",
+    GeGLU with "gelu_pytorch_tanh" (Gemma)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, *, mesh: Mesh,
-                 dtype: jnp.dtype, rngs: nnx.Rngs) -> None:
+                 dtype: jnp.dtype, rngs: nnx.Rngs, activation: str = "silu") -> None:
         D, F = hidden_size, intermediate_size
+        self.activation = activation
         self.gate_proj = linear(D, F, sharding=COLUMN, mesh=mesh, dtype=dtype, rngs=rngs)
         self.up_proj = linear(D, F, sharding=COLUMN, mesh=mesh, dtype=dtype, rngs=rngs)
         self.down_proj = linear(F, D, sharding=ROW, mesh=mesh, dtype=dtype, rngs=rngs)
 
     def __call__(self, x: jax.Array, live: jax.Array | None = None) -> jax.Array:
         """x [T, D] -> [T, D]; `live` (i32[]) as `project`'s."""
-        hidden = jax.nn.silu(project(self.gate_proj, x, live)) * project(self.up_proj, x, live)
+        gate = ACTIVATIONS[self.activation](project(self.gate_proj, x, live))
+        hidden = gate * project(self.up_proj, x, live)
         return project(self.down_proj, hidden, live)

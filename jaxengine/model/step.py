@@ -13,7 +13,7 @@ import jax
 from flax import nnx
 
 from jaxengine.model.batch import ModelBatch, RequestChunk, pack_batch
-from jaxengine.model.llama import Model
+from jaxengine.model.decoder import Model
 
 __all__ = ["ModelBatch", "RequestChunk", "make_compute_logits", "make_model_step",
            "pack_batch", "split_model"]

@@ -13,7 +13,7 @@ import pytest
 from jaxengine.engine.args import EngineArgs
 from jaxengine.engine.build import attention_backend, build_engine
 from jaxengine.model.config import ModelConfig
-from jaxengine.model.llama import Model
+from jaxengine.model.decoder import Model
 from jaxengine.model.step import RequestChunk, make_model_step, pack_batch, split_model
 from jaxengine_kernels import UnsupportedShapeError, cpu, default_impl
 

@@ -17,7 +17,7 @@ from jaxengine.engine.args import EngineArgs
 from jaxengine.engine.build import model_fns
 from jaxengine.engine.llm_engine import LLMEngine
 from jaxengine.model.config import ModelConfig
-from jaxengine.model.llama import Model
+from jaxengine.model.decoder import Model
 from scheduler import SamplingParams
 from tests.engine_helpers import engine_over
 

@@ -89,8 +89,11 @@ def test_missing_field_is_named(tmp_path: Path) -> None:
         read(tmp_path, "mistral_gqa", hidden_size=None)
 
 
-def test_sliding_window_caps_the_model_length(tmp_path: Path) -> None:
-    assert read(tmp_path, "mistral_gqa", sliding_window=64).max_model_len == 64
-    assert read_hf_config(TINY / "mistral_gqa").max_model_len == 256
+def test_a_sliding_window_is_per_layer_not_a_length_cap(tmp_path: Path) -> None:
+    mistral = read(tmp_path, "mistral_gqa", sliding_window=64)
+    assert mistral.max_model_len == 256 and mistral.layer_windows == (64, 64)
+    assert read_hf_config(TINY / "mistral_gqa").layer_windows == (0, 0)
     qwen = read(tmp_path, "qwen2_bias_tied", sliding_window=32, use_sliding_window=False)
-    assert qwen.max_model_len == 256
+    assert qwen.max_model_len == 256 and qwen.layer_windows == (0, 0)
+    # Qwen2: only the layers from max_window_layers on slide
+    assert read_hf_config(TINY / "qwen2_window").layer_windows == (0, 8, 8)

@@ -5,16 +5,21 @@ Reading it from HF config.json and GGUF metadata is tested with the readers
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
+from jaxengine.loading.weights import model_weight_shapes
 from jaxengine.model.config import ModelConfig, ModelLoadError, RopeScaling
+from jaxengine.model.families import family
 
 
 def test_presets() -> None:
-    assert ModelConfig.smollm2_135m().num_params == 134_515_008
+    weights = model_weight_shapes(ModelConfig.smollm2_135m()).values()
+    assert sum(math.prod(shape) for shape in weights) == 134_515_008
     assert ModelConfig.tiny("qwen3").qk_norm
-    with pytest.raises(ModelLoadError, match="'gpt2'"):
-        ModelConfig.tiny("gpt2")
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'gpt2'"):
+        family("gpt2")
 
 
 @pytest.mark.parametrize("overrides, message", [

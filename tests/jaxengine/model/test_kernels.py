@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxengine.model.config import ModelConfig
-from jaxengine.model.llama import Model
+from jaxengine.model.decoder import Model
 from jaxengine.model.step import RequestChunk, make_model_step, pack_batch, split_model
 
 

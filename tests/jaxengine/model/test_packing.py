@@ -10,7 +10,7 @@ import pytest
 
 from jaxengine.engine.build import model_fns
 from jaxengine.model.config import ModelConfig
-from jaxengine.model.llama import Model
+from jaxengine.model.decoder import Model
 from jaxengine.model.packing import (
     PackedColumns,
     PackedEmbedder,

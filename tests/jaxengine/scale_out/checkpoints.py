@@ -13,8 +13,9 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
-from jaxengine.loading.weights import HF_NAMES, model_weight_shapes
+from jaxengine.loading.weights import model_weight_shapes
 from jaxengine.model.config import ModelConfig
+from jaxengine.model.families import family
 
 
 def write_checkpoint(path: str | Path, *, num_heads: int, num_kv_heads: int, vocab_size: int,
@@ -33,9 +34,9 @@ def write_checkpoint(path: str | Path, *, num_heads: int, num_kv_heads: int, voc
                            num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                            tie_word_embeddings=tie)
     rng = np.random.default_rng(seed)
-    tensors = {}
+    tensors, names = {}, family(architecture).hf_names(cfg)
     for key, shape in model_weight_shapes(cfg).items():
-        name, stacked = HF_NAMES[key], key[0] == "layers"
+        name, stacked = names[key], key[0] == "layers"
         for layer in range(shape[0]) if stacked else [None]:
             one = shape[1:] if stacked else shape
             hf_shape = one[::-1] if key[-1] == "kernel" else one

@@ -19,7 +19,7 @@ from jaxengine.engine.args import EngineArgs
 from jaxengine.engine.build import model_fns
 from jaxengine.loading.tokenizer import Tokenizer
 from jaxengine.model.config import ModelConfig
-from jaxengine.model.llama import Model
+from jaxengine.model.decoder import Model
 from tests.engine_helpers import engine_over
 from tests.jaxengine.server.test_harness import (
     MODEL_NAME,

@@ -1,15 +1,17 @@
-"""The Llama-family decoder as a tree of Flax NNX modules over a paged KV cache.
+"""The decoder, common to every family, as a tree of Flax NNX modules over a paged KV cache.
 
-`Model` holds `embed_tokens` (an `Embedder`), `layers` (decoder `Block`s: input_layernorm,
-self_attn, post_attention_layernorm, mlp), the final `norm` and `lm_head` (None when tied to the
-embedding); the leaf modules are in layers.py. Module paths follow HF's tensor names, and
-jaxengine/loading/weights.py maps one to the other in a single table.
+`Model` holds `embed_tokens` (an `Embedder`), `layers` (the family's decoder blocks,
+jaxengine/model/families/), the final `norm` and `lm_head` (None when tied to the embedding);
+the leaf modules are in layers.py. Module paths follow HF's tensor names, and each family maps
+one to the other in a single table (`Family.hf_names`). Layers differ only in data: their
+sliding window (0 for full attention) and which RoPE table they use are per-layer inputs, so
+one compiled scan runs Gemma's alternating local and global layers.
 
-On accelerators `layers` is one `Block` whose weights carry a leading layer axis, created by
+On accelerators `layers` is one block whose weights carry a leading layer axis, created by
 `nnx.vmap` over split rngs and run by `nnx.scan`, so compile time does not grow with depth. On
 CPU, XLA copies each scanned layer's weight slices out of the stacked arrays before the dots,
 every step (docs/BENCHMARKS.md §2, "Other work in a step"), so there
-`layers` is an `nnx.List` of one `Block` per layer looped in Python (`scan_layers=False`),
+`layers` is an `nnx.List` of one block per layer looped in Python (`scan_layers=False`),
 paying compile time that grows with depth (about 3x for SmolLM2's 30 layers). Layer i's
 weights come from its own key either way, so a seed gives the same model in both layouts.
 The KV cache (`[layers, P, L, 2*K, H]`, see kv_cache.py) is passed in and returned as a value,
@@ -39,15 +41,14 @@ from jax.sharding import Mesh
 
 from jaxengine.model.batch import ModelBatch, requests_of_step
 from jaxengine.model.config import ModelConfig
+from jaxengine.model.families import family
+from jaxengine.model.families.family import BlockFactory, DecoderBlock, Path
 from jaxengine.model.kv_cache import kv_cache_sharding
 from jaxengine.model.layers import (
     COLUMN,
-    MLP,
-    Attention,
     Embedder,
     RMSNorm,
     linear,
-    live_tokens,
     padded,
     rope_inv_freq,
     rope_tables,
@@ -55,52 +56,22 @@ from jaxengine.model.layers import (
 from jaxengine.model.mesh import make_mesh, replicated, tp_size
 from jaxengine.model.tensor_parallel import TPLayout, tp_layout
 
-Path = tuple[str | int, ...]  # a weight's module path, e.g. ("layers", "mlp", "up_proj", "kernel")
-
-
-class Block(nnx.Module):
-    """One pre-norm decoder layer: attention then MLP, each added to the residual stream."""
-
-    def __init__(self, cfg: ModelConfig, layout: TPLayout, *, mesh: Mesh, dtype: jnp.dtype,
-                 rngs: nnx.Rngs) -> None:
-        D, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.input_layernorm = RMSNorm(D, eps=eps, dtype=dtype)
-        self.self_attn = Attention(D, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                   qkv_bias=cfg.qkv_bias, qk_norm=cfg.qk_norm, eps=eps,
-                                   mesh=mesh, dtype=dtype, rngs=rngs,
-                                   kv_repeat=layout.kv_repeat)
-        self.post_attention_layernorm = RMSNorm(D, eps=eps, dtype=dtype)
-        self.mlp = MLP(D, cfg.intermediate_size, mesh=mesh, dtype=dtype, rngs=rngs)
-
-    def __call__(self, x: jax.Array, pages: jax.Array, page_offset: jax.Array | int,
-                 batch: ModelBatch, cos: jax.Array, sin: jax.Array, *, attn_impl: str,
-                 interpret: bool = False, batch_invariant: bool = False
-                 ) -> tuple[jax.Array, jax.Array]:
-        """x [T, D] -> (x [T, D], updated pages); pages, page_offset and the keywords as in
-        `Attention`."""
-        out, pages = self.self_attn(self.input_layernorm(x), pages, page_offset, batch, cos,
-                                    sin, attn_impl=attn_impl, interpret=interpret,
-                                    batch_invariant=batch_invariant)
-        x = x + out
-        return x + self.mlp(self.post_attention_layernorm(x), live_tokens(batch)), pages
-
-
 # The layer axis of stacked weights is not split: vmap and scan insert / remove None there.
 LAYER_AXIS = {nnx.PARTITION_NAME: None}
 
 
-def stacked_blocks(cfg: ModelConfig, layout: TPLayout, keys: jax.Array, *, mesh: Mesh,
-                   dtype: jnp.dtype) -> Block:
-    """One `Block` whose weights have a leading layer axis: `nnx.vmap` of its constructor.
+def stacked_blocks(block: BlockFactory, cfg: ModelConfig, layout: TPLayout, keys: jax.Array,
+                   *, mesh: Mesh, dtype: jnp.dtype) -> nnx.Module:
+    """One `block` whose weights have a leading layer axis: `nnx.vmap` of its constructor.
 
     Args:
         keys: one PRNG key per layer ([Ly] key array); layer i's weights are those of
-            `Block(cfg, rngs=nnx.Rngs(keys[i]))`, as `looped_blocks` makes them.
+            `block(cfg, rngs=nnx.Rngs(keys[i]))`, as `looped_blocks` makes them.
     """
 
     @nnx.vmap(in_axes=0, out_axes=0, transform_metadata=LAYER_AXIS)
-    def create(key: jax.Array) -> Block:
-        return Block(cfg, layout, mesh=mesh, dtype=dtype, rngs=nnx.Rngs(key))
+    def create(key: jax.Array) -> nnx.Module:
+        return block(cfg, layout, mesh=mesh, dtype=dtype, rngs=nnx.Rngs(key))
 
     return create(keys)
 
@@ -112,16 +83,16 @@ def _as_is(create: Callable[..., Any]) -> Callable[..., Any]:
     return create
 
 
-def looped_blocks(cfg: ModelConfig, layout: TPLayout, keys: jax.Array, *, mesh: Mesh,
-                  dtype: jnp.dtype, build: Build = _as_is) -> nnx.List:
-    """One `Block` per layer, each with its own arrays (the CPU layout); `keys` as above.
+def looped_blocks(block: BlockFactory, cfg: ModelConfig, layout: TPLayout, keys: jax.Array,
+                  *, mesh: Mesh, dtype: jnp.dtype, build: Build = _as_is) -> nnx.List:
+    """One `block` per layer, each with its own arrays (the CPU layout); `keys` as above.
 
     Args:
         build: wraps the one-block constructor (`on_mesh`: each layer is drawn by the same
             compiled program).
     """
-    block = build(lambda key: Block(cfg, layout, mesh=mesh, dtype=dtype, rngs=nnx.Rngs(key)))
-    return nnx.List([block(key) for key in keys])
+    create = build(lambda key: block(cfg, layout, mesh=mesh, dtype=dtype, rngs=nnx.Rngs(key)))
+    return nnx.List([create(key) for key in keys])
 
 
 def _outer_parts(cfg: ModelConfig, layout: TPLayout, key: jax.Array, *, mesh: Mesh,
@@ -131,7 +102,8 @@ def _outer_parts(cfg: ModelConfig, layout: TPLayout, key: jax.Array, *, mesh: Me
     return {
         "embed_tokens": Embedder(V, D, mesh=mesh, dtype=dtype, rngs=rngs,
                                  padded_vocab_size=layout.vocab_size),
-        "norm": RMSNorm(D, eps=cfg.rms_norm_eps, dtype=dtype),
+        "norm": RMSNorm(D, eps=cfg.rms_norm_eps, dtype=dtype,
+                        offset=family(cfg.architecture).norm_offset),
         "lm_head": None if cfg.tie_word_embeddings else linear(
             D, layout.vocab_size, sharding=COLUMN, mesh=mesh, dtype=dtype, rngs=rngs,
             preferred_element_type=jnp.float32, init=lambda f: padded(f, V, axis=1)),
@@ -148,11 +120,13 @@ def _create_parts(cfg: ModelConfig, layout: TPLayout, *, mesh: Mesh, dtype: jnp.
     """
     key, layer_key = jax.random.split(jax.random.key(seed))
     layer_keys = jax.random.split(layer_key, cfg.num_layers)
+    block = family(cfg.architecture).block
     if scan_layers:
-        layers = build(lambda keys: stacked_blocks(cfg, layout, keys, mesh=mesh, dtype=dtype))(
-            layer_keys)
+        layers = build(lambda keys: stacked_blocks(block, cfg, layout, keys, mesh=mesh,
+                                                   dtype=dtype))(layer_keys)
     else:
-        layers = looped_blocks(cfg, layout, layer_keys, mesh=mesh, dtype=dtype, build=build)
+        layers = looped_blocks(block, cfg, layout, layer_keys, mesh=mesh, dtype=dtype,
+                               build=build)
     outer = build(functools.partial(_outer_parts, cfg, layout, mesh=mesh, dtype=dtype))(key)
     return {**outer, "layers": layers}
 
@@ -205,7 +179,7 @@ def _with_weights(abstract: dict[str, nnx.Module | None],
 
 
 class Model(nnx.Module):
-    """Llama / Mistral / Qwen2 / Qwen3 decoder over a paged KV cache."""
+    """A decoder of any registered family (jaxengine/model/families) over a paged KV cache."""
 
     def __init__(self, config: ModelConfig, *, dtype: jnp.dtype = jnp.float32, seed: int = 0,
                  weights: Mapping[Path, jax.Array | np.ndarray] | None = None,
@@ -226,10 +200,12 @@ class Model(nnx.Module):
             mesh: the devices, axis "tp" (`jaxengine.make_mesh`); default: a mesh of
                 jax's first device.
         Raises:
+            ModelLoadError: no family reads `config.architecture`.
             ValueError: a weight is missing from `weights` or has the wrong shape, or the
                 model cannot be split over the mesh's tp size.
         """
         self.config = config
+        self.family = family(config.architecture)
         self.dtype = jnp.dtype(dtype)
         self.scan_layers = jax.default_backend() != "cpu" if scan_layers is None else scan_layers
         self.mesh = mesh or make_mesh(jax.devices()[:1])
@@ -240,7 +216,7 @@ class Model(nnx.Module):
                  else _with_weights(nnx.eval_shape(create), weights, mesh=self.mesh,
                                     dtype=self.dtype, scan_layers=self.scan_layers))
         self.embed_tokens: Embedder = parts["embed_tokens"]
-        self.layers: Block | nnx.List = parts["layers"]
+        self.layers: DecoderBlock | nnx.List = parts["layers"]
         self.norm: RMSNorm = parts["norm"]
         self.lm_head: nnx.Linear | None = parts["lm_head"]
 
@@ -270,8 +246,15 @@ class Model(nnx.Module):
         cfg = self.config
         batch = requests_of_step(batch)
         x = self.embed_tokens.encode(batch.input_ids)  # [T, D]
-        inv_freq = jnp.asarray(rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling))
-        cos, sin = rope_tables(batch.positions, inv_freq)  # f32[T, H]
+        if self.family.embed_scale:  # sqrt(D) rounded to the activations' dtype, as HF does
+            x = x * jnp.asarray(cfg.hidden_size**0.5, x.dtype)
+        windows = cfg.layer_windows
+        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        rope = rope_tables(batch.positions, jnp.asarray(inv_freq))  # f32[T, H] twice
+        # Sliding layers with a RoPE base of their own (Gemma 3) read a second pair of tables.
+        local = tuple(w > 0 and cfg.rope_local_theta is not None for w in windows)
+        local_rope = rope if not any(local) else rope_tables(batch.positions, jnp.asarray(
+            rope_inv_freq(cfg.head_dim, cfg.rope_local_theta, None)))
         # The kernel takes one layer's pages. Slicing layer i out of the cache (and writing it
         # back) copies [P, L, 2K, H] twice per layer, so the step's time would grow with P
         # (docs/BENCHMARKS.md §2, "Other work in a step"). Instead, view the cache as one
@@ -282,16 +265,20 @@ class Model(nnx.Module):
         kw = {"attn_impl": attn_impl, "interpret": interpret, "batch_invariant": batch_invariant}
         if isinstance(self.layers, nnx.List):
             for i, block in enumerate(self.layers):
-                x, pages = block(x, pages, i * P, batch, cos, sin, **kw)
+                cos, sin = local_rope if local[i] else rope
+                x, pages = block(x, pages, i * P, batch, cos, sin, windows[i], **kw)
         else:
-            @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=nnx.Carry,
+            @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0, 0), out_axes=nnx.Carry,
                       transform_metadata=LAYER_AXIS)
-            def run(carry: tuple[jax.Array, jax.Array], block: Block, layer: jax.Array
-                    ) -> tuple[jax.Array, jax.Array]:
+            def run(carry: tuple[jax.Array, jax.Array], block: DecoderBlock, layer: jax.Array,
+                    window: jax.Array, is_local: jax.Array) -> tuple[jax.Array, jax.Array]:
                 x, pages = carry
-                return block(x, pages, layer * P, batch, cos, sin, **kw)
+                cos, sin = rope if not any(local) else (
+                    jnp.where(is_local, a, b) for a, b in zip(local_rope, rope, strict=True))
+                return block(x, pages, layer * P, batch, cos, sin, window, **kw)
 
-            x, pages = run((x, pages), self.layers, jnp.arange(Ly, dtype=jnp.int32))
+            x, pages = run((x, pages), self.layers, jnp.arange(Ly, dtype=jnp.int32),
+                           jnp.asarray(windows, jnp.int32), jnp.asarray(local))
         # The cache comes back in the sharding it came in, so its donated buffers are reused.
         kv = jax.lax.with_sharding_constraint(pages.reshape(Ly, P, L, K2, H),
                                               kv_cache_sharding(self.mesh))
@@ -299,7 +286,9 @@ class Model(nnx.Module):
         return kv, jax.lax.with_sharding_constraint(self.norm(x), replicated(self.mesh))
 
     def logits(self, hidden: jax.Array) -> jax.Array:
-        """Project hidden [R, D] to f32[R, V] logits (tied embeddings use `embed_tokens`).
+        """Project hidden [R, D] to f32[R, V] logits (tied embeddings use `embed_tokens`),
+        soft-capped when the config says so (Gemma 2), so sampling, logprobs, scores and
+        drafts all see the capped logits.
 
         The projection is vocab-parallel ([R, V'] split over tp); the logits are then gathered
         whole onto every device and cut to the real vocabulary, so the sampler sees exactly
@@ -307,4 +296,6 @@ class Model(nnx.Module):
         """
         head = self.embed_tokens.decode if self.lm_head is None else self.lm_head
         logits = jax.lax.with_sharding_constraint(head(hidden), replicated(self.mesh))
-        return logits[:, : self.config.vocab_size]
+        logits = logits[:, : self.config.vocab_size]
+        cap = self.config.final_softcap
+        return logits if cap is None else cap * jnp.tanh(logits / cap)
