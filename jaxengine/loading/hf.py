@@ -54,7 +54,10 @@ def read_hf_config(path: str | os.PathLike[str]) -> ModelConfig:
     except Exception as e:  # transformers and huggingface_hub raise their own error types
         raise ModelLoadError(f"{cfg_path}: transformers cannot read it "
                              f"({type(e).__name__}: {e})") from None
-    return _model_config(fam.text_config(hf) if fam.text_config else hf, arch, fam)
+    if fam.text_config:  # the decoder served is the text model, under its own model_type
+        hf = fam.text_config(hf)
+        arch, fam = hf.model_type, family(hf.model_type)
+    return _model_config(hf, arch, fam)
 
 
 def _model_config(hf: PretrainedConfig, arch: str, fam: Family) -> ModelConfig:

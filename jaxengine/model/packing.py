@@ -6,7 +6,8 @@ kernel through XLA's dots (or through the same loop reading [K, N] in short stri
 `pack_projections(model)` swaps each layer's projections in place for packed ones: q/k/v
 merged into one `PackedLinear` (their kernels side by side) that each reads its columns of
 (`PackedColumns`), o and the LM head alone (a tied one with the embedding: `PackedEmbedder`),
-and the MLP as a `PackedMLP` (gate/up interleaved into one SwiGLU call, then down); the
+and a SwiGLU MLP as a `PackedMLP` (gate/up interleaved into one SwiGLU call, then down; another
+activation's gate/up merged like q/k/v, the activation left to XLA); the
 weights are not duplicated. It applies where the kernel runs and pays: a one-device CPU mesh,
 float32 weights, layers looped in Python (the CPU layout), and a C++ compiler on the machine
 (`packable` says why not otherwise). Against XLA's dots, as fast at one row and faster from a
@@ -113,7 +114,7 @@ def packable(model: nnx.Module) -> str | None:
         return f"packed projections are float32 (the model is {jnp.dtype(model.dtype)})"
     if not isinstance(model.layers, nnx.List):
         return "packed projections need the looped layer layout (scan_layers=False)"
-    if not all(isinstance(block.mlp.down_proj, nnx.Linear) for block in model.layers):
+    if not all(isinstance(block.self_attn.o_proj, nnx.Linear) for block in model.layers):
         return "the projections are packed already"  # a second model_fns over one model
     return native.available()
 
@@ -132,7 +133,15 @@ def pack_projections(model: nnx.Module) -> int:
             setattr(attn, name, PackedColumns(merged, start, start + lin.out_features))
             start += lin.out_features
         attn.o_proj = PackedLinear(attn.o_proj)
-        block.mlp = PackedMLP(block.mlp)
+        if block.mlp.activation == "silu":
+            block.mlp = PackedMLP(block.mlp)
+        else:  # the fused call is SwiGLU's: gate and up merged, the activation in XLA
+            mlp = block.mlp
+            gate_up = PackedLinear(mlp.gate_proj, mlp.up_proj)
+            F = mlp.gate_proj.out_features
+            mlp.gate_proj = PackedColumns(gate_up, 0, F)
+            mlp.up_proj = PackedColumns(gate_up, F, 2 * F)
+            mlp.down_proj = PackedLinear(mlp.down_proj)
         count += len(MERGED) + 4  # o, and gate, up, down
     if model.lm_head is None:
         model.embed_tokens = PackedEmbedder(model.embed_tokens)

@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxengine.model.batch import ModelBatch
-from jaxengine.model.config import ModelConfig
+from jaxengine.model.config import FULL, SLIDING, ModelConfig
 from jaxengine.model.families.family import Family, Get, Path, layer_names, refuse
 from jaxengine.model.families.llama import ATTENTION_NAMES, MLP_NAMES, attention, outer_names
 from jaxengine.model.layers import MLP, RMSNorm, live_tokens
@@ -87,20 +87,27 @@ def _hf_fields(get: Get) -> dict[str, Any]:
     return fields
 
 
+# llama.cpp's 27B models (by depth) scale by hidden / heads, as their query_pre_attn_scalar is
+_GGUF_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
 def _gguf_fields(get: Get) -> dict[str, Any]:
     arch = get("general.architecture")
     blocks, window = int(get(f"{arch}.block_count")), get(f"{arch}.attention.sliding_window")
     if arch == "gemma2":  # local and global alternate, the first local
-        types = tuple("sliding_attention" if i % 2 == 0 else "full_attention"
-                      for i in range(blocks))
+        sliding = [i % 2 == 0 for i in range(blocks)]
         local_theta = None
-    else:  # gemma3: every `pattern`-th layer global (llama.cpp's default 6)
-        pattern = int(get(f"{arch}.attention.sliding_window_pattern", 6))
-        types = tuple("full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-                      for i in range(blocks))
+    else:  # gemma3: a per-layer list, or every `pattern`-th layer global (llama.cpp's 6)
+        pattern = get(f"{arch}.attention.sliding_window_pattern", 6)
+        sliding = (list(map(bool, pattern)) if isinstance(pattern, list) else
+                   [(i + 1) % int(pattern) != 0 for i in range(blocks)])
         local_theta = float(get(f"{arch}.rope.freq_base_swa", 10000.0))
-    return dict(sliding_window=int(window), layer_types=types, hidden_act="gelu_pytorch_tanh",
-                attn_scale=float(get(f"{arch}.attention.key_length")) ** -0.5,
+    scalar = get(f"{arch}.attention.key_length")
+    if blocks == _GGUF_27B_LAYERS[arch]:
+        scalar = get(f"{arch}.embedding_length") / get(f"{arch}.attention.head_count")
+    return dict(sliding_window=int(window), hidden_act="gelu_pytorch_tanh",
+                layer_types=tuple(SLIDING if s else FULL for s in sliding),
+                attn_scale=float(scalar) ** -0.5,
                 attn_softcap=get(f"{arch}.attn_logit_softcapping", None),
                 final_softcap=get(f"{arch}.final_logit_softcapping", None),
                 qk_norm=arch == "gemma3", rope_local_theta=local_theta)

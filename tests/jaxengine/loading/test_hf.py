@@ -97,3 +97,36 @@ def test_a_sliding_window_is_per_layer_not_a_length_cap(tmp_path: Path) -> None:
     assert qwen.max_model_len == 256 and qwen.layer_windows == (0, 0)
     # Qwen2: only the layers from max_window_layers on slide
     assert read_hf_config(TINY / "qwen2_window").layer_windows == (0, 8, 8)
+
+
+def test_reads_gemma_fields() -> None:
+    gemma2 = read_hf_config(TINY / "gemma2_softcap")
+    assert (gemma2.architecture, gemma2.hidden_act) == ("gemma2", "gelu_pytorch_tanh")
+    assert (gemma2.attn_softcap, gemma2.final_softcap) == (1.0, 2.0)
+    assert gemma2.attn_scale == 24**-0.5 and not gemma2.qk_norm
+    assert gemma2.layer_windows == (8, 0, 8, 0) and gemma2.rope_local_theta is None
+    gemma3 = read_hf_config(TINY / "gemma3_text")
+    assert gemma3.qk_norm and gemma3.layer_windows == (8, 8, 0, 8, 8, 0)
+    assert (gemma3.rope_theta, gemma3.rope_local_theta) == (1e6, 1e4)
+    assert gemma3.rope_scaling == RopeScaling(kind="linear", factor=8.0)
+    # the text decoder of a multimodal checkpoint: the same fields
+    assert read_hf_config(TINY / "gemma3_vl") == gemma3
+
+
+@pytest.mark.parametrize("name, change, message", [
+    ("llama3_gqa", dict(attn_logit_softcapping=30.0),
+     "attn_logit_softcapping=30.0 is not supported: the llama family does not"),
+    ("mistral_gqa", dict(hidden_act="gelu"), "hidden_act='gelu' is not supported"),
+    ("gemma2_softcap", dict(hidden_activation="relu"), "hidden_activation='relu'"),
+    ("gemma3_text", dict(use_bidirectional_attention=True), "use_bidirectional_attention"),
+    ("gemma3_text", dict(rope_parameters=dict(
+        full_attention=dict(rope_type="default", rope_theta=1e6),
+        sliding_attention=dict(rope_type="linear", factor=2.0, rope_theta=1e4))),
+     "rope_parameters.sliding_attention.rope_type='linear'"),
+    ("gemma3_text", dict(layer_types=["sliding_attention"] * 5 + ["chunked_attention"]),
+     "'chunked_attention'"),
+])
+def test_a_field_we_do_not_implement_is_named(tmp_path: Path, name: str, change: dict,
+                                              message: str) -> None:
+    with pytest.raises(ModelLoadError, match=message):
+        read(tmp_path, name, **change)

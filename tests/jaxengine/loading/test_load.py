@@ -48,7 +48,17 @@ def write_gguf(src: Path, path: Path, arch: str) -> None:
     w.add_token_list(sorted(vocab, key=vocab.get))
     w.add_token_merges([])
     w.add_eos_token_id(vocab["<|im_end|>"])
+    if arch == "gemma3":  # llama.cpp's keys for what Gemma's config.json says
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
+        w.add_sliding_window(cfg.sliding_window)
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
+        w.add_rope_freq_base_swa(cfg.rope_local_theta)
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(cfg.rope_scaling.factor)
     for name, arr in load_file(str(src / "model.safetensors")).items():
+        if arch == "gemma3" and "norm" in name:
+            arr = arr + 1  # llama.cpp stores Gemma's (1 + w) norms with the 1 added
         if arch == "llama" and name.endswith("q_proj.weight"):
             arr = _permute(arr, cfg.num_heads)
         elif arch == "llama" and name.endswith("k_proj.weight"):
@@ -60,16 +70,33 @@ def write_gguf(src: Path, path: Path, arch: str) -> None:
     w.close()
 
 
-@pytest.mark.parametrize("src, arch", [("mistral_gqa", "llama"), ("qwen2_bias_tied", "qwen2")])
-def test_gguf_file_gives_transformers_logits(tmp_path: Path, src: str, arch: str) -> None:
+@pytest.mark.parametrize("src, arch, model_type", [
+    ("mistral_gqa", "llama", "llama"), ("qwen2_bias_tied", "qwen2", "qwen2"),
+    ("gemma3_text", "gemma3", "gemma3_text")])
+def test_gguf_file_gives_transformers_logits(tmp_path: Path, src: str, arch: str,
+                                              model_type: str) -> None:
     write_gguf(TINY / src, tmp_path / "m.gguf", arch)
     model, cfg, tok = load_model(tmp_path / "m.gguf")
-    assert cfg.architecture == arch and cfg.tie_word_embeddings == (src == "qwen2_bias_tied")
+    assert cfg.architecture == model_type
+    assert cfg.tie_word_embeddings == (src != "mistral_gqa")
     assert tok.eos_token_id == 2
+    assert cfg.layer_windows == read_hf_config(TINY / src).layer_windows
     oracle = np.load(TINY / src / "oracle.npz")
     ids = oracle["input_ids"].tolist()
-    got = PagedRunner(model).run([RequestChunk(token_ids=ids, start=0, block_table=[2, 1, 3, 4])])
+    table = [2, 1, 3, 4, 6, 5, 7, 9, 8, 10]
+    got = PagedRunner(model).run([RequestChunk(token_ids=ids, start=0, block_table=table)],
+                                 num_tokens=len(ids))
     np.testing.assert_allclose(got[0], oracle["logits"], atol=1e-4, rtol=0)
+
+
+def test_a_gguf_tensor_with_no_place_in_the_model_is_named(tmp_path: Path) -> None:
+    src = copy_fixture("mistral_gqa", tmp_path)
+    tensors = load_file(str(src / "model.safetensors"))
+    tensors["model.layers.0.mlp.gate.weight"] = np.zeros((8, 32), np.float32)  # a router
+    save_file(tensors, str(src / "model.safetensors"))
+    write_gguf(src, tmp_path / "m.gguf", "llama")
+    with pytest.raises(ModelLoadError, match="tensor blk.0.ffn_gate_inp.weight has no place"):
+        load_model(tmp_path / "m.gguf")
 
 
 def test_bfloat16_checkpoint(tmp_path: Path) -> None:

@@ -74,6 +74,22 @@ def test_a_packed_model_computes_what_the_xla_one_does(architecture, tied):
     assert plain.count(TARGET) == plain.count(SWIGLU) == 0
 
 
+def test_a_geglu_model_packs_gate_and_up_as_one_product_and_keeps_its_activation():
+    cfg = ModelConfig.tiny("gemma2", hidden_act="gelu_pytorch_tanh", sliding_window=4,
+                           layer_types=("sliding_attention", "full_attention"), attn_scale=0.3,
+                           attn_softcap=1.0, final_softcap=2.0, tie_word_embeddings=True)
+    want, _, _ = run(Model(cfg, seed=5))
+    model = Model(cfg, seed=5)
+    assert pack_projections(model) == 7 * cfg.num_layers + 1
+    mlp = model.layers[0].mlp
+    assert isinstance(mlp.gate_proj, PackedColumns) and mlp.gate_proj.merged is mlp.up_proj.merged
+    got, _, packed = run(model)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+    # q/k/v, o, gate/up and down: four packed products a layer, and no SwiGLU call
+    assert packed.count(f'custom_call_target="{TARGET}"') == 4 * cfg.num_layers
+    assert packed.count(SWIGLU) == 0
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_the_engine_functions_pack_and_the_logits_agree(tied):
     cfg = ModelConfig.tiny("qwen2", tie_word_embeddings=tied)
