@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Literal
 
 import jax
+import jax.numpy as jnp
 
 # The kernels are imported eagerly although only one is used: importing Pallas defines config
 # options, which changes jax's tracing context; importing it lazily inside the first trace makes
@@ -98,6 +99,8 @@ def ragged_paged_attention(
     num_seqs: jax.Array,  # i32[]
     *,
     sm_scale: float,
+    sliding_window: int | jax.Array = 0,
+    soft_cap: float | None = None,
     impl: Impl = "reference",
     interpret: bool = False,
     batch_invariant: bool = False,
@@ -115,6 +118,14 @@ def ragged_paged_attention(
       query_start_loc: i32[R+1] prefix sums of scheduled tokens.
       num_seqs: i32[] number of live requests; rows past it are ignored.
       sm_scale: softmax scale.
+      sliding_window: i32[] (a traced scalar or a Python int): the window W of this layer, 0
+        for full attention. A query at position p sees the keys at k with ``p - W < k <= p``
+        (W keys, itself included: transformers' rule). An operand, not a static argument, so
+        that one compiled scan over layers can give each layer its own window. Every
+        implementation skips the pages wholly outside a query's window: they are not read.
+      soft_cap: Gemma 2's attention-logit soft-capping: the scores ``s = q.k * sm_scale``
+        become ``soft_cap * tanh(s / soft_cap)`` before the mask and the softmax; None for
+        none. Static (a per-model constant).
       impl: "reference" (jnp), "cpu" (native, XLA FFI), "tpu" (Pallas Mosaic) or "gpu"
         (Pallas Triton).
       interpret: run a Pallas kernel in interpret mode (CPU testing); ignored by the
@@ -130,8 +141,10 @@ def ragged_paged_attention(
 
     Raises:
       UnsupportedShapeError: the chosen kernel cannot run these shapes or block sizes.
-      ValueError: for an unknown ``impl``, or ``batch_invariant`` with another than "cpu".
+      ValueError: for an unknown ``impl``, ``batch_invariant`` with another than "cpu", a
+        negative Python ``sliding_window`` or a ``soft_cap`` that is not positive.
     """
+    check_window_and_cap(sliding_window, soft_cap)
     args = (q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, num_seqs)
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
@@ -140,6 +153,19 @@ def ragged_paged_attention(
             raise ValueError(f"batch_invariant=True is a mode of the 'cpu' kernel only, not of "
                              f"impl={impl!r}")
         block_sizes = {**block_sizes, "batch_invariant": True}
+    window = jnp.asarray(sliding_window, jnp.int32)
     if impl == "reference":
-        return ragged_paged_attention_reference(*args, sm_scale=sm_scale, **block_sizes)
-    return _KERNELS[impl](*args, sm_scale=sm_scale, interpret=interpret, **block_sizes)
+        return ragged_paged_attention_reference(
+            *args, sm_scale=sm_scale, sliding_window=window, soft_cap=soft_cap, **block_sizes
+        )
+    return _KERNELS[impl](*args, sm_scale=sm_scale, sliding_window=window, soft_cap=soft_cap,
+                          interpret=interpret, **block_sizes)  # fmt: skip
+
+
+def check_window_and_cap(sliding_window: int | jax.Array, soft_cap: float | None) -> None:
+    """``ValueError`` naming the argument for a negative Python window or a cap <= 0 (a traced
+    window is the model's, checked where its config is)."""
+    if isinstance(sliding_window, int) and sliding_window < 0:
+        raise ValueError(f"sliding_window must be >= 0 (0: full attention), got {sliding_window}")
+    if soft_cap is not None and not soft_cap > 0:
+        raise ValueError(f"soft_cap must be a positive float or None, got {soft_cap!r}")

@@ -8,7 +8,11 @@ Layout assumptions (shared by every implementation in this package):
 - ``kv_cache`` is one layer's pages, ``[P, L, 2*K, H]``: key head ``kh`` at head slot ``2*kh``,
   value head ``kh`` at ``2*kh + 1``. Flat slot ``s`` is page ``s // L``, offset ``s % L``.
 - Token t of request r sits at position ``seq_lens[r] - (query_start_loc[r+1] - t)`` and attends
-  to the cached positions ``<= `` its own (causal inside the chunk, full over the context).
+  to the cached positions ``<= `` its own (causal inside the chunk, full over the context); with
+  a sliding window W > 0, only to those ``> p - W`` (``first_visible``). Pages wholly before
+  every window of a unit of work are skipped, not read and masked: a sliding layer's pages that
+  have slid out of the window may already hold another request's data.
+- With ``soft_cap``, scores are capped (``cap_scores``) right after ``q.k * sm_scale``.
 - GQA: query head ``n`` reads kv head ``n // G`` with ``G = N // K``.
 - Pages a request does not own (and slots past ``seq_lens``) may hold anything, NaN included:
   they are masked with ``jnp.where`` (a multiply by zero would keep a NaN).
@@ -40,6 +44,25 @@ DEFAULT_KV_TOKENS_PER_CHUNK = 256
 # The oracle must not lose bits on accelerators (float32 dots default to bf16 passes on TPU and
 # TF32 on GPU); on CPU this costs nothing.
 HIGHEST = lax.Precision.HIGHEST
+
+
+def first_visible(pos: jax.Array, sliding_window: jax.Array) -> jax.Array:
+    """The first key position a query at ``pos`` sees: ``pos - W + 1`` (W keys, itself
+    included, transformers' rule), 0 without a window (``W == 0``) or near the start.
+
+    Args:
+      pos: i32[...] query positions.
+      sliding_window: i32[] the layer's window W, 0 for full attention.
+
+    Returns:
+      i32[...] like ``pos``.
+    """
+    return jnp.where(sliding_window > 0, jnp.maximum(pos - sliding_window + 1, 0), 0)
+
+
+def cap_scores(s: jax.Array, soft_cap: float | None) -> jax.Array:
+    """Gemma 2's logit soft-capping, ``soft_cap * tanh(s / soft_cap)``; ``s`` as is for None."""
+    return s if soft_cap is None else soft_cap * jnp.tanh(s / soft_cap)
 
 
 def write_kv(
@@ -94,7 +117,10 @@ def _attend_chunk(
     kv: jax.Array,  # [S, 2*K, H] with S = C*L
     kv_pos: jax.Array,  # i32[S]
     q_pos: jax.Array,  # i32[G*Bq]; -1 for rows outside the item
+    q_lo: jax.Array,  # i32[G*Bq] each row's first visible key
+    kv_lo: jax.Array,  # i32[] the item's first visible key: slots before it may be garbage
     seq_len: jax.Array,  # i32[]
+    soft_cap: float | None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One online-softmax step over a chunk of cached tokens.
 
@@ -104,12 +130,13 @@ def _attend_chunk(
     ``where`` on ``s`` replaces.
     """
     m, l, acc = carry  # f32[K, G*Bq], f32[K, G*Bq], f32[K, G*Bq, H]
-    in_ctx = kv_pos < seq_len  # [S]
+    in_ctx = (kv_pos < seq_len) & (kv_pos >= kv_lo)  # [S]
     kv = kv.astype(jnp.float32)
     k_c = kv[:, 0::2].transpose(1, 2, 0)  # [K, H, S]
     v_c = jnp.where(in_ctx[:, None, None], kv[:, 1::2], 0.0).transpose(1, 0, 2)  # [K, S, H]
-    s = jnp.matmul(q, k_c, precision=HIGHEST)  # f32[K, G*Bq, S]
-    visible = (kv_pos[None, :] <= q_pos[:, None]) & in_ctx[None, :]  # [G*Bq, S]
+    s = cap_scores(jnp.matmul(q, k_c, precision=HIGHEST), soft_cap)  # f32[K, G*Bq, S]
+    visible = (kv_pos[None, :] <= q_pos[:, None]) & (kv_pos[None, :] >= q_lo[:, None])
+    visible &= in_ctx[None, :]  # [G*Bq, S]
     s = jnp.where(visible, s, -jnp.inf)
     m_new = jnp.maximum(m, s.max(axis=-1))
     # Rows that have seen nothing yet keep m = -inf; shift by 0 there so exp() stays finite.
@@ -127,11 +154,16 @@ def _attend_item(
     kv_cache: jax.Array,  # [P, L, 2*K, H]
     pages: jax.Array,  # i32[max_blocks]
     seq_len: jax.Array,  # i32[]
+    sliding_window: jax.Array,  # i32[]
     *,
     sm_scale: float,
+    soft_cap: float | None,
     pages_per_chunk: int,
 ) -> jax.Array:
-    """Attention of one item's query rows over its request's pages; returns f32[Bq, N, H]."""
+    """Attention of one item's query rows over its request's pages; returns f32[Bq, N, H].
+
+    The chunk loop starts at the chunk holding the first key its first (earliest) row sees.
+    """
     P, L, K2, H = kv_cache.shape
     K = K2 // 2
     Bq, N, _ = q_item.shape
@@ -144,6 +176,8 @@ def _attend_item(
     q = q_item.astype(jnp.float32) * sm_scale
     q = q.reshape(Bq, K, G, H).transpose(1, 2, 0, 3).reshape(K, G * Bq, H)
     q_rows = jnp.tile(q_pos, G)  # [G*Bq], the position of each row of q
+    q_lo = first_visible(q_rows, sliding_window)
+    kv_lo = first_visible(q_pos[0], sliding_window)  # row 0 is in the item, the earliest
     last_pos = q_pos.max()
     n_chunks = jnp.clip(last_pos // (C * L) + 1, 0, n_chunks_max)
 
@@ -151,14 +185,14 @@ def _attend_item(
         idx = lax.dynamic_slice(pages, (c * C,), (C,))
         kv = jnp.take(kv_cache, jnp.clip(idx, 0, P - 1), axis=0).reshape(C * L, K2, H)
         kv_pos = c * C * L + jnp.arange(C * L, dtype=jnp.int32)
-        return _attend_chunk(carry, q, kv, kv_pos, q_rows, seq_len)
+        return _attend_chunk(carry, q, kv, kv_pos, q_rows, q_lo, kv_lo, seq_len, soft_cap)
 
     init = (
         jnp.full((K, G * Bq), -jnp.inf, jnp.float32),
         jnp.zeros((K, G * Bq), jnp.float32),
         jnp.zeros((K, G * Bq, H), jnp.float32),
     )
-    _, l, acc = lax.fori_loop(0, n_chunks, body, init)
+    _, l, acc = lax.fori_loop(kv_lo // (C * L), n_chunks, body, init)
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # rows with no visible key -> 0
     return out.reshape(K, G, Bq, H).transpose(2, 0, 1, 3).reshape(Bq, N, H)
 
@@ -170,8 +204,10 @@ def _decode_pass(
     seq_lens: jax.Array,  # i32[R]
     q_start: jax.Array,  # i32[R] each request's first token
     is_decode: jax.Array,  # bool[R]
+    sliding_window: jax.Array,  # i32[]
     *,
     sm_scale: float,
+    soft_cap: float | None,
     pages_per_step: int,
 ) -> jax.Array:  # f32[R, N, H]; rows of non-decode requests are zeros
     """All one-token requests at once, as one loop over the flat list of their pages.
@@ -180,7 +216,9 @@ def _decode_pass(
     of the loop gathers the next ``pages_per_step`` of them, whatever requests they belong to,
     and folds them into their request's online softmax with segment max/sum scatters. The trip
     count is ``ceil(live pages / pages_per_step)``: work follows the total context, so one long
-    request among short ones costs its own pages, not ``R * its pages``.
+    request among short ones costs its own pages, not ``R * its pages``. With a window, a
+    request's pages are numbered from the one holding its first visible key: the pages before
+    it are not read.
     """
     T, N, H = q.shape
     P, L, K2, _ = kv_cache.shape
@@ -188,7 +226,9 @@ def _decode_pass(
     K, W = K2 // 2, pages_per_step
     G = N // K
     ctx = jnp.where(is_decode, seq_lens, 0)
-    n_pages = (ctx + L - 1) // L  # i32[R]
+    lo = first_visible(ctx - 1, sliding_window)  # i32[R] each decode's first visible key
+    first_page = lo // L
+    n_pages = (ctx + L - 1) // L - first_page  # i32[R] pages read (0 for non-decodes)
     ends = jnp.cumsum(n_pages)  # i32[R] one past each request's last flat page
     q_r = q[jnp.clip(q_start, 0, T - 1)].astype(jnp.float32) * sm_scale
     q_r = q_r.reshape(R, K, G, H)
@@ -201,11 +241,13 @@ def _decode_pass(
         req = jnp.searchsorted(ends, flat, side="right").astype(jnp.int32)
         live = req < R
         r = jnp.minimum(req, R - 1)
-        page_no = flat - (ends[r] - n_pages[r])  # [W] index into the request's table
+        page_no = flat - (ends[r] - n_pages[r]) + first_page[r]  # [W] into the request's table
         page = block_tables[r, jnp.clip(page_no, 0, max_blocks - 1)]
         kv = kv_cache[jnp.clip(page, 0, P - 1)].reshape(W, L, K, 2, H).astype(jnp.float32)
-        valid = live[:, None] & (page_no[:, None] * L + offsets < ctx[r][:, None])  # [W, L]
+        key_pos = page_no[:, None] * L + offsets  # [W, L]
+        valid = live[:, None] & (key_pos < ctx[r][:, None]) & (key_pos >= lo[r][:, None])
         s = jnp.einsum("wlkh,wkgh->wlkg", kv[:, :, :, 0], q_r[r], precision=HIGHEST)
+        s = cap_scores(s, soft_cap)
         s = jnp.where(valid[:, :, None, None], s, -jnp.inf)  # [W, L, K, G]
         m_new = m.at[req].max(s.max(axis=1), mode="drop")
         m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
@@ -242,7 +284,9 @@ def _decode_pages_per_step(kv_cache: jax.Array) -> int:
 @functools.partial(
     jax.jit,
     # Shapes of the loops depend on these; sm_scale is a per-model constant.
-    static_argnames=("sm_scale", "block_q", "pages_per_chunk", "decode_pages_per_step"),
+    static_argnames=(
+        "sm_scale", "soft_cap", "block_q", "pages_per_chunk", "decode_pages_per_step"
+    ),
 )
 def ragged_paged_attention_reference(
     q: jax.Array,  # [T, N, H]
@@ -256,6 +300,8 @@ def ragged_paged_attention_reference(
     num_seqs: jax.Array,  # i32[]
     *,
     sm_scale: float,
+    sliding_window: jax.Array | int = 0,
+    soft_cap: float | None = None,
     block_q: int = DEFAULT_BLOCK_Q,
     pages_per_chunk: int | None = None,
     decode_pages_per_step: int | None = None,
@@ -272,6 +318,8 @@ def ragged_paged_attention_reference(
       query_start_loc: i32[R+1] prefix sums of scheduled tokens.
       num_seqs: i32[] live requests.
       sm_scale: softmax scale (usually ``H ** -0.5``).
+      sliding_window: i32[] the layer's window, 0 for full attention (traced: layers may differ).
+      soft_cap: the scores' soft cap, or None.
       block_q: query rows per work item.
       pages_per_chunk: pages per online-softmax step of an item (default: 256 tokens' worth).
       decode_pages_per_step: pages per step of the decode pass (default: ~384 KiB gathered on
@@ -283,6 +331,7 @@ def ragged_paged_attention_reference(
     T, N, H = q.shape
     L = kv_cache.shape[1]
     C = pages_per_chunk or max(1, DEFAULT_KV_TOKENS_PER_CHUNK // L)
+    window = jnp.asarray(sliding_window, jnp.int32)
     kv_cache = write_kv(kv_cache, k, v, slot_mapping)
     q_lens = _live_q_lens(query_start_loc, num_seqs)
     is_decode = q_lens == 1
@@ -291,8 +340,8 @@ def ragged_paged_attention_reference(
     Rd = min(block_tables.shape[0], T)
     is_decode, q_start = is_decode[:Rd], query_start_loc[:Rd]
     out_dec = _decode_pass(
-        q, kv_cache, block_tables[:Rd], seq_lens[:Rd], q_start, is_decode,
-        sm_scale=sm_scale,
+        q, kv_cache, block_tables[:Rd], seq_lens[:Rd], q_start, is_decode, window,
+        sm_scale=sm_scale, soft_cap=soft_cap,
         pages_per_step=decode_pages_per_step or _decode_pages_per_step(kv_cache),
     )  # fmt: skip
     # Decode rows first (non-decodes scatter out of bounds and are dropped); the item loop
@@ -320,7 +369,9 @@ def ragged_paged_attention_reference(
             kv_cache,
             block_tables[r],
             seq_lens[r],
+            window,
             sm_scale=sm_scale,
+            soft_cap=soft_cap,
             pages_per_chunk=C,
         )
         old = lax.dynamic_slice_in_dim(out, start, block_q)

@@ -56,6 +56,8 @@ def ragged_paged_attention_cpu(
     num_seqs: jax.Array,  # i32[]
     *,
     sm_scale: float,
+    sliding_window: jax.Array | int = 0,
+    soft_cap: float | None = None,
     block_q: int = DEFAULT_BLOCK_Q,
     pages_per_split: int = DEFAULT_PAGES_PER_SPLIT,
     batch_invariant: bool = False,
@@ -64,6 +66,10 @@ def ragged_paged_attention_cpu(
     """Ragged paged attention with the native CPU kernel (arguments as the reference's).
 
     Args:
+      sliding_window: i32[] the layer's window, 0 for full attention: a short request's unit
+        starts at the page of its first visible key, a longer one's runs at the first key
+        their earliest token sees; the pages before are not read.
+      soft_cap: the scores' soft cap (a vectorised tanh in the kernel), or None.
       block_q: query tokens per unit of a request longer than 8 tokens.
       pages_per_split: pages per unit of a shorter request (split-K over its context).
       batch_invariant: give each token the same bits whatever chunk it comes in (a decode,
@@ -90,6 +96,7 @@ def ragged_paged_attention_cpu(
                             vmap_method="sequential")
     out = call(q, kv_cache, block_tables.astype(jnp.int32), seq_lens.astype(jnp.int32),
                query_start_loc.astype(jnp.int32), jnp.asarray(num_seqs, jnp.int32),
-               sm_scale=np.float32(sm_scale), block_q=np.int64(block_q),
+               jnp.asarray(sliding_window, jnp.int32), sm_scale=np.float32(sm_scale),
+               soft_cap=np.float32(soft_cap or 0.0), block_q=np.int64(block_q),
                pages_per_split=np.int64(pages_per_split), batch_invariant=bool(batch_invariant))
     return out.astype(q.dtype), kv_cache

@@ -38,6 +38,18 @@
 // rounding (under 1e-6 at head dim 64: tests/jaxengine_kernels/test_cpu_kernel.py).
 // Only slots inside a request's context are read as keys or values, so whatever the other
 // slots hold (NaN included) never reaches the output.
+//
+// Sliding windows (`sliding_window` W > 0, an operand: layers of one compiled scan differ): a
+// query at position p sees the keys p - W < k <= p. A unit starts at the first key its
+// earliest token sees (`begin`): plan() cuts a short request's pages from the page holding
+// it, and run() walks the keys from it, so the pages before are never read (the scheduler
+// may have handed them to another request). With batch_invariant the tiles stay anchored at
+// multiples of kKeys, whatever chunk a token comes in: the first tile's keys before `begin`
+// are masked for every row, their cache rows stood in for by `begin`'s (finite, never read
+// from a page the window left). Each row masks its own keys below its window in both
+// softmax paths; P.V adds their zero probabilities times finite values.
+// Soft-capping (Gemma 2's `soft_cap` c > 0, an attribute; 0: none) maps each score s to
+// c tanh(s / c) right after the dots.
 
 #include <algorithm>
 #include <cmath>
@@ -57,6 +69,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 using jaxengine_cpu::fast_exp;
+using jaxengine_cpu::fast_tanh;
 using jaxengine_cpu::fvec;  // vectors as wide as the CPU's (simd.h)
 using jaxengine_cpu::kLanes;
 using jaxengine_cpu::loadv;
@@ -142,6 +155,12 @@ inline float widen(bf16 x) {
   return f;
 }
 
+// The first key position a query at `pos` sees with window W (W keys, itself included; the
+// reference's first_visible): 0 without a window.
+inline int64_t first_visible(int64_t pos, int64_t window) {
+  return window > 0 ? std::max<int64_t>(pos - window + 1, 0) : 0;
+}
+
 struct Geometry {
   int64_t T, N, K, G, H, P, L, max_blocks;
   int64_t token_stride() const { return 2 * K * H; }  // elements between a page's tokens
@@ -191,8 +210,9 @@ template <typename T>
 class PagedAttention {
  public:
   PagedAttention(const Geometry& g, const T* q, const T* cache, float sm_scale,
-                 bool batch_invariant)
-      : g_(g), q_(q), cache_(cache), scale_(sm_scale), batch_invariant_(batch_invariant) {}
+                 int64_t window, float soft_cap, bool batch_invariant)
+      : g_(g), q_(q), cache_(cache), scale_(sm_scale), window_(window), cap_(soft_cap),
+        batch_invariant_(batch_invariant) {}
 
   int64_t rows(const Unit& u) const { return g_.K * (u.tok1 - u.tok0) * g_.G; }
   // Rows between scratch slots: the most a split unit has.
@@ -207,26 +227,33 @@ class PagedAttention {
     sc.m.assign(n, kMasked);
     sc.l.assign(n, 0.0f);
     sc.acc.assign(n * H, 0.0f);
-    // The unit's keys, in tiles of kKeys positions; the last visible key of its last token is
-    // at ctx - q_len + tok1 - 1.
-    const int64_t begin = u.page0 * g_.L;
+    // The unit's keys, in tiles of kKeys positions, from the first its earliest token sees (or
+    // its first page); the last visible key of its last token is at ctx - q_len + tok1 - 1.
+    const int64_t begin =
+        std::max(u.page0 * g_.L, first_visible(rq.ctx - rq.q_len + u.tok0, window_));
     const int64_t end = std::min(u.page1 * g_.L, rq.ctx - rq.q_len + u.tok1);
+    const int64_t start = batch_invariant_ ? begin / kKeys * kKeys : begin;  // the first tile
     // Token rows of this tile and the next, [2 * kKeys]: while head 0 reads key j, the row of
     // key j + kAhead is prefetched (pages are scattered over the pool, so the hardware
     // prefetcher finds each one only once it is read).
     const T* rows[2 * kKeys];
-    int64_t have = token_rows(rq, begin, std::min(2 * kKeys, end - begin), rows);
+    int64_t have = token_rows(rq, start, std::max<int64_t>(std::min(2 * kKeys, end - start), 0),
+                              begin, rows);
     for (int64_t j = 0; j < std::min(kAhead, have); ++j) prefetch_token(rows[j]);
-    for (int64_t key0 = begin; key0 < end; key0 += kKeys) {
+    for (int64_t key0 = start; key0 < end; key0 += kKeys) {
       const int64_t nk = std::min(kKeys, end - key0);
-      if (!is_wide(rows_k)) scores(sc, rows_k, rows, nk, have);  // every kv head's at once
+      if (!is_wide(rows_k)) {  // every kv head's at once
+        scores(sc, rows_k, rows, nk, have);
+        if (cap_ > 0.0f) soft_cap(sc.s.data(), g_.K * rows_k * kKeys);
+      }
       for (int64_t k = 0; k < g_.K; ++k)
         tile(sc, k, rows_k, rows, nk, key0, u, rq, have);
       // Slide: the next tile's rows move down, the one after is looked up.
       if (have > kKeys) std::copy(rows + kKeys, rows + have, rows);
       have = std::max<int64_t>(have - kKeys, 0);
       const int64_t next = key0 + kKeys + have;
-      if (next < end) have += token_rows(rq, next, std::min(kKeys, end - next), rows + have);
+      if (next < end)
+        have += token_rows(rq, next, std::min(kKeys, end - next), begin, rows + have);
     }
     if (u.split) {
       std::copy(sc.m.begin(), sc.m.end(), m);
@@ -266,15 +293,35 @@ class PagedAttention {
   }
 
  private:
-  // The cache rows of positions [key0, key0 + n) of a request, into `rows`; returns n.
-  int64_t token_rows(const Request& rq, int64_t key0, int64_t n, const T** rows) const {
-    for (int64_t j = 0; j < n;) {
+  // The cache rows of positions [key0, key0 + n) of a request, into `rows`; returns n. Rows
+  // before `begin` (the unit's first key: the first tile of a batch-invariant unit starts
+  // before it) are begin's row: their keys are masked, and their pages may be another's.
+  int64_t token_rows(const Request& rq, int64_t key0, int64_t n, int64_t begin,
+                     const T** rows) const {
+    int64_t j = 0;
+    if (key0 < begin) {
+      const T* first = row_at(rq, begin);
+      for (; j < std::min(n, begin - key0); ++j) rows[j] = first;
+    }
+    while (j < n) {
       const int64_t pos = key0 + j, page = pos / g_.L, offset = pos % g_.L;
       const T* base = cache_ + std::clamp<int64_t>(rq.table[page], 0, g_.P - 1) *
                                    g_.page_stride();
       for (int64_t o = offset; o < g_.L && j < n; ++o, ++j) rows[j] = base + o * g_.token_stride();
     }
     return n;
+  }
+
+  const T* row_at(const Request& rq, int64_t pos) const {
+    const int64_t page = std::clamp<int64_t>(rq.table[pos / g_.L], 0, g_.P - 1);
+    return cache_ + page * g_.page_stride() + pos % g_.L * g_.token_stride();
+  }
+
+  // s[0, n) = cap * tanh(s / cap), vectorised.
+  void soft_cap(float* s, int64_t n) const {
+    const float cap = cap_, inv = 1.0f / cap_;
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) s[i] = cap * fast_tanh(s[i] * inv);
   }
 
   int64_t out_offset(const Unit& u, const Request& rq, int64_t row) const {
@@ -426,7 +473,10 @@ class PagedAttention {
             int64_t key0, const Unit& u, const Request& rq, int64_t have) const {
     const int64_t H = g_.H, value_slot = (2 * k + 1) * H;
     const bool wide = is_wide(rows_k);
-    if (wide) wide_scores(sc, k, rows_k, tokens, nk, have);  // a decode's are computed already
+    if (wide) {  // a decode's are computed already
+      wide_scores(sc, k, rows_k, tokens, nk, have);
+      if (cap_ > 0.0f) soft_cap(sc.s.data(), nk * wide_rows(rows_k));
+    }
     const float* vals[kKeys];  // value rows of the tile's keys (widened for bfloat16)
     if constexpr (std::is_same_v<T, float>) {
       for (int64_t j = 0; j < nk; ++j) vals[j] = tokens[j] + value_slot;
@@ -506,22 +556,28 @@ class PagedAttention {
   // and `alpha`.
   void softmax(Scratch& sc, int64_t row0, int64_t rows_k, int64_t nk, int64_t offset) const {
     for (int64_t t = 0, i = 0; i < rows_k; ++t) {
-      // Keys at positions <= the token's are visible (causal inside the chunk).
+      // Keys at positions <= the token's are visible (causal inside the chunk), from its
+      // window's first on: keys [first, visible) of the tile.
       const int64_t visible = std::clamp<int64_t>(offset + t + 1, 0, nk);
+      const int64_t first = window_ > 0 ? std::clamp<int64_t>(offset + t + 1 - window_, 0, nk)
+                                        : 0;
       for (int64_t gi = 0; gi < g_.G; ++gi, ++i) {
         float* si = sc.s.data() + (row0 + i) * kKeys;
-        sc.visible[i] = visible;
+        sc.visible[i] = first < visible ? visible : 0;
         sc.alpha[i] = 1.0f;
-        if (visible == 0) {  // nothing of this tile (nor of later tiles) for this row
+        if (first >= visible) {  // nothing of this tile for this row
           std::fill(si, si + kKeys, 0.0f);
           continue;
         }
         const int64_t row = row0 + i;
-        const float mx = std::max(sc.m[row], max_visible(si, visible));
+        const float mx = std::max(sc.m[row], max_visible(si, first, visible));
 #pragma omp simd
-        for (int64_t j = 0; j < kKeys; ++j) si[j] = j < visible ? fast_exp(si[j] - mx) : 0.0f;
-        float sum = 0.0f;  // in key order, as wide_softmax sums: the two paths agree bit for bit
-        for (int64_t j = 0; j < visible; ++j) sum += si[j];  // where their scores do
+        for (int64_t j = 0; j < kKeys; ++j)
+          si[j] = j >= first && j < visible ? fast_exp(si[j] - mx) : 0.0f;
+        // In key order, as wide_softmax sums (its masked keys add exact zeros first): the two
+        // paths agree bit for bit where their scores do.
+        float sum = 0.0f;
+        for (int64_t j = first; j < visible; ++j) sum += si[j];
         sc.alpha[i] = fast_exp(sc.m[row] - mx);  // ~0 (underflow) before any visible key
         sc.m[row] = mx;
         sc.l[row] = sc.l[row] * sc.alpha[i] + sum;
@@ -530,7 +586,8 @@ class PagedAttention {
   }
 
   // softmax's step for a wide unit, on S^T: kv head k's rows_k rows over a tile of nk keys,
-  // a vector of rows at a time down the keys. Row r (token t) sees key j when j <= offset + t.
+  // a vector of rows at a time down the keys. Row r (token t) sees key j when j <= offset + t
+  // and, with a window W, offset + t - W < j.
   void wide_softmax(Scratch& sc, int64_t k, int64_t rows_k, int64_t nk, int64_t offset) const {
     const int64_t R = wide_rows(rows_k);
     float *m = sc.wm.data(), *l = sc.wl.data(), *mx = sc.mx.data(), *alpha = sc.alpha.data();
@@ -540,22 +597,27 @@ class PagedAttention {
     std::fill(m + rows_k, m + R, kMasked);  // padding rows: scores of zero queries, unused
     std::fill(l + rows_k, l + R, 0.0f);
     std::copy_n(m, R, mx);
-    const bool masked = offset < nk - 1;  // else every row sees every key of the tile
+    // Unless every row sees every key of the tile: the first row key nk - 1, the last key 0.
+    const int64_t last_token = (rows_k - 1) / g_.G;
+    const bool masked = offset < nk - 1 || (window_ > 0 && offset + last_token >= window_);
+    // Token t sees key j when first <= t < first + span, first = j - offset.
+    const float span = window_ > 0 ? float(window_) : 1e30f;
     for (int64_t j = 0; j < nk; ++j) {
-      const float first = float(j - offset);  // the first token that sees key j
+      const float first = float(j - offset), past = first + span;
       const float* sj = sc.s.data() + j * R;
 #pragma omp simd
       for (int64_t r = 0; r < R; ++r)
-        if (!masked || token[r] >= first) mx[r] = std::max(mx[r], sj[r]);
+        if (!masked || (token[r] >= first && token[r] < past)) mx[r] = std::max(mx[r], sj[r]);
     }
     float* sum = sc.sum.data();  // each row's probabilities summed in key order
     std::fill(sum, sum + R, 0.0f);
     for (int64_t j = 0; j < nk; ++j) {
-      const float first = float(j - offset);
+      const float first = float(j - offset), past = first + span;
       float* sj = sc.s.data() + j * R;
 #pragma omp simd
       for (int64_t r = 0; r < R; ++r) {
-        const float p = !masked || token[r] >= first ? fast_exp(sj[r] - mx[r]) : 0.0f;
+        const bool seen = !masked || (token[r] >= first && token[r] < past);
+        const float p = seen ? fast_exp(sj[r] - mx[r]) : 0.0f;
         sj[r] = p;
         sum[r] += p;
       }
@@ -571,14 +633,14 @@ class PagedAttention {
     std::copy_n(l, rows_k, sc.l.data() + k * rows_k);
   }
 
-  // The largest of s[0, visible): lane-wise over the tile's vectors, then across lanes. (A
-  // plain max loop stays scalar: GCC does not vectorise a float max reduction by itself.)
-  static float max_visible(const float* s, int64_t visible) {
+  // The largest of s[first, visible): lane-wise over the tile's vectors, then across lanes.
+  // (A plain max loop stays scalar: GCC does not vectorise a float max reduction by itself.)
+  static float max_visible(const float* s, int64_t first, int64_t visible) {
     fvec best = loadv(s);
     for (int64_t c = 1; c < kKeys / kLanes; ++c) best = vmax(best, loadv(s + c * kLanes));
-    if (visible < kKeys) {  // an invisible key's score may exceed every visible one's
+    if (first > 0 || visible < kKeys) {  // an invisible key's score may exceed every visible one's
       best = fvec{} + kMasked;
-      for (int64_t j = 0; j < visible; ++j) best[0] = std::max(best[0], s[j]);
+      for (int64_t j = first; j < visible; ++j) best[0] = std::max(best[0], s[j]);
     }
     float mx = best[0];
     for (int64_t c = 1; c < kLanes; ++c) mx = std::max(mx, best[c]);
@@ -589,6 +651,8 @@ class PagedAttention {
   const T* q_;
   const T* cache_;
   const float scale_;
+  const int64_t window_;  // W, 0: full attention
+  const float cap_;       // soft cap, 0: none
   const bool batch_invariant_;  // one path for every unit (see the file comment)
 };
 
@@ -596,7 +660,8 @@ class PagedAttention {
 // batch-invariant plan splits nothing: a split merges partial softmax states, which rounds
 // otherwise than one pass over the keys.
 std::vector<Unit> plan(const std::vector<Request>& reqs, const Geometry& g, int64_t block_q,
-                       int64_t pages_per_split, bool batch_invariant, int64_t* num_slots) {
+                       int64_t pages_per_split, int64_t window, bool batch_invariant,
+                       int64_t* num_slots) {
   std::vector<Unit> units;
   *num_slots = 0;
   auto pages_upto = [&](int64_t tokens) {
@@ -605,11 +670,12 @@ std::vector<Unit> plan(const std::vector<Request>& reqs, const Geometry& g, int6
   for (int64_t r = 0; r < int64_t(reqs.size()); ++r) {
     const Request& rq = reqs[r];
     if (rq.q_len <= 0 || rq.ctx <= 0) continue;
-    if (rq.q_len <= kSplitTokens) {
+    if (rq.q_len <= kSplitTokens) {  // from the page of the first key its first token sees
+      const int64_t page0 = first_visible(rq.ctx - rq.q_len, window) / g.L;
       const int64_t pages = pages_upto(rq.ctx);
-      const bool split = !batch_invariant && pages > pages_per_split;
-      const int64_t run = split ? pages_per_split : std::max<int64_t>(pages, 1);
-      for (int64_t p = 0; p < pages; p += run) {
+      const bool split = !batch_invariant && pages - page0 > pages_per_split;
+      const int64_t run = split ? pages_per_split : std::max<int64_t>(pages - page0, 1);
+      for (int64_t p = page0; p < pages; p += run) {
         const int64_t p1 = std::min(pages, p + run);
         units.push_back({r, 0, rq.q_len, p, p1, split, split ? (*num_slots)++ : 0,
                          rq.q_len * (p1 - p)});
@@ -619,7 +685,8 @@ std::vector<Unit> plan(const std::vector<Request>& reqs, const Geometry& g, int6
     for (int64_t t = 0; t < rq.q_len; t += block_q) {
       const int64_t t1 = std::min(rq.q_len, t + block_q);
       const int64_t pages = pages_upto(rq.ctx - rq.q_len + t1);
-      units.push_back({r, t, t1, 0, pages, false, 0, (t1 - t) * pages});
+      const int64_t page0 = std::min(first_visible(rq.ctx - rq.q_len + t, window) / g.L, pages);
+      units.push_back({r, t, t1, page0, pages, false, 0, (t1 - t) * (pages - page0)});
     }
   }
   return units;
@@ -630,8 +697,10 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<DT> q,
                                 ffi::Buffer<DT> kv_cache, ffi::Buffer<ffi::S32> block_tables,
                                 ffi::Buffer<ffi::S32> seq_lens,
                                 ffi::Buffer<ffi::S32> query_start_loc,
-                                ffi::Buffer<ffi::S32> num_seqs, float sm_scale, int64_t block_q,
-                                int64_t pages_per_split, bool batch_invariant,
+                                ffi::Buffer<ffi::S32> num_seqs,
+                                ffi::Buffer<ffi::S32> sliding_window, float sm_scale,
+                                float soft_cap, int64_t block_q, int64_t pages_per_split,
+                                bool batch_invariant,
                                 ffi::ResultBuffer<ffi::F32> out) {
   using T = ffi::NativeType<DT>;
   const auto qd = q.dimensions(), cd = kv_cache.dimensions(), td = block_tables.dimensions();
@@ -642,6 +711,7 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<DT> q,
   const int32_t* qsl = query_start_loc.typed_data();
   const int32_t* lens = seq_lens.typed_data();
   const int64_t R = std::clamp<int64_t>(num_seqs.typed_data()[0], 0, td[0]);
+  const int64_t window = std::max<int64_t>(sliding_window.typed_data()[0], 0);
   std::vector<Request> reqs(R);
   for (int64_t r = 0; r < R; ++r) {  // metadata is clamped so no read or write leaves bounds
     const int64_t start = std::clamp<int64_t>(qsl[r], 0, g.T);
@@ -653,10 +723,11 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<DT> q,
   std::fill(o, o + g.T * g.N * g.H, 0.0f);
   int64_t num_slots = 0;
   std::vector<Unit> units = plan(reqs, g, std::max<int64_t>(block_q, 1),
-                                 std::max<int64_t>(pages_per_split, 1), batch_invariant,
-                                 &num_slots);
+                                 std::max<int64_t>(pages_per_split, 1), window,
+                                 batch_invariant, &num_slots);
   if (units.empty()) return ffi::Error::Success();
-  PagedAttention<T> attn(g, q.typed_data(), kv_cache.typed_data(), sm_scale, batch_invariant);
+  PagedAttention<T> attn(g, q.typed_data(), kv_cache.typed_data(), sm_scale, window,
+                         std::max(soft_cap, 0.0f), batch_invariant);
   const int64_t stride = attn.slot_rows();
   std::vector<float> m(num_slots * stride), l(num_slots * stride), acc(num_slots * stride * g.H);
   std::vector<int64_t> order(units.size());
@@ -692,7 +763,9 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<DT> q,
                                     .Arg<ffi::Buffer<ffi::S32>>() \
                                     .Arg<ffi::Buffer<ffi::S32>>() \
                                     .Arg<ffi::Buffer<ffi::S32>>() \
+                                    .Arg<ffi::Buffer<ffi::S32>>() \
                                     .Attr<float>("sm_scale") \
+                                    .Attr<float>("soft_cap") \
                                     .Attr<int64_t>("block_q") \
                                     .Attr<int64_t>("pages_per_split") \
                                     .Attr<bool>("batch_invariant") \

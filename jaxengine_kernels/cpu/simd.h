@@ -62,4 +62,16 @@ inline float fast_exp(float x) {
   return p * scale;
 }
 
+// tanh(x) within ~1e-6 relative, vectorisable (Gemma 2's soft-capping of attention scores):
+// (1 - e) / (1 + e) with e = e^(-2|x|) <= 1, and under |x| = 1/8, where 1 - e would cancel,
+// tanh's odd Taylor series to x^9 (its next term is ~1e-11 relative there); exact at 0.
+inline float fast_tanh(float x) {
+  const float a = std::fabs(x), a2 = a * a;
+  const float series =
+      a * (1.0f + a2 * (-1.0f / 3 + a2 * (2.0f / 15 + a2 * (-17.0f / 315 + a2 * (62.0f / 2835)))));
+  const float e = fast_exp(-2.0f * a);
+  const float t = a < 0.125f ? series : (1.0f - e) / (1.0f + e);
+  return std::copysign(t, x);
+}
+
 }  // namespace jaxengine_cpu

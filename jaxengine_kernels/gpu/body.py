@@ -5,6 +5,8 @@ heads of one kv head: ``rows = tokens * Gp``) x one kv head x one kv split. It w
 pages ``pages_per_iter`` at a time with an online softmax (float32) and writes either the
 normalized output (one split) or the unnormalized accumulator with its running max and
 denominator (several splits; ``jaxengine_kernels.gpu.kernel`` reduces them in a second pass).
+With a sliding window, the splits share the pages from the one holding the first key the
+item's first token sees: the pages before are not read.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jaxengine_kernels.reference import cap_scores, first_visible
+
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 Ref = Any  # a Pallas ref
@@ -24,6 +28,7 @@ Ref = Any  # a Pallas ref
 def kernel(
     item_seq_ref: Ref,  # i32[I]: request of each item, -1 for an empty item
     item_q0_ref: Ref,  # i32[I]: first token of each item
+    window_ref: Ref,  # i32[1]: the sliding window, 0 for full attention
     seq_lens_ref: Ref,  # i32[R]
     cu_q_ref: Ref,  # i32[R+1]
     block_tables_ref: Ref,  # i32[R, max_blocks]
@@ -32,6 +37,7 @@ def kernel(
     o_ref: Ref,  # [rows, H]: this (split, item, kv head)'s block
     *stats_refs: Ref,  # () or (m f32[rows], l f32[rows]) when splitting
     sm_scale: float,
+    soft_cap: float | None,
     tokens: int,
     group: int,
     pages_per_iter: int,
@@ -47,12 +53,15 @@ def kernel(
     seq = jnp.maximum(seq_raw, 0)
     q0 = item_q0_ref[item]
     q_end, kv_len = cu_q_ref[seq + 1], seq_lens_ref[seq]
-    # Pages this item needs: up to the position of its last token.
+    window = window_ref[0]
+    # Pages this item needs: from its first token's first visible key to its last token.
     last_pos = kv_len - (q_end - (jnp.minimum(q0 + tokens, q_end) - 1))
-    n_pages = jnp.where(live, last_pos // L + 1, 0)
+    ctx_start = first_visible(kv_len - (q_end - q0), window)
+    page_lo = ctx_start // L
+    n_pages = jnp.where(live, last_pos // L + 1 - page_lo, 0)
     per_split = pl.cdiv(n_pages, num_splits)
-    p0 = split * per_split
-    p1 = jnp.minimum(p0 + per_split, n_pages)
+    p0 = page_lo + split * per_split
+    p1 = jnp.minimum(p0 + per_split, page_lo + n_pages)
     r = lax.broadcasted_iota(jnp.int32, (rows,), 0)
     tok = q0 + r // Gp
     row_ok = (tok < q_end) & (r % Gp < group)  # padded heads and other requests' tokens out
@@ -64,8 +73,8 @@ def kernel(
     def body(it: jax.Array, carry: tuple) -> tuple:
         first_page = p0 + it * pages_per_iter
         return _online_step(
-            carry, q, kv_ref, block_tables_ref, seq, kh, first_page, ctx_end, row_pos,
-            sm_scale=sm_scale, pages_per_iter=pages_per_iter,
+            carry, q, kv_ref, block_tables_ref, seq, kh, first_page, ctx_start, ctx_end, row_pos,
+            window, sm_scale=sm_scale, soft_cap=soft_cap, pages_per_iter=pages_per_iter,
         )  # fmt: skip
 
     init = (
@@ -91,10 +100,13 @@ def _online_step(
     seq: jax.Array,
     kh: jax.Array,
     first_page: jax.Array,  # index into the request's block table
+    ctx_start: jax.Array,  # the first position this item may read (slots before: garbage)
     ctx_end: jax.Array,  # one past the last position this split may read
     row_pos: jax.Array,  # i32[rows], -1 for dead rows
+    window: jax.Array,  # i32[]
     *,
     sm_scale: float,
+    soft_cap: float | None,
     pages_per_iter: int,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Gather ``pages_per_iter`` pages of kv head ``kh`` and fold them into the softmax state."""
@@ -107,15 +119,17 @@ def _online_step(
     k = kv_ref[pages, :, 2 * kh, :].reshape(cols, H)
     v = kv_ref[pages, :, 2 * kh + 1, :].reshape(cols, H)
     col = first_page * L + jnp.arange(cols)
-    in_ctx = col < ctx_end  # [cols]
+    in_ctx = (col < ctx_end) & (col >= ctx_start)  # [cols]
     v = jnp.where(in_ctx[:, None], v, jnp.zeros_like(v))  # NaN in stale slots stays out of p @ v
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None  # IEEE, not TF32
     s = lax.dot_general(
         q, k.astype(q.dtype), (((1,), (1,)), ((), ())),
         precision=precision, preferred_element_type=jnp.float32,
     )  # fmt: skip
+    row_first = first_visible(row_pos, window)
     visible = in_ctx[None, :] & (col[None, :] <= row_pos[:, None])  # [rows, cols]
-    s = jnp.where(visible, s * sm_scale, MASK_VALUE)
+    visible &= col[None, :] >= row_first[:, None]
+    s = jnp.where(visible, cap_scores(s * sm_scale, soft_cap), MASK_VALUE)
     m_new = jnp.maximum(m, s.max(axis=1))
     p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)
     alpha = jnp.exp(m - m_new)

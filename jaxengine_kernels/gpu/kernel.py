@@ -101,7 +101,7 @@ def check_shapes(q: jax.Array, kv_cache: jax.Array, sizes: dict[str, int]) -> No
 
 
 def _launch(
-    items: tuple[jax.Array, jax.Array],  # item_seq, item_q0: i32[I] each
+    items: tuple[jax.Array, jax.Array, jax.Array],  # item_seq, item_q0: i32[I]; window i32[1]
     meta: tuple[jax.Array, ...],  # seq_lens, query_start_loc, block_tables
     q_k: jax.Array,  # [K, Tq*Gp, H]
     kv_cache: jax.Array,  # [P, L, 2*K, H]
@@ -110,6 +110,7 @@ def _launch(
     group: int,
     num_splits: int,
     sm_scale: float,
+    soft_cap: float | None,
     pages_per_iter: int,
     interpret: bool,
     name: str,
@@ -130,6 +131,7 @@ def _launch(
         functools.partial(
             body.kernel,
             sm_scale=sm_scale,
+            soft_cap=soft_cap,
             tokens=tokens,
             group=group,
             pages_per_iter=pages_per_iter,
@@ -157,7 +159,7 @@ def _combine_splits(o: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
     jax.jit,
     # Block sizes fix the grid and the tile shapes; interpret selects the lowering.
     static_argnames=(
-        "sm_scale", "interpret", "decode_tokens", "block_q", "pages_per_iter", "num_splits",
+        "sm_scale", "soft_cap", "interpret", "decode_tokens", "block_q", "pages_per_iter", "num_splits",
     ),
 )  # fmt: skip
 def ragged_paged_attention_gpu(
@@ -172,6 +174,8 @@ def ragged_paged_attention_gpu(
     num_seqs: jax.Array,  # i32[]
     *,
     sm_scale: float,
+    sliding_window: jax.Array | int = 0,
+    soft_cap: float | None = None,
     interpret: bool = False,
     decode_tokens: int | None = None,
     block_q: int | None = None,
@@ -184,6 +188,9 @@ def ragged_paged_attention_gpu(
       q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, num_seqs: as in
         ``jaxengine_kernels.ragged_paged_attention``.
       sm_scale: softmax scale.
+      sliding_window: i32[] the layer's window (0: full attention): each item reads from the
+        page of its first token's first visible key.
+      soft_cap: the scores' soft cap, or None.
       interpret: run the kernel in the Pallas interpreter (CPU).
       decode_tokens: requests with at most this many new tokens take the split-K decode path.
       block_q: tokens per prefill work item.
@@ -213,15 +220,17 @@ def ragged_paged_attention_gpu(
     q_k = jnp.pad(q.reshape(T, K, G, H), ((0, Tq - T), (0, 0), (0, Gp - G), (0, 0)))
     q_k = q_k.transpose(1, 0, 2, 3).reshape(K, Tq * Gp, H)
     meta = (seq_lens, query_start_loc, block_tables)
-    common = dict(sm_scale=sm_scale, pages_per_iter=sizes["pages_per_iter"], group=G,
-                  interpret=interpret)  # fmt: skip
+    common = dict(sm_scale=sm_scale, soft_cap=soft_cap, pages_per_iter=sizes["pages_per_iter"],
+                  group=G, interpret=interpret)  # fmt: skip
+    window = (jnp.reshape(sliding_window, (1,)).astype(jnp.int32),)
     n_dec = sizes["num_splits"]
-    dec = _launch(decode_items(query_start_loc, num_seqs, dq), meta, q_k, kv_cache,
+    dec = _launch(decode_items(query_start_loc, num_seqs, dq) + window, meta, q_k, kv_cache,
                   tokens=dq, num_splits=n_dec, name="decode", **common)  # fmt: skip
     out_dec = _combine_splits(*dec) if n_dec > 1 else dec[0][0]
     pre_items, pre_first = prefill_items(query_start_loc, num_seqs, dq, bq, T)
     (out_pre,) = _launch(
-        pre_items, meta, q_k, kv_cache, tokens=bq, num_splits=1, name="prefill", **common
+        pre_items + window, meta, q_k, kv_cache, tokens=bq, num_splits=1, name="prefill",
+        **common,
     )
     out = gather_rows(
         out_dec, out_pre[0], pre_first, query_start_loc, num_seqs,

@@ -3,6 +3,8 @@
 One grid step = one q-block of ``block_q`` tokens. It (1) DMAs its tokens' new K/V rows into the
 cache, (2) walks every (request, kv block) pair that the block's tokens need, double-buffering
 the page copies, with an online softmax per kv head, and (3) writes the normalized output.
+With a sliding window, a request's walk starts at the kv block holding the first key its first
+token in the q-block sees: the blocks before are not copied.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+
+from jaxengine_kernels.reference import cap_scores, first_visible
 
 # A large finite negative: masked logits stay finite, so exp(m_prev - m_new) never sees inf-inf.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -35,9 +39,11 @@ class Refs(NamedTuple):
     l: Ref  # VMEM f32[K, Bq*G, 128]
     acc: Ref  # VMEM f32[K, Bq*G, H]
     num_seqs: jax.Array  # i32[]
+    window: jax.Array  # i32[] the sliding window, 0 for full attention
     blk_start: jax.Array  # i32[] first token of the q-block
     blk_end: jax.Array  # i32[] one past its last live token
     sm_scale: float
+    soft_cap: float | None
     block_q: int  # tokens per q-block (rows = block_q * G)
     max_blocks: int  # row length of the flattened block table
 
@@ -47,6 +53,7 @@ def kernel(
     block_tables_ref: Ref,  # SMEM i32[R * max_blocks], row-major
     cu_q_ref: Ref,  # SMEM i32[R+1]
     num_seqs_ref: Ref,  # SMEM i32[1]
+    window_ref: Ref,  # SMEM i32[1]
     slots_ref: Ref,  # SMEM i32[Tp]
     first_seq_ref: Ref,  # SMEM i32[num_q_blocks]
     q_ref: Ref,  # VMEM [K, Bq*G, H]
@@ -62,6 +69,7 @@ def kernel(
     acc_ref: Ref,  # VMEM f32[K, Bq*G, H]
     *,
     sm_scale: float,
+    soft_cap: float | None,
     block_q: int,
     max_blocks: int,
 ) -> None:
@@ -78,8 +86,8 @@ def kernel(
     refs = Refs(
         seq_lens=seq_lens_ref, block_tables=block_tables_ref, cu_q=cu_q_ref, q=q_ref,
         kv=kv_ref, kv_bufs=kv_bufs, sems=sems, m=m_ref, l=l_ref, acc=acc_ref,
-        num_seqs=num_seqs, blk_start=blk_start, blk_end=blk_end, sm_scale=sm_scale,
-        block_q=block_q, max_blocks=max_blocks,
+        num_seqs=num_seqs, window=window_ref[0], blk_start=blk_start, blk_end=blk_end,
+        sm_scale=sm_scale, soft_cap=soft_cap, block_q=block_q, max_blocks=max_blocks,
     )  # fmt: skip
     _walk_requests(refs, first_seq_ref[b])
     for kh in range(o_ref.shape[0]):
@@ -124,10 +132,21 @@ def _kv_block_copies(refs: Refs, seq: jax.Array, kv_blk: jax.Array, buf: jax.Arr
     return copies
 
 
+def _first_key(refs: Refs, seq: jax.Array) -> jax.Array:
+    """The first key position the first token of request ``seq`` in this q-block sees."""
+    q_end = refs.cu_q[seq + 1]
+    first_tok = jnp.maximum(refs.cu_q[seq], refs.blk_start)
+    return first_visible(refs.seq_lens[seq] - (q_end - first_tok), refs.window)
+
+
 def _walk_requests(refs: Refs, first_seq: jax.Array) -> None:
     """Loop over (request, kv block) pairs with tokens in this q-block, prefetching the next."""
     _, C, L, _, _ = refs.kv_bufs.shape
     block_kv = C * L
+    last_seq = refs.seq_lens.shape[0] - 1
+
+    def first_kv_block(seq: jax.Array) -> jax.Array:  # any value past the live requests
+        return _first_key(refs, jnp.minimum(seq, last_seq)) // block_kv
 
     def live(seq: jax.Array) -> jax.Array:
         return (seq < refs.num_seqs) & (refs.cu_q[seq] < refs.blk_end)
@@ -143,7 +162,7 @@ def _walk_requests(refs: Refs, first_seq: jax.Array) -> None:
         seq, kv_blk, buf = state
         done_seq = kv_blk + 1 >= num_kv_blocks(seq)
         nxt_seq = jnp.where(done_seq, seq + 1, seq)
-        nxt_blk = jnp.where(done_seq, 0, kv_blk + 1)
+        nxt_blk = jnp.where(done_seq, first_kv_block(nxt_seq), kv_blk + 1)
 
         @pl.when(live(nxt_seq))
         def _prefetch() -> None:
@@ -155,12 +174,14 @@ def _walk_requests(refs: Refs, first_seq: jax.Array) -> None:
         _attend_kv_block(refs, seq, kv_blk, buf)
         return nxt_seq, nxt_blk, 1 - buf
 
+    first_blk = first_kv_block(first_seq)
+
     @pl.when(live(first_seq))
     def _first_fetch() -> None:
-        for c in _kv_block_copies(refs, first_seq, 0, 0):
+        for c in _kv_block_copies(refs, first_seq, first_blk, 0):
             c.start()
 
-    lax.while_loop(lambda s: live(s[0]), step, (first_seq, jnp.int32(0), jnp.int32(0)))
+    lax.while_loop(lambda s: live(s[0]), step, (first_seq, first_blk, jnp.int32(0)))
 
 
 def _attend_kv_block(refs: Refs, seq: jax.Array, kv_blk: jax.Array, buf: jax.Array) -> None:
@@ -174,12 +195,17 @@ def _attend_kv_block(refs: Refs, seq: jax.Array, kv_blk: jax.Array, buf: jax.Arr
     tok = refs.blk_start + lax.broadcasted_iota(jnp.int32, (rows, 1), 0) // group
     col = kv_blk * cols + lax.broadcasted_iota(jnp.int32, (1, cols), 1)
     row_in = (tok >= q_start) & (tok < q_end)  # [rows, 1]
-    visible = row_in & (col <= kv_len - (q_end - tok))  # [rows, cols]; implies seen
+    row_pos = kv_len - (q_end - tok)  # [rows, 1]
+    # [rows, cols]; implies seen
+    visible = row_in & (col <= row_pos) & (col >= first_visible(row_pos, refs.window))
     # Columns some row of this block may see: up to the position of the request's last token
     # in the block. Not `col < kv_len`: the slots of the request's tokens in later q-blocks are
     # not written yet and hold whatever the page held before (NaN, Inf).
     seen_end = kv_len - (q_end - jnp.minimum(q_end, refs.blk_end))
-    seen = (kv_blk * cols + lax.broadcasted_iota(jnp.int32, (cols, 1), 0)) < seen_end
+    # Nor the slots before the first key the request's first token here sees: their pages may
+    # have slid out of the window and hold another request's data.
+    seen_col = kv_blk * cols + lax.broadcasted_iota(jnp.int32, (cols, 1), 0)
+    seen = (seen_col < seen_end) & (seen_col >= _first_key(refs, seq))
     for kh in range(K):
         k = refs.kv_bufs[buf, :, :, 2 * kh, :].reshape(cols, H)
         v = refs.kv_bufs[buf, :, :, 2 * kh + 1, :].reshape(cols, H)
@@ -199,7 +225,7 @@ def _online_softmax_update(
     """Fold one kv block into kv head ``kh``'s running max, denominator and accumulator."""
     q = refs.q[kh]  # [rows, H]
     s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    s = jnp.where(visible, s * refs.sm_scale, MASK_VALUE)
+    s = jnp.where(visible, cap_scores(s * refs.sm_scale, refs.soft_cap), MASK_VALUE)
     m_prev = refs.m[kh][:, :1]  # [rows, 1]
     l_prev = refs.l[kh][:, :1]
     m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))

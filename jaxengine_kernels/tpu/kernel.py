@@ -7,8 +7,9 @@ Layout assumptions (see ``jaxengine_kernels.reference`` for the semantics):
   waste q-blocks: the kernel walks, inside the step, every request that has tokens in the block.
 - Queries are regrouped by the wrapper into ``[K, T*G, H]`` (row ``t*G + g`` is token t, query
   head ``k*G + g``), so a kv head's queries are one 2-D tile and no ref is reshaped in the kernel.
-- ``block_tables``, ``seq_lens``, ``query_start_loc``, ``num_seqs``, ``slot_mapping`` and the
-  first request of each q-block are scalar-prefetched into SMEM (``PrefetchScalarGridSpec``).
+- ``block_tables``, ``seq_lens``, ``query_start_loc``, ``num_seqs``, the sliding window,
+  ``slot_mapping`` and the first request of each q-block are scalar-prefetched into SMEM
+  (``PrefetchScalarGridSpec``).
 - The cache stays in HBM (``memory_space=pl.ANY``); each request's pages are copied to VMEM
   ``pages_per_block`` at a time with ``make_async_copy`` into a double buffer: the copy of the
   next (request, kv block) pair starts before the current one is used, across request
@@ -118,6 +119,7 @@ def _pallas_call(
     pages_per_block: int,
     max_blocks: int,
     sm_scale: float,
+    soft_cap: float | None,
     interpret: bool,
     vmem_limit_bytes: int | None,
 ) -> Callable[..., list[jax.Array]]:
@@ -127,7 +129,8 @@ def _pallas_call(
     bq, C, rows = block_q, pages_per_block, block_q * group
     q_spec = pl.BlockSpec((K, rows, H), lambda b, *_: (0, b, 0))
     return pl.pallas_call(
-        functools.partial(body.kernel, sm_scale=sm_scale, block_q=bq, max_blocks=max_blocks),
+        functools.partial(body.kernel, sm_scale=sm_scale, soft_cap=soft_cap, block_q=bq,
+                          max_blocks=max_blocks),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=num_scalars,
             grid=(rows_total // rows,),
@@ -165,7 +168,9 @@ def _pallas_call(
 @functools.partial(
     jax.jit,
     # Block sizes shape the grid and the scratch buffers; interpret selects the lowering.
-    static_argnames=("sm_scale", "interpret", "block_q", "pages_per_block", "vmem_limit_bytes"),
+    static_argnames=(
+        "sm_scale", "soft_cap", "interpret", "block_q", "pages_per_block", "vmem_limit_bytes"
+    ),
 )
 def ragged_paged_attention_tpu(
     q: jax.Array,  # [T, N, H]
@@ -179,6 +184,8 @@ def ragged_paged_attention_tpu(
     num_seqs: jax.Array,  # i32[]
     *,
     sm_scale: float,
+    sliding_window: jax.Array | int = 0,
+    soft_cap: float | None = None,
     interpret: bool = False,
     block_q: int | None = None,
     pages_per_block: int | None = None,
@@ -190,6 +197,9 @@ def ragged_paged_attention_tpu(
       q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, num_seqs: as in
         ``jaxengine_kernels.ragged_paged_attention``.
       sm_scale: softmax scale.
+      sliding_window: i32[] the layer's window (0: full attention), scalar-prefetched: each
+        request's walk starts at the kv block of its first visible key.
+      soft_cap: the scores' soft cap, or None.
       interpret: run in the TPU interpreter (``pltpu.InterpretParams()``), e.g. on CPU.
       block_q: tokens per q-block (grid step).
       pages_per_block: pages per DMA'd kv block.
@@ -223,12 +233,14 @@ def ragged_paged_attention_tpu(
         block_tables.astype(jnp.int32).reshape(-1),  # 1-D: 2-D SMEM arrays pad each row
         query_start_loc.astype(jnp.int32),
         num_seqs_1,
+        jnp.reshape(sliding_window, (1,)).astype(jnp.int32),
         jnp.pad(slot_mapping.astype(jnp.int32), (0, Tp - T)),
         _first_request_of_blocks(query_start_loc, num_seqs, nb, bq),
     )
     kernel = _pallas_call(
         q_k, kv_cache, num_scalars=len(scalars), block_q=bq, group=G, pages_per_block=C,
-        max_blocks=block_tables.shape[1], sm_scale=sm_scale, interpret=interpret,
+        max_blocks=block_tables.shape[1], sm_scale=sm_scale, soft_cap=soft_cap,
+        interpret=interpret,
         vmem_limit_bytes=vmem_limit_bytes,
     )  # fmt: skip
     out_k, kv_cache = kernel(*scalars, q_k, kv_new, kv_cache)

@@ -67,6 +67,7 @@ def make_case(
     max_blocks: int | None = None,
     seed: int = 0,
     garbage: float | None = np.nan,
+    sliding_window: int = 0,
 ) -> Case:
     """A batch of requests given as ``(q_len, context_len_after_step)`` pairs.
 
@@ -75,6 +76,9 @@ def make_case(
     ``extra_pages`` and ``max_blocks`` (default: one more than the longest request needs) pad
     the shapes, e.g. to keep them fixed across cases. ``garbage`` fills every slot without
     cached context (``None`` leaves the random values there: the same case with a clean cache).
+    With ``sliding_window`` W > 0 the context no query of the step sees (before each request's
+    first query's window) counts as not cached: garbage too, as pages freed when they slid out
+    of the window hold another request's data.
     """
     rng = np.random.default_rng(seed)
     N, K, H, L = num_heads, num_kv_heads, head_dim, page_size
@@ -104,7 +108,8 @@ def make_case(
     kv = rng.standard_normal((P, L, 2 * K, H)).astype(np.float32)
     cached = np.zeros((P, L), bool)  # slots holding context from earlier steps
     for r, (q_len, s) in enumerate(reqs):
-        pos = np.arange(s - q_len)
+        first = max(s - q_len - sliding_window + 1, 0) if sliding_window else 0
+        pos = np.arange(first, s - q_len)
         cached[block_tables[r, pos // L], pos % L] = True
     if garbage is not None:
         kv[~cached] = garbage
@@ -127,8 +132,13 @@ def make_case(
     )
 
 
-def numpy_oracle(case: Case, dtype: np.dtype = np.float32) -> tuple[np.ndarray, np.ndarray]:
-    """Per request, per token, the textbook formula (float64 math on ``dtype``-rounded inputs).
+def numpy_oracle(
+    case: Case, dtype: np.dtype = np.float32, *, sliding_window: int = 0,
+    soft_cap: float | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per request, per token, the textbook formula (float64 math on ``dtype``-rounded inputs):
+    the keys ``p - sliding_window < k <= p`` (all ``k <= p`` for 0), scores ``q.k * sm_scale``
+    capped to ``soft_cap * tanh(s / soft_cap)`` when given, a dense softmax.
 
     Returns:
       ``(out [T_live, N, H], kv_cache [P, L, 2*K, H])``; the cache is the one the kernel must
@@ -156,9 +166,12 @@ def numpy_oracle(case: Case, dtype: np.dtype = np.float32) -> tuple[np.ndarray, 
         ctx = flat[bt[r, pos // L] * L + pos % L]  # [S, 2K, H]
         for t in range(qsl[r], qsl[r + 1]):
             p = s - (qsl[r + 1] - t)
+            lo = max(p - sliding_window + 1, 0) if sliding_window else 0
             for n in range(N):
-                keys, vals = ctx[: p + 1, 2 * (n // G)], ctx[: p + 1, 2 * (n // G) + 1]
+                keys, vals = ctx[lo : p + 1, 2 * (n // G)], ctx[lo : p + 1, 2 * (n // G) + 1]
                 logits = keys @ q[t, n] * case.sm_scale
+                if soft_cap is not None:
+                    logits = soft_cap * np.tanh(logits / soft_cap)
                 w = np.exp(logits - logits.max())
                 out[t, n] = (w / w.sum()) @ vals
     return out.astype(np.float32), flat.reshape(P, L, K2, H).astype(np.float32)

@@ -42,8 +42,8 @@ def isa_library() -> Callable[[str], ctypes.CDLL]:
 def isa_attention(isa_library: Callable[[str], ctypes.CDLL]) -> Callable[[str], Callable]:
     """`attention(name)`: the float32 attention kernel of `name`'s build ("native": the library
     the process loaded) as `f(q, cache, tables, seq_lens, query_start_loc, num_seqs, *,
-    sm_scale, block_q, pages_per_split, batch_invariant=False) -> out [T, N, H]`, the new K/V
-    already in the cache.
+    sm_scale, block_q, pages_per_split, batch_invariant=False, sliding_window=0, soft_cap=0.0)
+    -> out [T, N, H]`, the new K/V already in the cache.
     Each build's custom-call target is registered once, under a name of its own."""
     targets: dict[str, str] = {}
 
@@ -59,10 +59,12 @@ def isa_attention(isa_library: Callable[[str], ctypes.CDLL]) -> Callable[[str], 
                     platform="cpu")
 
         def call(q, cache, *metadata, sm_scale: float, block_q: int, pages_per_split: int,
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, sliding_window: int = 0, soft_cap: float = 0.0):
             return jax.ffi.ffi_call(targets[name], jax.ShapeDtypeStruct(q.shape, jnp.float32))(
-                q, cache, *metadata, sm_scale=np.float32(sm_scale), block_q=np.int64(block_q),
-                pages_per_split=np.int64(pages_per_split), batch_invariant=batch_invariant)
+                q, cache, *metadata, jnp.asarray(sliding_window, jnp.int32),
+                sm_scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap),
+                block_q=np.int64(block_q), pages_per_split=np.int64(pages_per_split),
+                batch_invariant=batch_invariant)
 
         return call
 

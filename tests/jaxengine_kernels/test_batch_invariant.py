@@ -5,7 +5,9 @@ row's place among the row blocks, chunked units and runs. The attention kernel w
 batch_invariant gives a token the same output whatever chunk its request's tokens came in (a
 decode, the whole prompt, the tail after a cached prefix, a budget's cut, block_q) and
 whatever requests share the step; without it a decode-sized chunk sums its dots in another
-order (tests/jaxengine/engine/test_batch_invariant.py runs the engine on both).
+order (tests/jaxengine/engine/test_batch_invariant.py runs the engine on both). With a
+sliding window (and soft-capping) too: a chunk's first key moves with its first token, the
+kernel's key tiles do not.
 """
 
 from __future__ import annotations
@@ -51,7 +53,8 @@ REQUESTS = 5
 
 
 def _attend(chunks: list[tuple[int, int, int]], *, batch_invariant: bool, block_q: int = 32,
-            num_tokens: int = 1024) -> list[np.ndarray]:
+            num_tokens: int = 1024, sliding_window: int = 0,
+            soft_cap: float | None = None) -> list[np.ndarray]:
     """Outputs of request r's tokens [start, stop) for each chunk (r, start, stop), all in one
     step. Every request's context is cached already (its keys are written to block 0 here):
     request r < REQUESTS holds its own pages of one random cache, and its own queries."""
@@ -72,24 +75,26 @@ def _attend(chunks: list[tuple[int, int, int]], *, batch_invariant: bool, block_
         jnp.asarray(q), new_kv, new_kv, cache, jnp.zeros(num_tokens, jnp.int32),
         jnp.asarray(tables), jnp.asarray(seq_lens), jnp.asarray(qsl),
         jnp.asarray(len(chunks), jnp.int32), sm_scale=H**-0.5, block_q=block_q,
-        batch_invariant=batch_invariant)
+        batch_invariant=batch_invariant, sliding_window=sliding_window, soft_cap=soft_cap)
     out = np.asarray(out)
     return [out[a:b] for a, b in zip(starts, starts[1:], strict=False)]
 
 
+@pytest.mark.parametrize(("window", "soft_cap"), [(0, None), (100, None), (77, 0.5)])
 @pytest.mark.parametrize(("start", "stop"), [
     (699, 700), (698, 700), (695, 700), (692, 700), (660, 700),  # tails after a cached prefix
     (0, 700), (37, 41), (100, 164), (3, 4), (64, 65),  # chunks a token budget cuts, decodes
 ])
-def test_an_invariant_token_has_the_same_bits_in_any_chunk(start: int, stop: int) -> None:
-    [whole] = _attend([(0, 0, CONTEXT)], batch_invariant=True)
+def test_an_invariant_token_has_the_same_bits_in_any_chunk(start: int, stop: int, window: int,
+                                                           soft_cap: float | None) -> None:
+    mode = dict(batch_invariant=True, sliding_window=window, soft_cap=soft_cap)
+    [whole] = _attend([(0, 0, CONTEXT)], **mode)
     # Among other requests (prefill chunks, decodes, one over a long context), in another
     # token bucket and at another row.
     mates = [(1, 0, 300), (2, 41, 42), (3, 600, 700), (4, 699, 700)]
-    outs = _attend(mates[:2] + [(0, start, stop)] + mates[2:], batch_invariant=True,
-                   num_tokens=2048)
+    outs = _attend(mates[:2] + [(0, start, stop)] + mates[2:], num_tokens=2048, **mode)
     np.testing.assert_array_equal(outs[2], whole[start:stop])
-    [small_blocks] = _attend([(0, start, stop)], batch_invariant=True, block_q=7)
+    [small_blocks] = _attend([(0, start, stop)], block_q=7, **mode)
     np.testing.assert_array_equal(small_blocks, whole[start:stop])
 
 

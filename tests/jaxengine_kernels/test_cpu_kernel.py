@@ -193,19 +193,22 @@ def test_other_dtypes_are_refused_by_name():
         ragged_paged_attention_cpu(q, k, v, cache.astype(jnp.bfloat16), *rest, sm_scale=1.0)
 
 
+@pytest.mark.parametrize(("window", "soft_cap"), [(0, None), (37, 0.5)])
 @pytest.mark.parametrize("isa", native.X86_ISAS)
-def test_every_isa_build_matches_the_oracle(isa, isa_attention):
+def test_every_isa_build_matches_the_oracle(isa, isa_attention, window, soft_cap):
     """The kernel built for AVX-512 (16-float vectors), AVX2 (8, register blocks of 4 keys x
     3 vectors and 3 P.V rows) and baseline SSE2 (4): the blocking changes with the ISA, the
-    results must not. Each runs where the CPU can execute it; the others are skipped, naming
-    the missing CPU flags."""
+    results must not, with a sliding window and soft-capping too (NaN before every window).
+    Each runs where the CPU can execute it; the others are skipped, naming the missing CPU
+    flags."""
     case = make_case([(1, 300), (70, 70), (9, 140), (3, 16)], num_heads=6, num_kv_heads=2,
-                     head_dim=80, page_size=16, seed=11)
+                     head_dim=80, page_size=16, seed=11, sliding_window=window)
     q, k, v, cache, slots, tables, seq_lens, qsl, num_seqs = case.args(jnp.float32)
     cache = write_kv(cache, k, v, slots)
     out = isa_attention(isa)(q, cache, tables, seq_lens, qsl, num_seqs, sm_scale=case.sm_scale,
-                             block_q=32, pages_per_split=4)
-    want, _ = numpy_oracle(case)
+                             block_q=32, pages_per_split=4, sliding_window=window,
+                             soft_cap=soft_cap or 0.0)
+    want, _ = numpy_oracle(case, sliding_window=window, soft_cap=soft_cap)
     np.testing.assert_allclose(np.asarray(out)[: case.num_tokens], want, atol=2e-5, rtol=2e-5)
 
 
