@@ -14,10 +14,9 @@ Two implementations:
 
 - ``"xla"``: ``jax.lax.ragged_dot``, which TPU and GPU lower to a grouped kernel.
 - ``"tiles"``: for CPU, where XLA expands ``ragged_dot`` to about the cost of every group on
-  every row (docs/BENCHMARKS.md §11). A loop whose trip count is traced runs one B-row tile of
-  one group at a time, tiles existing only where a group has rows (a group's last tile masked),
-  so the work is that of the rows present rounded up to B per group, and a group without rows
-  never reads its weights.
+  every row (docs/BENCHMARKS.md §11). Loops whose trip counts are traced run the groups that
+  have rows, and in each one B-row tile at a time (the last one masked), so the work is that of
+  the rows present rounded up to B per group, and a group without rows never reads its weights.
 """
 
 from __future__ import annotations
@@ -83,44 +82,38 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
     return _tiles(x, w, group_sizes, out_dtype)
 
 
-def _tile_plan(group_sizes: jax.Array, tile: int, max_tiles: int
-               ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """The tiles that cover the groups' rows, in row order.
-
-    Returns:
-        (num_tiles i32[], group i32[max_tiles], first row i32[max_tiles], rows i32[max_tiles]):
-        tile t < num_tiles multiplies rows first[t] .. first[t] + rows[t] - 1 (rows <= tile)
-        by w[group[t]]; entries from num_tiles on are unused.
-    """
-    tiles = -(-group_sizes // tile)  # i32[E] tiles of each group
-    tile_end = jnp.cumsum(tiles)  # i32[E] exclusive end of each group's tiles
-    row_start = jnp.cumsum(group_sizes) - group_sizes  # i32[E] first row of each group
-    t = jnp.arange(max_tiles, dtype=jnp.int32)
-    group = jnp.minimum(jnp.searchsorted(tile_end, t, side="right"), group_sizes.shape[0] - 1)
-    j = t - (tile_end[group] - tiles[group])  # the tile's index inside its group
-    first = row_start[group] + j * tile
-    rows = jnp.clip(group_sizes[group] - j * tile, 0, tile)
-    return tile_end[-1], group.astype(jnp.int32), first.astype(jnp.int32), rows.astype(jnp.int32)
-
-
 def _tiles(x: jax.Array, w: jax.Array, group_sizes: jax.Array, out_dtype: jnp.dtype
            ) -> jax.Array:
-    """The "tiles" implementation (module docstring): one masked B-row tile per iteration."""
+    """The "tiles" implementation (module docstring): a loop over the groups that have rows,
+    and inside it one masked B-row tile per iteration.
+
+    The group's matrix is sliced out of `w` once per group: XLA's CPU dot reads a dynamic
+    slice only after copying it, so a copy per tile would double the weight traffic.
+    """
     M, E, F = x.shape[0], w.shape[0], w.shape[2]
     B = tile_rows(M, E)
-    # Each group adds at most one partial tile: M // B + E tiles cover any sizes summing to M.
-    num_tiles, group, first, rows = _tile_plan(group_sizes, B, M // B + E)
+    starts = jnp.cumsum(group_sizes) - group_sizes  # i32[E] first row of each group
+    num_active = jnp.sum(group_sizes > 0)
+    active = jnp.nonzero(group_sizes > 0, size=E, fill_value=0)[0]  # i32[E] first num_active
     # B rows of padding after the last: a tile's slice never runs off the end, which would
-    # make dynamic_slice shift its start back onto rows of another tile.
+    # make dynamic_slice shift its start back onto rows of another group.
     xp = jnp.pad(x, ((0, B), (0, 0)))  # [M + B, D]
     row_in_tile = jnp.arange(B)[:, None]  # [B, 1]
 
-    def body(t: jax.Array, out: jax.Array) -> jax.Array:  # out f32[M + B, F]
-        xt = jax.lax.dynamic_slice_in_dim(xp, first[t], B)  # [B, D]
-        y = jnp.dot(xt, w[group[t]], preferred_element_type=jnp.float32)  # f32[B, F]
-        old = jax.lax.dynamic_slice_in_dim(out, first[t], B)
-        return jax.lax.dynamic_update_slice_in_dim(
-            out, jnp.where(row_in_tile < rows[t], y, old), first[t], axis=0)
+    def group(i: jax.Array, out: jax.Array) -> jax.Array:  # out f32[M + B, F]
+        g = active[i]
+        wg, size, start = w[g], group_sizes[g], starts[g]  # wg [D, F]
 
-    out = jax.lax.fori_loop(0, num_tiles, body, jnp.zeros((M + B, F), jnp.float32))
+        def tile(j: jax.Array, out: jax.Array) -> jax.Array:
+            first = start + j * B
+            xt = jax.lax.dynamic_slice_in_dim(xp, first, B)  # [B, D]
+            y = jnp.dot(xt, wg, preferred_element_type=jnp.float32)  # f32[B, F]
+            old = jax.lax.dynamic_slice_in_dim(out, first, B)
+            mine = row_in_tile < size - j * B  # the group's last tile is partial
+            return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(mine, y, old), first,
+                                                       axis=0)
+
+        return jax.lax.fori_loop(0, -(-size // B), tile, out)
+
+    out = jax.lax.fori_loop(0, num_active, group, jnp.zeros((M + B, F), jnp.float32))
     return out[:M].astype(out_dtype)
