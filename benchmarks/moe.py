@@ -1,7 +1,7 @@
 """The sparse MoE layer against every expert on every token (docs/BENCHMARKS.md §11).
 
     PYTHONPATH=. python benchmarks/moe.py [--tokens 1,4,16,64,512,2048] [--experts 8] [--top-k 2]
-        [--hidden 512] [--width 1024] [--repeats 7] [--impl tiles|xla]
+        [--hidden 512] [--width 1024] [--repeats 7] [--impl native|tiles|xla]
 
 A random `SparseMoE` (float32, one device) is timed at decode-shaped (1 to 64 tokens) and
 prefill-shaped (512, 2048 tokens) batches against the same weights run densely: every token
@@ -118,7 +118,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--impl", choices=("tiles", "xla"), default=default_grouped_impl())
+    parser.add_argument("--impl", choices=("native", "tiles", "xla"),
+                        default=default_grouped_impl())
     args = parser.parse_args()
     tokens = [int(t) for t in args.tokens.split(",")]
     moe = SparseMoE(args.hidden, args.width, args.experts, args.top_k, norm_topk_prob=True,

@@ -10,13 +10,16 @@ Layout: x [M, D] rows sorted by group; w [E, D, F]; group_sizes i32[E] (traced: 
 compilation); out [M, F]. Products accumulate in float32; the result is in
 ``preferred_element_type`` (default x's dtype).
 
-Two implementations:
+Three implementations:
 
 - ``"xla"``: ``jax.lax.ragged_dot``, which TPU and GPU lower to a grouped kernel.
+- ``"native"``: for CPU in float32, a C++ kernel over XLA FFI (``cpu/grouped_matmul.cc``)
+  that reads each chosen group's matrix in place and no other.
 - ``"tiles"``: for CPU, where XLA expands ``ragged_dot`` to about the cost of every group on
   every row (docs/BENCHMARKS.md §11). Loops whose trip counts are traced run the groups that
   have rows, and in each one B-row tile at a time (the last one masked), so the work is that of
-  the rows present rounded up to B per group, and a group without rows never reads its weights.
+  the rows present rounded up to B per group, and a group without rows never reads its weights;
+  for CPU where the native kernel is not built, and in other dtypes than float32.
 """
 
 from __future__ import annotations
@@ -26,19 +29,28 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 
-GroupedImpl = Literal["xla", "tiles"]
-GROUPED_IMPLS: tuple[str, ...] = ("xla", "tiles")
+from jaxengine_kernels import cpu
+from jaxengine_kernels.cpu import native
+
+GroupedImpl = Literal["xla", "native", "tiles"]
+GROUPED_IMPLS: tuple[str, ...] = ("xla", "native", "tiles")
 MAX_TILE = 64  # rows per tile once groups are large: the CPU's dot runs near its peak at 64
 
 
-def default_grouped_impl(platform: str | None = None) -> GroupedImpl:
-    """The implementation for a jax platform: ``"tiles"`` on cpu, ``"xla"`` elsewhere.
+def default_grouped_impl(platform: str | None = None, dtype: jnp.dtype = jnp.float32
+                         ) -> GroupedImpl:
+    """The implementation for a jax platform and the operands' dtype: ``"xla"`` on tpu and
+    gpu; on cpu ``"native"`` for float32 where the native library builds, else ``"tiles"``.
 
     Args:
         platform: a ``jax.default_backend()`` name; default: ``jax.default_backend()``.
+        dtype: the dtype of x and w.
     """
     platform = jax.default_backend() if platform is None else platform
-    return "tiles" if platform == "cpu" else "xla"
+    if platform != "cpu":
+        return "xla"
+    native_ok = jnp.dtype(dtype) == jnp.float32 and cpu.available() is None
+    return "native" if native_ok else "tiles"
 
 
 def tile_rows(num_rows: int, num_groups: int) -> int:
@@ -58,14 +70,17 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
         w: [E, D, F] one matrix per group.
         group_sizes: i32[E] rows of each group; their sum may be less than M (the rows after
             it come out zero), never more.
-        impl: ``"xla"`` or ``"tiles"``; default: `default_grouped_impl()`.
+        impl: ``"xla"``, ``"native"`` (float32 only) or ``"tiles"``; default:
+            `default_grouped_impl()` for x's dtype.
         preferred_element_type: the result's dtype; default x's.
     Returns:
         [M, F], products accumulated in float32.
     Raises:
-        ValueError: an unknown `impl`, or shapes that do not match.
+        ValueError: an unknown `impl`, shapes that do not match, or ``"native"`` with other
+            operands than float32.
+        NativeBuildError: ``"native"`` where the native library cannot be built.
     """
-    impl = default_grouped_impl() if impl is None else impl
+    impl = default_grouped_impl(dtype=x.dtype) if impl is None else impl
     if impl not in GROUPED_IMPLS:
         raise ValueError(f"grouped matmul impl={impl!r} is unknown; use one of {GROUPED_IMPLS}")
     if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[1]:
@@ -79,7 +94,19 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
     if impl == "xla":
         out = jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32)
         return out.astype(out_dtype)
+    if impl == "native":
+        return _native(x, w, group_sizes).astype(out_dtype)
     return _tiles(x, w, group_sizes, out_dtype)
+
+
+def _native(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """The "native" implementation: f32[M, F] from the C++ kernel."""
+    if x.dtype != jnp.float32 or w.dtype != jnp.float32:
+        raise ValueError(f"grouped matmul impl='native' takes float32, got x {x.dtype} and "
+                         f"w {w.dtype}; use impl='tiles'")
+    call = jax.ffi.ffi_call(native.grouped_target(),
+                            jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), jnp.float32))
+    return call(x, w, group_sizes)
 
 
 def _tiles(x: jax.Array, w: jax.Array, group_sizes: jax.Array, out_dtype: jnp.dtype

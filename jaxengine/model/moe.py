@@ -148,7 +148,7 @@ class SparseMoE(nnx.Module):
         experts, weights = self.route(x)
         if live is not None:  # expert E sorts after every real one and is in no group
             experts = jnp.where(jnp.arange(T)[:, None] < live, experts, self.num_experts)
-        impl = self.grouped_impl or default_grouped_impl()
+        impl = self.grouped_impl or default_grouped_impl(dtype=x.dtype)
         w = self.experts
         routed = jax.shard_map(
             functools.partial(_local_experts, expert_parallel=self.expert_parallel, impl=impl),

@@ -1,5 +1,6 @@
-"""The grouped matmul against a numpy reference: both implementations, float32 and bfloat16,
-group sizes with empty groups, all rows in one group, and rows left in no group."""
+"""The grouped matmul against a numpy reference: every implementation in float32 and (but the
+native kernel) bfloat16, group sizes with empty groups, all rows in one group, and rows left in
+no group."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxengine_kernels import default_grouped_impl, grouped_matmul
+from jaxengine_kernels import cpu, default_grouped_impl, grouped_matmul
+from jaxengine_kernels.cpu import native
 from jaxengine_kernels.grouped_matmul import tile_rows
 
-IMPLS = ("xla", "tiles")
+IMPLS = ("xla", "native", "tiles")
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
 
 
@@ -26,7 +28,7 @@ def reference(x: np.ndarray, w: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     return out
 
 
-def case(rows: int, sizes: list[int], *, D: int = 24, F: int = 40, seed: int = 0
+def case(rows: int, sizes: list[int], *, D: int = 24, F: int = 88, seed: int = 0
          ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((rows, D)).astype(np.float32)
@@ -52,8 +54,9 @@ SIZES = {
 }
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize(("impl", "dtype"), [
+    ("xla", jnp.float32), ("xla", jnp.bfloat16), ("native", jnp.float32),
+    ("tiles", jnp.float32), ("tiles", jnp.bfloat16)], ids=lambda v: getattr(v, "__name__", v))
 @pytest.mark.parametrize("name", list(SIZES))
 def test_matches_the_reference(impl: str, dtype: jnp.dtype, name: str) -> None:
     rows, sizes = SIZES[name]
@@ -72,9 +75,16 @@ def test_matches_the_reference(impl: str, dtype: jnp.dtype, name: str) -> None:
 @pytest.mark.parametrize("impl", IMPLS)
 def test_preferred_element_type_sets_the_result_dtype(impl: str) -> None:
     x, w, sizes = case(20, [5, 15])
-    out = grouped_matmul(jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16),
-                         jnp.asarray(sizes), impl=impl, preferred_element_type=jnp.float32)
-    assert out.dtype == jnp.float32
+    out = grouped_matmul(jnp.asarray(x), jnp.asarray(w), jnp.asarray(sizes), impl=impl,
+                         preferred_element_type=jnp.bfloat16)
+    assert out.dtype == jnp.bfloat16
+
+
+def test_a_narrow_strip_of_columns_matches_the_reference() -> None:
+    """The native kernel's columns past the last full strip (N = 40: no full strip)."""
+    x, w, sizes = case(30, [7, 0, 23], F=40)
+    out = grouped_matmul(jnp.asarray(x), jnp.asarray(w), jnp.asarray(sizes), impl="native")
+    np.testing.assert_allclose(np.asarray(out), reference(x, w, sizes), atol=1e-4, rtol=1e-5)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -100,7 +110,9 @@ def test_tiles_grow_with_the_mean_group_size() -> None:
 
 
 def test_default_impl_per_platform() -> None:
-    assert default_grouped_impl("cpu") == "tiles"
+    assert cpu.available() is None  # the native library builds here
+    assert default_grouped_impl("cpu") == "native"
+    assert default_grouped_impl("cpu", jnp.bfloat16) == "tiles"  # native is float32 only
     assert default_grouped_impl("tpu") == "xla"
     assert default_grouped_impl("gpu") == "xla"
 
@@ -111,6 +123,27 @@ def test_bad_arguments_are_named() -> None:
         grouped_matmul(x, w, jnp.asarray(sizes), impl="dense")
     with pytest.raises(ValueError, match=r"group_sizes has shape \(3,\); w has 2 groups"):
         grouped_matmul(x, w, jnp.asarray([4, 4, 0]), impl="tiles")
+    with pytest.raises(ValueError, match=r"impl='native' takes float32, got x bfloat16"):
+        grouped_matmul(jnp.asarray(x, jnp.bfloat16), jnp.asarray(w, jnp.bfloat16),
+                       jnp.asarray(sizes), impl="native")
     with pytest.raises(ValueError, match=r"x \[M, D\] and w \[E, D, F\]"):
         grouped_matmul(x[:, :5], w, jnp.asarray(sizes), impl="tiles")
 
+
+
+@pytest.mark.parametrize("isa", native.X86_ISAS)
+def test_every_isa_build_of_the_native_kernel_matches_the_reference(isa, isa_library):
+    """Built for AVX-512 (strips of 64 columns, 6-row blocks), AVX2 (32, 2-row blocks) and
+    baseline SSE2 (16, 2-row blocks): the blocking changes with the ISA, the products must not.
+    Each runs where the CPU can execute it; the others are skipped, naming the missing CPU
+    flags."""
+    target = f"jaxengine_test_grouped_matmul_f32_{isa}"
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(isa_library(isa).GroupedMatmulF32),
+                                platform="cpu")
+    for name in ("random_with_empty", "rows_in_no_group", "tile_multiples"):
+        rows, sizes = SIZES[name]
+        x, w, sizes = case(rows, sizes, F=100)
+        out = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows, 100), jnp.float32))(
+            jnp.asarray(x), jnp.asarray(w), jnp.asarray(sizes))
+        np.testing.assert_allclose(np.asarray(out), reference(x, w, sizes), atol=1e-4,
+                                   rtol=1e-5)

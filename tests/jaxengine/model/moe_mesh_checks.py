@@ -24,11 +24,11 @@ E, D, F, SHARED = 8, 32, 48, 40  # E, F and the shared width split over 8 device
 TOL = 1e-5  # float32: only the all-reduce's summation order differs
 
 
-def build(tp: int, *, expert_parallel: bool, shared: bool = True) -> SparseMoE:
+def build(tp: int, *, expert_parallel: bool, grouped_impl: str | None = None) -> SparseMoE:
     """The same weights (one seed, drawn whole, then placed) laid out over `tp` devices."""
     return SparseMoE(D, F, E, 2, norm_topk_prob=True, expert_parallel=expert_parallel,
-                     shared_intermediate_size=SHARED if shared else None,
-                     mesh=make_mesh(jax.devices()[:tp]), dtype=jnp.float32, rngs=nnx.Rngs(0))
+                     shared_intermediate_size=SHARED, mesh=make_mesh(jax.devices()[:tp]),
+                     dtype=jnp.float32, rngs=nnx.Rngs(0), grouped_impl=grouped_impl)
 
 
 def jitted(moe: SparseMoE):
@@ -56,11 +56,12 @@ def tp1(inputs) -> list[np.ndarray]:
     return [np.asarray(call(jnp.asarray(x), jnp.int32(live))) for x, live in inputs]
 
 
+@pytest.mark.parametrize("grouped_impl", ["native", "tiles"])
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp", "ep"])
 @pytest.mark.parametrize("tp", [2, 4, 8])
-def test_gives_tp1s_output_and_compiles_once(tp: int, expert_parallel: bool, inputs, tp1
-                                             ) -> None:
-    call = jitted(build(tp, expert_parallel=expert_parallel))
+def test_gives_tp1s_output_and_compiles_once(tp: int, expert_parallel: bool, grouped_impl: str,
+                                             inputs, tp1) -> None:
+    call = jitted(build(tp, expert_parallel=expert_parallel, grouped_impl=grouped_impl))
     for (x, live), want in zip(inputs, tp1, strict=True):
         out = call(jnp.asarray(x), jnp.int32(live))
         np.testing.assert_allclose(np.asarray(out), want, atol=TOL, rtol=TOL)

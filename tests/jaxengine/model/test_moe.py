@@ -27,7 +27,7 @@ FAMILIES = {
 }
 
 
-def build(family: str, *, grouped_impl: str = "tiles", seed: int = 0) -> SparseMoE:
+def build(family: str, *, grouped_impl: str | None = None, seed: int = 0) -> SparseMoE:
     return SparseMoE(D, **FAMILIES[family], mesh=make_mesh(jax.devices()[:1]),
                      dtype=jnp.float32, rngs=nnx.Rngs(seed), grouped_impl=grouped_impl)
 
@@ -67,7 +67,7 @@ def tokens(T: int, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal((T, D)).astype(np.float32)
 
 
-@pytest.mark.parametrize("grouped_impl", ["tiles", "xla"])
+@pytest.mark.parametrize("grouped_impl", ["native", "tiles", "xla"])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_matches_the_family_routing_in_numpy(family: str, grouped_impl: str) -> None:
     moe = build(family, grouped_impl=grouped_impl)
@@ -86,11 +86,12 @@ def test_router_weights_follow_norm_topk_prob() -> None:
     assert (np.asarray(weights.sum(-1)) < 1.0).all()  # 4 of 6 experts, not renormalised
 
 
+@pytest.mark.parametrize("grouped_impl", ["native", "tiles", "xla"])
 @pytest.mark.parametrize("family", ["mixtral", "qwen2_moe"])
-def test_padding_rows_go_to_no_expert(family: str) -> None:
+def test_padding_rows_go_to_no_expert(family: str, grouped_impl: str) -> None:
     """Rows past `live` give the live rows' values unchanged, and no routed-expert output: zero
     (Mixtral), or the shared expert's alone (Qwen2-MoE)."""
-    moe = build(family)
+    moe = build(family, grouped_impl=grouped_impl)
     x = tokens(12, seed=3)
     out = np.asarray(moe(jnp.asarray(x), jnp.int32(7)))
     np.testing.assert_allclose(out[:7], numpy_moe(moe, x[:7]), atol=1e-6, rtol=1e-4)
@@ -128,7 +129,7 @@ def test_one_compilation_for_every_routing() -> None:
     (dict(grouped_impl="dense"), r"grouped_impl='dense' is unknown"),
 ])
 def test_bad_sizes_are_named(kw: dict, message: str) -> None:
-    args = dict(FAMILIES["mixtral"], grouped_impl="tiles") | kw
+    args = FAMILIES["mixtral"] | kw
     with pytest.raises(ValueError, match=message):
         SparseMoE(D, **args, mesh=make_mesh(jax.devices()[:1]), dtype=jnp.float32,
                   rngs=nnx.Rngs(0))
