@@ -5,6 +5,8 @@ kernels for TPU and GPU) and the native CPU packed matmul.
 semantics are documented in ``jaxengine_kernels.reference``. ``check_supported(impl, ...)`` says
 up front whether a kernel runs a model's shapes. ``jaxengine_kernels.cpu`` also holds the native
 packed matmul the model's projections use on CPU (``jaxengine_kernels.cpu.matmul``).
+``grouped_matmul(x, w, group_sizes, impl=default_grouped_impl())`` multiplies rows sorted by
+group by their group's matrix (the mixture-of-experts layer's experts).
 """
 
 from jaxengine_kernels.attention import (
@@ -14,13 +16,21 @@ from jaxengine_kernels.attention import (
     ragged_paged_attention,
 )
 from jaxengine_kernels.errors import UnsupportedShapeError
+from jaxengine_kernels.grouped_matmul import (
+    GROUPED_IMPLS,
+    default_grouped_impl,
+    grouped_matmul,
+)
 from jaxengine_kernels.reference import ragged_paged_attention_reference, write_kv
 
 __all__ = [
+    "GROUPED_IMPLS",
     "IMPLS",
     "UnsupportedShapeError",
     "check_supported",
+    "default_grouped_impl",
     "default_impl",
+    "grouped_matmul",
     "ragged_paged_attention",
     "ragged_paged_attention_reference",
     "write_kv",

@@ -1,7 +1,7 @@
 """Building and registering the CPU kernels' shared library.
 
-`ragged_paged_attention.cc` and `packed_matmul.cc` are compiled into one library with the
-machine's C++ compiler the first time a process needs it (a few seconds), into
+`ragged_paged_attention.cc`, `packed_matmul.cc` and `grouped_matmul.cc` are compiled into one
+library with the machine's C++ compiler the first time a process needs it (a few seconds), into
 `$XDG_CACHE_HOME/jaxengine/native/<key>/` (by default `~/.cache/jaxengine/native/`;
 `$JAXENGINE_NATIVE_CACHE_DIR` overrides), and later processes load that file. The key hashes
 everything the binary depends on: the sources and their headers, the compiler and its flags,
@@ -42,7 +42,8 @@ import jaxlib
 logger = logging.getLogger("jaxengine.kernels")
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("ragged_paged_attention.cc",
-                                                             "packed_matmul.cc"))
+                                                             "packed_matmul.cc",
+                                                             "grouped_matmul.cc"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("parallel_for.h", "simd.h"))
 LIBRARY = "libjaxengine_cpu_kernels.so"
 # XLA custom-call target per attention input dtype, and the library symbol behind it.
@@ -53,6 +54,7 @@ TARGETS = {
 }
 MATMUL_TARGET = ("jaxengine_packed_matmul_f32", "PackedMatmulF32")
 SWIGLU_TARGET = ("jaxengine_packed_swiglu_f32", "PackedSwiGLUF32")
+GROUPED_TARGET = ("jaxengine_grouped_matmul_f32", "GroupedMatmulF32")
 FLAGS = ("-O3", "-std=c++17", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
          "-shared", "-fPIC")
 ENV_CACHE = "JAXENGINE_NATIVE_CACHE_DIR"
@@ -199,7 +201,8 @@ def _load() -> ctypes.CDLL:
                 logger.info("%s; building without -march=native", failed)
                 path = _build(cxx, ())
             library = ctypes.cdll.LoadLibrary(str(path))
-            for target_name, symbol in (*TARGETS.values(), MATMUL_TARGET, SWIGLU_TARGET):
+            for target_name, symbol in (*TARGETS.values(), MATMUL_TARGET, SWIGLU_TARGET,
+                                        GROUPED_TARGET):
                 jax.ffi.register_ffi_target(
                     target_name, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
             _library.append(library)
@@ -236,6 +239,13 @@ def swiglu_target() -> str:
     raises `NativeBuildError` as `target` does)."""
     _load()
     return SWIGLU_TARGET[0]
+
+
+def grouped_target() -> str:
+    """The custom-call target of the grouped matmul (built and loaded on first use; raises
+    `NativeBuildError` as `target` does)."""
+    _load()
+    return GROUPED_TARGET[0]
 
 
 def isa() -> str:
