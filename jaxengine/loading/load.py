@@ -43,7 +43,8 @@ def _check_dtype(dtype: str | jnp.dtype) -> jnp.dtype:
 
 def load_model(path: str | None = None, *, dtype: str | jnp.dtype = "float32",
                with_tokenizer: bool = True, mesh: Mesh | None = None,
-               progress: bool | None = None) -> tuple[Model, ModelConfig, Tokenizer | None]:
+               progress: bool | None = None, expert_parallel: bool = False
+               ) -> tuple[Model, ModelConfig, Tokenizer | None]:
     """Load weights, config and tokenizer; never downloads anything.
 
     Args:
@@ -54,6 +55,8 @@ def load_model(path: str | None = None, *, dtype: str | jnp.dtype = "float32",
         mesh: the devices the model is split over (`jaxengine.make_mesh`); each
             weight is loaded straight into its shards. Default: jax's first device.
         progress: a tqdm bar over the tensors read; None: only when stderr is a terminal.
+        expert_parallel: split a MoE model's experts whole over the mesh (vLLM's
+            `enable_expert_parallel`), not each expert's width.
     Returns:
         (model, config, tokenizer or None); `jaxengine.model.step.split_model(model)` gives
         the state.
@@ -66,9 +69,9 @@ def load_model(path: str | None = None, *, dtype: str | jnp.dtype = "float32",
     path = _existing_model_path(path)
     if os.path.isdir(path):
         return load_hf_dir(path, dtype=jdtype, with_tokenizer=with_tokenizer, mesh=mesh,
-                           progress=progress)
+                           progress=progress, expert_parallel=expert_parallel)
     return load_gguf(path, dtype=jdtype, with_tokenizer=with_tokenizer, mesh=mesh,
-                     progress=progress)
+                     progress=progress, expert_parallel=expert_parallel)
 
 
 def load_tokenizer(path: str | None = None) -> Tokenizer:
@@ -95,31 +98,32 @@ def _existing_model_path(path: str | None) -> str:
 
 
 def load_hf_dir(path: str, *, dtype: jnp.dtype, with_tokenizer: bool = True,
-                mesh: Mesh | None = None, progress: bool | None = None
-                ) -> tuple[Model, ModelConfig, Tokenizer | None]:
-    """Load an HF directory (safetensors, single or sharded) onto `mesh` (`progress`: as for
-    `load_model`)."""
+                mesh: Mesh | None = None, progress: bool | None = None,
+                expert_parallel: bool = False) -> tuple[Model, ModelConfig, Tokenizer | None]:
+    """Load an HF directory (safetensors, single or sharded) onto `mesh` (`progress` and
+    `expert_parallel`: as for `load_model`)."""
     cfg = read_hf_config(path)
     tokenizer = Tokenizer.from_hf_dir(path) if with_tokenizer else None
     source = SafetensorsSource(path)
     try:
         weights = load_weights(cfg, source, dtype=dtype, where=path, mesh=mesh,
-                               progress=progress)
+                               progress=progress, expert_parallel=expert_parallel)
     finally:
         source.close()
-    return Model(cfg, dtype=dtype, weights=weights, mesh=mesh), cfg, tokenizer
+    model = Model(cfg, dtype=dtype, weights=weights, mesh=mesh, expert_parallel=expert_parallel)
+    return model, cfg, tokenizer
 
 
 def load_gguf(path: str, *, dtype: jnp.dtype, with_tokenizer: bool = True,
-              mesh: Mesh | None = None, progress: bool | None = None
-              ) -> tuple[Model, ModelConfig, Tokenizer | None]:
-    """Load a GGUF file onto `mesh`, dequantizing tensor by tensor (`progress`: as for
-    `load_model`)."""
+              mesh: Mesh | None = None, progress: bool | None = None,
+              expert_parallel: bool = False) -> tuple[Model, ModelConfig, Tokenizer | None]:
+    """Load a GGUF file onto `mesh`, dequantizing tensor by tensor (`progress` and
+    `expert_parallel`: as for `load_model`)."""
     reader = open_gguf(path)
     meta = gguf_metadata(reader)
     cfg = read_gguf_config(reader, meta)
     tokenizer = Tokenizer.from_gguf_metadata(meta) if with_tokenizer else None
     weights = load_weights(cfg, GGUFSource(reader, cfg, path), dtype=dtype, where=path,
-                           mesh=mesh, progress=progress)
-    model = Model(cfg, dtype=dtype, weights=weights, mesh=mesh)
+                           mesh=mesh, progress=progress, expert_parallel=expert_parallel)
+    model = Model(cfg, dtype=dtype, weights=weights, mesh=mesh, expert_parallel=expert_parallel)
     return model, cfg, tokenizer

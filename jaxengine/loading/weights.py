@@ -45,10 +45,11 @@ def model_weight_shapes(cfg: ModelConfig) -> dict[Path, tuple[int, ...]]:
             for path, var in nnx.to_flat_state(nnx.state(abstract, nnx.Param))}
 
 
-def model_weight_shardings(cfg: ModelConfig, mesh: Mesh
+def model_weight_shardings(cfg: ModelConfig, mesh: Mesh, *, expert_parallel: bool = False
                            ) -> tuple[TPLayout, dict[Path, NamedSharding]]:
     """The layout of a model of `cfg` on `mesh`, and each weight's sharding (scanned layout)."""
-    abstract = nnx.eval_shape(lambda: Model(cfg, scan_layers=True, mesh=mesh))
+    abstract = nnx.eval_shape(lambda: Model(cfg, scan_layers=True, mesh=mesh,
+                                            expert_parallel=expert_parallel))
     shardings = nnx.get_named_sharding(nnx.state(abstract, nnx.Param), mesh)
     return abstract.layout, {path: s.get_value() for path, s in nnx.to_flat_state(shardings)}
 
@@ -85,34 +86,45 @@ def _read(source: TensorSource, name: str, transpose: bool, target: tuple[int, .
     return arr.T if transpose else arr
 
 
-def num_tensors(path: Path, shape: tuple[int, ...]) -> int:
-    """Checkpoint tensors behind the weight at module `path`: one per layer when stacked."""
-    return shape[0] if path[0] == "layers" else 1
+def num_tensors(path: Path, name: str, shape: tuple[int, ...]) -> int:
+    """Checkpoint tensors behind the weight at module `path` (checkpoint name `name`): one per
+    layer when stacked, one per layer and expert for experts."""
+    if path[0] != "layers":
+        return 1
+    return shape[0] * (shape[1] if "{expert}" in name else 1)
 
 
 def load_weight(path: Path, name: str, shape: tuple[int, ...], source: TensorSource,
-                dtype: jnp.dtype, where: str, on_tensor: Callable[[], object] = lambda: None
-                ) -> np.ndarray:
-    """The weight at module `path`, checkpoint tensor `name` (`{layer}` for each layer),
-    assembled on the host in `dtype` (layers on axis 0).
+                dtype: jnp.dtype, where: str, on_tensor: Callable[[], object] = lambda: None,
+                lacks: Callable[[int], bool] = lambda layer: False) -> np.ndarray:
+    """The weight at module `path`, checkpoint tensor `name` (`{layer}` for each layer,
+    `{expert}` for each expert), assembled on the host in `dtype` (layers on axis 0, then
+    experts).
 
-    `on_tensor()` is called after each checkpoint tensor is read (a progress bar's tick).
+    `on_tensor()` is called after each checkpoint tensor is read (a progress bar's tick);
+    a layer for which `lacks(layer)` holds zeros (a mixed stack's layer of the other kind).
     """
-    transpose = path[-1] == "kernel"
+    experts = "{expert}" in name
+    transpose = path[-1] == "kernel" or experts  # HF stores each matrix [out, in]
     if path[0] != "layers":
         out = _read(source, name, transpose, shape, where).astype(dtype)
         on_tensor()
         return out
-    out = np.empty(shape, dtype)
+    out = np.zeros(shape, dtype)
     for layer in range(shape[0]):
-        out[layer] = _read(source, name.format(layer=layer), transpose, shape[1:], where)
-        on_tensor()
+        if lacks(layer):
+            continue
+        for e in range(shape[1]) if experts else [None]:
+            target = out[layer] if e is None else out[layer, e]
+            target[...] = _read(source, name.format(layer=layer, expert=e), transpose,
+                                target.shape, where)
+            on_tensor()
     return out
 
 
 def load_weights(cfg: ModelConfig, source: TensorSource, *, dtype: jnp.dtype, where: str,
-                 mesh: Mesh | None = None, progress: bool | None = None
-                 ) -> dict[Path, jax.Array]:
+                 mesh: Mesh | None = None, progress: bool | None = None,
+                 expert_parallel: bool = False) -> dict[Path, jax.Array]:
     """All weights of `cfg` as device arrays in `dtype`, by module path, one at a time.
 
     Args:
@@ -123,6 +135,7 @@ def load_weights(cfg: ModelConfig, source: TensorSource, *, dtype: jnp.dtype, wh
         mesh: the model's devices (`jaxengine.make_mesh`); default: jax's first one.
         progress: a tqdm bar over the checkpoint's tensors; None: only when stderr is a
             terminal (tqdm's rule), so server logs and captured output get none.
+        expert_parallel: lay a MoE model's experts out whole over the mesh (as `Model`'s).
     Returns:
         Arrays by module path in the scanned layout, laid out and sharded for a model on
         `mesh`, for `Model(cfg, weights=..., mesh=mesh)`.
@@ -132,19 +145,22 @@ def load_weights(cfg: ModelConfig, source: TensorSource, *, dtype: jnp.dtype, wh
     """
     np_dtype = jnp.dtype(dtype)
     shapes = model_weight_shapes(cfg)
-    names = family(cfg.architecture).hf_names(cfg)
+    fam = family(cfg.architecture)
+    names = fam.hf_names(cfg)
     unmapped = shapes.keys() - names.keys()
     if unmapped:  # a module gained a weight the table does not know: a bug here, not user error
         raise RuntimeError(f"no checkpoint name for model weights {sorted(unmapped)}")
-    layout, shardings = model_weight_shardings(cfg, mesh or make_mesh(jax.devices()[:1]))
+    layout, shardings = model_weight_shardings(cfg, mesh or make_mesh(jax.devices()[:1]),
+                                               expert_parallel=expert_parallel)
     paths = [p for p in names if p in shapes]
     weights = {}
-    with tqdm(total=sum(num_tensors(p, shapes[p]) for p in paths), desc="loading weights",
+    with tqdm(total=sum(num_tensors(p, names[p], shapes[p]) for p in paths), desc="loading weights",
               unit="tensor", disable=None if progress is None else not progress) as bar:
         for path in paths:
-            host = to_layout(path, load_weight(path, names[path], shapes[path], source,
-                                               np_dtype, where, on_tensor=bar.update),
-                             layout, cfg.head_dim)
+            host = to_layout(path, load_weight(
+                path, names[path], shapes[path], source, np_dtype, where, on_tensor=bar.update,
+                lacks=lambda layer, path=path: fam.layer_lacks(cfg, path, layer)),
+                layout, cfg.head_dim)
             # dtype: a process holding none of the shards (multi-host) calls no callback at all
             weights[path] = jax.make_array_from_callback(
                 host.shape, shardings[path], lambda index, host=host: host[index],

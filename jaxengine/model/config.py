@@ -71,6 +71,15 @@ class ModelConfig:
     attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
     final_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
     hidden_act: str = "silu"  # one of ACTIVATIONS
+    # Mixture of experts (0 experts: dense). Routed layers replace the MLP by E experts of
+    # width moe_intermediate_size, k per token; intermediate_size is the dense layers' width.
+    num_experts: int = 0  # E
+    num_experts_per_tok: int = 0  # k
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalise the k routing weights (Mixtral: always)
+    shared_expert_intermediate_size: int | None = None  # Qwen2-MoE's gated shared expert
+    # per layer: routed (True) or a dense MLP; None: every layer routed when num_experts > 0
+    sparse_layers: tuple[bool, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -93,6 +102,16 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ModelLoadError(f"{name} must be > 0 or absent, got {value}")
+        if self.num_experts:
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                raise ModelLoadError(f"num_experts_per_tok={self.num_experts_per_tok} must be "
+                                     f"between 1 and num_experts={self.num_experts}")
+            if self.moe_intermediate_size <= 0:
+                raise ModelLoadError(f"moe_intermediate_size must be > 0, got "
+                                     f"{self.moe_intermediate_size}")
+        if self.sparse_layers is not None and len(self.sparse_layers) != self.num_layers:
+            raise ModelLoadError(f"sparse_layers has {len(self.sparse_layers)} entries for "
+                                 f"num_layers={self.num_layers}")
         if self.layer_types is not None:
             if len(self.layer_types) != self.num_layers:
                 raise ModelLoadError(f"layer_types has {len(self.layer_types)} entries for "
@@ -110,6 +129,13 @@ class ModelConfig:
         """Longest context: the position limit (a sliding window limits what a layer sees,
         not the context)."""
         return self.max_position_embeddings
+
+    @property
+    def layer_sparse(self) -> tuple[bool, ...]:
+        """Whether each layer's FFN is the routed experts (else a dense MLP)."""
+        if self.sparse_layers is not None:
+            return self.sparse_layers
+        return (self.num_experts > 0,) * self.num_layers
 
     @property
     def layer_windows(self) -> tuple[int, ...]:

@@ -183,7 +183,8 @@ class Model(nnx.Module):
 
     def __init__(self, config: ModelConfig, *, dtype: jnp.dtype = jnp.float32, seed: int = 0,
                  weights: Mapping[Path, jax.Array | np.ndarray] | None = None,
-                 scan_layers: bool | None = None, mesh: Mesh | None = None) -> None:
+                 scan_layers: bool | None = None, mesh: Mesh | None = None,
+                 expert_parallel: bool = False) -> None:
         """Build with random weights (`seed`) or given ones (`weights`).
 
         Args:
@@ -199,6 +200,8 @@ class Model(nnx.Module):
                 (False); None picks the loop on CPU and the scan elsewhere.
             mesh: the devices, axis "tp" (`jaxengine.make_mesh`); default: a mesh of
                 jax's first device.
+            expert_parallel: split a MoE model's experts whole over "tp" (vLLM's
+                `enable_expert_parallel`) instead of each expert's width.
         Raises:
             ModelLoadError: no family reads `config.architecture`.
             ValueError: a weight is missing from `weights` or has the wrong shape, or the
@@ -209,7 +212,7 @@ class Model(nnx.Module):
         self.dtype = jnp.dtype(dtype)
         self.scan_layers = jax.default_backend() != "cpu" if scan_layers is None else scan_layers
         self.mesh = mesh or make_mesh(jax.devices()[:1])
-        self.layout = tp_layout(config, tp_size(self.mesh))
+        self.layout = tp_layout(config, tp_size(self.mesh), expert_parallel=expert_parallel)
         create = functools.partial(_create_parts, config, self.layout, mesh=self.mesh,
                                    dtype=self.dtype, seed=seed, scan_layers=self.scan_layers)
         parts = (create(build=functools.partial(on_mesh, mesh=self.mesh)) if weights is None
@@ -248,11 +251,10 @@ class Model(nnx.Module):
         x = self.embed_tokens.encode(batch.input_ids)  # [T, D]
         if self.family.embed_scale:  # sqrt(D) rounded to the activations' dtype, as HF does
             x = x * jnp.asarray(cfg.hidden_size**0.5, x.dtype)
-        windows = cfg.layer_windows
         inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         rope = rope_tables(batch.positions, jnp.asarray(inv_freq))  # f32[T, H] twice
         # Sliding layers with a RoPE base of their own (Gemma 3) read a second pair of tables.
-        local = tuple(w > 0 and cfg.rope_local_theta is not None for w in windows)
+        local = tuple(w > 0 and cfg.rope_local_theta is not None for w in cfg.layer_windows)
         local_rope = rope if not any(local) else rope_tables(batch.positions, jnp.asarray(
             rope_inv_freq(cfg.head_dim, cfg.rope_local_theta, None)))
         # The kernel takes one layer's pages. Slicing layer i out of the cache (and writing it
@@ -266,19 +268,19 @@ class Model(nnx.Module):
         if isinstance(self.layers, nnx.List):
             for i, block in enumerate(self.layers):
                 cos, sin = local_rope if local[i] else rope
-                x, pages = block(x, pages, i * P, batch, cos, sin, windows[i], **kw)
+                x, pages = block(x, pages, i * P, batch, cos, sin, i, **kw)
         else:
-            @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0, 0), out_axes=nnx.Carry,
+            @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=nnx.Carry,
                       transform_metadata=LAYER_AXIS)
-            def run(carry: tuple[jax.Array, jax.Array], block: DecoderBlock, layer: jax.Array,
-                    window: jax.Array, is_local: jax.Array) -> tuple[jax.Array, jax.Array]:
+            def run(carry: tuple[jax.Array, jax.Array], block: DecoderBlock, layer: jax.Array
+                    ) -> tuple[jax.Array, jax.Array]:
                 x, pages = carry
+                is_local = jnp.asarray(local)[layer]
                 cos, sin = rope if not any(local) else (
                     jnp.where(is_local, a, b) for a, b in zip(local_rope, rope, strict=True))
-                return block(x, pages, layer * P, batch, cos, sin, window, **kw)
+                return block(x, pages, layer * P, batch, cos, sin, layer, **kw)
 
-            x, pages = run((x, pages), self.layers, jnp.arange(Ly, dtype=jnp.int32),
-                           jnp.asarray(windows, jnp.int32), jnp.asarray(local))
+            x, pages = run((x, pages), self.layers, jnp.arange(Ly, dtype=jnp.int32))
         # The cache comes back in the sharding it came in, so its donated buffers are reused.
         kv = jax.lax.with_sharding_constraint(pages.reshape(Ly, P, L, K2, H),
                                               kv_cache_sharding(self.mesh))

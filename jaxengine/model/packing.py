@@ -7,7 +7,8 @@ kernel through XLA's dots (or through the same loop reading [K, N] in short stri
 merged into one `PackedLinear` (their kernels side by side) that each reads its columns of
 (`PackedColumns`), o and the LM head alone (a tied one with the embedding: `PackedEmbedder`),
 and a SwiGLU MLP as a `PackedMLP` (gate/up interleaved into one SwiGLU call, then down; another
-activation's gate/up merged like q/k/v, the activation left to XLA); the
+activation's gate/up merged like q/k/v, the activation left to XLA; routed experts are
+not packed: jaxengine_kernels/grouped_matmul.py has their CPU kernel); the
 weights are not duplicated. It applies where the kernel runs and pays: a one-device CPU mesh,
 float32 weights, layers looped in Python (the CPU layout), and a C++ compiler on the machine
 (`packable` says why not otherwise). Against XLA's dots, as fast at one row and faster from a
@@ -133,16 +134,19 @@ def pack_projections(model: nnx.Module) -> int:
             setattr(attn, name, PackedColumns(merged, start, start + lin.out_features))
             start += lin.out_features
         attn.o_proj = PackedLinear(attn.o_proj)
-        if block.mlp.activation == "silu":
-            block.mlp = PackedMLP(block.mlp)
+        count += len(MERGED) + 1
+        mlp = block.mlp  # None in a block of routed experts only (those stay as they are)
+        if mlp is None:
+            continue
+        if mlp.activation == "silu":
+            block.mlp = PackedMLP(mlp)
         else:  # the fused call is SwiGLU's: gate and up merged, the activation in XLA
-            mlp = block.mlp
             gate_up = PackedLinear(mlp.gate_proj, mlp.up_proj)
             F = mlp.gate_proj.out_features
             mlp.gate_proj = PackedColumns(gate_up, 0, F)
             mlp.up_proj = PackedColumns(gate_up, F, 2 * F)
             mlp.down_proj = PackedLinear(mlp.down_proj)
-        count += len(MERGED) + 4  # o, and gate, up, down
+        count += 3  # gate, up, down
     if model.lm_head is None:
         model.embed_tokens = PackedEmbedder(model.embed_tokens)
     else:

@@ -23,6 +23,7 @@ class TPLayout:
     num_kv_heads: int  # K': KV heads in the k/v projections and the cache, max(K, tp)
     kv_repeat: int  # K' / K: copies of each checkpoint KV head (1 unless tp > K)
     vocab_size: int  # V': the vocabulary padded to a multiple of tp (embedding, LM head)
+    expert_parallel: bool = False  # experts split whole over tp, not their width
 
     @property
     def kv_heads_per_device(self) -> int:
@@ -30,18 +31,24 @@ class TPLayout:
         return self.num_kv_heads // self.tp
 
 
-def tp_layout(cfg: ModelConfig, tp: int) -> TPLayout:
-    """The layout of a model of `cfg` over `tp` devices.
+def tp_layout(cfg: ModelConfig, tp: int, *, expert_parallel: bool = False) -> TPLayout:
+    """The layout of a model of `cfg` over `tp` devices; `expert_parallel` splits a MoE
+    model's experts whole over tp (jaxengine/model/moe.py checks the expert sizes).
 
     Raises:
-        ValueError: tp does not divide num_heads or intermediate_size, or neither of tp and
-            num_kv_heads divides the other; the message names tensor_parallel_size.
+        ValueError: tp does not divide num_heads or a dense MLP's intermediate_size, or
+            neither of tp and num_kv_heads divides the other, or expert parallelism for a
+            dense model; the message names the field.
     """
     if tp < 1:
         raise ValueError(f"tensor_parallel_size must be >= 1, got {tp}")
+    if expert_parallel and not cfg.num_experts:
+        raise ValueError("enable_expert_parallel is for mixture-of-experts models; this "
+                         f"{cfg.architecture} model has no experts")
     N, K, F = cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size
     valid = ", ".join(map(str, valid_tp_sizes(cfg)))
-    for name, size in (("num_heads", N), ("intermediate_size", F)):
+    dense = {"intermediate_size": F} if not all(cfg.layer_sparse) else {}
+    for name, size in {"num_heads": N, **dense}.items():
         if size % tp:
             raise ValueError(f"tensor_parallel_size={tp} does not divide the model's "
                              f"{name}={size}; this model takes tensor_parallel_size {valid}")
@@ -52,7 +59,8 @@ def tp_layout(cfg: ModelConfig, tp: int) -> TPLayout:
             f"num_kv_heads); this model takes tensor_parallel_size {valid}")
     kv_heads = max(K, tp)
     vocab = -(-cfg.vocab_size // tp) * tp
-    return TPLayout(tp=tp, num_kv_heads=kv_heads, kv_repeat=kv_heads // K, vocab_size=vocab)
+    return TPLayout(tp=tp, num_kv_heads=kv_heads, kv_repeat=kv_heads // K, vocab_size=vocab,
+                    expert_parallel=expert_parallel)
 
 
 def valid_tp_sizes(cfg: ModelConfig, *, up_to: int = 64) -> list[int]:

@@ -11,8 +11,9 @@ from jaxengine.model.config import ModelLoadError
 from jaxengine.model.families.family import Family
 from jaxengine.model.families.gemma import GEMMA
 from jaxengine.model.families.llama import LLAMA
+from jaxengine.model.families.moe import MOE
 
-_FAMILIES = (LLAMA, GEMMA)
+_FAMILIES = (LLAMA, GEMMA, MOE)
 _BY_MODEL_TYPE = {t: f for f in _FAMILIES for t in f.model_types}
 MODEL_TYPES: tuple[str, ...] = tuple(_BY_MODEL_TYPE)
 GGUF_ARCHS: dict[str, str] = {a: t for f in _FAMILIES for a, t in f.gguf_archs.items()}

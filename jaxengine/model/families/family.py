@@ -27,11 +27,16 @@ Get = Callable[..., Any]  # a config reader's `get(key, default=None)`: a field'
 
 
 class DecoderBlock(Protocol):
-    """One decoder layer: x [T, D] and its pages in, x [T, D] and the updated pages out."""
+    """One decoder layer: x [T, D] and its pages in, x [T, D] and the updated pages out.
+
+    `layer` is the layer's index: a Python int when the layers are looped, an i32[] when they
+    are scanned; what differs between layers (a window, a routed or dense FFN) the block reads
+    from the config with `per_layer`.
+    """
 
     def __call__(self, x: jax.Array, pages: jax.Array, page_offset: jax.Array | int,
                  batch: ModelBatch, cos: jax.Array, sin: jax.Array,
-                 window: jax.Array | int, *, attn_impl: str, interpret: bool = False,
+                 layer: jax.Array | int, *, attn_impl: str, interpret: bool = False,
                  batch_invariant: bool = False) -> tuple[jax.Array, jax.Array]: ...
 
 
@@ -55,7 +60,8 @@ class Family:
         model_types: HF `model_type` values (e.g. "gemma3_text", "gemma3").
         block: the decoder layer's constructor.
         hf_names: module path (scanned layout, "layers" stacked) -> HF tensor name, with
-            `{layer}` for the layer index; a function of the config.
+            `{layer}` for the layer index and `{expert}` for the expert's (a weight stacked
+            [layers, experts, ...] from one tensor per expert); a function of the config.
         hf_fields: the ModelConfig fields beyond the common ones, read from an HF config
             (`get(attribute, default)`); refuses a value it does not implement.
         gguf_archs: GGUF `general.architecture` values this family reads, -> model_type.
@@ -66,6 +72,8 @@ class Family:
         embed_scale: embeddings are multiplied by sqrt(hidden_size) (Gemma).
         text_config: the text decoder's config inside a multimodal one (Gemma 3); None when
             the config is the decoder's.
+        layer_lacks: whether layer `layer` has no checkpoint tensor for the stacked weight at
+            `path` (a layer of another kind in a mixed stack: the weight holds zeros there).
     """
 
     model_types: tuple[str, ...]
@@ -78,6 +86,12 @@ class Family:
     norm_offset: float = 0.0
     embed_scale: bool = False
     text_config: Callable[[Any], Any] | None = None
+    layer_lacks: Callable[[ModelConfig, Path, int], bool] = lambda cfg, path, layer: False
+
+
+def per_layer(values: tuple[Any, ...], layer: jax.Array | int) -> Any:
+    """`values[layer]`: a Python value for a looped layer, a traced one for a scanned layer."""
+    return values[layer] if isinstance(layer, int) else jnp.asarray(values)[layer]
 
 
 def refuse(field: str, value: Any, why: str) -> ModelLoadError:

@@ -16,7 +16,7 @@ from jax.sharding import Mesh
 
 from jaxengine.model.batch import ModelBatch
 from jaxengine.model.config import ModelConfig
-from jaxengine.model.families.family import Family, Get, Path, layer_names, refuse
+from jaxengine.model.families.family import Family, Get, Path, layer_names, per_layer, refuse
 from jaxengine.model.layers import MLP, Attention, RMSNorm, live_tokens
 from jaxengine.model.tensor_parallel import TPLayout
 
@@ -38,6 +38,7 @@ class LlamaBlock(nnx.Module):
                  rngs: nnx.Rngs) -> None:
         D, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.input_layernorm = RMSNorm(D, eps=eps, dtype=dtype)
+        self.windows = cfg.layer_windows
         self.self_attn = attention(cfg, layout, mesh=mesh, dtype=dtype, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(D, eps=eps, dtype=dtype)
         self.mlp = MLP(D, cfg.intermediate_size, mesh=mesh, dtype=dtype, rngs=rngs,
@@ -45,12 +46,13 @@ class LlamaBlock(nnx.Module):
 
     def __call__(self, x: jax.Array, pages: jax.Array, page_offset: jax.Array | int,
                  batch: ModelBatch, cos: jax.Array, sin: jax.Array,
-                 window: jax.Array | int = 0, *, attn_impl: str, interpret: bool = False,
+                 layer: jax.Array | int, *, attn_impl: str, interpret: bool = False,
                  batch_invariant: bool = False) -> tuple[jax.Array, jax.Array]:
-        """x [T, D] -> (x [T, D], updated pages); the arguments as `Attention`'s."""
+        """x [T, D] -> (x [T, D], updated pages); `layer` as `DecoderBlock`'s, the rest as
+        `Attention`'s."""
         out, pages = self.self_attn(self.input_layernorm(x), pages, page_offset, batch, cos,
-                                    sin, window, attn_impl=attn_impl, interpret=interpret,
-                                    batch_invariant=batch_invariant)
+                                    sin, per_layer(self.windows, layer), attn_impl=attn_impl,
+                                    interpret=interpret, batch_invariant=batch_invariant)
         x = x + out
         return x + self.mlp(self.post_attention_layernorm(x), live_tokens(batch)), pages
 
