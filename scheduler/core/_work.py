@@ -49,7 +49,8 @@ class Work:
         self.kv = KVCacheManager(
             data.kv, self._journal, block_size=cfg.block_size,
             caching=cfg.enable_prefix_caching, max_model_len=cfg.max_model_len,
-            groups=cfg.kv_cache_groups, step_tokens=cfg.max_num_scheduled_tokens,
+            groups=cfg.kv_cache_groups,
+            step_tokens=cfg.long_prefill_token_threshold or cfg.max_num_scheduled_tokens,
         )
 
     @property
