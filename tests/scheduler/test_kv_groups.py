@@ -25,6 +25,7 @@ from scheduler import (
 )
 from scheduler.kv.groups import group_key, longest_hit
 from scheduler.kv.kv_cache import cdiv
+from scheduler.replay import replay
 from tests.scheduler.test_properties import _fake_model, traces
 from tests.scheduler.util import req, state_with, step
 
@@ -254,3 +255,12 @@ def test_random_traces_with_windows_keep_invariants_and_return_every_block(trace
     else:
         raise AssertionError("requests did not all finish in 3000 steps")
     assert s.num_free_blocks == cfg.num_blocks - 1
+
+
+def test_a_trace_gives_groups_as_json():
+    trace = {"config": {"max_num_batched_tokens": 16, "max_num_seqs": 4, "max_model_len": 64,
+                        "block_size": 4, "num_blocks": 33, "enable_prefix_caching": False,
+                        "kv_cache_groups": [{}, {"sliding_window": 8}]},
+             "requests": [{"id": "A", "prompt_token_ids": list(range(40)), "max_tokens": 3}]}
+    free = [record["num_free_blocks"] for record in replay(trace)]
+    assert free == [24, 18, 18, 18, 32]  # the §13 example, then A finishes
