@@ -111,7 +111,7 @@ class Work:
         if not self.kv.hybrid:
             return (self.tables.get(rid, ()),)
         if rid not in self.tables:
-            return self.kv.no_hit
+            return self.kv.empty
         return (self.tables[rid],) + self.more_tables[rid]
 
     def _set_tables(self, rid: str, tables: tuple[Table, ...]) -> None:

@@ -295,9 +295,9 @@ def _find_computed(w: Work, st: _Step, rid: str,
         return None
     num_computed = w.computed[rid]  # > 0 only once an asynchronous load is taken up
     if num_computed:
-        return w.kv.no_hit, num_computed, None
+        return w.kv.empty, num_computed, None
     # vLLM's skip_reading_prefix_cache (prompt logprobs): its every position is computed
-    hit = w.kv.no_hit if req.skip_reading_prefix_cache else w.kv.find_cached_prefix(
+    hit = w.kv.empty if req.skip_reading_prefix_cache else w.kv.find_cached_prefix(
         rid, w.tokens[rid], num_tokens, req.cache_salt)
     num_hit = len(hit[0]) * w.config.block_size
     if st.connector is None or req.skip_reading_prefix_cache:  # nor external KV (vLLM's

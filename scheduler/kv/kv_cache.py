@@ -101,7 +101,7 @@ class KVCacheManager:
     group: methods take and return a request's tables as a tuple, one per group."""
 
     __slots__ = ("d", "j", "block_size", "caching", "max_model_len", "evicted", "groups",
-                 "windows", "hybrid", "no_hit", "step_tokens")
+                 "windows", "hybrid", "empty", "step_tokens")
 
     def __init__(self, data: PoolData, journal: Journal, *, block_size: int, caching: bool,
                  max_model_len: int, groups: tuple[KVCacheGroup, ...],
@@ -114,7 +114,7 @@ class KVCacheManager:
         self.windows = tuple(g.sliding_window for g in groups)
         # Anything but one full group: tables per group, windows to slide (docs §13)
         self.hybrid = self.windows != (None,)
-        self.no_hit: Hit = ((),) * len(groups)
+        self.empty: Hit = ((),) * len(groups)  # no blocks in any group (no hit, no table)
         self.step_tokens = step_tokens  # the most tokens a request computes in one step
         # When a list: every cached block that allocation evicts, as (block, hash), for a KV
         # connector to copy out before the step overwrites it (docs/SCHEDULING.md §11).
@@ -132,7 +132,7 @@ class KVCacheManager:
         """Per group, the blocks holding the longest cached prefix all groups agree on, at
         most `num_tokens - 1` tokens long (the last token is always computed, for logits)."""
         if not self.caching:
-            return self.no_hit
+            return self.empty
         # All the hashes at once: admitting the request registers them right after anyway.
         count = num_hittable_blocks(num_tokens, self.block_size)
         hashes = itertools.islice(self._hashes(rid, tokens, count, salt), count)
