@@ -8,7 +8,7 @@ scheduler itself against the same model with its windows removed.
 import random
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 
 from scheduler import (
     KVCacheGroup,
@@ -222,15 +222,15 @@ def test_windows_run_more_long_requests_at_once_in_the_same_bytes():
     assert preempted == 0 and most >= 2.5 * 9
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(traces())
 def test_random_traces_with_windows_keep_invariants_and_return_every_block(trace):
     cfg, requests, seed = trace
     rng = random.Random(seed)
     groups = (SLIDING_8, FULL, KVCacheGroup(sliding_window=rng.choice([1, 3, 16])))
-    cfg = cfg.replace(kv_cache_groups=groups,
-                      num_blocks=3 * (cfg.num_blocks - 1) + 1)
-    assert cfg.num_blocks >= 3 * cdiv(cfg.max_model_len, cfg.block_size) + 1
+    # Enough for any one request in all three groups, and little more: preemptions happen.
+    cfg = cfg.replace(kv_cache_groups=groups, num_blocks=3 * cdiv(
+        cfg.max_model_len, cfg.block_size) + 1 + rng.randint(0, 12))
     s = init_state(cfg)
     pending = sorted(requests, key=lambda x: (x[0], x[1].arrival_time))
     for i in range(3000):
@@ -240,8 +240,15 @@ def test_random_traces_with_windows_keep_invariants_and_return_every_block(trace
             break
         if rng.random() < 0.03 and s.requests:
             s = abort_requests(s, [rng.choice(sorted(s.requests))])
+        before = s
         s, plan = schedule(s)
         check_invariants(s, plan)
+        if rng.random() < 0.2:  # the state before is intact: scheduling it again agrees
+            assert schedule(before) == (s, plan)
+        if plan.preempted_req_ids:
+            event("preempted")
+        if any(r.num_computed_tokens for r in plan.scheduled_new_reqs):
+            event("prefix hit")
         for rid in plan.num_scheduled_tokens:
             tables = _tables(plan, rid)
             assert tables == s.group_block_tables(rid) and len(set(map(len, tables))) == 1
@@ -249,6 +256,8 @@ def test_random_traces_with_windows_keep_invariants_and_return_every_block(trace
                 if window is not None:  # nothing the step's first token can see is null
                     first = plan.num_computed_tokens[rid]
                     assert 0 not in table[max(0, first - window + 1) // cfg.block_size:]
+                    if 0 in table:
+                        event("a window freed blocks")
         sampled, drafts = _fake_model(rng, plan, s)
         s, _ = update_from_output(s, plan, sampled, draft_token_ids=drafts)
         check_invariants(s)
