@@ -126,16 +126,21 @@ class Work:
         pool is short; then nothing changed, except that blocks which slid out of a window
         are freed either way (docs/SCHEDULING.md §13)."""
         kv = self.kv
-        tables = self.group_tables(rid)
-        if kv.hybrid and rid in self.tables:
-            tables = kv.remove_skipped(tables, self.computed[rid])
+        if not kv.hybrid:
+            tables = (self.tables.get(rid, ()),)
+        elif rid in self.tables:  # windows slide before anything is taken (vLLM's order)
+            tables = kv.remove_skipped(self.group_tables(rid), self.computed[rid])
             self._set_tables(rid, tables)
+        else:
+            tables = kv.empty
         bs = self.config.block_size
         if (hit and hit[0]) or num_slots > len(tables[0]) * bs:
             tables = kv.allocate(tables, num_slots, hit)
             if tables is None:
                 return False
-            self._set_tables(rid, tables)
+            self.tables[rid] = tables[0]
+            if kv.hybrid:
+                self.more_tables[rid] = tables[1:]
             if rid not in self.num_cached:
                 self.num_cached[rid] = len(hit[0]) if hit else 0
         if kv.caching and cache:

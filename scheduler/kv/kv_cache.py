@@ -168,6 +168,10 @@ class KVCacheManager:
         at most `groups.max_group_blocks` at once (docs/SCHEDULING.md §13)."""
         n = cdiv(min(num_slots, self.max_model_len), self.block_size)
         ref = self.d.ref
+        if not self.hybrid:  # the hot case, one full group, without the loop below
+            blocks = hit[0] if hit else ()
+            return (max(0, n - len(blocks) - len(tables[0]))
+                    + sum(1 for b in blocks if ref[b] == 0))
         need = 0
         for g, table in enumerate(tables):
             blocks = hit[g] if hit else ()
@@ -216,6 +220,9 @@ class KVCacheManager:
                         self._unlink(b)
                     j.set_item(d.ref, b, d.ref[b] + 1)
         n = cdiv(min(num_slots, self.max_model_len), self.block_size)
+        if not self.hybrid:  # the hot case, one full group, without the loop below
+            table = tables[0] + hit[0] if hit else tables[0]
+            return (table + tuple(self._take_free(n - len(table))) if n > len(table) else table,)
         out = []
         for g, table in enumerate(tables):
             if hit:
