@@ -26,6 +26,7 @@ from scheduler import (
 from scheduler.kv.groups import group_key, longest_hit
 from scheduler.kv.kv_cache import cdiv
 from scheduler.replay import replay
+from tests.scheduler.test_async import Drafts, drive, workload
 from tests.scheduler.test_properties import _fake_model, traces
 from tests.scheduler.util import req, state_with, step
 
@@ -273,3 +274,16 @@ def test_a_trace_gives_groups_as_json():
              "requests": [{"id": "A", "prompt_token_ids": list(range(40)), "max_tokens": 3}]}
     free = [record["num_free_blocks"] for record in replay(trace)]
     assert free == [24, 18, 18, 18, 32]  # the §13 example, then A finishes
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_async_scheduling_and_drafts_with_windows_give_the_sync_tokens(seed):
+    # test_async's fake device checks every plan's inputs; a tight pool preempts.
+    kw = dict(max_num_batched_tokens=64, max_num_seqs=8, max_model_len=80, block_size=4,
+              num_blocks=48, kv_cache_groups=(SLIDING_8, FULL))
+    requests = workload(seed, 12, eos=3 if seed % 2 else None, shared_prefix=8)
+    sync, _ = drive(SchedulerConfig(**kw), requests, async_=False)
+    asyn, _ = drive(SchedulerConfig(**kw, async_scheduling=True), requests, async_=True)
+    drafted, _ = drive(SchedulerConfig(**kw, async_scheduling=True), requests, async_=True,
+                       drafts=Drafts(3, seed))
+    assert asyn == sync == drafted and len(sync) == len(requests)
