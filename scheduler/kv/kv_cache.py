@@ -21,6 +21,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from scheduler._versioned import Journal
 from scheduler.kv.groups import (
+    FULL_ATTENTION,
     CacheKey,
     KVCacheGroup,
     group_key,
@@ -93,6 +94,7 @@ class PoolData:
 
 
 Table = tuple[int, ...]
+_ONE_FULL_GROUP = (FULL_ATTENTION,)
 Hit = tuple[tuple[int, ...], ...]  # a prefix hit's blocks, per group (null 0 where skipped)
 
 
@@ -111,9 +113,9 @@ class KVCacheManager:
         self.caching = caching
         self.max_model_len = max_model_len
         self.groups = groups
-        self.windows = tuple(g.sliding_window for g in groups)
         # Anything but one full group: tables per group, windows to slide (docs §13)
-        self.hybrid = self.windows != (None,)
+        self.hybrid = groups != _ONE_FULL_GROUP
+        self.windows = tuple(g.sliding_window for g in groups) if self.hybrid else (None,)
         self.empty: Hit = ((),) * len(groups)  # no blocks in any group (no hit, no table)
         self.step_tokens = step_tokens  # the most tokens a request computes in one step
         # When a list: every cached block that allocation evicts, as (block, hash), for a KV
