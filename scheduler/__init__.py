@@ -26,6 +26,7 @@ from scheduler.core.update import (
     grammars_ready,
     update_from_output,
 )
+from scheduler.kv.groups import KVCacheGroup, kv_block_layers, max_concurrency
 from scheduler.kv_connector import (
     KVConnector,
     KVConnectorMetadata,
@@ -41,13 +42,13 @@ from scheduler.sampling_params import RequestOutputKind, SamplingParams, Samplin
 
 __all__ = [
     "PLACEHOLDER_TOKEN_ID", "POLICIES", "KVConnector", "KVConnectorMetadata", "KVConnectorOutput",
-    "KVLoad", "KVSave", "NewRequestData", "Policy", "Request", "RequestDelta",
+    "KVCacheGroup", "KVLoad", "KVSave", "NewRequestData", "Policy", "Request", "RequestDelta",
     "RequestMetadata", "RequestOutputKind", "RequestStatus", "RequestView", "SamplingParams",
     "SamplingParamsError",
     "SchedulerConfig", "SchedulerCounters", "SchedulerOutput", "SchedulerState", "SchedulerStats",
     "SortedPolicy",
     "abort_requests", "add_request", "check_invariants", "check_stop", "grammars_ready",
-    "init_state",
+    "init_state", "kv_block_layers", "max_concurrency",
     "prefix_cache_hit",
     "register", "schedule", "update_from_output",
 ]

@@ -6,6 +6,7 @@ import dataclasses
 import warnings
 from dataclasses import dataclass
 
+from scheduler.kv.groups import FULL_ATTENTION, KVCacheGroup
 from scheduler.policies.policies import POLICIES
 
 
@@ -32,6 +33,8 @@ class SchedulerConfig:
     reserve_full_prompt: bool = True  # admit only if the whole sequence's blocks are free
     watermark: float = 0.0  # fraction of blocks kept free when admitting
     async_scheduling: bool = False  # schedule the next step before this one's tokens (§4.1)
+    # The model's KV cache groups, in the runner's order (§13); one full group: no windows
+    kv_cache_groups: tuple[KVCacheGroup, ...] = (FULL_ATTENTION,)
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -99,6 +102,11 @@ def _validate(c: SchedulerConfig) -> None:
         raise ValueError(f"unknown policy={c.policy!r}; known: {sorted(POLICIES)}")
     if not 0.0 <= c.watermark < 1.0:
         raise ValueError(f"watermark={c.watermark} must be in [0, 1)")
+    groups = c.kv_cache_groups
+    if (not isinstance(groups, tuple) or not groups
+            or not all(isinstance(g, KVCacheGroup) for g in groups)):
+        raise ValueError(f"kv_cache_groups={groups!r} must be a non-empty tuple of "
+                         "KVCacheGroup, e.g. (KVCacheGroup(), KVCacheGroup(sliding_window=512))")
     if c.max_num_batched_tokens > c.max_num_seqs * c.max_model_len:
         warnings.warn(
             f"max_num_batched_tokens={c.max_num_batched_tokens} exceeds max_num_seqs * "

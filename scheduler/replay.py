@@ -17,14 +17,23 @@ from scheduler.config import SchedulerConfig
 from scheduler.core.schedule import schedule
 from scheduler.core.state import init_state
 from scheduler.core.update import add_request, update_from_output
+from scheduler.kv.groups import KVCacheGroup
 from scheduler.kv_connector import KVConnector
 from scheduler.request import Request, SamplingParams
+
+
+def _config(fields: dict) -> SchedulerConfig:
+    """The trace's config; `kv_cache_groups` is a list of KVCacheGroup fields in JSON."""
+    groups = fields.get("kv_cache_groups")
+    if isinstance(groups, list) and all(isinstance(g, dict) for g in groups):
+        fields = fields | {"kv_cache_groups": tuple(KVCacheGroup(**g) for g in groups)}
+    return SchedulerConfig(**fields)
 
 
 def replay(trace: dict, kv_connector: KVConnector | None = None) -> Iterator[dict]:
     """Yield one record per step of the trace, until every request arrived and finished
     (`kv_connector`, if given, is passed to every schedule() and update, docs §11)."""
-    state = init_state(SchedulerConfig(**trace["config"]))
+    state = init_state(_config(trace["config"]))
     token = trace.get("sampled_token", 7)
     arrivals: dict[int, list[tuple[int, dict]]] = {}
     for index, r in enumerate(trace["requests"]):

@@ -13,7 +13,7 @@ from types import MappingProxyType
 
 from scheduler.core import kv_transfer
 from scheduler.core.state import PLACEHOLDER_TOKEN_ID, SchedulerCounters, SchedulerState, StateData
-from scheduler.kv.kv_cache import KVCacheManager
+from scheduler.kv.kv_cache import Hit, KVCacheManager, Table
 from scheduler.kv_connector import KVConnector
 from scheduler.policies.policies import get_policy
 from scheduler.policies.request_view import RequestViews
@@ -32,6 +32,8 @@ class Work:
         self.static: dict[str, Request] = state._static.copy()
         self.computed: dict[str, int] = state._computed.copy()
         self.tables: dict[str, tuple[int, ...]] = state._tables.copy()
+        # Groups 1.. of a hybrid model (docs/SCHEDULING.md §13), keyed as `tables`
+        self.more_tables: dict[str, tuple[Table, ...]] = state._more_tables.copy()
         self.num_cached: dict[str, int] = state._num_cached.copy()
         self.placeholders: dict[str, int] = state._placeholders.copy()
         self.finished: set[str] = set(state._finished)
@@ -47,6 +49,8 @@ class Work:
         self.kv = KVCacheManager(
             data.kv, self._journal, block_size=cfg.block_size,
             caching=cfg.enable_prefix_caching, max_model_len=cfg.max_model_len,
+            groups=cfg.kv_cache_groups,
+            step_tokens=cfg.long_prefill_token_threshold or cfg.max_num_scheduled_tokens,
         )
 
     @property
@@ -64,6 +68,7 @@ class Work:
             counters=SchedulerCounters(**self.counters),
             _static=MappingProxyType(self.static), _computed=MappingProxyType(self.computed),
             _tables=MappingProxyType(self.tables), _num_cached=MappingProxyType(self.num_cached),
+            _more_tables=MappingProxyType(self.more_tables),
             _placeholders=MappingProxyType(self.placeholders),
             _finished=frozenset(self.finished), _served=MappingProxyType(self.served),
             _kv_transfers=self.kvt,
@@ -101,36 +106,58 @@ class Work:
         self._journal.append(history, token)
         return len(history)
 
-    def allocate(self, rid: str, num_slots: int, hit: list[int] | tuple = (), *,
-                 cache: bool = True) -> bool:
+    def group_tables(self, rid: str) -> tuple[Table, ...]:
+        """The request's block table in each KV cache group (empty ones if it holds none)."""
+        if not self.kv.hybrid:
+            return (self.tables.get(rid, ()),)
+        if rid not in self.tables:
+            return self.kv.empty
+        return (self.tables[rid],) + self.more_tables[rid]
+
+    def _set_tables(self, rid: str, tables: tuple[Table, ...]) -> None:
+        self.tables[rid] = tables[0]
+        if self.kv.hybrid:
+            self.more_tables[rid] = tables[1:]
+
+    def allocate(self, rid: str, num_slots: int, hit: Hit = (), *, cache: bool = True) -> bool:
         """Give the request KV slots for its first `num_slots` tokens (a new request's prefix
-        `hit` blocks first) and register its newly full blocks in the prefix cache (not with
-        `cache=False`: blocks an asynchronous load has yet to fill). False, changing nothing,
-        if the pool is short."""
-        table = self.tables.get(rid, ())
+        `hit` blocks first, per group) and register its newly full blocks in the prefix cache
+        (not with `cache=False`: blocks an asynchronous load has yet to fill). False if the
+        pool is short; then nothing changed, except that blocks which slid out of a window
+        are freed either way (docs/SCHEDULING.md §13)."""
+        kv = self.kv
+        if not kv.hybrid:
+            tables = (self.tables.get(rid, ()),)
+        elif rid in self.tables:  # windows slide before anything is taken (vLLM's order)
+            tables = kv.remove_skipped(self.group_tables(rid), self.computed[rid])
+            self._set_tables(rid, tables)
+        else:
+            tables = kv.empty
         bs = self.config.block_size
-        if hit or num_slots > len(table) * bs:
-            table = self.kv.allocate(table, num_slots, hit)
-            if table is None:
+        if (hit and hit[0]) or num_slots > len(tables[0]) * bs:
+            tables = kv.allocate(tables, num_slots, hit)
+            if tables is None:
                 return False
-            self.tables[rid] = table
+            self.tables[rid] = tables[0]
+            if kv.hybrid:
+                self.more_tables[rid] = tables[1:]
             if rid not in self.num_cached:
-                self.num_cached[rid] = len(hit)
-        if self.kv.caching and cache:
+                self.num_cached[rid] = len(hit[0]) if hit else 0
+        if kv.caching and cache:
             num_full = min(num_slots, len(self.tokens[rid])) // bs
             done = self.num_cached[rid]
             if num_full > done:
-                self.kv.register(rid, table, done, num_full, self.tokens[rid],
-                                 self.static[rid].cache_salt)
+                kv.register(rid, tables, done, num_full, self.tokens[rid],
+                            self.static[rid].cache_salt)
                 self.num_cached[rid] = num_full
         return True
 
     def free_blocks(self, rid: str) -> None:
-        """Release the request's blocks (tail first)."""
-        table = self.tables.pop(rid, None)
-        if table is not None:
-            self.kv.free(table)
-            del self.num_cached[rid]
+        """Release the request's blocks in every group (tail first)."""
+        if rid in self.tables:
+            self.kv.free_tables(self.group_tables(rid))
+            del self.tables[rid], self.num_cached[rid]
+            self.more_tables.pop(rid, None)
 
     def preempt(self, rid: str) -> None:
         """Free the request's blocks and send it to the front of `waiting` to recompute."""

@@ -55,11 +55,19 @@ def _check_pool(state: SchedulerState, d: PoolData) -> None:
     cfg = state.config
     bs = cfg.block_size
     holders: Counter[int] = Counter()
-    for rid, table in state.block_tables.items():
+    windows = [g.sliding_window for g in cfg.kv_cache_groups]
+    for rid in state.block_tables:
         assert rid in state.running or rid in state.waiting, f"finished {rid} holds blocks"
-        assert 0 not in table, f"{rid} holds the null block"
-        assert len(table) >= cdiv(state.num_computed_tokens[rid], bs), f"{rid}: too few blocks"
-        holders.update(table)
+        tables = state.group_block_tables(rid)
+        assert len(tables) == len(windows), f"{rid}: a table per KV cache group"
+        n = len(tables[0])
+        assert n >= cdiv(state.num_computed_tokens[rid], bs), f"{rid}: too few blocks"
+        for g, table in enumerate(tables):
+            assert len(table) == n, f"{rid}: group {g}'s table is not as long as group 0's"
+            # Null entries: none in a full group, a leading run in a sliding one (docs §13)
+            live = table.count(0) if windows[g] is not None else 0
+            assert 0 not in table[live:], f"{rid} holds the null block in group {g}"
+            holders.update(table[live:])
     for rid, held in state.kv_transfers.held.items():
         assert held.pending and 0 not in held.block_ids, f"finished {rid} holds blocks"
         holders.update(held.block_ids)

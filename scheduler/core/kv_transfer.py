@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
+from scheduler.config import SchedulerConfig
+from scheduler.kv.groups import FULL_ATTENTION
 from scheduler.kv_connector import KVConnector, KVConnectorOutput, KVSave
 from scheduler.request import RequestStatus
 
@@ -69,6 +71,15 @@ def take_up_load(w: "Work", rid: str) -> bool:
     w.update(rid, status=RequestStatus.PREEMPTED if req.num_preemptions
              else RequestStatus.WAITING)
     return True
+
+
+def require_one_group(config: SchedulerConfig) -> None:
+    """Raise ValueError unless the model has one full-attention KV cache group: a connector's
+    loads and saves are block lists of one table (docs/SCHEDULING.md §13)."""
+    if config.kv_cache_groups != (FULL_ATTENTION,):
+        raise ValueError(
+            f"kv_cache_groups={config.kv_cache_groups!r}: a KV connector (KV offloading) "
+            "works only with one full-attention KV cache group; serve this model without one")
 
 
 def hold_blocks(w: "Work", rid: str, pending: frozenset[str]) -> None:

@@ -5,12 +5,14 @@ one replica cannot help a request sent to another). The answer is the one admiss
 if the request were admitted now: the same hashes (`scheduler.kv.hashing`, `cache_salt` on the
 first block), the same lookup (`kv_cache.longest_cached_prefix`) and the same cap
 (`kv_cache.num_hittable_blocks`: the last token is always computed). Nothing is written: not
-the state, not its shared data, not the memo of request hashes.
+the state, not its shared data, not the memo of request hashes. With several KV cache groups
+the answer is the hit they all agree on (`groups.longest_hit`, docs/SCHEDULING.md §13).
 """
 
 from collections.abc import Iterator, Sequence
 
 from scheduler.core.state import SchedulerState, StateData
+from scheduler.kv.groups import longest_hit
 from scheduler.kv.hashing import BlockHash, extend_block_hashes
 from scheduler.kv.kv_cache import longest_cached_prefix, num_hittable_blocks
 from scheduler.request import Request
@@ -34,8 +36,12 @@ def prefix_cache_hit(state: SchedulerState, request: Request) -> int:
     tokens = request.all_token_ids
     count = num_hittable_blocks(len(tokens), cfg.block_size)
     hashes = _hashes(tokens, count, cfg.block_size, request.cache_salt)
+    windows = tuple(g.sliding_window for g in cfg.kv_cache_groups)
 
     def lookup(data: StateData) -> int:
+        if windows != (None,):  # a sliding group searches from the end: every hash
+            return len(longest_hit(data.kv.cached, tuple(hashes), windows,
+                                   cfg.block_size)[0])
         return len(longest_cached_prefix(data.kv.cached, hashes))
 
     return state.read_data(lookup) * cfg.block_size

@@ -18,6 +18,7 @@ from scheduler.core.state import (
     SchedulerOutput,
     SchedulerState,
 )
+from scheduler.kv.kv_cache import Hit
 from scheduler.kv_connector import KVConnector, KVConnectorMetadata, KVLoad
 from scheduler.request import Request, RequestStatus
 
@@ -92,6 +93,8 @@ def schedule(state: SchedulerState, kv_connector: KVConnector | None = None,
     Returns:
         The new state (computed counters advanced at schedule time) and the plan.
     """
+    if kv_connector is not None:
+        kv_transfer.require_one_group(state.config)
     w = Work(state)
     try:
         if w.policy.dynamic:  # keys may have changed since the last step (docs §8)
@@ -123,6 +126,7 @@ def _schedule_running(w: Work, st: _Step) -> None:
     tables, num_cached, histories = w.tables, w.num_cached, w.tokens
     placeholders = w.placeholders  # empty unless async scheduling has a step in flight
     bs, caching = w.config.block_size, w.config.enable_prefix_caching
+    hybrid = w.kv.hybrid  # windows slide at every step's allocation (docs §13)
     last_position = w.config.max_model_len - 1
     threshold, prefills = st.threshold, st.prefills
     planned, before, inputs, sampling = st.tokens, st.computed_before, st.inputs, st.sampling
@@ -142,7 +146,7 @@ def _schedule_running(w: Work, st: _Step) -> None:
             i += 1
             continue
         num_tokens = known + ph
-        if (num_tokens - computed == 1 and computed < len(table) * bs
+        if (num_tokens - computed == 1 and computed < len(table) * bs and not hybrid
                 and not (caching and (computed + 1 - ph) // bs > num_cached[rid])
                 and not static[rid].spec_token_ids):
             planned[rid] = 1
@@ -164,7 +168,7 @@ def _schedule_running(w: Work, st: _Step) -> None:
             i += 1
             continue
         end = computed + n
-        fits = end <= len(table) * bs and not (
+        fits = end <= len(table) * bs and not hybrid and not (
             caching and min(end, known) // bs > num_cached[rid])
         ok = fits
         if not fits:
@@ -262,7 +266,7 @@ def _admit_waiting(w: Work, st: _Step) -> None:
         if not w.allocate(rid, num_computed + n, hit):
             break  # waiting requests never preempt
         w.waiting.pop(0)
-        num_hit = len(hit) * cfg.block_size
+        num_hit = len(hit[0]) * cfg.block_size
         if lookup and lookup[1]:  # loaded inside this step, before its forward pass
             st.loads.append(KVLoad(req_id=rid, block_ids=w.tables[rid],
                                    num_computed_tokens=num_hit,
@@ -278,7 +282,7 @@ _FSM = RequestStatus.WAITING_FOR_FSM
 
 
 def _find_computed(w: Work, st: _Step, rid: str,
-                   num_tokens: int) -> tuple[list[int], int, Lookup | None] | None:
+                   num_tokens: int) -> tuple[Hit, int, Lookup | None] | None:
     """Where a waiting request's first tokens' KV comes from: (prefix-cache hit blocks, tokens
     with KV once admitted, the lookup to count; None for a load taken up, counted when it
     started). None: set it aside for this step (its grammar or its KV is not ready, or the
@@ -291,11 +295,11 @@ def _find_computed(w: Work, st: _Step, rid: str,
         return None
     num_computed = w.computed[rid]  # > 0 only once an asynchronous load is taken up
     if num_computed:
-        return [], num_computed, None
+        return w.kv.empty, num_computed, None
     # vLLM's skip_reading_prefix_cache (prompt logprobs): its every position is computed
-    hit = [] if req.skip_reading_prefix_cache else w.kv.find_cached_prefix(
+    hit = w.kv.empty if req.skip_reading_prefix_cache else w.kv.find_cached_prefix(
         rid, w.tokens[rid], num_tokens, req.cache_salt)
-    num_hit = len(hit) * w.config.block_size
+    num_hit = len(hit[0]) * w.config.block_size
     if st.connector is None or req.skip_reading_prefix_cache:  # nor external KV (vLLM's
         return hit, num_hit, (num_hit, None)  # connectors answer 0 for such a request)
     match = kv_transfer.ask_connector(w, st.connector, rid, num_hit, num_tokens)
@@ -309,13 +313,13 @@ def _find_computed(w: Work, st: _Step, rid: str,
     return hit, min(num_hit + num_external, num_tokens - 1), (num_hit, num_external)
 
 
-def _start_async_load(w: Work, st: _Step, rid: str, hit: list[int], num_external: int,
+def _start_async_load(w: Work, st: _Step, rid: str, hit: Hit, num_external: int,
                       num_tokens: int) -> bool:
     """Allocate blocks for the local hit and the tokens to load, and park the request in
     WAITING_FOR_REMOTE_KVS (vLLM's `load_kv_async`): nothing is computed for it this step, and
     the loaded blocks enter the prefix cache only once the load is reported finished."""
     cfg = w.config
-    num_hit = len(hit) * cfg.block_size
+    num_hit = len(hit[0]) * cfg.block_size
     if cfg.reserve_full_prompt and not _fits_whole(w, rid, num_tokens, hit):
         return False
     # Blocks for the whole sequence, not only the loaded part (as vLLM): taking the request
@@ -331,11 +335,12 @@ def _start_async_load(w: Work, st: _Step, rid: str, hit: list[int], num_external
     return True
 
 
-def _fits_whole(w: Work, rid: str, num_tokens: int, hit: list[int]) -> bool:
-    """Are blocks for the whole sequence (plus the watermark, while anything runs) free?"""
+def _fits_whole(w: Work, rid: str, num_tokens: int, hit: Hit) -> bool:
+    """Are blocks for the whole sequence (plus the watermark, while anything runs) free? A
+    sliding group counts only what its window holds at once (docs §13)."""
     cfg = w.config
-    table = w.tables.get(rid, ())  # a request whose load was taken up holds blocks already
-    need = w.kv.num_blocks_needed(table, min(num_tokens, cfg.max_model_len), hit)
+    tables = w.group_tables(rid)  # a request whose load was taken up holds blocks already
+    need = w.kv.num_blocks_needed(tables, min(num_tokens, cfg.max_model_len), hit, whole=True)
     if w.running:
         need += int(cfg.watermark * cfg.num_blocks)
     return need <= w.kv.num_free
@@ -386,11 +391,18 @@ def _make_output(w: Work, st: _Step, state: SchedulerState) -> SchedulerOutput:
                                    evicted_blocks=tuple(st.evicted))
         if w.kvt.saves:
             w.kvt = dataclasses.replace(w.kvt, saves=())
+    tables = MappingProxyType(st.tables)
+    group_tables: tuple = (tables,)
+    if w.kv.hybrid:
+        more = w.more_tables
+        group_tables += tuple(MappingProxyType({rid: more[rid][g] for rid in st.tables})
+                              for g in range(len(cfg.kv_cache_groups) - 1))
     return SchedulerOutput(
         num_scheduled_tokens=MappingProxyType(st.tokens),
         total_num_scheduled_tokens=total,
         num_computed_tokens=MappingProxyType(st.computed_before),
-        input_token_ids=MappingProxyType(st.inputs), block_tables=MappingProxyType(st.tables),
+        input_token_ids=MappingProxyType(st.inputs), block_tables=tables,
+        group_block_tables=group_tables,
         sampling_req_ids=tuple(st.sampling), scheduled_new_reqs=new_reqs,
         scheduled_spec_decode_tokens=MappingProxyType(st.spec),
         preempted_req_ids=frozenset(st.preempted),

@@ -69,6 +69,8 @@ class SchedulerState:
     _computed: Mapping[str, int] = _EMPTY  # num_computed_tokens
     _tables: Mapping[str, tuple[int, ...]] = _EMPTY  # block table of each request holding blocks
     _num_cached: Mapping[str, int] = _EMPTY  # leading blocks of each table in the prefix cache
+    # With several KV cache groups (docs §13): the tables of groups 1.., keyed as _tables
+    _more_tables: Mapping[str, tuple[tuple[int, ...], ...]] = _EMPTY
     _placeholders: Mapping[str, int] = _EMPTY  # async: tokens owed by steps in flight, one per
     # step that samples the request (one verifying drafts may give it more: docs §4.1)
     _finished: frozenset[str] = frozenset()  # reported by the next schedule()
@@ -90,7 +92,8 @@ class SchedulerState:
     def _content(self) -> tuple:
         # The shared data is copied out under its lock: reading `other` next may reroot it.
         return (self.config, self.step, self.waiting, self.running, self.num_free_blocks,
-                self.counters, self._static, self._computed, self._tables, self._num_cached,
+                self.counters, self._static, self._computed, self._tables, self._more_tables,
+                self._num_cached,
                 self._placeholders, self._finished, self._served, self._kv_transfers,
                 self._data.read(StateData.content))
 
@@ -104,8 +107,17 @@ class SchedulerState:
         return len(self._static[request_id].prompt_token_ids)
 
     def block_table(self, request_id: str) -> tuple[int, ...]:
-        """The KV block ids of a request (empty while it holds none)."""
+        """The KV block ids of a request in KV cache group 0 (empty while it holds none)."""
         return self._tables.get(request_id, ())
+
+    def group_block_tables(self, request_id: str) -> tuple[tuple[int, ...], ...]:
+        """The request's block table in each KV cache group, in the order of
+        `config.kv_cache_groups` (empty ones while it holds none); a sliding group's has the
+        null block 0 where its window has moved past (docs/SCHEDULING.md §13)."""
+        n = len(self.config.kv_cache_groups)
+        if request_id not in self._tables:
+            return ((),) * n
+        return (self._tables[request_id],) + self._more_tables.get(request_id, ())
 
     # The columns, for checkers and tools that must not build whole `Request`s per step: each
     # mapping is the state's own read-only one, keyed by request id, returned without a copy.
@@ -253,7 +265,7 @@ class SchedulerOutput:
     input_token_ids: Mapping[str, tuple[int, ...]]  # the tokens each request computes now;
     # under async scheduling a decode's one token may be PLACEHOLDER_TOKEN_ID (sampled by the
     # step in flight, which the runner knows)
-    block_tables: Mapping[str, tuple[int, ...]]  # after this step's allocation
+    block_tables: Mapping[str, tuple[int, ...]]  # after this step's allocation (group 0)
     sampling_req_ids: tuple[str, ...]  # requests whose prompt is complete: they sample
     scheduled_new_reqs: tuple[NewRequestData, ...]  # admitted for the first time
     scheduled_spec_decode_tokens: Mapping[str, tuple[int, ...]]
@@ -262,6 +274,9 @@ class SchedulerOutput:
     # What a KV connector's worker side must do this step (docs/SCHEDULING.md §11); None when
     # schedule() was given no connector
     kv_connector_metadata: KVConnectorMetadata | None = None
+    # Per KV cache group (config.kv_cache_groups), each scheduled request's block table after
+    # this step's allocation; group 0's is `block_tables` (docs/SCHEDULING.md §13)
+    group_block_tables: tuple[Mapping[str, tuple[int, ...]], ...]
 
 
 class RequestDelta(NamedTuple):

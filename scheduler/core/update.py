@@ -60,6 +60,8 @@ def abort_requests(state: SchedulerState, request_ids: Iterable[str], *,
     reported finished, and `kv_connector` may hold any aborted request's blocks to save them
     (docs/SCHEDULING.md §11).
     """
+    if kv_connector is not None:
+        kv_transfer.require_one_group(state.config)
     w = Work(state)
     try:
         aborted = {r for r in request_ids if r in w.static}
@@ -119,6 +121,8 @@ def update_from_output(
     Returns:
         The new state and one delta per request that got tokens (in `sampling_req_ids` order).
     """
+    if kv_connector is not None or kv_connector_output is not None:
+        kv_transfer.require_one_group(state.config)
     w = Work(state)
     try:
         deltas = _apply_outputs(w, output, sampled_token_ids)

@@ -9,17 +9,28 @@ taking a cached block off the middle (a prefix hit) is O(1). Allocation takes fr
 Freeing releases a request's blocks tail first; a block with no cached hash goes to the head
 (reused first), a cached one to the tail (evicted last): LRU eviction, suffix before prefix.
 Block 0 is the null block: never allocated, freed or counted.
+
+A hybrid model's KV cache groups (docs/SCHEDULING.md §13) share the pool: a request has one
+table per group, all of one length; a sliding group's table holds the null block where its
+window has moved past, and each group caches its blocks under its own keys
+(`groups.group_key`). With one full-attention group every method does what it did alone.
 """
 
 import itertools
 from collections.abc import Iterable, Mapping, Sequence
 
 from scheduler._versioned import Journal
+from scheduler.kv.groups import (
+    FULL_ATTENTION,
+    CacheKey,
+    KVCacheGroup,
+    group_key,
+    longest_hit,
+    max_group_blocks,
+    num_skipped_blocks,
+)
+from scheduler.kv.groups import cdiv as cdiv
 from scheduler.kv.hashing import BlockHash, extend_block_hashes
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def num_hittable_blocks(num_tokens: int, block_size: int) -> int:
@@ -28,7 +39,7 @@ def num_hittable_blocks(num_tokens: int, block_size: int) -> int:
     return (num_tokens - 1) // block_size
 
 
-def longest_cached_prefix(cached: Mapping[BlockHash, tuple[int, ...]],
+def longest_cached_prefix(cached: Mapping[CacheKey, tuple[int, ...]],
                           hashes: Iterable[BlockHash]) -> list[int]:
     """The first block holding each of `hashes`, in order, up to the first one not cached."""
     hit: list[int] = []
@@ -53,7 +64,7 @@ class PoolData:
         n = num_blocks
         self.head, self.tail = n, n + 1  # sentinel indices in nxt/prv
         self.ref: list[int] = [0] * n  # reference count per block
-        self.block_hash: list[BlockHash | None] = [None] * n  # registered hash per block
+        self.block_hash: list[CacheKey | None] = [None] * n  # registered key per block
         # Free list 1, 2, ..., n-1 between the sentinels (block 0 is the null block).
         self.nxt: list[int] = [i + 1 for i in range(n)] + [1, -1]
         self.prv: list[int] = [i - 1 for i in range(n)] + [-1, n - 1]
@@ -63,7 +74,7 @@ class PoolData:
         else:
             self.prv[1] = self.head
         self.num_free: int = n - 1  # blocks in the free list (written with Journal.set_attr)
-        self.cached: dict[BlockHash, tuple[int, ...]] = {}  # hash -> blocks holding it
+        self.cached: dict[CacheKey, tuple[int, ...]] = {}  # key -> blocks holding it
         self.req_hashes: dict[str, list[BlockHash]] = {}  # lazily computed full-block hashes
 
     def free_list(self) -> list[int]:
@@ -83,22 +94,33 @@ class PoolData:
 
 
 Table = tuple[int, ...]
+_ONE_FULL_GROUP = (FULL_ATTENTION,)
+Hit = tuple[tuple[int, ...], ...]  # a prefix hit's blocks, per group (null 0 where skipped)
 
 
 class KVCacheManager:
-    """Allocation, freeing and prefix caching over one edit of `PoolData`."""
+    """Allocation, freeing and prefix caching over one edit of `PoolData`, for every KV cache
+    group: methods take and return a request's tables as a tuple, one per group."""
 
-    __slots__ = ("d", "j", "block_size", "caching", "max_model_len", "evicted")
+    __slots__ = ("d", "j", "block_size", "caching", "max_model_len", "evicted", "groups",
+                 "windows", "hybrid", "empty", "step_tokens")
 
     def __init__(self, data: PoolData, journal: Journal, *, block_size: int, caching: bool,
-                 max_model_len: int) -> None:
+                 max_model_len: int, groups: tuple[KVCacheGroup, ...],
+                 step_tokens: int) -> None:
         self.d, self.j = data, journal
         self.block_size = block_size
         self.caching = caching
         self.max_model_len = max_model_len
+        self.groups = groups
+        # Anything but one full group: tables per group, windows to slide (docs §13)
+        self.hybrid = groups != _ONE_FULL_GROUP
+        self.windows = tuple(g.sliding_window for g in groups) if self.hybrid else (None,)
+        self.empty: Hit = ((),) * len(groups)  # no blocks in any group (no hit, no table)
+        self.step_tokens = step_tokens  # the most tokens a request computes in one step
         # When a list: every cached block that allocation evicts, as (block, hash), for a KV
         # connector to copy out before the step overwrites it (docs/SCHEDULING.md §11).
-        self.evicted: list[tuple[int, BlockHash]] | None = None
+        self.evicted: list[tuple[int, CacheKey]] | None = None
 
     @property
     def num_free(self) -> int:
@@ -108,15 +130,17 @@ class KVCacheManager:
     # ---- prefix cache -------------------------------------------------------------------
 
     def find_cached_prefix(self, rid: str, tokens: Sequence[int], num_tokens: int,
-                           salt: str | None) -> list[int]:
-        """Blocks holding the longest cached prefix, at most `num_tokens - 1` tokens long (the
-        last token is always computed, to produce logits)."""
+                           salt: str | None) -> Hit:
+        """Per group, the blocks holding the longest cached prefix all groups agree on, at
+        most `num_tokens - 1` tokens long (the last token is always computed, for logits)."""
         if not self.caching:
-            return []
+            return self.empty
         # All the hashes at once: admitting the request registers them right after anyway.
         count = num_hittable_blocks(num_tokens, self.block_size)
         hashes = itertools.islice(self._hashes(rid, tokens, count, salt), count)
-        return longest_cached_prefix(self.d.cached, hashes)
+        if self.hybrid:
+            return longest_hit(self.d.cached, tuple(hashes), self.windows, self.block_size)
+        return (tuple(longest_cached_prefix(self.d.cached, hashes)),)
 
     def _hashes(self, rid: str, tokens: Sequence[int], count: int,
                 salt: str | None) -> list[BlockHash]:
@@ -138,42 +162,98 @@ class KVCacheManager:
         if rid in self.d.req_hashes:
             self.j.delete(self.d.req_hashes, rid)
 
-    def num_blocks_needed(self, table: Table, num_slots: int, hit: Sequence[int] = ()) -> int:
-        """Free blocks that giving a request `num_slots` KV slots would take (hit blocks that
-        sit in the free queue count: taking them removes them from it)."""
-        new = cdiv(min(num_slots, self.max_model_len), self.block_size) - len(hit) - len(table)
+    def num_blocks_needed(self, tables: tuple[Table, ...], num_slots: int, hit: Hit = (),
+                          *, whole: bool = False) -> int:
+        """Free blocks that giving a request `num_slots` KV slots would take, summed over the
+        groups (hit blocks that sit in the free queue count: taking them removes them from it).
+        `whole`: reserve a whole sequence of `num_slots` tokens, of which a sliding group holds
+        at most `groups.max_group_blocks` at once (docs/SCHEDULING.md §13)."""
+        n = cdiv(min(num_slots, self.max_model_len), self.block_size)
         ref = self.d.ref
-        return new + sum(1 for b in hit if ref[b] == 0)
+        if not self.hybrid:  # the hot case, one full group, without the loop below
+            blocks = hit[0] if hit else ()
+            return (max(0, n - len(blocks) - len(tables[0]))
+                    + sum(1 for b in blocks if ref[b] == 0))
+        need = 0
+        for g, table in enumerate(tables):
+            blocks = hit[g] if hit else ()
+            if whole and self.windows[g] is not None:
+                cap = max_group_blocks(self.groups[g], min(num_slots, self.max_model_len),
+                                       self.block_size, self.step_tokens)
+                held = sum(1 for b in table if b) + sum(1 for b in blocks if b)
+                need += max(0, cap - held)
+            else:
+                need += max(0, n - len(blocks) - len(table))
+            need += sum(1 for b in blocks if b and ref[b] == 0)
+        return need
 
     # ---- allocation -------------------------------------------------------------------
 
-    def allocate(self, table: Table, num_slots: int, hit: Sequence[int] = ()) -> Table | None:
-        """The table grown to `num_slots` slots (a new request's `hit` blocks first), or None,
-        changing nothing, if the pool is short."""
-        if self.num_blocks_needed(table, num_slots, hit) > self.num_free:
+    def remove_skipped(self, tables: tuple[Table, ...], num_computed: int) -> tuple[Table, ...]:
+        """The tables with every block that slid out of its group's window, for all tokens
+        from `num_computed` on, freed and replaced by the null block (vLLM's
+        `remove_skipped_blocks`; later blocks are freed first)."""
+        out = list(tables)
+        for g, w in enumerate(self.windows):
+            if w is None:
+                continue
+            t = tables[g]
+            n = min(num_skipped_blocks(w, num_computed, self.block_size), len(t))
+            i = n
+            while i > 0 and t[i - 1]:  # the nulls before i were freed by earlier calls
+                i -= 1
+            if i < n:
+                self.free(t[i:n])
+                out[g] = (0,) * n + t[n:]
+        return tuple(out)
+
+    def allocate(self, tables: tuple[Table, ...], num_slots: int,
+                 hit: Hit = ()) -> tuple[Table, ...] | None:
+        """The tables grown to `num_slots` slots (a new request's `hit` blocks first), or
+        None, changing nothing, if the pool is short."""
+        if self.num_blocks_needed(tables, num_slots, hit) > self.num_free:
             return None
         d, j = self.d, self.j
-        for b in hit:
-            if d.ref[b] == 0:
-                self._unlink(b)
-            j.set_item(d.ref, b, d.ref[b] + 1)
-        table = table + tuple(hit)
-        num_new = cdiv(min(num_slots, self.max_model_len), self.block_size) - len(table)
-        if num_new > 0:
-            table += tuple(self._take_free(num_new))
-        return table
+        # Every group's hit leaves the free queue before any group takes from it.
+        for blocks in hit:
+            for b in blocks:
+                if b:
+                    if d.ref[b] == 0:
+                        self._unlink(b)
+                    j.set_item(d.ref, b, d.ref[b] + 1)
+        n = cdiv(min(num_slots, self.max_model_len), self.block_size)
+        if not self.hybrid:  # the hot case, one full group, without the loop below
+            table = tables[0] + hit[0] if hit else tables[0]
+            return (table + tuple(self._take_free(n - len(table))) if n > len(table) else table,)
+        out = []
+        for g, table in enumerate(tables):
+            if hit:
+                table = table + hit[g]
+            if n > len(table):
+                table += tuple(self._take_free(n - len(table)))
+            out.append(table)
+        return tuple(out)
 
-    def register(self, rid: str, table: Table, num_cached: int, num_full: int,
+    def register(self, rid: str, tables: tuple[Table, ...], num_cached: int, num_full: int,
                  tokens: Sequence[int], salt: str | None) -> None:
-        """Register the hashes of the table's blocks num_cached..num_full-1 (now full)."""
+        """Register the hashes of each table's blocks num_cached..num_full-1 (now full) under
+        its group's keys; a null entry registers nothing."""
         d, j = self.d, self.j
         hashes = self._hashes(rid, tokens, num_full, salt)
-        for i in range(num_cached, num_full):
-            b, h = table[i], hashes[i]
-            j.set_item(d.block_hash, b, h)
-            j.set_key(d.cached, h, d.cached.get(h, ()) + (b,))
+        for g, table in enumerate(tables):
+            for i in range(num_cached, num_full):
+                b = table[i]
+                if b:
+                    h = group_key(g, hashes[i])
+                    j.set_item(d.block_hash, b, h)
+                    j.set_key(d.cached, h, d.cached.get(h, ()) + (b,))
 
-    def free(self, table: Table) -> None:
+    def free_tables(self, tables: tuple[Table, ...]) -> None:
+        """Release a request's blocks in every group, group by group, each as `free` does."""
+        for table in tables:
+            self.free([b for b in table if b] if self.hybrid else table)
+
+    def free(self, table: Sequence[int]) -> None:
         """Release a request's blocks, tail first: each block nobody else holds goes to the
         head of the free queue if it has no cached hash (reused first), else to the tail."""
         d, j = self.d, self.j
@@ -210,7 +290,7 @@ class KVCacheManager:
                 self._evict(b, h)
         return taken
 
-    def _evict(self, b: int, h: BlockHash) -> None:
+    def _evict(self, b: int, h: CacheKey) -> None:
         d, j = self.d, self.j
         rest = tuple(x for x in d.cached[h] if x != b)
         if rest:

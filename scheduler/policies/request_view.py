@@ -143,7 +143,7 @@ class RequestView:
         w = self._w
         tokens = w.tokens[self._rid]
         hit = w.kv.find_cached_prefix(self._rid, tokens, len(tokens), req.cache_salt)
-        return len(hit) * w.kv.block_size
+        return len(hit[0]) * w.kv.block_size
 
     @property
     def num_tokens_to_compute(self) -> int:
