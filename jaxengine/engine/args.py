@@ -89,6 +89,10 @@ class EngineArgs:
                                        "(tensor parallel, mesh axis tp)")
     data_parallel_size: int = arg(1, "engine replicas, each on its own tensor_parallel_size "
                                      "devices, behind a prefix-aware router")
+    enable_expert_parallel: bool = arg(False, "mixture-of-experts models: split the experts "
+                                              "whole over the tensor-parallel devices (each "
+                                              "holds E/tp experts) instead of each expert's "
+                                              "width; attention stays tensor parallel")
     coordinator_address: str | None = arg(
         None, "multi-host: HOST:PORT of process 0's jax.distributed coordinator (the same on "
               "every process); None with the next two: detected by JAX (Cloud TPU, SLURM, ...) "

@@ -60,7 +60,7 @@ def _check_kernel_shapes(impl: str, cfg: ModelConfig, *, block_size: int, tp: in
 
     Under tensor parallelism the kernel runs per device, on that device's heads.
     """
-    layout = tp_layout(cfg, tp)
+    layout = tp_layout(cfg, tp)  # the heads' layout: expert parallelism does not change it
     num_heads, num_kv_heads = cfg.num_heads // tp, layout.kv_heads_per_device
     try:
         check_supported(impl, num_heads=num_heads, num_kv_heads=num_kv_heads,
@@ -198,7 +198,8 @@ def build_engine(args: EngineArgs, *, devices: Sequence[jax.Device] | None = Non
     compilation_cache.configure(args.compilation_cache_dir)
     mesh = make_mesh(engine_devices(args.tensor_parallel_size, devices))
     model, cfg, tokenizer = load_model(args.model, dtype=resolve_dtype(args.dtype),
-                                       with_tokenizer=not args.skip_tokenizer_init, mesh=mesh)
+                                       with_tokenizer=not args.skip_tokenizer_init, mesh=mesh,
+                                       expert_parallel=args.enable_expert_parallel)
     fns = model_fns(model, cfg, attn_impl=attention_backend(args, cfg),
                     batch_invariant=args.batch_invariant)
     config = resolve_config(args, fns, cfg, mesh.devices.flat[0])

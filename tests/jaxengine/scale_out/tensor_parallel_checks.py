@@ -145,6 +145,65 @@ def test_prompt_logprobs_under_tp_are_one_devices(checkpoints: dict[str, str]) -
         assert max(abs(a[t].logprob - b[t].logprob) for t in a) <= TOL
 
 
+@pytest.fixture(scope="module")
+def moe_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """name -> HF directory of a random MoE model with 8 heads (K=2) and 8 experts: Mixtral
+    (top-2, renormalised) and Qwen2-MoE (top-4, a gated shared expert, layer 1 dense)."""
+    root = tmp_path_factory.mktemp("moe")
+    common = dict(num_heads=8, num_kv_heads=2, vocab_size=100, num_experts=8,
+                  intermediate_size=32)
+    return {
+        "mixtral": write_checkpoint(root / "mixtral", tie=False, architecture="mixtral",
+                                    **common),
+        "qwen2_moe": write_checkpoint(root / "qwen2_moe", tie=True, architecture="qwen2_moe",
+                                      top_k=4, shared_expert_size=48, mlp_only_layers=(1,),
+                                      **common),
+    }
+
+
+def _expert_shards_split(e: LLMEngine, tp: int, expert_parallel: bool) -> int:
+    """Assert every routed expert weight is split tp ways (whole experts with expert
+    parallelism, each expert's width without); return how many weights were checked."""
+    checked = 0
+    for path, var in nnx.to_flat_state(e.runner.model.params):
+        if "experts" not in path:
+            continue
+        x = var.get_value()  # [(layers,) E, in, out]
+        width = x.ndim - 1 if path[-1] in ("gate_proj", "up_proj") else x.ndim - 2
+        axis = x.ndim - 3 if expert_parallel else width
+        want = list(x.shape)
+        want[axis] //= tp
+        assert x.addressable_shards[0].data.shape == tuple(want), (path, x.shape)
+        checked += 1
+    return checked
+
+
+@pytest.mark.parametrize(("name", "sizes"), [
+    ("mixtral", (1, 2, 8)),
+    pytest.param("mixtral", (1, 4), marks=pytest.mark.slow),
+    pytest.param("qwen2_moe", (1, 2, 8), marks=pytest.mark.slow),
+])
+def test_moe_with_and_without_expert_parallelism_gives_one_devices_tokens(
+        moe_checkpoints: dict[str, str], name: str, sizes: tuple[int, ...]) -> None:
+    """Experts split over tp by width (tensor parallel) or whole (expert parallel): the
+    tokens and logprobs of one device, every expert weight really split, and nothing
+    compiled after warm-up whatever the routing."""
+    want = run(engine(moe_checkpoints[name], 1), PROMPTS, PARAMS)
+    for tp in sizes[1:]:
+        for ep in (False, True):
+            e = engine(moe_checkpoints[name], tp, enable_expert_parallel=ep,
+                       precompile=tp == sizes[-1], debug_recompiles=tp == sizes[-1])
+            assert_same(run(e, PROMPTS, PARAMS), want, f"{name} tp={tp} ep={ep}")
+            assert _expert_shards_split(e, tp, ep) == 3 * 2  # gate/up/down, 2 layers
+            assert e.runner.stats.compilations_after_warmup == 0
+
+
+def test_expert_parallelism_is_refused_for_a_dense_model(checkpoints: dict[str, str]) -> None:
+    with pytest.raises(ValueError, match="enable_expert_parallel is for mixture-of-experts "
+                                         "models; this llama model has no experts"):
+        engine(checkpoints["gqa_k2"], 2, enable_expert_parallel=True)
+
+
 def test_weights_and_kv_cache_are_split_across_devices(checkpoints: dict[str, str]) -> None:
     """At tp=4 every weight matrix is split four ways (norms replicated); the cache holds 1/2
     of the checkpoint's KV heads per device (K=2: each head on two devices); and the step has
