@@ -28,7 +28,7 @@ def reference(x: np.ndarray, w: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     return out
 
 
-def case(rows: int, sizes: list[int], *, D: int = 24, F: int = 88, seed: int = 0
+def case(rows: int, sizes: list[int], *, D: int = 27, F: int = 88, seed: int = 0
          ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((rows, D)).astype(np.float32)
