@@ -15,11 +15,11 @@ Three implementations:
 - ``"xla"``: ``jax.lax.ragged_dot``, which TPU and GPU lower to a grouped kernel.
 - ``"native"``: for CPU in float32, a C++ kernel over XLA FFI (``cpu/grouped_matmul.cc``)
   that reads each chosen group's matrix in place and no other.
-- ``"tiles"``: for CPU, where XLA expands ``ragged_dot`` to about the cost of every group on
-  every row (docs/BENCHMARKS.md §11). Loops whose trip counts are traced run the groups that
+- ``"tiles"``: XLA operations for CPU where the native kernel is not built, and for other
+  dtypes than float32 (XLA's CPU backend expands ``ragged_dot`` to about the cost of every group
+  on every row, docs/BENCHMARKS.md §11). Loops whose trip counts are traced run the groups that
   have rows, and in each one B-row tile at a time (the last one masked), so the work is that of
-  the rows present rounded up to B per group, and a group without rows never reads its weights;
-  for CPU where the native kernel is not built, and in other dtypes than float32.
+  the rows present rounded up to B per group, and a group without rows never reads its weights.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from jaxengine_kernels.cpu import native
 
 GroupedImpl = Literal["xla", "native", "tiles"]
 GROUPED_IMPLS: tuple[str, ...] = ("xla", "native", "tiles")
-MAX_TILE = 64  # rows per tile once groups are large: the CPU's dot runs near its peak at 64
+MAX_TILE = 64  # rows per tile once groups are large (64, 128 and 256 measured alike)
 
 
 def default_grouped_impl(platform: str | None = None, dtype: jnp.dtype = jnp.float32

@@ -44,38 +44,45 @@ constexpr int64_t kStrip = kVectors * kLanes;  // output columns per unit
 constexpr int64_t kRunRows = 96;               // rows per unit (a decode's rows are one run)
 constexpr int64_t kLine = 64 / sizeof(float);  // floats per cache line
 constexpr int64_t kAhead = 32;                 // strip rows between a prefetch and its use
+// Rows of a chunk: 8 rows a page apart fall in the same L1 sets, within its 12 ways.
+constexpr int64_t kChunk = 8;
+constexpr int64_t kChunkRows = 48;  // the most rows of a unit taken in chunks
 
 struct Unit {
   int64_t group, n0, m0, m1;  // rows [m0, m1) of `group` against columns [n0, n0 + kStrip)
 };
 
-// R rows of x (stride K) against a full strip of w (K rows of stride ldw) into y (stride N).
-// Prefetch: each strip row kAhead rows before its use (rows a page apart, as [K, N]'s strips are
-// at N = 1024, defeat the hardware's prefetcher).
-template <int64_t R, bool Prefetch>
-inline void row_block(const float* x, const float* w, int64_t ldw, float* y, int64_t K,
-                      int64_t N) {
-  fvec acc[R][kVectors] = {};
-  for (int64_t k = 0; k < K; ++k) {
-    if (Prefetch && k + kAhead < K)
+// R rows of x (row stride ldx) against kc rows of a full strip of w (row stride ldw); the sums
+// go to y (row stride ldy), added to what it holds when Add. Prefetch: each strip row kAhead
+// rows before its use (rows a page apart, as [K, N]'s strips are at N = 1024, defeat the
+// hardware's prefetcher).
+template <int64_t R, bool Prefetch, bool Add>
+inline void row_block(const float* x, int64_t ldx, int64_t kc, const float* w, int64_t ldw,
+                      float* y, int64_t ldy) {
+  fvec acc[R][kVectors];
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t v = 0; v < kVectors; ++v)
+      acc[r][v] = Add ? loadv(y + r * ldy + v * kLanes) : fvec{};
+  for (int64_t k = 0; k < kc; ++k) {
+    if (Prefetch && k + kAhead < kc)
       for (int64_t v = 0; v < kStrip; v += kLine) __builtin_prefetch(w + (k + kAhead) * ldw + v);
     fvec wv[kVectors];
     for (int64_t v = 0; v < kVectors; ++v) wv[v] = loadv(w + k * ldw + v * kLanes);
     for (int64_t r = 0; r < R; ++r) {
-      const float b = x[r * K + k];  // broadcast by the vector product
+      const float b = x[r * ldx + k];  // broadcast by the vector product
       for (int64_t v = 0; v < kVectors; ++v) acc[r][v] += wv[v] * b;
     }
   }
   for (int64_t r = 0; r < R; ++r)
-    for (int64_t v = 0; v < kVectors; ++v) storev(y + r * N + v * kLanes, acc[r][v]);
+    for (int64_t v = 0; v < kVectors; ++v) storev(y + r * ldy + v * kLanes, acc[r][v]);
 }
 
-template <bool Prefetch, int64_t R = kRowBlock>
-inline void row_tail(int64_t rows, const float* x, const float* w, int64_t ldw, float* y,
-                     int64_t K, int64_t N) {
+template <bool Prefetch, bool Add, int64_t R = kRowBlock>
+inline void row_tail(int64_t rows, const float* x, int64_t ldx, int64_t kc, const float* w,
+                     int64_t ldw, float* y, int64_t ldy) {
   if constexpr (R > 0) {
-    if (rows == R) return row_block<R, Prefetch>(x, w, ldw, y, K, N);
-    row_tail<Prefetch, R - 1>(rows, x, w, ldw, y, K, N);
+    if (rows == R) return row_block<R, Prefetch, Add>(x, ldx, kc, w, ldw, y, ldy);
+    row_tail<Prefetch, Add, R - 1>(rows, x, ldx, kc, w, ldw, y, ldy);
   }
 }
 
@@ -90,20 +97,40 @@ void narrow(const float* x, const float* w, float* y, int64_t rows, int64_t K, i
     }
 }
 
-// One unit (see the top). A unit of one row block reads its strip once, in place; a longer run
-// first copies the strip into a contiguous buffer, which its row blocks then reread from cache
-// (in place, K rows a page apart map to a few cache sets and evict each other).
+// A run of a few row blocks (a decode's rows of one expert): the strip in chunks of kChunk rows,
+// every block over one chunk (in L1) before the next, the sums kept in a buffer, so that the
+// strip streams from memory once; the chunk after next is asked for while one computes.
+void chunked(const float* x, int64_t rows, const float* w, float* y, int64_t K, int64_t N) {
+  alignas(64) float sums[kChunkRows * kStrip];
+  for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
+    const int64_t kc = std::min(kChunk, K - k0);
+    for (int64_t k = k0 + 2 * kChunk; k < std::min(K, k0 + 3 * kChunk); ++k)
+      for (int64_t v = 0; v < kStrip; v += kLine) __builtin_prefetch(w + k * N + v);
+    for (int64_t m = 0; m < rows; m += kRowBlock) {
+      const int64_t r = std::min(kRowBlock, rows - m);
+      if (k0 == 0)
+        row_tail<false, false>(r, x + m * K, K, kc, w, N, sums + m * kStrip, kStrip);
+      else
+        row_tail<false, true>(r, x + m * K + k0, K, kc, w + k0 * N, N, sums + m * kStrip,
+                              kStrip);
+    }
+  }
+  for (int64_t m = 0; m < rows; ++m)
+    std::memcpy(y + m * N, sums + m * kStrip, sizeof(float) * kStrip);
+}
+
+// One unit (see the top). One row block reads its strip once, in place; a few blocks take it
+// in chunks (`chunked`); a long run (prefill) first copies the strip into a contiguous buffer
+// that its blocks reread from cache (in place, K rows a page apart map to a few cache sets and
+// evict each other).
 void unit(const float* X, const float* W, float* Y, int64_t K, int64_t N, const Unit& u) {
   const float* w = W + u.group * K * N + u.n0;
-  const int64_t width = std::min(kStrip, N - u.n0);
-  if (width < kStrip) {
-    narrow(X + u.m0 * K, w, Y + u.m0 * N + u.n0, u.m1 - u.m0, K, N, width);
-    return;
-  }
-  if (u.m1 - u.m0 <= kRowBlock) {
-    row_tail<true>(u.m1 - u.m0, X + u.m0 * K, w, N, Y + u.m0 * N + u.n0, K, N);
-    return;
-  }
+  const float* x = X + u.m0 * K;
+  float* y = Y + u.m0 * N + u.n0;
+  const int64_t width = std::min(kStrip, N - u.n0), rows = u.m1 - u.m0;
+  if (width < kStrip) return narrow(x, w, y, rows, K, N, width);
+  if (rows <= kRowBlock) return row_tail<true, false>(rows, x, K, K, w, N, y, N);
+  if (rows <= kChunkRows) return chunked(x, rows, w, y, K, N);
   thread_local std::vector<float> strip;
   strip.resize(K * kStrip);
   for (int64_t k = 0; k < K; ++k) {
@@ -111,9 +138,9 @@ void unit(const float* X, const float* W, float* Y, int64_t K, int64_t N, const 
       for (int64_t v = 0; v < kStrip; v += kLine) __builtin_prefetch(w + (k + kAhead) * N + v);
     std::memcpy(&strip[k * kStrip], w + k * N, sizeof(float) * kStrip);
   }
-  for (int64_t m = u.m0; m < u.m1; m += kRowBlock)
-    row_tail<false>(std::min(kRowBlock, u.m1 - m), X + m * K, strip.data(), kStrip,
-                    Y + m * N + u.n0, K, N);
+  for (int64_t m = 0; m < rows; m += kRowBlock)
+    row_tail<false, false>(std::min(kRowBlock, rows - m), x + m * K, K, K, strip.data(),
+                           kStrip, y + m * N, N);
 }
 
 ffi::Error GroupedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,

@@ -4,11 +4,15 @@ no group."""
 
 from __future__ import annotations
 
+import functools
+
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jaxengine_kernels import cpu, default_grouped_impl, grouped_matmul
 from jaxengine_kernels.cpu import native
@@ -28,7 +32,7 @@ def reference(x: np.ndarray, w: np.ndarray, sizes: np.ndarray) -> np.ndarray:
     return out
 
 
-def case(rows: int, sizes: list[int], *, D: int = 24, F: int = 88, seed: int = 0
+def case(rows: int, sizes: list[int], *, D: int = 27, F: int = 88, seed: int = 0
          ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((rows, D)).astype(np.float32)
@@ -70,6 +74,20 @@ def test_matches_the_reference(impl: str, dtype: jnp.dtype, name: str) -> None:
     np.testing.assert_allclose(np.asarray(out, np.float32), want, atol=TOL[dtype] * scale,
                                rtol=TOL[dtype])
     np.testing.assert_array_equal(np.asarray(out, np.float32)[sizes.sum():], 0.0)
+
+
+FIXED = case(64, [0] * 5, seed=9)[:2]  # x [64, 27], w [5, 27, 88]: one compilation per impl
+FIXED_CALLS = {impl: jax.jit(functools.partial(grouped_matmul, impl=impl)) for impl in IMPLS}
+
+
+@settings(max_examples=40, deadline=None)
+@given(sizes=st.lists(st.integers(0, 30), min_size=5, max_size=5).filter(lambda s: sum(s) <= 64),
+       impl=st.sampled_from(IMPLS))
+def test_any_group_sizes_match_the_reference(sizes: list[int], impl: str) -> None:
+    x, w = FIXED
+    out = FIXED_CALLS[impl](x, w, jnp.asarray(sizes, jnp.int32))
+    np.testing.assert_allclose(np.asarray(out), reference(x, w, np.asarray(sizes)), atol=1e-4,
+                               rtol=1e-5)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -56,7 +56,7 @@ def tp1(inputs) -> list[np.ndarray]:
     return [np.asarray(call(jnp.asarray(x), jnp.int32(live))) for x, live in inputs]
 
 
-@pytest.mark.parametrize("grouped_impl", ["native", "tiles"])
+@pytest.mark.parametrize("grouped_impl", ["native", "tiles", "xla"])
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp", "ep"])
 @pytest.mark.parametrize("tp", [2, 4, 8])
 def test_gives_tp1s_output_and_compiles_once(tp: int, expert_parallel: bool, grouped_impl: str,
