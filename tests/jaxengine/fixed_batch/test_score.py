@@ -78,3 +78,20 @@ def test_bad_arguments_say_what_to_change() -> None:
         score(model, ids, np.ones((2, 4), np.int32), lens)
     with pytest.raises(ValueError, match=r"continuation_ids lengths must be in \[1, 4\]"):
         score(model, ids, np.ones((3, 4), np.int32), lens, np.asarray([1, 5, 2]))
+
+
+@pytest.mark.parametrize("name", ["gemma2_softcap", "gemma3_text", "mixtral_moe", "qwen3_moe"])
+def test_new_families_generate_and_score_transformers_tokens(name: str) -> None:
+    """`generate` and `score` (the research API, one program each) on the families with
+    windows, soft-caps and experts: transformers' greedy tokens and their logprobs."""
+    path = TINY.parent / name
+    oracle = np.load(path / "oracle.npz")
+    fns, _ = load_model_fns(str(path))
+    ids = oracle["input_ids"][None, :]
+    want = oracle["greedy_ids"][None, :]
+    gen = generate(fns, ids, max_new_tokens=want.shape[1], block_size=4)
+    assert np.asarray(gen.tokens).tolist() == want.tolist()
+    np.testing.assert_allclose(gen.logprobs[0], oracle["greedy_logprobs"], atol=2e-3, rtol=0)
+    out = score(fns, ids, want, cache="paged", block_size=4)
+    np.testing.assert_allclose(out.logprobs[0], oracle["greedy_logprobs"], atol=2e-3, rtol=0)
+    assert bool(out.is_greedy[0])

@@ -198,6 +198,20 @@ def test_moe_with_and_without_expert_parallelism_gives_one_devices_tokens(
             assert e.runner.stats.compilations_after_warmup == 0
 
 
+@pytest.mark.parametrize("name", ["gemma2_softcap", "gemma3_text"])
+def test_sliding_window_models_on_the_mesh_give_transformers_tokens(name: str) -> None:
+    """Gemma 2 (soft-caps, alternating windows) and Gemma 3 (5:1-style windows, two RoPE
+    bases) at tp=2: transformers' greedy tokens past the window, and tp=1's logprobs."""
+    oracle = np.load(FIXTURES / name / "oracle.npz")
+    prompt = oracle["input_ids"].tolist()
+    params = [SamplingParams(max_tokens=len(oracle["greedy_ids"]), temperature=0.0, logprobs=1,
+                             ignore_eos=True)]
+    got = {tp: run(engine(str(FIXTURES / name), tp, max_num_batched_tokens=16), [prompt],
+                   params) for tp in (1, 2)}
+    assert got[2]["0"][0] == oracle["greedy_ids"].tolist()
+    assert_same(got[2], got[1], f"{name} tp=2")
+
+
 def test_expert_parallelism_is_refused_for_a_dense_model(checkpoints: dict[str, str]) -> None:
     with pytest.raises(ValueError, match="enable_expert_parallel is for mixture-of-experts "
                                          "models; this llama model has no experts"):
