@@ -26,9 +26,9 @@ revision REV.
 decodes at SmolLM2's heads in float32 at context W and at 8·W, each implementation once with
 the window W and once with full attention (one compiled function, the window an operand as in
 the model), all in turn, best-of wall ms per layer; the pages lie in one pool sized for 8·W and
-every call reads them from memory (a 1 GiB buffer is rewritten before it). A windowed layer
-skips the pages outside its window, so its time stays flat from W to 8·W while the full
-layer's grows about 8x.
+every call reads them from memory (a 1 GiB host buffer is rewritten before it; on an
+accelerator a context of W may still sit in its L2). A windowed layer skips the pages outside
+its window, so its time stays flat from W to 8·W while the full layer's grows about 8x.
 """
 
 from __future__ import annotations
