@@ -8,6 +8,7 @@ heads, head_dim 128), page size 16, bfloat16, two batches:
     python benchmarks/attention.py [--mode auto|check|time|cpu] [--impls reference,gpu]
                                    [--peak-gbps 4300] [--iters 20] [--small]
                                    [--blocks pages_per_iter=8,num_splits=4] [--baseline REV]
+                                   [--sliding-window W]
 
 ``check`` (the default on CPU) runs the Pallas kernels in interpret mode against the jnp
 reference at a reduced size and prints their errors. ``time`` (the default on GPU / TPU) times
@@ -20,6 +21,14 @@ heads in float32 (prefills, a chunk after a cached prefix, decodes), in turn in 
 with the cache donated: best-of wall and CPU ms per layer, wall GFLOP/s against the sgemm rate,
 and each one's speedup over the reference; with ``--baseline REV`` also the reference as of git
 revision REV.
+
+``--sliding-window W`` (``cpu`` and ``time`` modes) measures instead what a window saves: 16
+decodes at SmolLM2's heads in float32 at context W and at 8·W, each implementation once with
+the window W and once with full attention (one compiled function, the window an operand as in
+the model), all in turn, best-of wall ms per layer; the pages lie in one pool sized for 8·W and
+every call reads them from memory (a 1 GiB host buffer is rewritten before it; on an
+accelerator a context of W may still sit in its L2). A windowed layer skips the pages outside
+its window, so its time stays flat from W to 8·W while the full layer's grows about 8x.
 """
 
 from __future__ import annotations
@@ -225,12 +234,14 @@ CPU_CASES = [
 ]
 
 
-def cpu_batch(reqs: list[tuple[int, int]], seed: int = 0) -> tuple[dict, float]:
-    """A float32 batch for ``reqs`` (shuffled pages) and its useful attention FLOPs."""
+def cpu_batch(reqs: list[tuple[int, int]], seed: int = 0,
+              pool_pages: int = 0) -> tuple[dict, float]:
+    """A float32 batch for ``reqs`` (pages shuffled over a pool of at least ``pool_pages``)
+    and its useful attention FLOPs."""
     rng = np.random.default_rng(seed)
     N, K, H, L = 9, 3, 64, 16
     n_pages = [-(-c // L) for _, c in reqs]
-    perm = 1 + rng.permutation(sum(n_pages)).astype(np.int32)
+    perm = 1 + rng.permutation(max(sum(n_pages), pool_pages))[: sum(n_pages)].astype(np.int32)
     tables = np.zeros((len(reqs), max(n_pages)), np.int32)
     starts = np.cumsum([0] + n_pages)
     for r in range(len(reqs)):
@@ -306,6 +317,51 @@ def run_cpu(shapes: list[Shape], impls: list[str], args: argparse.Namespace) -> 
     return summary
 
 
+def run_window(impls: list[str], args: argparse.Namespace) -> list[str]:
+    """Decode attention at context W and 8·W, with the window W and without, all timed in turn
+    (best of ``--iters``); print the table, return each implementation's 8·W / W time ratios
+    (windowed, full)."""
+    W = args.sliding_window
+    fns = {i: jax.jit(functools.partial(ragged_paged_attention, sm_scale=64**-0.5, impl=i,
+                                        **(args.blocks if i != "reference" and args.blocks
+                                           else {})), donate_argnames="kv_cache")
+           for i in impls}  # fmt: skip
+    windows = {"window": jnp.int32(W), "full": jnp.int32(0)}
+    # One pool for both contexts (an engine's is fixed): the pages of a context of W lie as far
+    # apart as those of 8·W.
+    batches = {ctx: cpu_batch([(1, ctx)] * 16, args.seed, pool_pages=16 * -(-8 * W // 16))[0]
+               for ctx in (W, 8 * W)}  # fmt: skip
+    runs = [(ctx, i, w) for ctx in batches for i in impls for w in windows]
+    caches = {}
+    for ctx, i, w in runs:  # compile, and a cache of its own to donate
+        batch = batches[ctx]
+        out, caches[ctx, i, w] = fns[i](**dict(batch, kv_cache=jnp.copy(batch["kv_cache"])),
+                                        sliding_window=windows[w])  # fmt: skip
+        out.block_until_ready()
+    # Rewritten before each timed call, so that every call reads its KV from memory, as a
+    # model's step does (its weights and other layers evict the pages), not from a cache that
+    # holds a context of W (this Xeon's L3 holds 480 MiB).
+    flush = np.zeros(1 << 28, np.float32)
+    ms = dict.fromkeys(runs, float("inf"))
+    for _ in range(args.iters):  # in turn, so that all see the same neighbours
+        for run in runs:
+            ctx, i, w = run
+            flush += 1.0
+            t0 = time.perf_counter()
+            out, caches[run] = fns[i](**dict(batches[ctx], kv_cache=caches[run]),
+                                      sliding_window=windows[w])  # fmt: skip
+            out.block_until_ready()
+            ms[run] = min(ms[run], 1e3 * (time.perf_counter() - t0))
+    cols = [(i, w) for i in impls for w in windows]
+    print(f"{'16 decodes at':>14} " + " ".join(f"{f'{i} {w} ms':>18}" for i, w in cols))
+    for ctx in batches:
+        print(f"{ctx:14d} " + " ".join(f"{ms[ctx, i, w]:18.3f}" for i, w in cols))
+    ratios = {(i, w): ms[8 * W, i, w] / ms[W, i, w] for i, w in cols}
+    print(f"{'8W / W':>14} " + " ".join(f"{ratios[col]:17.2f}x" for col in cols))
+    return [f"{i}: W={W} decode 8W/W {ratios[i, 'window']:.2f}x windowed, "
+            f"{ratios[i, 'full']:.2f}x full" for i in impls]
+
+
 def _wall_seconds(fn: Callable[[], object]) -> float:
     """Wall seconds of one call."""
     t0 = time.perf_counter()
@@ -336,7 +392,11 @@ def main() -> None:
     )  # fmt: skip
     p.add_argument("--baseline", default=None, metavar="REV",
                    help="cpu mode: also time jaxengine_kernels/reference.py as of git REV")
+    p.add_argument("--sliding-window", type=int, default=0, metavar="W",
+                   help="cpu/time modes: decodes at context W and 8W, windowed and full")
     args = p.parse_args()
+    if args.sliding_window < 0:
+        p.error(f"--sliding-window must be >= 0, got {args.sliding_window}")
     backend = jax.default_backend()
     mode = args.mode if args.mode != "auto" else ("check" if backend == "cpu" else "time")
     if args.impls:
@@ -350,8 +410,13 @@ def main() -> None:
     shapes = SMALL if (args.small or mode == "check") else FULL
     print(f"backend={backend} ({jax.devices()[0].device_kind}) mode={mode} jax={jax.__version__}"
           f" impls={','.join(impls)} blocks={args.blocks or 'default'}")  # fmt: skip
-    run = {"check": run_check, "time": run_time, "cpu": run_cpu}[mode]
-    summary = run(shapes, impls, args)
+    if args.sliding_window:
+        if mode == "check":
+            p.error("--sliding-window times the implementations: use --mode cpu or time")
+        summary = run_window(impls, args)
+    else:
+        run = {"check": run_check, "time": run_time, "cpu": run_cpu}[mode]
+        summary = run(shapes, impls, args)
     print("summary: " + ("; ".join(summary) or "reference only (no kernel for this backend)"))
 
 

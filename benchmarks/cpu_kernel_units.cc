@@ -5,12 +5,14 @@
 //       -w -I"$(.venv/bin/python -c 'import jax.ffi; print(jax.ffi.include_dir())')" \
 //       benchmarks/cpu_kernel_units.cc -o /tmp/cpu_kernel_units
 //   /tmp/cpu_kernel_units chunk|prefills|decodes|long-decodes [block_q] [passes] [invariant]
+//                         [window] [soft_cap]
 //
 // SmolLM2's heads (9 query, 3 KV, head dim 64), float32, 16-token pages shuffled over a pool;
 // `chunk`: 768 tokens after 512 cached, `prefills`: 1280 + 256, `decodes`: 64 at context 300
 // (29.5 MB of KV: it stays in a 32 MB L3 between passes), `long-decodes`: 64 at context 1500
 // (147 MB: read from memory every pass, as the engine's 1 GiB pool is).
-// `invariant` 1: the kernel's batch-invariant mode (every unit transposed, none split).
+// `invariant` 1: the kernel's batch-invariant mode (every unit transposed, none split);
+// `window` a sliding window (0: full attention), `soft_cap` a soft cap (0: none).
 // Prints the best of `passes` (200) passes over every unit, and a checksum to compare builds by.
 #include "../jaxengine_kernels/cpu/ragged_paged_attention.cc"
 
@@ -26,6 +28,8 @@ int main(int argc, char** argv) {
   const int64_t block_q = argc > 2 ? std::atoi(argv[2]) : 32;
   const int passes = argc > 3 ? std::atoi(argv[3]) : 200;
   const bool invariant = argc > 4 && std::atoi(argv[4]) != 0;
+  const int64_t window = argc > 5 ? std::atoi(argv[5]) : 0;
+  const float soft_cap = argc > 6 ? std::atof(argv[6]) : 0.0f;
   const int64_t N = 9, K = 3, H = 64, L = 16, max_blocks = 512;
   const int64_t P = mode == "long-decodes" ? 8000 : 3000;  // pages in the pool
   std::vector<std::pair<int64_t, int64_t>> shape;  // (tokens this step, context after it)
@@ -55,8 +59,8 @@ int main(int argc, char** argv) {
   }
   const Geometry g{T, N, K, N / K, H, P, L, max_blocks};
   int64_t slots = 0;
-  const std::vector<Unit> units = plan(reqs, g, block_q, 32, invariant, &slots);
-  PagedAttention<float> attn(g, q.data(), cache.data(), 0.125f, invariant);
+  const std::vector<Unit> units = plan(reqs, g, block_q, 32, window, invariant, &slots);
+  PagedAttention<float> attn(g, q.data(), cache.data(), 0.125f, window, soft_cap, invariant);
   const int64_t stride = attn.slot_rows();
   std::vector<float> m(slots * stride), l(slots * stride), acc(slots * stride * H);
   Scratch sc;

@@ -1,10 +1,12 @@
 """The engine's kernels: ragged paged attention (a jnp reference, the native CPU kernel, Pallas
 kernels for TPU and GPU) and the native CPU packed matmul.
 
-``ragged_paged_attention(..., impl=default_impl())`` is the one entry point; the layout and the
-semantics are documented in ``jaxengine_kernels.reference``. ``check_supported(impl, ...)`` says
-up front whether a kernel runs a model's shapes. ``jaxengine_kernels.cpu`` also holds the native
-packed matmul the model's projections use on CPU (``jaxengine_kernels.cpu.matmul``).
+``ragged_paged_attention(..., sliding_window=0, soft_cap=None, impl=default_impl())`` is the one
+entry point (a window per layer as a traced operand, Gemma 2's soft-capping as a constant); the
+layout and the semantics are documented in ``jaxengine_kernels.reference``.
+``check_supported(impl, ...)`` says up front whether a kernel runs a model's shapes.
+``jaxengine_kernels.cpu`` also holds the native packed matmul the model's projections use on
+CPU (``jaxengine_kernels.cpu.matmul``).
 ``grouped_matmul(x, w, group_sizes, impl=default_grouped_impl())`` multiplies rows sorted by
 group by their group's matrix (the mixture-of-experts layer's experts).
 """

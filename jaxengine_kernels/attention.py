@@ -144,7 +144,7 @@ def ragged_paged_attention(
       ValueError: for an unknown ``impl``, ``batch_invariant`` with another than "cpu", a
         negative Python ``sliding_window`` or a ``soft_cap`` that is not positive.
     """
-    check_window_and_cap(sliding_window, soft_cap)
+    _check_window_and_cap(sliding_window, soft_cap)
     args = (q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, num_seqs)
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
@@ -162,7 +162,7 @@ def ragged_paged_attention(
                           interpret=interpret, **block_sizes)  # fmt: skip
 
 
-def check_window_and_cap(sliding_window: int | jax.Array, soft_cap: float | None) -> None:
+def _check_window_and_cap(sliding_window: int | jax.Array, soft_cap: float | None) -> None:
     """``ValueError`` naming the argument for a negative Python window or a cap <= 0 (a traced
     window is the model's, checked where its config is)."""
     if isinstance(sliding_window, int) and sliding_window < 0:

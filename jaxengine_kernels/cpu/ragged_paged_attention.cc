@@ -573,7 +573,7 @@ class PagedAttention {
         const float mx = std::max(sc.m[row], max_visible(si, first, visible));
 #pragma omp simd
         for (int64_t j = 0; j < kKeys; ++j)
-          si[j] = j >= first && j < visible ? fast_exp(si[j] - mx) : 0.0f;
+          si[j] = (j >= first) & (j < visible) ? fast_exp(si[j] - mx) : 0.0f;
         // In key order, as wide_softmax sums (its masked keys add exact zeros first): the two
         // paths agree bit for bit where their scores do.
         float sum = 0.0f;
@@ -600,24 +600,25 @@ class PagedAttention {
     // Unless every row sees every key of the tile: the first row key nk - 1, the last key 0.
     const int64_t last_token = (rows_k - 1) / g_.G;
     const bool masked = offset < nk - 1 || (window_ > 0 && offset + last_token >= window_);
-    // Token t sees key j when first <= t < first + span, first = j - offset.
+    // Token t sees key j when lo(j) <= t < hi(j) (every token when the tile is not masked).
     const float span = window_ > 0 ? float(window_) : 1e30f;
+    auto lo = [&](int64_t j) { return masked ? float(j - offset) : -1.0f; };
+    auto hi = [&](int64_t j) { return masked ? float(j - offset) + span : 1e30f; };
     for (int64_t j = 0; j < nk; ++j) {
-      const float first = float(j - offset), past = first + span;
+      const float first = lo(j), past = hi(j);
       const float* sj = sc.s.data() + j * R;
 #pragma omp simd
       for (int64_t r = 0; r < R; ++r)
-        if (!masked || (token[r] >= first && token[r] < past)) mx[r] = std::max(mx[r], sj[r]);
+        if (token[r] >= first && token[r] < past) mx[r] = std::max(mx[r], sj[r]);
     }
     float* sum = sc.sum.data();  // each row's probabilities summed in key order
     std::fill(sum, sum + R, 0.0f);
     for (int64_t j = 0; j < nk; ++j) {
-      const float first = float(j - offset), past = first + span;
+      const float first = lo(j), past = hi(j);
       float* sj = sc.s.data() + j * R;
 #pragma omp simd
       for (int64_t r = 0; r < R; ++r) {
-        const bool seen = !masked || (token[r] >= first && token[r] < past);
-        const float p = seen ? fast_exp(sj[r] - mx[r]) : 0.0f;
+        const float p = token[r] >= first && token[r] < past ? fast_exp(sj[r] - mx[r]) : 0.0f;
         sj[r] = p;
         sum[r] += p;
       }

@@ -44,8 +44,10 @@ inline fvec loadv(const float* p) {
 inline void storev(float* p, fvec v) { std::memcpy(p, &v, sizeof v); }
 
 // e^x for x <= 0 (Cephes' expf polynomial, within ~2 ulp), plain arithmetic so that compilers
-// vectorize the loops that call it (std::exp is an opaque call, which blocks that).
-inline float fast_exp(float x) {
+// vectorize the loops that call it (std::exp is an opaque call, which blocks that). Always
+// inlined: GCC stops inlining it once it has enough callers (fast_tanh's among them), and a
+// loop that calls it runs scalar.
+[[gnu::always_inline]] inline float fast_exp(float x) {
   x = std::max(x, -87.0f);  // e^-87 ~ 1.6e-38 is still a normal float
   const float n = std::floor(x * 1.44269504088896341f + 0.5f);
   const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
@@ -65,7 +67,7 @@ inline float fast_exp(float x) {
 // tanh(x) within ~1e-6 relative, vectorisable (Gemma 2's soft-capping of attention scores):
 // (1 - e) / (1 + e) with e = e^(-2|x|) <= 1, and under |x| = 1/8, where 1 - e would cancel,
 // tanh's odd Taylor series to x^9 (its next term is ~1e-11 relative there); exact at 0.
-inline float fast_tanh(float x) {
+[[gnu::always_inline]] inline float fast_tanh(float x) {
   const float a = std::fabs(x), a2 = a * a;
   const float series =
       a * (1.0f + a2 * (-1.0f / 3 + a2 * (2.0f / 15 + a2 * (-17.0f / 315 + a2 * (62.0f / 2835)))));

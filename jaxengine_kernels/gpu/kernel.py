@@ -159,7 +159,8 @@ def _combine_splits(o: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
     jax.jit,
     # Block sizes fix the grid and the tile shapes; interpret selects the lowering.
     static_argnames=(
-        "sm_scale", "soft_cap", "interpret", "decode_tokens", "block_q", "pages_per_iter", "num_splits",
+        "sm_scale", "soft_cap", "interpret", "decode_tokens", "block_q", "pages_per_iter",
+        "num_splits",
     ),
 )  # fmt: skip
 def ragged_paged_attention_gpu(

@@ -18,8 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
 from jaxengine_kernels import ragged_paged_attention
+from jaxengine_kernels.gpu.kernel import ragged_paged_attention_gpu
+from jaxengine_kernels.tpu.kernel import ragged_paged_attention_tpu
 from tests.jaxengine_kernels.cases import Case, assert_cache_equal, make_case, numpy_oracle
 
 # (q_len, context_len): decodes, whole prefills, a mix, and chunks after a cached prefix.
@@ -41,9 +44,9 @@ IMPLS = {
 TOL = {"float32": 2e-5, "bfloat16": 3e-2}
 
 
-def _case(batch: str, window: int, seed: int = 0) -> Case:
+def _case(batch: str, window: int, seed: int = 0, garbage: float = np.nan) -> Case:
     return make_case(BATCHES[batch], num_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
-                     seed=seed, sliding_window=window)  # fmt: skip
+                     seed=seed, sliding_window=window, garbage=garbage)  # fmt: skip
 
 
 def _check(impl: str, case: Case, window: int, soft_cap: float | None, dtype: str) -> None:
@@ -65,6 +68,14 @@ def _check(impl: str, case: Case, window: int, soft_cap: float | None, dtype: st
 @pytest.mark.parametrize("impl", IMPLS)
 def test_window_and_cap_match_the_oracle(impl, batch, window, soft_cap):
     _check(impl, _case(batch, window), window, soft_cap, "float32")
+
+
+@pytest.mark.parametrize("garbage", [np.inf, -np.inf])
+@pytest.mark.parametrize("impl", IMPLS)
+def test_infinities_before_the_windows_do_not_leak(impl, garbage):
+    """Inf - Inf and 0 * Inf are NaN: a kernel that reads those slots and masks by arithmetic
+    fails this."""
+    _check(impl, _case("chunked", 16, garbage=garbage), 16, 0.5, "float32")
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -145,3 +156,26 @@ def test_a_bad_window_or_cap_is_an_error_naming_it(kwargs, match):
     case = _case("decode", 0)
     with pytest.raises(ValueError, match=match):
         ragged_paged_attention(*case.args(jnp.float32), sm_scale=case.sm_scale, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kernel", "device_kind", "platform", "custom_call"),
+    [
+        (ragged_paged_attention_tpu, "TPU v6 lite", "tpu", "tpu_custom_call"),
+        (ragged_paged_attention_gpu, "NVIDIA H200", "cuda", "__gpu$xla.gpu.triton"),
+    ],
+)
+def test_a_traced_window_and_a_cap_lower_for_the_accelerator(kernel, device_kind, platform,
+                                                              custom_call):
+    """Lowering to Mosaic / Triton IR (on CPU, for an abstract device) with the window an
+    argument and the cap's tanh in the kernel body."""
+    case = make_case(BATCHES["chunked"], num_heads=32, num_kv_heads=8, head_dim=128,
+                     page_size=16)  # fmt: skip
+    f = jax.jit(lambda w, *a: kernel(*a, sm_scale=case.sm_scale, sliding_window=w, soft_cap=50.0))
+    device = AbstractDevice(device_kind=device_kind, num_cores=1,
+                            platform=platform.replace("cuda", "gpu"))  # fmt: skip
+    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
+    args = (jnp.int32(512), *case.args(jnp.bfloat16))
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = f.trace(*args).lower(lowering_platforms=(platform,)).as_text()
+    assert custom_call in text
