@@ -18,6 +18,10 @@ Sections, in order; each prints lines tagged with its name:
                random bf16 model: median ms, and the bytes one device reads per step (its
                weight shards and its share of the KV cache) / step time / ``--peak-gbps``, the
                fraction of the HBM roofline. A tp larger than the device count is skipped.
+  families     a Gemma-3-1B-shaped model (5 local : 1 global layers, window 512) and a
+               Mixtral-shaped one (8 of its layers, 8 experts, top-2), random bf16: the
+               kernel's custom call (and the experts' ragged_dot) in the compiled step, the
+               decode step at context 8 x window: median ms and bytes read / time / peak.
 It ends with ``summary: PASS`` or ``summary: FAIL (...)`` and exits 1 on any failure; a section
 that raises is a failure, and the later sections still run.
 
@@ -58,8 +62,8 @@ from jaxengine.engine.args import EngineArgs  # noqa: E402
 from jaxengine.engine.build import attention_backend, model_fns  # noqa: E402
 from jaxengine.model.batch import ModelBatch, RequestChunk  # noqa: E402
 from jaxengine.model.config import ModelConfig  # noqa: E402
-from jaxengine.model.kv_cache import kv_cache_shape, kv_cache_sharding  # noqa: E402
 from jaxengine.model.decoder import Model  # noqa: E402
+from jaxengine.model.kv_cache import kv_cache_shape, kv_cache_sharding  # noqa: E402
 from jaxengine.model.mesh import TP_AXIS, make_mesh  # noqa: E402
 from jaxengine.model.step import pack_batch  # noqa: E402
 from jaxengine.runner.programs import jaxengine_model_step, programs_for  # noqa: E402
@@ -289,9 +293,11 @@ def _bytes_read(model: Model, fns: Any, num_reqs: int, context: int) -> tuple[in
     return weights, kv
 
 
-def _time_decode(cfg: ModelConfig, tp: int, ctx: Context) -> tuple[float, int, int, np.ndarray]:
-    """(median seconds per decode step, weight bytes, KV bytes per device, the step's tokens)."""
-    num_reqs, context = TP_SMOKE_DECODE if ctx.smoke else TP_DECODE
+def _time_decode(cfg: ModelConfig, tp: int, ctx: Context,
+                 decode: tuple[int, int] | None = None) -> tuple[float, int, int, np.ndarray]:
+    """(median seconds per decode step, weight bytes, KV bytes per device, the step's tokens)
+    for `decode` = (requests, context tokens each); default the tensor-parallel section's."""
+    num_reqs, context = decode or (TP_SMOKE_DECODE if ctx.smoke else TP_DECODE)
     model = Model(cfg, dtype=jnp.bfloat16, seed=0, mesh=make_mesh(jax.devices()[:tp]))
     fns = model_fns(model, cfg, attn_impl="reference" if ctx.smoke else default_impl())
     kv = fns.init_kv(1 + num_reqs * context // PAGE_SIZE, PAGE_SIZE)
@@ -346,9 +352,68 @@ def tensor_parallel(ctx: Context) -> list[str]:
     return []  # it fails by raising: a timing has no threshold
 
 
+# ---- model families -------------------------------------------------------------------------
+
+GEMMA3_1B = ModelConfig(
+    architecture="gemma3_text", vocab_size=262144, hidden_size=1152, intermediate_size=6912,
+    num_layers=26, num_heads=4, num_kv_heads=1, head_dim=256, rms_norm_eps=1e-6,
+    rope_theta=1e6, rope_local_theta=1e4, max_position_embeddings=32768,
+    tie_word_embeddings=True, qk_norm=True, sliding_window=512, attn_scale=256**-0.5,
+    hidden_act="gelu_pytorch_tanh",
+    layer_types=tuple("full_attention" if (i + 1) % 6 == 0 else "sliding_attention"
+                      for i in range(26)))
+MIXTRAL_8_LAYERS = ModelConfig(
+    architecture="mixtral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+    num_layers=8, num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1e6,
+    max_position_embeddings=32768, num_experts=8, num_experts_per_tok=2,
+    moe_intermediate_size=14336)
+FAMILY_DECODE = (32, 4096)  # requests, context: 8x Gemma's window
+FAMILY_SMOKE_DECODE = (4, 64)
+
+
+def _family_configs(ctx: Context) -> dict[str, ModelConfig]:
+    if not ctx.smoke:
+        return {"gemma3-1b": GEMMA3_1B, "mixtral-8-layers": MIXTRAL_8_LAYERS}
+    gemma = ModelConfig.tiny("gemma3_text", hidden_size=64, head_dim=64, sliding_window=16,
+                             layer_types=("sliding_attention", "full_attention"),
+                             rope_local_theta=1e4, hidden_act="gelu_pytorch_tanh", qk_norm=True)
+    mixtral = ModelConfig.tiny("mixtral", hidden_size=64, head_dim=64, num_experts=4,
+                               num_experts_per_tok=2, moe_intermediate_size=32)
+    return {"gemma3-tiny": gemma, "mixtral-tiny": mixtral}
+
+
+def families(ctx: Context) -> list[str]:
+    """Sliding windows and experts on the device: the kernels in the step, its decode time."""
+    failures = []
+    for name, cfg in _family_configs(ctx).items():
+        for impl in ctx.impls:
+            if ctx.smoke:
+                stage, text = "lowered (abstract device)", _lowered_for_abstract_device(impl, cfg)
+            else:
+                jitted, args, statics = _engine_step(cfg, impl, jnp.bfloat16)
+                stage, text = "compiled", jitted.lower(*args, **statics).compile().as_text()
+            kernel = text.count(CUSTOM_CALL[impl]) + text.count(KERNEL_NAME[impl])
+            ragged = text.count("ragged_dot") + text.count("ragged-dot")
+            ok = kernel > 0 and text.count(FALLBACK) == 0 and (ragged > 0 or not cfg.num_experts)
+            _report("families", f"{name} {impl} {stage}: attention kernel x{kernel}"
+                    f"{f', ragged_dot x{ragged}' if cfg.num_experts else ''}", ok)
+            if not ok:
+                failures.append(f"families {name} {impl}")
+        decode = FAMILY_SMOKE_DECODE if ctx.smoke else FAMILY_DECODE
+        t, weights, kv_bytes, _ = _time_decode(cfg, 1, ctx, decode)
+        gbps = (weights + kv_bytes) / t / 1e9
+        # KV counted whole: a windowed layer reads only its window, so the true fraction of a
+        # Gemma step is lower; experts counted whole too (32 rows x top-2 reach nearly all 8).
+        _report("families", f"{name}: decode step ({decode[0]} requests x {decode[1]} tokens) "
+                f"{t * 1e3:.2f} ms; {weights / 1e6:.1f} MB weights + {kv_bytes / 1e6:.1f} MB "
+                f"KV = {gbps:.1f} GB/s = {100 * gbps / ctx.peak_gbps:.1f}% of "
+                f"{ctx.peak_gbps:.0f} GB/s")
+    return failures
+
+
 # Sections in report order: each takes the Context, prints its lines, returns its failures.
 SECTIONS: list[Callable[[Context], list[str]]] = [correctness, engine_hlo, timing,
-                                                  tensor_parallel]
+                                                  tensor_parallel, families]
 
 
 def _context(args: argparse.Namespace) -> Context:

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 TP_AXIS = "tp"  # the tensor-parallel mesh axis (docs/STYLE.md rule 8)
 
@@ -37,6 +37,15 @@ def make_mesh(devices: Sequence[jax.Device]) -> Mesh:
 def tp_size(mesh: Mesh) -> int:
     """The tensor-parallel degree: the size of the mesh's "tp" axis."""
     return int(mesh.shape[TP_AXIS])
+
+
+def mesh_platform(mesh: Mesh | AbstractMesh) -> str:
+    """The jax platform of the mesh's devices ("cpu", "gpu", "tpu"), of an abstract mesh's
+    abstract device too (lowering for a device this machine lacks)."""
+    if isinstance(mesh, AbstractMesh):
+        device = mesh.abstract_device
+        return jax.default_backend() if device is None else device.platform
+    return mesh.devices.flat[0].platform
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

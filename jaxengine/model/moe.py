@@ -32,7 +32,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxengine.model.layers import MLP, _normal, linear, project
-from jaxengine.model.mesh import TP_AXIS, tp_size
+from jaxengine.model.mesh import TP_AXIS, mesh_platform, tp_size
 from jaxengine_kernels.grouped_matmul import (
     GROUPED_IMPLS,
     GroupedImpl,
@@ -148,7 +148,7 @@ class SparseMoE(nnx.Module):
         experts, weights = self.route(x)
         if live is not None:  # expert E sorts after every real one and is in no group
             experts = jnp.where(jnp.arange(T)[:, None] < live, experts, self.num_experts)
-        impl = self.grouped_impl or default_grouped_impl(dtype=x.dtype)
+        impl = self.grouped_impl or default_grouped_impl(mesh_platform(self.mesh), x.dtype)
         w = self.experts
         routed = jax.shard_map(
             functools.partial(_local_experts, expert_parallel=self.expert_parallel, impl=impl),

@@ -35,7 +35,23 @@ def test_cpu_smoke_prints_every_section_and_passes() -> None:
         assert sum(line.startswith("[timing]") for line in mine) == 2
         assert sum(line.startswith("[bandwidth]") and "% of 4800 GB/s" in line
                    for line in mine) == 2  # fmt: skip
+    families = [line for line in tagged if line.startswith("[families]")]
+    assert sum(line.endswith("PASS") for line in families) == 4  # 2 models x 2 kernels
+    assert sum("ragged_dot x" in line for line in families) == 2  # the MoE model's
+    assert sum("decode step" in line for line in families) == 2
     assert lines[-1].startswith("summary: PASS")
+
+
+@pytest.mark.slow  # 50 s: compiles and times two tiny models; the smoke above covers it too
+def test_families_section_finds_both_kernels_in_the_abstract_steps(capsys) -> None:
+    ctx = device_check.Context(impls=("tpu", "gpu"), interpret=True, smoke=True, quick=True,
+                               peak_gbps=4800.0, iters=1)
+    assert device_check.families(ctx) == []
+    out = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in out if line.endswith("PASS")] == [
+        f"[families] {m} {i} lowered (abstract device)"
+        for m in ("gemma3-tiny", "mixtral-tiny") for i in ("tpu", "gpu")]
+    assert all("ragged_dot x" in line for line in out if "mixtral" in line and "PASS" in line)
 
 
 def test_hlo_check_fails_on_a_step_over_the_reference(capsys) -> None:

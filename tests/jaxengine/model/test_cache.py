@@ -14,8 +14,8 @@ import pytest
 from flax import nnx
 
 from jaxengine.model.config import ModelConfig
-from jaxengine.model.kv_cache import init_kv_cache, kv_cache_bytes_per_block, kv_cache_shape
 from jaxengine.model.decoder import Model
+from jaxengine.model.kv_cache import init_kv_cache, kv_cache_bytes_per_block, kv_cache_shape
 from jaxengine.model.step import (
     RequestChunk,
     make_model_step,

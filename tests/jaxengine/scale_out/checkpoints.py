@@ -18,7 +18,6 @@ from jaxengine.loading.weights import model_weight_shapes
 from jaxengine.model.config import ModelConfig
 from jaxengine.model.families import family
 
-
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                  "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
                  "qwen2_moe": "Qwen2MoeForCausalLM"}

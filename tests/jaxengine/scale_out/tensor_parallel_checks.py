@@ -21,8 +21,8 @@ from jaxengine.engine.llm_engine import LLMEngine
 from jaxengine.fixed_batch.generate import generate
 from jaxengine.model.batch import RequestChunk, pack_batch
 from jaxengine.model.config import ModelConfig
-from jaxengine.model.kv_cache import init_kv_cache
 from jaxengine.model.decoder import Model
+from jaxengine.model.kv_cache import init_kv_cache
 from jaxengine.model.mesh import make_mesh
 from jaxengine.model.step import make_model_step, split_model
 from jaxengine.runner.programs import programs_for
