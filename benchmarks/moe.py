@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python benchmarks/moe.py [--tokens 1,4,16,64,512,2048] [--experts 8] [--top-k 2]
         [--hidden 512] [--width 1024] [--repeats 7] [--impl native|tiles|xla]
+    PYTHONPATH=. python benchmarks/moe.py --model [--layers 4] [--repeats 7]
 
 A random `SparseMoE` (float32, one device) is timed at decode-shaped (1 to 64 tokens) and
 prefill-shaped (512, 2048 tokens) batches against the same weights run densely: every token
@@ -13,6 +14,12 @@ real work (2 * rows * D * F), against ``jax.lax.ragged_dot`` at the same rows an
 first; the kinds run interleaved `--repeats` times and the fastest run of each is kept, since
 the shared machine's load moves single runs by more than the effect. Ends with a one-line
 summary of the sparse/dense ratios.
+
+`--model`: whole engine steps of a random Mixtral-shaped model (the same sizes, `--layers`
+layers, 8 heads of 64, KV heads 2) built as the engine builds it (`model_fns`: packed
+projections, the native attention kernel on CPU) against the same model with every layer's
+experts computed densely as above: decode steps (`--decode` requests of one token at context
+256) and a prefill step (one 512-token chunk).
 """
 
 from __future__ import annotations
@@ -26,9 +33,13 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxengine.engine.build import model_fns
+from jaxengine.model.batch import RequestChunk, pack_batch
+from jaxengine.model.config import ModelConfig
+from jaxengine.model.decoder import Model
 from jaxengine.model.mesh import make_mesh
 from jaxengine.model.moe import SparseMoE
-from jaxengine_kernels import default_grouped_impl, grouped_matmul
+from jaxengine_kernels import default_grouped_impl, default_impl, grouped_matmul
 
 
 def dense_weights(moe: SparseMoE) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -110,6 +121,64 @@ def matmul_rows(moe: SparseMoE, tokens: list[int], repeats: int, impl: str) -> N
               f"{flops / t['ragged'] / 1e9:>19.1f} {flops / t['plain'] / 1e9:>18.1f}")
 
 
+class DenseAllExperts(nnx.Module):
+    """A `SparseMoE`'s weights computed by `dense_all_experts` (the model's FFN swapped for it)."""
+
+    def __init__(self, moe: SparseMoE) -> None:
+        self.moe = moe
+        self.dense = nnx.Variable(dense_weights(moe))
+
+    def __call__(self, x: jax.Array, live: jax.Array | None = None) -> jax.Array:
+        del live  # every row through every expert: the padding too
+        return dense_all_experts(self.moe, self.dense.get_value(), x)
+
+
+def model_rows(args: argparse.Namespace) -> list[float]:
+    """Decode and prefill steps of the model, sparse and dense-all-experts; their ratios."""
+    cfg = ModelConfig.tiny(
+        "mixtral", vocab_size=1000, hidden_size=args.hidden, intermediate_size=args.width,
+        num_layers=args.layers, num_heads=8, num_kv_heads=2, head_dim=args.hidden // 8,
+        max_position_embeddings=4096, num_experts=args.experts,
+        num_experts_per_tok=args.top_k, moe_intermediate_size=args.width)
+    sparse, dense = Model(cfg, seed=0), Model(cfg, seed=0)
+    for block in dense.layers:
+        block.moe = DenseAllExperts(block.moe)
+    attn = default_impl()
+    fns = {name: model_fns(m, cfg, attn_impl=attn) for name, m in
+           (("sparse", sparse), ("dense", dense))}
+    block_size, context = 16, 256
+    pages = context // block_size
+    def decode(n: int) -> list[RequestChunk]:
+        return [RequestChunk(token_ids=[7 + r], start=context - 1,
+                             block_table=list(range(1 + r * pages, 1 + (r + 1) * pages)))
+                for r in range(n)]
+
+    prefill = [RequestChunk(token_ids=list(range(1, 513)), start=0,
+                            block_table=list(range(1, 1 + 512 // block_size)))]
+    shapes = [(f"decode {n}x1 @{context}", decode(n), max(n, 8)) for n in args.decode]
+    print(f"\nmodel: Mixtral-shaped, {cfg.num_layers} layers, D={cfg.hidden_size}, "
+          f"E={cfg.num_experts} top-{cfg.num_experts_per_tok}, F={args.width}, attention "
+          f"{attn!r}")
+    ratios = []
+    for name, chunks, tokens in [*shapes, ("prefill 1x512", prefill, 512)]:
+        batch = pack_batch(chunks, num_tokens=tokens, max_seqs=16, max_blocks=pages * 2,
+                           block_size=block_size)
+        calls = {}
+        for kind, f in fns.items():
+            step = jax.jit(f.step)
+            kv = f.init_kv(1 + 16 * pages, block_size)
+            calls[kind] = (lambda step=step, f=f, kv=kv: step(f.params, kv, batch)[1])
+        got = {k: np.asarray(fn()) for k, fn in calls.items()}
+        live = sum(len(c.token_ids) for c in chunks)
+        np.testing.assert_allclose(got["sparse"][:live], got["dense"][:live], rtol=2e-3,
+                                   atol=2e-3)
+        best = best_times(calls, args.repeats)
+        ratios.append(best["sparse"] / best["dense"])
+        print(f"  {name:17} sparse {best['sparse'] * 1e3:8.2f} ms   dense-all-experts "
+              f"{best['dense'] * 1e3:8.2f} ms   sparse/dense {ratios[-1]:.2f}x")
+    return ratios
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tokens", default="1,4,16,64,512,2048")
@@ -120,7 +189,19 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--impl", choices=("native", "tiles", "xla"),
                         default=default_grouped_impl())
+    parser.add_argument("--model", action="store_true",
+                        help="whole model steps instead of the layer")
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--decode", default="1,4,16",
+                        type=lambda s: [int(n) for n in s.split(",")],
+                        help="decode batches (requests of one token) of --model")
     args = parser.parse_args()
+    if args.model:
+        *decode, prefill = model_rows(args)
+        print("\nsummary: model step sparse/dense " + ", ".join(
+            f"decode {n} {r:.2f}x" for n, r in zip(args.decode, decode, strict=True))
+            + f", prefill 512 {prefill:.2f}x")
+        return
     tokens = [int(t) for t in args.tokens.split(",")]
     moe = SparseMoE(args.hidden, args.width, args.experts, args.top_k, norm_topk_prob=True,
                     mesh=make_mesh(jax.devices()[:1]), dtype=jnp.float32, rngs=nnx.Rngs(0),

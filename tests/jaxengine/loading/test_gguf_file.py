@@ -62,6 +62,23 @@ def test_gguf_metadata() -> None:
         model_config_from_gguf(meta, tied=False)
 
 
+@pytest.mark.parametrize("layers, scalar", [(4, 256), (46, 4608 / 32)])
+def test_gemma2_metadata_alternates_windows_and_scales_like_llama_cpp(layers: int,
+                                                                      scalar: float) -> None:
+    """llama.cpp's Gemma 2: local layers first, every other one; the softmax scale is
+    key_length ** -0.5, except the 27B (46 layers), which scales by hidden / heads."""
+    meta = {"general.architecture": "gemma2", "gemma2.block_count": layers,
+            "gemma2.embedding_length": 4608, "gemma2.feed_forward_length": 36864,
+            "gemma2.attention.head_count": 32, "gemma2.attention.head_count_kv": 16,
+            "gemma2.attention.key_length": 256, "gemma2.attention.sliding_window": 4096,
+            "gemma2.attn_logit_softcapping": 50.0, "gemma2.final_logit_softcapping": 30.0,
+            "gemma2.context_length": 8192, "tokenizer.ggml.tokens": ["a"] * 100}
+    cfg = model_config_from_gguf(meta, tied=True)
+    assert cfg.architecture == "gemma2" and cfg.layer_windows[:3] == (4096, 0, 4096)
+    assert (cfg.attn_softcap, cfg.final_softcap) == (50.0, 30.0)
+    assert cfg.attn_scale == pytest.approx(scalar**-0.5) and cfg.rope_local_theta is None
+
+
 def test_unsupported_architecture_is_named() -> None:
     with pytest.raises(ModelLoadError, match="unsupported GGUF architecture 'falcon'"):
         model_config_from_gguf({"general.architecture": "falcon"}, tied=True)
