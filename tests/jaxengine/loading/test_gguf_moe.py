@@ -1,6 +1,7 @@
 """GGUF files of the mixture-of-experts families, written from the tiny HF fixtures as
 llama.cpp's converter writes them (experts stacked per layer, Mixtral as "llama" with its Q/K
-permuted): they read as the HF checkpoint does and give transformers' logits."""
+permuted): they read as the HF checkpoint does and give transformers' logits, on one device
+and on a two-device mesh (with and without expert parallelism, in a child process)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from jaxengine.model.config import ModelLoadError
 from jaxengine.model.step import RequestChunk
 from tests.fixtures.model_helpers import PagedRunner
 from tests.jaxengine.loading.test_load import TINY, copy_fixture, write_gguf
+from tests.parallel_helpers import run_python
 
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
 MOE = [("mixtral_moe", "llama", "mixtral"), ("qwen2_moe", "qwen2moe", "qwen2_moe"),
@@ -164,3 +166,33 @@ def test_each_tensor_is_dequantized_once(tmp_path: Path, monkeypatch: pytest.Mon
     reader = open_gguf(str(tmp_path / "m.gguf"))
     assert sorted(calls) == sorted(t.data.shape for t in reader.tensors)
     assert calls.count((8, 16, 32)) == 2 * 2  # gate and up stacks of 2 layers, once each
+
+
+MESH_CHECK = """
+from pathlib import Path
+import jax, numpy as np
+from jaxengine.loading import load_model
+from jaxengine.model.mesh import make_mesh
+from tests.jaxengine.loading.test_gguf_moe import _logits
+from tests.jaxengine.loading.test_load import TINY, write_gguf
+src, arch, path = "{src}", "{arch}", "{path}"
+write_gguf(TINY / src, Path(path), arch)
+for ep in (False, True):
+    model, cfg, _ = load_model(path, mesh=make_mesh(jax.devices()[:2]), expert_parallel=ep,
+                               with_tokenizer=False)
+    w = model.layers[0].moe.experts.gate_proj[...]  # [E, D, F] whole, split over 2 devices
+    print(ep, sorted({{s.data.shape for s in w.addressable_shards}}))
+    got, want = _logits(model, src)
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+"""
+
+
+@pytest.mark.parametrize("src, arch", [("mixtral_moe", "llama"), ("qwen2_moe", "qwen2moe")])
+def test_moe_gguf_on_a_mesh_with_and_without_expert_parallelism(tmp_path: Path, src: str,
+                                                                 arch: str) -> None:
+    """tp=2 (two virtual CPU devices): experts split by width, or whole experts per device
+    (expert parallelism); transformers' logits either way."""
+    out = run_python(MESH_CHECK.format(src=src, arch=arch, path=tmp_path / "m.gguf"),
+                     num_devices=2, timeout=300)
+    E, D, F = 8, 32, {"mixtral_moe": 16, "qwen2_moe": 32}[src]
+    assert out.split("\n")[:2] == [f"False [({E}, {D}, {F // 2})]", f"True [({E // 2}, {D}, {F})]"]
