@@ -3,25 +3,34 @@
 `gguf.GGUFReader` memory-maps the file; tensors are found under their HF names through the
 `gguf` package's own name map (`gguf.get_tensor_name_map`, the table llama.cpp's converter
 uses), and `gguf.quants.dequantize` turns each (Q4_1, Q8_0, F16, ...) into float32 in HF
-layout. llama.cpp stores Llama/Mistral Q and K rows permuted for its interleaved RoPE;
-`_unpermute` undoes it exactly as transformers' GGUF loader does.
+layout. llama.cpp stores Llama/Mistral/Mixtral Q and K rows permuted for its interleaved RoPE;
+`_unpermute` undoes it exactly as transformers' GGUF loader does. llama.cpp stacks a layer's
+experts into one tensor per projection (`blk.N.ffn_gate_exps.weight`, [E, F, D]); an expert's
+HF name is served as its slice, the stacked tensor dequantized once for all its experts.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+import re
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import gguf
 import numpy as np
 
+from jaxengine.loading.weights import model_weight_shapes
 from jaxengine.model.config import ModelConfig, ModelLoadError, RopeScaling
-from jaxengine.model.families import GGUF_ARCHS, family
+from jaxengine.model.families import GGUF_ARCHS, GGUF_EXPERT_ARCHS, family
 
 # gguf's architecture enum by name; a "mistral" file has llama's tensor names
 _GGUF_ENUM = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
 _GGUF_ENUM["mistral"] = gguf.MODEL_ARCH.LLAMA
+# an expert's HF name, "<layer>.mlp.experts.<e>.gate_proj.weight", around its expert index
+_EXPERT = re.compile(r"(?P<stack>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>.*)")
+_ROUTER = re.compile(r"blk\.(\d+)\.ffn_gate_inp\.weight")
+_DENSE_FFN = {"gate_proj": gguf.MODEL_TENSOR.FFN_GATE, "up_proj": gguf.MODEL_TENSOR.FFN_UP,
+              "down_proj": gguf.MODEL_TENSOR.FFN_DOWN}
 
 
 class _Reader(gguf.GGUFReader):
@@ -72,10 +81,39 @@ def gguf_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
     return meta
 
 
+def gguf_model_type(meta: Mapping[str, Any]) -> str:
+    """The model_type of a GGUF file: its architecture's, or, for a file with experts of an
+    architecture llama.cpp also writes a MoE family under (Mixtral as "llama"), that family's.
+
+    Raises:
+        ModelLoadError: no family reads the architecture.
+    """
+    arch = str(meta.get("general.architecture", "<missing general.architecture>"))
+    if arch not in GGUF_ARCHS:
+        raise ModelLoadError(f"unsupported GGUF architecture {arch!r}; supported: "
+                             f"{', '.join(GGUF_ARCHS)}")
+    if arch in GGUF_EXPERT_ARCHS and int(meta.get(f"{arch}.expert_count") or 0) > 0:
+        return GGUF_EXPERT_ARCHS[arch]
+    return GGUF_ARCHS[arch]
+
+
 def tensor_name_map(cfg: ModelConfig) -> gguf.TensorNameMap:
-    """The `gguf` package's HF -> GGUF tensor-name map for `cfg`'s architecture and depth."""
-    arch = next(a for a, t in GGUF_ARCHS.items() if t == cfg.architecture)
-    return gguf.get_tensor_name_map(_GGUF_ENUM[arch], cfg.num_layers)
+    """The `gguf` package's HF -> GGUF tensor-name map for `cfg`'s architecture and depth.
+
+    A model with experts also maps a dense layer's MLP to llama.cpp's `blk.N.ffn_{gate,up,
+    down}`: llama.cpp names a dense FFN so in every architecture, but gguf's tables for
+    qwen2moe/qwen3moe omit it, as llama.cpp runs those all-routed; a mixed stack
+    (`mlp_only_layers`, `decoder_sparse_step`) has dense layers among routed ones.
+    """
+    arch = next(a for a, t in (*GGUF_ARCHS.items(), *GGUF_EXPERT_ARCHS.items())
+                if t == cfg.architecture)
+    names = gguf.get_tensor_name_map(_GGUF_ENUM[arch], cfg.num_layers)
+    if cfg.num_experts:
+        for layer in range(cfg.num_layers):
+            for proj, tensor in _DENSE_FFN.items():
+                names.mapping.setdefault(f"model.layers.{layer}.mlp.{proj}", (
+                    tensor, gguf.TENSOR_NAMES[tensor].format(bid=layer)))
+    return names
 
 
 def gguf_tensor_name(names: gguf.TensorNameMap, name: str) -> str | None:
@@ -86,6 +124,17 @@ def gguf_tensor_name(names: gguf.TensorNameMap, name: str) -> str | None:
         name: e.g. "model.layers.3.self_attn.q_proj.weight" -> "blk.3.attn_q.weight".
     """
     return names.get_name(name, try_suffixes=(".weight", ".bias"))
+
+
+def _split_expert(name: str) -> tuple[str, int | None]:
+    """An HF name -> (the name of the tensor holding it, its expert index or None).
+
+    An expert's weight is held in the stack llama.cpp's converter makes of all a layer's
+    experts, under the HF name without the index: "model.layers.0.mlp.experts.3.up_proj.weight"
+    -> ("model.layers.0.mlp.experts.up_proj.weight", 3).
+    """
+    m = _EXPERT.fullmatch(name)
+    return (name, None) if m is None else (f"{m['stack']}.{m['proj']}", int(m["expert"]))
 
 
 def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -101,27 +150,36 @@ class GGUFSource:
         self._tensors = {t.name: t for t in reader.tensors}
         self._names = tensor_name_map(cfg)
         self._cfg, self._path, self._family = cfg, path, family(cfg.architecture)
-        known = {gguf_tensor_name(self._names, name.format(layer=layer))
-                 for name in self._family.hf_names(cfg).values()
-                 for layer in range(cfg.num_layers)}
+        self._stack: tuple[str, np.ndarray] | None = None  # the experts' tensor last read
+        known = {gguf_tensor_name(self._names, name) for name in self._read_names()}
         unmapped = [t.name for t in reader.tensors if t.name not in known]
         if unmapped:
             raise ModelLoadError(f"{path}: tensor {unmapped[0]} has no place in a "
                                  f"{cfg.architecture} model; the file's architecture or "
                                  "converter is not one this engine reads")
 
+    def _read_names(self) -> set[str]:
+        """The HF names of the tensors a model of the config reads (an expert's: its stack)."""
+        cfg, fam = self._cfg, self._family
+        shapes = model_weight_shapes(cfg)
+        return {_split_expert(name.format(layer=layer, expert=0))[0]
+                for path, name in fam.hf_names(cfg).items() if path in shapes
+                for layer in (range(cfg.num_layers) if path[0] == "layers" else [0])
+                if path[0] != "layers" or not fam.layer_lacks(cfg, path, layer)}
+
     def get(self, name: str) -> np.ndarray | None:
-        """The tensor `name` in HF layout as float32, or None if the file lacks it."""
-        tensor = self._tensors.get(gguf_tensor_name(self._names, name) or "")
+        """The tensor `name` in HF layout as float32, or None if the file lacks it.
+
+        An expert's weight (`...experts.<e>...`) is a slice of its layer's stacked experts,
+        which stay dequantized while they are read expert by expert (one stack at a time).
+        """
+        held, expert = _split_expert(name)
+        tensor = self._tensors.get(gguf_tensor_name(self._names, held) or "")
         if tensor is None:
             return None
-        try:
-            arr = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        except Exception as e:
-            raise ModelLoadError(f"{self._path}: tensor {tensor.name} cannot be dequantized "
-                                 f"({type(e).__name__}: {e}); the file is corrupt or uses an "
-                                 "unsupported quantization") from None
-        arr = arr.reshape(tuple(int(d) for d in reversed(tensor.shape)))
+        arr = self._dequantize(tensor) if expert is None else self._expert(tensor, expert)
+        if name.endswith("shared_expert_gate.weight"):
+            arr = arr.reshape(1, -1)  # llama.cpp declares it a vector {D}; HF's is [1, D]
         if self._cfg.architecture in self._family.gguf_permuted:
             if name.endswith("self_attn.q_proj.weight"):
                 arr = _unpermute(arr, self._cfg.num_heads)
@@ -133,30 +191,52 @@ class GGUFSource:
             arr = arr - self._family.norm_offset
         return np.asarray(arr, np.float32)
 
+    def _dequantize(self, tensor: Any) -> np.ndarray:
+        """A GGUF tensor as float32 in numpy (HF) axis order."""
+        try:
+            arr = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+        except Exception as e:
+            raise ModelLoadError(f"{self._path}: tensor {tensor.name} cannot be dequantized "
+                                 f"({type(e).__name__}: {e}); the file is corrupt or uses an "
+                                 "unsupported quantization") from None
+        return arr.reshape(tuple(int(d) for d in reversed(tensor.shape)))
+
+    def _expert(self, tensor: Any, expert: int) -> np.ndarray:
+        """Expert `expert` of the stacked experts' tensor [E, ...] -> [...]."""
+        if self._stack is None or self._stack[0] != tensor.name:
+            self._stack = None  # drop the last stack before dequantizing the next
+            self._stack = (tensor.name, self._dequantize(tensor))
+        stack = self._stack[1]
+        if expert >= stack.shape[0]:
+            raise ModelLoadError(f"{self._path}: tensor {tensor.name} holds {stack.shape[0]} "
+                                 f"experts, but the config implies {self._cfg.num_experts}")
+        return stack[expert]
+
 
 def read_gguf_config(reader: gguf.GGUFReader, meta: dict[str, Any]) -> ModelConfig:
-    """ModelConfig from GGUF metadata; tied when the file has no separate output.weight."""
+    """ModelConfig from GGUF metadata; tied when the file has no separate output.weight, its
+    routed layers those with a router (`blk.N.ffn_gate_inp.weight`), as llama.cpp decides."""
     names = {t.name for t in reader.tensors}
     if "rope_freqs.weight" in names:
         raise ModelLoadError("GGUF with rope_freqs (llama3 RoPE scaling) is not supported; "
                              "load the HF checkpoint directory instead")
-    return model_config_from_gguf(meta, tied="output.weight" not in names)
+    routed = {int(m[1]) for m in map(_ROUTER.fullmatch, names) if m}
+    return model_config_from_gguf(meta, tied="output.weight" not in names, routed=routed)
 
 
-def model_config_from_gguf(meta: Mapping[str, Any], *, tied: bool) -> ModelConfig:
+def model_config_from_gguf(meta: Mapping[str, Any], *, tied: bool,
+                           routed: Collection[int] | None = None) -> ModelConfig:
     """Build from GGUF key/value metadata (`general.architecture`, `<arch>.block_count`...).
 
     Args:
         meta: GGUF fields as plain Python values.
         tied: whether the file lacks a separate `output.weight` (tied embeddings).
+        routed: for a model with experts, the layers that route (the rest run a dense MLP);
+            None: every layer.
     Raises:
         ModelLoadError: unsupported architecture, or a missing field (named).
     """
-    arch = str(meta.get("general.architecture", "<missing general.architecture>"))
-    if arch not in GGUF_ARCHS:
-        raise ModelLoadError(f"unsupported GGUF architecture {arch!r}; supported: "
-                             f"{', '.join(GGUF_ARCHS)}")
-    model_type = GGUF_ARCHS[arch]
+    model_type, arch = gguf_model_type(meta), str(meta["general.architecture"])
 
     def get(key: str, default: Any = None) -> Any:
         value = meta.get(f"{arch}.{key}", default)
@@ -171,10 +251,14 @@ def model_config_from_gguf(meta: Mapping[str, Any], *, tied: bool) -> ModelConfi
         scaling = RopeScaling(kind=str(get("rope.scaling.type")),
                               factor=float(get("rope.scaling.factor")))
     fields = family(model_type).gguf_fields(lambda key, default=None: meta.get(key, default))
+    layers = int(get("block_count"))
+    sparse = tuple(routed is None or layer in routed for layer in range(layers))
+    if fields.get("num_experts") and not all(sparse):
+        fields["sparse_layers"] = sparse
     return ModelConfig(
         architecture=model_type, vocab_size=int(vocab), hidden_size=hidden,
         intermediate_size=int(get("feed_forward_length")),
-        num_layers=int(get("block_count")), num_heads=heads,
+        num_layers=layers, num_heads=heads,
         num_kv_heads=int(get("attention.head_count_kv", heads)),
         head_dim=int(get("attention.key_length", hidden // heads)),
         rms_norm_eps=_f32_value(get("attention.layer_norm_rms_epsilon", 1e-5)),

@@ -17,6 +17,9 @@ _FAMILIES = (LLAMA, GEMMA, MOE)
 _BY_MODEL_TYPE = {t: f for f in _FAMILIES for t in f.model_types}
 MODEL_TYPES: tuple[str, ...] = tuple(_BY_MODEL_TYPE)
 GGUF_ARCHS: dict[str, str] = {a: t for f in _FAMILIES for a, t in f.gguf_archs.items()}
+# a file of one of these architectures with experts is this model_type (Mixtral as "llama")
+GGUF_EXPERT_ARCHS: dict[str, str] = {
+    a: t for f in _FAMILIES for a, t in f.gguf_expert_archs.items()}
 
 
 def family(model_type: str) -> Family:
@@ -32,4 +35,4 @@ def family(model_type: str) -> Family:
     return found
 
 
-__all__ = ["GGUF_ARCHS", "MODEL_TYPES", "Family", "family"]
+__all__ = ["GGUF_ARCHS", "GGUF_EXPERT_ARCHS", "MODEL_TYPES", "Family", "family"]

@@ -65,6 +65,9 @@ class Family:
         hf_fields: the ModelConfig fields beyond the common ones, read from an HF config
             (`get(attribute, default)`); refuses a value it does not implement.
         gguf_archs: GGUF `general.architecture` values this family reads, -> model_type.
+        gguf_expert_archs: GGUF architectures of another family under which llama.cpp also
+            writes this family's models, told apart by `{arch}.expert_count` > 0 (Mixtral
+            is written as "llama"), -> model_type.
         gguf_fields: as `hf_fields`, from GGUF metadata (`get(key, default)` by full key).
         gguf_permuted: the model_types whose Q/K rows llama.cpp stores permuted for its
             interleaved RoPE.
@@ -81,6 +84,7 @@ class Family:
     hf_names: Callable[[ModelConfig], Mapping[Path, str]]
     hf_fields: Callable[[Get], dict[str, Any]] = _no_fields
     gguf_archs: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    gguf_expert_archs: Mapping[str, str] = dataclasses.field(default_factory=dict)
     gguf_fields: Callable[[Get], dict[str, Any]] = _no_fields
     gguf_permuted: tuple[str, ...] = ()
     norm_offset: float = 0.0

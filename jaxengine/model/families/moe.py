@@ -17,7 +17,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxengine.model.batch import ModelBatch
-from jaxengine.model.config import ModelConfig
+from jaxengine.model.config import ModelConfig, ModelLoadError
 from jaxengine.model.families.family import Family, Get, Path, layer_names, per_layer, refuse
 from jaxengine.model.families.llama import ATTENTION_NAMES, MLP_NAMES, attention, outer_names
 from jaxengine.model.layers import MLP, RMSNorm, live_tokens
@@ -116,6 +116,39 @@ def _hf_fields(get: Get) -> dict[str, Any]:
         qkv_bias=bool(get("qkv_bias", False)), qk_norm=model_type == "qwen3_moe")
 
 
+def _gguf_fields(get: Get) -> dict[str, Any]:
+    """llama.cpp's keys; its graphs renormalise the k weights for Mixtral ("llama") and
+    qwen3moe, not for qwen2moe. Which layers are routed the loader reads from the tensors."""
+    arch = get("general.architecture")
+
+    def need(key: str) -> Any:
+        value = get(f"{arch}.{key}")
+        if value is None:
+            raise ModelLoadError(f"GGUF metadata lacks {arch}.{key}; the file is incomplete")
+        return value
+
+    experts, used, ff = int(need("expert_count")), int(need("expert_used_count")), int(
+        need("feed_forward_length"))
+    scale = get(f"{arch}.expert_weights_scale")
+    if scale not in (None, 0, 1):  # llama.cpp scales the routing weights by it
+        raise refuse(f"{arch}.expert_weights_scale", scale, "routing weights are unscaled")
+    if arch == "llama" and get(f"{arch}.expert_shared_feed_forward_length"):
+        raise refuse(f"{arch}.expert_shared_feed_forward_length",
+                     get(f"{arch}.expert_shared_feed_forward_length"),
+                     "a llama-architecture MoE is Mixtral, which has no shared expert")
+    # without the key, llama.cpp's own fallbacks: a llama-arch expert is the FFN's width
+    width = get(f"{arch}.expert_feed_forward_length") or (ff if arch == "llama" else ff // used)
+    fields: dict[str, Any] = dict(num_experts=experts, num_experts_per_tok=used,
+                                  moe_intermediate_size=int(width))
+    if arch == "llama":
+        return fields
+    shared = get(f"{arch}.expert_shared_feed_forward_length") or ff
+    return fields | dict(
+        norm_topk_prob=arch == "qwen3moe",
+        shared_expert_intermediate_size=int(shared) if arch == "qwen2moe" else None,
+        qkv_bias=arch == "qwen2moe", qk_norm=arch == "qwen3moe")
+
+
 def _lacks(cfg: ModelConfig, path: Path, layer: int) -> bool:
     """A mixed model's layer has no checkpoint tensors for the FFN kind it does not run."""
     routed = cfg.layer_sparse[layer]
@@ -127,5 +160,9 @@ MOE = Family(
     block=MoEBlock,
     hf_names=_hf_names,
     hf_fields=_hf_fields,
+    gguf_archs={"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"},
+    gguf_expert_archs={"llama": "mixtral"},
+    gguf_fields=_gguf_fields,
+    gguf_permuted=("mixtral",),
     layer_lacks=_lacks,
 )

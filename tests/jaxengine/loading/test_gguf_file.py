@@ -49,6 +49,41 @@ def test_tensor_names_are_llama_cpps(arch: str) -> None:
     assert gguf_tensor_name(names, "model.layers.1.mlp.foo.weight") is None
 
 
+# a routed layer's router and stacked experts (HF names without the expert index), and the
+# dense MLP of a mixed stack's dense layer
+QWEN_MOE_NAMES = {
+    "model.layers.1.mlp.gate.weight": "blk.1.ffn_gate_inp.weight",
+    "model.layers.1.mlp.experts.gate_proj.weight": "blk.1.ffn_gate_exps.weight",
+    "model.layers.1.mlp.experts.up_proj.weight": "blk.1.ffn_up_exps.weight",
+    "model.layers.1.mlp.experts.down_proj.weight": "blk.1.ffn_down_exps.weight",
+    "model.layers.0.mlp.gate_proj.weight": "blk.0.ffn_gate.weight",
+    "model.layers.0.mlp.down_proj.weight": "blk.0.ffn_down.weight",
+}
+SHARED_EXPERT_NAMES = {
+    "model.layers.1.mlp.shared_expert.gate_proj.weight": "blk.1.ffn_gate_shexp.weight",
+    "model.layers.1.mlp.shared_expert.up_proj.weight": "blk.1.ffn_up_shexp.weight",
+    "model.layers.1.mlp.shared_expert.down_proj.weight": "blk.1.ffn_down_shexp.weight",
+    "model.layers.1.mlp.shared_expert_gate.weight": "blk.1.ffn_gate_inp_shexp.weight",
+}
+MIXTRAL_NAMES = {
+    "model.layers.1.block_sparse_moe.gate.weight": "blk.1.ffn_gate_inp.weight",
+    "model.layers.1.block_sparse_moe.experts.w1.weight": "blk.1.ffn_gate_exps.weight",
+    "model.layers.1.block_sparse_moe.experts.w3.weight": "blk.1.ffn_up_exps.weight",
+    "model.layers.1.block_sparse_moe.experts.w2.weight": "blk.1.ffn_down_exps.weight",
+}
+
+
+@pytest.mark.parametrize("arch, expected", [
+    ("mixtral", MIXTRAL_NAMES), ("qwen2_moe", QWEN_MOE_NAMES | SHARED_EXPERT_NAMES),
+    ("qwen3_moe", QWEN_MOE_NAMES)])
+def test_expert_tensor_names_are_llama_cpps(arch: str, expected: dict[str, str]) -> None:
+    names = tensor_name_map(ModelConfig.tiny(arch, num_experts=8, num_experts_per_tok=2,
+                                             moe_intermediate_size=16))
+    assert {n: gguf_tensor_name(names, n) for n in expected} == expected
+    if arch == "qwen3_moe":  # Qwen3-MoE has no shared expert
+        assert {gguf_tensor_name(names, n) for n in SHARED_EXPERT_NAMES} == {None}
+
+
 def test_gguf_metadata() -> None:
     meta = {"general.architecture": "qwen2", "qwen2.block_count": 2,
             "qwen2.embedding_length": 64, "qwen2.feed_forward_length": 96,

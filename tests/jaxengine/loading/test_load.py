@@ -4,6 +4,7 @@ Q/K permutation) give transformers' logits; every user-fixable problem raises Mo
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from jaxengine.model.step import RequestChunk
 from tests.fixtures.model_helpers import FIXTURES, PagedRunner, load_json
 
 TINY = FIXTURES / "tiny"
+F32 = gguf.GGMLQuantizationType.F32
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -29,8 +31,26 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
         w.shape)
 
 
-def write_gguf(src: Path, path: Path, arch: str) -> None:
-    """Convert a tiny HF fixture to an F32 GGUF file the way llama.cpp does."""
+def stack_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """llama.cpp's converter: each layer's experts stacked per projection, [E, out, in], under
+    the HF name without the expert index."""
+    out: dict[str, np.ndarray] = {}
+    experts: dict[str, dict[int, np.ndarray]] = {}
+    for name, arr in tensors.items():
+        m = re.fullmatch(r"(.*\.experts)\.(\d+)\.(.*)", name)
+        if m is None:
+            out[name] = arr
+        else:
+            experts.setdefault(f"{m[1]}.{m[3]}", {})[int(m[2])] = arr
+    for name, by_index in experts.items():
+        out[name] = np.stack([by_index[e] for e in range(len(by_index))])
+    return out
+
+
+def write_gguf(src: Path, path: Path, arch: str,
+               experts_as: gguf.GGMLQuantizationType = F32) -> None:
+    """Convert a tiny HF fixture to a GGUF file the way llama.cpp does: F32, or stacked
+    experts whose rows allow it in `experts_as`."""
     cfg = read_hf_config(src)
     names = tensor_name_map(cfg)
     w = gguf.GGUFWriter(str(path), arch)
@@ -48,6 +68,16 @@ def write_gguf(src: Path, path: Path, arch: str) -> None:
     w.add_token_list(sorted(vocab, key=vocab.get))
     w.add_token_merges([])
     w.add_eos_token_id(vocab["<|im_end|>"])
+    if cfg.head_dim != cfg.hidden_size // cfg.num_heads:
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
+    if cfg.num_experts:  # Mixtral's experts are as wide as its FFN and it has no other keys
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        if arch != "llama":
+            w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if cfg.shared_expert_intermediate_size:
+            w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     if arch == "gemma3":  # llama.cpp's keys for what Gemma's config.json says
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
@@ -56,14 +86,20 @@ def write_gguf(src: Path, path: Path, arch: str) -> None:
         w.add_rope_freq_base_swa(cfg.rope_local_theta)
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(cfg.rope_scaling.factor)
-    for name, arr in load_file(str(src / "model.safetensors")).items():
+    for name, arr in stack_experts(load_file(str(src / "model.safetensors"))).items():
         if arch == "gemma3" and "norm" in name:
             arr = arr + 1  # llama.cpp stores Gemma's (1 + w) norms with the 1 added
         if arch == "llama" and name.endswith("q_proj.weight"):
             arr = _permute(arr, cfg.num_heads)
         elif arch == "llama" and name.endswith("k_proj.weight"):
             arr = _permute(arr, cfg.num_kv_heads)
-        w.add_tensor(gguf_tensor_name(names, name), arr)
+        if name.endswith("shared_expert_gate.weight"):
+            arr = arr.reshape(-1)  # llama.cpp declares it a vector {D}
+        if ".experts." in name and arr.shape[-1] % 32 == 0 and experts_as != F32:
+            w.add_tensor(gguf_tensor_name(names, name), gguf.quants.quantize(arr, experts_as),
+                         raw_dtype=experts_as)
+        else:
+            w.add_tensor(gguf_tensor_name(names, name), arr)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
