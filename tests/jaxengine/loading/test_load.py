@@ -194,8 +194,8 @@ def test_wrong_tensor_shapes(tmp_path: Path) -> None:
 
 def test_unsupported_architecture(tmp_path: Path) -> None:
     path = copy_fixture("mistral_gqa", tmp_path)
-    edit_config(path, model_type="mixtral", architectures=["MixtralForCausalLM"])
-    with pytest.raises(ModelLoadError, match="MixtralForCausalLM"):
+    edit_config(path, model_type="phimoe", architectures=["PhiMoEForCausalLM"])
+    with pytest.raises(ModelLoadError, match="PhiMoEForCausalLM"):
         load_model(path)
     w = gguf.GGUFWriter(str(tmp_path / "g.gguf"), "gpt2")
     w.write_header_to_file()
