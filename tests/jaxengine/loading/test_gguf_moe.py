@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
+from jaxengine import LLM, SamplingParams
 from jaxengine.loading import load_model
 from jaxengine.loading.gguf_file import (
     GGUFSource,
@@ -196,3 +197,14 @@ def test_moe_gguf_on_a_mesh_with_and_without_expert_parallelism(tmp_path: Path, 
                      num_devices=2, timeout=300)
     E, D, F = 8, 32, {"mixtral_moe": 16, "qwen2_moe": 32}[src]
     assert out.split("\n")[:2] == [f"False [({E}, {D}, {F // 2})]", f"True [({E // 2}, {D}, {F})]"]
+
+
+def test_a_moe_gguf_through_the_engine_gives_transformers_greedy_tokens(tmp_path: Path) -> None:
+    write_gguf(TINY / "qwen3_moe", tmp_path / "m.gguf", "qwen3moe")
+    oracle = np.load(TINY / "qwen3_moe" / "oracle.npz")
+    llm = LLM(str(tmp_path / "m.gguf"), skip_tokenizer_init=True, block_size=4,
+              max_num_seqs=2, max_num_batched_tokens=16, num_gpu_blocks_override=72)
+    params = SamplingParams(temperature=0.0, max_tokens=len(oracle["greedy_ids"]),
+                            ignore_eos=True)
+    out = llm.generate([{"prompt_token_ids": oracle["input_ids"].tolist()}], params)[0]
+    assert list(out.outputs[0].token_ids) == oracle["greedy_ids"].tolist()
