@@ -59,3 +59,31 @@ def test_replicas_on_their_own_devices_give_one_engines_outputs() -> None:
                                                        strict=True)), config
         assert r["devices"] == groups and r["kv_devices"] == groups, config
         assert r["requests"] == [True, True], config  # both replicas served some
+
+
+MOE_CHECKS = """
+import json
+from jaxengine.llm import LLM
+from scheduler import SamplingParams
+
+KW = dict(skip_tokenizer_init=True, num_gpu_blocks_override=64, max_model_len=64,
+          block_size=4, max_num_seqs=4, max_num_batched_tokens=32)
+PROMPTS = [{"prompt_token_ids": list(range(i + 1, 9 + 4 * i))} for i in range(5)]
+PARAMS = SamplingParams(max_tokens=6, temperature=0.0)
+tokens = {}
+for dp, tp, ep in ((1, 1, False), (2, 2, True)):
+    llm = LLM("tests/fixtures/tiny/qwen2_moe", data_parallel_size=dp, tensor_parallel_size=tp,
+              enable_expert_parallel=ep, **KW)
+    outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    tokens[f"{dp}x{tp}"] = [list(o.outputs[0].token_ids) for o in outs]
+print(json.dumps(tokens))
+"""
+
+
+@pytest.mark.slow  # two MoE engines, one of two replicas, in a subprocess
+def test_moe_replicas_with_expert_parallelism_give_one_engines_tokens() -> None:
+    """Data parallelism is unchanged for a MoE model: two replicas, each with its experts
+    split whole over its two devices, give one device's greedy tokens."""
+    out = run_python(MOE_CHECKS, num_devices=4, timeout=240)
+    tokens = json.loads(out.strip().splitlines()[-1])
+    assert tokens["2x2"] == tokens["1x1"] and all(len(t) == 6 for t in tokens["1x1"])
