@@ -1,14 +1,21 @@
 """KV cache groups of a model (jaxengine/model/kv_groups.py): vLLM's grouping, the pool's
 layout and the batch that carries every group's tables."""
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxengine.loading.hf import SafetensorsSource, read_hf_config
+from jaxengine.loading.weights import load_weights
 from jaxengine.model.batch import RequestChunk, pack_batch, requests_of_step
 from jaxengine.model.config import FULL, SLIDING, ModelConfig
+from jaxengine.model.decoder import Model
 from jaxengine.model.kv_cache import kv_cache_bytes_per_block, kv_cache_shape
 from jaxengine.model.kv_groups import kv_cache_layout
+from jaxengine.model.step import make_compute_logits, make_model_step, split_model
 from scheduler.kv.groups import KVCacheGroup
+from tests.fixtures.model_helpers import TINY_DIRS
 
 
 def _config(types: tuple[str, ...] | None, window: int | None = 8) -> ModelConfig:
@@ -83,3 +90,40 @@ def test_a_chunk_without_every_groups_table_is_refused():
     chunk = RequestChunk(token_ids=[1], start=0, block_table=[2])
     with pytest.raises(ValueError, match="block tables for 2 KV cache groups"):
         pack_batch([chunk], num_tokens=4, max_seqs=2, max_blocks=2, block_size=4, num_groups=2)
+
+
+@pytest.mark.parametrize("scan_layers", [False, True])
+def test_a_grouped_cache_with_slid_out_pages_gives_transformers_logits(scan_layers):
+    """gemma3_text (a full and two sliding groups of two layers) on a pool in the groups'
+    layout, NaN where nothing was written: each group has its own shuffled pages, and a
+    sliding group's pages that left the window are the null block 0, as the scheduler
+    hands them out; both layer layouts (looped, scanned) read their group's."""
+    path = TINY_DIRS[[p.name for p in TINY_DIRS].index("gemma3_text")]
+    oracle = np.load(path / "oracle.npz")
+    cfg = read_hf_config(str(path))
+    source = SafetensorsSource(str(path))
+    try:
+        weights = load_weights(cfg, source, dtype=jnp.float32, where=str(path))
+    finally:
+        source.close()
+    model = Model(cfg, weights=weights, scan_layers=scan_layers)
+    layout = kv_cache_layout(cfg)
+    assert len(layout.groups) == 3 and layout.num_slots == 2
+    graphdef, state = split_model(model)
+    step = jax.jit(make_model_step(graphdef))
+    logits_fn = jax.jit(make_compute_logits(graphdef))
+    kv = jnp.full(kv_cache_shape(cfg, num_blocks=40, block_size=4, grouped=True), jnp.nan)
+    pages = np.random.default_rng(0).permutation(np.arange(1, 40))[:30].reshape(3, 10)
+    ids, got, start = oracle["input_ids"].tolist(), [], 0
+    for n in (16, 16, 8):
+        skipped = max(0, start - 8 + 1) // 4  # blocks the step's first query cannot see
+        tables = [list(pages[g]) if layout.groups[g].sliding_window is None
+                  else [0] * skipped + list(pages[g][skipped:]) for g in range(3)]
+        chunk = RequestChunk(token_ids=ids[start:start + n], start=start,
+                             block_table=tables[0], group_block_tables=tables)
+        batch = pack_batch([chunk], num_tokens=16, max_seqs=2, max_blocks=10, block_size=4,
+                           num_groups=3)
+        kv, hidden = step(state, kv, batch)
+        got.append(np.asarray(logits_fn(state, hidden))[:n])
+        start += n
+    np.testing.assert_allclose(np.concatenate(got), oracle["logits"], atol=1e-4, rtol=0)
