@@ -99,7 +99,7 @@ def check_kv_cache_groups(args: EngineArgs, groups: tuple[KVCacheGroup, ...]) ->
     (docs/SCHEDULING.md §13, "Refused for now"): KV offloading needs a single full-attention
     group (its loads and saves are block lists of one table), and a draft model reads the
     target's first group's tables, so that group must keep every block."""
-    if groups == (FULL_ATTENTION,):
+    if len(groups) == 1 and groups[0].sliding_window is None:
         return
     if args.kv_offloading_size:
         raise ValueError(

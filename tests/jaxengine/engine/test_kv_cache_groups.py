@@ -86,6 +86,10 @@ def test_what_groups_cannot_serve_is_refused_at_config_time():
         create_engine_config(draft, **_kv_facts((KVCacheGroup(sliding_window=8),)))
     config = create_engine_config(EngineArgs(block_size=4), **_kv_facts(hybrid))
     assert config.scheduler.kv_cache_groups == hybrid
+    # One full group of any size is today's model: offloading serves it.
+    one = (KVCacheGroup(num_layers=6),)
+    config = create_engine_config(EngineArgs(kv_offloading_size=1.0), **_kv_facts(one))
+    assert config.scheduler.kv_cache_groups == one
 
 
 def test_a_pool_too_small_for_every_groups_blocks_is_refused_naming_the_length():
