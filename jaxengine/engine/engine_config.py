@@ -19,7 +19,7 @@ from jaxengine.config import (
 from jaxengine.engine.args import EngineArgs
 from jaxengine.runner.compiles import debug_recompiles_from_env
 from scheduler import SchedulerConfig
-from scheduler.kv.groups import FULL_ATTENTION, KVCacheGroup, max_group_blocks
+from scheduler.kv.groups import FULL_ATTENTION, KVCacheGroup, max_group_blocks, one_full_group
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # vLLM's token budget per step under chunked prefill
 
@@ -99,7 +99,7 @@ def check_kv_cache_groups(args: EngineArgs, groups: tuple[KVCacheGroup, ...]) ->
     (docs/SCHEDULING.md §13, "Refused for now"): KV offloading needs a single full-attention
     group (its loads and saves are block lists of one table), and a draft model reads the
     target's first group's tables, so that group must keep every block."""
-    if len(groups) == 1 and groups[0].sliding_window is None:
+    if one_full_group(groups):
         return
     if args.kv_offloading_size:
         raise ValueError(

@@ -62,9 +62,9 @@ class Runner:
         self.model = model
         self.config = config
         self.token_buckets, self.request_buckets = config.buckets()
-        # With several KV cache groups the pool is in their layout (one group: the same).
-        init = (model.init_group_kv or model.init_kv if config.num_kv_cache_groups > 1
-                else model.init_kv)
+        init = model.init_kv
+        if config.num_kv_cache_groups > 1:  # the pool in the groups' layout (kv_groups.py)
+            init = model.init_group_kv or model.init_kv
         self.kv = init(config.num_blocks, config.block_size)
         self.stats = RunnerStats()
         self.warm = False

@@ -16,6 +16,7 @@ from jaxengine.engine.engine_config import create_engine_config
 from jaxengine.engine.llm_engine import LLMEngine
 from jaxengine.loading.load import load_model
 from scheduler.kv.groups import KVCacheGroup
+from tests.parallel_helpers import run_python
 
 TINY = Path(__file__).resolve().parents[2] / "fixtures" / "tiny"
 LOGPROB_TOL = 2e-3
@@ -69,6 +70,33 @@ def test_slid_out_blocks_go_back_to_the_pool_and_tokens_stay_transformers(caplog
     assert list(again.outputs[0].token_ids) == oracle["greedy_ids"].tolist()
     # The group tables are part of every precompiled step: nothing compiled after warm-up.
     assert llm.llm_engine.runner.stats.compilations_after_warmup == 0
+
+
+ON_A_MESH = """
+import json
+import numpy as np
+from jaxengine import LLM, SamplingParams
+path = "tests/fixtures/tiny/gemma3_text"
+oracle = np.load(path + "/oracle.npz")
+llm = LLM(path, skip_tokenizer_init=True, max_num_seqs=2, block_size=4,
+          max_num_batched_tokens=16, num_gpu_blocks_override=80, tensor_parallel_size=2)
+params = SamplingParams(temperature=0.0, max_tokens=12, logprobs=0, ignore_eos=True)
+out = llm.generate([{"prompt_token_ids": oracle["input_ids"].tolist()}], params)[0].outputs[0]
+kv = llm.llm_engine.runner.kv
+print(json.dumps(dict(tokens=list(out.token_ids), shape=list(kv.shape),
+                      shard=list(kv.addressable_shards[0].data.shape),
+                      logprobs=[s[t].logprob for s, t in zip(out.logprobs, out.token_ids)])))
+"""
+
+
+def test_the_groups_serve_transformers_tokens_on_a_mesh():
+    """tp=2: the grouped pool [2 slots, 80, 4, 2*K, H] split on its heads, one KV head each."""
+    result = json.loads(run_python(ON_A_MESH, num_devices=2, timeout=300).splitlines()[-1])
+    oracle = np.load(TINY / "gemma3_text" / "oracle.npz")
+    assert result["tokens"] == oracle["greedy_ids"].tolist()
+    np.testing.assert_allclose(result["logprobs"], oracle["greedy_logprobs"],
+                               atol=LOGPROB_TOL, rtol=0)
+    assert result["shape"] == [2, 80, 4, 4, 16] and result["shard"] == [2, 80, 4, 2, 16]
 
 
 def _kv_facts(groups):
