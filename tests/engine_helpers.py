@@ -27,7 +27,7 @@ def engine_over(model: ModelFns, args: EngineArgs, *, tokenizer: TokenizerLike |
         dataclasses.replace(args, num_gpu_blocks_override=None, kv_cache_memory_bytes=None),
         model_max_model_len=max_model_len,
         kv_bytes_per_block=model.kv_bytes_per_block(args.block_size),
-        device_kv_budget_bytes=1 << 50)
+        device_kv_budget_bytes=1 << 50, kv_cache_groups=model.kv_cache_groups)
     config = dataclasses.replace(config,
                                  scheduler=config.scheduler.replace(num_blocks=num_blocks))
     return LLMEngine(model, args, config, tokenizer=tokenizer, draft=draft)

@@ -3,6 +3,7 @@ settings (`jaxengine.engine.engine_config`) with the model's and the devices' fa
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -16,12 +17,16 @@ from jaxengine.loading.load import load_model
 from jaxengine.model.config import ModelConfig
 from jaxengine.model.fns import ModelFns
 from jaxengine.model.kv_cache import init_kv_cache, kv_cache_bytes_per_block
+from jaxengine.model.kv_groups import kv_cache_layout
 from jaxengine.model.mesh import engine_devices, make_mesh
 from jaxengine.model.packing import pack_projections, packable
 from jaxengine.model.step import make_compute_logits, make_model_step, split_model
 from jaxengine.model.tensor_parallel import tp_layout
 from jaxengine.runner import compilation_cache
 from jaxengine_kernels import UnsupportedShapeError, check_supported, cpu, default_impl
+from scheduler.kv.groups import max_concurrency
+
+logger = logging.getLogger("jaxengine.engine")
 
 # Leave room for activations when sizing the pool from device memory.
 ACTIVATION_RESERVE = 0.1
@@ -83,7 +88,8 @@ def model_fns(model: Any, cfg: Any, *, attn_impl: str, pack: bool = True,
     """`ModelFns` of a loaded `jaxengine.model.decoder.Model` (split once into graph and weights).
 
     The weights stay where the model put them (its mesh); the KV cache is made there too, its
-    head axis split over "tp", and `kv_bytes_per_block` counts one device's share. With `pack`,
+    head axis split over "tp", and `kv_bytes_per_block` counts one device's share of a page of
+    the model's KV cache groups (`init_group_kv`, the engine's pool). With `pack`,
     the projections are first packed for the native CPU matmul in place where that applies
     (jaxengine/model/packing.py: a one-device CPU mesh in float32); else XLA's dots.
 
@@ -110,8 +116,12 @@ def model_fns(model: Any, cfg: Any, *, attn_impl: str, pack: bool = True,
             num_kv_heads=layout.num_kv_heads, mesh=model.mesh),
         kv_bytes_per_block=lambda block_size: kv_cache_bytes_per_block(
             cfg, block_size=block_size, dtype=dtype, num_kv_heads=layout.num_kv_heads,
-            shards=layout.tp),
+            shards=layout.tp, grouped=True),
         vocab_size=cfg.vocab_size,
+        kv_cache_groups=kv_cache_layout(cfg).groups,
+        init_group_kv=lambda num_blocks, block_size: init_kv_cache(
+            cfg, num_blocks=num_blocks, block_size=block_size, dtype=dtype,
+            num_kv_heads=layout.num_kv_heads, mesh=model.mesh, grouped=True),
     )
 
 
@@ -153,10 +163,19 @@ def resolve_config(args: EngineArgs, fns: ModelFns, cfg: ModelConfig,
     Raises:
       ValueError: what `create_engine_config` raises.
     """
-    return create_engine_config(
+    config = create_engine_config(
         args, model_max_model_len=cfg.max_model_len,
         kv_bytes_per_block=fns.kv_bytes_per_block(args.block_size),
-        device_kv_budget_bytes=device_kv_budget_bytes(args, device))
+        device_kv_budget_bytes=device_kv_budget_bytes(args, device),
+        kv_cache_groups=fns.kv_cache_groups)
+    s = config.scheduler
+    # vLLM's startup line: how many requests of max_model_len tokens the pool holds at once
+    logger.info("Maximum concurrency for %d tokens per request: %.2fx", s.max_model_len,
+                max_concurrency(s.kv_cache_groups, num_blocks=s.num_blocks,
+                                block_size=s.block_size, num_tokens=s.max_model_len,
+                                max_num_batched_tokens=(s.long_prefill_token_threshold
+                                                        or s.max_num_scheduled_tokens)))
+    return config
 
 
 def load_draft(spec: SpeculativeConfig | None, *, dtype: Dtype,

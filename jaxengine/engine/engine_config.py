@@ -19,12 +19,15 @@ from jaxengine.config import (
 from jaxengine.engine.args import EngineArgs
 from jaxengine.runner.compiles import debug_recompiles_from_env
 from scheduler import SchedulerConfig
+from scheduler.kv.groups import FULL_ATTENTION, KVCacheGroup, max_group_blocks, one_full_group
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # vLLM's token budget per step under chunked prefill
 
 
 def create_engine_config(args: EngineArgs, *, model_max_model_len: int,
-                         kv_bytes_per_block: int, device_kv_budget_bytes: int) -> EngineConfig:
+                         kv_bytes_per_block: int, device_kv_budget_bytes: int,
+                         kv_cache_groups: tuple[KVCacheGroup, ...] = (FULL_ATTENTION,)
+                         ) -> EngineConfig:
     """Resolve `args` for one model on one replica's devices.
 
     Args:
@@ -34,21 +37,29 @@ def create_engine_config(args: EngineArgs, *, model_max_model_len: int,
         in the resolved dtype.
       device_kv_budget_bytes: what the devices give the KV pool when `kv_cache_memory_bytes`
         is unset (`jaxengine.engine.build.device_kv_budget_bytes`).
+      kv_cache_groups: the model's KV cache groups (`ModelFns.kv_cache_groups`), for the
+        scheduler and the pool's size; `kv_bytes_per_block` is a page of their layout.
     Returns:
       The frozen `EngineConfig` every layer below the engine reads.
     Raises:
       ValueError: max_model_len beyond the model's limit, a pool that cannot hold one request
-        of max_model_len tokens, or scheduler limits that do not fit together; the message
-        names the setting to change.
+        of max_model_len tokens, scheduler limits that do not fit together, or a setting the
+        model's KV cache groups cannot serve (`check_kv_cache_groups`); the message names the
+        setting to change.
     """
     max_model_len = args.max_model_len or model_max_model_len
     check_max_model_len(max_model_len, model_max_model_len)
+    check_kv_cache_groups(args, kv_cache_groups)
     budget = (args.kv_cache_memory_bytes if args.kv_cache_memory_bytes is not None
               else device_kv_budget_bytes)
+    batched = max_num_batched_tokens(args, max_model_len)
     num_blocks = num_kv_blocks(args, max_model_len=max_model_len,
-                               kv_bytes_per_block=kv_bytes_per_block, budget=budget)
+                               kv_bytes_per_block=kv_bytes_per_block, budget=budget,
+                               groups=kv_cache_groups,
+                               step_tokens=args.long_prefill_token_threshold or batched)
     scheduler = SchedulerConfig(
-        max_num_batched_tokens=max_num_batched_tokens(args, max_model_len),
+        kv_cache_groups=kv_cache_groups,
+        max_num_batched_tokens=batched,
         max_num_seqs=args.max_num_seqs, max_model_len=max_model_len,
         enable_chunked_prefill=args.enable_chunked_prefill,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
@@ -83,17 +94,59 @@ def max_num_batched_tokens(args: EngineArgs, max_model_len: int) -> int:
     return max(DEFAULT_MAX_NUM_BATCHED_TOKENS, args.max_num_seqs)
 
 
+def check_kv_cache_groups(args: EngineArgs, groups: tuple[KVCacheGroup, ...]) -> None:
+    """`ValueError` naming the setting if the model's KV cache groups cannot serve `args`
+    (docs/SCHEDULING.md §13, "Refused for now"): KV offloading needs a single full-attention
+    group (its loads and saves are block lists of one table), and a draft model reads the
+    target's first group's tables, so that group must keep every block."""
+    if one_full_group(groups):
+        return
+    if args.kv_offloading_size:
+        raise ValueError(
+            f"kv_offloading_size={args.kv_offloading_size} is not supported for a model with "
+            f"sliding-window or several KV cache groups ({_describe(groups)}): offloading "
+            f"moves the blocks of one full-attention table. Leave kv_offloading_size unset.")
+    spec = args.speculative_config or {}
+    if spec.get("method") == "draft_model" and groups[0].sliding_window is not None:
+        raise ValueError(
+            f"speculative_config method 'draft_model' needs a target with a full-attention "
+            f"layer (its draft shares the target's first KV cache group's blocks), but every "
+            f"layer slides ({_describe(groups)}); use another method.")
+
+
+def _describe(groups: tuple[KVCacheGroup, ...]) -> str:
+    """"1 full, 5 sliding (window 512) groups of 1 layer"."""
+    full = sum(g.sliding_window is None for g in groups)
+    windows = sorted({g.sliding_window for g in groups if g.sliding_window is not None})
+    return (f"{full} full, {len(groups) - full} sliding (window "
+            f"{', '.join(map(str, windows))}) groups of {groups[0].num_layers} layers")
+
+
 def num_kv_blocks(args: EngineArgs, *, max_model_len: int, kv_bytes_per_block: int,
-                  budget: int) -> int:
+                  budget: int, groups: tuple[KVCacheGroup, ...] = (FULL_ATTENTION,),
+                  step_tokens: int = 1) -> int:
     """Pages in the pool, the null block 0 included: `num_gpu_blocks_override`, else what
     `budget` bytes hold.
 
+    Args:
+      groups: the model's KV cache groups: one request holds, summed over them, at most
+        `max_group_blocks` (all of its blocks for full attention, a window's for a sliding
+        group).
+      step_tokens: the most tokens a request computes in one step (a sliding group holds
+        a window plus one step's tokens).
     Raises:
       ValueError: the pool cannot hold one request of `max_model_len` tokens. vLLM refuses to
         start then too; the message gives the numbers and what to change.
     """
     bs, per_block = args.block_size, kv_bytes_per_block
-    need = -(-max_model_len // bs) + 1  # one full-length request, plus the null block 0
+
+    def blocks_for(num_tokens: int) -> int:  # one request of num_tokens, plus the null block
+        return sum(max_group_blocks(g, num_tokens, bs, step_tokens) for g in groups) + 1
+
+    def longest(blocks: int) -> int:  # the longest max_model_len `blocks` hold
+        return max(n for n in range(0, (blocks - 1) * bs + 1, bs) if blocks_for(n) <= blocks)
+
+    need = blocks_for(max_model_len)
     if args.num_gpu_blocks_override is not None:
         blocks = args.num_gpu_blocks_override
         if blocks < need:
@@ -102,11 +155,11 @@ def num_kv_blocks(args: EngineArgs, *, max_model_len: int, kv_bytes_per_block: i
                 f"tokens, but one request of max_model_len={max_model_len} tokens needs "
                 f"{need - 1} (plus the null block: {need} in all). Raise "
                 f"num_gpu_blocks_override to at least {need}, or lower max_model_len to at most "
-                f"{(blocks - 1) * bs}.")
+                f"{longest(blocks)}.")
         return blocks
     blocks = max(budget // per_block, 0)  # a device already full gives a negative budget
     if blocks < need:
-        shrink = (f"lower max_model_len to at most {(blocks - 1) * bs}, or "
+        shrink = (f"lower max_model_len to at most {longest(blocks)}, or "
                   if blocks >= 2 else "")
         raise ValueError(
             f"the KV cache budget of {budget} bytes ({_size(budget)}) holds {blocks} blocks of "

@@ -1,7 +1,10 @@
 """The model's device batch: a registered pytree of fixed-shape int32 arrays (docs/DESIGN.md).
 
 T is the token bucket (scheduled tokens, padding after), R the fixed request capacity
-(`max_num_seqs`). Sampling arrays are the engine's and live elsewhere.
+(`max_num_seqs`). Sampling arrays are the engine's and live elsewhere. A model of several KV
+cache groups (jaxengine/model/kv_groups.py) is given each group's block tables and slots,
+G of them, and runs on the cache in the groups' layout; with one group the batch is the same
+without them.
 """
 
 from __future__ import annotations
@@ -26,6 +29,11 @@ class ModelBatch:
     query_start_loc: jax.Array  # i32[R+1]  prefix sums of scheduled tokens
     num_seqs: jax.Array  # i32[]  live requests; rows past it are padding
     logits_indices: jax.Array  # i32[R]  last scheduled token of each request
+    # i32[G, R, max_blocks] and i32[G, T]: per KV cache group (G > 1), each request's pages
+    # and each token's slot, group 0's being `block_tables` and `slot_mapping`; None: the
+    # cache is one slot per layer and every layer reads those two
+    group_block_tables: jax.Array | None = None
+    group_slot_mapping: jax.Array | None = None
 
 
 def requests_of_step(batch: ModelBatch) -> ModelBatch:
@@ -38,9 +46,11 @@ def requests_of_step(batch: ModelBatch) -> ModelBatch:
     T, R = batch.input_ids.shape[0], batch.seq_lens.shape[0]
     if T >= R:
         return batch
+    groups = batch.group_block_tables
     return dataclasses.replace(batch, block_tables=batch.block_tables[:T],
                                seq_lens=batch.seq_lens[:T],
-                               query_start_loc=batch.query_start_loc[:T + 1])
+                               query_start_loc=batch.query_start_loc[:T + 1],
+                               group_block_tables=None if groups is None else groups[:, :T])
 
 
 @dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
@@ -50,10 +60,12 @@ class RequestChunk:
     token_ids: Sequence[int]  # the tokens scheduled this step
     start: int  # tokens of this request already in the KV cache (position of token_ids[0])
     block_table: Sequence[int]  # the request's pages, in order
+    # per KV cache group its table (group 0's is block_table), all as long; None: one group
+    group_block_tables: Sequence[Sequence[int]] | None = None
 
 
 def pack_batch(chunks: Sequence[RequestChunk], *, num_tokens: int, max_seqs: int,
-               max_blocks: int, block_size: int) -> ModelBatch:
+               max_blocks: int, block_size: int, num_groups: int = 1) -> ModelBatch:
     """Pack request chunks into a padded numpy `ModelBatch` of fixed shapes.
 
     Args:
@@ -62,9 +74,14 @@ def pack_batch(chunks: Sequence[RequestChunk], *, num_tokens: int, max_seqs: int
         max_seqs: R, the request capacity (>= len(chunks)).
         max_blocks: width of `block_tables`.
         block_size: L, tokens per page.
+        num_groups: G, the model's KV cache groups; above 1 each chunk gives G tables and
+            the batch carries `group_block_tables` and `group_slot_mapping`.
     Returns:
         A ModelBatch of numpy int32 arrays.
     """
+    if num_groups > 1:
+        return _pack_groups(chunks, num_tokens=num_tokens, max_seqs=max_seqs,
+                            max_blocks=max_blocks, block_size=block_size, num_groups=num_groups)
     total = sum(len(c.token_ids) for c in chunks)
     if total > num_tokens or len(chunks) > max_seqs:
         raise ValueError(f"{total} tokens / {len(chunks)} requests exceed the bucket "
@@ -91,3 +108,28 @@ def pack_batch(chunks: Sequence[RequestChunk], *, num_tokens: int, max_seqs: int
     return ModelBatch(input_ids=ids, positions=pos, slot_mapping=slots, block_tables=tables,
                       seq_lens=seq_lens, query_start_loc=qsl,
                       num_seqs=np.asarray(len(chunks), np.int32), logits_indices=logits_idx)
+
+
+def _pack_groups(chunks: Sequence[RequestChunk], *, num_tokens: int, max_seqs: int,
+                 max_blocks: int, block_size: int, num_groups: int) -> ModelBatch:
+    """`pack_batch` for G > 1 KV cache groups: group 0 as one group, then every group's."""
+    batch = pack_batch(chunks, num_tokens=num_tokens, max_seqs=max_seqs,
+                       max_blocks=max_blocks, block_size=block_size)
+    tables = np.zeros((num_groups, max_seqs, max_blocks), np.int32)
+    slots = np.zeros((num_groups, num_tokens), np.int32)
+    t = 0
+    for r, c in enumerate(chunks):
+        n = len(c.token_ids)
+        if c.group_block_tables is None or len(c.group_block_tables) != num_groups:
+            raise ValueError(f"request {r}: needs block tables for {num_groups} KV cache "
+                             f"groups, got {c.group_block_tables!r}")
+        p = np.arange(c.start, c.start + n)
+        for g, group_table in enumerate(c.group_block_tables):
+            table = np.asarray(group_table, np.int32)
+            if len(table) != len(c.block_table):
+                raise ValueError(f"request {r}: group {g}'s table has {len(table)} pages, "
+                                 f"group 0's {len(c.block_table)}")
+            tables[g, r, :len(table)] = table
+            slots[g, t:t + n] = table[p // block_size] * block_size + p % block_size
+        t += n
+    return dataclasses.replace(batch, group_block_tables=tables, group_slot_mapping=slots)

@@ -16,7 +16,8 @@ paying compile time that grows with depth (about 3x for SmolLM2's 30 layers). La
 weights come from its own key either way, so a seed gives the same model in both layouts.
 The KV cache (`[layers, P, L, 2*K, H]`, see kv_cache.py) is passed in and returned as a value,
 viewed as layers*P pages so each layer's ragged paged attention writes and reads its own pages
-in place.
+in place; under KV cache groups (kv_groups.py) the leading axis is the groups' layer slots and
+each layer uses its group's block tables.
 
 A model lives on a mesh (jaxengine/model/mesh.py; default: one device) and is laid out for
 its "tp" size (`TPLayout`: KV heads repeated when tp > K, vocabulary padded to a multiple of
@@ -29,6 +30,7 @@ mesh axis tp.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -44,6 +46,7 @@ from jaxengine.model.config import ModelConfig
 from jaxengine.model.families import family
 from jaxengine.model.families.family import BlockFactory, DecoderBlock, Path
 from jaxengine.model.kv_cache import kv_cache_sharding
+from jaxengine.model.kv_groups import kv_cache_layout
 from jaxengine.model.layers import (
     COLUMN,
     Embedder,
@@ -178,6 +181,34 @@ def _with_weights(abstract: dict[str, nnx.Module | None],
     return nnx.merge(graphdef, nnx.from_flat_state(filled))
 
 
+def _layer_slots(cfg: ModelConfig, batch: ModelBatch, num_slots: int
+                 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Each layer's slot in the cache and its KV cache group: the groups' layout when the
+    batch carries their tables, else slot i and group 0 for layer i.
+
+    Raises:
+        ValueError: the cache's leading axis is not that layout's.
+    """
+    if batch.group_block_tables is None:
+        want, slots, groups = cfg.num_layers, tuple(range(cfg.num_layers)), (0,) * cfg.num_layers
+    else:
+        layout = kv_cache_layout(cfg)
+        want, slots, groups = layout.num_slots, layout.layer_slot, layout.layer_group
+    if num_slots != want:
+        raise ValueError(f"KV cache of {num_slots} layer slots, but this batch's layout needs "
+                         f"{want} (init_kv_cache(grouped=...) must match the batch's "
+                         f"group_block_tables)")
+    return slots, groups
+
+
+def _group_batch(batch: ModelBatch, group: jax.Array | int) -> ModelBatch:
+    """`batch` as a layer of KV cache group `group` reads it: that group's tables and slots."""
+    if batch.group_block_tables is None:
+        return batch
+    return dataclasses.replace(batch, block_tables=batch.group_block_tables[group],
+                               slot_mapping=batch.group_slot_mapping[group])
+
+
 class Model(nnx.Module):
     """A decoder of any registered family (jaxengine/model/families) over a paged KV cache."""
 
@@ -235,7 +266,8 @@ class Model(nnx.Module):
         """One step over a ragged batch of prefill chunks and decodes.
 
         Args:
-            kv: [layers, P, L, 2*K, H] the paged KV cache (model dtype).
+            kv: [layers, P, L, 2*K, H] the paged KV cache (model dtype); [slots, ...] in the
+                KV cache groups' layout when `batch` carries their tables.
             batch: the device batch.
             attn_impl: ragged paged attention implementation ("reference", "cpu", "tpu",
                 "gpu").
@@ -262,13 +294,17 @@ class Model(nnx.Module):
         # (docs/BENCHMARKS.md §2, "Other work in a step"). Instead, view the cache as one
         # layer of layers*P pages (a free reshape) and shift layer i's page ids by i*P: the
         # kernel scatters and gathers in place.
-        Ly, P, L, K2, H = kv.shape
-        pages = kv.reshape(Ly * P, L, K2, H)
+        # With KV cache groups, layer i reads its group's tables and owns the pages of its
+        # slot (kv_groups.py); without, layer i owns slot i.
+        S, P, L, K2, H = kv.shape
+        slot_of, group_of = _layer_slots(cfg, batch, S)
+        pages = kv.reshape(S * P, L, K2, H)
         kw = {"attn_impl": attn_impl, "interpret": interpret, "batch_invariant": batch_invariant}
         if isinstance(self.layers, nnx.List):
             for i, block in enumerate(self.layers):
                 cos, sin = local_rope if local[i] else rope
-                x, pages = block(x, pages, i * P, batch, cos, sin, i, **kw)
+                x, pages = block(x, pages, slot_of[i] * P, _group_batch(batch, group_of[i]),
+                                 cos, sin, i, **kw)
         else:
             @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=nnx.Carry,
                       transform_metadata=LAYER_AXIS)
@@ -278,11 +314,14 @@ class Model(nnx.Module):
                 is_local = jnp.asarray(local)[layer]
                 cos, sin = rope if not any(local) else (
                     jnp.where(is_local, a, b) for a, b in zip(local_rope, rope, strict=True))
-                return block(x, pages, layer * P, batch, cos, sin, layer, **kw)
+                return block(x, pages, jnp.asarray(slot_of)[layer] * P,
+                             _group_batch(batch, jnp.asarray(group_of)[layer]), cos, sin,
+                             layer, **kw)
 
-            x, pages = run((x, pages), self.layers, jnp.arange(Ly, dtype=jnp.int32))
+            x, pages = run((x, pages), self.layers,
+                           jnp.arange(cfg.num_layers, dtype=jnp.int32))
         # The cache comes back in the sharding it came in, so its donated buffers are reused.
-        kv = jax.lax.with_sharding_constraint(pages.reshape(Ly, P, L, K2, H),
+        kv = jax.lax.with_sharding_constraint(pages.reshape(S, P, L, K2, H),
                                               kv_cache_sharding(self.mesh))
         # The residual stream is replicated (each row-parallel projection all-reduces).
         return kv, jax.lax.with_sharding_constraint(self.norm(x), replicated(self.mesh))

@@ -13,6 +13,7 @@ from typing import Any
 import jax
 
 from jaxengine.model.batch import ModelBatch
+from scheduler.kv.groups import FULL_ATTENTION, KVCacheGroup
 
 
 # weakref_slot: the runner's jitted programs are dropped with the model (runner/programs.py).
@@ -24,7 +25,14 @@ class ModelFns:
     step: Callable[[Any, jax.Array, ModelBatch], tuple[jax.Array, jax.Array]]  # -> kv, [T, D]
     compute_logits: Callable[[Any, jax.Array], jax.Array]  # hidden [R, D] -> f32[R, V]
     init_kv: Callable[[int, int], jax.Array]  # (num_blocks, block_size) -> zeroed cache
-    kv_bytes_per_block: Callable[[int], int]  # block_size -> a page's bytes on one device
+    # block_size -> a page's bytes on one device, in the layout of `init_group_kv`
+    kv_bytes_per_block: Callable[[int], int]
     vocab_size: int
+    # The model's KV cache groups (jaxengine/model/kv_groups.py): the scheduler's, and with
+    # more than one the engine's pool is `init_group_kv`'s and its batches carry every
+    # group's tables
+    kv_cache_groups: tuple[KVCacheGroup, ...] = (FULL_ATTENTION,)
+    # (num_blocks, block_size) -> a zeroed cache in the groups' layout; None: `init_kv`'s
+    init_group_kv: Callable[[int, int], jax.Array] | None = None
     kv_page_axis: int = 1  # the cache's axis of pages (1 in [Ly, P, L, 2K, H]): KV offloading
     # copies whole pages along it (jaxengine/kv_offload)

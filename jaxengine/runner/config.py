@@ -22,6 +22,9 @@ class RunnerConfig:
     intermediate_token_buckets: bool  # add 1.5x buckets: less padding, more compiles
     debug_recompiles: bool  # raise RecompileError on a compilation after warm-up
     num_speculative_tokens: int  # K: drafts a request may verify per step (jaxengine/spec)
+    # G, the model's KV cache groups: above 1 the pool is in their layout and each batch
+    # carries every group's tables (jaxengine/model/kv_groups.py)
+    num_kv_cache_groups: int = 1
 
     @classmethod
     def of(cls, config: EngineConfig) -> RunnerConfig:
@@ -33,7 +36,8 @@ class RunnerConfig:
                    max_logprobs=config.max_logprobs,
                    intermediate_token_buckets=config.intermediate_token_buckets,
                    debug_recompiles=config.debug_recompiles,
-                   num_speculative_tokens=config.num_speculative_tokens)
+                   num_speculative_tokens=config.num_speculative_tokens,
+                   num_kv_cache_groups=len(s.kv_cache_groups))
 
     @property
     def max_blocks_per_seq(self) -> int:

@@ -62,7 +62,10 @@ class Runner:
         self.model = model
         self.config = config
         self.token_buckets, self.request_buckets = config.buckets()
-        self.kv = model.init_kv(config.num_blocks, config.block_size)
+        init = model.init_kv
+        if config.num_kv_cache_groups > 1:  # the pool in the groups' layout (kv_groups.py)
+            init = model.init_group_kv or model.init_kv
+        self.kv = init(config.num_blocks, config.block_size)
         self.stats = RunnerStats()
         self.warm = False
         # The sampled tokens a step reads its placeholders from live where the sampler puts
@@ -175,7 +178,8 @@ class Runner:
     def _batch_spec(self, num_tokens: int) -> ModelBatch:
         c = self.config
         batch = pack_batch([], num_tokens=num_tokens, max_seqs=c.max_num_seqs,
-                           max_blocks=c.max_blocks_per_seq, block_size=c.block_size)
+                           max_blocks=c.max_blocks_per_seq, block_size=c.block_size,
+                           num_groups=c.num_kv_cache_groups)
         if c.num_speculative_tokens:  # the step keeps 1 + K hidden rows per request
             batch = replace(batch, logits_indices=np.zeros(c.max_num_rows, np.int32))
         return jax.tree.map(_spec, batch)
@@ -286,15 +290,18 @@ class Runner:
         """The padded batch, and for each of its tokens the row of `prev.tokens` a placeholder
         takes (-1: not a placeholder). Shapes: ModelBatch of T tokens; fill i32[T]."""
         c = self.config
+        groups = out.group_block_tables if c.num_kv_cache_groups > 1 else None
         chunks = [
             RequestChunk(token_ids=out.input_token_ids[r], start=out.num_computed_tokens[r],
-                         block_table=out.block_tables[r])
+                         block_table=out.block_tables[r],
+                         group_block_tables=None if groups is None else [g[r] for g in groups])
             for r in order
         ]
         total = sum(len(ch.token_ids) for ch in chunks)
         num_tokens = pick_bucket(self.token_buckets, total)
         batch = pack_batch(chunks, num_tokens=num_tokens, max_seqs=c.max_num_seqs,
-                           max_blocks=c.max_blocks_per_seq, block_size=c.block_size)
+                           max_blocks=c.max_blocks_per_seq, block_size=c.block_size,
+                           num_groups=c.num_kv_cache_groups)
         if c.num_speculative_tokens:  # also the rows of each request's drafts
             drafts = out.scheduled_spec_decode_tokens
             batch = replace(batch, logits_indices=gather_indices(

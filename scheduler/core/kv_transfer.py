@@ -16,7 +16,7 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from scheduler.config import SchedulerConfig
-from scheduler.kv.groups import FULL_ATTENTION
+from scheduler.kv.groups import one_full_group
 from scheduler.kv_connector import KVConnector, KVConnectorOutput, KVSave
 from scheduler.request import RequestStatus
 
@@ -76,7 +76,7 @@ def take_up_load(w: "Work", rid: str) -> bool:
 def require_one_group(config: SchedulerConfig) -> None:
     """Raise ValueError unless the model has one full-attention KV cache group: a connector's
     loads and saves are block lists of one table (docs/SCHEDULING.md §13)."""
-    if config.kv_cache_groups != (FULL_ATTENTION,):
+    if not one_full_group(config.kv_cache_groups):
         raise ValueError(
             f"kv_cache_groups={config.kv_cache_groups!r}: a KV connector (KV offloading) "
             "works only with one full-attention KV cache group; serve this model without one")

@@ -38,6 +38,12 @@ class KVCacheGroup:
 FULL_ATTENTION = KVCacheGroup()  # the one group of a model without windows
 
 
+def one_full_group(groups: Sequence[KVCacheGroup]) -> bool:
+    """Whether `groups` is a single full-attention group, of any size (the scheduler of the
+    sections before §13; `num_layers` only counts bytes)."""
+    return len(groups) == 1 and groups[0].sliding_window is None
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

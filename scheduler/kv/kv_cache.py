@@ -21,13 +21,13 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from scheduler._versioned import Journal
 from scheduler.kv.groups import (
-    FULL_ATTENTION,
     CacheKey,
     KVCacheGroup,
     group_key,
     longest_hit,
     max_group_blocks,
     num_skipped_blocks,
+    one_full_group,
 )
 from scheduler.kv.groups import cdiv as cdiv
 from scheduler.kv.hashing import BlockHash, extend_block_hashes
@@ -94,7 +94,6 @@ class PoolData:
 
 
 Table = tuple[int, ...]
-_ONE_FULL_GROUP = (FULL_ATTENTION,)
 Hit = tuple[tuple[int, ...], ...]  # a prefix hit's blocks, per group (null 0 where skipped)
 
 
@@ -114,7 +113,7 @@ class KVCacheManager:
         self.max_model_len = max_model_len
         self.groups = groups
         # Anything but one full group: tables per group, windows to slide (docs §13)
-        self.hybrid = groups != _ONE_FULL_GROUP
+        self.hybrid = not one_full_group(groups)
         self.windows = tuple(g.sliding_window for g in groups) if self.hybrid else (None,)
         self.empty: Hit = ((),) * len(groups)  # no blocks in any group (no hit, no table)
         self.step_tokens = step_tokens  # the most tokens a request computes in one step

@@ -12,6 +12,7 @@ from hypothesis import HealthCheck, event, given, settings
 
 from scheduler import (
     KVCacheGroup,
+    KVConnector,
     SchedulerConfig,
     abort_requests,
     add_request,
@@ -287,3 +288,22 @@ def test_async_scheduling_and_drafts_with_windows_give_the_sync_tokens(seed):
     drafted, _ = drive(SchedulerConfig(**kw, async_scheduling=True), requests, async_=True,
                        drafts=Drafts(3, seed))
     assert asyn == sync == drafted and len(sync) == len(requests)
+
+
+def test_one_full_group_of_any_size_schedules_as_without_groups():
+    # num_layers only counts bytes: the engine gives a model of full attention alone one
+    # group of all its layers, which must be the scheduler of §1-§12 step for step.
+    runs = []
+    for groups in ((FULL,), (KVCacheGroup(num_layers=6),)):
+        s = state_with(_config(num_blocks=20, kv_cache_groups=groups,
+                               enable_prefix_caching=True),
+                       req("A", 40, max_tokens=8), req("B", 30, max_tokens=8))
+        plans = []
+        while s.requests:
+            s, plan, _ = step(s)
+            plans.append((plan.num_scheduled_tokens, plan.block_tables, plan.preempted_req_ids,
+                          s.free_block_queue()))
+        runs.append(plans)
+    assert runs[0] == runs[1] and any(p[2] for p in runs[0])  # with a preemption
+    s = state_with(_config(kv_cache_groups=(KVCacheGroup(num_layers=6),)), req("A", 4))
+    assert schedule(s, kv_connector=KVConnector())[1].num_scheduled_tokens == {"A": 4}

@@ -72,7 +72,7 @@ def test_llm_greedy_tokens_and_logprobs_are_transformers(path, backend: str | No
     sampler): past the window, a sliding layer must see exactly the last W keys."""
     oracle = np.load(path / "oracle.npz")
     llm = LLM(str(path), skip_tokenizer_init=True, max_num_seqs=2, block_size=4,
-              max_num_batched_tokens=16, num_gpu_blocks_override=72,
+              max_num_batched_tokens=16, num_gpu_blocks_override=80,
               attention_backend=backend)
     params = SamplingParams(temperature=0.0, max_tokens=len(oracle["greedy_ids"]), logprobs=0,
                             ignore_eos=True)
