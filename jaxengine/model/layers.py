@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -164,6 +165,12 @@ def linear(in_features: int, out_features: int, *, sharding: Sharding, mesh: Mes
                       preferred_element_type=preferred_element_type, rngs=rngs)
 
 
+def per_layer(values: tuple[Any, ...], layer: jax.Array | int) -> Any:
+    """`values[layer]`: a Python value for a looped layer, a traced one for a scanned layer
+    (what differs between the layers of one stack: a window, a routed or dense FFN)."""
+    return values[layer] if isinstance(layer, int) else jnp.asarray(values)[layer]
+
+
 def live_tokens(batch: ModelBatch) -> jax.Array:
     """i32[] the batch's scheduled tokens; the rows after them are the bucket's padding."""
     return batch.query_start_loc[batch.num_seqs]
@@ -232,11 +239,13 @@ class Attention(nnx.Module):
     def __init__(self, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
                  qkv_bias: bool, qk_norm: bool, eps: float, mesh: Mesh, dtype: jnp.dtype,
                  rngs: nnx.Rngs, kv_repeat: int = 1, sm_scale: float | None = None,
-                 soft_cap: float | None = None, norm_offset: float = 0.0) -> None:
+                 soft_cap: float | None = None, norm_offset: float = 0.0,
+                 windows: tuple[int, ...] = ()) -> None:
         """`num_kv_heads` K of the checkpoint; with `kv_repeat` r the k/v projections (and the
         cache) have K*r heads, each checkpoint head repeated r times (tp > K). `sm_scale`
         (default head_dim**-0.5) and `soft_cap` as the kernel's; `norm_offset` is the q/k
-        norms' (`RMSNorm`)."""
+        norms' (`RMSNorm`); `windows` each layer's sliding window W (0: full attention; empty:
+        full on every layer)."""
         D, N, K, H = hidden_size, num_heads, num_kv_heads * kv_repeat, head_dim
         kv_init = functools.partial(head_repeated, repeat=kv_repeat, head_dim=H)
         column = functools.partial(linear, sharding=COLUMN, mesh=mesh, use_bias=qkv_bias,
@@ -250,12 +259,12 @@ class Attention(nnx.Module):
         self.k_norm = norm() if qk_norm else None
         self.num_heads, self.num_kv_heads, self.head_dim = N, K, H
         self.sm_scale = H**-0.5 if sm_scale is None else sm_scale
-        self.soft_cap = soft_cap
+        self.soft_cap, self.windows = soft_cap, windows
         self.mesh = mesh
 
     def __call__(self, x: jax.Array, pages: jax.Array, page_offset: jax.Array | int,
                  batch: ModelBatch, cos: jax.Array, sin: jax.Array,
-                 window: jax.Array | int = 0, *, attn_impl: str, interpret: bool = False,
+                 layer: jax.Array | int = 0, *, attn_impl: str, interpret: bool = False,
                  batch_invariant: bool = False) -> tuple[jax.Array, jax.Array]:
         """Attend the batch's tokens to their context, writing their K/V into `pages` first.
 
@@ -264,8 +273,8 @@ class Attention(nnx.Module):
             pages: [P', L, 2*K, H] pages the kernel sees; page p of the batch is
                 `page_offset + p` (each layer owns a range of pages, see `Model.__call__`).
             cos, sin: f32[T, H] RoPE tables of the batch's positions.
-            window: this layer's sliding window W (0: full attention); an i32[] when the
-                layers are scanned, so one program serves layers of different windows.
+            layer: the layer's index (an i32[] when the layers are scanned: its window is
+                then a traced operand, so one program serves layers of different windows).
             attn_impl: ragged paged attention implementation ("reference", "cpu", "tpu",
                 "gpu").
             interpret: run a Pallas kernel in interpret mode (to test "tpu"/"gpu" on CPU).
@@ -295,7 +304,8 @@ class Attention(nnx.Module):
             out_specs=(HEADS, PAGES), check_vma=False)  # kernels' loop carries start unvaried
         out, pages = attend(q, k, v, pages, slots, batch.block_tables + page_offset,
                             batch.seq_lens, batch.query_start_loc, batch.num_seqs,
-                            jnp.asarray(window, jnp.int32))
+                            jnp.asarray(per_layer(self.windows, layer) if self.windows else 0,
+                                        jnp.int32))
         return project(self.o_proj, out.astype(x.dtype).reshape(T, N * H), live), pages
 
 

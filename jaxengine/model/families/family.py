@@ -31,7 +31,7 @@ class DecoderBlock(Protocol):
 
     `layer` is the layer's index: a Python int when the layers are looped, an i32[] when they
     are scanned; what differs between layers (a window, a routed or dense FFN) the block reads
-    from the config with `per_layer`.
+    from the config with `jaxengine.model.layers.per_layer`.
     """
 
     def __call__(self, x: jax.Array, pages: jax.Array, page_offset: jax.Array | int,
@@ -91,11 +91,6 @@ class Family:
     embed_scale: bool = False
     text_config: Callable[[Any], Any] | None = None
     layer_lacks: Callable[[ModelConfig, Path, int], bool] = lambda cfg, path, layer: False
-
-
-def per_layer(values: tuple[Any, ...], layer: jax.Array | int) -> Any:
-    """`values[layer]`: a Python value for a looped layer, a traced one for a scanned layer."""
-    return values[layer] if isinstance(layer, int) else jnp.asarray(values)[layer]
 
 
 def refuse(field: str, value: Any, why: str) -> ModelLoadError:

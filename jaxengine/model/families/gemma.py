@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 
 from jaxengine.model.batch import ModelBatch
 from jaxengine.model.config import FULL, SLIDING, ModelConfig
-from jaxengine.model.families.family import Family, Get, Path, layer_names, per_layer, refuse
+from jaxengine.model.families.family import Family, Get, Path, layer_names, refuse
 from jaxengine.model.families.llama import ATTENTION_NAMES, MLP_NAMES, attention, outer_names
 from jaxengine.model.layers import MLP, RMSNorm, live_tokens
 from jaxengine.model.tensor_parallel import TPLayout
@@ -40,7 +40,6 @@ class GemmaBlock(nnx.Module):
         D, eps = cfg.hidden_size, cfg.rms_norm_eps
         for name in NORMS:
             setattr(self, name, RMSNorm(D, eps=eps, dtype=dtype, offset=NORM_OFFSET))
-        self.windows = cfg.layer_windows
         self.self_attn = attention(cfg, layout, mesh=mesh, dtype=dtype, rngs=rngs,
                                    norm_offset=NORM_OFFSET)
         self.mlp = MLP(D, cfg.intermediate_size, mesh=mesh, dtype=dtype, rngs=rngs,
@@ -48,13 +47,10 @@ class GemmaBlock(nnx.Module):
 
     def __call__(self, x: jax.Array, pages: jax.Array, page_offset: jax.Array | int,
                  batch: ModelBatch, cos: jax.Array, sin: jax.Array,
-                 layer: jax.Array | int, *, attn_impl: str, interpret: bool = False,
-                 batch_invariant: bool = False) -> tuple[jax.Array, jax.Array]:
-        """x [T, D] -> (x [T, D], updated pages); `layer` as `DecoderBlock`'s, the rest as
-        `Attention`'s."""
+                 layer: jax.Array | int, **kernel: Any) -> tuple[jax.Array, jax.Array]:
+        """x [T, D] -> (x [T, D], updated pages); the arguments as `Attention`'s."""
         out, pages = self.self_attn(self.input_layernorm(x), pages, page_offset, batch, cos,
-                                    sin, per_layer(self.windows, layer), attn_impl=attn_impl,
-                                    interpret=interpret, batch_invariant=batch_invariant)
+                                    sin, layer, **kernel)
         x = x + self.post_attention_layernorm(out)
         out = self.mlp(self.pre_feedforward_layernorm(x), live_tokens(batch))
         return x + self.post_feedforward_layernorm(out), pages

@@ -16,7 +16,7 @@ from jax.sharding import Mesh
 
 from jaxengine.model.batch import ModelBatch
 from jaxengine.model.config import ModelConfig
-from jaxengine.model.families.family import Family, Get, Path, layer_names, per_layer, refuse
+from jaxengine.model.families.family import Family, Get, Path, layer_names, refuse
 from jaxengine.model.layers import MLP, Attention, RMSNorm, live_tokens
 from jaxengine.model.tensor_parallel import TPLayout
 
@@ -28,7 +28,8 @@ def attention(cfg: ModelConfig, layout: TPLayout, *, mesh: Mesh, dtype: jnp.dtyp
                      qkv_bias=cfg.qkv_bias, qk_norm=cfg.qk_norm, eps=cfg.rms_norm_eps,
                      mesh=mesh, dtype=dtype, rngs=rngs, kv_repeat=layout.kv_repeat,
                      sm_scale=cfg.attn_scale, soft_cap=cfg.attn_softcap,
-                     norm_offset=norm_offset)
+                     norm_offset=norm_offset,
+                     windows=cfg.layer_windows if cfg.sliding_window else ())
 
 
 class LlamaBlock(nnx.Module):
@@ -38,7 +39,6 @@ class LlamaBlock(nnx.Module):
                  rngs: nnx.Rngs) -> None:
         D, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.input_layernorm = RMSNorm(D, eps=eps, dtype=dtype)
-        self.windows = cfg.layer_windows
         self.self_attn = attention(cfg, layout, mesh=mesh, dtype=dtype, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(D, eps=eps, dtype=dtype)
         self.mlp = MLP(D, cfg.intermediate_size, mesh=mesh, dtype=dtype, rngs=rngs,
@@ -46,13 +46,10 @@ class LlamaBlock(nnx.Module):
 
     def __call__(self, x: jax.Array, pages: jax.Array, page_offset: jax.Array | int,
                  batch: ModelBatch, cos: jax.Array, sin: jax.Array,
-                 layer: jax.Array | int, *, attn_impl: str, interpret: bool = False,
-                 batch_invariant: bool = False) -> tuple[jax.Array, jax.Array]:
-        """x [T, D] -> (x [T, D], updated pages); `layer` as `DecoderBlock`'s, the rest as
-        `Attention`'s."""
+                 layer: jax.Array | int, **kernel: Any) -> tuple[jax.Array, jax.Array]:
+        """x [T, D] -> (x [T, D], updated pages); the arguments as `Attention`'s."""
         out, pages = self.self_attn(self.input_layernorm(x), pages, page_offset, batch, cos,
-                                    sin, per_layer(self.windows, layer), attn_impl=attn_impl,
-                                    interpret=interpret, batch_invariant=batch_invariant)
+                                    sin, layer, **kernel)
         x = x + out
         return x + self.mlp(self.post_attention_layernorm(x), live_tokens(batch)), pages
 

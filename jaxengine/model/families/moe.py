@@ -18,9 +18,9 @@ from jax.sharding import Mesh
 
 from jaxengine.model.batch import ModelBatch
 from jaxengine.model.config import ModelConfig, ModelLoadError
-from jaxengine.model.families.family import Family, Get, Path, layer_names, per_layer, refuse
+from jaxengine.model.families.family import Family, Get, Path, layer_names, refuse
 from jaxengine.model.families.llama import ATTENTION_NAMES, MLP_NAMES, attention, outer_names
-from jaxengine.model.layers import MLP, RMSNorm, live_tokens
+from jaxengine.model.layers import MLP, RMSNorm, live_tokens, per_layer
 from jaxengine.model.moe import SparseMoE
 from jaxengine.model.tensor_parallel import TPLayout
 
@@ -31,7 +31,7 @@ class MoEBlock(nnx.Module):
     def __init__(self, cfg: ModelConfig, layout: TPLayout, *, mesh: Mesh, dtype: jnp.dtype,
                  rngs: nnx.Rngs) -> None:
         D, eps = cfg.hidden_size, cfg.rms_norm_eps
-        self.windows, self.sparse = cfg.layer_windows, cfg.layer_sparse
+        self.sparse = cfg.layer_sparse
         self.input_layernorm = RMSNorm(D, eps=eps, dtype=dtype)
         self.self_attn = attention(cfg, layout, mesh=mesh, dtype=dtype, rngs=rngs)
         self.post_attention_layernorm = RMSNorm(D, eps=eps, dtype=dtype)
@@ -46,13 +46,10 @@ class MoEBlock(nnx.Module):
 
     def __call__(self, x: jax.Array, pages: jax.Array, page_offset: jax.Array | int,
                  batch: ModelBatch, cos: jax.Array, sin: jax.Array,
-                 layer: jax.Array | int, *, attn_impl: str, interpret: bool = False,
-                 batch_invariant: bool = False) -> tuple[jax.Array, jax.Array]:
-        """x [T, D] -> (x [T, D], updated pages); `layer` as `DecoderBlock`'s, the rest as
-        `Attention`'s."""
+                 layer: jax.Array | int, **kernel: Any) -> tuple[jax.Array, jax.Array]:
+        """x [T, D] -> (x [T, D], updated pages); the arguments as `Attention`'s."""
         out, pages = self.self_attn(self.input_layernorm(x), pages, page_offset, batch, cos,
-                                    sin, per_layer(self.windows, layer), attn_impl=attn_impl,
-                                    interpret=interpret, batch_invariant=batch_invariant)
+                                    sin, layer, **kernel)
         x = x + out
         h, live = self.post_attention_layernorm(x), live_tokens(batch)
         if self.mlp is None or self.moe is None:  # one kind of layer

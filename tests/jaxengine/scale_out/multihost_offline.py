@@ -1,6 +1,7 @@
 """One process of the two-process offline test (test_multihost_processes.py); not a test module.
 
-`python multihost_offline.py PROCESS_ID COORDINATOR TP [ENGINE_KWARGS_JSON]`: builds an `LLM`
+`python multihost_offline.py PROCESS_ID COORDINATOR TP [ENGINE_KWARGS_JSON]` (its "model" key,
+if any, replaces MODEL): builds an `LLM`
 joined to the others through `jax.distributed`, prints `LAYOUT {json}` (which processes hold
 the KV cache and the largest weight, and whether each device holds only a part of them), then
 generates `PROMPTS` with `PARAMS` and prints `RESULT {json}`: each output's token ids, text
@@ -56,8 +57,9 @@ def layout(llm: LLM) -> dict[str, Any]:
 def main() -> int:
     process_id, coordinator, tp = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
     extra = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
+    model = extra.pop("model", MODEL)
     try:
-        llm = LLM(MODEL, **{**ENGINE, **extra}, tensor_parallel_size=tp,
+        llm = LLM(model, **{**ENGINE, **extra}, tensor_parallel_size=tp,
                   coordinator_address=coordinator, num_processes=2, process_id=process_id)
     except ValueError as e:
         print("VALUE_ERROR", e, flush=True)

@@ -117,6 +117,20 @@ def test_two_processes_give_one_process_outputs(tmp_path: Path,
             assert (a is None and b is None) or abs(a - b) < 1e-4
 
 
+@pytest.mark.slow  # two processes and a one-process reference of a MoE model
+def test_two_processes_serve_a_moe_model_with_expert_parallelism(tmp_path: Path) -> None:
+    """Multi-host is unchanged for a MoE model: its experts split whole over the four devices
+    of two processes give one process's outputs."""
+    moe = "tests/fixtures/tiny/qwen2_moe"
+    want = offline.summarize(LLM(moe, **offline.ENGINE))
+    extra = {"model": moe, "enable_expert_parallel": True}
+    (code0, line0, _), (code1, line1, _) = _run_offline(tmp_path, (extra, extra))
+    assert (code0, code1) == (0, 0), (line0, line1)
+    for line in (line0, line1):
+        got = json.loads(line.removeprefix("RESULT "))
+        assert [g["token_ids"] for g in got] == [w["token_ids"] for w in want]
+
+
 def test_processes_started_with_different_arguments_all_refuse(tmp_path: Path) -> None:
     results = _run_offline(tmp_path, extra=({}, {"max_num_seqs": 3}))
     for code, line, _ in results:
