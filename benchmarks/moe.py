@@ -167,7 +167,8 @@ def model_rows(args: argparse.Namespace) -> list[float]:
         for kind, f in fns.items():
             step = jax.jit(f.step)
             kv = f.init_kv(1 + 16 * pages, block_size)
-            calls[kind] = (lambda step=step, f=f, kv=kv: step(f.params, kv, batch)[1])
+            calls[kind] = (lambda step=step, f=f, kv=kv, batch=batch:
+                           step(f.params, kv, batch)[1])
         got = {k: np.asarray(fn()) for k, fn in calls.items()}
         live = sum(len(c.token_ids) for c in chunks)
         np.testing.assert_allclose(got["sparse"][:live], got["dense"][:live], rtol=2e-3,
