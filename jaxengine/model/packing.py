@@ -120,6 +120,16 @@ def packable(model: nnx.Module) -> str | None:
     return native.available()
 
 
+def _merge(module: nnx.Module, names: tuple[str, ...]) -> None:
+    """Replace `module`'s projections `names` (of one input) by columns of one `PackedLinear`
+    of their kernels side by side."""
+    linears = [getattr(module, name) for name in names]
+    merged, start = PackedLinear(*linears), 0
+    for name, lin in zip(names, linears, strict=True):
+        setattr(module, name, PackedColumns(merged, start, start + lin.out_features))
+        start += lin.out_features
+
+
 def pack_projections(model: nnx.Module) -> int:
     """Swap `model`'s projections for packed ones in place; returns how many projections were
     packed (0 when `packable` says no)."""
@@ -128,11 +138,7 @@ def pack_projections(model: nnx.Module) -> int:
     count = 0
     for block in model.layers:
         attn = block.self_attn
-        linears = [getattr(attn, name) for name in MERGED]
-        merged, start = PackedLinear(*linears), 0
-        for name, lin in zip(MERGED, linears, strict=True):
-            setattr(attn, name, PackedColumns(merged, start, start + lin.out_features))
-            start += lin.out_features
+        _merge(attn, MERGED)
         attn.o_proj = PackedLinear(attn.o_proj)
         count += len(MERGED) + 1
         mlp = block.mlp  # None in a block of routed experts only (those stay as they are)
@@ -141,10 +147,7 @@ def pack_projections(model: nnx.Module) -> int:
         if mlp.activation == "silu":
             block.mlp = PackedMLP(mlp)
         else:  # the fused call is SwiGLU's: gate and up merged, the activation in XLA
-            gate_up = PackedLinear(mlp.gate_proj, mlp.up_proj)
-            F = mlp.gate_proj.out_features
-            mlp.gate_proj = PackedColumns(gate_up, 0, F)
-            mlp.up_proj = PackedColumns(gate_up, F, 2 * F)
+            _merge(mlp, ("gate_proj", "up_proj"))
             mlp.down_proj = PackedLinear(mlp.down_proj)
         count += 3  # gate, up, down
     if model.lm_head is None:
