@@ -11,6 +11,7 @@ HF name is served as its slice, the stacked tensor dequantized once for all its 
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections.abc import Collection, Mapping
@@ -19,7 +20,7 @@ from typing import Any
 import gguf
 import numpy as np
 
-from jaxengine.loading.weights import model_weight_shapes
+from jaxengine.loading.weights import model_weight_shapes, stacked_tensors
 from jaxengine.model.config import ModelConfig, ModelLoadError, RopeScaling
 from jaxengine.model.families import GGUF_ARCHS, GGUF_EXPERT_ARCHS, family
 
@@ -162,10 +163,11 @@ class GGUFSource:
         """The HF names of the tensors a model of the config reads (an expert's: its stack)."""
         cfg, fam = self._cfg, self._family
         shapes = model_weight_shapes(cfg)
-        return {_split_expert(name.format(layer=layer, expert=0))[0]
+        return {_split_expert(tensor)[0]
                 for path, name in fam.hf_names(cfg).items() if path in shapes
-                for layer in (range(cfg.num_layers) if path[0] == "layers" else [0])
-                if path[0] != "layers" or not fam.layer_lacks(cfg, path, layer)}
+                for tensor in ([name] if path[0] != "layers" else [
+                    t for _, _, t in stacked_tensors(
+                        name, shapes[path], functools.partial(fam.layer_lacks, cfg, path))])}
 
     def get(self, name: str) -> np.ndarray | None:
         """The tensor `name` in HF layout as float32, or None if the file lacks it.

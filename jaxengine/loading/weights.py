@@ -13,6 +13,7 @@ dropped, so the host holds one tensor at a time and no device ever holds the who
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Protocol
 
@@ -86,12 +87,14 @@ def _read(source: TensorSource, name: str, transpose: bool, target: tuple[int, .
     return arr.T if transpose else arr
 
 
-def num_tensors(path: Path, name: str, shape: tuple[int, ...]) -> int:
-    """Checkpoint tensors behind the weight at module `path` (checkpoint name `name`): one per
-    layer when stacked, one per layer and expert for experts."""
-    if path[0] != "layers":
-        return 1
-    return shape[0] * (shape[1] if "{expert}" in name else 1)
+def stacked_tensors(name: str, shape: tuple[int, ...], lacks: Callable[[int], bool]
+                    ) -> list[tuple[int, int | None, str]]:
+    """(layer, expert or None, checkpoint name) of each tensor behind a stacked weight
+    `shape` [layers, (experts,) ...] named `name` (`{layer}`, `{expert}`), the layers for which
+    `lacks(layer)` left out (a mixed stack's layer of the other kind)."""
+    experts = range(shape[1]) if "{expert}" in name else [None]
+    return [(layer, e, name.format(layer=layer, expert=e)) for layer in range(shape[0])
+            if not lacks(layer) for e in experts]
 
 
 def load_weight(path: Path, name: str, shape: tuple[int, ...], source: TensorSource,
@@ -104,21 +107,16 @@ def load_weight(path: Path, name: str, shape: tuple[int, ...], source: TensorSou
     `on_tensor()` is called after each checkpoint tensor is read (a progress bar's tick);
     a layer for which `lacks(layer)` holds zeros (a mixed stack's layer of the other kind).
     """
-    experts = "{expert}" in name
-    transpose = path[-1] == "kernel" or experts  # HF stores each matrix [out, in]
+    transpose = path[-1] == "kernel" or "{expert}" in name  # HF stores each matrix [out, in]
     if path[0] != "layers":
         out = _read(source, name, transpose, shape, where).astype(dtype)
         on_tensor()
         return out
     out = np.zeros(shape, dtype)
-    for layer in range(shape[0]):
-        if lacks(layer):
-            continue
-        for e in range(shape[1]) if experts else [None]:
-            target = out[layer] if e is None else out[layer, e]
-            target[...] = _read(source, name.format(layer=layer, expert=e), transpose,
-                                target.shape, where)
-            on_tensor()
+    for layer, e, tensor in stacked_tensors(name, shape, lacks):
+        target = out[layer] if e is None else out[layer, e]
+        target[...] = _read(source, tensor, transpose, target.shape, where)
+        on_tensor()
     return out
 
 
@@ -153,14 +151,16 @@ def load_weights(cfg: ModelConfig, source: TensorSource, *, dtype: jnp.dtype, wh
     layout, shardings = model_weight_shardings(cfg, mesh or make_mesh(jax.devices()[:1]),
                                                expert_parallel=expert_parallel)
     paths = [p for p in names if p in shapes]
+    lacks = {p: functools.partial(fam.layer_lacks, cfg, p) for p in paths}
+    total = sum(len(stacked_tensors(names[p], shapes[p], lacks[p])) if p[0] == "layers" else 1
+                for p in paths)
     weights = {}
-    with tqdm(total=sum(num_tensors(p, names[p], shapes[p]) for p in paths), desc="loading weights",
-              unit="tensor", disable=None if progress is None else not progress) as bar:
+    with tqdm(total=total, desc="loading weights", unit="tensor",
+              disable=None if progress is None else not progress) as bar:
         for path in paths:
             host = to_layout(path, load_weight(
                 path, names[path], shapes[path], source, np_dtype, where, on_tensor=bar.update,
-                lacks=lambda layer, path=path: fam.layer_lacks(cfg, path, layer)),
-                layout, cfg.head_dim)
+                lacks=lacks[path]), layout, cfg.head_dim)
             # dtype: a process holding none of the shards (multi-host) calls no callback at all
             weights[path] = jax.make_array_from_callback(
                 host.shape, shardings[path], lambda index, host=host: host[index],
