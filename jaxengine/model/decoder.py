@@ -177,12 +177,12 @@ def on_mesh(create: Callable[..., Any], mesh: Mesh) -> Callable[..., Any]:
 
 def _with_weights(abstract: dict[str, nnx.Module | None],
                   weights: Mapping[Path, jax.Array | np.ndarray], *, mesh: Mesh,
-                  dtype: jnp.dtype, scan_layers: bool) -> dict[str, nnx.Module | None]:
+                  scan_layers: bool) -> dict[str, nnx.Module | None]:
     """Traced parts (`nnx.eval_shape` of `_create_parts`) with every weight from `weights`.
 
     `weights` is in the scanned layout; looped layers take their slice of each stacked array.
     Each lands in its variable's sharding (a no-op for arrays the loader already placed) and
-    dtype (`dtype` for float weights; a quantized format's values and scales keep theirs).
+    dtype (the model's for float weights; a quantized format's values and scales keep theirs).
     """
     graphdef, state = nnx.split(abstract)
     shardings = dict(nnx.to_flat_state(nnx.get_named_sharding(state, mesh)))
@@ -284,7 +284,7 @@ class Model(nnx.Module):
                                    fmt=fmt)
         parts = (create(build=functools.partial(on_mesh, mesh=self.mesh)) if weights is None
                  else _with_weights(nnx.eval_shape(create), weights, mesh=self.mesh,
-                                    dtype=self.dtype, scan_layers=self.scan_layers))
+                                    scan_layers=self.scan_layers))
         self.embed_tokens: Embedder | QuantizedEmbedder = parts["embed_tokens"]
         self.layers: DecoderBlock | nnx.List = parts["layers"]
         self.norm: RMSNorm = parts["norm"]
