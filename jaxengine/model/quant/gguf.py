@@ -1,0 +1,154 @@
+"""Projections and the token embedding served from GGUF blocks (`quantization="gguf"`).
+
+The weights stay on the device as the file stores them, u8[out, row_bytes] rows of blocks
+(jaxengine/model/quant/gguf_blocks.py), and are dequantized inside the jitted step, right
+before their dot: never stored as floats. `GGUFLinear` replaces an `nnx.Linear` (kernel
+[in, out]) with the same product, y = x @ W.T in x's dtype with float32 accumulation;
+`GGUFEmbedder` replaces the `Embedder`, gathering the ids' rows of blocks and dequantizing only
+those, and, tied, is also the LM head. Values equal those of the same file dequantized to
+float32 (and then cast to the model's dtype) as the float loader does.
+
+Sharding follows the float weights': a column-parallel projection (q/k/v, gate/up) and the
+vocab-parallel embedding split their rows; a row-parallel one (o, down) splits each row's bytes
+at block boundaries, so in/tp must be whole blocks (refused otherwise). Each device dequantizes
+only its own blocks (`jax.shard_map`); a row-parallel product sums its partial results over tp
+as the float one does. Laid out for tp the blocks are as the floats: KV heads' rows repeated,
+the vocabulary padded with zero rows, which dequantize to zeros in every type.
+Axes: T tokens, I in features, O out features, D model, V' padded vocabulary, R rows;
+mesh axis tp.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import gguf
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jaxengine.model.layers import COLUMN, ROW, Sharding
+from jaxengine.model.mesh import TP_AXIS, tp_size
+from jaxengine.model.quant.gguf_blocks import block_format, dequantize
+
+Q = gguf.GGMLQuantizationType
+
+
+def blocks_sharding(kernel: Sharding, ndim: int) -> Sharding:
+    """The mesh axes of blocks u8[..., O, row_bytes] (`ndim` axes, leading ones a layer or
+    expert axis, not split) holding a kernel [I, O] of sharding `kernel` (`COLUMN`/`ROW`)."""
+    return (None,) * (ndim - 2) + tuple(reversed(kernel))
+
+
+class GGUFLinear(nnx.Module):
+    """`nnx.Linear`'s y = x @ kernel + bias with the kernel held as GGUF blocks."""
+
+    def __init__(self, blocks: jax.Array, qtype: Q | int | str, *, sharding: Sharding,
+                 mesh: Mesh, bias: jax.Array | None = None,
+                 preferred_element_type: jnp.dtype | None = None) -> None:
+        """Hold `blocks` placed in their shards.
+
+        Args:
+            blocks: u8[..., O, row_bytes] the weight [O, I] as GGUF rows of blocks (leading
+                axes: stacked layers, as scanned layers hold them).
+            qtype: the blocks' GGUF type (one with a dequantizer in gguf_blocks.py).
+            sharding: the float kernel's mesh axes, `COLUMN` (split O) or `ROW` (split I).
+            mesh: the devices the blocks are placed on.
+            bias: [..., O] float, split like O; None for none.
+            preferred_element_type: the result's dtype (float32 for logits); None: x's.
+        Raises:
+            ValueError: an unsupported `qtype`, or a row-parallel weight whose I/tp is not a
+                multiple of the type's block size.
+        """
+        fmt = block_format(qtype)
+        *_, out_features, row_bytes = blocks.shape
+        if row_bytes % fmt.block_bytes:
+            raise ValueError(f"{fmt.name} rows of {row_bytes} bytes are not whole blocks of "
+                             f"{fmt.block_bytes} bytes")
+        self.in_features = row_bytes // fmt.block_bytes * fmt.block_size
+        self.out_features, self.qtype = out_features, fmt.name
+        tp = tp_size(mesh)
+        if sharding == ROW and (self.in_features // tp) % fmt.block_size:
+            raise ValueError(
+                f"a row-parallel {fmt.name} weight of {self.in_features} input features "
+                f"cannot be split over tensor_parallel_size={tp} at {fmt.block_size}-value "
+                f"block boundaries: tensor_parallel_size must divide "
+                f"{self.in_features // fmt.block_size} (load with quantization=None to "
+                "dequantize it instead)")
+        axes = blocks_sharding(sharding, blocks.ndim)
+        self.blocks = nnx.Param(blocks, sharding_names=axes, mesh=mesh)
+        self.bias = None if bias is None else nnx.Param(
+            bias, sharding_names=axes[:-2] + (sharding[1],), mesh=mesh)
+        self.sharding, self.mesh = sharding, mesh
+        self.preferred_element_type = preferred_element_type
+
+    def __call__(self, x: jax.Array, live: jax.Array | None = None) -> jax.Array:
+        """x [T, I] -> [T, O] in `preferred_element_type` (default x's dtype).
+
+        `live` (the rows before the bucket's padding, as `layers.project` passes it) is taken
+        for the packed projections' signature; this jnp path computes every row, as XLA's dot
+        does for a float `nnx.Linear`.
+        """
+        del live
+        out_dtype = self.preferred_element_type or x.dtype
+        column = self.sharding == COLUMN
+        local = functools.partial(_product, qtype=self.qtype, reduce=not column)
+        blocks_spec = P(*blocks_sharding(self.sharding, 2))
+        y = jax.shard_map(local, mesh=self.mesh,
+                          in_specs=(P(None, None if column else TP_AXIS), blocks_spec),
+                          out_specs=P(None, TP_AXIS) if column else P())(x, self.blocks[...])
+        y = y.astype(out_dtype)  # then the bias, in the result's dtype as nnx.Linear adds it
+        return y if self.bias is None else y + self.bias[...].astype(out_dtype)
+
+
+def _product(x: jax.Array, blocks: jax.Array, *, qtype: str, reduce: bool) -> jax.Array:
+    """One device's x [T, I/tp or I] @ its blocks' rows [O or O/tp, I/tp or I].T -> f32[T, .],
+    summed over tp for a row-parallel weight (`reduce`)."""
+    w = dequantize(blocks, qtype).astype(x.dtype)
+    y = jnp.einsum("ti,oi->to", x, w, preferred_element_type=jnp.float32)
+    return jax.lax.psum(y, TP_AXIS) if reduce else y
+
+
+class GGUFEmbedder(nnx.Module):
+    """The token embedding [V', D] held as GGUF blocks u8[V', row_bytes], vocab-parallel like
+    `layers.Embedder`; with tied weights also the output projection."""
+
+    def __init__(self, blocks: jax.Array, qtype: Q | int | str, *, mesh: Mesh,
+                 dtype: jnp.dtype) -> None:
+        """Hold `blocks` (u8[V', row_bytes], V' a multiple of tp, the padding rows zero) of
+        GGUF type `qtype`, split over the vocabulary; embeddings come out in `dtype`."""
+        fmt = block_format(qtype)
+        self.qtype, self.dtype, self.mesh = fmt.name, jnp.dtype(dtype), mesh
+        self.hidden_size = blocks.shape[-1] // fmt.block_bytes * fmt.block_size
+        self.blocks = nnx.Param(blocks, sharding_names=ROW, mesh=mesh)
+
+    def encode(self, ids: jax.Array) -> jax.Array:
+        """Token ids i32[T] -> embeddings [T, D] in the model's dtype.
+
+        As `Embedder.encode`: each device looks the ids up in its own rows (dequantizing only
+        those), zeros for the others, and one all-reduce sums them.
+        """
+
+        def local(blocks: jax.Array, ids: jax.Array) -> jax.Array:  # blocks [V'/tp, bytes]
+            rows = blocks.shape[0]
+            offset = ids - jax.lax.axis_index(TP_AXIS) * rows
+            mine = (offset >= 0) & (offset < rows)
+            picked = jnp.take(blocks, jnp.where(mine, offset, 0), axis=0)  # [T, bytes]
+            x = dequantize(picked, self.qtype).astype(self.dtype)
+            return jax.lax.psum(jnp.where(mine[:, None], x, 0), TP_AXIS)
+
+        return jax.shard_map(local, mesh=self.mesh, in_specs=(P(TP_AXIS, None), P()),
+                             out_specs=P())(self.blocks[...], ids)
+
+    def decode(self, hidden: jax.Array) -> jax.Array:
+        """Hidden states [R, D] -> f32[R, V'] logits against the embedding (tied head), split
+        over the vocabulary like the blocks."""
+
+        def local(hidden: jax.Array, blocks: jax.Array) -> jax.Array:
+            table = dequantize(blocks, self.qtype).astype(self.dtype)  # [V'/tp, D]
+            return jnp.einsum("rd,vd->rv", hidden, table, preferred_element_type=jnp.float32)
+
+        return jax.shard_map(local, mesh=self.mesh, in_specs=(P(), P(TP_AXIS, None)),
+                             out_specs=P(None, TP_AXIS))(hidden, self.blocks[...])
