@@ -10,21 +10,25 @@ import pytest
 from jaxengine.model.quant.gguf_blocks import FORMATS, block_format, dequantize
 
 Q = gguf.GGMLQuantizationType
-QUANTIZABLE = (Q.Q4_0, Q.Q4_1, Q.Q8_0)  # gguf.quants.quantize makes these; k-quants: random
+# gguf.quants.quantize makes these (Q5_0: a type served only as floats); k-quants: random
+QUANTIZABLE = (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0)
 
 
-def random_rows(qtype: Q, rows: int, cols: int, seed: int = 0) -> np.ndarray:
-    """u8[rows, row_bytes] of `qtype`: quantized normal values where the gguf package can
-    quantize the type, else random bytes with every f16 scale a finite normal number."""
+def random_rows(qtype: Q, rows: int, cols: int, seed: int = 0, scale: float = 0.1
+                ) -> np.ndarray:
+    """u8[rows, row_bytes] of `qtype`: quantized normal values (deviation `scale` * 10) where
+    the gguf package can quantize the type, else random bytes with every f16 scale a finite
+    number in [-scale, scale]."""
     rng = np.random.default_rng(seed)
     if qtype in QUANTIZABLE:
-        return gguf.quants.quantize(rng.normal(0, 1, (rows, cols)).astype(np.float32), qtype)
-    fmt = block_format(qtype)
-    blocks = rng.integers(0, 256, (rows * cols // fmt.block_size, fmt.block_bytes), np.uint8)
+        values = rng.normal(0, 10 * scale, (rows, cols)).astype(np.float32)
+        return gguf.quants.quantize(values, qtype)
+    size, nbytes = gguf.GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, (rows * cols // size, nbytes), np.uint8)
     # f16 fields: d (and dmin) at the start of a k-quant block, d at the end of Q6_K's
     at = [208] if qtype == Q.Q6_K else [0, 2]
     for i in at:
-        blocks[:, i:i + 2] = rng.uniform(-0.1, 0.1, len(blocks)).astype(np.float16).view(
+        blocks[:, i:i + 2] = rng.uniform(-scale, scale, len(blocks)).astype(np.float16).view(
             np.uint8).reshape(-1, 2)
     return blocks.reshape(rows, -1)
 
