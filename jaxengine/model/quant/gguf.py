@@ -25,13 +25,16 @@ import functools
 import gguf
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from jaxengine.model.layers import COLUMN, ROW, Sharding
+from jaxengine.model.families.family import Path
+from jaxengine.model.layers import COLUMN, ROW, Embedder, Sharding
 from jaxengine.model.mesh import TP_AXIS, tp_size
 from jaxengine.model.quant.gguf_blocks import block_format, dequantize
+from jaxengine.model.tensor_parallel import TPLayout
 
 Q = gguf.GGMLQuantizationType
 
@@ -40,6 +43,34 @@ def blocks_sharding(kernel: Sharding, ndim: int) -> Sharding:
     """The mesh axes of blocks u8[..., O, row_bytes] (`ndim` axes, leading ones a layer or
     expert axis, not split) holding a kernel [I, O] of sharding `kernel` (`COLUMN`/`ROW`)."""
     return (None,) * (ndim - 2) + tuple(reversed(kernel))
+
+
+def row_bytes(in_features: int, qtype: Q | int | str) -> int:
+    """Bytes of one row of `in_features` values in `qtype`'s blocks.
+
+    Raises:
+        ValueError: `in_features` is not a whole number of blocks.
+    """
+    fmt = block_format(qtype)
+    if in_features % fmt.block_size:
+        raise ValueError(f"rows of {in_features} values are not whole {fmt.name} blocks of "
+                         f"{fmt.block_size}")
+    return in_features // fmt.block_size * fmt.block_bytes
+
+
+def blocks_layout(path: Path, rows: np.ndarray, layout: TPLayout, head_dim: int
+                  ) -> np.ndarray:
+    """Rows of blocks u8[..., O, row_bytes] at the checkpoint's sizes laid out as the model
+    on a mesh holds the weight at module `path` (as `loading.weights.to_layout` does floats):
+    a k/v projection's rows of each head repeated `kv_repeat` times in place, the embedding's
+    and the LM head's vocabulary rows padded with zero blocks up to V'."""
+    if len(path) >= 2 and path[-2] in ("k_proj", "v_proj") and layout.kv_repeat > 1:
+        heads = rows.reshape(*rows.shape[:-2], -1, head_dim, rows.shape[-1])
+        return np.repeat(heads, layout.kv_repeat, axis=-3).reshape(
+            *rows.shape[:-2], -1, rows.shape[-1])
+    if tuple(path) in (("embed_tokens", "embedding"), ("lm_head", "kernel")):
+        return np.pad(rows, [(0, layout.vocab_size - rows.shape[0]), (0, 0)])
+    return rows
 
 
 class GGUFLinear(nnx.Module):
@@ -103,12 +134,29 @@ class GGUFLinear(nnx.Module):
         return y if self.bias is None else y + self.bias[...].astype(out_dtype)
 
 
+def gguf_linear(linear: nnx.Linear, qtype: Q | int | str) -> GGUFLinear:
+    """The GGUF counterpart of `linear` (its shape, sharding, bias and result dtype) with
+    zero blocks of `qtype`, for a model whose weights are then filled from a file."""
+    meta = linear.kernel.get_metadata()
+    rows = jnp.zeros((linear.out_features, row_bytes(linear.in_features, qtype)), jnp.uint8)
+    return GGUFLinear(rows, qtype, sharding=tuple(meta["out_sharding"]), mesh=meta["mesh"],
+                      bias=None if linear.bias is None else linear.bias[...],
+                      preferred_element_type=linear.preferred_element_type)
+
+
 def _product(x: jax.Array, blocks: jax.Array, *, qtype: str, reduce: bool) -> jax.Array:
     """One device's x [T, I/tp or I] @ its blocks' rows [O or O/tp, I/tp or I].T -> f32[T, .],
     summed over tp for a row-parallel weight (`reduce`)."""
     w = dequantize(blocks, qtype).astype(x.dtype)
     y = jnp.einsum("ti,oi->to", x, w, preferred_element_type=jnp.float32)
     return jax.lax.psum(y, TP_AXIS) if reduce else y
+
+
+def gguf_embedder(embedder: Embedder, qtype: Q | int | str) -> GGUFEmbedder:
+    """The GGUF counterpart of `embedder` with zero blocks of `qtype` (filled from a file)."""
+    V, D = embedder.embedding.shape
+    return GGUFEmbedder(jnp.zeros((V, row_bytes(D, qtype)), jnp.uint8), qtype,
+                        mesh=embedder.mesh, dtype=embedder.embedding.dtype)
 
 
 class GGUFEmbedder(nnx.Module):

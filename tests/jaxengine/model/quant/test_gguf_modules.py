@@ -9,10 +9,19 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxengine.model.layers import COLUMN, ROW, Embedder
+from jaxengine.loading.weights import to_layout
+from jaxengine.model.config import ModelConfig
+from jaxengine.model.layers import COLUMN, ROW, Embedder, linear
 from jaxengine.model.mesh import make_mesh
-from jaxengine.model.quant.gguf import GGUFEmbedder, GGUFLinear
+from jaxengine.model.quant.gguf import (
+    GGUFEmbedder,
+    GGUFLinear,
+    blocks_layout,
+    gguf_embedder,
+    gguf_linear,
+)
 from jaxengine.model.quant.gguf_blocks import FORMATS
+from jaxengine.model.tensor_parallel import tp_layout
 from tests.jaxengine.model.quant.test_gguf_blocks import random_rows
 from tests.parallel_helpers import run_python
 
@@ -134,3 +143,37 @@ print("ok")
 
 def test_on_a_mesh_of_two_the_outputs_of_one() -> None:
     assert run_python(TP_CHECK, num_devices=2).strip().endswith("ok")
+
+
+@pytest.mark.parametrize("path, transposed", [
+    (("layers", "self_attn", "k_proj", "kernel"), True),
+    (("layers", "self_attn", "q_proj", "kernel"), True),
+    (("embed_tokens", "embedding"), False), (("lm_head", "kernel"), True)])
+def test_blocks_are_laid_out_as_the_floats(path: tuple, transposed: bool) -> None:
+    layout = tp_layout(ModelConfig.tiny(vocab_size=126, num_kv_heads=2), 4)  # K'=4, V'=128
+    rows = random_rows(Q.Q4_1, 126 if path[0] != "layers" else 2 * 8, 64)
+    if path[0] == "layers":
+        rows = np.stack([rows, rows[::-1]])  # two stacked layers
+    floats = gguf.quants.dequantize(rows.reshape(-1, rows.shape[-1]), Q.Q4_1).reshape(
+        *rows.shape[:-1], 64)
+    laid = blocks_layout(path, rows, layout, head_dim=8)
+    want = to_layout(path, np.swapaxes(floats, -1, -2) if transposed else floats, layout, 8)
+    got = gguf.quants.dequantize(laid.reshape(-1, laid.shape[-1]), Q.Q4_1).reshape(
+        *laid.shape[:-1], 64)
+    np.testing.assert_array_equal(np.swapaxes(got, -1, -2) if transposed else got, want)
+
+
+def test_made_from_the_float_modules() -> None:
+    for sharding in (COLUMN, ROW):
+        float_lin = linear(64, 96, sharding=sharding, mesh=MESH, dtype=jnp.bfloat16,
+                           rngs=nnx.Rngs(0), use_bias=True, preferred_element_type=jnp.float32)
+        lin = gguf_linear(float_lin, Q.Q4_1)
+        assert lin.blocks.shape == (96, 2 * 20) and lin.blocks.dtype == jnp.uint8
+        assert lin.sharding == sharding and lin.bias.shape == (96,)
+        assert lin.preferred_element_type == jnp.float32
+    emb = gguf_embedder(Embedder(10, 64, mesh=MESH, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)),
+                        Q.Q8_0)
+    assert emb.blocks.shape == (10, 2 * 34) and emb.dtype == jnp.bfloat16
+    with pytest.raises(ValueError, match="rows of 48 values are not whole Q4_K blocks of 256"):
+        gguf_linear(linear(48, 8, sharding=COLUMN, mesh=MESH, dtype=jnp.float32,
+                           rngs=nnx.Rngs(0)), Q.Q4_K)
