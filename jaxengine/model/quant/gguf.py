@@ -200,3 +200,73 @@ class GGUFEmbedder(nnx.Module):
 
         return jax.shard_map(local, mesh=self.mesh, in_specs=(P(), P(TP_AXIS, None)),
                              out_specs=P(None, TP_AXIS))(hidden, self.blocks[...])
+
+
+EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _rows_spec(kernel: P) -> P:
+    """The split of blocks [E, O, row_bytes] holding expert kernels [E, I, O] split `kernel`."""
+    return P(kernel[0], kernel[2], kernel[1])
+
+
+class GGUFExperts(nnx.Module):
+    """`moe.Experts` held as GGUF blocks: `gate_proj`, `up_proj` u8[E, F, row_bytes(D)] and
+    `down_proj` u8[E, D, row_bytes(F)] (each expert's [out, in] rows, as the file's stacked
+    `*_exps` tensors hold them), each of its own type.
+
+    The grouped matmul reads float matrices, so each device dequantizes its blocks inside the
+    step right before it (`matrices`); split as the float experts are (expert parallel: whole
+    experts; else F, down's at block boundaries).
+    """
+
+    def __init__(self, blocks: tuple[jax.Array, jax.Array, jax.Array],
+                 qtypes: tuple[Q | int | str, Q | int | str, Q | int | str], *,
+                 gate_up_spec: P, down_spec: P, mesh: Mesh) -> None:
+        """Hold gate, up, down `blocks` of `qtypes`, split like float experts of
+        `gate_up_spec` / `down_spec` ([E, I, O] kernels' specs).
+
+        Raises:
+            ValueError: an unsupported type, or a down projection split over tp (not expert
+                parallel) whose F/tp is not whole blocks.
+        """
+        self.qtypes = tuple(block_format(t).name for t in qtypes)
+        self.gate_up_spec, self.down_spec = gate_up_spec, down_spec
+        down_fmt, F = block_format(qtypes[2]), blocks[0].shape[-2]
+        tp = tp_size(mesh)
+        if down_spec[1] is not None and (F // tp) % down_fmt.block_size:
+            raise ValueError(
+                f"{down_fmt.name} expert down projections of {F} input features cannot be "
+                f"split over tensor_parallel_size={tp} at {down_fmt.block_size}-value block "
+                "boundaries: use enable_expert_parallel, another tensor_parallel_size, or "
+                "quantization=None")
+        specs = (gate_up_spec, gate_up_spec, down_spec)
+        for name, rows, spec in zip(EXPERT_WEIGHTS, blocks, specs, strict=True):
+            setattr(self, name, nnx.Param(rows, sharding_names=tuple(_rows_spec(spec)),
+                                          mesh=mesh))
+
+    def operands(self) -> tuple[tuple[jax.Array, P], ...]:
+        """The blocks of gate, up and down, each with its split over "tp"."""
+        specs = (self.gate_up_spec, self.gate_up_spec, self.down_spec)
+        return tuple((getattr(self, name)[...], _rows_spec(spec))
+                     for name, spec in zip(EXPERT_WEIGHTS, specs, strict=True))
+
+    def matrices(self, *local: jax.Array, dtype: jnp.dtype
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """One device's gate, up [E_local, D, F_local] and down [E_local, F_local, D] in
+        `dtype`, dequantized from its blocks of `operands()`."""
+        gate, up, down = (jnp.swapaxes(dequantize(rows, qtype), -1, -2).astype(dtype)
+                          for rows, qtype in zip(local, self.qtypes, strict=True))
+        return gate, up, down
+
+
+def gguf_experts(experts: nnx.Module, qtypes: tuple[Q | int | str, ...]) -> GGUFExperts:
+    """The GGUF counterpart of `moe.Experts` `experts` with zero blocks of `qtypes` (gate,
+    up, down), filled from a file."""
+    E, D, F = experts.gate_proj.shape
+    mesh = experts.gate_proj.get_metadata()["mesh"]
+    shapes = ((E, F, row_bytes(D, qtypes[0])), (E, F, row_bytes(D, qtypes[1])),
+              (E, D, row_bytes(F, qtypes[2])))
+    return GGUFExperts(tuple(jnp.zeros(s, jnp.uint8) for s in shapes), qtypes,
+                       gate_up_spec=experts.gate_up_spec, down_spec=experts.down_spec,
+                       mesh=mesh)

@@ -15,6 +15,7 @@ from jaxengine.model.layers import COLUMN, ROW, Embedder, linear
 from jaxengine.model.mesh import make_mesh
 from jaxengine.model.quant.gguf import (
     GGUFEmbedder,
+    GGUFExperts,
     GGUFLinear,
     blocks_layout,
     gguf_embedder,
@@ -177,3 +178,19 @@ def test_made_from_the_float_modules() -> None:
     with pytest.raises(ValueError, match="rows of 48 values are not whole Q4_K blocks of 256"):
         gguf_linear(linear(48, 8, sharding=COLUMN, mesh=MESH, dtype=jnp.float32,
                            rngs=nnx.Rngs(0)), Q.Q4_K)
+
+
+def test_experts_dequantize_each_projection_in_its_type() -> None:
+    E, D, F = 3, 256, 512
+    types = (Q.Q4_K, Q.Q8_0, Q.Q6_K)
+    rows = [random_rows(t, E * o, i, seed=n, scale=1e-3).reshape(E, o, -1)
+            for n, (t, (o, i)) in enumerate(zip(types, [(F, D), (F, D), (D, F)], strict=True))]
+    P = jax.sharding.PartitionSpec
+    experts = GGUFExperts(tuple(jnp.asarray(r) for r in rows), types, mesh=MESH,
+                          gate_up_spec=P(None, None, "tp"), down_spec=P(None, "tp", None))
+    specs = [spec for _, spec in experts.operands()]
+    assert specs == [P(None, "tp", None), P(None, "tp", None), P(None, None, "tp")]
+    got = experts.matrices(*(a for a, _ in experts.operands()), dtype=jnp.float32)
+    for g, r, t in zip(got, rows, types, strict=True):
+        want = gguf.quants.dequantize(r.reshape(-1, r.shape[-1]), t).reshape(E, r.shape[1], -1)
+        np.testing.assert_array_equal(np.asarray(g), np.swapaxes(want, -1, -2))
