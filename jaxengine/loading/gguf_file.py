@@ -197,6 +197,14 @@ class GGUFSource:
             arr = arr - self._family.norm_offset
         return np.asarray(arr, np.float32)
 
+    def qtype(self, name: str) -> gguf.GGMLQuantizationType | None:
+        """The quantized type of tensor `name` (an expert's: its stack's); None if the file
+        lacks it or holds it as floats (F32, F16, BF16)."""
+        tensor = self._tensors.get(gguf_tensor_name(self._names, _split_expert(name)[0]) or "")
+        if tensor is None or tensor.tensor_type in _FLOAT_TYPES:
+            return None
+        return tensor.tensor_type
+
     def blocks(self, name: str) -> tuple[gguf.GGMLQuantizationType, np.ndarray] | None:
         """The tensor `name` as the file stores it, if quantized: (its type, its rows of
         blocks u8[out, row_bytes], rows in HF's order); None if the file lacks it or holds it
