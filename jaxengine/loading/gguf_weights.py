@@ -1,5 +1,6 @@
 """A GGUF file's matrices as their blocks, for `quantization="gguf"`: each weight's GGUF type
-and its rows of blocks stacked as `load_weight` stacks floats.
+and its rows of blocks stacked as `load_weight` stacks floats, in the file's weight format
+(`gguf_format`, which `load_gguf` hands to the loader and the model).
 
 A weight of the model (module path, scanned layout) is held as blocks when every tensor behind
 it is of one quantized type (jaxengine/model/quant/gguf_blocks.py); F32/F16/BF16 tensors stay
@@ -21,7 +22,8 @@ from jaxengine.loading.weights import model_weight_shapes, stacked_tensors
 from jaxengine.model.config import ModelConfig, ModelLoadError
 from jaxengine.model.families import family
 from jaxengine.model.families.family import Path
-from jaxengine.model.quant.gguf import row_bytes
+from jaxengine.model.quant.gguf import GGUFFormat, blocks_layout, row_bytes
+from jaxengine.model.tensor_parallel import TPLayout
 
 Q = gguf.GGMLQuantizationType
 
@@ -86,3 +88,21 @@ def load_blocks(path: Path, name: str, shape: tuple[int, ...], qtype: Q, source:
         out[index] = held[1]
         on_tensor()
     return out
+
+
+def gguf_format(cfg: ModelConfig, source: GGUFSource, where: str) -> GGUFFormat:
+    """The weight format "gguf" of the file behind `source`: its quantized weights' types,
+    each read as blocks laid out for the mesh.
+
+    Raises:
+        ModelLoadError: as `gguf_weight_types`.
+    """
+    types = gguf_weight_types(cfg, source, where)
+
+    def read(path: Path, name: str, shape: tuple[int, ...], layout: TPLayout, *,
+             lacks: Callable[[int], bool], on_tensor: Callable[[], object]) -> np.ndarray:
+        rows = load_blocks(path, name, shape, types[path], source, where, on_tensor=on_tensor,
+                           lacks=lacks)
+        return blocks_layout(path, rows, layout, cfg.head_dim)
+
+    return GGUFFormat(types=types, read=read)

@@ -20,7 +20,10 @@ mesh axis tp.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Callable, Mapping
+from typing import Protocol
 
 import gguf
 import jax
@@ -31,7 +34,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jaxengine.model.families.family import Path
-from jaxengine.model.layers import COLUMN, ROW, Embedder, Sharding
+from jaxengine.model.layers import COLUMN, ROW, Embedder, Sharding, vocab_parallel_rows
 from jaxengine.model.mesh import TP_AXIS, tp_size
 from jaxengine.model.quant.gguf_blocks import block_format, dequantize
 from jaxengine.model.tensor_parallel import TPLayout
@@ -109,7 +112,7 @@ class GGUFLinear(nnx.Module):
                 f"{self.in_features // fmt.block_size} (load with quantization=None to "
                 "dequantize it instead)")
         axes = blocks_sharding(sharding, blocks.ndim)
-        self.blocks = nnx.Param(blocks, sharding_names=axes, mesh=mesh)
+        self.kernel = nnx.Param(blocks, sharding_names=axes, mesh=mesh)
         self.bias = None if bias is None else nnx.Param(
             bias, sharding_names=axes[:-2] + (sharding[1],), mesh=mesh)
         self.sharding, self.mesh = sharding, mesh
@@ -129,7 +132,7 @@ class GGUFLinear(nnx.Module):
         blocks_spec = P(*blocks_sharding(self.sharding, 2))
         y = jax.shard_map(local, mesh=self.mesh,
                           in_specs=(P(None, None if column else TP_AXIS), blocks_spec),
-                          out_specs=P(None, TP_AXIS) if column else P())(x, self.blocks[...])
+                          out_specs=P(None, TP_AXIS) if column else P())(x, self.kernel[...])
         y = y.astype(out_dtype)  # then the bias, in the result's dtype as nnx.Linear adds it
         return y if self.bias is None else y + self.bias[...].astype(out_dtype)
 
@@ -170,25 +173,16 @@ class GGUFEmbedder(nnx.Module):
         fmt = block_format(qtype)
         self.qtype, self.dtype, self.mesh = fmt.name, jnp.dtype(dtype), mesh
         self.hidden_size = blocks.shape[-1] // fmt.block_bytes * fmt.block_size
-        self.blocks = nnx.Param(blocks, sharding_names=ROW, mesh=mesh)
+        self.embedding = nnx.Param(blocks, sharding_names=ROW, mesh=mesh)
 
     def encode(self, ids: jax.Array) -> jax.Array:
         """Token ids i32[T] -> embeddings [T, D] in the model's dtype.
 
-        As `Embedder.encode`: each device looks the ids up in its own rows (dequantizing only
-        those), zeros for the others, and one all-reduce sums them.
+        As `Embedder.encode` (`layers.vocab_parallel_rows`), dequantizing only the rows of
+        blocks its ids pick.
         """
-
-        def local(blocks: jax.Array, ids: jax.Array) -> jax.Array:  # blocks [V'/tp, bytes]
-            rows = blocks.shape[0]
-            offset = ids - jax.lax.axis_index(TP_AXIS) * rows
-            mine = (offset >= 0) & (offset < rows)
-            picked = jnp.take(blocks, jnp.where(mine, offset, 0), axis=0)  # [T, bytes]
-            x = dequantize(picked, self.qtype).astype(self.dtype)
-            return jax.lax.psum(jnp.where(mine[:, None], x, 0), TP_AXIS)
-
-        return jax.shard_map(local, mesh=self.mesh, in_specs=(P(TP_AXIS, None), P()),
-                             out_specs=P())(self.blocks[...], ids)
+        return vocab_parallel_rows(self.mesh, ids, lambda rows, blocks: dequantize(
+            jnp.take(blocks, rows, axis=0), self.qtype).astype(self.dtype), self.embedding[...])
 
     def decode(self, hidden: jax.Array) -> jax.Array:
         """Hidden states [R, D] -> f32[R, V'] logits against the embedding (tied head), split
@@ -199,7 +193,7 @@ class GGUFEmbedder(nnx.Module):
             return jnp.einsum("rd,vd->rv", hidden, table, preferred_element_type=jnp.float32)
 
         return jax.shard_map(local, mesh=self.mesh, in_specs=(P(), P(TP_AXIS, None)),
-                             out_specs=P(None, TP_AXIS))(hidden, self.blocks[...])
+                             out_specs=P(None, TP_AXIS))(hidden, self.embedding[...])
 
 
 EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
@@ -270,3 +264,64 @@ def gguf_experts(experts: nnx.Module, qtypes: tuple[Q | int | str, ...]) -> GGUF
     return GGUFExperts(tuple(jnp.zeros(s, jnp.uint8) for s in shapes), qtypes,
                        gate_up_spec=experts.gate_up_spec, down_spec=experts.down_spec,
                        mesh=mesh)
+
+
+class BlockReader(Protocol):
+    """Reads the blocks of one weight from a GGUF file, laid out for the mesh
+    (jaxengine/loading/gguf_weights.py)."""
+
+    def __call__(self, path: Path, name: str, shape: tuple[int, ...], layout: TPLayout, *,
+                 lacks: Callable[[int], bool], on_tensor: Callable[[], object]
+                 ) -> np.ndarray: ...
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GGUFFormat:
+    """`WeightFormat` "gguf" (jaxengine/model/quant/formats.py): each matrix a GGUF file holds
+    quantized is served from its blocks, each in its own type; the rest stay float modules.
+
+    Without `types` (no file: `quantization="gguf"` for anything but a GGUF load) it refuses
+    to build, so a model is never silently float or made of zero blocks.
+    """
+
+    types: Mapping[Path, Q] | None = None  # weight path (scanned layout) -> its GGUF type
+    read: BlockReader | None = None  # the file's blocks of a weight
+    name: str = "gguf"
+
+    def _type(self, path: Path) -> Q | None:
+        if self.types is None:
+            raise ValueError("quantization='gguf' serves the blocks of a .gguf file; load one "
+                             "with load_model(path_to_gguf, quantization='gguf'), or choose "
+                             "another quantization for other checkpoints")
+        return self.types.get(path)
+
+    def linear(self, linear: nnx.Linear, path: Path) -> nnx.Module:
+        qtype = self._type((*path, "kernel"))
+        return linear if qtype is None else gguf_linear(linear, qtype)
+
+    def embedder(self, embedder: Embedder, path: Path) -> nnx.Module:
+        qtype = self._type((*path, "embedding"))
+        return embedder if qtype is None else gguf_embedder(embedder, qtype)
+
+    def experts(self, experts: nnx.Module, path: Path) -> nnx.Module:
+        qtypes = [self._type((*path, name)) for name in EXPERT_WEIGHTS]
+        if all(t is None for t in qtypes):
+            return experts
+        if any(t is None for t in qtypes):
+            raise ValueError(f"experts {'.'.join(map(str, path))}: quantization='gguf' holds "
+                             "gate, up and down all quantized or all float, but the file "
+                             f"has {', '.join(t.name if t else 'float' for t in qtypes)}")
+        return gguf_experts(experts, tuple(qtypes))
+
+    def read_host(self, path: Path, name: str, shape: tuple[int, ...], layout: TPLayout, *,
+                  lacks: Callable[[int], bool], on_tensor: Callable[[], object]
+                  ) -> dict[Path, np.ndarray] | None:
+        """The blocks of quantized weight `path` (float `shape`) as the file holds them, laid
+        out for the mesh; None for a weight the file holds as floats."""
+        if path not in (self.types or {}) or self.read is None:
+            return None
+        return {path: self.read(path, name, shape, layout, lacks=lacks, on_tensor=on_tensor)}
+
+    def host_weights(self, path: Path, host: np.ndarray) -> dict[Path, np.ndarray]:
+        """Never called: blocks are read from the file (`read_host`), not made from floats."""
+        raise RuntimeError(f"{'.'.join(map(str, path))}: GGUF blocks come from the file")

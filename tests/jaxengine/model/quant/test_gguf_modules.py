@@ -121,7 +121,7 @@ for qtype in (Q.Q4_1, Q.Q4_K):
     for sharding in (COLUMN, ROW):
         a = GGUFLinear(blocks, qtype, sharding=sharding, mesh=one)
         b = GGUFLinear(blocks, qtype, sharding=sharding, mesh=two)
-        shard = b.blocks[...].addressable_shards[0].data.shape
+        shard = b.kernel[...].addressable_shards[0].data.shape
         row = blocks.shape[1]
         assert shard == ((4, row) if sharding == COLUMN else (8, row // 2)), shard
         ya, yb = jax.jit(lambda m, x: m(x))(a, x), jax.jit(lambda m, x: m(x))(b, x)
@@ -169,12 +169,12 @@ def test_made_from_the_float_modules() -> None:
         float_lin = linear(64, 96, sharding=sharding, mesh=MESH, dtype=jnp.bfloat16,
                            rngs=nnx.Rngs(0), use_bias=True, preferred_element_type=jnp.float32)
         lin = gguf_linear(float_lin, Q.Q4_1)
-        assert lin.blocks.shape == (96, 2 * 20) and lin.blocks.dtype == jnp.uint8
+        assert lin.kernel.shape == (96, 2 * 20) and lin.kernel.dtype == jnp.uint8
         assert lin.sharding == sharding and lin.bias.shape == (96,)
         assert lin.preferred_element_type == jnp.float32
     emb = gguf_embedder(Embedder(10, 64, mesh=MESH, dtype=jnp.bfloat16, rngs=nnx.Rngs(0)),
                         Q.Q8_0)
-    assert emb.blocks.shape == (10, 2 * 34) and emb.dtype == jnp.bfloat16
+    assert emb.embedding.shape == (10, 2 * 34) and emb.dtype == jnp.bfloat16
     with pytest.raises(ValueError, match="rows of 48 values are not whole Q4_K blocks of 256"):
         gguf_linear(linear(48, 8, sharding=COLUMN, mesh=MESH, dtype=jnp.float32,
                            rngs=nnx.Rngs(0)), Q.Q4_K)
