@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxengine.engine.args import EngineArgs
 from jaxengine.loading import load_model
 from jaxengine.loading.gguf_file import GGUFSource, gguf_metadata, open_gguf, read_gguf_config
 from jaxengine.loading.gguf_weights import gguf_format
@@ -100,9 +101,16 @@ def test_bad_files_and_values_are_refused(tmp_path: Path) -> None:
         Model(blocks_config(), quantization="gguf")  # no file: never zero blocks
 
 
+def test_the_knob_takes_gguf() -> None:
+    assert EngineArgs(quantization="gguf").quantization == "gguf"
+    with pytest.raises(ValueError, match="quantization must be one of int8, fp8, gguf; got 'awq'"):
+        EngineArgs(quantization="awq")
+
+
 MESH_CHECK = """
 import gguf, jax, numpy as np
 from pathlib import Path
+from jaxengine.engine.args import EngineArgs
 from jaxengine.loading import load_model
 from jaxengine.model.mesh import make_mesh
 from jaxengine.model.step import RequestChunk
