@@ -9,7 +9,14 @@ from typing import Any
 
 import jax
 
-from jaxengine.config import Dtype, EngineConfig, SpeculativeConfig, resolve_dtype
+from jaxengine.config import (
+    Dtype,
+    EngineConfig,
+    KVCacheDtype,
+    SpeculativeConfig,
+    resolve_dtype,
+    resolve_kv_cache_dtype,
+)
 from jaxengine.engine.args import EngineArgs
 from jaxengine.engine.engine_config import create_engine_config
 from jaxengine.engine.llm_engine import LLMEngine
@@ -84,12 +91,14 @@ def _check_kernel_shapes(impl: str, cfg: ModelConfig, *, block_size: int, tp: in
 
 
 def model_fns(model: Any, cfg: Any, *, attn_impl: str, pack: bool = True,
-              batch_invariant: bool = False) -> ModelFns:
+              batch_invariant: bool = False, kv_cache_dtype: KVCacheDtype | None = None
+              ) -> ModelFns:
     """`ModelFns` of a loaded `jaxengine.model.decoder.Model` (split once into graph and weights).
 
-    The weights stay where the model put them (its mesh); the KV cache is made there too, its
-    head axis split over "tp", and `kv_bytes_per_block` counts one device's share of a page of
-    the model's KV cache groups (`init_group_kv`, the engine's pool). With `pack`,
+    The weights stay where the model put them (its mesh); the KV cache is made there too, in
+    `kv_cache_dtype` (None: the model's dtype), its head axis split over "tp", and
+    `kv_bytes_per_block` counts one device's share of a page of the model's KV cache groups
+    (`init_group_kv`, the engine's pool) in that dtype. With `pack`,
     the projections are first packed for the native CPU matmul in place where that applies
     (jaxengine/model/packing.py: a one-device CPU mesh in float32); else XLA's dots.
 
@@ -106,7 +115,7 @@ def model_fns(model: Any, cfg: Any, *, attn_impl: str, pack: bool = True,
     if pack:
         pack_projections(model)
     graphdef, state = split_model(model)
-    dtype, layout = model.dtype, model.layout
+    dtype, layout = kv_cache_dtype or model.dtype, model.layout
     return ModelFns(
         params=state,
         step=make_model_step(graphdef, attn_impl=attn_impl, batch_invariant=batch_invariant),
@@ -178,11 +187,12 @@ def resolve_config(args: EngineArgs, fns: ModelFns, cfg: ModelConfig,
     return config
 
 
-def load_draft(spec: SpeculativeConfig | None, *, dtype: Dtype,
-               attention: str | None) -> ModelFns | None:
+def load_draft(spec: SpeculativeConfig | None, *, dtype: Dtype, attention: str | None,
+               kv_cache_dtype: KVCacheDtype | None = None) -> ModelFns | None:
     """The draft model's functions for `"method": "draft_model"` (None for other methods or
-    no speculation), loaded as a target is: in `dtype`, with the `attention` backend (None:
-    the platform's kernel), on jax's first device.
+    no speculation), loaded as a target is: in `dtype` with its KV cache in `kv_cache_dtype`
+    (the target's: vLLM's one cache config; None: `dtype`), with the `attention` backend (None: the
+    platform's kernel), on jax's first device.
 
     Raises:
       ModelLoadError (a ValueError): a bad path or files, named by the loader.
@@ -191,7 +201,7 @@ def load_draft(spec: SpeculativeConfig | None, *, dtype: Dtype,
         return None
     model, cfg, _ = load_model(spec.model, dtype=dtype, with_tokenizer=False)
     attn = attention_backend(EngineArgs(attention_backend=attention), cfg)
-    return model_fns(model, cfg, attn_impl=attn)
+    return model_fns(model, cfg, attn_impl=attn, kv_cache_dtype=kv_cache_dtype)
 
 
 def build_engine(args: EngineArgs, *, devices: Sequence[jax.Device] | None = None
@@ -216,12 +226,17 @@ def build_engine(args: EngineArgs, *, devices: Sequence[jax.Device] | None = Non
     """
     compilation_cache.configure(args.compilation_cache_dir)
     mesh = make_mesh(engine_devices(args.tensor_parallel_size, devices))
-    model, cfg, tokenizer = load_model(args.model, dtype=resolve_dtype(args.dtype),
+    dtype = resolve_dtype(args.dtype)
+    model, cfg, tokenizer = load_model(args.model, dtype=dtype,
                                        with_tokenizer=not args.skip_tokenizer_init, mesh=mesh,
                                        expert_parallel=args.enable_expert_parallel)
+    # The pool's pages are sized in the cache's dtype before the config is resolved.
     fns = model_fns(model, cfg, attn_impl=attention_backend(args, cfg),
-                    batch_invariant=args.batch_invariant)
+                    batch_invariant=args.batch_invariant,
+                    kv_cache_dtype=resolve_kv_cache_dtype(args.kv_cache_dtype, dtype))
     config = resolve_config(args, fns, cfg, mesh.devices.flat[0])
-    draft = load_draft(config.speculative, dtype=config.dtype, attention=args.attention_backend)
+    draft = load_draft(config.speculative, dtype=config.dtype,
+                       kv_cache_dtype=config.cache.kv_cache_dtype,
+                       attention=args.attention_backend)
     return LLMEngine(fns, args, config, tokenizer=tokenizer, draft=draft)
 
