@@ -58,6 +58,8 @@ def ragged_paged_attention_cpu(
     sm_scale: float,
     sliding_window: jax.Array | int = 0,
     soft_cap: float | None = None,
+    k_scale: jax.Array | float = 1.0,
+    v_scale: jax.Array | float = 1.0,
     block_q: int = DEFAULT_BLOCK_Q,
     pages_per_split: int = DEFAULT_PAGES_PER_SPLIT,
     batch_invariant: bool = False,
@@ -90,7 +92,8 @@ def ragged_paged_attention_cpu(
     if q.dtype != kv_cache.dtype:
         raise ValueError(f"q ({q.dtype}) and kv_cache ({kv_cache.dtype}) must share a dtype")
     check_supported(num_heads=N, num_kv_heads=K, head_dim=H, page_size=kv_cache.shape[1])
-    kv_cache = write_kv(kv_cache, k, v, slot_mapping)
+    kv_cache = write_kv(kv_cache, k, v, slot_mapping, k_scale, v_scale)
+    q = (q.astype(jnp.float32) * k_scale).astype(q.dtype)
     # Under jax.vmap the kernel runs once per batch element (as the reference's loops would).
     call = jax.ffi.ffi_call(native.target(q.dtype), jax.ShapeDtypeStruct((T, N, H), jnp.float32),
                             vmap_method="sequential")
@@ -99,4 +102,4 @@ def ragged_paged_attention_cpu(
                jnp.asarray(sliding_window, jnp.int32), sm_scale=np.float32(sm_scale),
                soft_cap=np.float32(soft_cap or 0.0), block_q=np.int64(block_q),
                pages_per_split=np.int64(pages_per_split), batch_invariant=bool(batch_invariant))
-    return out.astype(q.dtype), kv_cache
+    return (out * v_scale).astype(q.dtype), kv_cache

@@ -177,6 +177,8 @@ def ragged_paged_attention_gpu(
     sm_scale: float,
     sliding_window: jax.Array | int = 0,
     soft_cap: float | None = None,
+    k_scale: jax.Array | float = 1.0,
+    v_scale: jax.Array | float = 1.0,
     interpret: bool = False,
     decode_tokens: int | None = None,
     block_q: int | None = None,
@@ -215,7 +217,8 @@ def ragged_paged_attention_gpu(
     G = N // K
     Gp = _pow2(G)
     dq, bq = sizes["decode_tokens"], sizes["block_q"]
-    kv_cache = write_kv(kv_cache, k, v, slot_mapping)
+    kv_cache = write_kv(kv_cache, k, v, slot_mapping, k_scale, v_scale)
+    q = (q.astype(jnp.float32) * k_scale).astype(q.dtype)
     # [T, N, H] -> [K, Tq*Gp, H], with room for an item that starts at the last token.
     Tq = T + max(dq, bq)
     q_k = jnp.pad(q.reshape(T, K, G, H), ((0, Tq - T), (0, 0), (0, Gp - G), (0, 0)))
@@ -237,4 +240,4 @@ def ragged_paged_attention_gpu(
         out_dec, out_pre[0], pre_first, query_start_loc, num_seqs,
         num_tokens=T, decode_tokens=dq, block_q=bq, group=G,
     )  # fmt: skip
-    return out.astype(q.dtype), kv_cache
+    return (out * v_scale).astype(q.dtype), kv_cache

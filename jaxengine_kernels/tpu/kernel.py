@@ -43,6 +43,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from jaxengine_kernels.cache_dtype import quantize
 from jaxengine_kernels.errors import UnsupportedShapeError
 from jaxengine_kernels.tpu import body
 
@@ -186,6 +187,8 @@ def ragged_paged_attention_tpu(
     sm_scale: float,
     sliding_window: jax.Array | int = 0,
     soft_cap: float | None = None,
+    k_scale: jax.Array | float = 1.0,
+    v_scale: jax.Array | float = 1.0,
     interpret: bool = False,
     block_q: int | None = None,
     pages_per_block: int | None = None,
@@ -225,7 +228,9 @@ def ragged_paged_attention_tpu(
     # [T, N, H] -> [K, T*G, H]: one kv head's queries form one 2-D tile per q-block.
     q_k = jnp.pad(q, ((0, Tp - T), (0, 0), (0, 0))).reshape(Tp, K, G, H)
     q_k = q_k.transpose(1, 0, 2, 3).reshape(K, Tp * G, H)
-    kv_new = jnp.stack([k, v], axis=2).reshape(T, K2, H).astype(kv_cache.dtype)
+    k_q, v_q = quantize(k, k_scale, kv_cache.dtype), quantize(v, v_scale, kv_cache.dtype)
+    kv_new = jnp.stack([k_q, v_q], axis=2).reshape(T, K2, H)
+    q = (q.astype(jnp.float32) * k_scale).astype(q.dtype)
     kv_new = jnp.pad(kv_new, ((0, Tp - T), (0, 0), (0, 0)))
     num_seqs_1 = jnp.reshape(num_seqs, (1,)).astype(jnp.int32)
     scalars = (
@@ -245,4 +250,4 @@ def ragged_paged_attention_tpu(
     )  # fmt: skip
     out_k, kv_cache = kernel(*scalars, q_k, kv_new, kv_cache)
     out = out_k.reshape(K, Tp, G, H).transpose(1, 0, 2, 3).reshape(Tp, N, H)
-    return out[:T], kv_cache
+    return (out[:T] * v_scale).astype(q.dtype), kv_cache
