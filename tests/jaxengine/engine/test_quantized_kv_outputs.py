@@ -1,11 +1,13 @@
 """The engine over a tiny random Llama checkpoint with a bfloat16 or fp8 KV cache: its
 teacher-forced logprobs and greedy tokens against a float32 cache's, and the paths that move
 or reuse the cache's blocks (preemption, prefix caching, speculative decoding) giving the same
-outputs as without them in the same dtype."""
+outputs as without them in the same dtype), and tensor parallelism, whose pool is split over
+the heads."""
 
 from __future__ import annotations
 
 import functools
+import json
 from typing import Any
 
 import numpy as np
@@ -17,6 +19,7 @@ from jaxengine.llm import LLM
 from jaxengine.loading.load import load_model
 from scheduler import SamplingParams
 from tests.engine_helpers import engine_over
+from tests.parallel_helpers import run_python
 
 TINY = "tests/fixtures/tiny/llama3_gqa"
 IMPL = "reference"
@@ -94,3 +97,35 @@ def test_fp8_preemption_does_not_change_greedy_outputs() -> None:
     tight = _llm("float8_e4m3fn", num_gpu_blocks_override=24)
     assert _greedy(tight) == _greedy(_llm("float8_e4m3fn"))
     assert tight.llm_engine.state.stats.num_preemptions > 0
+
+
+TENSOR_PARALLEL = """
+import json
+from tests.jaxengine.engine.test_quantized_kv_outputs import PROMPTS, SMALL, TINY
+from jaxengine.engine.args import EngineArgs
+from jaxengine.engine.build import build_engine
+from jaxengine.llm import LLM
+from scheduler import SamplingParams
+out = {}
+for tp in (1, 2):
+    engine = build_engine(EngineArgs(model=TINY, tensor_parallel_size=tp, kv_cache_dtype="fp8",
+                                     attention_backend="reference", skip_tokenizer_init=True,
+                                     num_gpu_blocks_override=200, **SMALL))
+    llm = LLM.from_engine(engine)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
+                        SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True),
+                        use_tqdm=False)
+    kv = engine.runner.kv
+    out[tp] = dict(tokens=[list(o.outputs[0].token_ids) for o in outs], dtype=str(kv.dtype),
+                   heads=[s.data.shape[3] for s in kv.addressable_shards])
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow  # 47 s: two engines in a child process with 2 virtual devices
+def test_an_fp8_pool_split_over_two_devices_gives_one_devices_outputs() -> None:
+    out = json.loads(run_python(TENSOR_PARALLEL, num_devices=2, timeout=300).splitlines()[-1])
+    one, two = out["1"], out["2"]
+    assert one["dtype"] == two["dtype"] == "float8_e4m3fn"
+    assert two["heads"] == [2, 2] and one["heads"] == [4]  # 2K of 2 KV heads, split in two
+    assert two["tokens"] == one["tokens"]
