@@ -178,6 +178,8 @@ def resolve_config(args: EngineArgs, fns: ModelFns, cfg: ModelConfig,
         device_kv_budget_bytes=device_kv_budget_bytes(args, device),
         kv_cache_groups=fns.kv_cache_groups)
     s = config.scheduler
+    logger.info("KV cache: %d blocks of %d tokens in %s, %d bytes each per device", s.num_blocks,
+                s.block_size, config.cache.kv_cache_dtype, config.cache.kv_bytes_per_block)
     # vLLM's startup line: how many requests of max_model_len tokens the pool holds at once
     logger.info("Maximum concurrency for %d tokens per request: %.2fx", s.max_model_len,
                 max_concurrency(s.kv_cache_groups, num_blocks=s.num_blocks,

@@ -5,6 +5,7 @@ that says so."""
 from __future__ import annotations
 
 import argparse
+import logging
 
 import jax.numpy as jnp
 import pytest
@@ -61,9 +62,12 @@ def _engine(**kw: object):  # noqa: ANN202 (an LLMEngine)
     ("auto", "float32", 4), ("bfloat16", "bfloat16", 2), ("fp8", "float8_e4m3fn", 1),
     ("fp8_e5m2", "float8_e5m2", 1)])
 def test_the_pool_is_made_in_the_dtype_and_sized_by_its_bytes(
-        kv_cache_dtype: str, dtype: str, itemsize: int) -> None:
+        kv_cache_dtype: str, dtype: str, itemsize: int, caplog: pytest.LogCaptureFixture
+) -> None:
     budget = 100 * VALUES_PER_BLOCK * 4  # 100 float32 blocks
-    engine = _engine(kv_cache_dtype=kv_cache_dtype, kv_cache_memory_bytes=budget)
+    with caplog.at_level(logging.INFO, logger="jaxengine.engine"):
+        engine = _engine(kv_cache_dtype=kv_cache_dtype, kv_cache_memory_bytes=budget)
+    assert f"KV cache: {400 // itemsize} blocks of 4 tokens in {dtype}" in caplog.text
     assert engine.runner.kv.dtype == jnp.dtype(dtype)
     assert engine.config.cache.kv_cache_dtype == dtype
     assert engine.config.cache.kv_bytes_per_block == VALUES_PER_BLOCK * itemsize
