@@ -77,6 +77,15 @@ def test_the_pool_is_made_in_the_dtype_and_sized_by_its_bytes(
         * itemsize
 
 
+def test_a_grouped_pool_takes_the_dtype_too() -> None:
+    engine = build_engine(EngineArgs(
+        model="tests/fixtures/tiny/gemma3_text", skip_tokenizer_init=True, block_size=4,
+        max_model_len=64, attention_backend="reference", kv_cache_dtype="fp8_e5m2",
+        num_gpu_blocks_override=60))
+    assert len(engine.config.scheduler.kv_cache_groups) > 1  # sliding and full layers
+    assert engine.runner.kv.dtype == jnp.float8_e5m2
+
+
 def test_auto_follows_the_models_dtype() -> None:
     engine = _engine(dtype="bfloat16", num_gpu_blocks_override=20)
     assert engine.runner.kv.dtype == jnp.bfloat16
