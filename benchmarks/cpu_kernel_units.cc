@@ -60,7 +60,8 @@ int main(int argc, char** argv) {
   const Geometry g{T, N, K, N / K, H, P, L, max_blocks};
   int64_t slots = 0;
   const std::vector<Unit> units = plan(reqs, g, block_q, 32, window, invariant, &slots);
-  PagedAttention<float> attn(g, q.data(), cache.data(), 0.125f, window, soft_cap, invariant);
+  PagedAttention<float> attn(g, q.data(), cache.data(), 0.125f, 1.0f, 1.0f, window, soft_cap,
+                             invariant);
   const int64_t stride = attn.slot_rows();
   std::vector<float> m(slots * stride), l(slots * stride), acc(slots * stride * H);
   Scratch sc;

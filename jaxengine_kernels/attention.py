@@ -74,22 +74,36 @@ def default_impl(platform: str | None = None) -> Impl:
 
 
 def check_supported(
-    impl: Impl, *, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int
+    impl: Impl, *, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+    kv_cache_dtype: jnp.dtype = jnp.float32,
 ) -> None:
-    """Raise ``UnsupportedShapeError`` if ``impl`` cannot run these shapes (default blocks).
+    """Raise ``UnsupportedShapeError`` if ``impl`` cannot run these shapes (default blocks) or
+    hold a cache of ``kv_cache_dtype`` on this machine's devices.
 
-    The reference and the CPU kernel run every shape; ``num_heads`` is a multiple of
-    ``num_kv_heads``.
+    The reference and the CPU kernel run every shape and cache dtype; ``num_heads`` is a
+    multiple of ``num_kv_heads``. Where jax runs on the kernel's platform, its first device
+    says which cache dtypes it holds: fp8 on TPU needs v5p, v6e or later; float8_e4m3fn on a
+    GPU compute capability 8.9 or later (Ada, Hopper; float8_e5m2 runs on any). On another
+    platform (the Pallas kernels in interpret mode) every cache dtype runs.
 
     Raises:
       UnsupportedShapeError: naming the parameter (``.field``) and its value (``.value``).
-      ValueError: for an unknown ``impl``.
+      ValueError: for an unknown ``impl`` or a cache dtype none of them reads.
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    if impl != "reference":
-        _CHECKS[impl](num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                      page_size=page_size)  # fmt: skip
+    check_dtypes(jnp.float32, kv_cache_dtype)
+    if impl == "reference":
+        return
+    _CHECKS[impl](num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                  page_size=page_size)
+    if impl != jax.default_backend():
+        return
+    device = jax.devices()[0]
+    if impl == "tpu":
+        tpu.check_cache_dtype(kv_cache_dtype, device.device_kind)
+    elif impl == "gpu":
+        gpu.check_cache_dtype(kv_cache_dtype, device.compute_capability)
 
 
 def ragged_paged_attention(

@@ -71,6 +71,13 @@ def quantize(x: jax.Array, scale: jax.Array, dtype: jnp.dtype) -> jax.Array:
     return y.astype(dtype)
 
 
+def dot_dtype(q_dtype: jnp.dtype, cache_dtype: jnp.dtype) -> jnp.dtype:
+    """The dtype a Pallas kernel's dots take for these queries and this cache: float32 if
+    either is float32, else bfloat16 (which holds every fp8 value exactly)."""
+    f32 = jnp.dtype(jnp.float32)
+    return f32 if f32 in (jnp.dtype(q_dtype), jnp.dtype(cache_dtype)) else jnp.dtype(jnp.bfloat16)
+
+
 def dequantize(x: jax.Array, scale: jax.Array) -> jax.Array:
     """``x.astype(float32) * scale``: the value a cache entry stands for.
 

@@ -7,8 +7,8 @@
 // over the pool; in jnp that becomes page gathers, layout copies and thousands of tiny batched
 // dots (docs/BENCHMARKS.md §4). Here every request reads its own pages in place.
 //
-// Layout (the reference's): q [T, N, H]; kv_cache [P, L, 2K, H] with key head k at head slot
-// 2k and value head k at 2k+1; block_tables i32[R, max_blocks]; seq_lens i32[R] (context after
+// Layout (the reference's): q f32[T, N, H]; kv_cache [P, L, 2K, H] with key head k at head slot
+// 2k and value head k at 2k+1, in float32, bfloat16, float8_e4m3fn or float8_e5m2; block_tables i32[R, max_blocks]; seq_lens i32[R] (context after
 // the step); query_start_loc i32[R+1]; num_seqs i32[]. Query head n reads kv head n / G.
 // Output f32[T, N, H]: the live tokens' rows; every other row is zero. The step's new keys and
 // values are already in the cache (XLA scatters them before this call).
@@ -28,7 +28,13 @@
 // otherwise than one pass; the softmax sums and P.V already agree row by row. It costs a
 // decode the transposed path's idle lanes (one vector of rows for its G rows).
 //
-// Numerics: float32 (bfloat16 inputs are widened), an online softmax per tile of kKeys keys
+// Quantized caches (jaxengine_kernels/cache_dtype.py): a cached entry x stands for x * k_scale
+// (keys) or x * v_scale (values), per-tensor f32[] operands. Both are folded where they are
+// exact to float32 rounding: k_scale into the query scale (sm_scale * k_scale multiplies every
+// query element), v_scale into the output's normalisation. Cache rows are widened to float32
+// as they are read: bfloat16 by a shift, fp8 through a 256-entry table per format.
+//
+// Numerics: float32 (narrower cache entries are widened), an online softmax per tile of kKeys keys
 // (64 with AVX-512). A decode's few query rows take each key's dots a vector of keys at a
 // time; a prefill chunk's rows take the tile's scores transposed, a vector of rows at a time
 // (see Scratch). With a head dim under kLanes (16 with AVX-512, 8 with AVX2, 4 with SSE) the
@@ -98,10 +104,43 @@ constexpr int64_t kSplitTokens = 8;   // requests of at most this many tokens sp
 constexpr float kMasked = -1e30f;     // running max before any visible key (finite: fast_exp)
 
 using bf16 = uint16_t;  // XLA FFI's BF16 native type: the upper half of a float32
+// One byte of float8_e4m3fn (1 sign, 4 exponent bits biased by 7, 3 mantissa bits; no inf,
+// S.1111.111 is NaN) or of float8_e5m2 (IEEE-like: 5 exponent bits biased by 15, 2 mantissa
+// bits). Distinct types, so that widen() and load_widened() pick the format's table.
+struct fp8_e4m3 { uint8_t bits; };
+struct fp8_e5m2 { uint8_t bits; };
 inline fvec vmax(fvec a, fvec b) { return a > b ? a : b; }
 
-// kLanes floats from p, widened when p points at bfloat16.
+// The float32 value of every byte of an fp8 format with `mantissa` mantissa bits and exponent
+// bias `bias`: subnormals at exponent 0; at the top exponent NaN (e4m3fn: only S.1111.111, the
+// rest finite) or inf and NaN (e5m2).
+struct Fp8Table {
+  float value[256];
+  Fp8Table(int mantissa, int bias, bool ieee_top) {
+    const int top = (1 << (7 - mantissa)) - 1;  // the largest exponent field
+    for (int b = 0; b < 256; ++b) {
+      const int e = (b >> mantissa) & top, m = b & ((1 << mantissa) - 1);
+      const float frac = float(m) / float(1 << mantissa);
+      float x = e == 0 ? std::ldexp(frac, 1 - bias) : std::ldexp(1.0f + frac, e - bias);
+      if (e == top && (ieee_top || m == (1 << mantissa) - 1))
+        x = ieee_top && m == 0 ? INFINITY : NAN;
+      value[b] = (b & 0x80) ? -x : x;
+    }
+  }
+};
+const Fp8Table kE4M3(3, 7, false);
+const Fp8Table kE5M2(2, 15, true);
+
+// kLanes floats from p, widened when p points at bfloat16 or fp8.
 inline fvec load_widened(const float* p) { return loadv(p); }
+template <typename F>
+inline fvec load_widened_fp8(const F* p, const Fp8Table& table) {
+  fvec f;
+  for (int64_t i = 0; i < kLanes; ++i) f[i] = table.value[p[i].bits];
+  return f;
+}
+inline fvec load_widened(const fp8_e4m3* p) { return load_widened_fp8(p, kE4M3); }
+inline fvec load_widened(const fp8_e5m2* p) { return load_widened_fp8(p, kE5M2); }
 inline fvec load_widened(const bf16* p) {
   typedef uint16_t hvec __attribute__((vector_size(kLanes * sizeof(uint16_t))));
   typedef uint32_t uvec __attribute__((vector_size(kLanes * sizeof(uint32_t))));
@@ -148,6 +187,8 @@ inline fvec transpose_sum(fvec* v) {  // v[kLanes], overwritten
 }
 
 inline float widen(float x) { return x; }
+inline float widen(fp8_e4m3 x) { return kE4M3.value[x.bits]; }
+inline float widen(fp8_e5m2 x) { return kE5M2.value[x.bits]; }
 inline float widen(bf16 x) {
   const uint32_t bits = uint32_t(x) << 16;
   float f;
@@ -196,7 +237,7 @@ struct Scratch {
   std::vector<float> l;    // [K * rows_k] running denominator
   std::vector<float> acc;  // [K * rows_k, H] running numerator
   std::vector<float> s;    // a tile's scores, then its probabilities: [rows_k, kKeys] / [kKeys, R]
-  std::vector<float> vt;   // [kKeys, H] a tile's values, widened (bfloat16 caches only)
+  std::vector<float> vt;   // [kKeys, H] a tile's values, widened (narrower caches only)
   std::vector<int64_t> visible;  // [rows] per row, keys of the tile it sees
   std::vector<float> alpha;      // [rows] per row, the softmax rescale of the tile
   std::vector<float> spare;      // [kPvRows, H] accumulators of rows past the last
@@ -209,10 +250,13 @@ struct Scratch {
 template <typename T>
 class PagedAttention {
  public:
-  PagedAttention(const Geometry& g, const T* q, const T* cache, float sm_scale,
-                 int64_t window, float soft_cap, bool batch_invariant)
-      : g_(g), q_(q), cache_(cache), scale_(sm_scale), window_(window), cap_(soft_cap),
-        batch_invariant_(batch_invariant) {}
+  // sm_scale * k_scale scales the queries (q . (x k_scale) = (q k_scale) . x), v_scale the
+  // normalised output.
+  PagedAttention(const Geometry& g, const float* q, const T* cache, float sm_scale,
+                 float k_scale, float v_scale, int64_t window, float soft_cap,
+                 bool batch_invariant)
+      : g_(g), q_(q), cache_(cache), scale_(sm_scale * k_scale), v_scale_(v_scale),
+        window_(window), cap_(soft_cap), batch_invariant_(batch_invariant) {}
 
   int64_t rows(const Unit& u) const { return g_.K * (u.tok1 - u.tok0) * g_.G; }
   // Rows between scratch slots: the most a split unit has.
@@ -262,7 +306,7 @@ class PagedAttention {
       return;
     }
     for (int64_t row = 0; row < n; ++row) {
-      const float inv = sc.l[row] > 0.0f ? 1.0f / sc.l[row] : 0.0f;
+      const float inv = sc.l[row] > 0.0f ? v_scale_ / sc.l[row] : 0.0f;
       const float* a = sc.acc.data() + row * H;
       float* o = out + out_offset(u, rq, row);
       for (int64_t h = 0; h < H; ++h) o[h] = a[h] * inv;
@@ -287,7 +331,7 @@ class PagedAttention {
         const float* a = acc + at * H;
         for (int64_t h = 0; h < H; ++h) o[h] += w * a[h];
       }
-      const float inv = denom > 0.0f ? 1.0f / denom : 0.0f;
+      const float inv = denom > 0.0f ? v_scale_ / denom : 0.0f;
       for (int64_t h = 0; h < H; ++h) o[h] *= inv;
     }
   }
@@ -344,11 +388,11 @@ class PagedAttention {
     for (int64_t k = 0; k < g_.K; ++k)
       for (int64_t t = 0; t < ntok; ++t)
         for (int64_t gi = 0; gi < G; ++gi) {
-          const T* src = q_ + ((rq.q_start + u.tok0 + t) * g_.N + k * G + gi) * H;
+          const float* src = q_ + ((rq.q_start + u.tok0 + t) * g_.N + k * G + gi) * H;
           const int64_t r = t * G + gi;
           float* dst = sc.q.data() + k * R * H;
           for (int64_t h = 0; h < H; ++h)  // wide: [H, R], transposed; else [rows_k, H]
-            dst[wide ? h * R + r : r * H + h] = widen(src[h]) * scale_;
+            dst[wide ? h * R + r : r * H + h] = src[h] * scale_;
         }
     sc.s.assign((wide ? R : g_.K * rows_k) * kKeys, 0.0f);
     sc.visible.assign(R, 0);
@@ -477,7 +521,7 @@ class PagedAttention {
       wide_scores(sc, k, rows_k, tokens, nk, have);
       if (cap_ > 0.0f) soft_cap(sc.s.data(), nk * wide_rows(rows_k));
     }
-    const float* vals[kKeys];  // value rows of the tile's keys (widened for bfloat16)
+    const float* vals[kKeys];  // value rows of the tile's keys (widened unless float32)
     if constexpr (std::is_same_v<T, float>) {
       for (int64_t j = 0; j < nk; ++j) vals[j] = tokens[j] + value_slot;
     } else {
@@ -649,9 +693,10 @@ class PagedAttention {
   }
 
   const Geometry g_;
-  const T* q_;
+  const float* q_;
   const T* cache_;
-  const float scale_;
+  const float scale_;    // sm_scale * k_scale
+  const float v_scale_;
   const int64_t window_;  // W, 0: full attention
   const float cap_;       // soft cap, 0: none
   const bool batch_invariant_;  // one path for every unit (see the file comment)
@@ -693,17 +738,46 @@ std::vector<Unit> plan(const std::vector<Request>& reqs, const Geometry& g, int6
   return units;
 }
 
-template <ffi::DataType DT>
-ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<DT> q,
-                                ffi::Buffer<DT> kv_cache, ffi::Buffer<ffi::S32> block_tables,
+// Run the planned units over a cache of element type T, then merge the split ones.
+template <typename T>
+void attend(ffi::ThreadPool& pool, const Geometry& g, const float* q, const void* cache,
+            float sm_scale, float k_scale, float v_scale, int64_t window, float soft_cap,
+            bool batch_invariant, const std::vector<Request>& reqs,
+            const std::vector<Unit>& units, int64_t num_slots, float* o) {
+  PagedAttention<T> attn(g, q, static_cast<const T*>(cache), sm_scale, k_scale, v_scale,
+                         window, std::max(soft_cap, 0.0f), batch_invariant);
+  const int64_t stride = attn.slot_rows();
+  std::vector<float> m(num_slots * stride), l(num_slots * stride), acc(num_slots * stride * g.H);
+  std::vector<int64_t> order(units.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return units[a].cost > units[b].cost; });
+  parallel_for(pool, int64_t(units.size()), [&](int64_t i) {
+    thread_local Scratch sc;
+    const Unit& u = units[order[i]];
+    attn.run(u, reqs[u.req], sc, o, m.data() + u.slot * stride, l.data() + u.slot * stride,
+             acc.data() + u.slot * stride * g.H);
+  });
+  for (size_t i = 0; i < units.size();) {  // units of one request are consecutive
+    size_t j = i + 1;
+    while (j < units.size() && units[j].req == units[i].req && units[i].split) ++j;
+    if (units[i].split)
+      attn.merge(&units[i], int64_t(j - i), reqs[units[i].req], m.data(), l.data(),
+                 acc.data(), o);
+    i = j;
+  }
+}
+
+ffi::Error ragged_paged_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                                ffi::AnyBuffer kv_cache, ffi::Buffer<ffi::S32> block_tables,
                                 ffi::Buffer<ffi::S32> seq_lens,
                                 ffi::Buffer<ffi::S32> query_start_loc,
                                 ffi::Buffer<ffi::S32> num_seqs,
-                                ffi::Buffer<ffi::S32> sliding_window, float sm_scale,
-                                float soft_cap, int64_t block_q, int64_t pages_per_split,
-                                bool batch_invariant,
+                                ffi::Buffer<ffi::S32> sliding_window,
+                                ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
+                                float sm_scale, float soft_cap, int64_t block_q,
+                                int64_t pages_per_split, bool batch_invariant,
                                 ffi::ResultBuffer<ffi::F32> out) {
-  using T = ffi::NativeType<DT>;
   const auto qd = q.dimensions(), cd = kv_cache.dimensions(), td = block_tables.dimensions();
   if (qd.size() != 3 || cd.size() != 4 || td.size() != 2 || cd[2] % 2 || qd[2] != cd[3] ||
       qd[1] % (cd[2] / 2))
@@ -727,53 +801,45 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<DT> q,
                                  std::max<int64_t>(pages_per_split, 1), window,
                                  batch_invariant, &num_slots);
   if (units.empty()) return ffi::Error::Success();
-  PagedAttention<T> attn(g, q.typed_data(), kv_cache.typed_data(), sm_scale, window,
-                         std::max(soft_cap, 0.0f), batch_invariant);
-  const int64_t stride = attn.slot_rows();
-  std::vector<float> m(num_slots * stride), l(num_slots * stride), acc(num_slots * stride * g.H);
-  std::vector<int64_t> order(units.size());
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int64_t a, int64_t b) { return units[a].cost > units[b].cost; });
-  parallel_for(pool, int64_t(units.size()), [&](int64_t i) {
-    thread_local Scratch sc;
-    const Unit& u = units[order[i]];
-    attn.run(u, reqs[u.req], sc, o, m.data() + u.slot * stride, l.data() + u.slot * stride,
-             acc.data() + u.slot * stride * g.H);
-  });
-  for (size_t i = 0; i < units.size();) {  // units of one request are consecutive
-    size_t j = i + 1;
-    while (j < units.size() && units[j].req == units[i].req && units[i].split) ++j;
-    if (units[i].split)
-      attn.merge(&units[i], int64_t(j - i), reqs[units[i].req], m.data(), l.data(),
-                 acc.data(), o);
-    i = j;
+  const float ks = k_scale.typed_data()[0], vs = v_scale.typed_data()[0];
+  const void* cache = kv_cache.untyped_data();
+  auto run = [&](auto element) {
+    attend<decltype(element)>(pool, g, q.typed_data(), cache, sm_scale, ks, vs, window,
+                              soft_cap, batch_invariant, reqs, units, num_slots, o);
+    return ffi::Error::Success();
+  };
+  switch (kv_cache.element_type()) {
+    case ffi::F32: return run(float{});
+    case ffi::BF16: return run(bf16{});
+    case ffi::F8E4M3FN: return run(fp8_e4m3{});
+    case ffi::F8E5M2: return run(fp8_e5m2{});
+    default:
+      return ffi::Error::InvalidArgument(
+          "ragged_paged_attention_cpu: the cache must be float32, bfloat16, float8_e4m3fn or "
+          "float8_e5m2");
   }
-  return ffi::Error::Success();
 }
 
 }  // namespace
 
-#define JAXENGINE_DEFINE_HANDLER(NAME, DT)                  \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(NAME, RaggedPagedAttention<DT>, \
-                                ffi::Ffi::Bind()            \
-                                    .Ctx<ffi::ThreadPool>() \
-                                    .Arg<ffi::Buffer<DT>>() \
-                                    .Arg<ffi::Buffer<DT>>() \
-                                    .Arg<ffi::Buffer<ffi::S32>>() \
-                                    .Arg<ffi::Buffer<ffi::S32>>() \
-                                    .Arg<ffi::Buffer<ffi::S32>>() \
-                                    .Arg<ffi::Buffer<ffi::S32>>() \
-                                    .Arg<ffi::Buffer<ffi::S32>>() \
-                                    .Attr<float>("sm_scale") \
-                                    .Attr<float>("soft_cap") \
-                                    .Attr<int64_t>("block_q") \
-                                    .Attr<int64_t>("pages_per_split") \
-                                    .Attr<bool>("batch_invariant") \
-                                    .Ret<ffi::Buffer<ffi::F32>>());
-
-JAXENGINE_DEFINE_HANDLER(RaggedPagedAttentionF32, ffi::F32)
-JAXENGINE_DEFINE_HANDLER(RaggedPagedAttentionBF16, ffi::BF16)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RaggedPagedAttention, ragged_paged_attention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::AnyBuffer>()         // kv_cache, any cache dtype
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // seq_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // query_start_loc
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // sliding_window
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_scale
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_scale
+                                  .Attr<float>("sm_scale")
+                                  .Attr<float>("soft_cap")
+                                  .Attr<int64_t>("block_q")
+                                  .Attr<int64_t>("pages_per_split")
+                                  .Attr<bool>("batch_invariant")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 // The vector path the library was compiled for (simd.h), for native.isa() and
 // native.vector_lanes(): read from the binary, so it reports what runs, whatever was asked for.

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxengine_kernels.cache_dtype import quantize
+from jaxengine_kernels.cache_dtype import FP8_DTYPES, quantize
 from jaxengine_kernels.errors import UnsupportedShapeError
 from jaxengine_kernels.tpu import body
 
@@ -84,6 +84,20 @@ def check_supported(
         )
     if pages_per_block < 1:
         raise UnsupportedShapeError("pages_per_block", pages_per_block, ">= 1")
+
+
+# TPU generations without fp8 in Mosaic (their device_kind): fp8 needs v5p, v6e or later.
+NO_FP8_KINDS = ("TPU v2", "TPU v3", "TPU v4", "TPU v4 lite", "TPU v5 lite", "TPU v5e")
+
+
+def check_cache_dtype(cache_dtype: jnp.dtype, device_kind: str) -> None:
+    """Raise ``UnsupportedShapeError`` (field ``kv_cache_dtype``) for an fp8 cache on a TPU
+    generation that cannot hold it (``device_kind`` as ``jax.Device.device_kind`` says it)."""
+    dtype = jnp.dtype(cache_dtype)
+    if dtype in FP8_DTYPES and device_kind in NO_FP8_KINDS:
+        raise UnsupportedShapeError("kv_cache_dtype", dtype.name,
+                                    f"float32 or bfloat16 on {device_kind} (fp8 needs TPU v5p, "
+                                    f"v6e or later)")
 
 
 def check_shapes(q: jax.Array, kv_cache: jax.Array, block_q: int, pages_per_block: int) -> None:
@@ -203,6 +217,8 @@ def ragged_paged_attention_tpu(
       sliding_window: i32[] the layer's window (0: full attention), scalar-prefetched: each
         request's walk starts at the kv block of its first visible key.
       soft_cap: the scores' soft cap, or None.
+      k_scale, v_scale: f32[] per-tensor scales of the cached keys and values,
+        scalar-prefetched: pages are copied in the cache's dtype and widened in the kernel.
       interpret: run in the TPU interpreter (``pltpu.InterpretParams()``), e.g. on CPU.
       block_q: tokens per q-block (grid step).
       pages_per_block: pages per DMA'd kv block.
@@ -230,7 +246,6 @@ def ragged_paged_attention_tpu(
     q_k = q_k.transpose(1, 0, 2, 3).reshape(K, Tp * G, H)
     k_q, v_q = quantize(k, k_scale, kv_cache.dtype), quantize(v, v_scale, kv_cache.dtype)
     kv_new = jnp.stack([k_q, v_q], axis=2).reshape(T, K2, H)
-    q = (q.astype(jnp.float32) * k_scale).astype(q.dtype)
     kv_new = jnp.pad(kv_new, ((0, Tp - T), (0, 0), (0, 0)))
     num_seqs_1 = jnp.reshape(num_seqs, (1,)).astype(jnp.int32)
     scalars = (
@@ -239,6 +254,7 @@ def ragged_paged_attention_tpu(
         query_start_loc.astype(jnp.int32),
         num_seqs_1,
         jnp.reshape(sliding_window, (1,)).astype(jnp.int32),
+        jnp.stack([jnp.asarray(k_scale), jnp.asarray(v_scale)]).astype(jnp.float32),
         jnp.pad(slot_mapping.astype(jnp.int32), (0, Tp - T)),
         _first_request_of_blocks(query_start_loc, num_seqs, nb, bq),
     )
@@ -250,4 +266,4 @@ def ragged_paged_attention_tpu(
     )  # fmt: skip
     out_k, kv_cache = kernel(*scalars, q_k, kv_new, kv_cache)
     out = out_k.reshape(K, Tp, G, H).transpose(1, 0, 2, 3).reshape(Tp, N, H)
-    return (out[:T] * v_scale).astype(q.dtype), kv_cache
+    return out[:T], kv_cache

@@ -14,13 +14,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
-from jaxengine_kernels import ragged_paged_attention, write_kv
+from jaxengine_kernels import (
+    UnsupportedShapeError,
+    check_supported,
+    gpu,
+    ragged_paged_attention,
+    tpu,
+    write_kv,
+)
 from jaxengine_kernels.cache_dtype import dequantize, quantize
 from tests.jaxengine_kernels.cases import Case, make_case, numpy_oracle
 
 CACHE_DTYPES = ("float32", "bfloat16", "float8_e4m3fn", "float8_e5m2")
-IMPLS = ("reference",)
+IMPLS = ("reference", "cpu", "tpu", "gpu")
 BLOCKS = {
     "reference": {"block_q": 4, "pages_per_chunk": 2, "decode_pages_per_step": 3},
     "cpu": {"block_q": 4, "pages_per_split": 2},
@@ -175,3 +183,57 @@ def test_bad_dtypes_are_errors():
         ragged_paged_attention(q, k, v, kv.astype(jnp.int8), *meta, sm_scale=1.0)
     with pytest.raises(ValueError, match="q must be float32 or bfloat16, got float16"):
         ragged_paged_attention(q.astype(jnp.float16), k, v, kv, *meta, sm_scale=1.0)
+
+
+@pytest.mark.parametrize(
+    ("check", "device", "cache_dtype", "refused"),
+    [
+        (tpu.check_cache_dtype, "TPU v5 lite", "float8_e4m3fn", True),
+        (tpu.check_cache_dtype, "TPU v4", "float8_e5m2", True),
+        (tpu.check_cache_dtype, "TPU v5 lite", "bfloat16", False),
+        (tpu.check_cache_dtype, "TPU v6 lite", "float8_e4m3fn", False),
+        (gpu.check_cache_dtype, "8.0", "float8_e4m3fn", True),
+        (gpu.check_cache_dtype, "8.0", "float8_e5m2", False),
+        (gpu.check_cache_dtype, "9.0", "float8_e4m3fn", False),
+    ],
+)
+def test_a_platform_that_cannot_hold_fp8_refuses_it(check, device, cache_dtype, refused):
+    if not refused:
+        check(cache_dtype, device)
+        return
+    with pytest.raises(UnsupportedShapeError, match=f"kv_cache_dtype must be .*{device}.*got "
+                                                    f"{cache_dtype}") as e:  # fmt: skip
+        check(cache_dtype, device)
+    assert (e.value.field, e.value.value) == ("kv_cache_dtype", cache_dtype)
+
+
+@pytest.mark.parametrize("impl", ["reference", "cpu", "tpu", "gpu"])
+def test_check_supported_takes_the_cache_dtype(impl):
+    # On this CPU every kernel holds every cache dtype (the Pallas ones in interpret mode).
+    for cache_dtype in CACHE_DTYPES:
+        check_supported(impl, **SHAPES, kv_cache_dtype=cache_dtype)
+    with pytest.raises(ValueError, match="kv_cache dtype must be one of .*got float16"):
+        check_supported(impl, **SHAPES, kv_cache_dtype=jnp.float16)
+
+
+@pytest.mark.parametrize("cache_dtype", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize(
+    ("impl", "device_kind", "platform", "custom_call"),
+    [
+        ("tpu", "TPU v6 lite", "tpu", "tpu_custom_call"),
+        ("gpu", "NVIDIA H200", "cuda", "__gpu$xla.gpu.triton"),
+    ],
+)
+def test_fp8_lowers_for_the_accelerator(impl, device_kind, platform, custom_call, cache_dtype):
+    """Lowering to Mosaic / Triton IR with an fp8 cache, on CPU for an abstract device."""
+    case = make_case(BATCH, num_heads=32, num_kv_heads=8, head_dim=128, page_size=16)
+    f = jax.jit(lambda *a: ragged_paged_attention(*a, sm_scale=case.sm_scale, impl=impl,
+                                                  k_scale=K_SCALE, v_scale=V_SCALE))
+    device = AbstractDevice(device_kind=device_kind, num_cores=1, platform=platform.replace(
+        "cuda", "gpu"))  # fmt: skip
+    mesh = AbstractMesh((1,), ("x",), (AxisType.Explicit,), abstract_device=device)
+    args = list(case.args(jnp.bfloat16))  # concrete arrays, made outside the abstract mesh
+    args[3] = args[3].astype(cache_dtype)
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = f.trace(*args).lower(lowering_platforms=(platform,)).as_text()
+    assert custom_call in text

@@ -148,7 +148,7 @@ def test_the_step_calls_the_kernel_and_updates_the_cache_in_place():
     args = [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
     hlo = jax.jit(step, donate_argnames=("kv",)).lower(*args).compile().as_text()
     entry = hlo[hlo.index("ENTRY"):]
-    assert entry.count("jaxengine_ragged_paged_attention_f32") == layers
+    assert entry.count(f'custom_call_target="{native.ATTENTION_TARGET[0]}"') == layers
     whole = (f"f32[{layers * P},{L},{2 * K},{H}]", f"f32[{layers},{P},{L},{2 * K},{H}]",
              f"f32[{layers * P * L},{2 * K},{H}]")
     copies = [ln for ln in entry.splitlines()
@@ -184,13 +184,13 @@ def test_without_a_compiler_the_default_is_the_reference_with_a_warning(monkeypa
         native.available.cache_clear()
 
 
-def test_other_dtypes_are_refused_by_name():
-    with pytest.raises(ValueError, match="float32 or bfloat16, got float16"):
+def test_other_cache_dtypes_are_refused_by_name():
+    with pytest.raises(ValueError, match="float8_e4m3fn, float8_e5m2, got float16"):
         native.target(jnp.float16)
     case = make_case([(1, 5)], num_heads=2, num_kv_heads=1, head_dim=8, page_size=4)
     q, k, v, cache, *rest = case.args(jnp.float32)
-    with pytest.raises(ValueError, match="must share a dtype"):
-        ragged_paged_attention_cpu(q, k, v, cache.astype(jnp.bfloat16), *rest, sm_scale=1.0)
+    with pytest.raises(ValueError, match="float8_e5m2, got int8"):
+        ragged_paged_attention_cpu(q, k, v, cache.astype(jnp.int8), *rest, sm_scale=1.0)
 
 
 @pytest.mark.parametrize(("window", "soft_cap"), [(0, None), (37, 0.5)])
