@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from jaxengine.config import (
     Dtype,
@@ -42,19 +43,23 @@ ACTIVATION_RESERVE = 0.1
 def attention_backend(args: EngineArgs, cfg: ModelConfig) -> str:
     """`args.attention_backend`, else `jaxengine_kernels.default_impl()` (the platform's kernel).
 
-    A kernel must run the model's shapes: there is no silent fallback to the reference at trace
-    time, so an unsupported shape is an error here, at engine build; so is an explicit "cpu"
-    where the native kernel cannot be built.
+    A kernel must run the model's shapes and hold its KV cache dtype on these devices: there is
+    no silent fallback to the reference or to a float cache at trace time, so either is an
+    error here, at engine build; so is an explicit "cpu" where the native kernel cannot be
+    built.
 
     Raises:
       ValueError: the kernel cannot run the model's heads / head_dim / block_size (checked
-        first: no platform would run them), or it needs another platform, or the CPU kernel
-        cannot be built here.
+        first: no platform would run them) or hold `kv_cache_dtype` on this device (fp8 on an
+        older TPU or GPU), or it needs another platform, or the CPU kernel cannot be built
+        here.
     """
     native = default_impl()  # the one mapping from platform to kernel
     chosen = args.attention_backend or native
     _check_kernel_shapes(chosen, cfg, block_size=args.block_size,
-                         tp=args.tensor_parallel_size)
+                         tp=args.tensor_parallel_size,
+                         kv_cache_dtype=resolve_kv_cache_dtype(args.kv_cache_dtype,
+                                                               resolve_dtype(args.dtype)))
     if chosen == "cpu" and jax.default_backend() == "cpu" and (why := cpu.available()):
         raise ValueError(f"attention_backend='cpu' needs the native CPU kernel, which cannot "
                          f"be built here ({why}); use attention_backend='reference'")
@@ -67,8 +72,10 @@ def attention_backend(args: EngineArgs, cfg: ModelConfig) -> str:
     return chosen
 
 
-def _check_kernel_shapes(impl: str, cfg: ModelConfig, *, block_size: int, tp: int) -> None:
-    """`ValueError` saying what to change if kernel `impl` cannot run this model.
+def _check_kernel_shapes(impl: str, cfg: ModelConfig, *, block_size: int, tp: int,
+                         kv_cache_dtype: KVCacheDtype) -> None:
+    """`ValueError` saying what to change if kernel `impl` cannot run this model with its
+    cache in `kv_cache_dtype`.
 
     Under tensor parallelism the kernel runs per device, on that device's heads.
     """
@@ -76,8 +83,13 @@ def _check_kernel_shapes(impl: str, cfg: ModelConfig, *, block_size: int, tp: in
     num_heads, num_kv_heads = cfg.num_heads // tp, layout.kv_heads_per_device
     try:
         check_supported(impl, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                        head_dim=cfg.head_dim, page_size=block_size)
+                        head_dim=cfg.head_dim, page_size=block_size,
+                        kv_cache_dtype=jnp.dtype(kv_cache_dtype))
     except UnsupportedShapeError as e:
+        if e.field == "kv_cache_dtype":
+            raise ValueError(f"attention_backend={impl!r} cannot hold a {kv_cache_dtype} KV "
+                             f"cache on this device: {e}. Set kv_cache_dtype to one it holds "
+                             f"('auto': the model's dtype).") from e
         shape = (f"num_heads={num_heads}, num_kv_heads={num_kv_heads}"
                  f"{' per device' if tp > 1 else ''}, head_dim={cfg.head_dim}, "
                  f"block_size={block_size}")

@@ -11,12 +11,15 @@ import jax.numpy as jnp
 import pytest
 
 from jaxengine.config import resolve_kv_cache_dtype
+from jaxengine.engine import build
 from jaxengine.engine.args import EngineArgs
 from jaxengine.engine.build import build_engine
 from jaxengine.flags import add_engine_flags, engine_args_from
 from jaxengine.llm import LLM
 from jaxengine.metrics import Gauge
+from jaxengine.model.config import ModelConfig
 from jaxengine.replicas.data_parallel import DataParallelEngine
+from jaxengine_kernels import UnsupportedShapeError, gpu
 from tests.jaxengine.engine.test_llm_engine import make_engine
 
 TINY = "tests/fixtures/tiny/llama3_gqa"  # 2 layers, 2 KV heads of 8
@@ -51,6 +54,23 @@ def test_the_cli_flag_takes_vllms_values_only(capsys: pytest.CaptureFixture[str]
     with pytest.raises(SystemExit):
         parser.parse_args(["--kv-cache-dtype", "float16"])
     assert "invalid choice: 'float16'" in capsys.readouterr().err
+
+
+def test_a_cache_dtype_the_device_cannot_hold_is_refused_at_build(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """As on an A100 (compute capability 8.0): the kernel's own check of the device, and the
+    engine's error naming what to change (no silent float cache)."""
+    def on_an_a100(impl: str, *, kv_cache_dtype: object, **shapes: int) -> None:
+        gpu.check_cache_dtype(kv_cache_dtype, "8.0")
+
+    monkeypatch.setattr(build, "check_supported", on_an_a100)
+    cfg = ModelConfig.tiny()
+    with pytest.raises(ValueError, match=r"cannot hold a float8_e4m3fn KV cache on this "
+                                         r"device: .*float8_e5m2 on compute capability 8.0.*"
+                                         r"Set kv_cache_dtype") as e:
+        build.attention_backend(EngineArgs(kv_cache_dtype="fp8"), cfg)
+    assert isinstance(e.value.__cause__, UnsupportedShapeError)
+    assert build.attention_backend(EngineArgs(kv_cache_dtype="fp8_e5m2"), cfg)
 
 
 def _engine(**kw: object):  # noqa: ANN202 (an LLMEngine)
