@@ -36,6 +36,7 @@ from jaxengine.model.config import RopeScaling
 from jaxengine.model.mesh import TP_AXIS
 from jaxengine.model.reductions import fixed_order_sum
 from jaxengine_kernels import ragged_paged_attention
+from jaxengine_kernels.cache_dtype import FP8_DTYPES
 
 Init = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
 Sharding = tuple[str | None, ...]  # mesh axis (or None: not split) of each array axis
@@ -311,13 +312,12 @@ class Attention(nnx.Module):
                             jnp.asarray(window, jnp.int32), k_scale, v_scale)
         return project(self.o_proj, out.astype(x.dtype).reshape(T, N * H), live), pages
 
-
     def _kv_scales(self, cache_dtype: jnp.dtype, layer: jax.Array | int
                    ) -> tuple[jax.Array, jax.Array]:
         """f32[] (k_scale, v_scale) of `layer` for a cache of `cache_dtype`: the checkpoint's
         for an fp8 cache, 1.0 for a float one, which holds k and v as they are (vLLM applies
         the scales only to fp8 caches)."""
-        if not self.kv_scales or jnp.dtype(cache_dtype).itemsize != 1:
+        if not self.kv_scales or jnp.dtype(cache_dtype) not in FP8_DTYPES:
             return jnp.float32(1.0), jnp.float32(1.0)
         pair = per_layer(self.kv_scales, layer)  # (2,) for a looped layer, f32[2] scanned
         return jnp.asarray(pair[0], jnp.float32), jnp.asarray(pair[1], jnp.float32)

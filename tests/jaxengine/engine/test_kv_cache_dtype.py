@@ -19,8 +19,10 @@ from jaxengine.llm import LLM
 from jaxengine.metrics import Gauge
 from jaxengine.model.config import ModelConfig
 from jaxengine.replicas.data_parallel import DataParallelEngine
+from jaxengine.server.async_engine import AsyncEngine
 from jaxengine_kernels import UnsupportedShapeError, gpu
 from tests.jaxengine.engine.test_llm_engine import make_engine
+from tests.jaxengine.metrics.test_metrics import _value
 
 TINY = "tests/fixtures/tiny/llama3_gqa"  # 2 layers, 2 KV heads of 8
 # One page of 4 tokens: 2 layers x (K and V) x 2 heads x 8 x 4 tokens = 256 values.
@@ -127,6 +129,12 @@ def test_the_cache_config_info_gauge_has_vllms_labels() -> None:
     text = LLM.from_engine(make_engine())._metrics.render().decode()  # as /metrics serves it
     (line,) = [ln for ln in text.splitlines() if ln.startswith("jaxengine:cache_config_info{")]
     assert 'cache_dtype="auto"' in line and 'engine="0"' in line and line.endswith(" 1.0")
+
+
+def test_the_servers_metrics_have_the_gauge() -> None:
+    server = AsyncEngine(make_engine(kv_cache_dtype="fp8_e5m2"), model_name="m", log_interval=0)
+    text = server.metrics.render().decode()  # what /metrics serves
+    assert _value(text, "jaxengine:cache_config_info", cache_dtype="fp8_e5m2", engine="0") == 1
 
 
 def test_replicas_of_one_config_read_as_one_series() -> None:
