@@ -4,7 +4,8 @@ Layout assumptions and semantics are the jnp reference's (``jaxengine_kernels.re
 
 - The new K/V are written with the reference's XLA scatter (``write_kv``) first; under the
   engine's jit with the cache donated, XLA updates the cache in place, and the kernel then
-  reads the pages where they are (no gather, no copy).
+  reads the pages where they are (no gather, no copy). Not so for an fp8 cache: XLA on CPU
+  passes over the whole cache to scatter into it (``write_kv``; docs/BENCHMARKS.md §4).
 - The kernel (``ragged_paged_attention.cc``, compiled by ``native.py``) cuts the live requests
   into units: requests of at most 8 tokens (decodes, speculative chunks) as a whole, split over
   runs of ``pages_per_split`` pages when longer; longer requests (prefill chunks) in runs of

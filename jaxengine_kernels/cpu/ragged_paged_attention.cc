@@ -32,7 +32,8 @@
 // (keys) or x * v_scale (values), per-tensor f32[] operands. Both are folded where they are
 // exact to float32 rounding: k_scale into the query scale (sm_scale * k_scale multiplies every
 // query element), v_scale into the output's normalisation. Cache rows are widened to float32
-// as they are read: bfloat16 by a shift, fp8 through a 256-entry table per format.
+// as they are read: bfloat16 by a shift, fp8 by integer vector operations (widen_fp8), a
+// decode's keys once per tile for all G query rows.
 //
 // Numerics: float32 (narrower cache entries are widened), an online softmax per tile of kKeys keys
 // (64 with AVX-512). A decode's few query rows take each key's dots a vector of keys at a
@@ -106,41 +107,70 @@ constexpr float kMasked = -1e30f;     // running max before any visible key (fin
 using bf16 = uint16_t;  // XLA FFI's BF16 native type: the upper half of a float32
 // One byte of float8_e4m3fn (1 sign, 4 exponent bits biased by 7, 3 mantissa bits; no inf,
 // S.1111.111 is NaN) or of float8_e5m2 (IEEE-like: 5 exponent bits biased by 15, 2 mantissa
-// bits). Distinct types, so that widen() and load_widened() pick the format's table.
+// bits). Distinct types, so that widen() and load_widened() pick the format.
 struct fp8_e4m3 { uint8_t bits; };
 struct fp8_e5m2 { uint8_t bits; };
 inline fvec vmax(fvec a, fvec b) { return a > b ? a : b; }
 
-// The float32 value of every byte of an fp8 format with `mantissa` mantissa bits and exponent
-// bias `bias`: subnormals at exponent 0; at the top exponent NaN (e4m3fn: only S.1111.111, the
-// rest finite) or inf and NaN (e5m2).
+typedef uint8_t u8vec __attribute__((vector_size(kLanes)));
+typedef uint32_t u32vec __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+
+// kLanes fp8 bytes (M mantissa bits, exponent bias B, IEEE inf/NaN at the top exponent or
+// e4m3fn's single NaN) widened exactly with integer vector operations, on every ISA level: a
+// normal byte (exponent field e > 0) is the float32 whose exponent is e + 127 - B and whose
+// mantissa is the byte's, shifted to the top; a subnormal one (e = 0) is m * 2^(1 - B - M),
+// computed as a float (a float32 denormal would be slow to multiply, and every fp8 value is a
+// normal float32).
+template <int M, int B, bool kIeee>
+[[gnu::always_inline]] inline fvec widen_fp8(const uint8_t* p) {
+  u8vec bytes;
+  std::memcpy(&bytes, p, sizeof bytes);
+  // Through 16 bits: GCC widens bytes to 32 bits in one step lane by lane, in two with vector
+  // instructions (vpmovzxbw, vpmovzxwd).
+  typedef uint16_t u16vec __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+  const u32vec u = __builtin_convertvector(__builtin_convertvector(bytes, u16vec), u32vec);
+  const u32vec mag = u & 0x7Fu, sign = (u & 0x80u) << 24;
+  const u32vec exponent = mag >> M;
+  u32vec bits = sign | ((mag << (23 - M)) + (uint32_t(127 - B) << 23));
+  if constexpr (kIeee)  // the top exponent: inf (m = 0) or NaN
+    bits = exponent == (0xFFu >> (M + 1)) ? (sign | 0x7F800000u | (mag << (23 - M))) : bits;
+  else  // S.1111.111
+    bits = mag == 0x7Fu ? (sign | 0x7FC00000u) : bits;
+  const fvec small = __builtin_convertvector(mag, fvec) * (1.0f / float(1 << (B - 1 + M)));
+  u32vec small_bits;
+  std::memcpy(&small_bits, &small, sizeof small_bits);
+  bits = exponent == 0u ? (small_bits | sign) : bits;
+  fvec f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+[[gnu::always_inline]] inline fvec widen_e4m3(const uint8_t* p) {
+  return widen_fp8<3, 7, false>(p);
+}
+[[gnu::always_inline]] inline fvec widen_e5m2(const uint8_t* p) {
+  return widen_fp8<2, 15, true>(p);
+}
+
+// The 256 values of a format, for one element at a time (widened by the vector code above).
 struct Fp8Table {
   float value[256];
-  Fp8Table(int mantissa, int bias, bool ieee_top) {
-    const int top = (1 << (7 - mantissa)) - 1;  // the largest exponent field
-    for (int b = 0; b < 256; ++b) {
-      const int e = (b >> mantissa) & top, m = b & ((1 << mantissa) - 1);
-      const float frac = float(m) / float(1 << mantissa);
-      float x = e == 0 ? std::ldexp(frac, 1 - bias) : std::ldexp(1.0f + frac, e - bias);
-      if (e == top && (ieee_top || m == (1 << mantissa) - 1))
-        x = ieee_top && m == 0 ? INFINITY : NAN;
-      value[b] = (b & 0x80) ? -x : x;
-    }
+  explicit Fp8Table(fvec (*widen)(const uint8_t*)) {
+    uint8_t bytes[256];
+    for (int b = 0; b < 256; ++b) bytes[b] = uint8_t(b);
+    for (int b = 0; b < 256; b += kLanes) storev(value + b, widen(bytes + b));
   }
 };
-const Fp8Table kE4M3(3, 7, false);
-const Fp8Table kE5M2(2, 15, true);
+const Fp8Table kE4M3(widen_e4m3);
+const Fp8Table kE5M2(widen_e5m2);
 
 // kLanes floats from p, widened when p points at bfloat16 or fp8.
 inline fvec load_widened(const float* p) { return loadv(p); }
-template <typename F>
-inline fvec load_widened_fp8(const F* p, const Fp8Table& table) {
-  fvec f;
-  for (int64_t i = 0; i < kLanes; ++i) f[i] = table.value[p[i].bits];
-  return f;
+inline fvec load_widened(const fp8_e4m3* p) {
+  return widen_e4m3(reinterpret_cast<const uint8_t*>(p));
 }
-inline fvec load_widened(const fp8_e4m3* p) { return load_widened_fp8(p, kE4M3); }
-inline fvec load_widened(const fp8_e5m2* p) { return load_widened_fp8(p, kE5M2); }
+inline fvec load_widened(const fp8_e5m2* p) {
+  return widen_e5m2(reinterpret_cast<const uint8_t*>(p));
+}
 inline fvec load_widened(const bf16* p) {
   typedef uint16_t hvec __attribute__((vector_size(kLanes * sizeof(uint16_t))));
   typedef uint32_t uvec __attribute__((vector_size(kLanes * sizeof(uint32_t))));
@@ -196,6 +226,14 @@ inline float widen(bf16 x) {
   return f;
 }
 
+// n elements of a cache row, widened into dst: kLanes at a time, then one by one.
+template <typename T>
+inline void widen_row(const T* src, float* dst, int64_t n) {
+  int64_t h = 0;
+  for (; h + kLanes <= n; h += kLanes) storev(dst + h, load_widened(src + h));
+  for (; h < n; ++h) dst[h] = widen(src[h]);
+}
+
 // The first key position a query at `pos` sees with window W (W keys, itself included; the
 // reference's first_visible): 0 without a window.
 inline int64_t first_visible(int64_t pos, int64_t window) {
@@ -238,6 +276,7 @@ struct Scratch {
   std::vector<float> acc;  // [K * rows_k, H] running numerator
   std::vector<float> s;    // a tile's scores, then its probabilities: [rows_k, kKeys] / [kKeys, R]
   std::vector<float> vt;   // [kKeys, H] a tile's values, widened (narrower caches only)
+  std::vector<float> kt;   // [kLanes, K, H] a decode's keys of kLanes tokens, widened (fp8)
   std::vector<int64_t> visible;  // [rows] per row, keys of the tile it sees
   std::vector<float> alpha;      // [rows] per row, the softmax rescale of the tile
   std::vector<float> spare;      // [kPvRows, H] accumulators of rows past the last
@@ -400,6 +439,7 @@ class PagedAttention {
     sc.spare.assign(kPvRows * H, 0.0f);
     sc.zeros.assign(kKeys, 0.0f);
     if constexpr (!std::is_same_v<T, float>) sc.vt.assign(kKeys * H, 0.0f);
+    if constexpr (sizeof(T) == 1) sc.kt.assign(kLanes * g_.K * H, 0.0f);
     if (!wide) return;
     sc.token.resize(R);
     for (int64_t r = 0; r < R; ++r) sc.token[r] = float(std::min(r, rows_k - 1) / G);
@@ -431,10 +471,30 @@ class PagedAttention {
     for (int64_t j0 = 0; j0 < nk; j0 += kLanes) {
       for (int64_t j = j0 + kAhead; j < std::min(j0 + kAhead + kLanes, have); ++j)
         prefetch_token(tokens[j]);
-      for (int64_t k = 0; k < g_.K; ++k)
-        for (int64_t i = k * rows_k; i < (k + 1) * rows_k; ++i)
-          storev(sc.s.data() + i * kKeys + j0,
-                 group_dots(sc.q.data() + i * H, tokens + j0, nk - j0, 2 * k * H));
+      if constexpr (sizeof(T) == 1) {  // fp8: each key widened once for its G rows
+        const float* keys[kLanes];
+        widen_keys(sc, tokens + j0, std::min(kLanes, nk - j0), keys);
+        for (int64_t k = 0; k < g_.K; ++k)
+          for (int64_t i = k * rows_k; i < (k + 1) * rows_k; ++i)
+            storev(sc.s.data() + i * kKeys + j0,
+                   group_dots(sc.q.data() + i * H, keys, nk - j0, k * H));
+      } else {  // float32 as it lies; bfloat16 widened per row (a shift)
+        for (int64_t k = 0; k < g_.K; ++k)
+          for (int64_t i = k * rows_k; i < (k + 1) * rows_k; ++i)
+            storev(sc.s.data() + i * kKeys + j0,
+                   group_dots(sc.q.data() + i * H, tokens + j0, nk - j0, 2 * k * H));
+      }
+    }
+  }
+
+  // The keys of every kv head of n <= kLanes token rows, widened into sc.kt ([kLanes, K, H]);
+  // keys[j] points at token j's.
+  void widen_keys(Scratch& sc, const T* const* tokens, int64_t n, const float** keys) const {
+    const int64_t H = g_.H;
+    for (int64_t j = 0; j < n; ++j) {
+      float* dst = sc.kt.data() + j * g_.K * H;
+      for (int64_t k = 0; k < g_.K; ++k) widen_row(tokens[j] + 2 * k * H, dst + k * H, H);
+      keys[j] = dst;
     }
   }
 
@@ -496,13 +556,14 @@ class PagedAttention {
   // vectors are then summed lane-wise by a halving tree (transpose_sum), which costs about
   // one shuffle-add per key where a horizontal sum per key costs a dozen scalar adds, most of
   // a decode whose pages sit in L2 (docs/BENCHMARKS.md §4, "Why the kernel is as it is").
-  fvec group_dots(const float* qi, const T* const* tokens, int64_t n, int64_t slot) const {
+  template <typename E>
+  fvec group_dots(const float* qi, const E* const* tokens, int64_t n, int64_t slot) const {
     fvec part[kLanes];
     const int64_t H = g_.H, full = H / kLanes * kLanes;
     for (int64_t j = 0; j < kLanes; ++j) {
       fvec d = {};
       if (j < n) {
-        const T* key = tokens[j] + slot;
+        const E* key = tokens[j] + slot;
         for (int64_t h = 0; h < full; h += kLanes) d += loadv(qi + h) * load_widened(key + h);
         for (int64_t h = full; h < H; ++h) d[0] += qi[h] * widen(key[h]);
       }
@@ -528,7 +589,7 @@ class PagedAttention {
       for (int64_t j = 0; j < nk; ++j) {
         const T* v = tokens[j] + value_slot;
         float* dst = sc.vt.data() + j * H;
-        for (int64_t h = 0; h < H; ++h) dst[h] = widen(v[h]);
+        widen_row(v, dst, H);
         vals[j] = dst;
       }
     }

@@ -43,8 +43,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxengine_kernels.cache_dtype import FP8_DTYPES, quantize
+from jaxengine_kernels.cache_dtype import FP8_DTYPES
 from jaxengine_kernels.errors import UnsupportedShapeError
+from jaxengine_kernels.reference import new_rows
 from jaxengine_kernels.tpu import body
 
 NUM_LANES = 128  # m / l scratch is lane-replicated, as Mosaic wants full (8, 128) tiles.
@@ -244,8 +245,7 @@ def ragged_paged_attention_tpu(
     # [T, N, H] -> [K, T*G, H]: one kv head's queries form one 2-D tile per q-block.
     q_k = jnp.pad(q, ((0, Tp - T), (0, 0), (0, 0))).reshape(Tp, K, G, H)
     q_k = q_k.transpose(1, 0, 2, 3).reshape(K, Tp * G, H)
-    k_q, v_q = quantize(k, k_scale, kv_cache.dtype), quantize(v, v_scale, kv_cache.dtype)
-    kv_new = jnp.stack([k_q, v_q], axis=2).reshape(T, K2, H)
+    kv_new = new_rows(k, v, kv_cache.dtype, k_scale, v_scale)
     kv_new = jnp.pad(kv_new, ((0, Tp - T), (0, 0), (0, 0)))
     num_seqs_1 = jnp.reshape(num_seqs, (1,)).astype(jnp.int32)
     scalars = (

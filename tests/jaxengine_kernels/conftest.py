@@ -40,11 +40,12 @@ def isa_library() -> Callable[[str], ctypes.CDLL]:
 
 @pytest.fixture(scope="session")
 def isa_attention(isa_library: Callable[[str], ctypes.CDLL]) -> Callable[[str], Callable]:
-    """`attention(name)`: the float32 attention kernel of `name`'s build ("native": the library
-    the process loaded) as `f(q, cache, tables, seq_lens, query_start_loc, num_seqs, *,
-    sm_scale, block_q, pages_per_split, batch_invariant=False, sliding_window=0, soft_cap=0.0)
-    -> out [T, N, H]`, the new K/V already in the cache.
-    Each build's custom-call target is registered once, under a name of its own."""
+    """`attention(name)`: the attention kernel (float32 queries, a cache of any dtype it
+    reads) of `name`'s build ("native": the library the process loaded) as `f(q, cache,
+    tables, seq_lens, query_start_loc, num_seqs, *, sm_scale, block_q, pages_per_split,
+    batch_invariant=False, sliding_window=0, soft_cap=0.0) -> out [T, N, H]`, the new K/V
+    already in the cache. Each build's custom-call target is registered once, under a name
+    of its own."""
     targets: dict[str, str] = {}
 
     def attention(name: str) -> Callable:

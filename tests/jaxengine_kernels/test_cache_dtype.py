@@ -237,3 +237,25 @@ def test_fp8_lowers_for_the_accelerator(impl, device_kind, platform, custom_call
     with jax.sharding.use_abstract_mesh(mesh):
         text = f.trace(*args).lower(lowering_platforms=(platform,)).as_text()
     assert custom_call in text
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("cache_dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_every_fp8_value_reads_back_exactly(impl, cache_dtype):
+    """Two one-token requests without context: each attends to its own key alone, so its
+    output is its value as written and read back. The values are the format's 256 (NaN
+    included; inf saturates on writing, as any value beyond the range) times v_scale."""
+    case = make_case([(1, 1), (1, 1)], **SHAPES)
+    T, K, H = case.v.shape
+    every = np.arange(256, dtype=np.uint8).view(jnp.dtype(cache_dtype)).astype(np.float32)
+    v = case.v.copy()
+    v[:2] = every.reshape(2, K, H) * V_SCALE
+    case = dataclasses.replace(case, v=v)
+    out, _ = run(impl, case.args(jnp.float32)[:3] + (
+        jnp.asarray(case.kv_cache).astype(cache_dtype), *case.args(jnp.float32)[4:]), case,
+        k_scale=K_SCALE, v_scale=V_SCALE)  # fmt: skip
+    top = float(jnp.finfo(cache_dtype).max)
+    want = np.where(np.isinf(every), np.sign(every) * top, every) * V_SCALE
+    G = SHAPES["num_heads"] // K
+    np.testing.assert_array_equal(out, np.repeat(want.reshape(2, K, 1, H), G, axis=2)
+                                  .reshape(2, K * G, H))  # fmt: skip

@@ -212,6 +212,23 @@ def test_every_isa_build_matches_the_oracle(isa, isa_attention, window, soft_cap
     np.testing.assert_allclose(np.asarray(out)[: case.num_tokens], want, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("cache_dtype", ["bfloat16", "float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("isa", native.X86_ISAS)
+def test_every_isa_build_reads_narrow_caches(isa, isa_attention, cache_dtype):
+    """Each ISA level's build widens bfloat16 and fp8 cache rows (vector code with a scalar
+    tail at head dim 80) to the values the reference reads from the same cache."""
+    case = make_case([(1, 300), (70, 70), (3, 16)], num_heads=6, num_kv_heads=2, head_dim=80,
+                     page_size=16, seed=12)
+    q, k, v, cache, slots, tables, seq_lens, qsl, num_seqs = case.args(jnp.float32)
+    cache = write_kv(cache.astype(cache_dtype), k, v, slots)
+    out = isa_attention(isa)(q, cache, tables, seq_lens, qsl, num_seqs, sm_scale=case.sm_scale,
+                             block_q=32, pages_per_split=4)
+    want, _ = jaxengine_kernels.ragged_paged_attention(
+        q, k, v, cache, slots, tables, seq_lens, qsl, num_seqs, sm_scale=case.sm_scale)
+    T = case.num_tokens
+    np.testing.assert_allclose(np.asarray(out)[:T], np.asarray(want)[:T], atol=2e-5, rtol=2e-5)
+
+
 def test_vmap_runs_the_kernel_per_element():
     """Research code may vmap a step over a batch of queries: each element is the kernel's own
     call (vmap_method="sequential")."""
