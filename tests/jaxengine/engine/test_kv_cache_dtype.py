@@ -131,6 +131,13 @@ def test_the_cache_config_info_gauge_has_vllms_labels() -> None:
     assert 'cache_dtype="auto"' in line and 'engine="0"' in line and line.endswith(" 1.0")
 
 
+def test_num_cpu_blocks_is_the_offloading_stores_pages() -> None:
+    # the fake model's pages are 4 int32 slots (16 bytes); 1e-6 GiB holds 67 of them
+    engine = make_engine(kv_offloading_size=1e-6)
+    (info,) = _cache_info(LLM.from_engine(engine))
+    assert info.labels["num_cpu_blocks"] == "67" and info.labels["kv_offloading_size"] == "1e-06"
+
+
 def test_the_servers_metrics_have_the_gauge() -> None:
     server = AsyncEngine(make_engine(kv_cache_dtype="fp8_e5m2"), model_name="m", log_interval=0)
     text = server.metrics.render().decode()  # what /metrics serves
