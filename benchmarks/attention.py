@@ -8,7 +8,7 @@ heads, head_dim 128), page size 16, bfloat16, two batches:
     python benchmarks/attention.py [--mode auto|check|time|cpu] [--impls reference,gpu]
                                    [--peak-gbps 4300] [--iters 20] [--small]
                                    [--blocks pages_per_iter=8,num_splits=4] [--baseline REV]
-                                   [--sliding-window W]
+                                   [--sliding-window W] [--cache-dtypes float32,float8_e4m3fn]
 
 ``check`` (the default on CPU) runs the Pallas kernels in interpret mode against the jnp
 reference at a reduced size and prints their errors. ``time`` (the default on GPU / TPU) times
@@ -20,7 +20,8 @@ Prints a table and a one-line summary. ``--small`` shrinks the batches (to try `
 heads in float32 (prefills, a chunk after a cached prefix, decodes), in turn in one process
 with the cache donated: best-of wall and CPU ms per layer, wall GFLOP/s against the sgemm rate,
 and each one's speedup over the reference; with ``--baseline REV`` also the reference as of git
-revision REV.
+revision REV; with ``--cache-dtypes`` each implementation once per cache dtype (the float32
+cache's values cast to it: what a quantized cache costs to read, scales 1).
 
 ``--sliding-window W`` (``cpu`` and ``time`` modes) measures instead what a window saves: 16
 decodes at SmolLM2's heads in float32 at context W and at 8·W, each implementation once with
@@ -231,6 +232,7 @@ CPU_CASES = [
     ("8 decodes@300", [(1, 300)] * 8),
     ("64 decodes@U[40,1500]", [(1, int(c)) for c in _RNG.integers(40, 1500, 64)]),
     ("1 decode@1500 + 15@40", [(1, 1500)] + [(1, 40)] * 15),
+    ("64 decodes@4000", [(1, 4000)] * 64),  # 377 MiB of float32 KV: a long context
 ]
 
 
@@ -282,13 +284,17 @@ def run_cpu(shapes: list[Shape], impls: list[str], args: argparse.Namespace) -> 
     mm(a).block_until_ready()
     rate = 2 * 2048**3 / min(_wall_seconds(lambda: mm(a).block_until_ready()) for _ in range(5))
     print(f"sgemm (2048^2 f32, jax, wall): {rate / 1e9:.0f} GFLOP/s")
-    fns = {i: jax.jit(functools.partial(ragged_paged_attention, sm_scale=64**-0.5, impl=i,
-                                        **(args.blocks if i != "reference" and args.blocks
-                                           else {})), donate_argnames="kv_cache")
-           for i in impls}  # fmt: skip
+    dtypes = [jnp.dtype(d) for d in args.cache_dtypes.split(",")]
+    fn = {i: jax.jit(functools.partial(ragged_paged_attention, sm_scale=64**-0.5, impl=i,
+                                       **(args.blocks if i != "reference" and args.blocks
+                                          else {})), donate_argnames="kv_cache")
+          for i in impls}  # fmt: skip
+    # name -> (function, cache dtype): each impl once per cache dtype.
+    fns = {(i if len(dtypes) == 1 else f"{i} {d.name}"): (fn[i], d) for i in impls for d in dtypes}
     if args.baseline:
-        fns[f"ref@{args.baseline}"] = jax.jit(functools.partial(
-            reference_at(args.baseline), sm_scale=64**-0.5), donate_argnames="kv_cache")
+        fns[f"ref@{args.baseline}"] = (jax.jit(functools.partial(
+            reference_at(args.baseline), sm_scale=64**-0.5), donate_argnames="kv_cache"),
+            dtypes[0])  # fmt: skip
     names = list(fns)
     print(f"{'batch':24} {'GFLOP':>6} " + " ".join(
         f"{n + ' wall/cpu ms':>24} {'GF/s':>6} {'sgemm':>6} {'x':>5}" for n in names))
@@ -296,15 +302,15 @@ def run_cpu(shapes: list[Shape], impls: list[str], args: argparse.Namespace) -> 
     for name, reqs in CPU_CASES:
         batch, flops = cpu_batch(reqs, args.seed)
         caches = {}
-        for n, fn in fns.items():  # compile, and a cache of its own to donate
-            out, caches[n] = fn(**dict(batch, kv_cache=jnp.copy(batch["kv_cache"])))
+        for n, (f, dtype) in fns.items():  # compile, and a cache of its own to donate
+            out, caches[n] = f(**dict(batch, kv_cache=jnp.array(batch["kv_cache"], dtype)))
             out.block_until_ready()
         wall = dict.fromkeys(names, float("inf"))
         cpu = dict.fromkeys(names, float("inf"))
         for _ in range(args.iters):  # in turn, so that all see the same neighbours
-            for n, fn in fns.items():
+            for n, (f, _) in fns.items():
                 t0, c0 = time.perf_counter(), time.process_time()
-                out, caches[n] = fn(**dict(batch, kv_cache=caches[n]))
+                out, caches[n] = f(**dict(batch, kv_cache=caches[n]))
                 out.block_until_ready()
                 wall[n] = min(wall[n], time.perf_counter() - t0)
                 cpu[n] = min(cpu[n], time.process_time() - c0)
@@ -392,6 +398,8 @@ def main() -> None:
     )  # fmt: skip
     p.add_argument("--baseline", default=None, metavar="REV",
                    help="cpu mode: also time jaxengine_kernels/reference.py as of git REV")
+    p.add_argument("--cache-dtypes", default="float32",
+                   help="cpu mode: comma-separated KV cache dtypes, each impl once per dtype")
     p.add_argument("--sliding-window", type=int, default=0, metavar="W",
                    help="cpu/time modes: decodes at context W and 8W, windowed and full")
     args = p.parse_args()

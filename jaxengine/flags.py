@@ -22,6 +22,7 @@ from jaxengine.engine.args import EngineArgs
 
 CHOICES = {"dtype": engine_args_module.DTYPES,
            "quantization": engine_args_module.QUANTIZATIONS,
+           "kv_cache_dtype": tuple(engine_args_module.KV_CACHE_DTYPES),
            "scheduling_policy": tuple(scheduler.POLICIES),
            "attention_backend": engine_args_module.ATTENTION_BACKENDS}
 

@@ -21,6 +21,7 @@ from jaxengine.metrics import (
     PrometheusStatLogger,
     aggregate_engines,
     attach_stat_loggers,
+    cache_config_info,
     get_metrics_snapshot,
 )
 from jaxengine.replicas.data_parallel import build_engines
@@ -75,6 +76,8 @@ class LLM:
         model_name = "default" if args.model is None else str(args.model)
         self._metrics = PrometheusStatLogger(model_name, engine.max_model_len,
                                              engine_indexes=range(len(self._replicas)))
+        self._metrics.log_cache_config({i: cache_config_info(r)
+                                        for i, r in enumerate(self._replicas)})
         attach_stat_loggers(self._replicas, self._metrics)
 
     def get_metrics(self) -> list[Metric]:
@@ -83,7 +86,8 @@ class LLM:
         Returns:
           `Counter`, `Gauge` and `Histogram` values (`jaxengine.metrics`) under the names
           `/metrics` serves (`jaxengine:...`), summed over data-parallel replicas (KV cache
-          usage averaged), with the `model_name` label (and `finished_reason` where it has one).
+          usage averaged), with the `model_name` label (and `finished_reason` where it has one);
+          `cache_config_info` has the KV cache configuration as its labels instead.
         """
         for i, replica in enumerate(self._replicas):  # the gauges as of now, not the last step
             self._metrics.record_scheduler(replica.snapshot().stats, i)

@@ -7,6 +7,8 @@ layout and the semantics are documented in ``jaxengine_kernels.reference``.
 ``check_supported(impl, ...)`` says up front whether a kernel runs a model's shapes.
 ``jaxengine_kernels.cpu`` also holds the native packed matmul the model's projections use on
 CPU (``jaxengine_kernels.cpu.matmul``).
+The cache may hold float32, bfloat16 or fp8 (``CACHE_DTYPES``) with per-tensor ``k_scale`` /
+``v_scale`` operands (``jaxengine_kernels.cache_dtype``: writes quantize, reads dequantize).
 ``grouped_matmul(x, w, group_sizes, impl=default_grouped_impl())`` multiplies rows sorted by
 group by their group's matrix (the mixture-of-experts layer's experts).
 """
@@ -17,6 +19,7 @@ from jaxengine_kernels.attention import (
     default_impl,
     ragged_paged_attention,
 )
+from jaxengine_kernels.cache_dtype import CACHE_DTYPES
 from jaxengine_kernels.errors import UnsupportedShapeError
 from jaxengine_kernels.grouped_matmul import (
     GROUPED_IMPLS,
@@ -26,6 +29,7 @@ from jaxengine_kernels.grouped_matmul import (
 from jaxengine_kernels.reference import ragged_paged_attention_reference, write_kv
 
 __all__ = [
+    "CACHE_DTYPES",
     "GROUPED_IMPLS",
     "IMPLS",
     "UnsupportedShapeError",

@@ -6,6 +6,10 @@ Mosaic TPU kernel or the Pallas (Triton) GPU kernel; all share one signature and
 cannot handle a shape raises ``UnsupportedShapeError`` (a ``ValueError``) while tracing, and
 the error propagates: a kernel chosen explicitly never turns into the reference silently. A
 caller checks its shapes up front with ``check_supported`` (the engine does at build).
+
+The cache may be quantized (``jaxengine_kernels.cache_dtype``: float32, bfloat16, fp8 e4m3fn or
+e5m2 with per-tensor ``k_scale`` / ``v_scale``, vLLM's semantics); every implementation writes
+the new K/V quantized and dequantizes what it reads, with float32 arithmetic.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import jax.numpy as jnp
 # options, which changes jax's tracing context; importing it lazily inside the first trace makes
 # the caller's jit compile twice.
 from jaxengine_kernels import cpu, gpu, tpu
+from jaxengine_kernels.cache_dtype import check_dtypes, check_scale
 from jaxengine_kernels.reference import ragged_paged_attention_reference
 
 logger = logging.getLogger("jaxengine.kernels")
@@ -69,22 +74,36 @@ def default_impl(platform: str | None = None) -> Impl:
 
 
 def check_supported(
-    impl: Impl, *, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int
+    impl: Impl, *, num_heads: int, num_kv_heads: int, head_dim: int, page_size: int,
+    kv_cache_dtype: jnp.dtype = jnp.float32,
 ) -> None:
-    """Raise ``UnsupportedShapeError`` if ``impl`` cannot run these shapes (default blocks).
+    """Raise ``UnsupportedShapeError`` if ``impl`` cannot run these shapes (default blocks) or
+    hold a cache of ``kv_cache_dtype`` on this machine's devices.
 
-    The reference and the CPU kernel run every shape; ``num_heads`` is a multiple of
-    ``num_kv_heads``.
+    The reference and the CPU kernel run every shape and cache dtype; ``num_heads`` is a
+    multiple of ``num_kv_heads``. Where jax runs on the kernel's platform, its first device
+    says which cache dtypes it holds: fp8 on TPU needs v5p, v6e or later; float8_e4m3fn on a
+    GPU compute capability 8.9 or later (Ada, Hopper; float8_e5m2 runs on any). On another
+    platform (the Pallas kernels in interpret mode) every cache dtype runs.
 
     Raises:
       UnsupportedShapeError: naming the parameter (``.field``) and its value (``.value``).
-      ValueError: for an unknown ``impl``.
+      ValueError: for an unknown ``impl`` or a cache dtype none of them reads.
     """
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    if impl != "reference":
-        _CHECKS[impl](num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                      page_size=page_size)  # fmt: skip
+    check_dtypes(jnp.float32, kv_cache_dtype)
+    if impl == "reference":
+        return
+    _CHECKS[impl](num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                  page_size=page_size)
+    if impl != jax.default_backend():
+        return
+    device = jax.devices()[0]
+    if impl == "tpu":
+        tpu.check_cache_dtype(kv_cache_dtype, device.device_kind)
+    elif impl == "gpu":
+        gpu.check_cache_dtype(kv_cache_dtype, device.compute_capability)
 
 
 def ragged_paged_attention(
@@ -101,6 +120,8 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | jax.Array = 0,
     soft_cap: float | None = None,
+    k_scale: float | jax.Array = 1.0,
+    v_scale: float | jax.Array = 1.0,
     impl: Impl = "reference",
     interpret: bool = False,
     batch_invariant: bool = False,
@@ -110,8 +131,10 @@ def ragged_paged_attention(
 
     Args:
       q: f32/bf16 queries of all scheduled tokens ``[T, N, H]`` (padding rows after).
-      k, v: their new keys/values ``[T, K, H]``.
-      kv_cache: one layer's pages ``[P, L, 2*K, H]``; K at even, V at odd head slots.
+      k, v: their new keys/values ``[T, K, H]``, in q's dtype.
+      kv_cache: one layer's pages ``[P, L, 2*K, H]``; K at even, V at odd head slots. Its
+        dtype may differ from q's: float32, bfloat16, float8_e4m3fn (vLLM's "fp8") or
+        float8_e5m2 ("fp8_e5m2").
       slot_mapping: i32[T] flat slot (page * L + offset) per token; padding -> block 0.
       block_tables: i32[R, max_blocks] pages of each request.
       seq_lens: i32[R] context length after this step.
@@ -126,6 +149,12 @@ def ragged_paged_attention(
       soft_cap: Gemma 2's attention-logit soft-capping: the scores ``s = q.k * sm_scale``
         become ``soft_cap * tanh(s / soft_cap)`` before the mask and the softmax; None for
         none. Static (a per-model constant).
+      k_scale, v_scale: f32[] per-tensor scales of the cached keys and values (traced scalars
+        or Python floats; operands, so one compiled scan over layers can give each layer its
+        own). The cache holds ``k / k_scale`` in its dtype, for fp8 clipped to the format's
+        finite range first so that values beyond it saturate to the largest finite value
+        instead of becoming inf or NaN; a read stands for ``cache.astype(float32) *
+        k_scale`` (likewise V). Applied in every dtype; 1.0 for an unscaled cache.
       impl: "reference" (jnp), "cpu" (native, XLA FFI), "tpu" (Pallas Mosaic) or "gpu"
         (Pallas Triton).
       interpret: run a Pallas kernel in interpret mode (CPU testing); ignored by the
@@ -142,9 +171,13 @@ def ragged_paged_attention(
     Raises:
       UnsupportedShapeError: the chosen kernel cannot run these shapes or block sizes.
       ValueError: for an unknown ``impl``, ``batch_invariant`` with another than "cpu", a
-        negative Python ``sliding_window`` or a ``soft_cap`` that is not positive.
+        negative Python ``sliding_window``, a ``soft_cap`` or Python scale that is not
+        positive, or a q or cache dtype not supported.
     """
     _check_window_and_cap(sliding_window, soft_cap)
+    check_dtypes(q.dtype, kv_cache.dtype)
+    scales = {"k_scale": check_scale("k_scale", k_scale),
+              "v_scale": check_scale("v_scale", v_scale)}  # fmt: skip
     args = (q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, num_seqs)
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
@@ -156,10 +189,11 @@ def ragged_paged_attention(
     window = jnp.asarray(sliding_window, jnp.int32)
     if impl == "reference":
         return ragged_paged_attention_reference(
-            *args, sm_scale=sm_scale, sliding_window=window, soft_cap=soft_cap, **block_sizes
+            *args, sm_scale=sm_scale, sliding_window=window, soft_cap=soft_cap, **scales,
+            **block_sizes,
         )
     return _KERNELS[impl](*args, sm_scale=sm_scale, sliding_window=window, soft_cap=soft_cap,
-                          interpret=interpret, **block_sizes)  # fmt: skip
+                          interpret=interpret, **scales, **block_sizes)  # fmt: skip
 
 
 def _check_window_and_cap(sliding_window: int | jax.Array, soft_cap: float | None) -> None:

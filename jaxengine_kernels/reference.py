@@ -13,6 +13,9 @@ Layout assumptions (shared by every implementation in this package):
   every window of a unit of work are skipped, not read and masked: a sliding layer's pages that
   have slid out of the window may already hold another request's data.
 - With ``soft_cap``, scores are capped (``cap_scores``) right after ``q.k * sm_scale``.
+- The cache may hold another dtype than the queries (``jaxengine_kernels.cache_dtype``): the
+  new K/V are written quantized (``x / scale``, fp8 saturating), and every read is
+  dequantized, ``cache.astype(float32) * scale``, with per-tensor ``k_scale`` / ``v_scale``.
 - GQA: query head ``n`` reads kv head ``n // G`` with ``G = N // K``.
 - Pages a request does not own (and slots past ``seq_lens``) may hold anything, NaN included:
   they are masked with ``jnp.where`` (a multiply by zero would keep a NaN).
@@ -35,6 +38,8 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+from jaxengine_kernels.cache_dtype import dequantize, quantize
 
 # Defaults: 128 query tokens per item and 256 cached tokens per online-softmax step, faster on
 # CPU at SmolLM2's heads than 64 and 512 (docs/BENCHMARKS.md §4, "Why the jnp reference is as
@@ -65,13 +70,34 @@ def cap_scores(s: jax.Array, soft_cap: float | None) -> jax.Array:
     return s if soft_cap is None else soft_cap * jnp.tanh(s / soft_cap)
 
 
+def new_rows(
+    k: jax.Array,  # [T, K, H]
+    v: jax.Array,  # [T, K, H]
+    dtype: jnp.dtype,
+    k_scale: jax.Array | float = 1.0,  # f32[]
+    v_scale: jax.Array | float = 1.0,  # f32[]
+) -> jax.Array:  # [T, 2*K, H] in dtype
+    """The cache rows of the new keys and values: quantized (``cache_dtype.quantize``) and
+    interleaved, K at even head slots, V at odd ones."""
+    T, K, H = k.shape
+    k_q = quantize(k, jnp.asarray(k_scale, jnp.float32), dtype)
+    v_q = quantize(v, jnp.asarray(v_scale, jnp.float32), dtype)
+    return jnp.stack([k_q, v_q], axis=2).reshape(T, 2 * K, H)
+
+
 def write_kv(
     kv_cache: jax.Array,  # [P, L, 2*K, H]
     k: jax.Array,  # [T, K, H]
     v: jax.Array,  # [T, K, H]
     slot_mapping: jax.Array,  # i32[T]
+    k_scale: jax.Array | float = 1.0,  # f32[]
+    v_scale: jax.Array | float = 1.0,  # f32[]
 ) -> jax.Array:
-    """Scatter the new keys/values into the cache at their flat slots.
+    """Scatter the new keys/values into the cache at their flat slots, quantized.
+
+    The cache holds ``k / k_scale`` and ``v / v_scale`` in its dtype, clipped to the finite
+    range first for fp8, so that values beyond it saturate instead of becoming inf or NaN
+    (``jaxengine_kernels.cache_dtype.quantize``).
 
     Returns:
       The updated cache, ``[P, L, 2*K, H]``, same dtype. Padding tokens write into block 0,
@@ -84,10 +110,14 @@ def write_kv(
         # block 0 keeps it in place.
         k, v = (jnp.concatenate([x, jnp.zeros_like(x)]) for x in (k, v))
         slot_mapping = jnp.concatenate([slot_mapping, jnp.zeros_like(slot_mapping)])
-    T, K, _ = k.shape
-    # Interleave to [T, 2*K, H]: K at even head slots, V at odd ones.
-    kv_new = jnp.stack([k, v], axis=2).reshape(T, K2, H).astype(kv_cache.dtype)
+    kv_new = new_rows(k, v, kv_cache.dtype, k_scale, v_scale)
     flat = kv_cache.reshape(P * L, K2, H)
+    if kv_cache.dtype.itemsize == 1:
+        # fp8 scattered as its bytes: XLA on CPU widens an fp8 scatter's whole operand and
+        # back (300 ms a layer for a 94 MB cache) where it updates bytes in place.
+        flat = lax.bitcast_convert_type(flat, jnp.uint8)
+        flat = flat.at[slot_mapping].set(lax.bitcast_convert_type(kv_new, jnp.uint8), mode="drop")
+        return lax.bitcast_convert_type(flat, kv_cache.dtype).reshape(P, L, K2, H)
     flat = flat.at[slot_mapping].set(kv_new, mode="drop")
     return flat.reshape(P, L, K2, H)
 
@@ -120,6 +150,7 @@ def _attend_chunk(
     q_lo: jax.Array,  # i32[G*Bq] each row's first visible key
     kv_lo: jax.Array,  # i32[] the item's first visible key: slots before it may be garbage
     seq_len: jax.Array,  # i32[]
+    scales: tuple[jax.Array, jax.Array],  # f32[] k_scale, v_scale
     soft_cap: float | None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One online-softmax step over a chunk of cached tokens.
@@ -131,9 +162,9 @@ def _attend_chunk(
     """
     m, l, acc = carry  # f32[K, G*Bq], f32[K, G*Bq], f32[K, G*Bq, H]
     in_ctx = (kv_pos < seq_len) & (kv_pos >= kv_lo)  # [S]
-    kv = kv.astype(jnp.float32)
-    k_c = kv[:, 0::2].transpose(1, 2, 0)  # [K, H, S]
-    v_c = jnp.where(in_ctx[:, None, None], kv[:, 1::2], 0.0).transpose(1, 0, 2)  # [K, S, H]
+    k_c = dequantize(kv[:, 0::2], scales[0]).transpose(1, 2, 0)  # [K, H, S]
+    v_c = jnp.where(in_ctx[:, None, None], dequantize(kv[:, 1::2], scales[1]), 0.0)
+    v_c = v_c.transpose(1, 0, 2)  # [K, S, H]
     s = cap_scores(jnp.matmul(q, k_c, precision=HIGHEST), soft_cap)  # f32[K, G*Bq, S]
     visible = (kv_pos[None, :] <= q_pos[:, None]) & (kv_pos[None, :] >= q_lo[:, None])
     visible &= in_ctx[None, :]  # [G*Bq, S]
@@ -155,6 +186,7 @@ def _attend_item(
     pages: jax.Array,  # i32[max_blocks]
     seq_len: jax.Array,  # i32[]
     sliding_window: jax.Array,  # i32[]
+    scales: tuple[jax.Array, jax.Array],  # f32[] k_scale, v_scale
     *,
     sm_scale: float,
     soft_cap: float | None,
@@ -185,7 +217,8 @@ def _attend_item(
         idx = lax.dynamic_slice(pages, (c * C,), (C,))
         kv = jnp.take(kv_cache, jnp.clip(idx, 0, P - 1), axis=0).reshape(C * L, K2, H)
         kv_pos = c * C * L + jnp.arange(C * L, dtype=jnp.int32)
-        return _attend_chunk(carry, q, kv, kv_pos, q_rows, q_lo, kv_lo, seq_len, soft_cap)
+        return _attend_chunk(carry, q, kv, kv_pos, q_rows, q_lo, kv_lo, seq_len, scales,
+                             soft_cap)
 
     init = (
         jnp.full((K, G * Bq), -jnp.inf, jnp.float32),
@@ -205,6 +238,7 @@ def _decode_pass(
     q_start: jax.Array,  # i32[R] each request's first token
     is_decode: jax.Array,  # bool[R]
     sliding_window: jax.Array,  # i32[]
+    scales: tuple[jax.Array, jax.Array],  # f32[] k_scale, v_scale
     *,
     sm_scale: float,
     soft_cap: float | None,
@@ -243,17 +277,19 @@ def _decode_pass(
         r = jnp.minimum(req, R - 1)
         page_no = flat - (ends[r] - n_pages[r]) + first_page[r]  # [W] into the request's table
         page = block_tables[r, jnp.clip(page_no, 0, max_blocks - 1)]
-        kv = kv_cache[jnp.clip(page, 0, P - 1)].reshape(W, L, K, 2, H).astype(jnp.float32)
+        kv = kv_cache[jnp.clip(page, 0, P - 1)].reshape(W, L, K, 2, H)
         key_pos = page_no[:, None] * L + offsets  # [W, L]
         valid = live[:, None] & (key_pos < ctx[r][:, None]) & (key_pos >= lo[r][:, None])
-        s = jnp.einsum("wlkh,wkgh->wlkg", kv[:, :, :, 0], q_r[r], precision=HIGHEST)
+        keys = dequantize(kv[:, :, :, 0], scales[0])  # f32[W, L, K, H]
+        s = jnp.einsum("wlkh,wkgh->wlkg", keys, q_r[r], precision=HIGHEST)
         s = cap_scores(s, soft_cap)
         s = jnp.where(valid[:, :, None, None], s, -jnp.inf)  # [W, L, K, G]
         m_new = m.at[req].max(s.max(axis=1), mode="drop")
         m_safe = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
         p = jnp.exp(s - m_safe[r][:, None])  # [W, L, K, G]; masked -> 0
         alpha = jnp.exp(jnp.where(jnp.isneginf(m), -jnp.inf, m - m_safe))
-        v = jnp.where(valid[:, :, None, None], kv[:, :, :, 1], 0.0)  # NaN-safe: masked, not *0
+        v = dequantize(kv[:, :, :, 1], scales[1])
+        v = jnp.where(valid[:, :, None, None], v, 0.0)  # NaN-safe: masked, not *0
         pv = jnp.einsum("wlkg,wlkh->wkgh", p, v, precision=HIGHEST)
         l = alpha * l + jnp.zeros_like(l).at[req].add(p.sum(axis=1), mode="drop")
         acc = alpha[..., None] * acc + jnp.zeros_like(acc).at[req].add(pv, mode="drop")
@@ -302,6 +338,8 @@ def ragged_paged_attention_reference(
     sm_scale: float,
     sliding_window: jax.Array | int = 0,
     soft_cap: float | None = None,
+    k_scale: jax.Array | float = 1.0,
+    v_scale: jax.Array | float = 1.0,
     block_q: int = DEFAULT_BLOCK_Q,
     pages_per_chunk: int | None = None,
     decode_pages_per_step: int | None = None,
@@ -310,8 +348,8 @@ def ragged_paged_attention_reference(
 
     Args:
       q: queries ``[T, N, H]`` (float32 or bfloat16).
-      k, v: new keys/values ``[T, K, H]``, written into the cache before attending.
-      kv_cache: ``[P, L, 2*K, H]``.
+      k, v: new keys/values ``[T, K, H]``, written into the cache (quantized) before attending.
+      kv_cache: ``[P, L, 2*K, H]`` in any of ``cache_dtype.CACHE_DTYPES``.
       slot_mapping: i32[T] flat slot per token.
       block_tables: i32[R, max_blocks] pages of each request.
       seq_lens: i32[R] context length after this step.
@@ -320,6 +358,8 @@ def ragged_paged_attention_reference(
       sm_scale: softmax scale (usually ``H ** -0.5``).
       sliding_window: i32[] the layer's window, 0 for full attention (traced: layers may differ).
       soft_cap: the scores' soft cap, or None.
+      k_scale, v_scale: f32[] per-tensor scales of the cache's keys and values (traced: layers
+        may differ).
       block_q: query rows per work item.
       pages_per_chunk: pages per online-softmax step of an item (default: 256 tokens' worth).
       decode_pages_per_step: pages per step of the decode pass (default: ~384 KiB gathered on
@@ -332,7 +372,8 @@ def ragged_paged_attention_reference(
     L = kv_cache.shape[1]
     C = pages_per_chunk or max(1, DEFAULT_KV_TOKENS_PER_CHUNK // L)
     window = jnp.asarray(sliding_window, jnp.int32)
-    kv_cache = write_kv(kv_cache, k, v, slot_mapping)
+    scales = (jnp.asarray(k_scale, jnp.float32), jnp.asarray(v_scale, jnp.float32))
+    kv_cache = write_kv(kv_cache, k, v, slot_mapping, *scales)
     q_lens = _live_q_lens(query_start_loc, num_seqs)
     is_decode = q_lens == 1
     # Every live request schedules at least one token, so live rows are among the first
@@ -340,7 +381,7 @@ def ragged_paged_attention_reference(
     Rd = min(block_tables.shape[0], T)
     is_decode, q_start = is_decode[:Rd], query_start_loc[:Rd]
     out_dec = _decode_pass(
-        q, kv_cache, block_tables[:Rd], seq_lens[:Rd], q_start, is_decode, window,
+        q, kv_cache, block_tables[:Rd], seq_lens[:Rd], q_start, is_decode, window, scales,
         sm_scale=sm_scale, soft_cap=soft_cap,
         pages_per_step=decode_pages_per_step or _decode_pages_per_step(kv_cache),
     )  # fmt: skip
@@ -370,6 +411,7 @@ def ragged_paged_attention_reference(
             block_tables[r],
             seq_lens[r],
             window,
+            scales,
             sm_scale=sm_scale,
             soft_cap=soft_cap,
             pages_per_chunk=C,

@@ -7,14 +7,18 @@ engine, the runner, KV offloading and the simulator read it.
 
 from jaxengine.config.engine import (
     DEFAULT_DTYPE,
+    KV_CACHE_DTYPES,
     CacheConfig,
     Dtype,
     EngineConfig,
+    KVCacheDtype,
     ParallelConfig,
     check_max_model_len,
     resolve_dtype,
+    resolve_kv_cache_dtype,
 )
 from jaxengine.config.speculative import SpeculativeConfig
 
-__all__ = ["DEFAULT_DTYPE", "CacheConfig", "Dtype", "EngineConfig", "ParallelConfig",
-           "SpeculativeConfig", "check_max_model_len", "resolve_dtype"]
+__all__ = ["DEFAULT_DTYPE", "KV_CACHE_DTYPES", "CacheConfig", "Dtype", "EngineConfig",
+           "KVCacheDtype", "ParallelConfig", "SpeculativeConfig", "check_max_model_len",
+           "resolve_dtype", "resolve_kv_cache_dtype"]

@@ -15,8 +15,14 @@ from typing import Literal, get_args
 from jaxengine.config.speculative import SpeculativeConfig
 from scheduler import SchedulerConfig
 
-Dtype = Literal["float32", "bfloat16"]  # of the weights, activations and KV cache
+Dtype = Literal["float32", "bfloat16"]  # of the weights and activations
 DEFAULT_DTYPE: Dtype = "float32"  # what dtype "auto" means
+# The KV cache's dtype as jnp names it; "auto" is the model's `Dtype`.
+KVCacheDtype = Literal["float32", "bfloat16", "float8_e4m3fn", "float8_e5m2"]
+# vLLM's `kv_cache_dtype` values -> the cache's dtype ("auto": the model's)
+KV_CACHE_DTYPES: dict[str, KVCacheDtype | None] = {
+    "auto": None, "bfloat16": "bfloat16", "fp8": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2"}
 
 
 def resolve_dtype(dtype: str) -> Dtype:
@@ -32,12 +38,26 @@ def resolve_dtype(dtype: str) -> Dtype:
     return resolved  # type: ignore[return-value]  # checked against Dtype just above
 
 
+def resolve_kv_cache_dtype(kv_cache_dtype: str, dtype: Dtype) -> KVCacheDtype:
+    """The KV cache's dtype for a `kv_cache_dtype` argument (vLLM's values) and the model's
+    resolved `dtype`: "auto" is the model's, "fp8" is "fp8_e4m3" (float8_e4m3fn).
+
+    Raises:
+      ValueError: not one of `KV_CACHE_DTYPES`; the message lists them.
+    """
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)} (auto: "
+                         f"the model's dtype); got {kv_cache_dtype!r}")
+    return KV_CACHE_DTYPES[kv_cache_dtype] or dtype
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class CacheConfig:
     """What sized the KV pool, and the host store behind it (the pool's own shape,
     `block_size` and `num_blocks`, is the scheduler's)."""
 
-    kv_bytes_per_block: int  # one page across all layers on one device
+    kv_cache_dtype: KVCacheDtype  # the pool's dtype (fp8: k / k_scale stored, saturated)
+    kv_bytes_per_block: int  # one page across all layers on one device, in kv_cache_dtype
     kv_budget_bytes: int  # what the devices give the pool (num_gpu_blocks_override aside)
     kv_offloading_bytes: int | None  # host store for prefix blocks evicted; None: off
 
@@ -63,7 +83,7 @@ class EngineConfig:
       ValueError: a dtype other than float32 / bfloat16, or a max_model_len beyond the model's.
     """
 
-    dtype: Dtype  # weights, activations and KV cache
+    dtype: Dtype  # weights and activations; the KV cache's is `cache.kv_cache_dtype`
     model_max_model_len: int  # the model's own limit; scheduler.max_model_len <= it
     scheduler: SchedulerConfig  # batch limits, max_model_len, the KV pool's shape
     cache: CacheConfig

@@ -7,7 +7,7 @@ import difflib
 from typing import Any, get_args
 
 import scheduler
-from jaxengine.config import Dtype, SpeculativeConfig
+from jaxengine.config import KV_CACHE_DTYPES, Dtype, SpeculativeConfig
 from jaxengine.model.quant import QUANTIZATIONS
 
 DTYPES = ("auto", *get_args(Dtype))  # "auto": jaxengine.config.DEFAULT_DTYPE
@@ -28,13 +28,17 @@ class EngineArgs:
 
     model: str | None = arg(None, "HF directory or .gguf file; None: the embedded "
                                   "SmolLM2-135M-Instruct")
-    dtype: str = arg("auto", "weights, activations and KV cache: auto (= float32), float32 "
-                             "or bfloat16")
+    dtype: str = arg("auto", "weights and activations (and the KV cache, see kv_cache_dtype): "
+                             "auto (= float32), float32 or bfloat16")
     quantization: str | None = arg(
         None, "weights on the device: None (the checkpoint's floats in dtype), int8 or fp8 "
               "(weight-only, one scale per output channel, quantized at load from the "
               "float weights; a GGUF's blocks are dequantized first), or gguf (a .gguf "
               "file's quantized tensors served from their blocks)")
+    kv_cache_dtype: str = arg(
+        "auto", "the KV cache's dtype: auto (the model's dtype), bfloat16, fp8 (= fp8_e4m3) or "
+                "fp8_e5m2; fp8 stores k / k_scale and v / v_scale (the checkpoint's per-layer "
+                "scales, else 1.0), saturated to the format's range")
     seed: int = arg(0, "seeds the per-request seeds of requests that give none")
     max_model_len: int | None = arg(None, "longest sequence (prompt + output); None: the "
                                           "model's max positions")
@@ -111,6 +115,7 @@ class EngineArgs:
         _check_choice("dtype", self.dtype, DTYPES)
         if self.quantization is not None:
             _check_choice("quantization", self.quantization, QUANTIZATIONS)
+        _check_choice("kv_cache_dtype", self.kv_cache_dtype, tuple(KV_CACHE_DTYPES))
         # Any policy registered with the scheduler, research ones included.
         _check_choice("scheduling_policy", self.scheduling_policy, tuple(scheduler.POLICIES))
         if self.attention_backend is not None:

@@ -8,8 +8,16 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
-from jaxengine.config import Dtype, EngineConfig, SpeculativeConfig, resolve_dtype
+from jaxengine.config import (
+    Dtype,
+    EngineConfig,
+    KVCacheDtype,
+    SpeculativeConfig,
+    resolve_dtype,
+    resolve_kv_cache_dtype,
+)
 from jaxengine.engine.args import EngineArgs
 from jaxengine.engine.engine_config import create_engine_config
 from jaxengine.engine.llm_engine import LLMEngine
@@ -35,19 +43,23 @@ ACTIVATION_RESERVE = 0.1
 def attention_backend(args: EngineArgs, cfg: ModelConfig) -> str:
     """`args.attention_backend`, else `jaxengine_kernels.default_impl()` (the platform's kernel).
 
-    A kernel must run the model's shapes: there is no silent fallback to the reference at trace
-    time, so an unsupported shape is an error here, at engine build; so is an explicit "cpu"
-    where the native kernel cannot be built.
+    A kernel must run the model's shapes and hold its KV cache dtype on these devices: there is
+    no silent fallback to the reference or to a float cache at trace time, so either is an
+    error here, at engine build; so is an explicit "cpu" where the native kernel cannot be
+    built.
 
     Raises:
       ValueError: the kernel cannot run the model's heads / head_dim / block_size (checked
-        first: no platform would run them), or it needs another platform, or the CPU kernel
-        cannot be built here.
+        first: no platform would run them) or hold `kv_cache_dtype` on this device (fp8 on an
+        older TPU or GPU), or it needs another platform, or the CPU kernel cannot be built
+        here.
     """
     native = default_impl()  # the one mapping from platform to kernel
     chosen = args.attention_backend or native
     _check_kernel_shapes(chosen, cfg, block_size=args.block_size,
-                         tp=args.tensor_parallel_size)
+                         tp=args.tensor_parallel_size,
+                         kv_cache_dtype=resolve_kv_cache_dtype(args.kv_cache_dtype,
+                                                               resolve_dtype(args.dtype)))
     if chosen == "cpu" and jax.default_backend() == "cpu" and (why := cpu.available()):
         raise ValueError(f"attention_backend='cpu' needs the native CPU kernel, which cannot "
                          f"be built here ({why}); use attention_backend='reference'")
@@ -60,8 +72,10 @@ def attention_backend(args: EngineArgs, cfg: ModelConfig) -> str:
     return chosen
 
 
-def _check_kernel_shapes(impl: str, cfg: ModelConfig, *, block_size: int, tp: int) -> None:
-    """`ValueError` saying what to change if kernel `impl` cannot run this model.
+def _check_kernel_shapes(impl: str, cfg: ModelConfig, *, block_size: int, tp: int,
+                         kv_cache_dtype: KVCacheDtype) -> None:
+    """`ValueError` saying what to change if kernel `impl` cannot run this model with its
+    cache in `kv_cache_dtype`.
 
     Under tensor parallelism the kernel runs per device, on that device's heads.
     """
@@ -69,8 +83,13 @@ def _check_kernel_shapes(impl: str, cfg: ModelConfig, *, block_size: int, tp: in
     num_heads, num_kv_heads = cfg.num_heads // tp, layout.kv_heads_per_device
     try:
         check_supported(impl, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                        head_dim=cfg.head_dim, page_size=block_size)
+                        head_dim=cfg.head_dim, page_size=block_size,
+                        kv_cache_dtype=jnp.dtype(kv_cache_dtype))
     except UnsupportedShapeError as e:
+        if e.field == "kv_cache_dtype":
+            raise ValueError(f"attention_backend={impl!r} cannot hold a {kv_cache_dtype} KV "
+                             f"cache on this device: {e}. Set kv_cache_dtype to one it holds "
+                             f"('auto': the model's dtype).") from e
         shape = (f"num_heads={num_heads}, num_kv_heads={num_kv_heads}"
                  f"{' per device' if tp > 1 else ''}, head_dim={cfg.head_dim}, "
                  f"block_size={block_size}")
@@ -84,12 +103,14 @@ def _check_kernel_shapes(impl: str, cfg: ModelConfig, *, block_size: int, tp: in
 
 
 def model_fns(model: Any, cfg: Any, *, attn_impl: str, pack: bool = True,
-              batch_invariant: bool = False) -> ModelFns:
+              batch_invariant: bool = False, kv_cache_dtype: KVCacheDtype | None = None
+              ) -> ModelFns:
     """`ModelFns` of a loaded `jaxengine.model.decoder.Model` (split once into graph and weights).
 
-    The weights stay where the model put them (its mesh); the KV cache is made there too, its
-    head axis split over "tp", and `kv_bytes_per_block` counts one device's share of a page of
-    the model's KV cache groups (`init_group_kv`, the engine's pool). With `pack`,
+    The weights stay where the model put them (its mesh); the KV cache is made there too, in
+    `kv_cache_dtype` (None: the model's dtype), its head axis split over "tp", and
+    `kv_bytes_per_block` counts one device's share of a page of the model's KV cache groups
+    (`init_group_kv`, the engine's pool) in that dtype. With `pack`,
     the projections are first packed for the native CPU matmul in place where that applies
     (jaxengine/model/packing.py: a one-device CPU mesh in float32); else XLA's dots.
 
@@ -106,7 +127,7 @@ def model_fns(model: Any, cfg: Any, *, attn_impl: str, pack: bool = True,
     if pack:
         pack_projections(model)
     graphdef, state = split_model(model)
-    dtype, layout = model.dtype, model.layout
+    dtype, layout = kv_cache_dtype or model.dtype, model.layout
     return ModelFns(
         params=state,
         step=make_model_step(graphdef, attn_impl=attn_impl, batch_invariant=batch_invariant),
@@ -169,6 +190,8 @@ def resolve_config(args: EngineArgs, fns: ModelFns, cfg: ModelConfig,
         device_kv_budget_bytes=device_kv_budget_bytes(args, device),
         kv_cache_groups=fns.kv_cache_groups)
     s = config.scheduler
+    logger.info("KV cache: %d blocks of %d tokens in %s, %d bytes each per device", s.num_blocks,
+                s.block_size, config.cache.kv_cache_dtype, config.cache.kv_bytes_per_block)
     # vLLM's startup line: how many requests of max_model_len tokens the pool holds at once
     logger.info("Maximum concurrency for %d tokens per request: %.2fx", s.max_model_len,
                 max_concurrency(s.kv_cache_groups, num_blocks=s.num_blocks,
@@ -178,11 +201,12 @@ def resolve_config(args: EngineArgs, fns: ModelFns, cfg: ModelConfig,
     return config
 
 
-def load_draft(spec: SpeculativeConfig | None, *, dtype: Dtype,
-               attention: str | None) -> ModelFns | None:
+def load_draft(spec: SpeculativeConfig | None, *, dtype: Dtype, attention: str | None,
+               kv_cache_dtype: KVCacheDtype | None = None) -> ModelFns | None:
     """The draft model's functions for `"method": "draft_model"` (None for other methods or
-    no speculation), loaded as a target is: in `dtype`, with the `attention` backend (None:
-    the platform's kernel), on jax's first device.
+    no speculation), loaded as a target is: in `dtype` with its KV cache in `kv_cache_dtype`
+    (the target's: vLLM's one cache config; None: `dtype`), with the `attention` backend (None: the
+    platform's kernel), on jax's first device.
 
     Raises:
       ModelLoadError (a ValueError): a bad path or files, named by the loader.
@@ -191,7 +215,7 @@ def load_draft(spec: SpeculativeConfig | None, *, dtype: Dtype,
         return None
     model, cfg, _ = load_model(spec.model, dtype=dtype, with_tokenizer=False)
     attn = attention_backend(EngineArgs(attention_backend=attention), cfg)
-    return model_fns(model, cfg, attn_impl=attn)
+    return model_fns(model, cfg, attn_impl=attn, kv_cache_dtype=kv_cache_dtype)
 
 
 def build_engine(args: EngineArgs, *, devices: Sequence[jax.Device] | None = None
@@ -216,13 +240,18 @@ def build_engine(args: EngineArgs, *, devices: Sequence[jax.Device] | None = Non
     """
     compilation_cache.configure(args.compilation_cache_dir)
     mesh = make_mesh(engine_devices(args.tensor_parallel_size, devices))
-    model, cfg, tokenizer = load_model(args.model, dtype=resolve_dtype(args.dtype),
+    dtype = resolve_dtype(args.dtype)
+    model, cfg, tokenizer = load_model(args.model, dtype=dtype,
                                        with_tokenizer=not args.skip_tokenizer_init, mesh=mesh,
                                        expert_parallel=args.enable_expert_parallel,
                                        quantization=args.quantization)
+    # The pool's pages are sized in the cache's dtype before the config is resolved.
     fns = model_fns(model, cfg, attn_impl=attention_backend(args, cfg),
-                    batch_invariant=args.batch_invariant)
+                    batch_invariant=args.batch_invariant,
+                    kv_cache_dtype=resolve_kv_cache_dtype(args.kv_cache_dtype, dtype))
     config = resolve_config(args, fns, cfg, mesh.devices.flat[0])
-    draft = load_draft(config.speculative, dtype=config.dtype, attention=args.attention_backend)
+    draft = load_draft(config.speculative, dtype=config.dtype,
+                       kv_cache_dtype=config.cache.kv_cache_dtype,
+                       attention=args.attention_backend)
     return LLMEngine(fns, args, config, tokenizer=tokenizer, draft=draft)
 

@@ -1,9 +1,10 @@
 """`create_engine_config`: `EngineArgs` resolved into one frozen `EngineConfig`.
 
-The only place a default is decided: dtype "auto", the token budget, max_model_len (the model's
-limit), the KV pool's size (`num_gpu_blocks_override`, else the budget), the offloading store's
-bytes, the debug-recompiles switch. The engine's build calls it with the loaded model's facts
-and the devices' free memory; the simulator with the calibrated machine's.
+The only place a default is decided: dtype "auto", kv_cache_dtype "auto", the token budget,
+max_model_len (the model's limit), the KV pool's size (`num_gpu_blocks_override`, else the
+budget), the offloading store's bytes, the debug-recompiles switch. The engine's build calls
+it with the loaded model's facts and the devices' free memory; the simulator with the
+calibrated machine's.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from jaxengine.config import (
     SpeculativeConfig,
     check_max_model_len,
     resolve_dtype,
+    resolve_kv_cache_dtype,
 )
 from jaxengine.engine.args import EngineArgs
 from jaxengine.runner.compiles import debug_recompiles_from_env
@@ -34,7 +36,7 @@ def create_engine_config(args: EngineArgs, *, model_max_model_len: int,
       args: the engine arguments (validated field by field when built).
       model_max_model_len: the model's own limit (`ModelConfig.max_model_len`).
       kv_bytes_per_block: bytes one KV page of `args.block_size` tokens takes on one device,
-        in the resolved dtype.
+        in the resolved KV cache dtype (`resolve_kv_cache_dtype`).
       device_kv_budget_bytes: what the devices give the KV pool when `kv_cache_memory_bytes`
         is unset (`jaxengine.engine.build.device_kv_budget_bytes`).
       kv_cache_groups: the model's KV cache groups (`ModelFns.kv_cache_groups`), for the
@@ -68,10 +70,12 @@ def create_engine_config(args: EngineArgs, *, model_max_model_len: int,
         policy=args.scheduling_policy, block_size=args.block_size, num_blocks=num_blocks,
         enable_prefix_caching=args.enable_prefix_caching,
         async_scheduling=args.async_scheduling)
+    dtype = resolve_dtype(args.dtype)
     return EngineConfig(
-        dtype=resolve_dtype(args.dtype), model_max_model_len=model_max_model_len,
+        dtype=dtype, model_max_model_len=model_max_model_len,
         scheduler=scheduler,
-        cache=CacheConfig(kv_bytes_per_block=kv_bytes_per_block, kv_budget_bytes=budget,
+        cache=CacheConfig(kv_cache_dtype=resolve_kv_cache_dtype(args.kv_cache_dtype, dtype),
+                          kv_bytes_per_block=kv_bytes_per_block, kv_budget_bytes=budget,
                           kv_offloading_bytes=(int(args.kv_offloading_size * 2**30)
                                                if args.kv_offloading_size else None)),
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,

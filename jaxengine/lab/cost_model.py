@@ -45,8 +45,8 @@ TOKEN_KNOTS = (8, 128)
 FEATURES = ("const", "padded_tokens", *(f"tokens_upto_{k}" for k in TOKEN_KNOTS),
             "sampler_rows", "num_seqs", "decode_kilotokens", "prefill_attention")
 # Engine arguments a cost model is only valid for: they change the work of a step or the loop.
-CALIBRATION_KEYS = ("model", "dtype", "attention_backend", "tensor_parallel_size",
-                    "async_scheduling")
+CALIBRATION_KEYS = ("model", "dtype", "kv_cache_dtype", "attention_backend",
+                    "tensor_parallel_size", "async_scheduling")
 # 2: the tokens_upto_* and sampler_rows features; 3: the attention backend recorded as resolved
 # (a version-2 file's None meant the jnp reference on CPU, which the native kernel replaced);
 # 4: CPU steps with the projections packed for the native matmul (every step's price changed);

@@ -41,7 +41,7 @@ def simulation_args(cost: CostModel, overrides: Mapping[str, Any] | None = None)
 
     Raises:
       ValueError: an override of an argument the cost model is only valid for (the model,
-        dtype, attention backend, tensor parallel size, async scheduling), or a bad value.
+        dtypes, attention backend, tensor parallel size, async scheduling), or a bad value.
     """
     overrides = dict(overrides or {})
     for key in CALIBRATION_KEYS:

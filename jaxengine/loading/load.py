@@ -11,6 +11,7 @@ from jax.sharding import Mesh
 from jaxengine.loading.gguf_file import GGUFSource, gguf_metadata, open_gguf, read_gguf_config
 from jaxengine.loading.gguf_weights import gguf_format
 from jaxengine.loading.hf import SafetensorsSource, read_hf_config
+from jaxengine.loading.kv_scales import with_kv_scales
 from jaxengine.loading.tokenizer import Tokenizer
 from jaxengine.loading.weights import load_weights
 from jaxengine.model.config import ModelConfig, ModelLoadError
@@ -120,6 +121,7 @@ def load_hf_dir(path: str, *, dtype: jnp.dtype, with_tokenizer: bool = True,
     tokenizer = Tokenizer.from_hf_dir(path) if with_tokenizer else None
     source = SafetensorsSource(path)
     try:
+        cfg = with_kv_scales(cfg, source, where=path)
         weights = load_weights(cfg, source, dtype=dtype, where=path, mesh=mesh,
                                progress=progress, expert_parallel=expert_parallel,
                                quantization=quantization)

@@ -3,7 +3,7 @@ Prometheus collectors with vLLM's names, and as vLLM's periodic log line, per da
 replica (`EngineStatLogger`); read back as values in vLLM's shape (`get_metrics_snapshot`)."""
 
 from jaxengine.metrics.log import LoggingStatLogger
-from jaxengine.metrics.prometheus import PrometheusStatLogger
+from jaxengine.metrics.prometheus import PrometheusStatLogger, cache_config_info
 from jaxengine.metrics.reader import (
     Counter,
     Gauge,
@@ -17,4 +17,4 @@ from jaxengine.metrics.replicas import EngineStatLogger, IndexedStatLogger, atta
 
 __all__ = ["Counter", "EngineStatLogger", "Gauge", "Histogram", "IndexedStatLogger",
            "LoggingStatLogger", "Metric", "PrometheusStatLogger", "Vector", "aggregate_engines",
-           "attach_stat_loggers", "get_metrics_snapshot"]
+           "attach_stat_loggers", "cache_config_info", "get_metrics_snapshot"]

@@ -4,12 +4,14 @@ Each logger owns its `CollectorRegistry` (never prometheus_client's global one),
 servers, or several tests, can live in one process. Labels follow vLLM: `model_name` and
 `engine` (the data-parallel replica: "0" .. "M-1"; "0" alone without data parallelism), plus
 `finished_reason` on `request_success`. Every series of every replica exists from the start,
-so summing over `engine` gives the totals.
+so summing over `engine` gives the totals. `cache_config_info` is vLLM's info gauge: value 1,
+labelled with the KV cache's configuration and `engine` only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.metrics import MetricWrapperBase
@@ -17,6 +19,9 @@ from prometheus_client.metrics import MetricWrapperBase
 from jaxengine.engine.stats import FinishedRequestStats, IterationStats
 from jaxengine.spec.metrics import SpecDecodingProm
 from scheduler import SchedulerStats
+
+if TYPE_CHECKING:
+    from jaxengine.engine.llm_engine import LLMEngine
 
 PREFIX = "jaxengine:"
 LABELS = ("model_name", "engine")  # of every collector (vLLM's)
@@ -163,6 +168,19 @@ class PrometheusStatLogger:
              for i in self.engine_indexes for t in TRANSFER_TYPES}
             for family in families)
 
+    def log_cache_config(self, infos: Mapping[int, Mapping[str, str]]) -> None:
+        """vLLM's `cache_config_info` gauge: for each engine index i of `infos`, one series of
+        value 1 labelled with `infos[i]` (`cache_config_info` of replica i) and `engine`."""
+        unknown = sorted(set(infos) - set(self.engine_indexes))
+        if unknown:
+            raise ValueError(f"cache configs of engines {unknown}, but this logger records "
+                             f"engines {list(self.engine_indexes)}")
+        labels = [*next(iter(infos.values())), "engine"]
+        gauge = Gauge(PREFIX + "cache_config_info", "Information of the LLMEngine CacheConfig",
+                      labels, registry=self.registry)
+        for i, info in infos.items():
+            gauge.labels(**info, engine=str(i)).set(1)
+
     def record(self, scheduler_stats: SchedulerStats,
                iteration_stats: IterationStats | None, engine_idx: int = 0) -> None:
         """Take one step's statistics of replica `engine_idx` (see `engine.stats.StatLogger`;
@@ -222,3 +240,24 @@ class PrometheusStatLogger:
     def render(self) -> bytes:
         """The Prometheus text exposition of this registry."""
         return generate_latest(self.registry)
+
+
+def cache_config_info(engine: LLMEngine) -> dict[str, str]:
+    """The labels of `cache_config_info` for `engine` (a replica): vLLM's `CacheConfig` fields
+    that this engine has, each as `str(value)` as vLLM writes them. `cache_dtype` is the
+    `kv_cache_dtype` argument as given ("auto", "fp8", ...), `num_gpu_blocks` the pool's
+    blocks (the null block included), `num_cpu_blocks` the KV offloading store's (0: off)."""
+    args, config = engine.args, engine.config
+    offload = engine.kv_offload
+    info = {
+        "block_size": config.scheduler.block_size,
+        "gpu_memory_utilization": args.gpu_memory_utilization,
+        "cache_dtype": args.kv_cache_dtype,
+        "num_gpu_blocks_override": args.num_gpu_blocks_override,
+        "enable_prefix_caching": config.scheduler.enable_prefix_caching,
+        "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
+        "kv_offloading_size": args.kv_offloading_size,
+        "num_gpu_blocks": config.scheduler.num_blocks,
+        "num_cpu_blocks": 0 if offload is None else offload.store.capacity_pages,
+    }
+    return {name: str(value) for name, value in info.items()}

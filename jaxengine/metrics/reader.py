@@ -5,7 +5,8 @@
 global registry; ours is the logger's own). `aggregate_engines` sums the series of the
 data-parallel replicas into one, dropping the `engine` label: counters, histogram buckets,
 counts and sums, and gauges of request counts add up; a `_perc` gauge (KV cache usage) is the
-mean, which is the fraction of all replicas' blocks in use since replicas have like pools.
+mean, which is the fraction of all replicas' blocks in use since replicas have like pools, and
+so is an `_info` gauge (always 1: replicas of one configuration merge into one series).
 """
 
 from __future__ import annotations
@@ -114,7 +115,7 @@ def aggregate_engines(metrics: Iterable[Metric]) -> list[Metric]:
         else:
             _add(merged[key], m)
     for key, m in merged.items():
-        if isinstance(m, Gauge) and m.name.endswith("_perc"):
+        if isinstance(m, Gauge) and m.name.endswith(("_perc", "_info")):
             m.value /= replicas[key]
     return list(merged.values())
 

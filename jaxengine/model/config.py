@@ -80,6 +80,9 @@ class ModelConfig:
     shared_expert_intermediate_size: int | None = None  # Qwen2-MoE's gated shared expert
     # per layer: routed (True) or a dense MLP; None: every layer routed when num_experts > 0
     sparse_layers: tuple[bool, ...] | None = None
+    # per layer (k_scale, v_scale): an fp8 KV cache holds k / k_scale and v / v_scale (the
+    # checkpoint's scalars, jaxengine/loading/kv_scales.py); None: 1.0, as vLLM's default
+    kv_scales: tuple[tuple[float, float], ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
@@ -112,6 +115,8 @@ class ModelConfig:
         if self.sparse_layers is not None and len(self.sparse_layers) != self.num_layers:
             raise ModelLoadError(f"sparse_layers has {len(self.sparse_layers)} entries for "
                                  f"num_layers={self.num_layers}")
+        if self.kv_scales is not None:
+            _check_kv_scales(self.kv_scales, self.num_layers)
         if self.layer_types is not None:
             if len(self.layer_types) != self.num_layers:
                 raise ModelLoadError(f"layer_types has {len(self.layer_types)} entries for "
@@ -123,6 +128,11 @@ class ModelConfig:
             if SLIDING in self.layer_types and self.sliding_window is None:
                 raise ModelLoadError("layer_types has sliding layers but sliding_window is "
                                      "not set")
+
+    @property
+    def layer_kv_scales(self) -> tuple[tuple[float, float], ...]:
+        """Each layer's (k_scale, v_scale) for an fp8 KV cache (the kernels' scales)."""
+        return self.kv_scales or ((1.0, 1.0),) * self.num_layers
 
     @property
     def max_model_len(self) -> int:
@@ -165,3 +175,14 @@ class ModelConfig:
                    intermediate_size=1536, num_layers=30, num_heads=9, num_kv_heads=3,
                    head_dim=64, rms_norm_eps=1e-5, rope_theta=100000.0,
                    max_position_embeddings=8192, tie_word_embeddings=True)
+
+
+def _check_kv_scales(scales: tuple[tuple[float, float], ...], num_layers: int) -> None:
+    """`ModelLoadError` unless there is one (k_scale, v_scale) pair of positive finite floats per
+    layer (a zero or NaN scale would turn the cache into NaN)."""
+    if len(scales) != num_layers:
+        raise ModelLoadError(f"kv_scales has {len(scales)} entries for num_layers={num_layers}")
+    for layer, pair in enumerate(scales):
+        if not all(0 < s < float("inf") for s in pair):
+            raise ModelLoadError(f"layer {layer}'s KV cache scales (k_scale, v_scale) must be "
+                                 f"positive and finite, got {pair}")

@@ -308,7 +308,7 @@ class Model(nnx.Module):
         """One step over a ragged batch of prefill chunks and decodes.
 
         Args:
-            kv: [layers, P, L, 2*K, H] the paged KV cache (model dtype); [slots, ...] in the
+            kv: [layers, P, L, 2*K, H] the paged KV cache (its own dtype); [slots, ...] in the
                 KV cache groups' layout when `batch` carries their tables.
             batch: the device batch.
             attn_impl: ragged paged attention implementation ("reference", "cpu", "tpu",

@@ -1,7 +1,9 @@
 """The paged KV cache: one array for the whole model, passed in and returned by value.
 
 Layout `[num_layers, num_blocks, block_size, 2 * num_kv_heads, head_dim]` (P pages of L slots;
-K at even, V at odd head slots, as TPU ragged paged attention expects), in the model dtype.
+K at even, V at odd head slots, as TPU ragged paged attention expects), in the KV cache dtype:
+the model's, or the engine's `kv_cache_dtype` (bfloat16, or float8 holding k / k_scale; the
+attention kernel quantizes on write and dequantizes on read).
 Block 0 is the null block: padding tokens write there, so the scheduler never hands it out.
 The engine's pool is `grouped`: its leading axis is the layer slots of the model's KV cache
 groups (`kv_groups.kv_cache_layout`), the layers themselves for a model of one group.
@@ -71,7 +73,7 @@ def kv_cache_bytes_per_block(cfg: ModelConfig, *, block_size: int, dtype: jnp.dt
 def init_kv_cache(cfg: ModelConfig, *, num_blocks: int, block_size: int,
                   dtype: jnp.dtype = jnp.float32, num_kv_heads: int | None = None,
                   mesh: Mesh | None = None, grouped: bool = False) -> jax.Array:
-    """A zeroed cache [layers, P, L, 2*K, H] in `dtype` (the model's dtype), made in place
+    """A zeroed cache [layers, P, L, 2*K, H] in `dtype` (the KV cache dtype), made in place
     with `kv_cache_sharding(mesh)`: each device zeroes only its own heads.
 
     Args:

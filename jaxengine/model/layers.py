@@ -36,6 +36,7 @@ from jaxengine.model.config import RopeScaling
 from jaxengine.model.mesh import TP_AXIS
 from jaxengine.model.reductions import fixed_order_sum
 from jaxengine_kernels import ragged_paged_attention
+from jaxengine_kernels.cache_dtype import FP8_DTYPES
 
 Init = Callable[[jax.Array, tuple[int, ...], jnp.dtype], jax.Array]
 Sharding = tuple[str | None, ...]  # mesh axis (or None: not split) of each array axis
@@ -249,12 +250,14 @@ class Attention(nnx.Module):
                  qkv_bias: bool, qk_norm: bool, eps: float, mesh: Mesh, dtype: jnp.dtype,
                  rngs: nnx.Rngs, kv_repeat: int = 1, sm_scale: float | None = None,
                  soft_cap: float | None = None, norm_offset: float = 0.0,
-                 windows: tuple[int, ...] = ()) -> None:
+                 windows: tuple[int, ...] = (),
+                 kv_scales: tuple[tuple[float, float], ...] = ()) -> None:
         """`num_kv_heads` K of the checkpoint; with `kv_repeat` r the k/v projections (and the
         cache) have K*r heads, each checkpoint head repeated r times (tp > K). `sm_scale`
         (default head_dim**-0.5) and `soft_cap` as the kernel's; `norm_offset` is the q/k
         norms' (`RMSNorm`); `windows` each layer's sliding window W (0: full attention; empty:
-        full on every layer)."""
+        full on every layer); `kv_scales` each layer's (k_scale, v_scale) for an fp8 cache
+        (empty: 1.0 on every layer)."""
         D, N, K, H = hidden_size, num_heads, num_kv_heads * kv_repeat, head_dim
         kv_init = functools.partial(head_repeated, repeat=kv_repeat, head_dim=H)
         column = functools.partial(linear, sharding=COLUMN, mesh=mesh, use_bias=qkv_bias,
@@ -268,7 +271,7 @@ class Attention(nnx.Module):
         self.k_norm = norm() if qk_norm else None
         self.num_heads, self.num_kv_heads, self.head_dim = N, K, H
         self.sm_scale = H**-0.5 if sm_scale is None else sm_scale
-        self.soft_cap, self.windows = soft_cap, windows
+        self.soft_cap, self.windows, self.kv_scales = soft_cap, windows, kv_scales
         self.mesh = mesh
 
     def __call__(self, x: jax.Array, pages: jax.Array, page_offset: jax.Array | int,
@@ -308,14 +311,25 @@ class Attention(nnx.Module):
                                    soft_cap=self.soft_cap, impl=attn_impl, interpret=interpret,
                                    batch_invariant=batch_invariant)
         attend = jax.shard_map(
-            lambda *a: kernel(*a[:-1], sliding_window=a[-1]),
-            mesh=self.mesh, in_specs=(HEADS, HEADS, HEADS, PAGES, *[P()] * 6),
+            lambda *a: kernel(*a[:-3], sliding_window=a[-3], k_scale=a[-2], v_scale=a[-1]),
+            mesh=self.mesh, in_specs=(HEADS, HEADS, HEADS, PAGES, *[P()] * 8),
             out_specs=(HEADS, PAGES), check_vma=False)  # kernels' loop carries start unvaried
+        window = per_layer(self.windows, layer) if self.windows else 0
+        k_scale, v_scale = self._kv_scales(pages.dtype, layer)
         out, pages = attend(q, k, v, pages, slots, batch.block_tables + page_offset,
                             batch.seq_lens, batch.query_start_loc, batch.num_seqs,
-                            jnp.asarray(per_layer(self.windows, layer) if self.windows else 0,
-                                        jnp.int32))
+                            jnp.asarray(window, jnp.int32), k_scale, v_scale)
         return project(self.o_proj, out.astype(x.dtype).reshape(T, N * H), live), pages
+
+    def _kv_scales(self, cache_dtype: jnp.dtype, layer: jax.Array | int
+                   ) -> tuple[jax.Array, jax.Array]:
+        """f32[] (k_scale, v_scale) of `layer` for a cache of `cache_dtype`: the checkpoint's
+        for an fp8 cache, 1.0 for a float one, which holds k and v as they are (vLLM applies
+        the scales only to fp8 caches)."""
+        if not self.kv_scales or jnp.dtype(cache_dtype) not in FP8_DTYPES:
+            return jnp.float32(1.0), jnp.float32(1.0)
+        pair = per_layer(self.kv_scales, layer)  # (2,) for a looped layer, f32[2] scanned
+        return jnp.asarray(pair[0], jnp.float32), jnp.asarray(pair[1], jnp.float32)
 
 
 # HF activation name -> function (the gate of a gated MLP)

@@ -22,7 +22,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Mappin
 from jaxengine.engine.client import EngineClient
 from jaxengine.engine.inputs import PromptType
 from jaxengine.engine.outputs import RequestOutput
-from jaxengine.metrics import LoggingStatLogger, PrometheusStatLogger, attach_stat_loggers
+from jaxengine.metrics import (
+    LoggingStatLogger,
+    PrometheusStatLogger,
+    attach_stat_loggers,
+    cache_config_info,
+)
 from scheduler import SamplingParams, SchedulerStats
 
 logger = logging.getLogger("jaxengine.server")
@@ -179,6 +184,8 @@ class AsyncEngine:
         if not set(indexes) <= set(self.metrics.engine_indexes):
             raise ValueError(f"metrics records engines {list(self.metrics.engine_indexes)}, "
                              f"but the engine has {len(indexes)} replicas")
+        self.metrics.log_cache_config({i: cache_config_info(r)
+                                       for i, r in enumerate(self._replicas)})
         self.stat_logger = LoggingStatLogger(engine_indexes=indexes)
         for i, stats in self._scheduler_stats():
             self.stat_logger.record(stats, engine_idx=i)

@@ -4,7 +4,8 @@ Layout assumptions and semantics are the jnp reference's (``jaxengine_kernels.re
 
 - The new K/V are written with the reference's XLA scatter (``write_kv``) first; under the
   engine's jit with the cache donated, XLA updates the cache in place, and the kernel then
-  reads the pages where they are (no gather, no copy).
+  reads the pages where they are (no gather, no copy). Not so for an fp8 cache: XLA on CPU
+  passes over the whole cache to scatter into it (``write_kv``; docs/BENCHMARKS.md §4).
 - The kernel (``ragged_paged_attention.cc``, compiled by ``native.py``) cuts the live requests
   into units: requests of at most 8 tokens (decodes, speculative chunks) as a whole, split over
   runs of ``pages_per_split`` pages when longer; longer requests (prefill chunks) in runs of
@@ -13,8 +14,11 @@ Layout assumptions and semantics are the jnp reference's (``jaxengine_kernels.re
   token's cache row 4 keys before it is read. A decode takes every KV head's dots of one token
   row before the next row's, a vector's width of keys at a time; a prefill chunk computes the
   tile's scores transposed (a vector of query rows per key) and its softmax down the keys.
-- float32 arithmetic for float32 and bfloat16 inputs; the output is cast back to q's dtype.
-  Only slots inside a request's context are read, so garbage (NaN) elsewhere cannot leak.
+- float32 arithmetic: queries are passed as float32 and cache rows widened as they are read
+  (a float32, bfloat16, float8_e4m3fn or float8_e5m2 cache); ``k_scale`` is folded into the
+  query scale and ``v_scale`` into the output's normalisation (per-tensor scalars, exact to
+  float32 rounding). The output is cast back to q's dtype. Only slots inside a request's
+  context are read, so garbage (NaN) elsewhere cannot leak.
 """
 
 from __future__ import annotations
@@ -58,6 +62,8 @@ def ragged_paged_attention_cpu(
     sm_scale: float,
     sliding_window: jax.Array | int = 0,
     soft_cap: float | None = None,
+    k_scale: jax.Array | float = 1.0,
+    v_scale: jax.Array | float = 1.0,
     block_q: int = DEFAULT_BLOCK_Q,
     pages_per_split: int = DEFAULT_PAGES_PER_SPLIT,
     batch_invariant: bool = False,
@@ -70,6 +76,7 @@ def ragged_paged_attention_cpu(
         starts at the page of its first visible key, a longer one's runs at the first key
         their earliest token sees; the pages before are not read.
       soft_cap: the scores' soft cap (a vectorised tanh in the kernel), or None.
+      k_scale, v_scale: f32[] per-tensor scales of the cached keys and values (operands).
       block_q: query tokens per unit of a request longer than 8 tokens.
       pages_per_split: pages per unit of a shorter request (split-K over its context).
       batch_invariant: give each token the same bits whatever chunk it comes in (a decode,
@@ -82,21 +89,22 @@ def ragged_paged_attention_cpu(
 
     Raises:
       native.NativeBuildError: the kernel cannot be built on this machine.
-      ValueError: q and the cache differ in dtype, or a dtype other than float32 / bfloat16.
+      ValueError: a cache dtype the kernel does not read.
     """
     del interpret
     T, N, H = q.shape
     K = kv_cache.shape[2] // 2
-    if q.dtype != kv_cache.dtype:
-        raise ValueError(f"q ({q.dtype}) and kv_cache ({kv_cache.dtype}) must share a dtype")
     check_supported(num_heads=N, num_kv_heads=K, head_dim=H, page_size=kv_cache.shape[1])
-    kv_cache = write_kv(kv_cache, k, v, slot_mapping)
+    kv_cache = write_kv(kv_cache, k, v, slot_mapping, k_scale, v_scale)
     # Under jax.vmap the kernel runs once per batch element (as the reference's loops would).
-    call = jax.ffi.ffi_call(native.target(q.dtype), jax.ShapeDtypeStruct((T, N, H), jnp.float32),
+    call = jax.ffi.ffi_call(native.target(kv_cache.dtype),
+                            jax.ShapeDtypeStruct((T, N, H), jnp.float32),
                             vmap_method="sequential")
-    out = call(q, kv_cache, block_tables.astype(jnp.int32), seq_lens.astype(jnp.int32),
-               query_start_loc.astype(jnp.int32), jnp.asarray(num_seqs, jnp.int32),
-               jnp.asarray(sliding_window, jnp.int32), sm_scale=np.float32(sm_scale),
+    out = call(q.astype(jnp.float32), kv_cache, block_tables.astype(jnp.int32),
+               seq_lens.astype(jnp.int32), query_start_loc.astype(jnp.int32),
+               jnp.asarray(num_seqs, jnp.int32), jnp.asarray(sliding_window, jnp.int32),
+               jnp.asarray(k_scale, jnp.float32), jnp.asarray(v_scale, jnp.float32),
+               sm_scale=np.float32(sm_scale),
                soft_cap=np.float32(soft_cap or 0.0), block_q=np.int64(block_q),
                pages_per_split=np.int64(pages_per_split), batch_invariant=bool(batch_invariant))
     return out.astype(q.dtype), kv_cache

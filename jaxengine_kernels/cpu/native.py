@@ -39,6 +39,8 @@ import jax
 import jax.numpy as jnp
 import jaxlib
 
+from jaxengine_kernels.cache_dtype import CACHE_DTYPES
+
 logger = logging.getLogger("jaxengine.kernels")
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("ragged_paged_attention.cc",
@@ -46,12 +48,9 @@ SOURCES = tuple(Path(__file__).with_name(name) for name in ("ragged_paged_attent
                                                              "grouped_matmul.cc"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("parallel_for.h", "simd.h"))
 LIBRARY = "libjaxengine_cpu_kernels.so"
-# XLA custom-call target per attention input dtype, and the library symbol behind it.
-TARGETS = {
-    jnp.dtype(jnp.float32): ("jaxengine_ragged_paged_attention_f32", "RaggedPagedAttentionF32"),
-    jnp.dtype(jnp.bfloat16): ("jaxengine_ragged_paged_attention_bf16",
-                              "RaggedPagedAttentionBF16"),
-}
+# XLA custom-call targets and the library symbols behind them. The attention target takes
+# float32 queries and a cache of any of CACHE_DTYPES (it dispatches on the cache's dtype).
+ATTENTION_TARGET = ("jaxengine_ragged_paged_attention", "RaggedPagedAttention")
 MATMUL_TARGET = ("jaxengine_packed_matmul_f32", "PackedMatmulF32")
 SWIGLU_TARGET = ("jaxengine_packed_swiglu_f32", "PackedSwiGLUF32")
 GROUPED_TARGET = ("jaxengine_grouped_matmul_f32", "GroupedMatmulF32")
@@ -201,7 +200,7 @@ def _load() -> ctypes.CDLL:
                 logger.info("%s; building without -march=native", failed)
                 path = _build(cxx, ())
             library = ctypes.cdll.LoadLibrary(str(path))
-            for target_name, symbol in (*TARGETS.values(), MATMUL_TARGET, SWIGLU_TARGET,
+            for target_name, symbol in (ATTENTION_TARGET, MATMUL_TARGET, SWIGLU_TARGET,
                                         GROUPED_TARGET):
                 jax.ffi.register_ffi_target(
                     target_name, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
@@ -209,19 +208,21 @@ def _load() -> ctypes.CDLL:
         return _library[0]
 
 
-def target(dtype: jnp.dtype) -> str:
-    """The registered custom-call target for inputs of `dtype` (built and loaded on first use).
+def target(cache_dtype: jnp.dtype) -> str:
+    """The registered attention custom-call target for a cache of `cache_dtype` (built and
+    loaded on first use); its queries are float32.
 
     Raises:
       NativeBuildError: no compiler, or the build failed (the message has its output).
-      ValueError: a dtype the kernel does not take (float32 and bfloat16 only), or a
+      ValueError: a cache dtype the kernel does not read (one of `CACHE_DTYPES`), or a
         `$JAXENGINE_CPU_ISA` that this machine cannot build for or run (see `isa_flags`).
     """
-    dtype = jnp.dtype(dtype)
-    if dtype not in TARGETS:
-        raise ValueError(f"the CPU attention kernel takes float32 or bfloat16, got {dtype}")
+    if jnp.dtype(cache_dtype) not in CACHE_DTYPES:
+        names = ", ".join(d.name for d in CACHE_DTYPES)
+        raise ValueError(f"the CPU attention kernel reads a cache of {names}, got "
+                         f"{jnp.dtype(cache_dtype)}")
     _load()
-    return TARGETS[dtype][0]
+    return ATTENTION_TARGET[0]
 
 
 @functools.cache

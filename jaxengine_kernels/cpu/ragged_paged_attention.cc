@@ -7,8 +7,8 @@
 // over the pool; in jnp that becomes page gathers, layout copies and thousands of tiny batched
 // dots (docs/BENCHMARKS.md §4). Here every request reads its own pages in place.
 //
-// Layout (the reference's): q [T, N, H]; kv_cache [P, L, 2K, H] with key head k at head slot
-// 2k and value head k at 2k+1; block_tables i32[R, max_blocks]; seq_lens i32[R] (context after
+// Layout (the reference's): q f32[T, N, H]; kv_cache [P, L, 2K, H] with key head k at head slot
+// 2k and value head k at 2k+1, in float32, bfloat16, float8_e4m3fn or float8_e5m2; block_tables i32[R, max_blocks]; seq_lens i32[R] (context after
 // the step); query_start_loc i32[R+1]; num_seqs i32[]. Query head n reads kv head n / G.
 // Output f32[T, N, H]: the live tokens' rows; every other row is zero. The step's new keys and
 // values are already in the cache (XLA scatters them before this call).
@@ -28,7 +28,14 @@
 // otherwise than one pass; the softmax sums and P.V already agree row by row. It costs a
 // decode the transposed path's idle lanes (one vector of rows for its G rows).
 //
-// Numerics: float32 (bfloat16 inputs are widened), an online softmax per tile of kKeys keys
+// Quantized caches (jaxengine_kernels/cache_dtype.py): a cached entry x stands for x * k_scale
+// (keys) or x * v_scale (values), per-tensor f32[] operands. Both are folded where they are
+// exact to float32 rounding: k_scale into the query scale (sm_scale * k_scale multiplies every
+// query element), v_scale into the output's normalisation. Cache rows are widened to float32
+// as they are read: bfloat16 by a shift, fp8 by integer vector operations (widen_fp8), a
+// decode's keys once per tile for all G query rows.
+//
+// Numerics: float32 (narrower cache entries are widened), an online softmax per tile of kKeys keys
 // (64 with AVX-512). A decode's few query rows take each key's dots a vector of keys at a
 // time; a prefill chunk's rows take the tile's scores transposed, a vector of rows at a time
 // (see Scratch). With a head dim under kLanes (16 with AVX-512, 8 with AVX2, 4 with SSE) the
@@ -98,10 +105,72 @@ constexpr int64_t kSplitTokens = 8;   // requests of at most this many tokens sp
 constexpr float kMasked = -1e30f;     // running max before any visible key (finite: fast_exp)
 
 using bf16 = uint16_t;  // XLA FFI's BF16 native type: the upper half of a float32
+// One byte of float8_e4m3fn (1 sign, 4 exponent bits biased by 7, 3 mantissa bits; no inf,
+// S.1111.111 is NaN) or of float8_e5m2 (IEEE-like: 5 exponent bits biased by 15, 2 mantissa
+// bits). Distinct types, so that widen() and load_widened() pick the format.
+struct fp8_e4m3 { uint8_t bits; };
+struct fp8_e5m2 { uint8_t bits; };
 inline fvec vmax(fvec a, fvec b) { return a > b ? a : b; }
 
-// kLanes floats from p, widened when p points at bfloat16.
+typedef uint8_t u8vec __attribute__((vector_size(kLanes)));
+typedef uint32_t u32vec __attribute__((vector_size(kLanes * sizeof(uint32_t))));
+
+// kLanes fp8 bytes (M mantissa bits, exponent bias B, IEEE inf/NaN at the top exponent or
+// e4m3fn's single NaN) widened exactly with integer vector operations, on every ISA level: a
+// normal byte (exponent field e > 0) is the float32 whose exponent is e + 127 - B and whose
+// mantissa is the byte's, shifted to the top; a subnormal one (e = 0) is m * 2^(1 - B - M),
+// computed as a float (a float32 denormal would be slow to multiply, and every fp8 value is a
+// normal float32).
+template <int M, int B, bool kIeee>
+[[gnu::always_inline]] inline fvec widen_fp8(const uint8_t* p) {
+  u8vec bytes;
+  std::memcpy(&bytes, p, sizeof bytes);
+  // Through 16 bits: GCC widens bytes to 32 bits in one step lane by lane, in two with vector
+  // instructions (vpmovzxbw, vpmovzxwd).
+  typedef uint16_t u16vec __attribute__((vector_size(kLanes * sizeof(uint16_t))));
+  const u32vec u = __builtin_convertvector(__builtin_convertvector(bytes, u16vec), u32vec);
+  const u32vec mag = u & 0x7Fu, sign = (u & 0x80u) << 24;
+  const u32vec exponent = mag >> M;
+  u32vec bits = sign | ((mag << (23 - M)) + (uint32_t(127 - B) << 23));
+  if constexpr (kIeee)  // the top exponent: inf (m = 0) or NaN
+    bits = exponent == (0xFFu >> (M + 1)) ? (sign | 0x7F800000u | (mag << (23 - M))) : bits;
+  else  // S.1111.111
+    bits = mag == 0x7Fu ? (sign | 0x7FC00000u) : bits;
+  const fvec small = __builtin_convertvector(mag, fvec) * (1.0f / float(1 << (B - 1 + M)));
+  u32vec small_bits;
+  std::memcpy(&small_bits, &small, sizeof small_bits);
+  bits = exponent == 0u ? (small_bits | sign) : bits;
+  fvec f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+[[gnu::always_inline]] inline fvec widen_e4m3(const uint8_t* p) {
+  return widen_fp8<3, 7, false>(p);
+}
+[[gnu::always_inline]] inline fvec widen_e5m2(const uint8_t* p) {
+  return widen_fp8<2, 15, true>(p);
+}
+
+// The 256 values of a format, for one element at a time (widened by the vector code above).
+struct Fp8Table {
+  float value[256];
+  explicit Fp8Table(fvec (*widen)(const uint8_t*)) {
+    uint8_t bytes[256];
+    for (int b = 0; b < 256; ++b) bytes[b] = uint8_t(b);
+    for (int b = 0; b < 256; b += kLanes) storev(value + b, widen(bytes + b));
+  }
+};
+const Fp8Table kE4M3(widen_e4m3);
+const Fp8Table kE5M2(widen_e5m2);
+
+// kLanes floats from p, widened when p points at bfloat16 or fp8.
 inline fvec load_widened(const float* p) { return loadv(p); }
+inline fvec load_widened(const fp8_e4m3* p) {
+  return widen_e4m3(reinterpret_cast<const uint8_t*>(p));
+}
+inline fvec load_widened(const fp8_e5m2* p) {
+  return widen_e5m2(reinterpret_cast<const uint8_t*>(p));
+}
 inline fvec load_widened(const bf16* p) {
   typedef uint16_t hvec __attribute__((vector_size(kLanes * sizeof(uint16_t))));
   typedef uint32_t uvec __attribute__((vector_size(kLanes * sizeof(uint32_t))));
@@ -148,11 +217,21 @@ inline fvec transpose_sum(fvec* v) {  // v[kLanes], overwritten
 }
 
 inline float widen(float x) { return x; }
+inline float widen(fp8_e4m3 x) { return kE4M3.value[x.bits]; }
+inline float widen(fp8_e5m2 x) { return kE5M2.value[x.bits]; }
 inline float widen(bf16 x) {
   const uint32_t bits = uint32_t(x) << 16;
   float f;
   std::memcpy(&f, &bits, sizeof f);
   return f;
+}
+
+// n elements of a cache row, widened into dst: kLanes at a time, then one by one.
+template <typename T>
+inline void widen_row(const T* src, float* dst, int64_t n) {
+  int64_t h = 0;
+  for (; h + kLanes <= n; h += kLanes) storev(dst + h, load_widened(src + h));
+  for (; h < n; ++h) dst[h] = widen(src[h]);
 }
 
 // The first key position a query at `pos` sees with window W (W keys, itself included; the
@@ -196,7 +275,8 @@ struct Scratch {
   std::vector<float> l;    // [K * rows_k] running denominator
   std::vector<float> acc;  // [K * rows_k, H] running numerator
   std::vector<float> s;    // a tile's scores, then its probabilities: [rows_k, kKeys] / [kKeys, R]
-  std::vector<float> vt;   // [kKeys, H] a tile's values, widened (bfloat16 caches only)
+  std::vector<float> vt;   // [kKeys, H] a tile's values, widened (narrower caches only)
+  std::vector<float> kt;   // [kLanes, K, H] a decode's keys of kLanes tokens, widened (fp8)
   std::vector<int64_t> visible;  // [rows] per row, keys of the tile it sees
   std::vector<float> alpha;      // [rows] per row, the softmax rescale of the tile
   std::vector<float> spare;      // [kPvRows, H] accumulators of rows past the last
@@ -209,10 +289,13 @@ struct Scratch {
 template <typename T>
 class PagedAttention {
  public:
-  PagedAttention(const Geometry& g, const T* q, const T* cache, float sm_scale,
-                 int64_t window, float soft_cap, bool batch_invariant)
-      : g_(g), q_(q), cache_(cache), scale_(sm_scale), window_(window), cap_(soft_cap),
-        batch_invariant_(batch_invariant) {}
+  // sm_scale * k_scale scales the queries (q . (x k_scale) = (q k_scale) . x), v_scale the
+  // normalised output.
+  PagedAttention(const Geometry& g, const float* q, const T* cache, float sm_scale,
+                 float k_scale, float v_scale, int64_t window, float soft_cap,
+                 bool batch_invariant)
+      : g_(g), q_(q), cache_(cache), scale_(sm_scale * k_scale), v_scale_(v_scale),
+        window_(window), cap_(soft_cap), batch_invariant_(batch_invariant) {}
 
   int64_t rows(const Unit& u) const { return g_.K * (u.tok1 - u.tok0) * g_.G; }
   // Rows between scratch slots: the most a split unit has.
@@ -262,7 +345,7 @@ class PagedAttention {
       return;
     }
     for (int64_t row = 0; row < n; ++row) {
-      const float inv = sc.l[row] > 0.0f ? 1.0f / sc.l[row] : 0.0f;
+      const float inv = sc.l[row] > 0.0f ? v_scale_ / sc.l[row] : 0.0f;
       const float* a = sc.acc.data() + row * H;
       float* o = out + out_offset(u, rq, row);
       for (int64_t h = 0; h < H; ++h) o[h] = a[h] * inv;
@@ -287,7 +370,7 @@ class PagedAttention {
         const float* a = acc + at * H;
         for (int64_t h = 0; h < H; ++h) o[h] += w * a[h];
       }
-      const float inv = denom > 0.0f ? 1.0f / denom : 0.0f;
+      const float inv = denom > 0.0f ? v_scale_ / denom : 0.0f;
       for (int64_t h = 0; h < H; ++h) o[h] *= inv;
     }
   }
@@ -344,11 +427,11 @@ class PagedAttention {
     for (int64_t k = 0; k < g_.K; ++k)
       for (int64_t t = 0; t < ntok; ++t)
         for (int64_t gi = 0; gi < G; ++gi) {
-          const T* src = q_ + ((rq.q_start + u.tok0 + t) * g_.N + k * G + gi) * H;
+          const float* src = q_ + ((rq.q_start + u.tok0 + t) * g_.N + k * G + gi) * H;
           const int64_t r = t * G + gi;
           float* dst = sc.q.data() + k * R * H;
           for (int64_t h = 0; h < H; ++h)  // wide: [H, R], transposed; else [rows_k, H]
-            dst[wide ? h * R + r : r * H + h] = widen(src[h]) * scale_;
+            dst[wide ? h * R + r : r * H + h] = src[h] * scale_;
         }
     sc.s.assign((wide ? R : g_.K * rows_k) * kKeys, 0.0f);
     sc.visible.assign(R, 0);
@@ -356,6 +439,7 @@ class PagedAttention {
     sc.spare.assign(kPvRows * H, 0.0f);
     sc.zeros.assign(kKeys, 0.0f);
     if constexpr (!std::is_same_v<T, float>) sc.vt.assign(kKeys * H, 0.0f);
+    if constexpr (sizeof(T) == 1) sc.kt.assign(kLanes * g_.K * H, 0.0f);
     if (!wide) return;
     sc.token.resize(R);
     for (int64_t r = 0; r < R; ++r) sc.token[r] = float(std::min(r, rows_k - 1) / G);
@@ -387,10 +471,30 @@ class PagedAttention {
     for (int64_t j0 = 0; j0 < nk; j0 += kLanes) {
       for (int64_t j = j0 + kAhead; j < std::min(j0 + kAhead + kLanes, have); ++j)
         prefetch_token(tokens[j]);
-      for (int64_t k = 0; k < g_.K; ++k)
-        for (int64_t i = k * rows_k; i < (k + 1) * rows_k; ++i)
-          storev(sc.s.data() + i * kKeys + j0,
-                 group_dots(sc.q.data() + i * H, tokens + j0, nk - j0, 2 * k * H));
+      if constexpr (sizeof(T) == 1) {  // fp8: each key widened once for its G rows
+        const float* keys[kLanes];
+        widen_keys(sc, tokens + j0, std::min(kLanes, nk - j0), keys);
+        for (int64_t k = 0; k < g_.K; ++k)
+          for (int64_t i = k * rows_k; i < (k + 1) * rows_k; ++i)
+            storev(sc.s.data() + i * kKeys + j0,
+                   group_dots(sc.q.data() + i * H, keys, nk - j0, k * H));
+      } else {  // float32 as it lies; bfloat16 widened per row (a shift)
+        for (int64_t k = 0; k < g_.K; ++k)
+          for (int64_t i = k * rows_k; i < (k + 1) * rows_k; ++i)
+            storev(sc.s.data() + i * kKeys + j0,
+                   group_dots(sc.q.data() + i * H, tokens + j0, nk - j0, 2 * k * H));
+      }
+    }
+  }
+
+  // The keys of every kv head of n <= kLanes token rows, widened into sc.kt ([kLanes, K, H]);
+  // keys[j] points at token j's.
+  void widen_keys(Scratch& sc, const T* const* tokens, int64_t n, const float** keys) const {
+    const int64_t H = g_.H;
+    for (int64_t j = 0; j < n; ++j) {
+      float* dst = sc.kt.data() + j * g_.K * H;
+      for (int64_t k = 0; k < g_.K; ++k) widen_row(tokens[j] + 2 * k * H, dst + k * H, H);
+      keys[j] = dst;
     }
   }
 
@@ -452,13 +556,14 @@ class PagedAttention {
   // vectors are then summed lane-wise by a halving tree (transpose_sum), which costs about
   // one shuffle-add per key where a horizontal sum per key costs a dozen scalar adds, most of
   // a decode whose pages sit in L2 (docs/BENCHMARKS.md §4, "Why the kernel is as it is").
-  fvec group_dots(const float* qi, const T* const* tokens, int64_t n, int64_t slot) const {
+  template <typename E>
+  fvec group_dots(const float* qi, const E* const* tokens, int64_t n, int64_t slot) const {
     fvec part[kLanes];
     const int64_t H = g_.H, full = H / kLanes * kLanes;
     for (int64_t j = 0; j < kLanes; ++j) {
       fvec d = {};
       if (j < n) {
-        const T* key = tokens[j] + slot;
+        const E* key = tokens[j] + slot;
         for (int64_t h = 0; h < full; h += kLanes) d += loadv(qi + h) * load_widened(key + h);
         for (int64_t h = full; h < H; ++h) d[0] += qi[h] * widen(key[h]);
       }
@@ -477,14 +582,14 @@ class PagedAttention {
       wide_scores(sc, k, rows_k, tokens, nk, have);
       if (cap_ > 0.0f) soft_cap(sc.s.data(), nk * wide_rows(rows_k));
     }
-    const float* vals[kKeys];  // value rows of the tile's keys (widened for bfloat16)
+    const float* vals[kKeys];  // value rows of the tile's keys (widened unless float32)
     if constexpr (std::is_same_v<T, float>) {
       for (int64_t j = 0; j < nk; ++j) vals[j] = tokens[j] + value_slot;
     } else {
       for (int64_t j = 0; j < nk; ++j) {
         const T* v = tokens[j] + value_slot;
         float* dst = sc.vt.data() + j * H;
-        for (int64_t h = 0; h < H; ++h) dst[h] = widen(v[h]);
+        widen_row(v, dst, H);
         vals[j] = dst;
       }
     }
@@ -649,9 +754,10 @@ class PagedAttention {
   }
 
   const Geometry g_;
-  const T* q_;
+  const float* q_;
   const T* cache_;
-  const float scale_;
+  const float scale_;    // sm_scale * k_scale
+  const float v_scale_;
   const int64_t window_;  // W, 0: full attention
   const float cap_;       // soft cap, 0: none
   const bool batch_invariant_;  // one path for every unit (see the file comment)
@@ -693,17 +799,46 @@ std::vector<Unit> plan(const std::vector<Request>& reqs, const Geometry& g, int6
   return units;
 }
 
-template <ffi::DataType DT>
-ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<DT> q,
-                                ffi::Buffer<DT> kv_cache, ffi::Buffer<ffi::S32> block_tables,
+// Run the planned units over a cache of element type T, then merge the split ones.
+template <typename T>
+void attend(ffi::ThreadPool& pool, const Geometry& g, const float* q, const void* cache,
+            float sm_scale, float k_scale, float v_scale, int64_t window, float soft_cap,
+            bool batch_invariant, const std::vector<Request>& reqs,
+            const std::vector<Unit>& units, int64_t num_slots, float* o) {
+  PagedAttention<T> attn(g, q, static_cast<const T*>(cache), sm_scale, k_scale, v_scale,
+                         window, std::max(soft_cap, 0.0f), batch_invariant);
+  const int64_t stride = attn.slot_rows();
+  std::vector<float> m(num_slots * stride), l(num_slots * stride), acc(num_slots * stride * g.H);
+  std::vector<int64_t> order(units.size());
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return units[a].cost > units[b].cost; });
+  parallel_for(pool, int64_t(units.size()), [&](int64_t i) {
+    thread_local Scratch sc;
+    const Unit& u = units[order[i]];
+    attn.run(u, reqs[u.req], sc, o, m.data() + u.slot * stride, l.data() + u.slot * stride,
+             acc.data() + u.slot * stride * g.H);
+  });
+  for (size_t i = 0; i < units.size();) {  // units of one request are consecutive
+    size_t j = i + 1;
+    while (j < units.size() && units[j].req == units[i].req && units[i].split) ++j;
+    if (units[i].split)
+      attn.merge(&units[i], int64_t(j - i), reqs[units[i].req], m.data(), l.data(),
+                 acc.data(), o);
+    i = j;
+  }
+}
+
+ffi::Error ragged_paged_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                                ffi::AnyBuffer kv_cache, ffi::Buffer<ffi::S32> block_tables,
                                 ffi::Buffer<ffi::S32> seq_lens,
                                 ffi::Buffer<ffi::S32> query_start_loc,
                                 ffi::Buffer<ffi::S32> num_seqs,
-                                ffi::Buffer<ffi::S32> sliding_window, float sm_scale,
-                                float soft_cap, int64_t block_q, int64_t pages_per_split,
-                                bool batch_invariant,
+                                ffi::Buffer<ffi::S32> sliding_window,
+                                ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
+                                float sm_scale, float soft_cap, int64_t block_q,
+                                int64_t pages_per_split, bool batch_invariant,
                                 ffi::ResultBuffer<ffi::F32> out) {
-  using T = ffi::NativeType<DT>;
   const auto qd = q.dimensions(), cd = kv_cache.dimensions(), td = block_tables.dimensions();
   if (qd.size() != 3 || cd.size() != 4 || td.size() != 2 || cd[2] % 2 || qd[2] != cd[3] ||
       qd[1] % (cd[2] / 2))
@@ -727,53 +862,45 @@ ffi::Error RaggedPagedAttention(ffi::ThreadPool pool, ffi::Buffer<DT> q,
                                  std::max<int64_t>(pages_per_split, 1), window,
                                  batch_invariant, &num_slots);
   if (units.empty()) return ffi::Error::Success();
-  PagedAttention<T> attn(g, q.typed_data(), kv_cache.typed_data(), sm_scale, window,
-                         std::max(soft_cap, 0.0f), batch_invariant);
-  const int64_t stride = attn.slot_rows();
-  std::vector<float> m(num_slots * stride), l(num_slots * stride), acc(num_slots * stride * g.H);
-  std::vector<int64_t> order(units.size());
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int64_t a, int64_t b) { return units[a].cost > units[b].cost; });
-  parallel_for(pool, int64_t(units.size()), [&](int64_t i) {
-    thread_local Scratch sc;
-    const Unit& u = units[order[i]];
-    attn.run(u, reqs[u.req], sc, o, m.data() + u.slot * stride, l.data() + u.slot * stride,
-             acc.data() + u.slot * stride * g.H);
-  });
-  for (size_t i = 0; i < units.size();) {  // units of one request are consecutive
-    size_t j = i + 1;
-    while (j < units.size() && units[j].req == units[i].req && units[i].split) ++j;
-    if (units[i].split)
-      attn.merge(&units[i], int64_t(j - i), reqs[units[i].req], m.data(), l.data(),
-                 acc.data(), o);
-    i = j;
+  const float ks = k_scale.typed_data()[0], vs = v_scale.typed_data()[0];
+  const void* cache = kv_cache.untyped_data();
+  auto run = [&](auto element) {
+    attend<decltype(element)>(pool, g, q.typed_data(), cache, sm_scale, ks, vs, window,
+                              soft_cap, batch_invariant, reqs, units, num_slots, o);
+    return ffi::Error::Success();
+  };
+  switch (kv_cache.element_type()) {
+    case ffi::F32: return run(float{});
+    case ffi::BF16: return run(bf16{});
+    case ffi::F8E4M3FN: return run(fp8_e4m3{});
+    case ffi::F8E5M2: return run(fp8_e5m2{});
+    default:
+      return ffi::Error::InvalidArgument(
+          "ragged_paged_attention_cpu: the cache must be float32, bfloat16, float8_e4m3fn or "
+          "float8_e5m2");
   }
-  return ffi::Error::Success();
 }
 
 }  // namespace
 
-#define JAXENGINE_DEFINE_HANDLER(NAME, DT)                  \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(NAME, RaggedPagedAttention<DT>, \
-                                ffi::Ffi::Bind()            \
-                                    .Ctx<ffi::ThreadPool>() \
-                                    .Arg<ffi::Buffer<DT>>() \
-                                    .Arg<ffi::Buffer<DT>>() \
-                                    .Arg<ffi::Buffer<ffi::S32>>() \
-                                    .Arg<ffi::Buffer<ffi::S32>>() \
-                                    .Arg<ffi::Buffer<ffi::S32>>() \
-                                    .Arg<ffi::Buffer<ffi::S32>>() \
-                                    .Arg<ffi::Buffer<ffi::S32>>() \
-                                    .Attr<float>("sm_scale") \
-                                    .Attr<float>("soft_cap") \
-                                    .Attr<int64_t>("block_q") \
-                                    .Attr<int64_t>("pages_per_split") \
-                                    .Attr<bool>("batch_invariant") \
-                                    .Ret<ffi::Buffer<ffi::F32>>());
-
-JAXENGINE_DEFINE_HANDLER(RaggedPagedAttentionF32, ffi::F32)
-JAXENGINE_DEFINE_HANDLER(RaggedPagedAttentionBF16, ffi::BF16)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(RaggedPagedAttention, ragged_paged_attention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::AnyBuffer>()         // kv_cache, any cache dtype
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // seq_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // query_start_loc
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // sliding_window
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_scale
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_scale
+                                  .Attr<float>("sm_scale")
+                                  .Attr<float>("soft_cap")
+                                  .Attr<int64_t>("block_q")
+                                  .Attr<int64_t>("pages_per_split")
+                                  .Attr<bool>("batch_invariant")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 // The vector path the library was compiled for (simd.h), for native.isa() and
 // native.vector_lanes(): read from the binary, so it reports what runs, whatever was asked for.

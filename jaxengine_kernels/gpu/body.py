@@ -7,6 +7,9 @@ normalized output (one split) or the unnormalized accumulator with its running m
 denominator (several splits; ``jaxengine_kernels.gpu.kernel`` reduces them in a second pass).
 With a sliding window, the splits share the pages from the one holding the first key the
 item's first token sees: the pages before are not read.
+A quantized cache's pages are loaded in its dtype and widened for the dots (``dot_dtype``);
+``k_scale`` multiplies the scores with ``sm_scale``, ``v_scale`` the accumulator as it is
+stored (per-tensor scalars: exact to float32 rounding).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jaxengine_kernels.cache_dtype import dot_dtype
 from jaxengine_kernels.reference import cap_scores, first_visible
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -29,6 +33,7 @@ def kernel(
     item_seq_ref: Ref,  # i32[I]: request of each item, -1 for an empty item
     item_q0_ref: Ref,  # i32[I]: first token of each item
     window_ref: Ref,  # i32[1]: the sliding window, 0 for full attention
+    scales_ref: Ref,  # f32[2]: k_scale, v_scale
     seq_lens_ref: Ref,  # i32[R]
     cu_q_ref: Ref,  # i32[R+1]
     block_tables_ref: Ref,  # i32[R, max_blocks]
@@ -70,11 +75,13 @@ def kernel(
     n_iter = pl.cdiv(jnp.maximum(p1 - p0, 0), pages_per_iter)
     ctx_end = jnp.minimum(p1 * L, kv_len)
 
+    score_scale = sm_scale * scales_ref[0]
+
     def body(it: jax.Array, carry: tuple) -> tuple:
         first_page = p0 + it * pages_per_iter
         return _online_step(
             carry, q, kv_ref, block_tables_ref, seq, kh, first_page, ctx_start, ctx_end, row_pos,
-            window, sm_scale=sm_scale, soft_cap=soft_cap, pages_per_iter=pages_per_iter,
+            window, score_scale, soft_cap=soft_cap, pages_per_iter=pages_per_iter,
         )  # fmt: skip
 
     init = (
@@ -83,6 +90,7 @@ def kernel(
         jnp.zeros((rows, H), jnp.float32),
     )
     m, l, acc = lax.fori_loop(0, n_iter, body, init)
+    acc = acc * scales_ref[1]
     if stats_refs:
         m_ref, l_ref = stats_refs
         o_ref[...] = acc
@@ -104,8 +112,8 @@ def _online_step(
     ctx_end: jax.Array,  # one past the last position this split may read
     row_pos: jax.Array,  # i32[rows], -1 for dead rows
     window: jax.Array,  # i32[]
+    score_scale: jax.Array,  # f32[] sm_scale * k_scale
     *,
-    sm_scale: float,
     soft_cap: float | None,
     pages_per_iter: int,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -121,18 +129,20 @@ def _online_step(
     col = first_page * L + jnp.arange(cols)
     in_ctx = (col < ctx_end) & (col >= ctx_start)  # [cols]
     v = jnp.where(in_ctx[:, None], v, jnp.zeros_like(v))  # NaN in stale slots stays out of p @ v
-    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None  # IEEE, not TF32
+    dtype = dot_dtype(q.dtype, k.dtype)
+    precision = lax.Precision.HIGHEST if dtype == jnp.float32 else None  # IEEE, not TF32
     s = lax.dot_general(
-        q, k.astype(q.dtype), (((1,), (1,)), ((), ())),
+        q.astype(dtype), k.astype(dtype), (((1,), (1,)), ((), ())),
         precision=precision, preferred_element_type=jnp.float32,
     )  # fmt: skip
     row_first = first_visible(row_pos, window)
     visible = in_ctx[None, :] & (col[None, :] <= row_pos[:, None])  # [rows, cols]
     visible &= col[None, :] >= row_first[:, None]
-    s = jnp.where(visible, cap_scores(s * sm_scale, soft_cap), MASK_VALUE)
+    s = jnp.where(visible, cap_scores(s * score_scale, soft_cap), MASK_VALUE)
     m_new = jnp.maximum(m, s.max(axis=1))
     p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)
     alpha = jnp.exp(m - m_new)
     l = alpha * l + p.sum(axis=1)
-    pv = jnp.dot(p.astype(v.dtype), v, precision=precision, preferred_element_type=jnp.float32)
+    pv = jnp.dot(p.astype(dtype), v.astype(dtype), precision=precision,
+                 preferred_element_type=jnp.float32)
     return m_new, l, alpha[:, None] * acc + pv

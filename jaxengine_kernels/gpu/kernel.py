@@ -89,6 +89,18 @@ def check_supported(
             raise UnsupportedShapeError(name, n, ">= 16 for Triton dots")
 
 
+def check_cache_dtype(cache_dtype: jnp.dtype, compute_capability: str) -> None:
+    """Raise ``UnsupportedShapeError`` (field ``kv_cache_dtype``) for a float8_e4m3fn cache on
+    a GPU under compute capability 8.9 (Ada, Hopper): Triton converts that format there only.
+    """
+    dtype = jnp.dtype(cache_dtype)
+    major, minor = (int(x) for x in compute_capability.split(".")[:2])
+    if dtype == jnp.float8_e4m3fn and (major, minor) < (8, 9):
+        raise UnsupportedShapeError("kv_cache_dtype", dtype.name,
+                                    f"float32, bfloat16 or float8_e5m2 on compute capability "
+                                    f"{compute_capability} (float8_e4m3fn needs 8.9 or later)")
+
+
 def check_shapes(q: jax.Array, kv_cache: jax.Array, sizes: dict[str, int]) -> None:
     """``check_supported`` for these arrays; ``ValueError`` for an inconsistent head layout."""
     _, N, H = q.shape
@@ -101,7 +113,7 @@ def check_shapes(q: jax.Array, kv_cache: jax.Array, sizes: dict[str, int]) -> No
 
 
 def _launch(
-    items: tuple[jax.Array, jax.Array, jax.Array],  # item_seq, item_q0: i32[I]; window i32[1]
+    items: tuple[jax.Array, ...],  # item_seq, item_q0: i32[I]; window i32[1]; scales f32[2]
     meta: tuple[jax.Array, ...],  # seq_lens, query_start_loc, block_tables
     q_k: jax.Array,  # [K, Tq*Gp, H]
     kv_cache: jax.Array,  # [P, L, 2*K, H]
@@ -177,6 +189,8 @@ def ragged_paged_attention_gpu(
     sm_scale: float,
     sliding_window: jax.Array | int = 0,
     soft_cap: float | None = None,
+    k_scale: jax.Array | float = 1.0,
+    v_scale: jax.Array | float = 1.0,
     interpret: bool = False,
     decode_tokens: int | None = None,
     block_q: int | None = None,
@@ -192,6 +206,8 @@ def ragged_paged_attention_gpu(
       sliding_window: i32[] the layer's window (0: full attention): each item reads from the
         page of its first token's first visible key.
       soft_cap: the scores' soft cap, or None.
+      k_scale, v_scale: f32[] per-tensor scales of the cached keys and values: pages are
+        loaded in the cache's dtype and widened in the kernel.
       interpret: run the kernel in the Pallas interpreter (CPU).
       decode_tokens: requests with at most this many new tokens take the split-K decode path.
       block_q: tokens per prefill work item.
@@ -215,7 +231,7 @@ def ragged_paged_attention_gpu(
     G = N // K
     Gp = _pow2(G)
     dq, bq = sizes["decode_tokens"], sizes["block_q"]
-    kv_cache = write_kv(kv_cache, k, v, slot_mapping)
+    kv_cache = write_kv(kv_cache, k, v, slot_mapping, k_scale, v_scale)
     # [T, N, H] -> [K, Tq*Gp, H], with room for an item that starts at the last token.
     Tq = T + max(dq, bq)
     q_k = jnp.pad(q.reshape(T, K, G, H), ((0, Tq - T), (0, 0), (0, Gp - G), (0, 0)))
@@ -223,14 +239,15 @@ def ragged_paged_attention_gpu(
     meta = (seq_lens, query_start_loc, block_tables)
     common = dict(sm_scale=sm_scale, soft_cap=soft_cap, pages_per_iter=sizes["pages_per_iter"],
                   group=G, interpret=interpret)  # fmt: skip
-    window = (jnp.reshape(sliding_window, (1,)).astype(jnp.int32),)
+    layer = (jnp.reshape(sliding_window, (1,)).astype(jnp.int32),  # the layer's operands
+             jnp.stack([jnp.asarray(k_scale), jnp.asarray(v_scale)]).astype(jnp.float32))
     n_dec = sizes["num_splits"]
-    dec = _launch(decode_items(query_start_loc, num_seqs, dq) + window, meta, q_k, kv_cache,
+    dec = _launch(decode_items(query_start_loc, num_seqs, dq) + layer, meta, q_k, kv_cache,
                   tokens=dq, num_splits=n_dec, name="decode", **common)  # fmt: skip
     out_dec = _combine_splits(*dec) if n_dec > 1 else dec[0][0]
     pre_items, pre_first = prefill_items(query_start_loc, num_seqs, dq, bq, T)
     (out_pre,) = _launch(
-        pre_items + window, meta, q_k, kv_cache, tokens=bq, num_splits=1, name="prefill",
+        pre_items + layer, meta, q_k, kv_cache, tokens=bq, num_splits=1, name="prefill",
         **common,
     )
     out = gather_rows(

@@ -1,6 +1,10 @@
 """The Pallas TPU (Mosaic) ragged paged attention kernel: `kernel.py` the wrapper and shape
 rules, `body.py` the kernel body."""
 
-from jaxengine_kernels.tpu.kernel import check_supported, ragged_paged_attention_tpu
+from jaxengine_kernels.tpu.kernel import (
+    check_cache_dtype,
+    check_supported,
+    ragged_paged_attention_tpu,
+)
 
-__all__ = ["check_supported", "ragged_paged_attention_tpu"]
+__all__ = ["check_cache_dtype", "check_supported", "ragged_paged_attention_tpu"]

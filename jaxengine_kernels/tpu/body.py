@@ -5,6 +5,9 @@ cache, (2) walks every (request, kv block) pair that the block's tokens need, do
 the page copies, with an online softmax per kv head, and (3) writes the normalized output.
 With a sliding window, a request's walk starts at the kv block holding the first key its first
 token in the q-block sees: the blocks before are not copied.
+Pages are copied in the cache's dtype and widened for the dots (``dot_dtype``); ``k_scale``
+multiplies the scores with ``sm_scale`` and ``v_scale`` the normalised output (per-tensor
+scalars, scalar-prefetched).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from jaxengine_kernels.cache_dtype import dot_dtype
 from jaxengine_kernels.reference import cap_scores, first_visible
 
 # A large finite negative: masked logits stay finite, so exp(m_prev - m_new) never sees inf-inf.
@@ -40,9 +44,9 @@ class Refs(NamedTuple):
     acc: Ref  # VMEM f32[K, Bq*G, H]
     num_seqs: jax.Array  # i32[]
     window: jax.Array  # i32[] the sliding window, 0 for full attention
+    score_scale: jax.Array  # f32[] sm_scale * k_scale
     blk_start: jax.Array  # i32[] first token of the q-block
     blk_end: jax.Array  # i32[] one past its last live token
-    sm_scale: float
     soft_cap: float | None
     block_q: int  # tokens per q-block (rows = block_q * G)
     max_blocks: int  # row length of the flattened block table
@@ -54,6 +58,7 @@ def kernel(
     cu_q_ref: Ref,  # SMEM i32[R+1]
     num_seqs_ref: Ref,  # SMEM i32[1]
     window_ref: Ref,  # SMEM i32[1]
+    scales_ref: Ref,  # SMEM f32[2]: k_scale, v_scale
     slots_ref: Ref,  # SMEM i32[Tp]
     first_seq_ref: Ref,  # SMEM i32[num_q_blocks]
     q_ref: Ref,  # VMEM [K, Bq*G, H]
@@ -86,13 +91,15 @@ def kernel(
     refs = Refs(
         seq_lens=seq_lens_ref, block_tables=block_tables_ref, cu_q=cu_q_ref, q=q_ref,
         kv=kv_ref, kv_bufs=kv_bufs, sems=sems, m=m_ref, l=l_ref, acc=acc_ref,
-        num_seqs=num_seqs, window=window_ref[0], blk_start=blk_start, blk_end=blk_end,
-        sm_scale=sm_scale, soft_cap=soft_cap, block_q=block_q, max_blocks=max_blocks,
+        num_seqs=num_seqs, window=window_ref[0], score_scale=sm_scale * scales_ref[0],
+        blk_start=blk_start, blk_end=blk_end, soft_cap=soft_cap, block_q=block_q,
+        max_blocks=max_blocks,
     )  # fmt: skip
     _walk_requests(refs, first_seq_ref[b])
     for kh in range(o_ref.shape[0]):
         l = l_ref[kh][:, :1]
-        o_ref[kh] = (acc_ref[kh] / jnp.where(l == 0.0, 1.0, l)).astype(o_ref.dtype)
+        o_ref[kh] = (acc_ref[kh] * (scales_ref[1] / jnp.where(l == 0.0, 1.0, l))).astype(
+            o_ref.dtype)
 
 
 def _write_new_kv(
@@ -224,15 +231,17 @@ def _online_softmax_update(
 ) -> None:
     """Fold one kv block into kv head ``kh``'s running max, denominator and accumulator."""
     q = refs.q[kh]  # [rows, H]
-    s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-    s = jnp.where(visible, cap_scores(s * refs.sm_scale, refs.soft_cap), MASK_VALUE)
+    dtype = dot_dtype(q.dtype, k.dtype)
+    s = lax.dot_general(q.astype(dtype), k.astype(dtype), (((1,), (1,)), ((), ())),
+                        preferred_element_type=jnp.float32)
+    s = jnp.where(visible, cap_scores(s * refs.score_scale, refs.soft_cap), MASK_VALUE)
     m_prev = refs.m[kh][:, :1]  # [rows, 1]
     l_prev = refs.l[kh][:, :1]
     m_new = jnp.maximum(m_prev, s.max(axis=1, keepdims=True))
     p = jnp.where(visible, jnp.exp(s - m_new), 0.0)  # [rows, Bkv]
     alpha = jnp.exp(m_prev - m_new)
     l_new = alpha * l_prev + p.sum(axis=1, keepdims=True)
-    pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    pv = jnp.dot(p.astype(dtype), v.astype(dtype), preferred_element_type=jnp.float32)
     acc_new = alpha * refs.acc[kh] + pv
     # Rows of other requests in the block keep their state.
     lanes = refs.m.shape[-1]

@@ -43,7 +43,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from jaxengine_kernels.cache_dtype import FP8_DTYPES
 from jaxengine_kernels.errors import UnsupportedShapeError
+from jaxengine_kernels.reference import new_rows
 from jaxengine_kernels.tpu import body
 
 NUM_LANES = 128  # m / l scratch is lane-replicated, as Mosaic wants full (8, 128) tiles.
@@ -83,6 +85,20 @@ def check_supported(
         )
     if pages_per_block < 1:
         raise UnsupportedShapeError("pages_per_block", pages_per_block, ">= 1")
+
+
+# TPU generations without fp8 in Mosaic (their device_kind): fp8 needs v5p, v6e or later.
+NO_FP8_KINDS = ("TPU v2", "TPU v3", "TPU v4", "TPU v4 lite", "TPU v5 lite", "TPU v5e")
+
+
+def check_cache_dtype(cache_dtype: jnp.dtype, device_kind: str) -> None:
+    """Raise ``UnsupportedShapeError`` (field ``kv_cache_dtype``) for an fp8 cache on a TPU
+    generation that cannot hold it (``device_kind`` as ``jax.Device.device_kind`` says it)."""
+    dtype = jnp.dtype(cache_dtype)
+    if dtype in FP8_DTYPES and device_kind in NO_FP8_KINDS:
+        raise UnsupportedShapeError("kv_cache_dtype", dtype.name,
+                                    f"float32 or bfloat16 on {device_kind} (fp8 needs TPU v5p, "
+                                    f"v6e or later)")
 
 
 def check_shapes(q: jax.Array, kv_cache: jax.Array, block_q: int, pages_per_block: int) -> None:
@@ -186,6 +202,8 @@ def ragged_paged_attention_tpu(
     sm_scale: float,
     sliding_window: jax.Array | int = 0,
     soft_cap: float | None = None,
+    k_scale: jax.Array | float = 1.0,
+    v_scale: jax.Array | float = 1.0,
     interpret: bool = False,
     block_q: int | None = None,
     pages_per_block: int | None = None,
@@ -200,6 +218,8 @@ def ragged_paged_attention_tpu(
       sliding_window: i32[] the layer's window (0: full attention), scalar-prefetched: each
         request's walk starts at the kv block of its first visible key.
       soft_cap: the scores' soft cap, or None.
+      k_scale, v_scale: f32[] per-tensor scales of the cached keys and values,
+        scalar-prefetched: pages are copied in the cache's dtype and widened in the kernel.
       interpret: run in the TPU interpreter (``pltpu.InterpretParams()``), e.g. on CPU.
       block_q: tokens per q-block (grid step).
       pages_per_block: pages per DMA'd kv block.
@@ -225,7 +245,7 @@ def ragged_paged_attention_tpu(
     # [T, N, H] -> [K, T*G, H]: one kv head's queries form one 2-D tile per q-block.
     q_k = jnp.pad(q, ((0, Tp - T), (0, 0), (0, 0))).reshape(Tp, K, G, H)
     q_k = q_k.transpose(1, 0, 2, 3).reshape(K, Tp * G, H)
-    kv_new = jnp.stack([k, v], axis=2).reshape(T, K2, H).astype(kv_cache.dtype)
+    kv_new = new_rows(k, v, kv_cache.dtype, k_scale, v_scale)
     kv_new = jnp.pad(kv_new, ((0, Tp - T), (0, 0), (0, 0)))
     num_seqs_1 = jnp.reshape(num_seqs, (1,)).astype(jnp.int32)
     scalars = (
@@ -234,6 +254,7 @@ def ragged_paged_attention_tpu(
         query_start_loc.astype(jnp.int32),
         num_seqs_1,
         jnp.reshape(sliding_window, (1,)).astype(jnp.int32),
+        jnp.stack([jnp.asarray(k_scale), jnp.asarray(v_scale)]).astype(jnp.float32),
         jnp.pad(slot_mapping.astype(jnp.int32), (0, Tp - T)),
         _first_request_of_blocks(query_start_loc, num_seqs, nb, bq),
     )

@@ -40,11 +40,12 @@ def isa_library() -> Callable[[str], ctypes.CDLL]:
 
 @pytest.fixture(scope="session")
 def isa_attention(isa_library: Callable[[str], ctypes.CDLL]) -> Callable[[str], Callable]:
-    """`attention(name)`: the float32 attention kernel of `name`'s build ("native": the library
-    the process loaded) as `f(q, cache, tables, seq_lens, query_start_loc, num_seqs, *,
-    sm_scale, block_q, pages_per_split, batch_invariant=False, sliding_window=0, soft_cap=0.0)
-    -> out [T, N, H]`, the new K/V already in the cache.
-    Each build's custom-call target is registered once, under a name of its own."""
+    """`attention(name)`: the attention kernel (float32 queries, a cache of any dtype it
+    reads) of `name`'s build ("native": the library the process loaded) as `f(q, cache,
+    tables, seq_lens, query_start_loc, num_seqs, *, sm_scale, block_q, pages_per_split,
+    batch_invariant=False, sliding_window=0, soft_cap=0.0) -> out [T, N, H]`, the new K/V
+    already in the cache. Each build's custom-call target is registered once, under a name
+    of its own."""
     targets: dict[str, str] = {}
 
     def attention(name: str) -> Callable:
@@ -53,15 +54,16 @@ def isa_attention(isa_library: Callable[[str], ctypes.CDLL]) -> Callable[[str], 
                 targets[name] = native.target(jnp.float32)
             else:
                 library = isa_library(name)
-                targets[name] = f"jaxengine_test_ragged_paged_attention_f32_{name}"
+                targets[name] = f"jaxengine_test_ragged_paged_attention_{name}"
                 jax.ffi.register_ffi_target(
-                    targets[name], jax.ffi.pycapsule(library.RaggedPagedAttentionF32),
+                    targets[name], jax.ffi.pycapsule(library.RaggedPagedAttention),
                     platform="cpu")
 
         def call(q, cache, *metadata, sm_scale: float, block_q: int, pages_per_split: int,
                  batch_invariant: bool = False, sliding_window: int = 0, soft_cap: float = 0.0):
             return jax.ffi.ffi_call(targets[name], jax.ShapeDtypeStruct(q.shape, jnp.float32))(
                 q, cache, *metadata, jnp.asarray(sliding_window, jnp.int32),
+                jnp.float32(1.0), jnp.float32(1.0),  # k_scale, v_scale
                 sm_scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap),
                 block_q=np.int64(block_q), pages_per_split=np.int64(pages_per_split),
                 batch_invariant=batch_invariant)

@@ -148,7 +148,7 @@ def test_the_step_calls_the_kernel_and_updates_the_cache_in_place():
     args = [jax.ShapeDtypeStruct(s, d) for s, d in shapes]
     hlo = jax.jit(step, donate_argnames=("kv",)).lower(*args).compile().as_text()
     entry = hlo[hlo.index("ENTRY"):]
-    assert entry.count("jaxengine_ragged_paged_attention_f32") == layers
+    assert entry.count(f'custom_call_target="{native.ATTENTION_TARGET[0]}"') == layers
     whole = (f"f32[{layers * P},{L},{2 * K},{H}]", f"f32[{layers},{P},{L},{2 * K},{H}]",
              f"f32[{layers * P * L},{2 * K},{H}]")
     copies = [ln for ln in entry.splitlines()
@@ -184,13 +184,13 @@ def test_without_a_compiler_the_default_is_the_reference_with_a_warning(monkeypa
         native.available.cache_clear()
 
 
-def test_other_dtypes_are_refused_by_name():
-    with pytest.raises(ValueError, match="float32 or bfloat16, got float16"):
+def test_other_cache_dtypes_are_refused_by_name():
+    with pytest.raises(ValueError, match="float8_e4m3fn, float8_e5m2, got float16"):
         native.target(jnp.float16)
     case = make_case([(1, 5)], num_heads=2, num_kv_heads=1, head_dim=8, page_size=4)
     q, k, v, cache, *rest = case.args(jnp.float32)
-    with pytest.raises(ValueError, match="must share a dtype"):
-        ragged_paged_attention_cpu(q, k, v, cache.astype(jnp.bfloat16), *rest, sm_scale=1.0)
+    with pytest.raises(ValueError, match="float8_e5m2, got int8"):
+        ragged_paged_attention_cpu(q, k, v, cache.astype(jnp.int8), *rest, sm_scale=1.0)
 
 
 @pytest.mark.parametrize(("window", "soft_cap"), [(0, None), (37, 0.5)])
@@ -210,6 +210,23 @@ def test_every_isa_build_matches_the_oracle(isa, isa_attention, window, soft_cap
                              soft_cap=soft_cap or 0.0)
     want, _ = numpy_oracle(case, sliding_window=window, soft_cap=soft_cap)
     np.testing.assert_allclose(np.asarray(out)[: case.num_tokens], want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("cache_dtype", ["bfloat16", "float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("isa", native.X86_ISAS)
+def test_every_isa_build_reads_narrow_caches(isa, isa_attention, cache_dtype):
+    """Each ISA level's build widens bfloat16 and fp8 cache rows (vector code with a scalar
+    tail at head dim 80) to the values the reference reads from the same cache."""
+    case = make_case([(1, 300), (70, 70), (3, 16)], num_heads=6, num_kv_heads=2, head_dim=80,
+                     page_size=16, seed=12)
+    q, k, v, cache, slots, tables, seq_lens, qsl, num_seqs = case.args(jnp.float32)
+    cache = write_kv(cache.astype(cache_dtype), k, v, slots)
+    out = isa_attention(isa)(q, cache, tables, seq_lens, qsl, num_seqs, sm_scale=case.sm_scale,
+                             block_q=32, pages_per_split=4)
+    want, _ = jaxengine_kernels.ragged_paged_attention(
+        q, k, v, cache, slots, tables, seq_lens, qsl, num_seqs, sm_scale=case.sm_scale)
+    T = case.num_tokens
+    np.testing.assert_allclose(np.asarray(out)[:T], np.asarray(want)[:T], atol=2e-5, rtol=2e-5)
 
 
 def test_vmap_runs_the_kernel_per_element():

@@ -29,7 +29,8 @@ def attention(cfg: ModelConfig, layout: TPLayout, *, mesh: Mesh, dtype: jnp.dtyp
                      mesh=mesh, dtype=dtype, rngs=rngs, kv_repeat=layout.kv_repeat,
                      sm_scale=cfg.attn_scale, soft_cap=cfg.attn_softcap,
                      norm_offset=norm_offset,
-                     windows=cfg.layer_windows if cfg.sliding_window else ())
+                     windows=cfg.layer_windows if cfg.sliding_window else (),
+                     kv_scales=cfg.layer_kv_scales if cfg.kv_scales else ())
 
 
 class LlamaBlock(nnx.Module):

@@ -1,17 +1,22 @@
 """Host offloading over a tiny random Llama checkpoint: the [Ly, P, L, 2K, H] pool's pages go to
 the host and back unchanged (greedy outputs equal those without offloading), precompiled with
-`debug_recompiles` (nothing compiles after warm-up), and on a tensor-parallel mesh whose pool is
-split over the heads (2 virtual CPU devices, in a child process)."""
+`debug_recompiles` (nothing compiles after warm-up), in every KV cache dtype (the pages come
+back bit for bit), and on a tensor-parallel mesh whose pool is split over the heads (2 virtual
+CPU devices, in a child process)."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from jaxengine.engine.args import EngineArgs
 from jaxengine.engine.build import build_engine
+from jaxengine.kv_offload import BlockCopier
 from scheduler import SamplingParams, check_invariants
 from tests.parallel_helpers import run_python
 
@@ -62,6 +67,32 @@ def test_greedy_outputs_are_unchanged_by_offloading(async_scheduling: bool) -> N
     assert p["computed"] + p["hits"] == o["computed"] + o["hits"] + o["host"]
     assert o["computed"] < p["computed"]
     assert o["after_warmup"] == p["after_warmup"] == 0
+
+
+def test_an_fp8_pool_is_offloaded_with_the_same_outputs() -> None:
+    # Compiled as steps need them: the copies are what this checks (the bits, below).
+    kw = dict(kv_cache_dtype="fp8", attention_backend="reference", precompile=False,
+              debug_recompiles=False)
+    plain, _ = generate(**kw)
+    offloaded, o = generate(kv_offloading_size=0.001, **kw)
+    assert offloaded == plain
+    assert o["host"] >= len(SHARED)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn", "float8_e5m2"])
+def test_pages_come_back_bit_for_bit_in_every_dtype(dtype: str) -> None:
+    values = jax.random.normal(jax.random.key(0), (2, 8, 4, 4, 8)) * 100  # fp8 saturates
+    kv = values.astype(dtype)
+    copier = BlockCopier(kv, page_axis=1, debug_recompiles=True)
+    assert copier.page_bytes == 2 * 4 * 4 * 8 * jnp.dtype(dtype).itemsize
+    ids = np.array([5, 2, 7], np.int32)
+    pages = np.asarray(copier.gather(kv, ids))[:len(ids)]  # on the host, [3, 2, 4, 4, 8]
+    assert pages.dtype == jnp.dtype(dtype)
+    back = copier.scatter(jnp.zeros_like(kv), np.array([1, 3, 4], np.int32), pages)
+    assert back.dtype == kv.dtype
+    bits = jnp.uint16 if jnp.dtype(dtype).itemsize == 2 else jnp.uint8
+    np.testing.assert_array_equal(jax.lax.bitcast_convert_type(back[:, [1, 3, 4]], bits),
+                                  jax.lax.bitcast_convert_type(kv[:, [5, 2, 7]], bits))
 
 
 TENSOR_PARALLEL = """

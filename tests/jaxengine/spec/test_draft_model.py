@@ -8,6 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import jax.numpy as jnp
 import pytest
 
 from jaxengine.config import SpeculativeConfig
@@ -52,6 +53,8 @@ def run(params: SamplingParams, **kw: Any) -> tuple[dict[str, tuple], Counts]:
     assert engine.state.num_free_blocks == engine.scheduler_config.num_blocks - 1
     counts.late = compile_count(REPLAY_NAME, PROPOSE_NAME) - built  # type: ignore[attr-defined]
     counts.preempted = engine.state.stats.num_preemptions  # type: ignore[attr-defined]
+    counts.kv_dtypes = {engine.runner.kv.dtype,  # type: ignore[attr-defined]
+                        getattr(engine.speculator, "kv", engine.runner.kv).dtype}
     return done, counts
 
 
@@ -69,6 +72,17 @@ def test_the_target_as_its_own_draft_is_always_right_and_compiles_only_in_warm_u
     assert counts.accepted == counts.draft_tokens > 0
     assert compile_count(REPLAY_NAME, PROPOSE_NAME) > before  # precompile made the draft's,
     assert counts.late == 0  # type: ignore[attr-defined]  # and the steps needed no other
+
+
+def test_an_fp8_cache_in_target_and_draft_keeps_every_draft_right() -> None:
+    """The draft's cache takes the target's dtype: the target as its own draft still proposes
+    exactly what it will accept."""
+    plain, counts = run(GREEDY, kv_cache_dtype="fp8")
+    assert counts.kv_dtypes == {jnp.dtype(jnp.float8_e4m3fn)}  # type: ignore[attr-defined]
+    spec, counts = run(GREEDY, kv_cache_dtype="fp8", speculative_config=draft_config(TARGET))
+    assert counts.kv_dtypes == {jnp.dtype(jnp.float8_e4m3fn)}  # type: ignore[attr-defined]
+    assert spec == plain
+    assert counts.accepted == counts.draft_tokens > 0
 
 
 @pytest.mark.slow  # 22 s: two engines recomputing preempted requests

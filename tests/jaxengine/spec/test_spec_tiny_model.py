@@ -41,6 +41,15 @@ def test_greedy_outputs_are_unchanged_and_drafts_are_accepted(async_scheduling: 
         assert spec_steps < plain_steps  # more than these partly accepted drafts save
 
 
+@pytest.mark.slow  # 24 s: two engines; test_draft_model.py drafts over an fp8 cache by default
+def test_greedy_outputs_over_an_fp8_cache_are_unchanged() -> None:
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    plain, _, _ = run(params, kv_cache_dtype="fp8")
+    spec, counts, _ = run(params, kv_cache_dtype="fp8", speculative_config=NGRAM)
+    assert spec == plain
+    assert 0 < counts.accepted < counts.draft_tokens
+
+
 @LOOPS
 def test_seeded_sampling_is_unchanged(async_scheduling: bool) -> None:
     params = SamplingParams(max_tokens=24, temperature=0.3, top_k=20, seed=7, ignore_eos=True)
