@@ -10,14 +10,18 @@
 // weight against float32's 4 (Q8_0: 1.06), so the step reads fewer bytes; the blocks are
 // dequantized on the way, in the kernel (docs/BENCHMARKS.md §2, "Quantized projections").
 //
-// Work: units of kUnitRows output rows x a run of kRunRows rows of x (run by run, as the packed
+// Work: units of a few output rows x a run of kRunRows rows of x (run by run, as the packed
 // matmul's, so that a prefill's run of x stays in L2 while the weights stream past), taken by
-// XLA's intra-op threads from a shared counter. A unit dequantizes kGroup output rows at a time
-// into float32 rows [kGroup, K] in L1 (each weight once per unit, whatever the number of rows
-// of x), then every block of kRows rows of x takes dot products with them: kRows x kGroup
-// vectors of partial sums in registers, each x and weight vector loaded once per block.
+// XLA's intra-op threads from a shared counter. A decode's few rows (at most kRows) take the
+// blocks in registers: kGroup output rows' blocks dequantized a block at a time and multiplied
+// into kRows x kGroup vectors of partial sums. More rows go through a scratch: the unit's
+// kUnitRows rows dequantized once into float32 rows [kUnitRows, K] (in L2), then every block of
+// kRows rows of x (in L1) meets each group of kGroup rows of it in registers as above. The
+// scratch path runs at about 0.7x the float32 packed loop's rate on long prefill runs (each
+// x vector meets kGroup rows where the packed loop broadcasts x against a 64-column panel;
+// docs/BENCHMARKS.md §2, "Quantized projections").
 // Numerics: each output is kLanes float32 partial sums over K (lane l: k = l, l + kLanes, ...)
-// added lane by lane at the end, whatever the row count: a row's result does not depend on the
+// added in lane_sum's fixed order at the end, whatever the row count or path: a row's result does not depend on the
 // rows beside it. The dequantized weights are the file's values d * q + m (Q4_1) and d * q
 // (Q8_0) in float32 (one rounding where the compiler fuses Q4_1's multiply-add, two in gguf's
 // numpy), so the product equals the float32 matmul over the dequantized file to float32
@@ -99,11 +103,14 @@ struct Q8_0 {
 // kRows x kGroup vectors of sums, kGroup weight vectors and one of x fill the registers
 // (32 with AVX-512, 16 otherwise).
 #if defined(__AVX512F__)
-constexpr int64_t kGroup = 4, kRows = 4;  // 16 + 4 + 1 of 32
+constexpr int64_t kGroup = 4, kRows = 6;  // 24 + 4 + 1 of 32
 #else
 constexpr int64_t kGroup = 4, kRows = 2;  // 8 + 4 + 1 of 16
 #endif
-constexpr int64_t kUnitRows = 4 * kGroup;  // output rows per unit
+// Output rows per unit: a decode's units are small, to spread a projection's few rows of blocks
+// over the threads evenly; longer runs of x take more, each x row block (in L1) then meeting
+// more dequantized rows before the next is read from L2.
+constexpr int64_t kDecodeUnitRows = 4 * kGroup, kUnitRows = 16 * kGroup;
 constexpr int64_t kRunRows = 96;           // rows of x per unit
 
 // R rows of x [R, K] against the dequantized rows w [kGroup, K]: out[r * ldo + g] for g < width.
@@ -164,23 +171,32 @@ inline void blocks_tail(int64_t rows, const float* x, const uint8_t* blocks, int
   }
 }
 
-// Rows [m0, m1) of x against output rows [n0, n0 + width) (width <= kGroup) of `blocks`: the
-// sums to out [m1 - m0, ldo]. At most kRows rows take the blocks in registers; more go through
-// w [kGroup, K] (the scratch), each weight dequantized once for all of them.
+// Rows [m0, m1) of x against output rows [n0, n0 + width) (width <= kUnitRows) of `blocks`:
+// the sums to out [m1 - m0, ldo]. At most kRows rows take the blocks in registers, a group of
+// kGroup output rows at a time. More rows go through w [kUnitRows, K] (the scratch, in L2),
+// each weight dequantized once for all of them; then each block of kRows rows of x (in L1)
+// meets every group of the unit's rows in turn.
 template <typename Fmt>
-void group(const float* x, const uint8_t* blocks, int64_t row_bytes, int64_t K, int64_t n0,
-           int64_t width, int64_t m0, int64_t m1, float* w, float* out, int64_t ldo) {
-  if (m1 - m0 <= kRows)
-    return blocks_tail<Fmt>(m1 - m0, x + m0 * K, blocks, row_bytes, K, n0, width, out, ldo);
+void rows(const float* x, const uint8_t* blocks, int64_t row_bytes, int64_t K, int64_t n0,
+          int64_t width, int64_t m0, int64_t m1, float* w, float* out, int64_t ldo) {
+  if (m1 - m0 <= kRows) {
+    for (int64_t g = 0; g < width; g += kGroup)
+      blocks_tail<Fmt>(m1 - m0, x + m0 * K, blocks, row_bytes, K, n0 + g,
+                       std::min(kGroup, width - g), out + g, ldo);
+    return;
+  }
   for (int64_t g = 0; g < width; ++g)
     for (int64_t b = 0; b < K / kBlock; ++b) {
       fvec v[kVecs];
       Fmt::dequantize(blocks + (n0 + g) * row_bytes + b * Fmt::kBytes, v);
       for (int64_t j = 0; j < kVecs; ++j) storev(w + g * K + b * kBlock + j * kLanes, v[j]);
     }
-  std::fill(w + width * K, w + kGroup * K, 0.0f);  // rows past N: summed, never written
+  const int64_t padded = (width + kGroup - 1) / kGroup * kGroup;
+  std::fill(w + width * K, w + padded * K, 0.0f);  // rows past N: summed, never written
   for (int64_t m = m0; m < m1; m += kRows)
-    dot_tail(std::min(kRows, m1 - m), x + m * K, w, K, out + (m - m0) * ldo, ldo, width);
+    for (int64_t g = 0; g < width; g += kGroup)
+      dot_tail(std::min(kRows, m1 - m), x + m * K, w + g * K, K, out + (m - m0) * ldo + g, ldo,
+               std::min(kGroup, width - g));
 }
 
 // Rows [m0, m1) of x against output rows [n0, n1): y's columns n0 ... n1 - 1 (with Glu,
@@ -188,22 +204,24 @@ void group(const float* x, const uint8_t* blocks, int64_t row_bytes, int64_t K, 
 template <typename Fmt, bool Glu>
 void unit(const float* x, const uint8_t* gate, const uint8_t* up, int64_t row_bytes, float* y,
           int64_t K, int64_t N, int64_t n0, int64_t n1, int64_t m0, int64_t m1) {
-  thread_local std::vector<float> scratch;  // an XLA pool thread's, reused call after call
-  scratch.resize(kGroup * K);
-  for (int64_t g0 = n0; g0 < n1; g0 += kGroup) {
-    const int64_t width = std::min(kGroup, n1 - g0);
-    if constexpr (Glu) {
-      float sums[2][kRunRows * kGroup];
-      group<Fmt>(x, gate, row_bytes, K, g0, width, m0, m1, scratch.data(), sums[0], kGroup);
-      group<Fmt>(x, up, row_bytes, K, g0, width, m0, m1, scratch.data(), sums[1], kGroup);
-      for (int64_t m = m0; m < m1; ++m)
-        for (int64_t g = 0; g < width; ++g) {
-          const int64_t i = (m - m0) * kGroup + g;
-          y[m * N + g0 + g] = fast_silu(sums[0][i]) * sums[1][i];
-        }
-    } else {
-      group<Fmt>(x, gate, row_bytes, K, g0, width, m0, m1, scratch.data(), y + m0 * N + g0, N);
-    }
+  // An XLA pool thread's, reused call after call: the dequantized rows [kUnitRows, K], then
+  // with Glu the gate's and up's sums [kRunRows, kUnitRows] each.
+  thread_local std::vector<float> scratch;
+  scratch.resize(kUnitRows * K + (Glu ? 2 * kRunRows * kUnitRows : 0));
+  float* w = scratch.data();
+  const int64_t width = n1 - n0;
+  if constexpr (Glu) {
+    float* gs = w + kUnitRows * K;
+    float* us = gs + kRunRows * kUnitRows;
+    rows<Fmt>(x, gate, row_bytes, K, n0, width, m0, m1, w, gs, kUnitRows);
+    rows<Fmt>(x, up, row_bytes, K, n0, width, m0, m1, w, us, kUnitRows);
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t n = 0; n < width; ++n) {
+        const int64_t i = (m - m0) * kUnitRows + n;
+        y[m * N + n0 + n] = fast_silu(gs[i]) * us[i];
+      }
+  } else {
+    rows<Fmt>(x, gate, row_bytes, K, n0, width, m0, m1, w, y + m0 * N + n0, N);
   }
 }
 
@@ -224,11 +242,12 @@ ffi::Error BlockMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffe
   float* Y = y->typed_data();
   std::fill(Y + M * N, Y + xd[0] * N, 0.0f);
   if (M == 0 || N == 0) return ffi::Error::Success();
-  const int64_t groups = (N + kUnitRows - 1) / kUnitRows;
+  const int64_t span = M <= kRows ? kDecodeUnitRows : kUnitRows;  // output rows per unit
+  const int64_t groups = (N + span - 1) / span;
   parallel_for(pool, groups * ((M + kRunRows - 1) / kRunRows), [&](int64_t i) {
-    const int64_t n0 = i % groups * kUnitRows, m0 = i / groups * kRunRows;
+    const int64_t n0 = i % groups * span, m0 = i / groups * kRunRows;
     unit<Fmt, Glu>(X, gate.typed_data(), up.typed_data(), row_bytes, Y, K, N, n0,
-                   std::min(N, n0 + kUnitRows), m0, std::min(M, m0 + kRunRows));
+                   std::min(N, n0 + span), m0, std::min(M, m0 + kRunRows));
   });
   return ffi::Error::Success();
 }
