@@ -34,6 +34,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <vector>
 
 #include "parallel_for.h"
 #include "simd.h"
@@ -99,10 +100,10 @@ struct Prefetch {
 
 // R rows of x (row stride ldx) against kc rows of a panel; the sums go to out [R, kPanel],
 // added to what it holds when Add.
-template <int64_t R, bool Add, typename W>
+template <int64_t R, bool Add, typename W, typename PW>
 inline void row_block(const float* x, int64_t ldx, int64_t kc, const W* panel,
-                      Prefetch<W> pf, float* out) {
-  constexpr int64_t line = 64 / sizeof(W);  // weights per cache line
+                      Prefetch<PW> pf, float* out) {
+  constexpr int64_t line = 64 / sizeof(PW);  // prefetched weights per cache line
   fvec acc[R][kVectors];
   for (int64_t r = 0; r < R; ++r)
     for (int64_t v = 0; v < kVectors; ++v)
@@ -122,15 +123,23 @@ inline void row_block(const float* x, int64_t ldx, int64_t kc, const W* panel,
     for (int64_t v = 0; v < kVectors; ++v) storev(out + r * kPanel + v * kLanes, acc[r][v]);
 }
 
-template <int64_t R = kRowBlock, typename W>
+template <int64_t R = kRowBlock, typename W, typename PW>
 inline void row_tail(int64_t rows, bool add, const float* x, int64_t ldx, int64_t kc,
-                     const W* panel, Prefetch<W> pf, float* out) {
+                     const W* panel, Prefetch<PW> pf, float* out) {
   if constexpr (R > 0) {
     if (rows == R)
       return add ? row_block<R, true>(x, ldx, kc, panel, pf, out)
                  : row_block<R, false>(x, ldx, kc, panel, pf, out);
     row_tail<R - 1>(rows, add, x, ldx, kc, panel, pf, out);
   }
+}
+
+// `rows` panel rows from src as floats: src itself for a float panel; an int8 one widened into
+// dst [rows, kPanel].
+inline const float* widened(const float* src, int64_t, float*) { return src; }
+inline const float* widened(const int8_t* src, int64_t rows, float* dst) {
+  for (int64_t i = 0; i < rows * kPanel; i += kLanes) storev(dst + i, loadw(src + i));
+  return dst;
 }
 
 // Output columns of one panel's sums: y = sums (a plain product), or y = silu(gate) * up for a
@@ -167,21 +176,24 @@ inline void emit(const float* gate, const float* up, const float* gs, const floa
 // live rows gain from them, 96-row runs do not, and a prefill's runs stay unchunked
 // (docs/BENCHMARKS.md §2, "Packed projections").
 //
-// w holds every weight panel; scale is null for float32 panels, else int8 panels' column scales
-// f32[N] (f32[2N] with Glu: the gate's, then up's).
-template <bool Glu, typename W = float>
-void unit(const float* x, const W* w, float* y, int64_t K, int64_t N, int64_t p, int64_t m0,
-          int64_t m1, const float* scale = nullptr) {
+// An int8 panel that meets more than one row block is widened to float32 once, a chunk at a
+// time (or whole, for a long run, into a thread's scratch), and the blocks read the floats:
+// widening a vector costs about what its multiply-adds with one block do, so widened per block
+// a few rows' product would be compute-bound (docs/BENCHMARKS.md §2, "Quantized projections").
+// One block reads the int8 rows itself.
+//
+// panels: output panel p's weight panels (kParts of them); gs and us (Scaled): the columns'
+// scales of the gate's or plain product's panel and of up's.
+template <bool Glu, bool Scaled, typename W>
+void panel_unit(const float* x, const W* panels, float* y, int64_t K, int64_t N, int64_t p,
+                int64_t m0, int64_t m1, const float* gs, const float* us) {
   constexpr int64_t kParts = Glu ? 2 : 1;  // weight panels per output panel
-  constexpr bool kScaled = !std::is_same_v<W, float>;
   // kAhead counts float panel rows; an int8 row is a quarter of the bytes.
   constexpr int64_t ahead = kAhead * sizeof(float) / sizeof(W);
-  const W* panels = w + kParts * p * K * kPanel;
   const int64_t n0 = p * kPanel, width = std::min(kPanel, N - n0);
-  const float* gs = kScaled ? scale + n0 : nullptr;
-  const float* us = kScaled && Glu ? scale + N + n0 : nullptr;
   if (m1 - m0 > kRowBlock && m1 - m0 <= kChunkRows) {
     alignas(64) float sums[kParts][kChunkRows * kPanel];
+    alignas(64) float wide[Scaled ? kChunk * kPanel : 1];
     const int64_t blocks = (m1 - m0 + kRowBlock - 1) / kRowBlock;
     for (int64_t part = 0; part < kParts; ++part) {
       const W* panel = panels + part * K * kPanel;
@@ -190,19 +202,27 @@ void unit(const float* x, const W* w, float* y, int64_t K, int64_t N, int64_t p,
       for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
         const int64_t kc = std::min(kChunk, K - k0), next = k0 + 2 * kChunk;
         const int64_t rows = std::clamp<int64_t>(K - next, 0, kChunk);  // of the chunk ahead
+        const float* chunk = widened(panel + k0 * kPanel, kc, wide);
         for (int64_t b = 0; b < blocks; ++b) {
           const int64_t m = m0 + b * kRowBlock, first = rows * b / blocks;
-          row_tail(std::min(kRowBlock, m1 - m), k0 > 0, x + m * K + k0, K, kc,
-                   panel + k0 * kPanel,
+          row_tail(std::min(kRowBlock, m1 - m), k0 > 0, x + m * K + k0, K, kc, chunk,
                    Prefetch<W>{panel + (next + first) * kPanel, rows * (b + 1) / blocks - first},
                    sums[part] + (m - m0) * kPanel);
         }
       }
     }
     for (int64_t m = m0; m < m1; ++m)
-      emit<Glu, kScaled>(sums[0] + (m - m0) * kPanel, sums[kParts - 1] + (m - m0) * kPanel, gs,
+      emit<Glu, Scaled>(sums[0] + (m - m0) * kPanel, sums[kParts - 1] + (m - m0) * kPanel, gs,
                          us, y + m * N + n0, width);
     return;
+  }
+  if constexpr (!std::is_same_v<W, float>) {
+    if (m1 - m0 > kRowBlock) {  // a long run: the panels widened once, then read as floats
+      thread_local std::vector<float> scratch;  // an XLA pool thread's, reused call after call
+      scratch.resize(kParts * K * kPanel);
+      return panel_unit<Glu, Scaled>(x, widened(panels, kParts * K, scratch.data()), y, K, N, p,
+                                     m0, m1, gs, us);
+    }
   }
   alignas(64) float sums[kParts][kRowBlock * kPanel];
   for (int64_t m = m0; m < m1; m += kRowBlock) {
@@ -214,9 +234,22 @@ void unit(const float* x, const W* w, float* y, int64_t K, int64_t N, int64_t p,
                sums[part]);
     }
     for (int64_t r = 0; r < rows; ++r)
-      emit<Glu, kScaled>(sums[0] + r * kPanel, sums[kParts - 1] + r * kPanel, gs, us,
+      emit<Glu, Scaled>(sums[0] + r * kPanel, sums[kParts - 1] + r * kPanel, gs, us,
                          y + (m + r) * N + n0, width);
   }
+}
+
+// Rows [m0, m1) of x against output panel p of w (every weight panel); scale is null for
+// float32 panels, else int8 panels' column scales f32[N] (f32[2N] with Glu: the gate's, then
+// up's).
+template <bool Glu, typename W = float>
+void unit(const float* x, const W* w, float* y, int64_t K, int64_t N, int64_t p, int64_t m0,
+          int64_t m1, const float* scale = nullptr) {
+  constexpr bool kScaled = !std::is_same_v<W, float>;
+  const W* panels = w + (Glu ? 2 : 1) * p * K * kPanel;
+  const float* gs = kScaled ? scale + p * kPanel : nullptr;
+  const float* us = kScaled && Glu ? scale + N + p * kPanel : nullptr;
+  panel_unit<Glu, kScaled>(x, panels, y, K, N, p, m0, m1, gs, us);
 }
 
 // y [M, N] from x [M, K] and panels [(Glu ? 2 : 1) * ceil(N/W), K, W] of float32 weights, or of

@@ -231,3 +231,21 @@ def test_every_isa_build_matches_numpy_on_int8_panels(isa, isa_library):
             jnp.asarray(x), jnp.asarray(vp.transpose(1, 0, 2)), jnp.asarray(scale),
             jnp.int32(m))
         check_int8(y, x, values, scale)
+
+
+@pytest.mark.parametrize("glu", [False, True])
+def test_an_int8_row_does_not_depend_on_the_row_count(glu):
+    """One row block reads the int8 panel itself, more widen it to float32 first (a chunk, or
+    the whole panel for a long run): the same products in the same order, so the same bits."""
+    x, values, scale = int8_operands(200, 96, 130, seed=9)
+    if glu:
+        panels = pack_swiglu_int8(values, values[:, ::-1])
+        product = jax.jit(lambda x, live: packed_swiglu_int8(
+            x, panels, jnp.asarray(np.concatenate([scale, scale])), 130, live))
+    else:
+        panels = pack_int8(values)
+        product = jax.jit(lambda x, live: packed_matmul_int8(x, panels, jnp.asarray(scale), 130,
+                                                             live))
+    alone = np.asarray(jax.vmap(lambda row: product(row[None], 1)[0])(jnp.asarray(x)))
+    for m in (1, 6, 7, 64, 65, 97, 200):
+        np.testing.assert_array_equal(np.asarray(product(jnp.asarray(x), m))[:m], alone[:m])
