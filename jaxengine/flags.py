@@ -21,6 +21,7 @@ from jaxengine.engine import args as engine_args_module
 from jaxengine.engine.args import EngineArgs
 
 CHOICES = {"dtype": engine_args_module.DTYPES,
+           "quantization": engine_args_module.QUANTIZATIONS,
            "scheduling_policy": tuple(scheduler.POLICIES),
            "attention_backend": engine_args_module.ATTENTION_BACKENDS}
 

@@ -8,6 +8,7 @@ from typing import Any, get_args
 
 import scheduler
 from jaxengine.config import Dtype, SpeculativeConfig
+from jaxengine.model.quant import QUANTIZATIONS
 
 DTYPES = ("auto", *get_args(Dtype))  # "auto": jaxengine.config.DEFAULT_DTYPE
 ATTENTION_BACKENDS = ("reference", "cpu", "tpu", "gpu")
@@ -29,6 +30,10 @@ class EngineArgs:
                                   "SmolLM2-135M-Instruct")
     dtype: str = arg("auto", "weights, activations and KV cache: auto (= float32), float32 "
                              "or bfloat16")
+    quantization: str | None = arg(
+        None, "weights on the device: None (the checkpoint's floats in dtype), int8 or fp8 "
+              "(weight-only, one scale per output channel, quantized at load from the "
+              "float weights; a GGUF's blocks are dequantized first)")
     seed: int = arg(0, "seeds the per-request seeds of requests that give none")
     max_model_len: int | None = arg(None, "longest sequence (prompt + output); None: the "
                                           "model's max positions")
@@ -103,6 +108,8 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         _check_choice("dtype", self.dtype, DTYPES)
+        if self.quantization is not None:
+            _check_choice("quantization", self.quantization, QUANTIZATIONS)
         # Any policy registered with the scheduler, research ones included.
         _check_choice("scheduling_policy", self.scheduling_policy, tuple(scheduler.POLICIES))
         if self.attention_backend is not None:
@@ -170,6 +177,9 @@ def _check_batch_invariant(args: EngineArgs) -> None:
     if args.dtype == "bfloat16":
         raise ValueError("batch_invariant=True needs dtype float32 (or auto): bfloat16 "
                          "projections are XLA's dots, whose row sums depend on the row count")
+    if args.quantization is not None:
+        raise ValueError(f"batch_invariant=True needs float weights (the packed CPU matmul is "
+                         f"float32), got quantization={args.quantization!r}")
     if args.tensor_parallel_size != 1:
         raise ValueError(f"batch_invariant=True needs tensor_parallel_size=1 (the packed CPU "
                          f"matmul), got {args.tensor_parallel_size}")

@@ -218,7 +218,8 @@ def build_engine(args: EngineArgs, *, devices: Sequence[jax.Device] | None = Non
     mesh = make_mesh(engine_devices(args.tensor_parallel_size, devices))
     model, cfg, tokenizer = load_model(args.model, dtype=resolve_dtype(args.dtype),
                                        with_tokenizer=not args.skip_tokenizer_init, mesh=mesh,
-                                       expert_parallel=args.enable_expert_parallel)
+                                       expert_parallel=args.enable_expert_parallel,
+                                       quantization=args.quantization)
     fns = model_fns(model, cfg, attn_impl=attention_backend(args, cfg),
                     batch_invariant=args.batch_invariant)
     config = resolve_config(args, fns, cfg, mesh.devices.flat[0])

@@ -21,8 +21,8 @@ from jaxengine.model.mesh import engine_devices, make_mesh
 
 def load_model_fns(path: str | None = None, *, dtype: str = "float32",
                    tensor_parallel_size: int = 1, attention_backend: str | None = None,
-                   block_size: int = 16, progress: bool | None = None
-                   ) -> tuple[ModelFns, Tokenizer]:
+                   block_size: int = 16, progress: bool | None = None,
+                   quantization: str | None = None) -> tuple[ModelFns, Tokenizer]:
     """Load a model's pure functions and tokenizer for `generate` / `score` (never downloads).
 
     Args:
@@ -34,17 +34,20 @@ def load_model_fns(path: str | None = None, *, dtype: str = "float32",
         None: the platform's kernel, as `LLM` picks it.
       block_size: the page size the kernel is checked for; pass the same to `generate`.
       progress: a bar over the tensors read; None: only when stderr is a terminal.
+      quantization: the weights' format, as `LLM`'s: None (float), "int8" or "fp8".
     Returns:
       (ModelFns, Tokenizer).
     Raises:
       ModelLoadError (a ValueError): a bad path or files.
-      ValueError: a kernel that cannot run the model's shapes, or a bad dtype / tp size.
+      ValueError: a kernel that cannot run the model's shapes, or a bad dtype / tp size /
+        quantization.
     """
     args = EngineArgs(model=path, dtype=dtype, tensor_parallel_size=tensor_parallel_size,
-                      attention_backend=attention_backend, block_size=block_size)
+                      attention_backend=attention_backend, block_size=block_size,
+                      quantization=quantization)
     mesh = make_mesh(engine_devices(tensor_parallel_size))
     model, cfg, tokenizer = load_model(path, dtype=resolve_dtype(args.dtype), mesh=mesh,
-                                       progress=progress)
+                                       progress=progress, quantization=args.quantization)
     return build.model_fns(model, cfg, attn_impl=build.attention_backend(args, cfg)), tokenizer
 
 

@@ -43,6 +43,7 @@ def read_hf_config(path: str | os.PathLike[str]) -> ModelConfig:
     path = os.fspath(path)
     cfg_path = os.path.join(path, "config.json")
     raw = _read_config_json(path, cfg_path)
+    _refuse_quantized(raw, cfg_path)
     arch = _supported_model_type(raw)
     fam = family(arch)
     text_raw = raw.get("text_config", raw) if fam.text_config else raw
@@ -58,6 +59,25 @@ def read_hf_config(path: str | os.PathLike[str]) -> ModelConfig:
         hf = fam.text_config(hf)
         arch, fam = hf.model_type, family(hf.model_type)
     return _model_config(hf, arch, fam)
+
+
+def _refuse_quantized(raw: Mapping[str, Any], cfg_path: str) -> None:
+    """Raise for a checkpoint stored quantized (`quantization_config` in config.json, or in
+    its text model's): its tensors are not the float weights the loader reads, and a float
+    load of them would be silently wrong.
+
+    Raises:
+        ModelLoadError: naming the checkpoint's quant_method and what is supported.
+    """
+    for cfg in (raw, raw.get("text_config") or {}):
+        quant = cfg.get("quantization_config")
+        if quant is not None:
+            method = quant.get("quant_method") if isinstance(quant, Mapping) else quant
+            raise ModelLoadError(
+                f"{cfg_path}: the checkpoint is quantized (quantization_config quant_method="
+                f"{method!r}), which is not supported; use a float checkpoint (float32, "
+                f"float16 or bfloat16 safetensors), which quantization='int8' or 'fp8' "
+                f"quantizes at load, or a GGUF file")
 
 
 def _model_config(hf: PretrainedConfig, arch: str, fam: Family) -> ModelConfig:

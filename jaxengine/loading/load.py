@@ -14,6 +14,7 @@ from jaxengine.loading.tokenizer import Tokenizer
 from jaxengine.loading.weights import load_weights
 from jaxengine.model.config import ModelConfig, ModelLoadError
 from jaxengine.model.decoder import Model
+from jaxengine.model.quant import weight_format
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -43,7 +44,8 @@ def _check_dtype(dtype: str | jnp.dtype) -> jnp.dtype:
 
 def load_model(path: str | None = None, *, dtype: str | jnp.dtype = "float32",
                with_tokenizer: bool = True, mesh: Mesh | None = None,
-               progress: bool | None = None, expert_parallel: bool = False
+               progress: bool | None = None, expert_parallel: bool = False,
+               quantization: str | None = None
                ) -> tuple[Model, ModelConfig, Tokenizer | None]:
     """Load weights, config and tokenizer; never downloads anything.
 
@@ -57,21 +59,26 @@ def load_model(path: str | None = None, *, dtype: str | jnp.dtype = "float32",
         progress: a tqdm bar over the tensors read; None: only when stderr is a terminal.
         expert_parallel: split a MoE model's experts whole over the mesh (vLLM's
             `enable_expert_parallel`), not each expert's width.
+        quantization: the weights' format on the device (vLLM's name): None (as the
+            checkpoint's floats, in `dtype`), "int8" or "fp8" (per output channel, quantized
+            at load from the checkpoint's floats; a GGUF file's blocks are dequantized to
+            float32 first). vLLM takes every GGUF file as "gguf" whatever is asked; here an
+            explicit int8/fp8 is honoured instead of ignored.
     Returns:
         (model, config, tokenizer or None); `jaxengine.model.step.split_model(model)` gives
         the state.
     Raises:
-        ModelLoadError: missing files, wrong tensor shapes, unsupported architecture or a
-            corrupt file; the message says what to fix.
-        ValueError: the model cannot be split over the mesh's tp size.
+        ModelLoadError: missing files, wrong tensor shapes, unsupported architecture, a
+            checkpoint stored quantized, or a corrupt file; the message says what to fix.
+        ValueError: the model cannot be split over the mesh's tp size, or an unknown
+            `quantization` (or fp8 on devices that cannot hold it).
     """
     jdtype = _check_dtype(dtype)
+    weight_format(quantization)  # an unknown value fails before any file is read
     path = _existing_model_path(path)
-    if os.path.isdir(path):
-        return load_hf_dir(path, dtype=jdtype, with_tokenizer=with_tokenizer, mesh=mesh,
-                           progress=progress, expert_parallel=expert_parallel)
-    return load_gguf(path, dtype=jdtype, with_tokenizer=with_tokenizer, mesh=mesh,
-                     progress=progress, expert_parallel=expert_parallel)
+    load = load_hf_dir if os.path.isdir(path) else load_gguf
+    return load(path, dtype=jdtype, with_tokenizer=with_tokenizer, mesh=mesh,
+                progress=progress, expert_parallel=expert_parallel, quantization=quantization)
 
 
 def load_tokenizer(path: str | None = None) -> Tokenizer:
@@ -99,31 +106,37 @@ def _existing_model_path(path: str | None) -> str:
 
 def load_hf_dir(path: str, *, dtype: jnp.dtype, with_tokenizer: bool = True,
                 mesh: Mesh | None = None, progress: bool | None = None,
-                expert_parallel: bool = False) -> tuple[Model, ModelConfig, Tokenizer | None]:
-    """Load an HF directory (safetensors, single or sharded) onto `mesh` (`progress` and
-    `expert_parallel`: as for `load_model`)."""
+                expert_parallel: bool = False, quantization: str | None = None
+                ) -> tuple[Model, ModelConfig, Tokenizer | None]:
+    """Load an HF directory (safetensors, single or sharded) onto `mesh` (`progress`,
+    `expert_parallel` and `quantization`: as for `load_model`)."""
     cfg = read_hf_config(path)
     tokenizer = Tokenizer.from_hf_dir(path) if with_tokenizer else None
     source = SafetensorsSource(path)
     try:
         weights = load_weights(cfg, source, dtype=dtype, where=path, mesh=mesh,
-                               progress=progress, expert_parallel=expert_parallel)
+                               progress=progress, expert_parallel=expert_parallel,
+                               quantization=quantization)
     finally:
         source.close()
-    model = Model(cfg, dtype=dtype, weights=weights, mesh=mesh, expert_parallel=expert_parallel)
+    model = Model(cfg, dtype=dtype, weights=weights, mesh=mesh, expert_parallel=expert_parallel,
+                  quantization=quantization)
     return model, cfg, tokenizer
 
 
 def load_gguf(path: str, *, dtype: jnp.dtype, with_tokenizer: bool = True,
               mesh: Mesh | None = None, progress: bool | None = None,
-              expert_parallel: bool = False) -> tuple[Model, ModelConfig, Tokenizer | None]:
-    """Load a GGUF file onto `mesh`, dequantizing tensor by tensor (`progress` and
-    `expert_parallel`: as for `load_model`)."""
+              expert_parallel: bool = False, quantization: str | None = None
+              ) -> tuple[Model, ModelConfig, Tokenizer | None]:
+    """Load a GGUF file onto `mesh`, dequantizing tensor by tensor (`progress`,
+    `expert_parallel` and `quantization`: as for `load_model`)."""
     reader = open_gguf(path)
     meta = gguf_metadata(reader)
     cfg = read_gguf_config(reader, meta)
     tokenizer = Tokenizer.from_gguf_metadata(meta) if with_tokenizer else None
     weights = load_weights(cfg, GGUFSource(reader, cfg, path), dtype=dtype, where=path,
-                           mesh=mesh, progress=progress, expert_parallel=expert_parallel)
-    model = Model(cfg, dtype=dtype, weights=weights, mesh=mesh, expert_parallel=expert_parallel)
+                           mesh=mesh, progress=progress, expert_parallel=expert_parallel,
+                           quantization=quantization)
+    model = Model(cfg, dtype=dtype, weights=weights, mesh=mesh, expert_parallel=expert_parallel,
+                  quantization=quantization)
     return model, cfg, tokenizer

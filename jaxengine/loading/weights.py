@@ -9,6 +9,9 @@ when tp > K, the vocabulary zero-padded to a multiple of tp: `to_layout`), and h
 `jax.make_array_from_callback` with the weight's sharding, which copies to each device only
 its own shard (and, multi-host, asks each process only for its addressable shards); then it is
 dropped, so the host holds one tensor at a time and no device ever holds the whole model.
+A quantized model's matrices are read in float32 and turned into the weight format's arrays
+(values and scales: `jaxengine.model.quant.WeightFormat.host_weights`) on the host in the same
+pass, so no device holds them in float.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
 from jaxengine.model.config import ModelConfig, ModelLoadError
@@ -29,6 +32,7 @@ from jaxengine.model.decoder import Model
 from jaxengine.model.families import family
 from jaxengine.model.families.family import Path
 from jaxengine.model.mesh import make_mesh
+from jaxengine.model.quant import weight_format
 from jaxengine.model.tensor_parallel import TPLayout
 
 
@@ -46,13 +50,21 @@ def model_weight_shapes(cfg: ModelConfig) -> dict[Path, tuple[int, ...]]:
             for path, var in nnx.to_flat_state(nnx.state(abstract, nnx.Param))}
 
 
-def model_weight_shardings(cfg: ModelConfig, mesh: Mesh, *, expert_parallel: bool = False
-                           ) -> tuple[TPLayout, dict[Path, NamedSharding]]:
-    """The layout of a model of `cfg` on `mesh`, and each weight's sharding (scanned layout)."""
-    abstract = nnx.eval_shape(lambda: Model(cfg, scan_layers=True, mesh=mesh,
-                                            expert_parallel=expert_parallel))
-    shardings = nnx.get_named_sharding(nnx.state(abstract, nnx.Param), mesh)
-    return abstract.layout, {path: s.get_value() for path, s in nnx.to_flat_state(shardings)}
+def model_weight_specs(cfg: ModelConfig, mesh: Mesh, *, dtype: jnp.dtype = jnp.float32,
+                       expert_parallel: bool = False, quantization: str | None = None
+                       ) -> tuple[TPLayout, dict[Path, jax.ShapeDtypeStruct]]:
+    """The layout of a model of `cfg` on `mesh`, and each of its weights' shape, dtype and
+    sharding (scanned layout; a quantized matrix's values at its float path, its scales at
+    `jaxengine.model.quant.scale_name`'s)."""
+    abstract = nnx.eval_shape(lambda: Model(cfg, dtype=dtype, scan_layers=True, mesh=mesh,
+                                            expert_parallel=expert_parallel,
+                                            quantization=quantization))
+    state = nnx.state(abstract, nnx.Param)
+    shardings = dict(nnx.to_flat_state(nnx.get_named_sharding(state, mesh)))
+    return abstract.layout, {
+        path: jax.ShapeDtypeStruct(var.get_value().shape, var.get_value().dtype,
+                                   sharding=shardings[path].get_value())
+        for path, var in nnx.to_flat_state(state)}
 
 
 def to_layout(path: Path, host: np.ndarray, layout: TPLayout, head_dim: int) -> np.ndarray:
@@ -122,8 +134,13 @@ def load_weight(path: Path, name: str, shape: tuple[int, ...], source: TensorSou
 
 def load_weights(cfg: ModelConfig, source: TensorSource, *, dtype: jnp.dtype, where: str,
                  mesh: Mesh | None = None, progress: bool | None = None,
-                 expert_parallel: bool = False) -> dict[Path, jax.Array]:
+                 expert_parallel: bool = False, quantization: str | None = None
+                 ) -> dict[Path, jax.Array]:
     """All weights of `cfg` as device arrays in `dtype`, by module path, one at a time.
+
+    With `quantization` each matrix the format holds quantized is read in float32, laid out,
+    and quantized on the host (`WeightFormat.host_weights`) before its arrays go to the
+    devices, so no device ever holds it in float.
 
     Args:
         cfg: the architecture (decides which tensors exist and their shapes).
@@ -134,12 +151,14 @@ def load_weights(cfg: ModelConfig, source: TensorSource, *, dtype: jnp.dtype, wh
         progress: a tqdm bar over the checkpoint's tensors; None: only when stderr is a
             terminal (tqdm's rule), so server logs and captured output get none.
         expert_parallel: lay a MoE model's experts out whole over the mesh (as `Model`'s).
+        quantization: the weight format (`Model`'s): None (float), "int8" or "fp8".
     Returns:
         Arrays by module path in the scanned layout, laid out and sharded for a model on
-        `mesh`, for `Model(cfg, weights=..., mesh=mesh)`.
+        `mesh`, for `Model(cfg, weights=..., mesh=mesh, quantization=quantization)`.
     Raises:
         ModelLoadError: a tensor is missing or has the wrong shape.
-        ValueError: the model cannot be split over the mesh's tp size.
+        ValueError: the model cannot be split over the mesh's tp size, or an unknown
+            `quantization`.
     """
     np_dtype = jnp.dtype(dtype)
     shapes = model_weight_shapes(cfg)
@@ -148,8 +167,10 @@ def load_weights(cfg: ModelConfig, source: TensorSource, *, dtype: jnp.dtype, wh
     unmapped = shapes.keys() - names.keys()
     if unmapped:  # a module gained a weight the table does not know: a bug here, not user error
         raise RuntimeError(f"no checkpoint name for model weights {sorted(unmapped)}")
-    layout, shardings = model_weight_shardings(cfg, mesh or make_mesh(jax.devices()[:1]),
-                                               expert_parallel=expert_parallel)
+    fmt = weight_format(quantization)
+    layout, specs = model_weight_specs(cfg, mesh or make_mesh(jax.devices()[:1]),
+                                       dtype=np_dtype, expert_parallel=expert_parallel,
+                                       quantization=quantization)
     paths = [p for p in names if p in shapes]
     lacks = {p: functools.partial(fam.layer_lacks, cfg, p) for p in paths}
     total = sum(len(stacked_tensors(names[p], shapes[p], lacks[p])) if p[0] == "layers" else 1
@@ -158,12 +179,26 @@ def load_weights(cfg: ModelConfig, source: TensorSource, *, dtype: jnp.dtype, wh
     with tqdm(total=total, desc="loading weights", unit="tensor",
               disable=None if progress is None else not progress) as bar:
         for path in paths:
+            # A weight the model holds in another dtype than its own is the format's: read in
+            # float32 and quantized from that.
+            quantized = fmt is not None and specs[path].dtype != np_dtype
             host = to_layout(path, load_weight(
-                path, names[path], shapes[path], source, np_dtype, where, on_tensor=bar.update,
+                path, names[path], shapes[path], source,
+                np.dtype(np.float32) if quantized else np_dtype, where, on_tensor=bar.update,
                 lacks=lacks[path]), layout, cfg.head_dim)
-            # dtype: a process holding none of the shards (multi-host) calls no callback at all
-            weights[path] = jax.make_array_from_callback(
-                host.shape, shardings[path], lambda index, host=host: host[index],
-                dtype=host.dtype)
-            del host  # the devices' shards are the only copy kept
+            arrays = fmt.host_weights(path, host) if quantized else {path: host}
+            del host
+            for key, array in arrays.items():
+                weights[key] = _to_devices(array, specs[key])
+            del arrays  # the devices' shards are the only copy kept
     return weights
+
+
+def _to_devices(host: np.ndarray, spec: jax.ShapeDtypeStruct) -> jax.Array:
+    """`host` copied to each device of `spec.sharding` as its shard, nothing more."""
+    if host.shape != spec.shape or host.dtype != spec.dtype:  # a format's bug, not user error
+        raise RuntimeError(f"loaded {host.shape} {host.dtype}, the model holds {spec.shape} "
+                           f"{spec.dtype}")
+    # dtype: a process holding none of the shards (multi-host) calls no callback at all
+    return jax.make_array_from_callback(host.shape, spec.sharding,
+                                        lambda index: host[index], dtype=host.dtype)

@@ -24,6 +24,9 @@ its "tp" size (`TPLayout`: KV heads repeated when tp > K, vocabulary padded to a
 tp). Its weights are created where their sharding is declared (layers.py) and placed straight
 into their shards: a fresh model is drawn by jits whose outputs have the weights' shardings
 (`on_mesh`), a loaded one is filled with arrays the loader made shard by shard.
+With `quantization` (jaxengine/model/quant) each block and the outer parts are built through the
+weight format's module swap, so the families never see it: the abstract model, its shardings
+and the loader's arrays all come out in the format.
 Axes: T tokens, D model, N query heads, K kv heads, H head dim, F MLP width, V vocab, R rows;
 mesh axis tp.
 """
@@ -57,6 +60,14 @@ from jaxengine.model.layers import (
     rope_tables,
 )
 from jaxengine.model.mesh import make_mesh, replicated, tp_size
+from jaxengine.model.quant import (
+    QuantizedEmbedder,
+    QuantizedLinear,
+    WeightFormat,
+    check_platform,
+    quantize_modules,
+    weight_format,
+)
 from jaxengine.model.tensor_parallel import TPLayout, tp_layout
 
 # The layer axis of stacked weights is not split: vmap and scan insert / remove None there.
@@ -114,24 +125,36 @@ def _outer_parts(cfg: ModelConfig, layout: TPLayout, key: jax.Array, *, mesh: Me
 
 
 def _create_parts(cfg: ModelConfig, layout: TPLayout, *, mesh: Mesh, dtype: jnp.dtype,
-                  seed: int, scan_layers: bool, build: Build = _as_is
-                  ) -> dict[str, nnx.Module | None]:
+                  seed: int, scan_layers: bool, fmt: WeightFormat | None = None,
+                  build: Build = _as_is) -> dict[str, nnx.Module | None]:
     """The submodules of `Model`, by attribute name, with fresh weights drawn from `seed`.
 
     Args:
+        fmt: the weight format each block and the outer parts are built in (its modules
+            made from the float ones inside the constructor, so a drawn model's float
+            weights live only inside the compiled program); None: float.
         build: wraps each constructor (the outer parts, the stacked layers or one layer).
     """
     key, layer_key = jax.random.split(jax.random.key(seed))
     layer_keys = jax.random.split(layer_key, cfg.num_layers)
     block = family(cfg.architecture).block
+    outer = _outer_parts
+    if fmt is not None:
+        block = _in_format(block, fmt)
+        outer = _in_format(outer, fmt)
     if scan_layers:
         layers = build(lambda keys: stacked_blocks(block, cfg, layout, keys, mesh=mesh,
                                                    dtype=dtype))(layer_keys)
     else:
         layers = looped_blocks(block, cfg, layout, layer_keys, mesh=mesh, dtype=dtype,
                                build=build)
-    outer = build(functools.partial(_outer_parts, cfg, layout, mesh=mesh, dtype=dtype))(key)
+    outer = build(functools.partial(outer, cfg, layout, mesh=mesh, dtype=dtype))(key)
     return {**outer, "layers": layers}
+
+
+def _in_format(create: Callable[..., Any], fmt: WeightFormat) -> Callable[..., Any]:
+    """`create` (a block or parts constructor) whose result is in weight format `fmt`."""
+    return lambda *args, **kwargs: quantize_modules(create(*args, **kwargs), fmt)
 
 
 def on_mesh(create: Callable[..., Any], mesh: Mesh) -> Callable[..., Any]:
@@ -158,7 +181,8 @@ def _with_weights(abstract: dict[str, nnx.Module | None],
     """Traced parts (`nnx.eval_shape` of `_create_parts`) with every weight from `weights`.
 
     `weights` is in the scanned layout; looped layers take their slice of each stacked array.
-    Each lands in its variable's sharding (a no-op for arrays the loader already placed).
+    Each lands in its variable's sharding (a no-op for arrays the loader already placed) and
+    dtype (`dtype` for float weights; a quantized format's values and scales keep theirs).
     """
     graphdef, state = nnx.split(abstract)
     shardings = dict(nnx.to_flat_state(nnx.get_named_sharding(state, mesh)))
@@ -173,10 +197,11 @@ def _with_weights(abstract: dict[str, nnx.Module | None],
         if tuple(value.shape) != want:
             raise ValueError(f"weight {'.'.join(map(str, path))}: shape {tuple(value.shape)}, "
                              f"expected {want}")
+        want_dtype = var.get_value().dtype
         if not isinstance(value, jax.Array):
-            value = np.asarray(value).astype(dtype)
+            value = np.asarray(value).astype(want_dtype)
         value = jax.device_put(value, shardings[path].get_value())  # no-op if placed already
-        value = value if value.dtype == dtype else value.astype(dtype)
+        value = value if value.dtype == want_dtype else value.astype(want_dtype)
         filled.append((path, var.replace(value)))
     return nnx.merge(graphdef, nnx.from_flat_state(filled))
 
@@ -215,7 +240,7 @@ class Model(nnx.Module):
     def __init__(self, config: ModelConfig, *, dtype: jnp.dtype = jnp.float32, seed: int = 0,
                  weights: Mapping[Path, jax.Array | np.ndarray] | None = None,
                  scan_layers: bool | None = None, mesh: Mesh | None = None,
-                 expert_parallel: bool = False) -> None:
+                 expert_parallel: bool = False, quantization: str | None = None) -> None:
         """Build with random weights (`seed`) or given ones (`weights`).
 
         Args:
@@ -233,10 +258,16 @@ class Model(nnx.Module):
                 jax's first device.
             expert_parallel: split a MoE model's experts whole over "tp" (vLLM's
                 `enable_expert_parallel`) instead of each expert's width.
+            quantization: the weight format (jaxengine/model/quant): None (float), "int8"
+                or "fp8": every projection, the LM head, the embedding and MoE experts held
+                quantized (norms, biases and routers float); `weights` then holds each
+                matrix's values and scales as `load_weights(..., quantization=...)` makes
+                them, and a fresh model is drawn in float and quantized.
         Raises:
             ModelLoadError: no family reads `config.architecture`.
-            ValueError: a weight is missing from `weights` or has the wrong shape, or the
-                model cannot be split over the mesh's tp size.
+            ValueError: a weight is missing from `weights` or has the wrong shape, the
+                model cannot be split over the mesh's tp size, an unknown `quantization`,
+                or fp8 on devices that cannot hold it.
         """
         self.config = config
         self.family = family(config.architecture)
@@ -244,20 +275,26 @@ class Model(nnx.Module):
         self.scan_layers = jax.default_backend() != "cpu" if scan_layers is None else scan_layers
         self.mesh = mesh or make_mesh(jax.devices()[:1])
         self.layout = tp_layout(config, tp_size(self.mesh), expert_parallel=expert_parallel)
+        fmt = weight_format(quantization)
+        if fmt is not None:
+            check_platform(fmt, self.mesh)
+        self.quantization = quantization
         create = functools.partial(_create_parts, config, self.layout, mesh=self.mesh,
-                                   dtype=self.dtype, seed=seed, scan_layers=self.scan_layers)
+                                   dtype=self.dtype, seed=seed, scan_layers=self.scan_layers,
+                                   fmt=fmt)
         parts = (create(build=functools.partial(on_mesh, mesh=self.mesh)) if weights is None
                  else _with_weights(nnx.eval_shape(create), weights, mesh=self.mesh,
                                     dtype=self.dtype, scan_layers=self.scan_layers))
-        self.embed_tokens: Embedder = parts["embed_tokens"]
+        self.embed_tokens: Embedder | QuantizedEmbedder = parts["embed_tokens"]
         self.layers: DecoderBlock | nnx.List = parts["layers"]
         self.norm: RMSNorm = parts["norm"]
-        self.lm_head: nnx.Linear | None = parts["lm_head"]
+        self.lm_head: nnx.Linear | QuantizedLinear | None = parts["lm_head"]
 
     @property
     def embed(self) -> nnx.Param:
-        """The embedding table [V, D] (also the output projection when tied); a model packed
-        for the CPU kernels holds a tied table as panels instead (`PackedEmbedder`)."""
+        """The embedding table [V, D] (also the output projection when tied; a quantized
+        model's values, its scales beside them); a model packed for the CPU kernels holds a
+        tied table as panels instead (`PackedEmbedder`)."""
         return self.embed_tokens.embedding
 
     def __call__(self, kv: jax.Array, batch: ModelBatch, *, attn_impl: str = "reference",

@@ -183,6 +183,27 @@ def project(proj: nnx.Module, x: jax.Array, live: jax.Array | None) -> jax.Array
     return proj(x) if isinstance(proj, nnx.Linear) or live is None else proj(x, live)
 
 
+def vocab_parallel_rows(mesh: Mesh, ids: jax.Array,
+                        lookup: Callable[..., jax.Array], *tables: jax.Array) -> jax.Array:
+    """Embeddings [T, D] of token ids i32[T] from `tables` split over "tp" on their vocabulary
+    axis 0 (an embedding [V', D] and what comes with it, such as per-row scales [V']).
+
+    vLLM's VocabParallelEmbedding: each device looks up the ids in its own rows,
+    `lookup(local_rows i32[T], *local_tables) -> [T, D]`, zeros for the ids of other devices,
+    and one all-reduce sums them; exact, since one device adds each row.
+    """
+
+    def local(ids: jax.Array, *tables: jax.Array) -> jax.Array:  # tables [V'/tp, ...]
+        rows = tables[0].shape[0]
+        offset = ids - jax.lax.axis_index(TP_AXIS) * rows
+        mine = (offset >= 0) & (offset < rows)
+        x = lookup(jnp.where(mine, offset, 0), *tables)
+        return jax.lax.psum(jnp.where(mine[:, None], x, 0), TP_AXIS)
+
+    specs = [P(TP_AXIS, *[None] * (t.ndim - 1)) for t in tables]
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(), *specs), out_specs=P())(ids, *tables)
+
+
 class RMSNorm(nnx.Module):
     """RMSNorm over the last axis with a learned `scale` [dim]; `offset` as `rms_norm`'s."""
 
@@ -209,21 +230,9 @@ class Embedder(nnx.Module):
         self.mesh = mesh
 
     def encode(self, ids: jax.Array) -> jax.Array:
-        """Token ids i32[T] -> embeddings [T, D].
-
-        vLLM's VocabParallelEmbedding: each device looks up the ids in its own rows (zeros for
-        the others) and one all-reduce sums them; exact, since one device adds each row.
-        """
-
-        def local(table: jax.Array, ids: jax.Array) -> jax.Array:  # table [V'/tp, D]
-            rows = table.shape[0]
-            offset = ids - jax.lax.axis_index(TP_AXIS) * rows
-            mine = (offset >= 0) & (offset < rows)
-            x = jnp.take(table, jnp.where(mine, offset, 0), axis=0)
-            return jax.lax.psum(jnp.where(mine[:, None], x, 0), TP_AXIS)
-
-        return jax.shard_map(local, mesh=self.mesh, in_specs=(P(TP_AXIS, None), P()),
-                             out_specs=P())(self.embedding[...], ids)
+        """Token ids i32[T] -> embeddings [T, D]."""
+        return vocab_parallel_rows(self.mesh, ids, lambda rows, table: jnp.take(
+            table, rows, axis=0), self.embedding[...])
 
     def decode(self, hidden: jax.Array) -> jax.Array:
         """Hidden states [R, D] -> f32[R, V'] logits against the embedding (tied head), split

@@ -24,6 +24,7 @@ Axes: T tokens, D model, F expert width, E experts, k experts per token, M = T*k
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -64,6 +65,20 @@ class Experts(nnx.Module):
         self.gate_proj = param((E, D, F), gate_up)
         self.up_proj = param((E, D, F), gate_up)
         self.down_proj = param((E, F, D), down)
+
+    def operands(self) -> tuple[tuple[jax.Array, P], ...]:
+        """The arrays the grouped matmuls read, each with its split over "tp" (the
+        `shard_map` specs): gate, up, down."""
+        return ((self.gate_proj[...], self.gate_up_spec), (self.up_proj[...], self.gate_up_spec),
+                (self.down_proj[...], self.down_spec))
+
+    @staticmethod
+    def matrices(*local: jax.Array, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """One device's gate, up [E_local, D, F_local] and down [E_local, F_local, D] in
+        `dtype` from its blocks of `operands()` (the float weights as they are)."""
+        del dtype  # float experts are held in the activation dtype already
+        gate, up, down = local
+        return gate, up, down
 
 
 class SparseMoE(nnx.Module):
@@ -149,34 +164,37 @@ class SparseMoE(nnx.Module):
         if live is not None:  # expert E sorts after every real one and is in no group
             experts = jnp.where(jnp.arange(T)[:, None] < live, experts, self.num_experts)
         impl = self.grouped_impl or default_grouped_impl(mesh_platform(self.mesh), x.dtype)
-        w = self.experts
+        arrays, specs = zip(*self.experts.operands(), strict=True)
         routed = jax.shard_map(
-            functools.partial(_local_experts, expert_parallel=self.expert_parallel, impl=impl),
+            functools.partial(_local_experts, matrices=self.experts.matrices,
+                              expert_parallel=self.expert_parallel, impl=impl),
             mesh=self.mesh,
-            in_specs=(P(), P(), P(), w.gate_up_spec, w.gate_up_spec, w.down_spec),
+            in_specs=(P(), P(), P(), *specs),
             out_specs=P(),
             check_vma=False)  # the tile loop's carry starts unvaried
-        out = routed(x, experts, weights, w.gate_proj[...], w.up_proj[...], w.down_proj[...])
+        out = routed(x, experts, weights, *arrays)
         if self.shared_expert is not None and self.shared_expert_gate is not None:
             gate = jax.nn.sigmoid(project(self.shared_expert_gate, x, live))  # [T, 1]
             out = out + gate * self.shared_expert(x, live)
         return out
 
 
-def _local_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, gate: jax.Array,
-                   up: jax.Array, down: jax.Array, *, expert_parallel: bool,
-                   impl: GroupedImpl) -> jax.Array:
+def _local_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, *local: jax.Array,
+                   matrices: Callable[..., tuple[jax.Array, jax.Array, jax.Array]],
+                   expert_parallel: bool, impl: GroupedImpl) -> jax.Array:
     """One device's part of the routed experts, summed over the devices.
 
     Args:
         x: [T, D] replicated.
         experts: i32[T, k] global expert ids; num_experts for a padding row.
         weights: [T, k] in x's dtype.
-        gate, up: [E_local, D, F_local]; down [E_local, F_local, D] (expert parallel: this
-            device's E/tp experts whole; else every expert's F/tp slice).
+        local: this device's blocks of the experts' `operands()`, which `matrices` turns into
+            gate, up [E_local, D, F_local] and down [E_local, F_local, D] (expert parallel:
+            this device's E/tp experts whole; else every expert's F/tp slice).
     Returns:
         [T, D] in x's dtype, replicated.
     """
+    gate, up, down = matrices(*local, dtype=x.dtype)
     T, k = experts.shape
     E_local = gate.shape[0]
     offset = jax.lax.axis_index(TP_AXIS) * E_local if expert_parallel else 0

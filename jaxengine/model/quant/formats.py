@@ -1,0 +1,158 @@
+"""The `quantization` values and how each swaps a model's float modules for its own.
+
+A weight format says, for each kind of float module that holds a matrix (`nnx.Linear`, the
+`Embedder`, the MoE `Experts`), which module replaces it (`WeightFormat`), and, for the
+loader, how a checkpoint tensor becomes that module's arrays (`host_weights`). `Model`
+(jaxengine/model/decoder.py) builds each block and the outer parts through
+`quantize_modules`, so the families never see the format, and the loader
+(jaxengine/loading/weights.py) quantizes each tensor on the host as it reads it. Norms, biases
+and MoE routers stay float.
+
+Per-channel int8 and fp8 are our own small modules (quant/modules.py), not qwix 0.1.8: qwix's
+PTQ quantizes a weight when its intercepted dot_general or einsum runs under a traced call of
+the whole model (here with a KV cache and a batch), so the embedding's gather and the MoE
+experts' grouped-matmul kernels would stay float, and it quantizes a float model already in
+memory rather than each tensor as the loader reads it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Protocol
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from jaxengine.model.families.family import Path
+from jaxengine.model.layers import Embedder
+from jaxengine.model.moe import Experts, SparseMoE
+from jaxengine.model.quant.channel import FP8, INT8, ChannelFormat, quantize
+from jaxengine.model.quant.modules import (
+    EMBEDDING_AXIS,
+    KERNEL_AXIS,
+    QuantizedEmbedder,
+    QuantizedExperts,
+    QuantizedLinear,
+    scale_name,
+)
+
+ROUTERS = ("gate", "shared_expert_gate")  # `SparseMoE`'s float projections
+
+
+class WeightFormat(Protocol):
+    """A way to hold a model's matrices: the modules that replace the float ones, and the
+    arrays a checkpoint tensor becomes."""
+
+    name: str  # the `quantization` value
+
+    def linear(self, linear: nnx.Linear) -> nnx.Module:
+        """The module that replaces the projection `linear` (called with x [T, in], live)."""
+
+    def embedder(self, embedder: Embedder) -> nnx.Module:
+        """The module that replaces the embedding (`encode` and `decode` as `Embedder`'s)."""
+
+    def experts(self, experts: Experts) -> nnx.Module:
+        """The module that replaces MoE experts (`operands` and `matrices` as `Experts`')."""
+
+    def host_weights(self, path: Path, host: np.ndarray) -> dict[Path, np.ndarray]:
+        """The arrays by module path that float weight `path` (at the model's layout,
+        float32 on the host) becomes."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PerChannel:
+    """`WeightFormat` of per-output-channel scales (quant/channel.py): int8 or fp8."""
+
+    channel: ChannelFormat
+
+    @property
+    def name(self) -> str:
+        return self.channel.name
+
+    def linear(self, linear: nnx.Linear) -> nnx.Module:
+        return QuantizedLinear(linear, self.channel)
+
+    def embedder(self, embedder: Embedder) -> nnx.Module:
+        return QuantizedEmbedder(embedder, self.channel)
+
+    def experts(self, experts: Experts) -> nnx.Module:
+        return QuantizedExperts(experts, self.channel)
+
+    def host_weights(self, path: Path, host: np.ndarray) -> dict[Path, np.ndarray]:
+        axis = EMBEDDING_AXIS if path[-1] == "embedding" else KERNEL_AXIS
+        values, scale = quantize(host, self.channel, axis=axis)
+        return {path: values, (*path[:-1], scale_name(path[-1])): scale}
+
+
+FORMATS: dict[str, WeightFormat] = {f.name: PerChannel(f) for f in (INT8, FP8)}
+QUANTIZATIONS = tuple(FORMATS)  # the values of `quantization` besides None (float weights)
+
+
+def weight_format(quantization: str | None) -> WeightFormat | None:
+    """The format `quantization` names (None: float weights, no format).
+
+    Raises:
+        ValueError: an unknown value; the message names it and the supported ones.
+    """
+    if quantization is None:
+        return None
+    if quantization not in FORMATS:
+        raise ValueError(f"quantization={quantization!r} is not supported; use one of "
+                         f"{', '.join(QUANTIZATIONS)}, or None for float weights")
+    return FORMATS[quantization]
+
+
+def quantize_modules(node: Any, fmt: WeightFormat) -> Any:
+    """`node` (a module, or a dict of modules and None) with every float matrix module in it
+    swapped for `fmt`'s, in place where it is an attribute; returns the new node."""
+    if isinstance(node, dict):
+        return {k: None if v is None else quantize_modules(v, fmt) for k, v in node.items()}
+    if isinstance(node, nnx.Linear):
+        return fmt.linear(node)
+    if isinstance(node, Embedder):
+        return fmt.embedder(node)
+    if isinstance(node, Experts):
+        return fmt.experts(node)
+    if isinstance(node, nnx.List):
+        for i, child in enumerate(node):
+            node[i] = quantize_modules(child, fmt)
+    elif isinstance(node, nnx.Module):
+        for name, child in list(vars(node).items()):
+            routed = isinstance(node, SparseMoE) and name in ROUTERS
+            if isinstance(child, nnx.Module) and not routed:
+                setattr(node, name, quantize_modules(child, fmt))
+    return node
+
+
+def check_platform(fmt: WeightFormat, mesh: Mesh) -> None:
+    """Raise if the mesh's devices cannot hold `fmt`'s values (fp8 needs the platform's
+    float8_e4m3fn arrays; every XLA platform holds int8).
+
+    Raises:
+        ValueError: naming the format, the device kind and what to use instead.
+    """
+    if fmt.name != "fp8":
+        return
+    device = mesh.devices.flat[0]
+    problem = _fp8_problem(device)
+    if problem is not None:
+        raise ValueError(f"quantization='fp8' needs float8_e4m3fn arrays, which this "
+                         f"{device.platform} device ({device.device_kind}) cannot hold "
+                         f"({problem}); use quantization='int8'")
+
+
+@functools.cache
+def _fp8_problem(device: jax.Device) -> str | None:
+    """Why `device` cannot hold and convert float8_e4m3fn arrays, or None: one round trip,
+    run eagerly even while a model is only traced."""
+    try:
+        with jax.ensure_compile_time_eval():
+            probe = jax.device_put(np.array([1.0, -448.0], FP8.dtype), device)
+            back = np.asarray(probe.astype(jnp.float32))
+    except Exception as e:  # XLA reports an unsupported type in its own words
+        return f"{type(e).__name__}: {e}"
+    return None if back.tolist() == [1.0, -448.0] else f"a round trip gave {back.tolist()}"

@@ -1,0 +1,148 @@
+"""The quantized counterparts of the float modules: `QuantizedLinear`, `QuantizedEmbedder`
+and `QuantizedExperts`, each made from the float module it replaces.
+
+Each keeps the float module's weight name for its values (`kernel`, `embedding`, `gate_proj`,
+...) and adds `<name>_scale` beside it, so a checkpoint tensor maps to the same module path
+either way. Values are split over the mesh exactly as the float weight was and scales as the
+axes they keep: a column-parallel kernel's scales [out] are split with its columns, a
+row-parallel kernel's are replicated, the embedding's per-row scales [V'] split with its rows,
+and a stacked weight's leading layer and expert axes stay on the scales (docs/STYLE.md rule 17:
+the sharding is declared where the weight is created, here from the float weight's).
+
+Every platform computes weight-only: the values are converted to the activation dtype inside
+the matmul and the float32 product scaled per output channel. On CPU (and on TPUs and GPUs
+without fp8 arithmetic) that is the only way; on TPU v5p/v6e and H100/H200 an fp8 x fp8 dot
+would also need the activations quantized, which a weight-only format does not do.
+Axes: T tokens, D model, F expert width, E experts, V' the padded vocabulary.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jaxengine.model.layers import Embedder, vocab_parallel_rows
+from jaxengine.model.moe import Experts
+from jaxengine.model.quant.channel import ChannelFormat, dequantize, quantize
+
+KERNEL_AXIS = -2  # a kernel [..., in, out] contracts its in axis: one scale per column
+EMBEDDING_AXIS = -1  # the embedding [V', D] contracts D as the tied head: one scale per row
+
+
+def scale_name(name: str) -> str:
+    """The name of the scales of weight `name`."""
+    return f"{name}_scale"
+
+
+def _like(weight: nnx.Variable, value: jax.Array, *, drop: int | None = None) -> nnx.Param:
+    """A Param holding `value`, split over the mesh as `weight` is, less axis `drop`."""
+    meta = weight.get_metadata()
+    sharding = meta.get("out_sharding")
+    if sharding is None:
+        return nnx.Param(value)
+    axes = list(sharding)
+    if drop is not None:
+        del axes[drop]
+    return nnx.Param(value, out_sharding=tuple(axes), mesh=meta.get("mesh"))
+
+
+def _quantized(module: nnx.Module, name: str, fmt: ChannelFormat, axis: int) -> None:
+    """Replace `module`'s float weight `name` by its values and scales (`<name>_scale`)."""
+    weight = getattr(module, name)
+    values, scale = quantize(weight[...], fmt, axis=axis, xp=jnp)
+    setattr(module, name, _like(weight, values))
+    setattr(module, scale_name(name), _like(weight, scale, drop=axis))
+
+
+class QuantizedLinear(nnx.Module):
+    """`nnx.Linear` with a quantized kernel: y = (x @ kernel) * kernel_scale + bias.
+
+    `kernel` [in, out] int8 or float8_e4m3fn, `kernel_scale` f32[out], the bias float. The dot
+    accumulates in float32; the result is in `preferred_element_type` (float32 for logits) or
+    the activation dtype, as the float layer's.
+    """
+
+    def __init__(self, linear: nnx.Linear, fmt: ChannelFormat) -> None:
+        """The projection `linear` with its kernel quantized in `fmt` (per output column)."""
+        self.kernel = linear.kernel
+        _quantized(self, "kernel", fmt, KERNEL_AXIS)
+        self.bias = linear.bias
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.dtype, self.preferred_element_type = linear.dtype, linear.preferred_element_type
+
+    def __call__(self, x: jax.Array, live: jax.Array | None = None) -> jax.Array:
+        """x [T, in] -> [T, out]. `live` is `layers.project`'s; XLA's dot computes every row."""
+        del live
+        x = x.astype(self.dtype)
+        y = jnp.dot(x, self.kernel[...].astype(self.dtype), preferred_element_type=jnp.float32)
+        y = (y * self.kernel_scale[...]).astype(self.preferred_element_type or self.dtype)
+        return y if self.bias is None else y + self.bias[...]
+
+
+class QuantizedEmbedder(nnx.Module):
+    """`layers.Embedder` with the table quantized per row: `embedding` [V', D] and
+    `embedding_scale` f32[V'], vocab-parallel; tied, also the quantized LM head."""
+
+    def __init__(self, embedder: Embedder, fmt: ChannelFormat) -> None:
+        """`embedder`'s table quantized in `fmt`, one scale per vocabulary row."""
+        self.dtype = embedder.embedding[...].dtype
+        self.embedding = embedder.embedding
+        _quantized(self, "embedding", fmt, EMBEDDING_AXIS)
+        self.mesh = embedder.mesh
+
+    def encode(self, ids: jax.Array) -> jax.Array:
+        """Token ids i32[T] -> embeddings [T, D] (rows dequantized)."""
+
+        def lookup(rows: jax.Array, values: jax.Array, scale: jax.Array) -> jax.Array:
+            return dequantize(jnp.take(values, rows, axis=0), jnp.take(scale, rows, axis=0),
+                              axis=EMBEDDING_AXIS, dtype=self.dtype)
+
+        return vocab_parallel_rows(self.mesh, ids, lookup, self.embedding[...],
+                                   self.embedding_scale[...])
+
+    def decode(self, hidden: jax.Array) -> jax.Array:
+        """Hidden states [R, D] -> f32[R, V'] logits against the table (tied head)."""
+        logits = jnp.einsum("rd,vd->rv", hidden, self.embedding[...].astype(hidden.dtype),
+                            preferred_element_type=jnp.float32)
+        return logits * self.embedding_scale[...]
+
+
+EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _scale_spec(spec: P) -> P:
+    """The split of a kernel's scales from the kernel's [..., in, out]: without the in axis."""
+    return P(*spec[:-2], spec[-1])
+
+
+class QuantizedExperts(nnx.Module):
+    """`moe.Experts` quantized per output column of each expert: `gate_proj`, `up_proj`
+    [E, D, F] and `down_proj` [E, F, D] values with scales [E, F], [E, F] and [E, D].
+
+    The grouped matmul reads float matrices, so each device dequantizes its experts inside the
+    step before it (`matrices`): the weights rest quantized in memory, and the float copy lives
+    for one layer's experts at a time.
+    """
+
+    def __init__(self, experts: Experts, fmt: ChannelFormat) -> None:
+        """`experts`' three weights quantized in `fmt`."""
+        for name in EXPERT_WEIGHTS:
+            setattr(self, name, getattr(experts, name))
+            _quantized(self, name, fmt, KERNEL_AXIS)
+        self.gate_up_spec, self.down_spec = experts.gate_up_spec, experts.down_spec
+
+    def operands(self) -> tuple[tuple[jax.Array, P], ...]:
+        """Values and scales of gate, up and down, each with its split over "tp"."""
+        specs = (self.gate_up_spec, self.gate_up_spec, self.down_spec)
+        return tuple(pair for name, spec in zip(EXPERT_WEIGHTS, specs, strict=True)
+                     for pair in ((getattr(self, name)[...], spec),
+                                  (getattr(self, scale_name(name))[...], _scale_spec(spec))))
+
+    @staticmethod
+    def matrices(*local: jax.Array, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """One device's gate, up and down in `dtype` from its blocks of `operands()`."""
+        gate, up, down = (dequantize(values, scale, axis=KERNEL_AXIS, dtype=dtype)
+                          for values, scale in zip(local[::2], local[1::2], strict=True))
+        return gate, up, down
