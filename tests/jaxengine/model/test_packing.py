@@ -125,3 +125,46 @@ def test_packing_applies_only_where_the_kernel_runs():
     assert packable(scanned) == "packed projections need the looped layer layout " \
                                 "(scan_layers=False)"
     assert pack_projections(scanned) == 0
+
+
+INT8_TARGET, INT8_SWIGLU = "jaxengine_packed_matmul_int8", "jaxengine_packed_swiglu_int8"
+
+
+@pytest.mark.parametrize("architecture, tied", [("llama", True), ("qwen2", False)])
+def test_an_int8_model_packs_into_int8_panels_and_computes_what_its_xla_one_does(architecture,
+                                                                                tied):
+    cfg = ModelConfig.tiny(architecture, tie_word_embeddings=tied, intermediate_size=100)
+    want, _, _ = run(Model(cfg, seed=5, quantization="int8"))
+    model = Model(cfg, seed=5, quantization="int8")
+    assert packable(model) is None
+    assert pack_projections(model) == 7 * cfg.num_layers + 1
+    mlp = model.layers[0].mlp
+    assert isinstance(mlp, PackedMLP) and mlp.gate_up.dtype == jnp.int8
+    assert isinstance(model.embed_tokens, PackedEmbedder) == tied
+    got, _, packed = run(model)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+    # q/k/v, o and down int8 products a layer, gate/up one int8 SwiGLU; no float32 panels
+    assert packed.count(f'custom_call_target="{INT8_TARGET}"') == 3 * cfg.num_layers
+    assert packed.count(f'custom_call_target="{INT8_SWIGLU}"') == cfg.num_layers
+    assert packed.count(TARGET) == packed.count(SWIGLU) == 0
+
+
+def test_an_int8_packed_embedding_looks_up_and_decodes_as_the_quantized_one():
+    cfg = ModelConfig.tiny(vocab_size=300)
+    quantized = Model(cfg, seed=3, quantization="int8").embed_tokens
+    packed = PackedEmbedder(quantized)
+    assert packed.panels.dtype == jnp.int8
+    ids = jnp.asarray([0, 63, 64, 299, 7, 7], jnp.int32)
+    np.testing.assert_array_equal(np.asarray(packed.encode(ids)),
+                                  np.asarray(quantized.encode(ids)))
+    hidden = jnp.asarray(np.random.default_rng(4).standard_normal((5, cfg.hidden_size)),
+                         jnp.float32)
+    np.testing.assert_allclose(np.asarray(packed.decode(hidden)),
+                               np.asarray(quantized.decode(hidden)), rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_weights_are_left_to_their_own_modules():
+    model = Model(ModelConfig.tiny(), quantization="fp8")
+    assert packable(model) == "packed projections are float32 or int8 (the weights are " \
+                              "float8_e4m3fn)"
+    assert pack_projections(model) == 0
