@@ -33,7 +33,8 @@ class EngineArgs:
     quantization: str | None = arg(
         None, "weights on the device: None (the checkpoint's floats in dtype), int8 or fp8 "
               "(weight-only, one scale per output channel, quantized at load from the "
-              "float weights; a GGUF's blocks are dequantized first)")
+              "float weights; a GGUF's blocks are dequantized first), or gguf (a .gguf "
+              "file's quantized tensors served from their blocks)")
     seed: int = arg(0, "seeds the per-request seeds of requests that give none")
     max_model_len: int | None = arg(None, "longest sequence (prompt + output); None: the "
                                           "model's max positions")

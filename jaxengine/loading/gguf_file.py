@@ -7,6 +7,7 @@ layout. llama.cpp stores Llama/Mistral/Mixtral Q and K rows permuted for its int
 `_unpermute` undoes it exactly as transformers' GGUF loader does. llama.cpp stacks a layer's
 experts into one tensor per projection (`blk.N.ffn_gate_exps.weight`, [E, F, D]); an expert's
 HF name is served as its slice, the stacked tensor dequantized once for all its experts.
+`GGUFSource.blocks` gives a quantized tensor's bytes as they are, for `quantization="gguf"`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import numpy as np
 from jaxengine.loading.weights import model_weight_shapes, stacked_tensors
 from jaxengine.model.config import ModelConfig, ModelLoadError, RopeScaling
 from jaxengine.model.families import GGUF_ARCHS, GGUF_EXPERT_ARCHS, family
+from jaxengine.model.quant.gguf_blocks import FORMATS, SUPPORTED
 
 # gguf's architecture enum by name; a "mistral" file has llama's tensor names
 _GGUF_ENUM = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
@@ -30,6 +32,8 @@ _GGUF_ENUM["mistral"] = gguf.MODEL_ARCH.LLAMA
 # an expert's HF name, "<layer>.mlp.experts.<e>.gate_proj.weight", around its expert index
 _EXPERT = re.compile(r"(?P<stack>.*\.experts)\.(?P<expert>\d+)\.(?P<proj>.*)")
 _ROUTER = re.compile(r"blk\.(\d+)\.ffn_gate_inp\.weight")
+_FLOAT_TYPES = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16,
+                gguf.GGMLQuantizationType.BF16}
 _DENSE_FFN = {"gate_proj": gguf.MODEL_TENSOR.FFN_GATE, "up_proj": gguf.MODEL_TENSOR.FFN_UP,
               "down_proj": gguf.MODEL_TENSOR.FFN_DOWN}
 
@@ -192,6 +196,44 @@ class GGUFSource:
             # GGUF loader takes it back out, as here)
             arr = arr - self._family.norm_offset
         return np.asarray(arr, np.float32)
+
+    def qtype(self, name: str) -> gguf.GGMLQuantizationType | None:
+        """The quantized type of tensor `name` (an expert's: its stack's); None if the file
+        lacks it or holds it as floats (F32, F16, BF16)."""
+        tensor = self._tensors.get(gguf_tensor_name(self._names, _split_expert(name)[0]) or "")
+        if tensor is None or tensor.tensor_type in _FLOAT_TYPES:
+            return None
+        return tensor.tensor_type
+
+    def blocks(self, name: str) -> tuple[gguf.GGMLQuantizationType, np.ndarray] | None:
+        """The tensor `name` as the file stores it, if quantized: (its type, its rows of
+        blocks u8[out, row_bytes], rows in HF's order); None if the file lacks it or holds it
+        as floats (F32, F16, BF16: read those with `get`).
+
+        An expert's rows are its slice of the stacked experts' tensor. Q/K rows permuted by
+        llama.cpp are put back in HF's order whole, as `get` does to the float rows.
+        Raises:
+            ModelLoadError: a quantization type without a jnp dequantizer
+                (jaxengine/model/quant/gguf_blocks.py); the message names the tensor, the type
+                and those supported.
+        """
+        held, expert = _split_expert(name)
+        tensor = self._tensors.get(gguf_tensor_name(self._names, held) or "")
+        if tensor is None or tensor.tensor_type in _FLOAT_TYPES:
+            return None
+        if tensor.tensor_type not in FORMATS:
+            raise ModelLoadError(
+                f"{self._path}: tensor {tensor.name} is {tensor.tensor_type.name}, which "
+                f"quantization='gguf' does not serve from its blocks (supported: {SUPPORTED}; "
+                "F32, F16 and BF16 tensors load as floats); load it with quantization=None "
+                "to dequantize the file to floats")
+        rows = tensor.data if expert is None else tensor.data[expert]
+        if self._cfg.architecture in self._family.gguf_permuted:
+            if name.endswith("self_attn.q_proj.weight"):
+                rows = _unpermute(rows, self._cfg.num_heads)
+            elif name.endswith("self_attn.k_proj.weight"):
+                rows = _unpermute(rows, self._cfg.num_kv_heads)
+        return tensor.tensor_type, np.asarray(rows, np.uint8)
 
     def _dequantize(self, tensor: Any) -> np.ndarray:
         """A GGUF tensor as float32 in numpy (HF) axis order."""

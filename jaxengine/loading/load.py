@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxengine.loading.gguf_file import GGUFSource, gguf_metadata, open_gguf, read_gguf_config
+from jaxengine.loading.gguf_weights import gguf_format
 from jaxengine.loading.hf import SafetensorsSource, read_hf_config
 from jaxengine.loading.tokenizer import Tokenizer
 from jaxengine.loading.weights import load_weights
@@ -62,8 +63,10 @@ def load_model(path: str | None = None, *, dtype: str | jnp.dtype = "float32",
         quantization: the weights' format on the device (vLLM's name): None (as the
             checkpoint's floats, in `dtype`), "int8" or "fp8" (per output channel, quantized
             at load from the checkpoint's floats; a GGUF file's blocks are dequantized to
-            float32 first). vLLM takes every GGUF file as "gguf" whatever is asked; here an
-            explicit int8/fp8 is honoured instead of ignored.
+            float32 first), or "gguf" (a .gguf file's quantized tensors kept in their blocks,
+            dequantized inside each matmul; its F32/F16/BF16 tensors as floats). vLLM takes
+            every quantized GGUF file as "gguf" whatever is asked; here None keeps the float
+            load and an explicit int8/fp8 is honoured instead of ignored.
     Returns:
         (model, config, tokenizer or None); `jaxengine.model.step.split_model(model)` gives
         the state.
@@ -110,6 +113,9 @@ def load_hf_dir(path: str, *, dtype: jnp.dtype, with_tokenizer: bool = True,
                 ) -> tuple[Model, ModelConfig, Tokenizer | None]:
     """Load an HF directory (safetensors, single or sharded) onto `mesh` (`progress`,
     `expert_parallel` and `quantization`: as for `load_model`)."""
+    if quantization == "gguf":
+        raise ModelLoadError(f"{path}: quantization='gguf' serves the blocks of a .gguf file, "
+                             "and this is an HF directory; use None, 'int8' or 'fp8'")
     cfg = read_hf_config(path)
     tokenizer = Tokenizer.from_hf_dir(path) if with_tokenizer else None
     source = SafetensorsSource(path)
@@ -128,15 +134,17 @@ def load_gguf(path: str, *, dtype: jnp.dtype, with_tokenizer: bool = True,
               mesh: Mesh | None = None, progress: bool | None = None,
               expert_parallel: bool = False, quantization: str | None = None
               ) -> tuple[Model, ModelConfig, Tokenizer | None]:
-    """Load a GGUF file onto `mesh`, dequantizing tensor by tensor (`progress`,
-    `expert_parallel` and `quantization`: as for `load_model`)."""
+    """Load a GGUF file onto `mesh`, dequantizing tensor by tensor, or with
+    quantization="gguf" keeping its quantized tensors' blocks (`progress`, `expert_parallel`
+    and `quantization`: as for `load_model`)."""
     reader = open_gguf(path)
     meta = gguf_metadata(reader)
     cfg = read_gguf_config(reader, meta)
     tokenizer = Tokenizer.from_gguf_metadata(meta) if with_tokenizer else None
-    weights = load_weights(cfg, GGUFSource(reader, cfg, path), dtype=dtype, where=path,
-                           mesh=mesh, progress=progress, expert_parallel=expert_parallel,
-                           quantization=quantization)
+    source = GGUFSource(reader, cfg, path)
+    fmt = gguf_format(cfg, source, path) if quantization == "gguf" else quantization
+    weights = load_weights(cfg, source, dtype=dtype, where=path, mesh=mesh, progress=progress,
+                           expert_parallel=expert_parallel, quantization=fmt)
     model = Model(cfg, dtype=dtype, weights=weights, mesh=mesh, expert_parallel=expert_parallel,
-                  quantization=quantization)
+                  quantization=fmt)
     return model, cfg, tokenizer

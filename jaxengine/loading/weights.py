@@ -32,7 +32,7 @@ from jaxengine.model.decoder import Model
 from jaxengine.model.families import family
 from jaxengine.model.families.family import Path
 from jaxengine.model.mesh import make_mesh
-from jaxengine.model.quant import weight_format
+from jaxengine.model.quant import WeightFormat, weight_format
 from jaxengine.model.tensor_parallel import TPLayout
 
 
@@ -51,7 +51,8 @@ def model_weight_shapes(cfg: ModelConfig) -> dict[Path, tuple[int, ...]]:
 
 
 def model_weight_specs(cfg: ModelConfig, mesh: Mesh, *, dtype: jnp.dtype = jnp.float32,
-                       expert_parallel: bool = False, quantization: str | None = None
+                       expert_parallel: bool = False,
+                       quantization: str | WeightFormat | None = None
                        ) -> tuple[TPLayout, dict[Path, jax.ShapeDtypeStruct]]:
     """The layout of a model of `cfg` on `mesh`, and each of its weights' shape, dtype and
     sharding (scanned layout; a quantized matrix's values at its float path, its scales at
@@ -134,8 +135,8 @@ def load_weight(path: Path, name: str, shape: tuple[int, ...], source: TensorSou
 
 def load_weights(cfg: ModelConfig, source: TensorSource, *, dtype: jnp.dtype, where: str,
                  mesh: Mesh | None = None, progress: bool | None = None,
-                 expert_parallel: bool = False, quantization: str | None = None
-                 ) -> dict[Path, jax.Array]:
+                 expert_parallel: bool = False,
+                 quantization: str | WeightFormat | None = None) -> dict[Path, jax.Array]:
     """All weights of `cfg` as device arrays in `dtype`, by module path, one at a time.
 
     With `quantization` each matrix the format holds quantized is read in float32, laid out,
@@ -151,7 +152,8 @@ def load_weights(cfg: ModelConfig, source: TensorSource, *, dtype: jnp.dtype, wh
         progress: a tqdm bar over the checkpoint's tensors; None: only when stderr is a
             terminal (tqdm's rule), so server logs and captured output get none.
         expert_parallel: lay a MoE model's experts out whole over the mesh (as `Model`'s).
-        quantization: the weight format (`Model`'s): None (float), "int8" or "fp8".
+        quantization: the weight format (`Model`'s): None (float), "int8", "fp8", or a
+            GGUF file's format (`jaxengine.loading.gguf_weights.gguf_format`).
     Returns:
         Arrays by module path in the scanned layout, laid out and sharded for a model on
         `mesh`, for `Model(cfg, weights=..., mesh=mesh, quantization=quantization)`.
@@ -179,15 +181,19 @@ def load_weights(cfg: ModelConfig, source: TensorSource, *, dtype: jnp.dtype, wh
     with tqdm(total=total, desc="loading weights", unit="tensor",
               disable=None if progress is None else not progress) as bar:
         for path in paths:
-            # A weight the model holds in another dtype than its own is the format's: read in
-            # float32 and quantized from that.
+            # A weight the model holds in another dtype than its own is the format's: read as
+            # the format holds it, or else in float32 and quantized from that.
             quantized = fmt is not None and specs[path].dtype != np_dtype
-            host = to_layout(path, load_weight(
-                path, names[path], shapes[path], source,
-                np.dtype(np.float32) if quantized else np_dtype, where, on_tensor=bar.update,
-                lacks=lacks[path]), layout, cfg.head_dim)
-            arrays = fmt.host_weights(path, host) if quantized else {path: host}
-            del host
+            arrays = None if not quantized else fmt.read_host(
+                path, names[path], shapes[path], layout, lacks=lacks[path],
+                on_tensor=bar.update)
+            if arrays is None:
+                host = to_layout(path, load_weight(
+                    path, names[path], shapes[path], source,
+                    np.dtype(np.float32) if quantized else np_dtype, where,
+                    on_tensor=bar.update, lacks=lacks[path]), layout, cfg.head_dim)
+                arrays = fmt.host_weights(path, host) if quantized else {path: host}
+                del host
             for key, array in arrays.items():
                 weights[key] = _to_devices(array, specs[key])
             del arrays  # the devices' shards are the only copy kept

@@ -140,8 +140,8 @@ def _create_parts(cfg: ModelConfig, layout: TPLayout, *, mesh: Mesh, dtype: jnp.
     block = family(cfg.architecture).block
     outer = _outer_parts
     if fmt is not None:
-        block = _in_format(block, fmt)
-        outer = _in_format(outer, fmt)
+        block = _in_format(block, fmt, ("layers",))
+        outer = _in_format(outer, fmt, ())
     if scan_layers:
         layers = build(lambda keys: stacked_blocks(block, cfg, layout, keys, mesh=mesh,
                                                    dtype=dtype))(layer_keys)
@@ -152,9 +152,11 @@ def _create_parts(cfg: ModelConfig, layout: TPLayout, *, mesh: Mesh, dtype: jnp.
     return {**outer, "layers": layers}
 
 
-def _in_format(create: Callable[..., Any], fmt: WeightFormat) -> Callable[..., Any]:
-    """`create` (a block or parts constructor) whose result is in weight format `fmt`."""
-    return lambda *args, **kwargs: quantize_modules(create(*args, **kwargs), fmt)
+def _in_format(create: Callable[..., Any], fmt: WeightFormat, path: Path
+               ) -> Callable[..., Any]:
+    """`create` (a block or parts constructor) whose result, at module `path`, is in weight
+    format `fmt`."""
+    return lambda *args, **kwargs: quantize_modules(create(*args, **kwargs), fmt, path)
 
 
 def on_mesh(create: Callable[..., Any], mesh: Mesh) -> Callable[..., Any]:
@@ -240,7 +242,8 @@ class Model(nnx.Module):
     def __init__(self, config: ModelConfig, *, dtype: jnp.dtype = jnp.float32, seed: int = 0,
                  weights: Mapping[Path, jax.Array | np.ndarray] | None = None,
                  scan_layers: bool | None = None, mesh: Mesh | None = None,
-                 expert_parallel: bool = False, quantization: str | None = None) -> None:
+                 expert_parallel: bool = False,
+                 quantization: str | WeightFormat | None = None) -> None:
         """Build with random weights (`seed`) or given ones (`weights`).
 
         Args:
@@ -262,7 +265,9 @@ class Model(nnx.Module):
                 or "fp8": every projection, the LM head, the embedding and MoE experts held
                 quantized (norms, biases and routers float); `weights` then holds each
                 matrix's values and scales as `load_weights(..., quantization=...)` makes
-                them, and a fresh model is drawn in float and quantized.
+                them, and a fresh model is drawn in float and quantized. A GGUF file's
+                format, with its weights' types (`jaxengine.loading.gguf_weights.gguf_format`),
+                holds the file's blocks and takes `weights` from the same file.
         Raises:
             ModelLoadError: no family reads `config.architecture`.
             ValueError: a weight is missing from `weights` or has the wrong shape, the
@@ -278,7 +283,7 @@ class Model(nnx.Module):
         fmt = weight_format(quantization)
         if fmt is not None:
             check_platform(fmt, self.mesh)
-        self.quantization = quantization
+        self.quantization = None if fmt is None else fmt.name
         create = functools.partial(_create_parts, config, self.layout, mesh=self.mesh,
                                    dtype=self.dtype, seed=seed, scan_layers=self.scan_layers,
                                    fmt=fmt)

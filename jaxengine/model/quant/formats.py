@@ -2,11 +2,13 @@
 
 A weight format says, for each kind of float module that holds a matrix (`nnx.Linear`, the
 `Embedder`, the MoE `Experts`), which module replaces it (`WeightFormat`), and, for the
-loader, how a checkpoint tensor becomes that module's arrays (`host_weights`). `Model`
+loader, how a checkpoint tensor becomes that module's arrays (`host_weights` from its floats,
+or `read_host` as the checkpoint holds them: GGUF blocks). `Model`
 (jaxengine/model/decoder.py) builds each block and the outer parts through
 `quantize_modules`, so the families never see the format, and the loader
 (jaxengine/loading/weights.py) quantizes each tensor on the host as it reads it. Norms, biases
-and MoE routers stay float.
+and MoE routers stay float. The modules are chosen per module path, so a format may hold each
+weight its own way ("gguf": in the type the file stores it, quant/gguf.py).
 
 Per-channel int8 and fp8 are our own small modules (quant/modules.py), not qwix 0.1.8: qwix's
 PTQ quantizes a weight when its intercepted dot_general or einsum runs under a traced call of
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import jax
@@ -31,6 +34,7 @@ from jaxengine.model.families.family import Path
 from jaxengine.model.layers import Embedder
 from jaxengine.model.moe import Experts, SparseMoE
 from jaxengine.model.quant.channel import FP8, INT8, ChannelFormat, quantize
+from jaxengine.model.quant.gguf import GGUFFormat
 from jaxengine.model.quant.modules import (
     EMBEDDING_AXIS,
     KERNEL_AXIS,
@@ -39,6 +43,7 @@ from jaxengine.model.quant.modules import (
     QuantizedLinear,
     scale_name,
 )
+from jaxengine.model.tensor_parallel import TPLayout
 
 ROUTERS = ("gate", "shared_expert_gate")  # `SparseMoE`'s float projections
 
@@ -49,14 +54,23 @@ class WeightFormat(Protocol):
 
     name: str  # the `quantization` value
 
-    def linear(self, linear: nnx.Linear) -> nnx.Module:
-        """The module that replaces the projection `linear` (called with x [T, in], live)."""
+    def linear(self, linear: nnx.Linear, path: Path = ()) -> nnx.Module:
+        """The module that replaces the projection `linear` at module `path` (scanned layout,
+        e.g. ("layers", "self_attn", "q_proj")), called with x [T, in], live."""
 
-    def embedder(self, embedder: Embedder) -> nnx.Module:
+    def embedder(self, embedder: Embedder, path: Path = ()) -> nnx.Module:
         """The module that replaces the embedding (`encode` and `decode` as `Embedder`'s)."""
 
-    def experts(self, experts: Experts) -> nnx.Module:
+    def experts(self, experts: Experts, path: Path = ()) -> nnx.Module:
         """The module that replaces MoE experts (`operands` and `matrices` as `Experts`')."""
+
+    def read_host(self, path: Path, name: str, shape: tuple[int, ...], layout: TPLayout, *,
+                  lacks: Callable[[int], bool], on_tensor: Callable[[], object]
+                  ) -> dict[Path, np.ndarray] | None:
+        """The arrays by module path of weight `path` (float `shape`, checkpoint tensor
+        `name`, `lacks` and `on_tensor` as `load_weight`'s) read from the checkpoint as the
+        format holds them and laid out for the mesh; None: read the floats for
+        `host_weights`."""
 
     def host_weights(self, path: Path, host: np.ndarray) -> dict[Path, np.ndarray]:
         """The arrays by module path that float weight `path` (at the model's layout,
@@ -73,14 +87,19 @@ class PerChannel:
     def name(self) -> str:
         return self.channel.name
 
-    def linear(self, linear: nnx.Linear) -> nnx.Module:
+    # one format for every weight, so the paths are not read
+    def linear(self, linear: nnx.Linear, path: Path = ()) -> nnx.Module:
         return QuantizedLinear(linear, self.channel)
 
-    def embedder(self, embedder: Embedder) -> nnx.Module:
+    def embedder(self, embedder: Embedder, path: Path = ()) -> nnx.Module:
         return QuantizedEmbedder(embedder, self.channel)
 
-    def experts(self, experts: Experts) -> nnx.Module:
+    def experts(self, experts: Experts, path: Path = ()) -> nnx.Module:
         return QuantizedExperts(experts, self.channel)
+
+    def read_host(self, path: Path, name: str, shape: tuple[int, ...], layout: TPLayout, *,
+                  lacks: Callable[[int], bool], on_tensor: Callable[[], object]) -> None:
+        return None  # quantized from the floats
 
     def host_weights(self, path: Path, host: np.ndarray) -> dict[Path, np.ndarray]:
         axis = EMBEDDING_AXIS if path[-1] == "embedding" else KERNEL_AXIS
@@ -88,43 +107,48 @@ class PerChannel:
         return {path: values, (*path[:-1], scale_name(path[-1])): scale}
 
 
-FORMATS: dict[str, WeightFormat] = {f.name: PerChannel(f) for f in (INT8, FP8)}
+# "gguf" here has no file, and refuses to build; a GGUF load makes its own with the file's
+# types (jaxengine/loading/gguf_weights.py)
+FORMATS: dict[str, WeightFormat] = {**{f.name: PerChannel(f) for f in (INT8, FP8)},
+                                    "gguf": GGUFFormat()}
 QUANTIZATIONS = tuple(FORMATS)  # the values of `quantization` besides None (float weights)
 
 
-def weight_format(quantization: str | None) -> WeightFormat | None:
-    """The format `quantization` names (None: float weights, no format).
+def weight_format(quantization: str | WeightFormat | None) -> WeightFormat | None:
+    """The format `quantization` names (None: float weights, no format; a format: itself).
 
     Raises:
         ValueError: an unknown value; the message names it and the supported ones.
     """
-    if quantization is None:
-        return None
+    if quantization is None or not isinstance(quantization, str):
+        return quantization
     if quantization not in FORMATS:
         raise ValueError(f"quantization={quantization!r} is not supported; use one of "
                          f"{', '.join(QUANTIZATIONS)}, or None for float weights")
     return FORMATS[quantization]
 
 
-def quantize_modules(node: Any, fmt: WeightFormat) -> Any:
-    """`node` (a module, or a dict of modules and None) with every float matrix module in it
-    swapped for `fmt`'s, in place where it is an attribute; returns the new node."""
+def quantize_modules(node: Any, fmt: WeightFormat, path: Path = ()) -> Any:
+    """`node` (a module, or a dict of modules and None) at module `path` (scanned layout)
+    with every float matrix module in it swapped for `fmt`'s, in place where it is an
+    attribute; returns the new node."""
     if isinstance(node, dict):
-        return {k: None if v is None else quantize_modules(v, fmt) for k, v in node.items()}
+        return {k: None if v is None else quantize_modules(v, fmt, (*path, k))
+                for k, v in node.items()}
     if isinstance(node, nnx.Linear):
-        return fmt.linear(node)
+        return fmt.linear(node, path)
     if isinstance(node, Embedder):
-        return fmt.embedder(node)
+        return fmt.embedder(node, path)
     if isinstance(node, Experts):
-        return fmt.experts(node)
+        return fmt.experts(node, path)
     if isinstance(node, nnx.List):
-        for i, child in enumerate(node):
-            node[i] = quantize_modules(child, fmt)
+        for i, child in enumerate(node):  # items share their path in the scanned layout
+            node[i] = quantize_modules(child, fmt, path)
     elif isinstance(node, nnx.Module):
         for name, child in list(vars(node).items()):
             routed = isinstance(node, SparseMoE) and name in ROUTERS
             if isinstance(child, nnx.Module) and not routed:
-                setattr(node, name, quantize_modules(child, fmt))
+                setattr(node, name, quantize_modules(child, fmt, (*path, name)))
     return node
 
 

@@ -1,0 +1,144 @@
+"""GGUF's quantized blocks dequantized in jnp: bytes as the file stores them -> float32.
+
+A quantized GGUF matrix [out, in] is stored row by row, each row the blocks of one output row
+along the input axis: u8[out, in / block_size * block_bytes]. `dequantize` turns such rows
+(any leading axes: a stacked layer axis, experts) into f32[..., out, in] with vectorised bit
+operations on the bytes, f16 scales read by `lax.bitcast_convert_type`, so it runs inside a
+jitted matmul on any backend. The arithmetic is `gguf.quants`' own, operation for operation
+(the products of a scale and a quant are exact in float32 but for Q6_K's, done in the same
+order), so the values equal the `gguf` package's bit for bit; a block of zero bytes
+dequantizes to zeros in every type (vocabulary padding rows).
+Types: Q4_0, Q4_1, Q8_0 (32-element blocks) and the k-quants Q4_K, Q5_K, Q6_K (256).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import gguf
+import jax
+import jax.numpy as jnp
+
+Q = gguf.GGMLQuantizationType
+
+
+def _f16(b: jax.Array) -> jax.Array:
+    """u8[..., 2] little-endian float16 bytes -> f32[...]."""
+    u = b[..., 0].astype(jnp.uint16) | (b[..., 1].astype(jnp.uint16) << 8)
+    return jax.lax.bitcast_convert_type(u, jnp.float16).astype(jnp.float32)
+
+
+def _nibbles(qs: jax.Array, groups: int) -> jax.Array:
+    """u8[..., groups * n] -> u8[..., groups * 2n]: within each group of n bytes, the n low
+    nibbles, then the n high ones (the order of every 4-bit GGUF type)."""
+    g = qs.reshape(*qs.shape[:-1], groups, 1, -1) >> jnp.array([0, 4], jnp.uint8)[:, None]
+    return (g & 0x0F).reshape(*qs.shape[:-1], -1)
+
+
+def _q4_0(b: jax.Array) -> jax.Array:  # [..., 18]: f16 d, 16 bytes of 32 nibbles
+    q = _nibbles(b[..., 2:], 1).astype(jnp.int32) - 8
+    return _f16(b[..., 0:2])[..., None] * q.astype(jnp.float32)
+
+
+def _q4_1(b: jax.Array) -> jax.Array:  # [..., 20]: f16 d, f16 m, 16 bytes of 32 nibbles
+    q = _nibbles(b[..., 4:], 1).astype(jnp.float32)
+    return _f16(b[..., 0:2])[..., None] * q + _f16(b[..., 2:4])[..., None]
+
+
+def _q8_0(b: jax.Array) -> jax.Array:  # [..., 34]: f16 d, 32 int8
+    q = jax.lax.bitcast_convert_type(b[..., 2:], jnp.int8).astype(jnp.float32)
+    return q * _f16(b[..., 0:2])[..., None]
+
+
+def _k_scale_min(s: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Q4_K/Q5_K's 12 bytes of 6-bit scales and mins -> (scales, mins) f32[..., 8]."""
+    d, m, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = jnp.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = jnp.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc.astype(jnp.float32), mn.astype(jnp.float32)
+
+
+def _k_affine(b: jax.Array, q: jax.Array) -> jax.Array:
+    """Q4_K/Q5_K: f16 d and dmin, 12 bytes of scales; quants q [..., 8, 32] -> f32[..., 256]."""
+    sc, mn = _k_scale_min(b[..., 4:16])
+    d = (_f16(b[..., 0:2])[..., None] * sc)[..., None]  # [..., 8, 1]
+    dm = (_f16(b[..., 2:4])[..., None] * mn)[..., None]
+    return (d * q.astype(jnp.float32) - dm).reshape(*b.shape[:-1], 256)
+
+
+def _q4_k(b: jax.Array) -> jax.Array:  # [..., 144]: d, dmin, scales[12], 128 bytes of nibbles
+    return _k_affine(b, _nibbles(b[..., 16:], 4).reshape(*b.shape[:-1], 8, 32))
+
+
+def _q5_k(b: jax.Array) -> jax.Array:  # [..., 176]: d, dmin, scales[12], qh[32], qs[128]
+    low = _nibbles(b[..., 48:], 4).reshape(*b.shape[:-1], 8, 32)
+    bits = jnp.arange(8, dtype=jnp.uint8)[:, None]
+    high = (b[..., None, 16:48] >> bits) & 1  # [..., 8, 32]: bit j of byte i is value 32j + i
+    return _k_affine(b, low | (high << 4))
+
+
+def _q6_k(b: jax.Array) -> jax.Array:  # [..., 210]: ql[128], qh[64], int8 scales[16], f16 d
+    lead = b.shape[:-1]
+    low = _nibbles(b[..., :128], 2).reshape(*lead, 8, 32)
+    shifts = jnp.array([0, 2, 4, 6], jnp.uint8)[:, None]
+    high = ((b[..., 128:192].reshape(*lead, 2, 1, 32) >> shifts) & 3).reshape(*lead, 8, 32)
+    q = ((low | (high << 4)).astype(jnp.int32) - 32).astype(jnp.float32)
+    scales = jax.lax.bitcast_convert_type(b[..., 192:208], jnp.int8).astype(jnp.float32)
+    d = (_f16(b[..., 208:210])[..., None] * scales)[..., None]  # [..., 16, 1]
+    return (d * q.reshape(*lead, 16, 16)).reshape(*lead, 256)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class BlockFormat:
+    """One GGUF quantization type: a block of `block_size` values in `block_bytes` bytes."""
+
+    name: str  # GGUF's name of the type, e.g. "Q4_1"
+    block_size: int  # values per block
+    block_bytes: int  # bytes per block
+    # u8[..., block_bytes] -> f32[..., block_size]
+    dequantize_blocks: Callable[[jax.Array], jax.Array]
+
+
+FORMATS: dict[Q, BlockFormat] = {
+    t: BlockFormat(name=t.name, block_size=gguf.GGML_QUANT_SIZES[t][0],
+                   block_bytes=gguf.GGML_QUANT_SIZES[t][1], dequantize_blocks=f)
+    for t, f in ((Q.Q4_0, _q4_0), (Q.Q4_1, _q4_1), (Q.Q8_0, _q8_0), (Q.Q4_K, _q4_k),
+                 (Q.Q5_K, _q5_k), (Q.Q6_K, _q6_k))}
+SUPPORTED = ", ".join(f.name for f in FORMATS.values())
+
+
+def block_format(qtype: Q | int | str) -> BlockFormat:
+    """The format of a GGUF type (enum, its value or its name).
+
+    Raises:
+        ValueError: a type without a jnp dequantizer here; the message lists those there are.
+    """
+    try:
+        t = Q[qtype] if isinstance(qtype, str) else Q(qtype)
+    except (KeyError, ValueError):
+        raise ValueError(f"unknown GGUF quantization type {qtype!r}; supported: "
+                         f"{SUPPORTED}") from None
+    if t not in FORMATS:
+        raise ValueError(f"GGUF quantization type {t.name} is not served from its blocks; "
+                         f"supported: {SUPPORTED}")
+    return FORMATS[t]
+
+
+def dequantize(rows: jax.Array, qtype: Q | int | str) -> jax.Array:
+    """GGUF rows of blocks -> float32 values.
+
+    Args:
+        rows: u8[..., row_bytes], each row whole blocks of `qtype`.
+        qtype: the GGUF quantization type.
+    Returns:
+        f32[..., row_bytes / block_bytes * block_size].
+    """
+    fmt = block_format(qtype)
+    *lead, row_bytes = rows.shape
+    if row_bytes % fmt.block_bytes:
+        raise ValueError(f"{fmt.name} rows of {row_bytes} bytes are not whole blocks of "
+                         f"{fmt.block_bytes} bytes")
+    # blocks keep their row's axes, so a row split over devices at block boundaries stays split
+    values = fmt.dequantize_blocks(rows.reshape(*lead, -1, fmt.block_bytes))
+    return values.reshape(*lead, row_bytes // fmt.block_bytes * fmt.block_size)

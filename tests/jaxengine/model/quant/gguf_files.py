@@ -1,0 +1,77 @@
+"""Tiny GGUF files of random weights whose projections and embedding are blocks of one type.
+
+`write_blocks_gguf(path, cfg, qtype)` writes a Llama model of `cfg` as llama.cpp lays it out
+(tied embedding, Q/K rows in its rotary order: the blocks are random, so their order is
+whatever the file says), norms F32, every matrix in `qtype`; with the fixtures' tokenizer
+metadata so it loads with one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from jaxengine.model.config import ModelConfig
+from tests.fixtures.model_helpers import FIXTURES, load_json
+from tests.jaxengine.model.quant.test_gguf_blocks import random_rows
+
+Q = gguf.GGMLQuantizationType
+
+
+def blocks_config(**overrides: int) -> ModelConfig:
+    """A tiny Llama whose matrices are whole 256-value k-quant blocks along their input."""
+    fields = dict(hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2,
+                  head_dim=64, vocab_size=128, tie_word_embeddings=True)
+    return ModelConfig.tiny("llama", **(fields | overrides))
+
+
+def _matrices(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """GGUF name -> [out, in] of every matrix of a Llama of `cfg` (tied)."""
+    D, F, NH, KH = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads * cfg.head_dim,
+                    cfg.num_kv_heads * cfg.head_dim)
+    shapes = {"token_embd.weight": (cfg.vocab_size, D)}
+    for i in range(cfg.num_layers):
+        shapes |= {f"blk.{i}.attn_q.weight": (NH, D), f"blk.{i}.attn_k.weight": (KH, D),
+                   f"blk.{i}.attn_v.weight": (KH, D), f"blk.{i}.attn_output.weight": (D, NH),
+                   f"blk.{i}.ffn_gate.weight": (F, D), f"blk.{i}.ffn_up.weight": (F, D),
+                   f"blk.{i}.ffn_down.weight": (D, F)}
+    return shapes
+
+
+def write_blocks_gguf(path: Path, cfg: ModelConfig, qtype: Q, *, seed: int = 0,
+                      types: dict[str, Q] | None = None) -> None:
+    """Write a Llama of `cfg` with random `qtype` matrices (`types`: other types by GGUF
+    name) and unit F32 norms to `path`."""
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(cfg.num_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_heads)
+    w.add_head_count_kv(cfg.num_kv_heads)
+    w.add_rope_freq_base(cfg.rope_theta)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if cfg.head_dim != cfg.hidden_size // cfg.num_heads:
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt2")
+    vocab = load_json(FIXTURES / "tiny" / "mistral_gqa" / "tokenizer.json")["model"]["vocab"]
+    w.add_token_list(sorted(vocab, key=vocab.get)[:cfg.vocab_size])
+    w.add_token_merges([])
+    w.add_eos_token_id(2)
+    # scales small enough that 2 layers of random weights keep logits of a few units
+    scale = {Q.Q4_K: 2e-4, Q.Q5_K: 1e-4, Q.Q6_K: 5e-5}
+    for i, (name, (out, inp)) in enumerate(_matrices(cfg).items()):
+        t = (types or {}).get(name, qtype)
+        w.add_tensor(name, random_rows(t, out, inp, seed=seed + i, scale=scale.get(t, 0.005)),
+                     raw_dtype=t)
+    for name in ["output_norm.weight", *(f"blk.{i}.{n}_norm.weight" for i in
+                                          range(cfg.num_layers) for n in ("attn", "ffn"))]:
+        w.add_tensor(name, np.ones(cfg.hidden_size, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
