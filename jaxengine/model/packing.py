@@ -16,8 +16,11 @@ few rows up to a prefill chunk (docs/BENCHMARKS.md §2, "Packed projections").
 
 Weights quantized to int8 (`quantization="int8"`: `QuantizedLinear`, `QuantizedEmbedder`) pack
 the same way into int8 panels with their per-column scales (`pack_int8`): a quarter of the
-float32 bytes for a decode step to read (docs/BENCHMARKS.md §2, "Quantized projections"). A
-projection in another format (fp8) keeps its own module.
+float32 bytes for a decode step to read (docs/BENCHMARKS.md §2, "Quantized projections"). GGUF
+Q4_1 and Q8_0 blocks (`quantization="gguf"`: `GGUFLinear`, `GGUFEmbedder`) stay blocks, read by
+the native block matmul (`BlockLinear`, `BlockMLP`, `BlockEmbedder`; q/k/v of one type merged
+as their rows of blocks stacked). A projection in another format (fp8, other GGUF types) keeps
+its own module, and the rest of the model packs around it.
 """
 
 from __future__ import annotations
@@ -27,18 +30,28 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
+from jaxengine.model.layers import Embedder, project
+from jaxengine.model.quant.gguf import GGUFEmbedder, GGUFLinear
 from jaxengine.model.quant.modules import QuantizedEmbedder, QuantizedLinear
 from jaxengine_kernels.cpu import matmul, native
+from jaxengine_kernels.cpu.block_matmul import BLOCK_BYTES, block_matmul, block_swiglu
 
-# The projections `pack_projections` packs: float32 ones and int8 ones with column scales.
+# The projections `PackedLinear` packs: float32 ones and int8 ones with column scales.
 Linear = nnx.Linear | QuantizedLinear
 
 
-def _packs(linear: nnx.Module) -> bool:
-    """Whether `linear` is a projection the packed matmul takes (an fp8 one is not). A model's
-    projections are all of one format, and its embedding too."""
-    return isinstance(linear, nnx.Linear) or (isinstance(linear, QuantizedLinear)
-                                              and linear.kernel[...].dtype == jnp.int8)
+def _kind(module: nnx.Module) -> str | None:
+    """What a projection (or embedding) is packed as: "float32", "int8", or its GGUF type for
+    the block matmul's ("Q4_1", "Q8_0"); None for what no native kernel reads (fp8, other GGUF
+    types, a module packed already)."""
+    if isinstance(module, nnx.Linear | Embedder):
+        return "float32"
+    if isinstance(module, QuantizedLinear | QuantizedEmbedder):
+        weight = module.kernel if isinstance(module, QuantizedLinear) else module.embedding
+        return "int8" if weight[...].dtype == jnp.int8 else None
+    if isinstance(module, GGUFLinear | GGUFEmbedder):
+        return module.qtype if module.qtype in BLOCK_BYTES else None
+    return None
 
 
 def _scales(linears: tuple[Linear, ...]) -> jax.Array | None:
@@ -149,6 +162,59 @@ class PackedEmbedder(nnx.Module):
                                          self.num_embeddings)
 
 
+class BlockLinear(nnx.Module):
+    """`GGUFLinear`'s y = x @ W.T + bias by the native block matmul, W's rows of Q4_1 / Q8_0
+    blocks as the file stores them (`jaxengine_kernels.cpu.block_matmul`); float32 in and
+    out. Made from one or more projections of the same input and type, their rows stacked."""
+
+    def __init__(self, *linears: GGUFLinear) -> None:
+        self.blocks = nnx.Param(jnp.concatenate([lin.kernel[...] for lin in linears], axis=0))
+        self.qtype = linears[0].qtype
+        biased = any(lin.bias is not None for lin in linears)
+        self.bias = nnx.Param(jnp.concatenate([
+            jnp.zeros(lin.out_features, jnp.float32) if lin.bias is None else lin.bias[...]
+            for lin in linears])) if biased else None
+        self.in_features = linears[0].in_features
+        self.out_features = sum(lin.out_features for lin in linears)
+
+    def __call__(self, x: jax.Array, live: jax.Array | None = None) -> jax.Array:
+        """x f32[T, K] -> f32[T, N]; `live` as `PackedLinear`'s."""
+        y = block_matmul(x, self.blocks[...], self.qtype, live)
+        return y if self.bias is None else y + self.bias[...]
+
+
+class BlockMLP(nnx.Module):
+    """`layers.MLP` with gate and up GGUF blocks of one type read by one fused call,
+    silu(x @ gate.T) * (x @ up.T) (`block_swiglu`); down_proj packed as its format allows."""
+
+    def __init__(self, mlp: nnx.Module) -> None:
+        gate, up = mlp.gate_proj, mlp.up_proj  # without bias, as every MLP of the family
+        self.gate, self.up = nnx.Param(gate.kernel[...]), nnx.Param(up.kernel[...])
+        self.qtype = gate.qtype
+        self.down_proj = _packed(mlp.down_proj) or mlp.down_proj
+
+    def __call__(self, x: jax.Array, live: jax.Array | None = None) -> jax.Array:
+        """x f32[T, D] -> f32[T, D]; `live` as `PackedLinear`'s."""
+        hidden = block_swiglu(x, self.gate[...], self.up[...], self.qtype, live)
+        return project(self.down_proj, hidden, live)
+
+
+class BlockEmbedder(nnx.Module):
+    """A tied `GGUFEmbedder` of Q4_1 / Q8_0 blocks whose LM head is the block matmul over its
+    rows (the lookup stays the embedder's own: it dequantizes only the ids' rows)."""
+
+    def __init__(self, embedder: GGUFEmbedder) -> None:
+        self.embedder = embedder
+
+    def encode(self, ids: jax.Array) -> jax.Array:
+        """Token ids i32[T] -> embeddings f32[T, D] (`GGUFEmbedder.encode`)."""
+        return self.embedder.encode(ids)
+
+    def decode(self, hidden: jax.Array) -> jax.Array:
+        """Hidden states f32[R, D] -> f32[R, V'] logits (the tied head)."""
+        return block_matmul(hidden, self.embedder.embedding[...], self.embedder.qtype)
+
+
 # q/k/v merged into one packed product (one call and more panels to share between the
 # threads: SmolLM2's k/v have 3 panels each), o alone; the MLP is a `PackedMLP`.
 MERGED = ("q_proj", "k_proj", "v_proj")
@@ -163,22 +229,43 @@ def packable(model: nnx.Module) -> str | None:
         return f"packed projections are float32 (the model is {jnp.dtype(model.dtype)})"
     if not isinstance(model.layers, nnx.List):
         return "packed projections need the looped layer layout (scan_layers=False)"
-    if any(isinstance(block.self_attn.o_proj, PackedLinear) for block in model.layers):
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    o_proj, packed = attn.o_proj, PackedLinear | BlockLinear | PackedColumns
+    if isinstance(attn.q_proj, packed) or isinstance(o_proj, packed) or isinstance(
+            mlp, PackedMLP | BlockMLP):
         return "the projections are packed already"  # a second model_fns over one model
-    if not _packs(model.layers[0].self_attn.o_proj):
-        kind = jnp.dtype(model.layers[0].self_attn.o_proj.kernel[...].dtype)
-        return f"packed projections are float32 or int8 (the weights are {kind})"
+    if _kind(o_proj) is None and isinstance(o_proj, QuantizedLinear):
+        return (f"packed projections are float32, int8 or GGUF {' / '.join(BLOCK_BYTES)} "
+                f"blocks (the weights are {jnp.dtype(o_proj.kernel[...].dtype)})")
     return native.available()
 
 
-def _merge(module: nnx.Module, names: tuple[str, ...]) -> None:
-    """Replace `module`'s projections `names` (of one input, each float32 or each int8) by
-    columns of one `PackedLinear` of their kernels side by side."""
+def _packed(*linears: nnx.Module) -> PackedLinear | BlockLinear | None:
+    """One packed product of projections of one input and one kind (see `_kind`), or None
+    when they are not all of one kind a native kernel reads."""
+    kinds = {_kind(lin) for lin in linears}
+    if len(kinds) != 1 or None in kinds:
+        return None
+    return PackedLinear(*linears) if kinds <= {"float32", "int8"} else BlockLinear(*linears)
+
+
+def _merge(module: nnx.Module, names: tuple[str, ...]) -> int:
+    """Replace `module`'s projections `names` (of one input) by columns of one packed product
+    when they are of one kind, else each that a kernel reads by its own; returns how many
+    were packed."""
     linears = [getattr(module, name) for name in names]
-    merged, start = PackedLinear(*linears), 0
+    if len(names) > 1 and (merged := _packed(*linears)) is not None:
+        start = 0
+        for name, lin in zip(names, linears, strict=True):
+            setattr(module, name, PackedColumns(merged, start, start + lin.out_features))
+            start += lin.out_features
+        return len(names)
+    count = 0
     for name, lin in zip(names, linears, strict=True):
-        setattr(module, name, PackedColumns(merged, start, start + lin.out_features))
-        start += lin.out_features
+        if (packed := _packed(lin)) is not None:
+            setattr(module, name, packed)
+            count += 1
+    return count
 
 
 def pack_projections(model: nnx.Module) -> int:
@@ -189,20 +276,21 @@ def pack_projections(model: nnx.Module) -> int:
     count = 0
     for block in model.layers:
         attn = block.self_attn
-        _merge(attn, MERGED)
-        attn.o_proj = PackedLinear(attn.o_proj)
-        count += len(MERGED) + 1
+        count += _merge(attn, MERGED) + _merge(attn, ("o_proj",))
         mlp = block.mlp  # None in a block of routed experts only (those stay as they are)
         if mlp is None:
             continue
-        if mlp.activation == "silu":
-            block.mlp = PackedMLP(mlp)
+        kind = _kind(mlp.gate_proj)
+        if mlp.activation == "silu" and kind is not None and kind == _kind(mlp.up_proj):
+            block.mlp = PackedMLP(mlp) if kind in ("float32", "int8") else BlockMLP(mlp)
+            count += 2 + (block.mlp.down_proj is not mlp.down_proj)
         else:  # the fused call is SwiGLU's: gate and up merged, the activation in XLA
-            _merge(mlp, ("gate_proj", "up_proj"))
-            mlp.down_proj = PackedLinear(mlp.down_proj)
-        count += 3  # gate, up, down
-    if model.lm_head is None:
+            count += _merge(mlp, ("gate_proj", "up_proj")) + _merge(mlp, ("down_proj",))
+    if model.lm_head is not None:
+        return count + _merge(model, ("lm_head",))
+    kind = _kind(model.embed_tokens)
+    if kind in ("float32", "int8"):
         model.embed_tokens = PackedEmbedder(model.embed_tokens)
-    else:
-        model.lm_head = PackedLinear(model.lm_head)
-    return count + 1
+    elif kind is not None:
+        model.embed_tokens = BlockEmbedder(model.embed_tokens)
+    return count + (kind is not None)
