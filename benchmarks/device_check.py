@@ -18,6 +18,9 @@ Sections, in order; each prints lines tagged with its name:
                random bf16 model: median ms, and the bytes one device reads per step (its
                weight shards and its share of the KV cache) / step time / ``--peak-gbps``, the
                fraction of the HBM roofline. A tp larger than the device count is skipped.
+  weights      the same decode step at tp=1 with bf16, int8 and fp8 weights (bf16 activations,
+               ``quantization=``): median ms, weight bytes, fraction of the HBM roofline, and
+               how many greedy tokens equal bf16's.
   families     a Gemma-3-1B-shaped model (5 local : 1 global layers, window 512) and a
                Mixtral-shaped one (8 of its layers, 8 experts, top-2), random bf16: the
                kernel's custom call (and the experts' ragged_dot) in the compiled step, the
@@ -294,11 +297,14 @@ def _bytes_read(model: Model, fns: Any, num_reqs: int, context: int) -> tuple[in
 
 
 def _time_decode(cfg: ModelConfig, tp: int, ctx: Context,
-                 decode: tuple[int, int] | None = None) -> tuple[float, int, int, np.ndarray]:
+                 decode: tuple[int, int] | None = None, quantization: str | None = None
+                 ) -> tuple[float, int, int, np.ndarray]:
     """(median seconds per decode step, weight bytes, KV bytes per device, the step's tokens)
-    for `decode` = (requests, context tokens each); default the tensor-parallel section's."""
+    for `decode` = (requests, context tokens each); default the tensor-parallel section's;
+    the weights bf16 or in `quantization`'s format."""
     num_reqs, context = decode or (TP_SMOKE_DECODE if ctx.smoke else TP_DECODE)
-    model = Model(cfg, dtype=jnp.bfloat16, seed=0, mesh=make_mesh(jax.devices()[:tp]))
+    model = Model(cfg, dtype=jnp.bfloat16, seed=0, mesh=make_mesh(jax.devices()[:tp]),
+                  quantization=quantization)
     fns = model_fns(model, cfg, attn_impl="reference" if ctx.smoke else default_impl())
     kv = fns.init_kv(1 + num_reqs * context // PAGE_SIZE, PAGE_SIZE)
     batch, rows = _decode_batch(num_reqs, context), np.arange(num_reqs, dtype=np.int32)
@@ -349,6 +355,27 @@ def tensor_parallel(ctx: Context) -> list[str]:
                 f"GB/s = {100 * gbps / ctx.peak_gbps:.1f}% of {ctx.peak_gbps:.0f} GB/s; "
                 f"greedy tokens equal to tp=1's: {same}/{len(tokens)} (bf16, random weights: "
                 f"near ties may flip)")
+    return []  # it fails by raising: a timing has no threshold
+
+
+# ---- quantized weights ----------------------------------------------------------------------
+
+
+def quantized_weights(ctx: Context) -> list[str]:
+    """The tensor-parallel section's decode step at tp=1 with bf16, int8 and fp8 weights (bf16
+    activations): time, weight bytes, fraction of the HBM roofline, greedy tokens vs bf16's."""
+    cfg = ModelConfig.tiny(num_heads=8, num_kv_heads=2, hidden_size=64, vocab_size=100) \
+        if ctx.smoke else LLAMA3_8B
+    reference = None
+    for quantization in (None, "int8", "fp8"):
+        t, weights, kv_bytes, tokens = _time_decode(cfg, 1, ctx, quantization=quantization)
+        reference = tokens if reference is None else reference
+        gbps = (weights + kv_bytes) / t / 1e9
+        _report("weights", f"{quantization or 'bf16'}: decode step {t * 1e3:.2f} ms; "
+                f"{weights / 1e6:.1f} MB weights + {kv_bytes / 1e6:.1f} MB KV = {gbps:.1f} GB/s "
+                f"= {100 * gbps / ctx.peak_gbps:.1f}% of {ctx.peak_gbps:.0f} GB/s; greedy "
+                f"tokens equal to bf16's: {int((tokens == reference).sum())}/{len(tokens)} "
+                f"(random weights: near ties flip)")
     return []  # it fails by raising: a timing has no threshold
 
 
@@ -413,7 +440,7 @@ def families(ctx: Context) -> list[str]:
 
 # Sections in report order: each takes the Context, prints its lines, returns its failures.
 SECTIONS: list[Callable[[Context], list[str]]] = [correctness, engine_hlo, timing,
-                                                  tensor_parallel, families]
+                                                  tensor_parallel, quantized_weights, families]
 
 
 def _context(args: argparse.Namespace) -> Context:

@@ -24,7 +24,7 @@ import numpy as np
 from jaxengine.loading.weights import model_weight_shapes, stacked_tensors
 from jaxengine.model.config import ModelConfig, ModelLoadError, RopeScaling
 from jaxengine.model.families import GGUF_ARCHS, GGUF_EXPERT_ARCHS, family
-from jaxengine.model.quant.gguf_blocks import FORMATS, SUPPORTED
+from jaxengine.model.quant.gguf_blocks import BLOCK_FORMATS, SUPPORTED
 
 # gguf's architecture enum by name; a "mistral" file has llama's tensor names
 _GGUF_ENUM = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
@@ -221,7 +221,7 @@ class GGUFSource:
         tensor = self._tensors.get(gguf_tensor_name(self._names, held) or "")
         if tensor is None or tensor.tensor_type in _FLOAT_TYPES:
             return None
-        if tensor.tensor_type not in FORMATS:
+        if tensor.tensor_type not in BLOCK_FORMATS:
             raise ModelLoadError(
                 f"{self._path}: tensor {tensor.name} is {tensor.tensor_type.name}, which "
                 f"quantization='gguf' does not serve from its blocks (supported: {SUPPORTED}; "

@@ -1,4 +1,5 @@
-"""Quantized weights (`quantization="int8"` / `"fp8"`): formats, modules and the swap."""
+"""Quantized weights (`quantization="int8"` / `"fp8"` / `"gguf"`): formats, modules and the
+swap."""
 
 from jaxengine.model.quant.channel import FP8, INT8, ChannelFormat, dequantize, quantize
 from jaxengine.model.quant.formats import (
@@ -10,6 +11,7 @@ from jaxengine.model.quant.formats import (
     quantize_modules,
     weight_format,
 )
+from jaxengine.model.quant.gguf import GGUFEmbedder, GGUFExperts, GGUFFormat, GGUFLinear
 from jaxengine.model.quant.modules import (
     QuantizedEmbedder,
     QuantizedExperts,
@@ -17,7 +19,8 @@ from jaxengine.model.quant.modules import (
     scale_name,
 )
 
-__all__ = ["FORMATS", "FP8", "INT8", "QUANTIZATIONS", "ChannelFormat", "PerChannel",
+__all__ = ["FORMATS", "FP8", "INT8", "QUANTIZATIONS", "ChannelFormat", "GGUFEmbedder",
+           "GGUFExperts", "GGUFFormat", "GGUFLinear", "PerChannel",
            "QuantizedEmbedder", "QuantizedExperts", "QuantizedLinear", "WeightFormat",
            "check_platform", "dequantize", "quantize", "quantize_modules", "scale_name",
            "weight_format"]

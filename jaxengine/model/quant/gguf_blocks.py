@@ -100,12 +100,12 @@ class BlockFormat:
     dequantize_blocks: Callable[[jax.Array], jax.Array]
 
 
-FORMATS: dict[Q, BlockFormat] = {
+BLOCK_FORMATS: dict[Q, BlockFormat] = {
     t: BlockFormat(name=t.name, block_size=gguf.GGML_QUANT_SIZES[t][0],
                    block_bytes=gguf.GGML_QUANT_SIZES[t][1], dequantize_blocks=f)
     for t, f in ((Q.Q4_0, _q4_0), (Q.Q4_1, _q4_1), (Q.Q8_0, _q8_0), (Q.Q4_K, _q4_k),
                  (Q.Q5_K, _q5_k), (Q.Q6_K, _q6_k))}
-SUPPORTED = ", ".join(f.name for f in FORMATS.values())
+SUPPORTED = ", ".join(f.name for f in BLOCK_FORMATS.values())
 
 
 def block_format(qtype: Q | int | str) -> BlockFormat:
@@ -119,10 +119,10 @@ def block_format(qtype: Q | int | str) -> BlockFormat:
     except (KeyError, ValueError):
         raise ValueError(f"unknown GGUF quantization type {qtype!r}; supported: "
                          f"{SUPPORTED}") from None
-    if t not in FORMATS:
+    if t not in BLOCK_FORMATS:
         raise ValueError(f"GGUF quantization type {t.name} is not served from its blocks; "
                          f"supported: {SUPPORTED}")
-    return FORMATS[t]
+    return BLOCK_FORMATS[t]
 
 
 def dequantize(rows: jax.Array, qtype: Q | int | str) -> jax.Array:

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jaxengine.engine.args import EngineArgs
 from jaxengine.loading import load_model
 from jaxengine.loading.gguf_file import GGUFSource, gguf_metadata, open_gguf, read_gguf_config
 from jaxengine.loading.gguf_weights import gguf_format
@@ -100,9 +101,16 @@ def test_bad_files_and_values_are_refused(tmp_path: Path) -> None:
         Model(blocks_config(), quantization="gguf")  # no file: never zero blocks
 
 
+def test_the_knob_takes_gguf() -> None:
+    assert EngineArgs(quantization="gguf").quantization == "gguf"
+    with pytest.raises(ValueError, match="quantization must be one of int8, fp8, gguf; got 'awq'"):
+        EngineArgs(quantization="awq")
+
+
 MESH_CHECK = """
 import gguf, jax, numpy as np
 from pathlib import Path
+from jaxengine.engine.args import EngineArgs
 from jaxengine.loading import load_model
 from jaxengine.model.mesh import make_mesh
 from jaxengine.model.step import RequestChunk
@@ -138,3 +146,39 @@ print("ok")
 def test_on_a_mesh_of_two_the_outputs_of_one(tmp_path: Path) -> None:
     out = run_python(MESH_CHECK.format(tmp=str(tmp_path)), num_devices=2, timeout=300)
     assert out.strip().endswith("ok")
+
+
+EXPERTS_MESH_CHECK = """
+import gguf, jax, numpy as np
+from pathlib import Path
+from jaxengine.loading import load_model
+from jaxengine.model.mesh import make_mesh
+from jaxengine.model.step import RequestChunk
+from tests.fixtures.model_helpers import FIXTURES, PagedRunner
+from tests.jaxengine.loading.test_load import write_gguf
+path = Path({tmp!r}) / "m.gguf"
+write_gguf(FIXTURES / "tiny" / "qwen2_moe", path, "qwen2moe",
+           experts_as=gguf.GGMLQuantizationType.Q8_0)
+def logits(model):
+    return PagedRunner(model).run([RequestChunk(token_ids=[1, 5, 9, 3, 7], start=0,
+                                                block_table=[1, 2])], num_tokens=8)[0]
+two = make_mesh(jax.devices()[:2])
+one, _, _ = load_model(path, with_tokenizer=False, quantization="gguf")
+ep, _, _ = load_model(path, with_tokenizer=False, quantization="gguf", mesh=two,
+                      expert_parallel=True)
+shard = ep.layers[1].moe.experts.down_proj[...].addressable_shards[0].data.shape
+np.testing.assert_allclose(logits(one), logits(ep), rtol=0, atol=1e-5)
+try:  # F=32 over tp=2 is 16 values a device: not whole 32-value Q8_0 blocks
+    load_model(path, with_tokenizer=False, quantization="gguf", mesh=two)
+    raise AssertionError("not refused")
+except ValueError as e:
+    assert "use enable_expert_parallel" in str(e), e
+print(shard)
+"""
+
+
+def test_experts_on_a_mesh_of_two(tmp_path: Path) -> None:
+    """Expert parallel: each device holds 4 of the 8 experts' blocks whole, and the outputs
+    are one device's; split over F, the down projection's rows are not whole blocks."""
+    out = run_python(EXPERTS_MESH_CHECK.format(tmp=str(tmp_path)), num_devices=2, timeout=300)
+    assert out.strip().splitlines()[-1] == "(4, 32, 34)"  # [E/tp, D, row_bytes(F)]

@@ -42,8 +42,8 @@ def _matrices(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
 
 def write_blocks_gguf(path: Path, cfg: ModelConfig, qtype: Q, *, seed: int = 0,
                       types: dict[str, Q] | None = None) -> None:
-    """Write a Llama of `cfg` with random `qtype` matrices (`types`: other types by GGUF
-    name) and unit F32 norms to `path`."""
+    """Write a Llama of `cfg` with random `qtype` matrices (`types`: other types, F32
+    included, by GGUF name) and unit F32 norms to `path`."""
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_block_count(cfg.num_layers)
     w.add_context_length(cfg.max_position_embeddings)
@@ -66,8 +66,12 @@ def write_blocks_gguf(path: Path, cfg: ModelConfig, qtype: Q, *, seed: int = 0,
     scale = {Q.Q4_K: 2e-4, Q.Q5_K: 1e-4, Q.Q6_K: 5e-5}
     for i, (name, (out, inp)) in enumerate(_matrices(cfg).items()):
         t = (types or {}).get(name, qtype)
-        w.add_tensor(name, random_rows(t, out, inp, seed=seed + i, scale=scale.get(t, 0.005)),
-                     raw_dtype=t)
+        if t == Q.F32:
+            rng = np.random.default_rng(seed + i)
+            w.add_tensor(name, rng.normal(0, 0.05, (out, inp)).astype(np.float32))
+        else:
+            w.add_tensor(name, random_rows(t, out, inp, seed=seed + i,
+                                           scale=scale.get(t, 0.005)), raw_dtype=t)
     for name in ["output_norm.weight", *(f"blk.{i}.{n}_norm.weight" for i in
                                           range(cfg.num_layers) for n in ("attn", "ffn"))]:
         w.add_tensor(name, np.ones(cfg.hidden_size, np.float32))

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxengine.model.quant.gguf_blocks import FORMATS, block_format, dequantize
+from jaxengine.model.quant.gguf_blocks import BLOCK_FORMATS, block_format, dequantize
 
 Q = gguf.GGMLQuantizationType
 # gguf.quants.quantize makes these (Q5_0: a type served only as floats); k-quants: random
@@ -33,9 +33,9 @@ def random_rows(qtype: Q, rows: int, cols: int, seed: int = 0, scale: float = 0.
     return blocks.reshape(rows, -1)
 
 
-@pytest.mark.parametrize("qtype", list(FORMATS))
+@pytest.mark.parametrize("qtype", list(BLOCK_FORMATS))
 def test_equals_gguf_dequantize(qtype: Q) -> None:
-    fmt = FORMATS[qtype]
+    fmt = BLOCK_FORMATS[qtype]
     rows = random_rows(qtype, 6, 2 * fmt.block_size)
     want = gguf.quants.dequantize(rows, qtype)
     got = np.asarray(jax.jit(dequantize, static_argnames="qtype")(rows, qtype=qtype))
@@ -44,9 +44,9 @@ def test_equals_gguf_dequantize(qtype: Q) -> None:
     assert np.abs(want).max() > 0  # the bytes hold values, not only zeros
 
 
-@pytest.mark.parametrize("qtype", list(FORMATS))
+@pytest.mark.parametrize("qtype", list(BLOCK_FORMATS))
 def test_leading_axes_and_zero_blocks(qtype: Q) -> None:
-    fmt = FORMATS[qtype]
+    fmt = BLOCK_FORMATS[qtype]
     rows = random_rows(qtype, 2 * 3, fmt.block_size, seed=1).reshape(2, 3, -1)
     got = np.asarray(dequantize(rows, qtype))
     want = gguf.quants.dequantize(rows.reshape(6, -1), qtype).reshape(2, 3, -1)

@@ -21,7 +21,7 @@ from jaxengine.model.quant.gguf import (
     gguf_embedder,
     gguf_linear,
 )
-from jaxengine.model.quant.gguf_blocks import FORMATS
+from jaxengine.model.quant.gguf_blocks import BLOCK_FORMATS
 from jaxengine.model.tensor_parallel import tp_layout
 from tests.jaxengine.model.quant.test_gguf_blocks import random_rows
 from tests.parallel_helpers import run_python
@@ -34,10 +34,10 @@ def _x(rows: int, cols: int, dtype: jnp.dtype = jnp.float32) -> jax.Array:
     return jax.random.normal(jax.random.key(3), (rows, cols), jnp.float32).astype(dtype)
 
 
-@pytest.mark.parametrize("qtype", list(FORMATS))
+@pytest.mark.parametrize("qtype", list(BLOCK_FORMATS))
 @pytest.mark.parametrize("sharding", [COLUMN, ROW])
 def test_linear_equals_float_product(qtype: Q, sharding: tuple) -> None:
-    size = FORMATS[qtype].block_size
+    size = BLOCK_FORMATS[qtype].block_size
     blocks = random_rows(qtype, 24, 2 * size)  # W [24, 2*size]
     w = gguf.quants.dequantize(blocks, qtype)
     bias = np.linspace(-1, 1, 24, dtype=np.float32)
@@ -83,7 +83,7 @@ def test_stacked_blocks_are_scanned_a_layer_at_a_time() -> None:
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q6_K])
 def test_embedder_equals_float_embedder(qtype: Q) -> None:
-    size = FORMATS[qtype].block_size
+    size = BLOCK_FORMATS[qtype].block_size
     blocks = random_rows(qtype, 10, size)
     blocks[9] = 0  # a padding row
     table = gguf.quants.dequantize(blocks, qtype)

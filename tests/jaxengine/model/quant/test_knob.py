@@ -55,7 +55,7 @@ def test_the_quantization_flag_reaches_engine_args() -> None:
 
 
 @pytest.mark.parametrize("kw, message", [
-    ({"quantization": "awq"}, r"quantization must be one of int8, fp8; got 'awq'"),
+    ({"quantization": "awq"}, r"quantization must be one of int8, fp8, gguf; got 'awq'"),
     ({"quantization": "int8", "batch_invariant": True},
      r"batch_invariant=True needs float weights .* quantization='int8'"),
 ])
@@ -68,7 +68,7 @@ def test_bad_settings_are_refused_naming_the_field(kw: dict, message: str) -> No
 
 def test_load_model_refuses_an_unknown_quantization() -> None:
     with pytest.raises(ValueError, match=r"quantization='gptq' is not supported; use one of "
-                                         r"int8, fp8, or None"):
+                                         r"int8, fp8, gguf, or None"):
         load_model(str(TINY), quantization="gptq")
 
 
