@@ -10,9 +10,17 @@ and a SwiGLU MLP as a `PackedMLP` (gate/up interleaved into one SwiGLU call, the
 activation's gate/up merged like q/k/v, the activation left to XLA; routed experts are
 not packed: jaxengine_kernels/grouped_matmul.py has their CPU kernel); the
 weights are not duplicated. It applies where the kernel runs and pays: a one-device CPU mesh,
-float32 weights, layers looped in Python (the CPU layout), and a C++ compiler on the machine
+float32 activations, layers looped in Python (the CPU layout), and a C++ compiler on the machine
 (`packable` says why not otherwise). Against XLA's dots, as fast at one row and faster from a
 few rows up to a prefill chunk (docs/BENCHMARKS.md §2, "Packed projections").
+
+Weights quantized to int8 (`quantization="int8"`: `QuantizedLinear`, `QuantizedEmbedder`) pack
+the same way into int8 panels with their per-column scales (`pack_int8`): a quarter of the
+float32 bytes for a decode step to read (docs/BENCHMARKS.md §2, "Quantized projections"). GGUF
+Q4_1 and Q8_0 blocks (`quantization="gguf"`: `GGUFLinear`, `GGUFEmbedder`) stay blocks, read by
+the native block matmul (`BlockLinear`, `BlockMLP`, `BlockEmbedder`; q/k/v of one type merged
+as their rows of blocks stacked). A projection in another format (fp8, other GGUF types) keeps
+its own module, and the rest of the model packs around it.
 """
 
 from __future__ import annotations
@@ -22,27 +30,63 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import Mesh
 
+from jaxengine.model.layers import Embedder, project
+from jaxengine.model.quant.gguf import GGUFEmbedder, GGUFLinear
+from jaxengine.model.quant.modules import QuantizedEmbedder, QuantizedLinear
 from jaxengine_kernels.cpu import matmul, native
+from jaxengine_kernels.cpu.block_matmul import BLOCK_BYTES, block_matmul, block_swiglu
+
+# The projections `PackedLinear` packs: float32 ones and int8 ones with column scales.
+Linear = nnx.Linear | QuantizedLinear
+
+
+def _kind(module: nnx.Module) -> str | None:
+    """What a projection (or embedding) is packed as: "float32", "int8", or its GGUF type for
+    the block matmul's ("Q4_1", "Q8_0"); None for what no native kernel reads (fp8, other GGUF
+    types, a module packed already)."""
+    if isinstance(module, nnx.Linear | Embedder):
+        return "float32"
+    if isinstance(module, QuantizedLinear | QuantizedEmbedder):
+        weight = module.kernel if isinstance(module, QuantizedLinear) else module.embedding
+        return "int8" if weight[...].dtype == jnp.int8 else None
+    if isinstance(module, GGUFLinear | GGUFEmbedder):
+        return module.qtype if module.qtype in BLOCK_BYTES else None
+    return None
+
+
+def _scales(linears: tuple[Linear, ...]) -> jax.Array | None:
+    """int8 projections' column scales side by side, f32[sum N]; None for float32 ones."""
+    if isinstance(linears[0], nnx.Linear):
+        return None
+    return jnp.concatenate([lin.kernel_scale[...] for lin in linears])
 
 
 class PackedLinear(nnx.Module):
     """`nnx.Linear`'s y = x @ kernel + bias with the kernel packed in column panels
     ([ceil(N/W), K, W], `jaxengine_kernels.cpu.matmul.pack`); float32 in and out. Made from one
-    or more projections of the same input, their kernels (and biases) side by side."""
+    or more projections of the same input, their kernels (and biases) side by side: float32
+    ones (`nnx.Linear`), or int8 ones (`QuantizedLinear`) as int8 panels with their column
+    scales `scale` f32[N] (None for float32)."""
 
-    def __init__(self, *linears: nnx.Linear) -> None:
+    def __init__(self, *linears: Linear) -> None:
         kernel = jnp.concatenate([lin.kernel[...] for lin in linears], axis=1)
-        self.kernel = nnx.Param(matmul.pack(kernel))
+        self.scale = None if (scale := _scales(linears)) is None else nnx.Param(scale)
+        self.kernel = nnx.Param(matmul.pack(kernel) if self.scale is None
+                                else matmul.pack_int8(kernel))
         biased = any(lin.bias is not None for lin in linears)
         self.bias = nnx.Param(jnp.concatenate([
-            jnp.zeros(lin.out_features, kernel.dtype) if lin.bias is None else lin.bias[...]
+            jnp.zeros(lin.out_features, jnp.float32) if lin.bias is None else lin.bias[...]
             for lin in linears])) if biased else None
         self.in_features, self.out_features = kernel.shape
 
     def __call__(self, x: jax.Array, live: jax.Array | None = None) -> jax.Array:
         """x f32[T, K] -> f32[T, N]; with `live` (i32[]) only the first `live` rows are
         computed, the padding rows after them come out as the bias (zeros without one)."""
-        y = matmul.packed_matmul(x, self.kernel[...], self.out_features, live)
+        if self.scale is None:
+            y = matmul.packed_matmul(x, self.kernel[...], self.out_features, live)
+        else:
+            y = matmul.packed_matmul_int8(x, self.kernel[...], self.scale[...],
+                                          self.out_features, live)
         return y if self.bias is None else y + self.bias[...]
 
 
@@ -63,18 +107,25 @@ class PackedMLP(nnx.Module):
     """`layers.MLP` with gate and up packed together (`jaxengine_kernels.cpu.matmul.pack_swiglu`):
     one call gives silu(x @ gate) * (x @ up), and down_proj is a `PackedLinear`. The fused call
     spares writing the [T, 2F] product and XLA's pass over it (docs/BENCHMARKS.md §2, "Packed
-    projections")."""
+    projections"). int8 gate and up pack as int8 panels (`pack_swiglu_int8`) with their scales
+    side by side, `scale` f32[2F] (None for float32)."""
 
     def __init__(self, mlp: nnx.Module) -> None:
         gate, up = mlp.gate_proj, mlp.up_proj  # without bias, as every MLP of the family
-        self.gate_up = nnx.Param(matmul.pack_swiglu(gate.kernel[...], up.kernel[...]))
+        self.scale = None if (scale := _scales((gate, up))) is None else nnx.Param(scale)
+        pack = matmul.pack_swiglu if self.scale is None else matmul.pack_swiglu_int8
+        self.gate_up = nnx.Param(pack(gate.kernel[...], up.kernel[...]))
         self.intermediate_size = gate.out_features
         self.down_proj = PackedLinear(mlp.down_proj)
 
     def __call__(self, x: jax.Array, live: jax.Array | None = None) -> jax.Array:
         """x f32[T, D] -> f32[T, D]; `live` as `PackedLinear`'s (padding rows come out as
         down_proj's bias)."""
-        hidden = matmul.packed_swiglu(x, self.gate_up[...], self.intermediate_size, live)
+        F = self.intermediate_size
+        if self.scale is None:
+            hidden = matmul.packed_swiglu(x, self.gate_up[...], F, live)
+        else:
+            hidden = matmul.packed_swiglu_int8(x, self.gate_up[...], self.scale[...], F, live)
         return self.down_proj(hidden, live)
 
 
@@ -84,21 +135,84 @@ class PackedEmbedder(nnx.Module):
     reads the whole table for a few rows; XLA's dot over the [V', D] table reads it at a quarter
     of the packed loop's rate for one row, and a packed second copy would double it. The
     gather touches a line per element, once per step (docs/BENCHMARKS.md §2, "Packed
-    projections")."""
+    projections"). An int8 table (`QuantizedEmbedder`, a scale per row) packs as int8 panels
+    with the rows' scales, `scale` f32[V'] (None for float32): the head's column scales."""
 
     def __init__(self, embedder: nnx.Module) -> None:
         table = embedder.embedding[...]  # [V', D]
-        self.panels = nnx.Param(matmul.pack(table.T))
+        int8 = isinstance(embedder, QuantizedEmbedder)
+        self.scale = nnx.Param(embedder.embedding_scale[...]) if int8 else None
+        self.panels = nnx.Param(matmul.pack_int8(table.T) if int8 else matmul.pack(table.T))
         self.num_embeddings = table.shape[0]
 
     def encode(self, ids: jax.Array) -> jax.Array:
-        """Token ids i32[T] -> embeddings f32[T, D] (exactly the table's rows)."""
+        """Token ids i32[T] -> embeddings f32[T, D] (exactly the table's rows, dequantized as
+        `QuantizedEmbedder` does for an int8 one)."""
         width = self.panels.shape[2]
-        return self.panels[...][ids // width, :, ids % width]
+        rows = self.panels[...][ids // width, :, ids % width]
+        if self.scale is None:
+            return rows
+        return rows.astype(jnp.float32) * self.scale[...][ids][:, None]
 
     def decode(self, hidden: jax.Array) -> jax.Array:
         """Hidden states f32[R, D] -> f32[R, V'] logits (the tied head)."""
-        return matmul.packed_matmul(hidden, self.panels[...], self.num_embeddings)
+        if self.scale is None:
+            return matmul.packed_matmul(hidden, self.panels[...], self.num_embeddings)
+        return matmul.packed_matmul_int8(hidden, self.panels[...], self.scale[...],
+                                         self.num_embeddings)
+
+
+class BlockLinear(nnx.Module):
+    """`GGUFLinear`'s y = x @ W.T + bias by the native block matmul, W's rows of Q4_1 / Q8_0
+    blocks as the file stores them (`jaxengine_kernels.cpu.block_matmul`); float32 in and
+    out. Made from one or more projections of the same input and type, their rows stacked."""
+
+    def __init__(self, *linears: GGUFLinear) -> None:
+        self.blocks = nnx.Param(jnp.concatenate([lin.kernel[...] for lin in linears], axis=0))
+        self.qtype = linears[0].qtype
+        biased = any(lin.bias is not None for lin in linears)
+        self.bias = nnx.Param(jnp.concatenate([
+            jnp.zeros(lin.out_features, jnp.float32) if lin.bias is None else lin.bias[...]
+            for lin in linears])) if biased else None
+        self.in_features = linears[0].in_features
+        self.out_features = sum(lin.out_features for lin in linears)
+
+    def __call__(self, x: jax.Array, live: jax.Array | None = None) -> jax.Array:
+        """x f32[T, K] -> f32[T, N]; `live` as `PackedLinear`'s."""
+        y = block_matmul(x, self.blocks[...], self.qtype, live)
+        return y if self.bias is None else y + self.bias[...]
+
+
+class BlockMLP(nnx.Module):
+    """`layers.MLP` with gate and up GGUF blocks of one type read by one fused call,
+    silu(x @ gate.T) * (x @ up.T) (`block_swiglu`); down_proj packed as its format allows."""
+
+    def __init__(self, mlp: nnx.Module) -> None:
+        gate, up = mlp.gate_proj, mlp.up_proj  # without bias, as every MLP of the family
+        self.gate, self.up = nnx.Param(gate.kernel[...]), nnx.Param(up.kernel[...])
+        self.qtype = gate.qtype
+        self.down_proj = _packed(mlp.down_proj) or mlp.down_proj
+
+    def __call__(self, x: jax.Array, live: jax.Array | None = None) -> jax.Array:
+        """x f32[T, D] -> f32[T, D]; `live` as `PackedLinear`'s."""
+        hidden = block_swiglu(x, self.gate[...], self.up[...], self.qtype, live)
+        return project(self.down_proj, hidden, live)
+
+
+class BlockEmbedder(nnx.Module):
+    """A tied `GGUFEmbedder` of Q4_1 / Q8_0 blocks whose LM head is the block matmul over its
+    rows (the lookup stays the embedder's own: it dequantizes only the ids' rows)."""
+
+    def __init__(self, embedder: GGUFEmbedder) -> None:
+        self.embedder = embedder
+
+    def encode(self, ids: jax.Array) -> jax.Array:
+        """Token ids i32[T] -> embeddings f32[T, D] (`GGUFEmbedder.encode`)."""
+        return self.embedder.encode(ids)
+
+    def decode(self, hidden: jax.Array) -> jax.Array:
+        """Hidden states f32[R, D] -> f32[R, V'] logits (the tied head)."""
+        return block_matmul(hidden, self.embedder.embedding[...], self.embedder.qtype)
 
 
 # q/k/v merged into one packed product (one call and more panels to share between the
@@ -115,19 +229,43 @@ def packable(model: nnx.Module) -> str | None:
         return f"packed projections are float32 (the model is {jnp.dtype(model.dtype)})"
     if not isinstance(model.layers, nnx.List):
         return "packed projections need the looped layer layout (scan_layers=False)"
-    if not all(isinstance(block.self_attn.o_proj, nnx.Linear) for block in model.layers):
+    attn, mlp = model.layers[0].self_attn, model.layers[0].mlp
+    o_proj, packed = attn.o_proj, PackedLinear | BlockLinear | PackedColumns
+    if isinstance(attn.q_proj, packed) or isinstance(o_proj, packed) or isinstance(
+            mlp, PackedMLP | BlockMLP):
         return "the projections are packed already"  # a second model_fns over one model
+    if _kind(o_proj) is None and isinstance(o_proj, QuantizedLinear):
+        return (f"packed projections are float32, int8 or GGUF {' / '.join(BLOCK_BYTES)} "
+                f"blocks (the weights are {jnp.dtype(o_proj.kernel[...].dtype)})")
     return native.available()
 
 
-def _merge(module: nnx.Module, names: tuple[str, ...]) -> None:
-    """Replace `module`'s projections `names` (of one input) by columns of one `PackedLinear`
-    of their kernels side by side."""
+def _packed(*linears: nnx.Module) -> PackedLinear | BlockLinear | None:
+    """One packed product of projections of one input and one kind (see `_kind`), or None
+    when they are not all of one kind a native kernel reads."""
+    kinds = {_kind(lin) for lin in linears}
+    if len(kinds) != 1 or None in kinds:
+        return None
+    return PackedLinear(*linears) if kinds <= {"float32", "int8"} else BlockLinear(*linears)
+
+
+def _merge(module: nnx.Module, names: tuple[str, ...]) -> int:
+    """Replace `module`'s projections `names` (of one input) by columns of one packed product
+    when they are of one kind, else each that a kernel reads by its own; returns how many
+    were packed."""
     linears = [getattr(module, name) for name in names]
-    merged, start = PackedLinear(*linears), 0
+    if len(names) > 1 and (merged := _packed(*linears)) is not None:
+        start = 0
+        for name, lin in zip(names, linears, strict=True):
+            setattr(module, name, PackedColumns(merged, start, start + lin.out_features))
+            start += lin.out_features
+        return len(names)
+    count = 0
     for name, lin in zip(names, linears, strict=True):
-        setattr(module, name, PackedColumns(merged, start, start + lin.out_features))
-        start += lin.out_features
+        if (packed := _packed(lin)) is not None:
+            setattr(module, name, packed)
+            count += 1
+    return count
 
 
 def pack_projections(model: nnx.Module) -> int:
@@ -138,20 +276,21 @@ def pack_projections(model: nnx.Module) -> int:
     count = 0
     for block in model.layers:
         attn = block.self_attn
-        _merge(attn, MERGED)
-        attn.o_proj = PackedLinear(attn.o_proj)
-        count += len(MERGED) + 1
+        count += _merge(attn, MERGED) + _merge(attn, ("o_proj",))
         mlp = block.mlp  # None in a block of routed experts only (those stay as they are)
         if mlp is None:
             continue
-        if mlp.activation == "silu":
-            block.mlp = PackedMLP(mlp)
+        kind = _kind(mlp.gate_proj)
+        if mlp.activation == "silu" and kind is not None and kind == _kind(mlp.up_proj):
+            block.mlp = PackedMLP(mlp) if kind in ("float32", "int8") else BlockMLP(mlp)
+            count += 2 + (block.mlp.down_proj is not mlp.down_proj)
         else:  # the fused call is SwiGLU's: gate and up merged, the activation in XLA
-            _merge(mlp, ("gate_proj", "up_proj"))
-            mlp.down_proj = PackedLinear(mlp.down_proj)
-        count += 3  # gate, up, down
-    if model.lm_head is None:
+            count += _merge(mlp, ("gate_proj", "up_proj")) + _merge(mlp, ("down_proj",))
+    if model.lm_head is not None:
+        return count + _merge(model, ("lm_head",))
+    kind = _kind(model.embed_tokens)
+    if kind in ("float32", "int8"):
         model.embed_tokens = PackedEmbedder(model.embed_tokens)
-    else:
-        model.lm_head = PackedLinear(model.lm_head)
-    return count + 1
+    elif kind is not None:
+        model.embed_tokens = BlockEmbedder(model.embed_tokens)
+    return count + (kind is not None)

@@ -1,6 +1,7 @@
 """Native CPU kernels behind XLA FFI custom calls: ragged paged attention (`kernel.py`, the
-source `ragged_paged_attention.cc`) and the packed float32 matmul of the model's projections
-(`matmul.py`, `packed_matmul.cc`), and the grouped matmul of the MoE experts
+source `ragged_paged_attention.cc`), the packed matmul of the model's projections over float32
+or int8 panels (`matmul.py`, `packed_matmul.cc`), the matmul over GGUF Q4_1 / Q8_0 blocks
+(`block_matmul.py`, `block_matmul.cc`), and the grouped matmul of the MoE experts
 (`grouped_matmul.cc`, called by `jaxengine_kernels/grouped_matmul.py`); `native.py` builds them
 into one library and registers them."""
 

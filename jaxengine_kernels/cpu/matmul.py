@@ -12,6 +12,11 @@ A SwiGLU MLP's gate and up kernels pack together (`pack_swiglu`): their panels i
 that ``packed_swiglu(x, panels, n)`` = silu(x @ gate) * (x @ up) comes out of one call, each
 output panel's two products finished in registers' reach instead of written as [M, 2F] and
 read back by XLA.
+
+Weight-only int8 goes the same way (`pack_int8`, `packed_matmul_int8`, `pack_swiglu_int8`,
+`packed_swiglu_int8`): int8 panels [ceil(N/W), K, W] of a quarter of the bytes, widened to float32
+in the kernel's registers, and a float32 scale per output column applied to the sums, so the
+product is (x @ values) * scale in float32 arithmetic.
 """
 
 from __future__ import annotations
@@ -30,17 +35,41 @@ def panel_width() -> int:
 
 def pack(w: jax.Array | np.ndarray) -> jax.Array:
     """w f32[K, N] -> panels f32[ceil(N/W), K, W] (zero columns past N)."""
-    width = panel_width()
-    K, N = w.shape
-    panels = -(-N // width)
-    w = jnp.pad(jnp.asarray(w, jnp.float32), ((0, 0), (0, panels * width - N)))
-    return w.reshape(K, panels, width).transpose(1, 0, 2)
+    return _panels(jnp.asarray(w, jnp.float32))
 
 
 def pack_swiglu(gate: jax.Array | np.ndarray, up: jax.Array | np.ndarray) -> jax.Array:
     """gate, up f32[K, F] -> panels f32[2 * ceil(F/W), K, W]: gate's panel p, then up's."""
-    pg, pu = pack(gate), pack(up)
-    return jnp.stack([pg, pu], axis=1).reshape(-1, *pg.shape[1:])
+    return _interleave(pack(gate), pack(up))
+
+
+def pack_int8(values: jax.Array | np.ndarray) -> jax.Array:
+    """values i8[K, N] -> panels i8[ceil(N/W), K, W] (zero columns past N); the scales f32[N]
+    go to `packed_matmul_int8` as they are."""
+    values = jnp.asarray(values)
+    if values.dtype != jnp.int8:
+        raise ValueError(f"pack_int8 takes int8 values, got {values.dtype}")
+    return _panels(values)
+
+
+def pack_swiglu_int8(gate: jax.Array | np.ndarray, up: jax.Array | np.ndarray) -> jax.Array:
+    """gate, up i8[K, F] -> panels i8[2 * ceil(F/W), K, W]: gate's panel p, then up's; their
+    scales go to `packed_swiglu_int8` side by side, f32[2F] (gate's, then up's)."""
+    return _interleave(pack_int8(gate), pack_int8(up))
+
+
+def _panels(w: jax.Array) -> jax.Array:
+    """w [K, N] -> [ceil(N/W), K, W] in w's dtype, zeros past N."""
+    width = panel_width()
+    K, N = w.shape
+    panels = -(-N // width)
+    w = jnp.pad(w, ((0, 0), (0, panels * width - N)))
+    return w.reshape(K, panels, width).transpose(1, 0, 2)
+
+
+def _interleave(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """Two kernels' panels [P, K, W] -> [2P, K, W]: gate's panel p, then up's."""
+    return jnp.stack([gate, up], axis=1).reshape(-1, *gate.shape[1:])
 
 
 def packed_matmul(x: jax.Array, panels: jax.Array, n: int,
@@ -64,9 +93,26 @@ def packed_swiglu(x: jax.Array, panels: jax.Array, n: int,
     return _call(native.swiglu_target(), x, panels, n, 2, live)
 
 
+def packed_matmul_int8(x: jax.Array, panels: jax.Array, scale: jax.Array, n: int,
+                       live: jax.Array | int | None = None) -> jax.Array:
+    """(x f32[..., K] @ values) * scale -> f32[..., n], values i8[K, n] given as `pack_int8`'s
+    panels i8[ceil(n/W), K, W] and scale f32[n] per output column; `live` and vmap as
+    `packed_matmul`'s."""
+    return _call(native.int8_target(swiglu=False), x, panels, n, 1, live, scale)
+
+
+def packed_swiglu_int8(x: jax.Array, panels: jax.Array, scale: jax.Array, n: int,
+                       live: jax.Array | int | None = None) -> jax.Array:
+    """silu((x @ gate) * gate_scale) * ((x @ up) * up_scale) -> f32[..., n] for gate and up
+    i8[K, n] given as `pack_swiglu_int8`'s panels and scale f32[2n] (gate's, then up's);
+    `live` and vmap as `packed_matmul`'s."""
+    return _call(native.int8_target(swiglu=True), x, panels, n, 2, live, scale)
+
+
 def _call(target: str, x: jax.Array, panels: jax.Array, n: int, parts: int,
-          live: jax.Array | int | None) -> jax.Array:
-    """The custom call over panels of `parts` weight panels per output panel."""
+          live: jax.Array | int | None, scale: jax.Array | None = None) -> jax.Array:
+    """The custom call over panels of `parts` weight panels per output panel (float32, or int8
+    with `scale` f32[parts * n])."""
     width = panel_width()
     K = x.shape[-1]
     if panels.ndim != 3 or panels.shape[1] != K or panels.shape[2] != width or \
@@ -74,11 +120,17 @@ def _call(target: str, x: jax.Array, panels: jax.Array, n: int, parts: int,
         kernels = f"a [{K}, {n}] kernel" if parts == 1 else f"gate and up [{K}, {n}] kernels"
         raise ValueError(f"panels {panels.shape} do not pack {kernels} for a panel width of "
                          f"{width}")
-    if x.dtype != jnp.float32 or panels.dtype != jnp.float32:
-        raise ValueError(f"packed_matmul takes float32, got {x.dtype} and {panels.dtype}")
+    weights = jnp.float32 if scale is None else jnp.int8
+    if x.dtype != jnp.float32 or panels.dtype != weights:
+        raise ValueError(f"packed_matmul takes float32 x and {jnp.dtype(weights)} panels, got "
+                         f"{x.dtype} and {panels.dtype}")
+    if scale is not None and (scale.shape != (parts * n,) or scale.dtype != jnp.float32):
+        raise ValueError(f"the int8 panels' scale must be float32[{parts * n}], got "
+                         f"{scale.dtype}{list(scale.shape)}")
     lead = x.shape[:-1]
     rows = x.reshape(-1, K)
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32),
                             vmap_method="sequential")
-    live = rows.shape[0] if live is None else live
-    return call(rows, panels, jnp.asarray(live, jnp.int32)).reshape(*lead, n)
+    live = jnp.asarray(rows.shape[0] if live is None else live, jnp.int32)
+    operands = (panels,) if scale is None else (panels, scale)
+    return call(rows, *operands, live).reshape(*lead, n)

@@ -1,9 +1,10 @@
 """Building and registering the CPU kernels' shared library.
 
-`ragged_paged_attention.cc`, `packed_matmul.cc` and `grouped_matmul.cc` are compiled into one
-library with the machine's C++ compiler the first time a process needs it (a few seconds), into
-`$XDG_CACHE_HOME/jaxengine/native/<key>/` (by default `~/.cache/jaxengine/native/`;
-`$JAXENGINE_NATIVE_CACHE_DIR` overrides), and later processes load that file. The key hashes
+`ragged_paged_attention.cc`, `packed_matmul.cc`, `block_matmul.cc` and `grouped_matmul.cc` are
+compiled into one library with the machine's C++ compiler the first time a process needs it (a
+few seconds), into `$XDG_CACHE_HOME/jaxengine/native/<key>/` (by default
+`~/.cache/jaxengine/native/`; `$JAXENGINE_NATIVE_CACHE_DIR` overrides), and later processes
+load that file. The key hashes
 everything the binary depends on: the sources and their headers, the compiler and its flags,
 jaxlib's version (the FFI headers come from it) and the CPU (`-march=native`), so a changed
 source, toolchain, jax or machine builds anew instead of loading a wrong binary. The compiler
@@ -45,6 +46,7 @@ logger = logging.getLogger("jaxengine.kernels")
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("ragged_paged_attention.cc",
                                                              "packed_matmul.cc",
+                                                             "block_matmul.cc",
                                                              "grouped_matmul.cc"))
 HEADERS = tuple(Path(__file__).with_name(name) for name in ("parallel_for.h", "simd.h"))
 LIBRARY = "libjaxengine_cpu_kernels.so"
@@ -53,6 +55,16 @@ LIBRARY = "libjaxengine_cpu_kernels.so"
 ATTENTION_TARGET = ("jaxengine_ragged_paged_attention", "RaggedPagedAttention")
 MATMUL_TARGET = ("jaxengine_packed_matmul_f32", "PackedMatmulF32")
 SWIGLU_TARGET = ("jaxengine_packed_swiglu_f32", "PackedSwiGLUF32")
+INT8_TARGETS = (("jaxengine_packed_matmul_int8", "PackedMatmulInt8"),
+                ("jaxengine_packed_swiglu_int8", "PackedSwiGLUInt8"))
+# The GGUF block kernels per quantization type: (plain product, SwiGLU product), each a
+# (target, symbol) pair.
+BLOCK_TARGETS = {
+    "Q4_1": (("jaxengine_block_matmul_q4_1", "BlockMatmulQ4_1"),
+             ("jaxengine_block_swiglu_q4_1", "BlockSwiGLUQ4_1")),
+    "Q8_0": (("jaxengine_block_matmul_q8_0", "BlockMatmulQ8_0"),
+             ("jaxengine_block_swiglu_q8_0", "BlockSwiGLUQ8_0")),
+}
 GROUPED_TARGET = ("jaxengine_grouped_matmul_f32", "GroupedMatmulF32")
 FLAGS = ("-O3", "-std=c++17", "-fopenmp-simd", "-fno-math-errno", "-fno-trapping-math",
          "-shared", "-fPIC")
@@ -201,6 +213,7 @@ def _load() -> ctypes.CDLL:
                 path = _build(cxx, ())
             library = ctypes.cdll.LoadLibrary(str(path))
             for target_name, symbol in (ATTENTION_TARGET, MATMUL_TARGET, SWIGLU_TARGET,
+                                        *INT8_TARGETS, *sum(BLOCK_TARGETS.values(), ()),
                                         GROUPED_TARGET):
                 jax.ffi.register_ffi_target(
                     target_name, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
@@ -240,6 +253,28 @@ def swiglu_target() -> str:
     raises `NativeBuildError` as `target` does)."""
     _load()
     return SWIGLU_TARGET[0]
+
+
+def int8_target(*, swiglu: bool) -> str:
+    """The custom-call target of the packed matmul over int8 panels (`swiglu`: the fused SwiGLU
+    product's); built and loaded on first use, raising `NativeBuildError` as `target` does."""
+    _load()
+    return INT8_TARGETS[swiglu][0]
+
+
+def block_target(quant_type: str, *, swiglu: bool) -> str:
+    """The custom-call target of the matmul over GGUF blocks of `quant_type` ("Q4_1" or
+    "Q8_0"; `swiglu`: the fused SwiGLU product's); built and loaded on first use, raising
+    `NativeBuildError` as `target` does.
+
+    Raises:
+      ValueError: a type the kernel does not read (the message names those it does).
+    """
+    if quant_type not in BLOCK_TARGETS:
+        raise ValueError(f"the CPU block matmul reads GGUF {', '.join(BLOCK_TARGETS)} blocks, "
+                         f"not {quant_type!r}")
+    _load()
+    return BLOCK_TARGETS[quant_type][swiglu][0]
 
 
 def grouped_target() -> str:

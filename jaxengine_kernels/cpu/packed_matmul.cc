@@ -1,6 +1,11 @@
 // A float32 matmul over weights packed in column panels, as an XLA FFI custom call: y = x @ w for
 // x [M, K] and w [K, N] held as panels [ceil(N/W), K, W] (W = kPanel columns, zero past N),
-// and live i32[], the rows of x to compute.
+// and live i32[], the rows of x to compute. The same loop takes int8 panels with a float32 scale
+// per output column (weight-only int8: y = (x @ w) * scale): a panel row is widened to float32 in
+// registers (one convert per vector) and multiply-added as a float row is, and each column's
+// sums are scaled once, as the panel's outputs are written. An int8 panel is a quarter of the
+// bytes, what a memory-bound decode step pays for (docs/BENCHMARKS.md §2, "Quantized
+// projections").
 // jaxengine_kernels/cpu/native.py compiles and registers it, jaxengine_kernels/cpu/matmul.py packs the
 // weights and calls it, and the tests hold it to numpy's product.
 //
@@ -28,6 +33,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+#include <vector>
 
 #include "parallel_for.h"
 #include "simd.h"
@@ -37,7 +44,7 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-using jaxengine_cpu::fast_exp;
+using jaxengine_cpu::fast_silu;
 using jaxengine_cpu::fvec;
 using jaxengine_cpu::kLanes;
 using jaxengine_cpu::loadv;
@@ -57,7 +64,6 @@ constexpr int64_t kRowBlock = 4, kVectors = 3, kAhead = 32;  // 12 + 3 + 1 of 16
 constexpr int64_t kRowBlock = 2, kVectors = 4, kAhead = 8;  // 8 + 4 + 1 of 16: SSE2, AVX
 #endif
 constexpr int64_t kPanel = kVectors * kLanes;  // columns per panel
-constexpr int64_t kLine = 64 / sizeof(float);  // floats per cache line
 constexpr int64_t kRunRows = 96;        // rows per unit (a decode step's rows are one run)
 constexpr int64_t kChunkRows = 64;      // the most rows of a unit taken in chunks of K
 constexpr int64_t kChunk = 16;          // panel rows per chunk
@@ -80,28 +86,34 @@ inline Unit unit_at(int64_t i, int64_t panels, int64_t rows) {
   return {i % panels, m0, std::min(rows, m0 + kRunRows)};
 }
 
+// One panel row's vector of weights as floats: loaded, or widened from int8 (kLanes bytes).
+inline fvec loadw(const float* p) { return loadv(p); }
+inline fvec loadw(const int8_t* p) { return jaxengine_cpu::widen(p); }
+
 // Memory a row block asks for while it computes: `rows` panel rows from `at`, one at each of
-// its first `rows` panel rows (a panel row is kPanel floats, kPanel / kLine cache lines).
+// its first `rows` panel rows (a panel row is kPanel weights of type W, float or int8).
+template <typename W>
 struct Prefetch {
-  const float* at;
+  const W* at;
   int64_t rows;
 };
 
 // R rows of x (row stride ldx) against kc rows of a panel; the sums go to out [R, kPanel],
 // added to what it holds when Add.
-template <int64_t R, bool Add>
-inline void row_block(const float* x, int64_t ldx, int64_t kc, const float* panel,
-                      Prefetch pf, float* out) {
+template <int64_t R, bool Add, typename W, typename PW>
+inline void row_block(const float* x, int64_t ldx, int64_t kc, const W* panel,
+                      Prefetch<PW> pf, float* out) {
+  constexpr int64_t line = 64 / sizeof(PW);  // prefetched weights per cache line
   fvec acc[R][kVectors];
   for (int64_t r = 0; r < R; ++r)
     for (int64_t v = 0; v < kVectors; ++v)
       acc[r][v] = Add ? loadv(out + r * kPanel + v * kLanes) : fvec{};
   for (int64_t k = 0; k < kc; ++k) {
-    const float* row = panel + k * kPanel;
+    const W* row = panel + k * kPanel;
     if (k < pf.rows)
-      for (int64_t v = 0; v < kPanel; v += kLine) __builtin_prefetch(pf.at + k * kPanel + v);
+      for (int64_t v = 0; v < kPanel; v += line) __builtin_prefetch(pf.at + k * kPanel + v);
     fvec w[kVectors];
-    for (int64_t v = 0; v < kVectors; ++v) w[v] = loadv(row + v * kLanes);
+    for (int64_t v = 0; v < kVectors; ++v) w[v] = loadw(row + v * kLanes);
     for (int64_t r = 0; r < R; ++r) {
       const float b = x[r * ldx + k];  // broadcast by the vector product
       for (int64_t v = 0; v < kVectors; ++v) acc[r][v] += w[v] * b;
@@ -111,9 +123,9 @@ inline void row_block(const float* x, int64_t ldx, int64_t kc, const float* pane
     for (int64_t v = 0; v < kVectors; ++v) storev(out + r * kPanel + v * kLanes, acc[r][v]);
 }
 
-template <int64_t R = kRowBlock>
+template <int64_t R = kRowBlock, typename W, typename PW>
 inline void row_tail(int64_t rows, bool add, const float* x, int64_t ldx, int64_t kc,
-                     const float* panel, Prefetch pf, float* out) {
+                     const W* panel, Prefetch<PW> pf, float* out) {
   if constexpr (R > 0) {
     if (rows == R)
       return add ? row_block<R, true>(x, ldx, kc, panel, pf, out)
@@ -122,18 +134,29 @@ inline void row_tail(int64_t rows, bool add, const float* x, int64_t ldx, int64_
   }
 }
 
+// `rows` panel rows from src as floats: src itself for a float panel; an int8 one widened into
+// dst [rows, kPanel].
+inline const float* widened(const float* src, int64_t, float*) { return src; }
+inline const float* widened(const int8_t* src, int64_t rows, float* dst) {
+  for (int64_t i = 0; i < rows * kPanel; i += kLanes) storev(dst + i, loadw(src + i));
+  return dst;
+}
+
 // Output columns of one panel's sums: y = sums (a plain product), or y = silu(gate) * up for a
 // SwiGLU pair (Glu: the gate's sums and the up projection's, side by side in their panels).
-template <bool Glu>
-inline void emit(const float* gate, const float* up, float* y, int64_t width) {
-  if constexpr (Glu) {
+// With Scaled (int8 panels) each column's sums are first multiplied by its scale (gs for the
+// gate's or the plain product's, us for up's).
+template <bool Glu, bool Scaled>
+inline void emit(const float* gate, const float* up, const float* gs, const float* us, float* y,
+                 int64_t width) {
 #pragma omp simd
-    for (int64_t c = 0; c < width; ++c) {  // silu(g) = g * sigmoid(g), e^-|g| never overflows
-      const float g = gate[c], e = fast_exp(-std::abs(g));
-      y[c] = g * (g >= 0.0f ? 1.0f : e) / (1.0f + e) * up[c];
+  for (int64_t c = 0; c < width; ++c) {
+    const float g = Scaled ? gate[c] * gs[c] : gate[c];
+    if constexpr (Glu) {
+      y[c] = fast_silu(g) * (Scaled ? up[c] * us[c] : up[c]);
+    } else {
+      y[c] = g;
     }
-  } else {
-    std::memcpy(y, gate, width * sizeof(float));
   }
 }
 
@@ -152,72 +175,123 @@ inline void emit(const float* gate, const float* up, float* y, int64_t width) {
 // each panel row kAhead rows before its use. Chunks go up to 64 rows: a bucket-64 decode step's
 // live rows gain from them, 96-row runs do not, and a prefill's runs stay unchunked
 // (docs/BENCHMARKS.md §2, "Packed projections").
-template <bool Glu>
-void unit(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t p,
-          int64_t m0, int64_t m1) {
+//
+// An int8 panel that meets more than one row block is widened to float32 once, a chunk at a
+// time (or whole, for a long run, into a thread's scratch), and the blocks read the floats:
+// widening a vector costs about what its multiply-adds with one block do, so widened per block
+// a few rows' product would be compute-bound (docs/BENCHMARKS.md §2, "Quantized projections").
+// One block reads the int8 rows itself.
+//
+// panels: output panel p's weight panels (kParts of them); gs and us (Scaled): the columns'
+// scales of the gate's or plain product's panel and of up's.
+template <bool Glu, bool Scaled, typename W>
+void panel_unit(const float* x, const W* panels, float* y, int64_t K, int64_t N, int64_t p,
+                int64_t m0, int64_t m1, const float* gs, const float* us) {
   constexpr int64_t kParts = Glu ? 2 : 1;  // weight panels per output panel
-  const float* panels = w + kParts * p * K * kPanel;
+  // kAhead counts float panel rows; an int8 row is a quarter of the bytes.
+  constexpr int64_t ahead = kAhead * sizeof(float) / sizeof(W);
   const int64_t n0 = p * kPanel, width = std::min(kPanel, N - n0);
   if (m1 - m0 > kRowBlock && m1 - m0 <= kChunkRows) {
     alignas(64) float sums[kParts][kChunkRows * kPanel];
+    alignas(64) float wide[Scaled ? kChunk * kPanel : 1];
     const int64_t blocks = (m1 - m0 + kRowBlock - 1) / kRowBlock;
     for (int64_t part = 0; part < kParts; ++part) {
-      const float* panel = panels + part * K * kPanel;
-      for (int64_t v = 0; v < std::min(2 * kChunk, K) * kPanel; v += kLine)
+      const W* panel = panels + part * K * kPanel;
+      for (int64_t v = 0; v < std::min(2 * kChunk, K) * kPanel; v += 64 / sizeof(W))
         __builtin_prefetch(panel + v);  // the first two chunks, before any is used
       for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
-        const int64_t kc = std::min(kChunk, K - k0), ahead = k0 + 2 * kChunk;
-        const int64_t rows = std::clamp<int64_t>(K - ahead, 0, kChunk);  // of the chunk ahead
+        const int64_t kc = std::min(kChunk, K - k0), next = k0 + 2 * kChunk;
+        const int64_t rows = std::clamp<int64_t>(K - next, 0, kChunk);  // of the chunk ahead
+        const float* chunk = widened(panel + k0 * kPanel, kc, wide);
         for (int64_t b = 0; b < blocks; ++b) {
           const int64_t m = m0 + b * kRowBlock, first = rows * b / blocks;
-          row_tail(std::min(kRowBlock, m1 - m), k0 > 0, x + m * K + k0, K, kc,
-                   panel + k0 * kPanel,
-                   {panel + (ahead + first) * kPanel, rows * (b + 1) / blocks - first},
+          row_tail(std::min(kRowBlock, m1 - m), k0 > 0, x + m * K + k0, K, kc, chunk,
+                   Prefetch<W>{panel + (next + first) * kPanel, rows * (b + 1) / blocks - first},
                    sums[part] + (m - m0) * kPanel);
         }
       }
     }
     for (int64_t m = m0; m < m1; ++m)
-      emit<Glu>(sums[0] + (m - m0) * kPanel, sums[kParts - 1] + (m - m0) * kPanel,
-                y + m * N + n0, width);
+      emit<Glu, Scaled>(sums[0] + (m - m0) * kPanel, sums[kParts - 1] + (m - m0) * kPanel, gs,
+                         us, y + m * N + n0, width);
     return;
+  }
+  if constexpr (!std::is_same_v<W, float>) {
+    if (m1 - m0 > kRowBlock) {  // a long run: the panels widened once, then read as floats
+      thread_local std::vector<float> scratch;  // an XLA pool thread's, reused call after call
+      scratch.resize(kParts * K * kPanel);
+      return panel_unit<Glu, Scaled>(x, widened(panels, kParts * K, scratch.data()), y, K, N, p,
+                                     m0, m1, gs, us);
+    }
   }
   alignas(64) float sums[kParts][kRowBlock * kPanel];
   for (int64_t m = m0; m < m1; m += kRowBlock) {
     const int64_t rows = std::min(kRowBlock, m1 - m);
     for (int64_t part = 0; part < kParts; ++part) {
-      const float* panel = panels + part * K * kPanel;
+      const W* panel = panels + part * K * kPanel;
       row_tail(rows, false, x + m * K, K, K, panel,
-               {panel + kAhead * kPanel, std::max<int64_t>(K - kAhead, 0)}, sums[part]);
+               Prefetch<W>{panel + ahead * kPanel, std::max<int64_t>(K - ahead, 0)},
+               sums[part]);
     }
     for (int64_t r = 0; r < rows; ++r)
-      emit<Glu>(sums[0] + r * kPanel, sums[kParts - 1] + r * kPanel, y + (m + r) * N + n0,
-                width);
+      emit<Glu, Scaled>(sums[0] + r * kPanel, sums[kParts - 1] + r * kPanel, gs, us,
+                         y + (m + r) * N + n0, width);
   }
 }
 
-// y [M, N] from x [M, K] and panels [(Glu ? 2 : 1) * ceil(N/W), K, W] (see unit).
-template <bool Glu>
-ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                        ffi::Buffer<ffi::S32> live, ffi::ResultBuffer<ffi::F32> y) {
+// Rows [m0, m1) of x against output panel p of w (every weight panel); scale is null for
+// float32 panels, else int8 panels' column scales f32[N] (f32[2N] with Glu: the gate's, then
+// up's).
+template <bool Glu, typename W = float>
+void unit(const float* x, const W* w, float* y, int64_t K, int64_t N, int64_t p, int64_t m0,
+          int64_t m1, const float* scale = nullptr) {
+  constexpr bool kScaled = !std::is_same_v<W, float>;
+  const W* panels = w + (Glu ? 2 : 1) * p * K * kPanel;
+  const float* gs = kScaled ? scale + p * kPanel : nullptr;
+  const float* us = kScaled && Glu ? scale + N + p * kPanel : nullptr;
+  panel_unit<Glu, kScaled>(x, panels, y, K, N, p, m0, m1, gs, us);
+}
+
+// y [M, N] from x [M, K] and panels [(Glu ? 2 : 1) * ceil(N/W), K, W] of float32 weights, or of
+// int8 weights with their columns' scales f32[(Glu ? 2 : 1) * N] (see unit).
+template <bool Glu, typename W>
+ffi::Error Packed(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, const W* w,
+                  ffi::Span<const int64_t> wd, const float* scale, int64_t live,
+                  ffi::ResultBuffer<ffi::F32>& y) {
   constexpr int64_t kParts = Glu ? 2 : 1;
-  const auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  const auto xd = x.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || wd[2] != kPanel ||
-      wd[1] != xd[1] || yd[0] != xd[0] || kParts * ((yd[1] + kPanel - 1) / kPanel) != wd[0] ||
-      live.element_count() != 1)
+      wd[1] != xd[1] || yd[0] != xd[0] || kParts * ((yd[1] + kPanel - 1) / kPanel) != wd[0])
     return ffi::Error::InvalidArgument("packed_matmul: bad shapes");
   const int64_t K = xd[1], N = yd[1], panels = wd[0] / kParts;
-  const int64_t M = std::clamp<int64_t>(live.typed_data()[0], 0, xd[0]);  // rows computed
+  const int64_t M = std::clamp<int64_t>(live, 0, xd[0]);  // rows computed
   const float* X = x.typed_data();
-  const float* W = w.typed_data();
   float* Y = y->typed_data();
   std::fill(Y + M * N, Y + xd[0] * N, 0.0f);
   if (M == 0 || N == 0) return ffi::Error::Success();
   parallel_for(pool, unit_count(M, panels), [&](int64_t i) {
     const Unit u = unit_at(i, panels, M);
-    unit<Glu>(X, W, Y, K, N, u.panel, u.m0, u.m1);
+    unit<Glu>(X, w, Y, K, N, u.panel, u.m0, u.m1, scale);
   });
   return ffi::Error::Success();
+}
+
+template <bool Glu>
+ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                        ffi::Buffer<ffi::S32> live, ffi::ResultBuffer<ffi::F32> y) {
+  if (live.element_count() != 1) return ffi::Error::InvalidArgument("packed_matmul: bad live");
+  return Packed<Glu>(pool, x, w.typed_data(), w.dimensions(), nullptr, live.typed_data()[0], y);
+}
+
+template <bool Glu>
+ffi::Error PackedInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
+                      ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> live,
+                      ffi::ResultBuffer<ffi::F32> y) {
+  if (live.element_count() != 1 || y->dimensions().size() != 2 ||
+      scale.element_count() != (Glu ? 2 : 1) * y->dimensions()[1])
+    return ffi::Error::InvalidArgument("packed_matmul_int8: bad shapes");
+  return Packed<Glu>(pool, x, w.typed_data(), w.dimensions(), scale.typed_data(),
+                     live.typed_data()[0], y);
 }
 
 }  // namespace
@@ -235,3 +309,15 @@ extern "C" int64_t PackedMatmulPanel() { return kPanel; }
                                     .Ret<ffi::Buffer<ffi::F32>>());
 JAXENGINE_PACKED_HANDLER(PackedMatmulF32, false)
 JAXENGINE_PACKED_HANDLER(PackedSwiGLUF32, true)
+
+#define JAXENGINE_PACKED_INT8_HANDLER(name, glu)                          \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, PackedInt8<glu>,                   \
+                                ffi::Ffi::Bind()                         \
+                                    .Ctx<ffi::ThreadPool>()              \
+                                    .Arg<ffi::Buffer<ffi::F32>>()        \
+                                    .Arg<ffi::Buffer<ffi::S8>>()         \
+                                    .Arg<ffi::Buffer<ffi::F32>>()        \
+                                    .Arg<ffi::Buffer<ffi::S32>>()        \
+                                    .Ret<ffi::Buffer<ffi::F32>>());
+JAXENGINE_PACKED_INT8_HANDLER(PackedMatmulInt8, false)
+JAXENGINE_PACKED_INT8_HANDLER(PackedSwiGLUInt8, true)

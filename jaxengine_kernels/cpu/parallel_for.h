@@ -1,5 +1,5 @@
 // The CPU kernels' one way of spreading work over XLA's intra-op threads (included by
-// ragged_paged_attention.cc and packed_matmul.cc).
+// ragged_paged_attention.cc, packed_matmul.cc and block_matmul.cc).
 #pragma once
 
 #include <algorithm>

@@ -1,5 +1,5 @@
-// The CPU kernels' vectors and the arithmetic they share (included by ragged_paged_attention.cc
-// and packed_matmul.cc). Vectors are as wide as the CPU's widest registers (16 floats with
+// The CPU kernels' vectors and the arithmetic they share (included by ragged_paged_attention.cc,
+// packed_matmul.cc and block_matmul.cc). Vectors are as wide as the CPU's widest registers (16 floats with
 // AVX-512, 8 with AVX, else 4: SSE, NEON), as GCC's vector extension (which Clang takes too),
 // so that one source builds for every ISA level.
 #pragma once
@@ -8,6 +8,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 namespace jaxengine_cpu {
 
@@ -43,6 +48,46 @@ inline fvec loadv(const float* p) {
 }
 inline void storev(float* p, fvec v) { std::memcpy(p, &v, sizeof v); }
 
+// The sum of v's lanes, added in a fixed order (a tree of halves with AVX-512 and AVX2, lane by
+// lane otherwise), so that it depends on v alone.
+inline float lane_sum(fvec v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps(__m512(v));
+#elif defined(__AVX2__)
+  const __m256 w = __m256(v);
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(w), _mm256_extractf128_ps(w, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+#else
+  float s = 0.0f;
+  for (int64_t l = 0; l < kLanes; ++l) s += v[l];
+  return s;
+#endif
+}
+
+// kLanes bytes at p (int8 or uint8) widened to a vector of floats. GCC's __builtin_convertvector
+// widens bytes one at a time, through general registers; AVX2 and AVX-512 have instructions that
+// widen a vector's bytes at once, used where the build has them.
+template <typename B>
+inline fvec widen(const B* p) {
+  static_assert(std::is_same_v<B, int8_t> || std::is_same_v<B, uint8_t>);
+  constexpr bool kSigned = std::is_same_v<B, int8_t>;
+#if defined(__AVX512F__)
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m512i i = kSigned ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
+  return fvec(_mm512_cvtepi32_ps(i));
+#elif defined(__AVX2__)
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m256i i = kSigned ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b);
+  return fvec(_mm256_cvtepi32_ps(i));
+#else
+  typedef B bytes __attribute__((vector_size(kLanes)));
+  bytes b;
+  std::memcpy(&b, p, sizeof b);
+  return __builtin_convertvector(b, fvec);
+#endif
+}
+
 // e^x for x <= 0 (Cephes' expf polynomial, within ~2 ulp), plain arithmetic so that compilers
 // vectorize the loops that call it (std::exp is an opaque call, which blocks that). Always
 // inlined: GCC stops inlining it once it has enough callers (fast_tanh's among them), and a
@@ -62,6 +107,12 @@ inline void storev(float* p, fvec v) { std::memcpy(p, &v, sizeof v); }
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return p * scale;
+}
+
+// silu(g) = g * sigmoid(g) (the SwiGLU MLP's activation), vectorisable: e^-|g| never overflows.
+[[gnu::always_inline]] inline float fast_silu(float g) {
+  const float e = fast_exp(-std::abs(g));
+  return g * (g >= 0.0f ? 1.0f : e) / (1.0f + e);
 }
 
 // tanh(x) within ~1e-6 relative, vectorisable (Gemma 2's soft-capping of attention scores):

@@ -1,7 +1,7 @@
 """The native packed matmul against numpy's product: every row count around the kernel's
 register blocks and runs, column counts off the panel width, leading axes, vmap, the build for
 each x86 ISA level the CPU runs, and clear errors for panels that do not fit; the fused SwiGLU
-product against silu(x @ gate) * (x @ up)."""
+product against silu(x @ gate) * (x @ up); the same over int8 panels with column scales."""
 
 from __future__ import annotations
 
@@ -17,9 +17,13 @@ from hypothesis import strategies as st
 from jaxengine_kernels.cpu import native
 from jaxengine_kernels.cpu.matmul import (
     pack,
+    pack_int8,
     pack_swiglu,
+    pack_swiglu_int8,
     packed_matmul,
+    packed_matmul_int8,
     packed_swiglu,
+    packed_swiglu_int8,
     panel_width,
 )
 
@@ -96,7 +100,7 @@ def test_panels_that_do_not_fit_are_refused_by_shape():
         packed_matmul(jnp.asarray(x), pack(w), n)
     with pytest.raises(ValueError, match=r"do not pack a \[17, 40\] kernel"):
         packed_matmul(jnp.ones((3, 17)), pack(w), 40)
-    with pytest.raises(ValueError, match="takes float32, got bfloat16"):
+    with pytest.raises(ValueError, match="takes float32 x and float32 panels, got bfloat16"):
         packed_matmul(jnp.asarray(x, jnp.bfloat16), pack(w), 40)
 
 
@@ -151,3 +155,97 @@ def test_every_isa_build_matches_numpy(isa, isa_library):
         y = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((m, n), jnp.float32))(
             jnp.asarray(x), jnp.asarray(wp.transpose(1, 0, 2)), jnp.int32(m))
         check(y, x, w)
+
+
+def int8_operands(m: int, k: int, n: int, seed: int
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return (rng.standard_normal((m, k)).astype(np.float32),
+            rng.integers(-127, 128, (k, n)).astype(np.int8),
+            (rng.random(n) * 0.1 + 1e-3).astype(np.float32))
+
+
+def check_int8(y: jax.Array | np.ndarray, x: np.ndarray, values: np.ndarray,
+               scale: np.ndarray) -> None:
+    """(x @ values) * scale to float32 rounding of its K products (|x| @ |values| bounds it)."""
+    want = (x.astype(np.float64) @ values.astype(np.float64)) * scale
+    bound = (np.abs(x).astype(np.float64) @ np.abs(values).astype(np.float64)) * scale
+    assert np.all(np.abs(np.asarray(y) - want) <= 1e-6 * bound + 1e-30)
+
+
+# Row blocks, chunked units and runs as the float matmul's; n and k off the panel width.
+@pytest.mark.parametrize("m,k,n,live", [(1, 576, 192, 1), (7, 33, 5, 7), (64, 64, 100, 49),
+                                        (100, 1536, 70, 100), (200, 16, 130, 150)])
+def test_int8_panels_give_the_scaled_product(m, k, n, live):
+    x, values, scale = int8_operands(m, k, n, seed=m + k)
+    x[live:] = np.nan  # padding rows are never read
+    y = np.asarray(jax.jit(packed_matmul_int8, static_argnums=3)(
+        jnp.asarray(x), pack_int8(values), jnp.asarray(scale), n, jnp.int32(live)))
+    check_int8(y[:live], x[:live], values, scale)
+    assert not y[live:].any()
+
+
+@pytest.mark.parametrize("m,k,n", [(1, 576, 1536), (13, 64, 100), (97, 48, 70)])
+def test_the_int8_swiglu_product_is_silu_of_the_scaled_gate_times_up(m, k, n):
+    x, gate, gs = int8_operands(m, k, n, seed=m)
+    _, up, us = int8_operands(m, k, n, seed=m + 1)
+    y = packed_swiglu_int8(jnp.asarray(x), pack_swiglu_int8(gate, up),
+                           jnp.asarray(np.concatenate([gs, us])), n)
+    want = swiglu(x, gate * gs, up * us)  # the weights dequantized, in float64
+    scale = np.sqrt(k) * np.maximum(1, np.abs(want))
+    assert np.all(np.abs(np.asarray(y) - want) <= 2e-5 * scale)
+
+
+def test_int8_panels_hold_the_values_and_bad_operands_are_refused():
+    x, values, scale = int8_operands(3, 16, 40, seed=4)
+    panels = pack_int8(values)
+    assert panels.dtype == jnp.int8
+    flat = np.asarray(panels).transpose(1, 0, 2).reshape(16, -1)
+    np.testing.assert_array_equal(flat[:, :40], values)
+    assert not flat[:, 40:].any()
+    with pytest.raises(ValueError, match="pack_int8 takes int8 values, got float32"):
+        pack_int8(values.astype(np.float32))
+    with pytest.raises(ValueError, match=r"scale must be float32\[40\], got float32\[39\]"):
+        packed_matmul_int8(jnp.asarray(x), panels, jnp.asarray(scale[:39]), 40)
+    with pytest.raises(ValueError, match="takes float32 x and int8 panels, got float32 and "
+                                         "float32"):
+        packed_matmul_int8(jnp.asarray(x), pack(values.astype(np.float32)), jnp.asarray(scale),
+                           40)
+
+
+@pytest.mark.parametrize("isa", native.X86_ISAS)
+def test_every_isa_build_matches_numpy_on_int8_panels(isa, isa_library):
+    """The int8 widening is an instruction per vector with AVX2 and AVX-512 and the compiler's
+    own conversion on baseline x86-64: each build against numpy where the CPU runs it."""
+    library = isa_library(isa)
+    library.PackedMatmulPanel.restype = ctypes.c_int64
+    width = int(library.PackedMatmulPanel())
+    target = f"jaxengine_test_packed_matmul_int8_{isa}"
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(library.PackedMatmulInt8),
+                                platform="cpu")
+    for m, k, n in [(1, 9, 5), (7, 64, 100), (130, 33, 48)]:
+        x, values, scale = int8_operands(m, k, n, seed=m)
+        panels = -(-n // width)
+        vp = np.pad(values, ((0, 0), (0, panels * width - n))).reshape(k, panels, width)
+        y = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((m, n), jnp.float32))(
+            jnp.asarray(x), jnp.asarray(vp.transpose(1, 0, 2)), jnp.asarray(scale),
+            jnp.int32(m))
+        check_int8(y, x, values, scale)
+
+
+@pytest.mark.parametrize("glu", [False, True])
+def test_an_int8_row_does_not_depend_on_the_row_count(glu):
+    """One row block reads the int8 panel itself, more widen it to float32 first (a chunk, or
+    the whole panel for a long run): the same products in the same order, so the same bits."""
+    x, values, scale = int8_operands(200, 96, 130, seed=9)
+    if glu:
+        panels = pack_swiglu_int8(values, values[:, ::-1])
+        product = jax.jit(lambda x, live: packed_swiglu_int8(
+            x, panels, jnp.asarray(np.concatenate([scale, scale])), 130, live))
+    else:
+        panels = pack_int8(values)
+        product = jax.jit(lambda x, live: packed_matmul_int8(x, panels, jnp.asarray(scale), 130,
+                                                             live))
+    alone = np.asarray(jax.vmap(lambda row: product(row[None], 1)[0])(jnp.asarray(x)))
+    for m in (1, 6, 7, 64, 65, 97, 200):
+        np.testing.assert_array_equal(np.asarray(product(jnp.asarray(x), m))[:m], alone[:m])

@@ -1,5 +1,6 @@
 """Projections packed for the native CPU matmul: the same model, the same outputs, the kernel
-in the compiled step, and XLA's dots wherever packing does not apply."""
+in the compiled step, and XLA's dots wherever packing does not apply; int8 models into int8
+panels, GGUF Q4_1 / Q8_0 blocks read by the block matmul."""
 
 from __future__ import annotations
 
@@ -7,11 +8,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType as Q
 
 from jaxengine.engine.build import model_fns
+from jaxengine.loading import load_model
 from jaxengine.model.config import ModelConfig
 from jaxengine.model.decoder import Model
 from jaxengine.model.packing import (
+    BlockEmbedder,
+    BlockLinear,
+    BlockMLP,
     PackedColumns,
     PackedEmbedder,
     PackedLinear,
@@ -19,7 +25,9 @@ from jaxengine.model.packing import (
     pack_projections,
     packable,
 )
+from jaxengine.model.quant.gguf import GGUFEmbedder, GGUFLinear
 from jaxengine.model.step import RequestChunk, make_model_step, pack_batch, split_model
+from tests.jaxengine.model.quant.gguf_files import blocks_config, write_blocks_gguf
 
 TARGET = "jaxengine_packed_matmul_f32"
 SWIGLU = "jaxengine_packed_swiglu_f32"
@@ -125,3 +133,87 @@ def test_packing_applies_only_where_the_kernel_runs():
     assert packable(scanned) == "packed projections need the looped layer layout " \
                                 "(scan_layers=False)"
     assert pack_projections(scanned) == 0
+
+
+INT8_TARGET, INT8_SWIGLU = "jaxengine_packed_matmul_int8", "jaxengine_packed_swiglu_int8"
+
+
+@pytest.mark.parametrize("architecture, tied", [("llama", True), ("qwen2", False)])
+def test_an_int8_model_packs_into_int8_panels_and_computes_what_its_xla_one_does(architecture,
+                                                                                tied):
+    cfg = ModelConfig.tiny(architecture, tie_word_embeddings=tied, intermediate_size=100)
+    want, _, _ = run(Model(cfg, seed=5, quantization="int8"))
+    model = Model(cfg, seed=5, quantization="int8")
+    assert packable(model) is None
+    assert pack_projections(model) == 7 * cfg.num_layers + 1
+    mlp = model.layers[0].mlp
+    assert isinstance(mlp, PackedMLP) and mlp.gate_up.dtype == jnp.int8
+    assert isinstance(model.embed_tokens, PackedEmbedder) == tied
+    got, _, packed = run(model)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+    # q/k/v, o and down int8 products a layer, gate/up one int8 SwiGLU; no float32 panels
+    assert packed.count(f'custom_call_target="{INT8_TARGET}"') == 3 * cfg.num_layers
+    assert packed.count(f'custom_call_target="{INT8_SWIGLU}"') == cfg.num_layers
+    assert packed.count(TARGET) == packed.count(SWIGLU) == 0
+
+
+def test_an_int8_packed_embedding_looks_up_and_decodes_as_the_quantized_one():
+    cfg = ModelConfig.tiny(vocab_size=300)
+    quantized = Model(cfg, seed=3, quantization="int8").embed_tokens
+    packed = PackedEmbedder(quantized)
+    assert packed.panels.dtype == jnp.int8
+    ids = jnp.asarray([0, 63, 64, 299, 7, 7], jnp.int32)
+    np.testing.assert_array_equal(np.asarray(packed.encode(ids)),
+                                  np.asarray(quantized.encode(ids)))
+    hidden = jnp.asarray(np.random.default_rng(4).standard_normal((5, cfg.hidden_size)),
+                         jnp.float32)
+    np.testing.assert_allclose(np.asarray(packed.decode(hidden)),
+                               np.asarray(quantized.decode(hidden)), rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_weights_are_left_to_their_own_modules():
+    model = Model(ModelConfig.tiny(), quantization="fp8")
+    assert packable(model) == "packed projections are float32, int8 or GGUF Q4_1 / Q8_0 " \
+                              "blocks (the weights are float8_e4m3fn)"
+    assert pack_projections(model) == 0
+
+
+BLOCKS, BLOCK_SWIGLU = "jaxengine_block_matmul_q4_1", "jaxengine_block_swiglu_q4_1"
+
+
+def test_a_gguf_model_reads_its_q4_1_and_q8_0_blocks_natively(tmp_path):
+    """Q4_1 projections and a tied Q8_0 embedding as the default model has them: every product
+    by the block matmul, the outputs those of the file dequantized to float32."""
+    path = tmp_path / "m.gguf"
+    write_blocks_gguf(path, blocks_config(), Q.Q4_1, types={"token_embd.weight": Q.Q8_0})
+    floats, cfg, _ = load_model(path, with_tokenizer=False)
+    want, _, _ = run(floats)
+    model, _, _ = load_model(path, with_tokenizer=False, quantization="gguf")
+    assert packable(model) is None
+    assert pack_projections(model) == 7 * cfg.num_layers + 1
+    attn = model.layers[0].self_attn
+    assert isinstance(model.layers[0].mlp, BlockMLP) and isinstance(attn.k_proj, PackedColumns)
+    assert isinstance(attn.o_proj, BlockLinear) and isinstance(model.embed_tokens, BlockEmbedder)
+    got, _, packed = run(model)
+    np.testing.assert_allclose(got, want, atol=1e-4 * np.abs(want).max(), rtol=0)
+    assert packed.count(f'custom_call_target="{BLOCKS}"') == 3 * cfg.num_layers
+    assert packed.count(f'custom_call_target="{BLOCK_SWIGLU}"') == cfg.num_layers
+    hidden = jnp.asarray(got[:3])
+    np.testing.assert_allclose(np.asarray(model.logits(hidden)),
+                               np.asarray(floats.logits(hidden)), rtol=1e-5, atol=1e-4)
+
+
+def test_gguf_types_without_a_native_kernel_keep_their_modules(tmp_path):
+    """Q4_K down projections stay `GGUFLinear` (the jnp path) beside the Q4_1 ones packed."""
+    path = tmp_path / "m.gguf"
+    cfg = blocks_config()
+    types = {f"blk.{i}.ffn_down.weight": Q.Q4_K for i in range(cfg.num_layers)}
+    write_blocks_gguf(path, cfg, Q.Q4_1, types={**types, "token_embd.weight": Q.Q4_K})
+    floats, _, _ = load_model(path, with_tokenizer=False)
+    want, _, _ = run(floats)
+    model, _, _ = load_model(path, with_tokenizer=False, quantization="gguf")
+    assert pack_projections(model) == 6 * cfg.num_layers  # q/k/v, o, gate/up a layer
+    assert isinstance(model.layers[0].mlp.down_proj, GGUFLinear)
+    assert isinstance(model.embed_tokens, GGUFEmbedder)
+    got, _, _ = run(model)
+    np.testing.assert_allclose(got, want, atol=1e-4 * np.abs(want).max(), rtol=0)

@@ -1,6 +1,6 @@
 """Whole models with int8 / fp8 weights against float32: the tiny fixtures' logits and their
 transformers oracle, looped and scanned layers, the loader's host quantization against a fresh
-model's device quantization, the bytes the weights take, and packing leaving them alone."""
+model's device quantization, the bytes the weights take, and packing leaving fp8 alone."""
 
 from __future__ import annotations
 
@@ -126,9 +126,10 @@ def test_int8_weights_take_at_most_0_35x_the_float32_bytes_tied_embedding_includ
         nnx.state(int8, nnx.Param)) if v.get_value().dtype == jnp.int8)
 
 
-def test_packing_leaves_a_quantized_model_unpacked() -> None:
-    """The packed CPU matmul reads float32 panels: a quantized model keeps its own modules."""
-    model = Model(ModelConfig.tiny(tie_word_embeddings=True), quantization="int8",
+def test_packing_leaves_an_fp8_model_unpacked() -> None:
+    """The packed CPU matmul reads float32 and int8 panels (int8 packing:
+    tests/jaxengine/model/test_packing.py): an fp8 model keeps its own modules."""
+    model = Model(ModelConfig.tiny(tie_word_embeddings=True), quantization="fp8",
                   scan_layers=False)
     assert packable(model) is not None
     assert pack_projections(model) == 0
