@@ -40,7 +40,9 @@ def _llm(kv_cache_dtype: str, impl: str = "reference", **kw: Any) -> LLM:
     engine = engine_over(_fns(kv_cache_dtype, impl), args, tokenizer=None,
                          max_model_len=args.max_model_len,
                          num_blocks=args.num_gpu_blocks_override)
-    assert engine.runner.kv.dtype == kv_cache_dtype
+    # fp8 is stored as its bits on the CPU path (jaxengine_kernels.cache_dtype.storage_dtype)
+    fp8 = kv_cache_dtype.startswith("float8")
+    assert engine.runner.kv.dtype == ("uint8" if fp8 else kv_cache_dtype)
     return LLM.from_engine(engine)
 
 
