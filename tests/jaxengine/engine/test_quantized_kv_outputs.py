@@ -128,6 +128,6 @@ print(json.dumps(out))
 def test_an_fp8_pool_split_over_two_devices_gives_one_devices_outputs() -> None:
     out = json.loads(run_python(TENSOR_PARALLEL, num_devices=2, timeout=300).splitlines()[-1])
     one, two = out["1"], out["2"]
-    assert one["dtype"] == two["dtype"] == "float8_e4m3fn"
+    assert one["dtype"] == two["dtype"] == "uint8"  # float8_e4m3fn's bits, on the CPU path
     assert two["heads"] == [2, 2] and one["heads"] == [4]  # 2K of 2 KV heads, split in two
     assert two["tokens"] == one["tokens"]
