@@ -21,7 +21,8 @@ heads in float32 (prefills, a chunk after a cached prefix, decodes), in turn in 
 with the cache donated: best-of wall and CPU ms per layer, wall GFLOP/s against the sgemm rate,
 and each one's speedup over the reference; with ``--baseline REV`` also the reference as of git
 revision REV; with ``--cache-dtypes`` each implementation once per cache dtype (the float32
-cache's values cast to it: what a quantized cache costs to read, scales 1).
+cache's values cast to it: what a quantized cache costs to read, scales 1), stored as the
+engine stores it on CPU (fp8 as its bits in uint8, ``cache_dtype.storage_dtype``).
 
 ``--sliding-window W`` (``cpu`` and ``time`` modes) measures instead what a window saves: 16
 decodes at SmolLM2's heads in float32 at context W and at 8·W, each implementation once with
@@ -53,6 +54,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from jaxengine_kernels import default_impl, ragged_paged_attention  # noqa: E402
+from jaxengine_kernels.cache_dtype import storage_dtype  # noqa: E402
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -285,16 +287,21 @@ def run_cpu(shapes: list[Shape], impls: list[str], args: argparse.Namespace) -> 
     rate = 2 * 2048**3 / min(_wall_seconds(lambda: mm(a).block_until_ready()) for _ in range(5))
     print(f"sgemm (2048^2 f32, jax, wall): {rate / 1e9:.0f} GFLOP/s")
     dtypes = [jnp.dtype(d) for d in args.cache_dtypes.split(",")]
-    fn = {i: jax.jit(functools.partial(ragged_paged_attention, sm_scale=64**-0.5, impl=i,
-                                       **(args.blocks if i != "reference" and args.blocks
-                                          else {})), donate_argnames="kv_cache")
-          for i in impls}  # fmt: skip
-    # name -> (function, cache dtype): each impl once per cache dtype.
-    fns = {(i if len(dtypes) == 1 else f"{i} {d.name}"): (fn[i], d) for i in impls for d in dtypes}
+
+    def fn(impl: str, dtype: jnp.dtype) -> tuple[Callable, jnp.dtype, jnp.dtype]:
+        stored = storage_dtype(dtype, impl=impl, platform="cpu")
+        return jax.jit(functools.partial(
+            ragged_paged_attention, sm_scale=64**-0.5, impl=impl,
+            kv_cache_dtype=dtype if stored != dtype else None,
+            **(args.blocks if impl != "reference" and args.blocks else {})),
+            donate_argnames="kv_cache"), dtype, stored  # fmt: skip
+
+    # name -> (function, cache dtype, its storage): each impl once per cache dtype.
+    fns = {(i if len(dtypes) == 1 else f"{i} {d.name}"): fn(i, d) for i in impls for d in dtypes}
     if args.baseline:
         fns[f"ref@{args.baseline}"] = (jax.jit(functools.partial(
             reference_at(args.baseline), sm_scale=64**-0.5), donate_argnames="kv_cache"),
-            dtypes[0])  # fmt: skip
+            dtypes[0], dtypes[0])  # fmt: skip
     names = list(fns)
     print(f"{'batch':24} {'GFLOP':>6} " + " ".join(
         f"{n + ' wall/cpu ms':>24} {'GF/s':>6} {'sgemm':>6} {'x':>5}" for n in names))
@@ -302,13 +309,14 @@ def run_cpu(shapes: list[Shape], impls: list[str], args: argparse.Namespace) -> 
     for name, reqs in CPU_CASES:
         batch, flops = cpu_batch(reqs, args.seed)
         caches = {}
-        for n, (f, dtype) in fns.items():  # compile, and a cache of its own to donate
-            out, caches[n] = f(**dict(batch, kv_cache=jnp.array(batch["kv_cache"], dtype)))
+        for n, (f, dtype, stored) in fns.items():  # compile, and a cache of its own to donate
+            cache = jax.lax.bitcast_convert_type(jnp.array(batch["kv_cache"], dtype), stored)
+            out, caches[n] = f(**dict(batch, kv_cache=cache))
             out.block_until_ready()
         wall = dict.fromkeys(names, float("inf"))
         cpu = dict.fromkeys(names, float("inf"))
         for _ in range(args.iters):  # in turn, so that all see the same neighbours
-            for n, (f, _) in fns.items():
+            for n, (f, _, _) in fns.items():
                 t0, c0 = time.perf_counter(), time.process_time()
                 out, caches[n] = f(**dict(batch, kv_cache=caches[n]))
                 out.block_until_ready()

@@ -9,7 +9,9 @@ caller checks its shapes up front with ``check_supported`` (the engine does at b
 
 The cache may be quantized (``jaxengine_kernels.cache_dtype``: float32, bfloat16, fp8 e4m3fn or
 e5m2 with per-tensor ``k_scale`` / ``v_scale``, vLLM's semantics); every implementation writes
-the new K/V quantized and dequantizes what it reads, with float32 arithmetic.
+the new K/V quantized and dequantizes what it reads, with float32 arithmetic. The reference
+and the CPU kernel also take an fp8 cache stored as its bits in uint8 (``kv_cache_dtype``
+names the format), which XLA on CPU updates in place.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import jax.numpy as jnp
 # options, which changes jax's tracing context; importing it lazily inside the first trace makes
 # the caller's jit compile twice.
 from jaxengine_kernels import cpu, gpu, tpu
-from jaxengine_kernels.cache_dtype import check_dtypes, check_scale
+from jaxengine_kernels.cache_dtype import check_dtypes, check_scale, values_dtype
 from jaxengine_kernels.reference import ragged_paged_attention_reference
 
 logger = logging.getLogger("jaxengine.kernels")
@@ -125,6 +127,7 @@ def ragged_paged_attention(
     impl: Impl = "reference",
     interpret: bool = False,
     batch_invariant: bool = False,
+    kv_cache_dtype: jnp.dtype | None = None,
     **block_sizes: int,
 ) -> tuple[jax.Array, jax.Array]:
     """Write the new K/V into the paged cache, then attend causally over each request's pages.
@@ -162,6 +165,10 @@ def ragged_paged_attention(
       batch_invariant: a token's output the same bits whatever else the batch holds and
         however its request's tokens were cut into chunks (a decode, a whole prompt, the tail
         after a cached prefix); the "cpu" kernel's mode, a ``ValueError`` for the others.
+      kv_cache_dtype: the dtype of the cache's values: required for a uint8 ``kv_cache``,
+        which holds the bits of fp8 values (float8_e4m3fn or float8_e5m2; "reference" and
+        "cpu" only: on CPU, XLA scatters into a donated uint8 array in place, not into an fp8
+        one, ``cache_dtype.storage_dtype``); else None or the cache's dtype. Static.
       **block_sizes: implementation-specific static block sizes (e.g. ``block_q``).
 
     Returns:
@@ -172,21 +179,25 @@ def ragged_paged_attention(
       UnsupportedShapeError: the chosen kernel cannot run these shapes or block sizes.
       ValueError: for an unknown ``impl``, ``batch_invariant`` with another than "cpu", a
         negative Python ``sliding_window``, a ``soft_cap`` or Python scale that is not
-        positive, or a q or cache dtype not supported.
+        positive, a q or cache dtype not supported, or a uint8 cache without an fp8
+        ``kv_cache_dtype`` or for an impl that does not read bits.
     """
     _check_window_and_cap(sliding_window, soft_cap)
-    check_dtypes(q.dtype, kv_cache.dtype)
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    values = values_dtype(kv_cache.dtype, kv_cache_dtype, impl)
+    check_dtypes(q.dtype, values)
     scales = {"k_scale": check_scale("k_scale", k_scale),
               "v_scale": check_scale("v_scale", v_scale)}  # fmt: skip
     args = (q, k, v, kv_cache, slot_mapping, block_tables, seq_lens, query_start_loc, num_seqs)
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if batch_invariant:
         if impl != "cpu":
             raise ValueError(f"batch_invariant=True is a mode of the 'cpu' kernel only, not of "
                              f"impl={impl!r}")
         block_sizes = {**block_sizes, "batch_invariant": True}
     window = jnp.asarray(sliding_window, jnp.int32)
+    if values != kv_cache.dtype:  # fp8 bits: the implementation is told the format
+        block_sizes = {**block_sizes, "kv_cache_dtype": values}
     if impl == "reference":
         return ragged_paged_attention_reference(
             *args, sm_scale=sm_scale, sliding_window=window, soft_cap=soft_cap, **scales,

@@ -16,6 +16,8 @@ Layout assumptions (shared by every implementation in this package):
 - The cache may hold another dtype than the queries (``jaxengine_kernels.cache_dtype``): the
   new K/V are written quantized (``x / scale``, fp8 saturating), and every read is
   dequantized, ``cache.astype(float32) * scale``, with per-tensor ``k_scale`` / ``v_scale``.
+  An fp8 cache may be a uint8 array of its bits (``kv_cache_dtype`` names the format): the
+  new rows are scattered as bytes and only the gathered pages are bitcast back.
 - GQA: query head ``n`` reads kv head ``n // G`` with ``G = N // K``.
 - Pages a request does not own (and slots past ``seq_lens``) may hold anything, NaN included:
   they are masked with ``jnp.where`` (a multiply by zero would keep a NaN).
@@ -39,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxengine_kernels.cache_dtype import dequantize, quantize
+from jaxengine_kernels.cache_dtype import dequantize, from_bits, quantize
 
 # Defaults: 128 query tokens per item and 256 cached tokens per online-softmax step, faster on
 # CPU at SmolLM2's heads than 64 and 512 (docs/BENCHMARKS.md §4, "Why the jnp reference is as
@@ -92,12 +94,16 @@ def write_kv(
     slot_mapping: jax.Array,  # i32[T]
     k_scale: jax.Array | float = 1.0,  # f32[]
     v_scale: jax.Array | float = 1.0,  # f32[]
+    *,
+    kv_cache_dtype: jnp.dtype | None = None,
 ) -> jax.Array:
     """Scatter the new keys/values into the cache at their flat slots, quantized.
 
     The cache holds ``k / k_scale`` and ``v / v_scale`` in its dtype, clipped to the finite
     range first for fp8, so that values beyond it saturate instead of becoming inf or NaN
-    (``jaxengine_kernels.cache_dtype.quantize``).
+    (``jaxengine_kernels.cache_dtype.quantize``). A uint8 cache holds the bits of
+    ``kv_cache_dtype`` (fp8) values: the new rows alone are bitcast to bytes, and the scatter
+    into a donated uint8 cache is in place (``cache_dtype.storage_dtype``).
 
     Returns:
       The updated cache, ``[P, L, 2*K, H]``, same dtype. Padding tokens write into block 0,
@@ -110,15 +116,10 @@ def write_kv(
         # block 0 keeps it in place.
         k, v = (jnp.concatenate([x, jnp.zeros_like(x)]) for x in (k, v))
         slot_mapping = jnp.concatenate([slot_mapping, jnp.zeros_like(slot_mapping)])
-    kv_new = new_rows(k, v, kv_cache.dtype, k_scale, v_scale)
-    flat = kv_cache.reshape(P * L, K2, H)
-    if kv_cache.dtype.itemsize == 1:
-        # fp8 scattered as its bytes: XLA on CPU widens an fp8 scatter's whole operand and
-        # back (300 ms a layer for a 94 MB cache) where it updates bytes in place.
-        flat = lax.bitcast_convert_type(flat, jnp.uint8)
-        flat = flat.at[slot_mapping].set(lax.bitcast_convert_type(kv_new, jnp.uint8), mode="drop")
-        return lax.bitcast_convert_type(flat, kv_cache.dtype).reshape(P, L, K2, H)
-    flat = flat.at[slot_mapping].set(kv_new, mode="drop")
+    kv_new = new_rows(k, v, kv_cache_dtype or kv_cache.dtype, k_scale, v_scale)
+    if kv_new.dtype != kv_cache.dtype:  # fp8 values into a cache of their bits
+        kv_new = lax.bitcast_convert_type(kv_new, kv_cache.dtype)
+    flat = kv_cache.reshape(P * L, K2, H).at[slot_mapping].set(kv_new, mode="drop")
     return flat.reshape(P, L, K2, H)
 
 
@@ -191,6 +192,7 @@ def _attend_item(
     sm_scale: float,
     soft_cap: float | None,
     pages_per_chunk: int,
+    values: jnp.dtype,
 ) -> jax.Array:
     """Attention of one item's query rows over its request's pages; returns f32[Bq, N, H].
 
@@ -216,6 +218,7 @@ def _attend_item(
     def body(c: jax.Array, carry: tuple) -> tuple:
         idx = lax.dynamic_slice(pages, (c * C,), (C,))
         kv = jnp.take(kv_cache, jnp.clip(idx, 0, P - 1), axis=0).reshape(C * L, K2, H)
+        kv = from_bits(kv, values)
         kv_pos = c * C * L + jnp.arange(C * L, dtype=jnp.int32)
         return _attend_chunk(carry, q, kv, kv_pos, q_rows, q_lo, kv_lo, seq_len, scales,
                              soft_cap)
@@ -243,6 +246,7 @@ def _decode_pass(
     sm_scale: float,
     soft_cap: float | None,
     pages_per_step: int,
+    values: jnp.dtype,
 ) -> jax.Array:  # f32[R, N, H]; rows of non-decode requests are zeros
     """All one-token requests at once, as one loop over the flat list of their pages.
 
@@ -277,7 +281,7 @@ def _decode_pass(
         r = jnp.minimum(req, R - 1)
         page_no = flat - (ends[r] - n_pages[r]) + first_page[r]  # [W] into the request's table
         page = block_tables[r, jnp.clip(page_no, 0, max_blocks - 1)]
-        kv = kv_cache[jnp.clip(page, 0, P - 1)].reshape(W, L, K, 2, H)
+        kv = from_bits(kv_cache[jnp.clip(page, 0, P - 1)], values).reshape(W, L, K, 2, H)
         key_pos = page_no[:, None] * L + offsets  # [W, L]
         valid = live[:, None] & (key_pos < ctx[r][:, None]) & (key_pos >= lo[r][:, None])
         keys = dequantize(kv[:, :, :, 0], scales[0])  # f32[W, L, K, H]
@@ -321,7 +325,8 @@ def _decode_pages_per_step(kv_cache: jax.Array) -> int:
     jax.jit,
     # Shapes of the loops depend on these; sm_scale is a per-model constant.
     static_argnames=(
-        "sm_scale", "soft_cap", "block_q", "pages_per_chunk", "decode_pages_per_step"
+        "sm_scale", "soft_cap", "block_q", "pages_per_chunk", "decode_pages_per_step",
+        "kv_cache_dtype",
     ),
 )
 def ragged_paged_attention_reference(
@@ -343,13 +348,15 @@ def ragged_paged_attention_reference(
     block_q: int = DEFAULT_BLOCK_Q,
     pages_per_chunk: int | None = None,
     decode_pages_per_step: int | None = None,
+    kv_cache_dtype: jnp.dtype | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Ragged paged attention in jnp (see the module docstring for the layout).
 
     Args:
       q: queries ``[T, N, H]`` (float32 or bfloat16).
       k, v: new keys/values ``[T, K, H]``, written into the cache (quantized) before attending.
-      kv_cache: ``[P, L, 2*K, H]`` in any of ``cache_dtype.CACHE_DTYPES``.
+      kv_cache: ``[P, L, 2*K, H]`` in any of ``cache_dtype.CACHE_DTYPES``, or uint8 holding
+        the bits of fp8 values of ``kv_cache_dtype``.
       slot_mapping: i32[T] flat slot per token.
       block_tables: i32[R, max_blocks] pages of each request.
       seq_lens: i32[R] context length after this step.
@@ -364,6 +371,8 @@ def ragged_paged_attention_reference(
       pages_per_chunk: pages per online-softmax step of an item (default: 256 tokens' worth).
       decode_pages_per_step: pages per step of the decode pass (default: ~384 KiB gathered on
         CPU, ~64 MiB elsewhere).
+      kv_cache_dtype: the dtype of the values of a uint8 cache (an fp8 dtype); None: the
+        cache's own (checked by ``jaxengine_kernels.ragged_paged_attention``).
 
     Returns:
       ``(out [T, N, H] in q.dtype, kv_cache [P, L, 2*K, H])``.
@@ -373,7 +382,8 @@ def ragged_paged_attention_reference(
     C = pages_per_chunk or max(1, DEFAULT_KV_TOKENS_PER_CHUNK // L)
     window = jnp.asarray(sliding_window, jnp.int32)
     scales = (jnp.asarray(k_scale, jnp.float32), jnp.asarray(v_scale, jnp.float32))
-    kv_cache = write_kv(kv_cache, k, v, slot_mapping, *scales)
+    values = kv_cache_dtype or kv_cache.dtype
+    kv_cache = write_kv(kv_cache, k, v, slot_mapping, *scales, kv_cache_dtype=values)
     q_lens = _live_q_lens(query_start_loc, num_seqs)
     is_decode = q_lens == 1
     # Every live request schedules at least one token, so live rows are among the first
@@ -383,7 +393,7 @@ def ragged_paged_attention_reference(
     out_dec = _decode_pass(
         q, kv_cache, block_tables[:Rd], seq_lens[:Rd], q_start, is_decode, window, scales,
         sm_scale=sm_scale, soft_cap=soft_cap,
-        pages_per_step=decode_pages_per_step or _decode_pages_per_step(kv_cache),
+        pages_per_step=decode_pages_per_step or _decode_pages_per_step(kv_cache), values=values,
     )  # fmt: skip
     # Decode rows first (non-decodes scatter out of bounds and are dropped); the item loop
     # then fills the rows of longer requests. The token axis is padded so that every item's
@@ -415,6 +425,7 @@ def ragged_paged_attention_reference(
             sm_scale=sm_scale,
             soft_cap=soft_cap,
             pages_per_chunk=C,
+            values=values,
         )
         old = lax.dynamic_slice_in_dim(out, start, block_q)
         new = jnp.where(in_item[:, None, None], o, old)

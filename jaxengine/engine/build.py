@@ -32,6 +32,7 @@ from jaxengine.model.step import make_compute_logits, make_model_step, split_mod
 from jaxengine.model.tensor_parallel import tp_layout
 from jaxengine.runner import compilation_cache
 from jaxengine_kernels import UnsupportedShapeError, check_supported, cpu, default_impl
+from jaxengine_kernels.cache_dtype import storage_dtype
 from scheduler.kv.groups import max_concurrency
 
 logger = logging.getLogger("jaxengine.engine")
@@ -108,7 +109,8 @@ def model_fns(model: Any, cfg: Any, *, attn_impl: str, pack: bool = True,
     """`ModelFns` of a loaded `jaxengine.model.decoder.Model` (split once into graph and weights).
 
     The weights stay where the model put them (its mesh); the KV cache is made there too, in
-    `kv_cache_dtype` (None: the model's dtype), its head axis split over "tp", and
+    `kv_cache_dtype` (None: the model's dtype; fp8 on the CPU path as its bits in uint8,
+    `jaxengine_kernels.cache_dtype.storage_dtype`), its head axis split over "tp", and
     `kv_bytes_per_block` counts one device's share of a page of the model's KV cache groups
     (`init_group_kv`, the engine's pool) in that dtype. With `pack`,
     the projections are first packed for the native CPU matmul in place where that applies
@@ -127,13 +129,15 @@ def model_fns(model: Any, cfg: Any, *, attn_impl: str, pack: bool = True,
     if pack:
         pack_projections(model)
     graphdef, state = split_model(model)
-    dtype, layout = kv_cache_dtype or model.dtype, model.layout
+    dtype, layout = jnp.dtype(kv_cache_dtype or model.dtype), model.layout
+    stored = storage_dtype(dtype, impl=attn_impl, platform=model.mesh.devices.flat[0].platform)
     return ModelFns(
         params=state,
-        step=make_model_step(graphdef, attn_impl=attn_impl, batch_invariant=batch_invariant),
+        step=make_model_step(graphdef, attn_impl=attn_impl, batch_invariant=batch_invariant,
+                             kv_cache_dtype=dtype),
         compute_logits=make_compute_logits(graphdef),
         init_kv=lambda num_blocks, block_size: init_kv_cache(
-            cfg, num_blocks=num_blocks, block_size=block_size, dtype=dtype,
+            cfg, num_blocks=num_blocks, block_size=block_size, dtype=stored,
             num_kv_heads=layout.num_kv_heads, mesh=model.mesh),
         kv_bytes_per_block=lambda block_size: kv_cache_bytes_per_block(
             cfg, block_size=block_size, dtype=dtype, num_kv_heads=layout.num_kv_heads,
@@ -141,7 +145,7 @@ def model_fns(model: Any, cfg: Any, *, attn_impl: str, pack: bool = True,
         vocab_size=cfg.vocab_size,
         kv_cache_groups=kv_cache_layout(cfg).groups,
         init_group_kv=lambda num_blocks, block_size: init_kv_cache(
-            cfg, num_blocks=num_blocks, block_size=block_size, dtype=dtype,
+            cfg, num_blocks=num_blocks, block_size=block_size, dtype=stored,
             num_kv_heads=layout.num_kv_heads, mesh=model.mesh, grouped=True),
     )
 

@@ -303,8 +303,8 @@ class Model(nnx.Module):
         return self.embed_tokens.embedding
 
     def __call__(self, kv: jax.Array, batch: ModelBatch, *, attn_impl: str = "reference",
-                 interpret: bool = False, batch_invariant: bool = False
-                 ) -> tuple[jax.Array, jax.Array]:
+                 interpret: bool = False, batch_invariant: bool = False,
+                 kv_cache_dtype: jnp.dtype | None = None) -> tuple[jax.Array, jax.Array]:
         """One step over a ragged batch of prefill chunks and decodes.
 
         Args:
@@ -317,6 +317,9 @@ class Model(nnx.Module):
             batch_invariant: the attention kernel's batch-invariant mode ("cpu" only; the rest
                 of the step is batch-invariant where its projections are packed:
                 jaxengine/engine/build.py `model_fns`).
+            kv_cache_dtype: the dtype of the cache's values: an fp8 dtype for a uint8 `kv`
+                holding their bits (`jaxengine_kernels.cache_dtype.storage_dtype`); None:
+                `kv`'s own.
         Returns:
             (new kv cache, hidden [T, D] after the final norm).
         """
@@ -341,7 +344,8 @@ class Model(nnx.Module):
         S, P, L, K2, H = kv.shape
         slot_of, group_of = _layer_slots(cfg, batch, S)
         pages = kv.reshape(S * P, L, K2, H)
-        kw = {"attn_impl": attn_impl, "interpret": interpret, "batch_invariant": batch_invariant}
+        kw = {"attn_impl": attn_impl, "interpret": interpret, "batch_invariant": batch_invariant,
+              "kv_cache_dtype": kv_cache_dtype}
         if isinstance(self.layers, nnx.List):
             for i, block in enumerate(self.layers):
                 cos, sin = local_rope if local[i] else rope

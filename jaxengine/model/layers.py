@@ -277,7 +277,8 @@ class Attention(nnx.Module):
     def __call__(self, x: jax.Array, pages: jax.Array, page_offset: jax.Array | int,
                  batch: ModelBatch, cos: jax.Array, sin: jax.Array,
                  layer: jax.Array | int = 0, *, attn_impl: str, interpret: bool = False,
-                 batch_invariant: bool = False) -> tuple[jax.Array, jax.Array]:
+                 batch_invariant: bool = False, kv_cache_dtype: jnp.dtype | None = None
+                 ) -> tuple[jax.Array, jax.Array]:
         """Attend the batch's tokens to their context, writing their K/V into `pages` first.
 
         Args:
@@ -291,6 +292,8 @@ class Attention(nnx.Module):
                 "gpu").
             interpret: run a Pallas kernel in interpret mode (to test "tpu"/"gpu" on CPU).
             batch_invariant: the kernel's batch-invariant mode ("cpu" only).
+            kv_cache_dtype: the dtype of the values in `pages` (an fp8 dtype for uint8 pages
+                of their bits); None: `pages`' own.
         Returns:
             (output [T, D], updated pages).
         """
@@ -309,13 +312,14 @@ class Attention(nnx.Module):
         # d*K/tp.., so the local rule n // (N/K) holds too. The batch metadata is replicated.
         kernel = functools.partial(ragged_paged_attention, sm_scale=self.sm_scale,
                                    soft_cap=self.soft_cap, impl=attn_impl, interpret=interpret,
-                                   batch_invariant=batch_invariant)
+                                   batch_invariant=batch_invariant,
+                                   kv_cache_dtype=kv_cache_dtype)
         attend = jax.shard_map(
             lambda *a: kernel(*a[:-3], sliding_window=a[-3], k_scale=a[-2], v_scale=a[-1]),
             mesh=self.mesh, in_specs=(HEADS, HEADS, HEADS, PAGES, *[P()] * 8),
             out_specs=(HEADS, PAGES), check_vma=False)  # kernels' loop carries start unvaried
         window = per_layer(self.windows, layer) if self.windows else 0
-        k_scale, v_scale = self._kv_scales(pages.dtype, layer)
+        k_scale, v_scale = self._kv_scales(kv_cache_dtype or pages.dtype, layer)
         out, pages = attend(q, k, v, pages, slots, batch.block_tables + page_offset,
                             batch.seq_lens, batch.query_start_loc, batch.num_seqs,
                             jnp.asarray(window, jnp.int32), k_scale, v_scale)

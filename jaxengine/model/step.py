@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from jaxengine.model.batch import ModelBatch, RequestChunk, pack_batch
@@ -28,7 +29,8 @@ def split_model(model: Model) -> tuple[nnx.GraphDef, nnx.State]:
 
 
 def make_model_step(graphdef: nnx.GraphDef, *, attn_impl: str = "reference",
-                    interpret: bool = False, batch_invariant: bool = False) -> ModelStep:
+                    interpret: bool = False, batch_invariant: bool = False,
+                    kv_cache_dtype: jnp.dtype | None = None) -> ModelStep:
     """The pure step `model_step(state, kv, batch) -> (kv, hidden)`.
 
     Args:
@@ -36,6 +38,7 @@ def make_model_step(graphdef: nnx.GraphDef, *, attn_impl: str = "reference",
         attn_impl: ragged paged attention implementation; closed over (a static choice).
         interpret: run a Pallas kernel in interpret mode (CPU tests of "tpu"/"gpu").
         batch_invariant: the attention kernel's batch-invariant mode (`Model.__call__`).
+        kv_cache_dtype: the dtype of the cache's values (`Model.__call__`); closed over.
     Returns:
         A function of (state, kv [layers, P, L, 2*K, H], batch) returning the new cache and the
         final-norm hidden states [T, D]; jit it with `donate_argnames=("kv",)`.
@@ -45,7 +48,7 @@ def make_model_step(graphdef: nnx.GraphDef, *, attn_impl: str = "reference",
                    ) -> tuple[jax.Array, jax.Array]:
         model = nnx.merge(graphdef, state)
         return model(kv, batch, attn_impl=attn_impl, interpret=interpret,
-                     batch_invariant=batch_invariant)
+                     batch_invariant=batch_invariant, kv_cache_dtype=kv_cache_dtype)
 
     return model_step
 

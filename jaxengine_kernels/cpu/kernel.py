@@ -4,8 +4,10 @@ Layout assumptions and semantics are the jnp reference's (``jaxengine_kernels.re
 
 - The new K/V are written with the reference's XLA scatter (``write_kv``) first; under the
   engine's jit with the cache donated, XLA updates the cache in place, and the kernel then
-  reads the pages where they are (no gather, no copy). Not so for an fp8 cache: XLA on CPU
-  passes over the whole cache to scatter into it (``write_kv``; docs/BENCHMARKS.md §4).
+  reads the pages where they are (no gather, no copy). For fp8 that holds when the cache is
+  stored as its bits (uint8, ``kv_cache_dtype`` naming the format; the engine's on CPU): XLA
+  on CPU converts a whole fp8 cache to scatter into it (docs/BENCHMARKS.md §4), and the kernel
+  reads bytes either way.
 - The kernel (``ragged_paged_attention.cc``, compiled by ``native.py``) cuts the live requests
   into units: requests of at most 8 tokens (decodes, speculative chunks) as a whole, split over
   runs of ``pages_per_split`` pages when longer; longer requests (prefill chunks) in runs of
@@ -68,6 +70,7 @@ def ragged_paged_attention_cpu(
     pages_per_split: int = DEFAULT_PAGES_PER_SPLIT,
     batch_invariant: bool = False,
     interpret: bool = False,
+    kv_cache_dtype: jnp.dtype | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """Ragged paged attention with the native CPU kernel (arguments as the reference's).
 
@@ -83,6 +86,8 @@ def ragged_paged_attention_cpu(
         a whole prompt, the tail after a cached prefix): every unit takes the transposed
         score path and none is split over pages (ragged_paged_attention.cc).
       interpret: ignored (no Pallas here); accepted so that every impl takes the same call.
+      kv_cache_dtype: the fp8 dtype whose bits a uint8 ``kv_cache`` holds; None: the cache
+        holds values of its own dtype.
 
     Returns:
       ``(out [T, N, H] in q.dtype, kv_cache [P, L, 2*K, H])``; padding rows of out are zeros.
@@ -95,9 +100,11 @@ def ragged_paged_attention_cpu(
     T, N, H = q.shape
     K = kv_cache.shape[2] // 2
     check_supported(num_heads=N, num_kv_heads=K, head_dim=H, page_size=kv_cache.shape[1])
-    kv_cache = write_kv(kv_cache, k, v, slot_mapping, k_scale, v_scale)
+    kv_cache = write_kv(kv_cache, k, v, slot_mapping, k_scale, v_scale,
+                        kv_cache_dtype=kv_cache_dtype)
+    values = jnp.dtype(kv_cache_dtype or kv_cache.dtype)
     # Under jax.vmap the kernel runs once per batch element (as the reference's loops would).
-    call = jax.ffi.ffi_call(native.target(kv_cache.dtype),
+    call = jax.ffi.ffi_call(native.target(values),
                             jax.ShapeDtypeStruct((T, N, H), jnp.float32),
                             vmap_method="sequential")
     out = call(q.astype(jnp.float32), kv_cache, block_tables.astype(jnp.int32),
@@ -106,5 +113,6 @@ def ragged_paged_attention_cpu(
                jnp.asarray(k_scale, jnp.float32), jnp.asarray(v_scale, jnp.float32),
                sm_scale=np.float32(sm_scale),
                soft_cap=np.float32(soft_cap or 0.0), block_q=np.int64(block_q),
-               pages_per_split=np.int64(pages_per_split), batch_invariant=bool(batch_invariant))
+               pages_per_split=np.int64(pages_per_split), batch_invariant=bool(batch_invariant),
+               fp8_bits=values.name if values != kv_cache.dtype else "")
     return out.astype(q.dtype), kv_cache

@@ -8,7 +8,10 @@
 // dots (docs/BENCHMARKS.md §4). Here every request reads its own pages in place.
 //
 // Layout (the reference's): q f32[T, N, H]; kv_cache [P, L, 2K, H] with key head k at head slot
-// 2k and value head k at 2k+1, in float32, bfloat16, float8_e4m3fn or float8_e5m2; block_tables i32[R, max_blocks]; seq_lens i32[R] (context after
+// 2k and value head k at 2k+1, in float32, bfloat16, float8_e4m3fn or float8_e5m2, or u8 holding
+// the bits of fp8 entries (`fp8_bits` names the format: XLA on CPU scatters the step's new rows
+// into a donated u8 array in place, not into an fp8 one); block_tables i32[R, max_blocks];
+// seq_lens i32[R] (context after
 // the step); query_start_loc i32[R+1]; num_seqs i32[]. Query head n reads kv head n / G.
 // Output f32[T, N, H]: the live tokens' rows; every other row is zero. The step's new keys and
 // values are already in the cache (XLA scatters them before this call).
@@ -63,6 +66,7 @@
 #include <cstdint>
 #include <cstring>
 #include <numeric>
+#include <string_view>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -838,7 +842,7 @@ ffi::Error ragged_paged_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                                 ffi::Buffer<ffi::F32> k_scale, ffi::Buffer<ffi::F32> v_scale,
                                 float sm_scale, float soft_cap, int64_t block_q,
                                 int64_t pages_per_split, bool batch_invariant,
-                                ffi::ResultBuffer<ffi::F32> out) {
+                                std::string_view fp8_bits, ffi::ResultBuffer<ffi::F32> out) {
   const auto qd = q.dimensions(), cd = kv_cache.dimensions(), td = block_tables.dimensions();
   if (qd.size() != 3 || cd.size() != 4 || td.size() != 2 || cd[2] % 2 || qd[2] != cd[3] ||
       qd[1] % (cd[2] / 2))
@@ -869,7 +873,12 @@ ffi::Error ragged_paged_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                               soft_cap, batch_invariant, reqs, units, num_slots, o);
     return ffi::Error::Success();
   };
-  switch (kv_cache.element_type()) {
+  ffi::DataType entries = kv_cache.element_type();
+  if (entries == ffi::U8)  // fp8 stored as its bits
+    entries = fp8_bits == "float8_e4m3fn" ? ffi::F8E4M3FN
+              : fp8_bits == "float8_e5m2" ? ffi::F8E5M2
+                                          : ffi::U8;
+  switch (entries) {
     case ffi::F32: return run(float{});
     case ffi::BF16: return run(bf16{});
     case ffi::F8E4M3FN: return run(fp8_e4m3{});
@@ -877,7 +886,7 @@ ffi::Error ragged_paged_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     default:
       return ffi::Error::InvalidArgument(
           "ragged_paged_attention_cpu: the cache must be float32, bfloat16, float8_e4m3fn or "
-          "float8_e5m2");
+          "float8_e5m2, or uint8 with fp8_bits naming one of the fp8 formats");
   }
 }
 
@@ -900,6 +909,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RaggedPagedAttention, ragged_paged_attention,
                                   .Attr<int64_t>("block_q")
                                   .Attr<int64_t>("pages_per_split")
                                   .Attr<bool>("batch_invariant")
+                                  .Attr<std::string_view>("fp8_bits")  // "": not bits
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 // The vector path the library was compiled for (simd.h), for native.isa() and

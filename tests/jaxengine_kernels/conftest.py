@@ -43,7 +43,8 @@ def isa_attention(isa_library: Callable[[str], ctypes.CDLL]) -> Callable[[str], 
     """`attention(name)`: the attention kernel (float32 queries, a cache of any dtype it
     reads) of `name`'s build ("native": the library the process loaded) as `f(q, cache,
     tables, seq_lens, query_start_loc, num_seqs, *, sm_scale, block_q, pages_per_split,
-    batch_invariant=False, sliding_window=0, soft_cap=0.0) -> out [T, N, H]`, the new K/V
+    batch_invariant=False, sliding_window=0, soft_cap=0.0, fp8_bits="") -> out [T, N, H]`
+    (`fp8_bits`: the fp8 format of a uint8 cache's bytes), the new K/V
     already in the cache. Each build's custom-call target is registered once, under a name
     of its own."""
     targets: dict[str, str] = {}
@@ -60,13 +61,14 @@ def isa_attention(isa_library: Callable[[str], ctypes.CDLL]) -> Callable[[str], 
                     platform="cpu")
 
         def call(q, cache, *metadata, sm_scale: float, block_q: int, pages_per_split: int,
-                 batch_invariant: bool = False, sliding_window: int = 0, soft_cap: float = 0.0):
+                 batch_invariant: bool = False, sliding_window: int = 0, soft_cap: float = 0.0,
+                 fp8_bits: str = ""):
             return jax.ffi.ffi_call(targets[name], jax.ShapeDtypeStruct(q.shape, jnp.float32))(
                 q, cache, *metadata, jnp.asarray(sliding_window, jnp.int32),
                 jnp.float32(1.0), jnp.float32(1.0),  # k_scale, v_scale
                 sm_scale=np.float32(sm_scale), soft_cap=np.float32(soft_cap),
                 block_q=np.int64(block_q), pages_per_split=np.int64(pages_per_split),
-                batch_invariant=batch_invariant)
+                batch_invariant=batch_invariant, fp8_bits=fp8_bits)
 
         return call
 

@@ -37,7 +37,8 @@ class DecoderBlock(Protocol):
     def __call__(self, x: jax.Array, pages: jax.Array, page_offset: jax.Array | int,
                  batch: ModelBatch, cos: jax.Array, sin: jax.Array,
                  layer: jax.Array | int, *, attn_impl: str, interpret: bool = False,
-                 batch_invariant: bool = False) -> tuple[jax.Array, jax.Array]: ...
+                 batch_invariant: bool = False, kv_cache_dtype: jnp.dtype | None = None
+                 ) -> tuple[jax.Array, jax.Array]: ...
 
 
 class BlockFactory(Protocol):

@@ -76,8 +76,9 @@ def test_a_cache_dtype_the_device_cannot_hold_is_refused_at_build(
 
 
 def _engine(**kw: object):  # noqa: ANN202 (an LLMEngine)
-    return build_engine(EngineArgs(model=TINY, skip_tokenizer_init=True, block_size=4,
-                                   max_model_len=64, attention_backend="reference", **kw))
+    return build_engine(EngineArgs(**{"model": TINY, "skip_tokenizer_init": True,
+                                      "block_size": 4, "max_model_len": 64,
+                                      "attention_backend": "reference", **kw}))
 
 
 @pytest.mark.parametrize(("kv_cache_dtype", "dtype", "itemsize"), [
@@ -90,7 +91,8 @@ def test_the_pool_is_made_in_the_dtype_and_sized_by_its_bytes(
     with caplog.at_level(logging.INFO, logger="jaxengine.engine"):
         engine = _engine(kv_cache_dtype=kv_cache_dtype, kv_cache_memory_bytes=budget)
     assert f"KV cache: {400 // itemsize} blocks of 4 tokens in {dtype}" in caplog.text
-    assert engine.runner.kv.dtype == jnp.dtype(dtype)
+    # fp8 is stored as its bits on the CPU path (jaxengine_kernels.cache_dtype.storage_dtype)
+    assert engine.runner.kv.dtype == (jnp.uint8 if itemsize == 1 else jnp.dtype(dtype))
     assert engine.config.cache.kv_cache_dtype == dtype
     assert engine.config.cache.kv_bytes_per_block == VALUES_PER_BLOCK * itemsize
     # The same budget: 100 float32 blocks, 200 bfloat16, 400 fp8.
@@ -105,7 +107,7 @@ def test_a_grouped_pool_takes_the_dtype_too() -> None:
         max_model_len=64, attention_backend="reference", kv_cache_dtype="fp8_e5m2",
         num_gpu_blocks_override=60))
     assert len(engine.config.scheduler.kv_cache_groups) > 1  # sliding and full layers
-    assert engine.runner.kv.dtype == jnp.float8_e5m2
+    assert engine.runner.kv.dtype == jnp.uint8  # float8_e5m2's bits, on the CPU path
 
 
 def test_auto_follows_the_models_dtype() -> None:
@@ -150,3 +152,14 @@ def test_replicas_of_one_config_read_as_one_series() -> None:
     assert info.value == 1 and "engine" not in info.labels
     text = llm._metrics.render().decode()
     assert text.count("jaxengine:cache_config_info{") == 2  # one per replica
+
+
+def test_an_fp8_pool_of_the_cpu_kernel_is_its_bits_and_says_fp8() -> None:
+    """Stored as uint8 (XLA on CPU scatters into it in place), counted and reported as the
+    fp8 cache the user asked for."""
+    engine = _engine(kv_cache_dtype="fp8", attention_backend="cpu", num_gpu_blocks_override=20)
+    assert engine.runner.kv.dtype == jnp.uint8
+    assert engine.config.cache.kv_cache_dtype == "float8_e4m3fn"
+    assert engine.config.cache.kv_bytes_per_block == VALUES_PER_BLOCK  # one byte a value
+    (info,) = _cache_info(LLM.from_engine(engine))
+    assert info.labels["cache_dtype"] == "fp8" and info.labels["num_gpu_blocks"] == "20"
