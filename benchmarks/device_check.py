@@ -19,8 +19,9 @@ Sections, in order; each prints lines tagged with its name:
                weight shards and its share of the KV cache) / step time / ``--peak-gbps``, the
                fraction of the HBM roofline. A tp larger than the device count is skipped.
   weights      the same decode step at tp=1 with bf16, int8 and fp8 weights (bf16 activations,
-               ``quantization=``): median ms, weight bytes, fraction of the HBM roofline, and
-               how many greedy tokens equal bf16's.
+               ``quantization=``) and with bf16 weights over an fp8 KV cache
+               (``kv_cache_dtype="fp8"``): median ms, weight and KV bytes, fraction of the HBM
+               roofline, and how many greedy tokens equal bf16's.
   families     a Gemma-3-1B-shaped model (5 local : 1 global layers, window 512) and a
                Mixtral-shaped one (8 of its layers, 8 experts, top-2), random bf16: the
                kernel's custom call (and the experts' ragged_dot) in the compiled step, the
@@ -297,15 +298,17 @@ def _bytes_read(model: Model, fns: Any, num_reqs: int, context: int) -> tuple[in
 
 
 def _time_decode(cfg: ModelConfig, tp: int, ctx: Context,
-                 decode: tuple[int, int] | None = None, quantization: str | None = None
-                 ) -> tuple[float, int, int, np.ndarray]:
+                 decode: tuple[int, int] | None = None, quantization: str | None = None,
+                 kv_cache_dtype: Any = None) -> tuple[float, int, int, np.ndarray]:
     """(median seconds per decode step, weight bytes, KV bytes per device, the step's tokens)
     for `decode` = (requests, context tokens each); default the tensor-parallel section's;
-    the weights bf16 or in `quantization`'s format."""
+    the weights bf16 or in `quantization`'s format, the KV cache in `kv_cache_dtype` (None:
+    the model's)."""
     num_reqs, context = decode or (TP_SMOKE_DECODE if ctx.smoke else TP_DECODE)
     model = Model(cfg, dtype=jnp.bfloat16, seed=0, mesh=make_mesh(jax.devices()[:tp]),
                   quantization=quantization)
-    fns = model_fns(model, cfg, attn_impl="reference" if ctx.smoke else default_impl())
+    fns = model_fns(model, cfg, attn_impl="reference" if ctx.smoke else default_impl(),
+                    kv_cache_dtype=kv_cache_dtype)
     kv = fns.init_kv(1 + num_reqs * context // PAGE_SIZE, PAGE_SIZE)
     batch, rows = _decode_batch(num_reqs, context), np.arange(num_reqs, dtype=np.int32)
     md = build_sampling_metadata([], num_reqs)  # every row greedy
@@ -363,15 +366,19 @@ def tensor_parallel(ctx: Context) -> list[str]:
 
 def quantized_weights(ctx: Context) -> list[str]:
     """The tensor-parallel section's decode step at tp=1 with bf16, int8 and fp8 weights (bf16
-    activations): time, weight bytes, fraction of the HBM roofline, greedy tokens vs bf16's."""
+    activations), and bf16 weights over an fp8 KV cache: time, weight and KV bytes, fraction
+    of the HBM roofline, greedy tokens vs bf16's."""
     cfg = ModelConfig.tiny(num_heads=8, num_kv_heads=2, hidden_size=64, vocab_size=100) \
         if ctx.smoke else LLAMA3_8B
     reference = None
-    for quantization in (None, "int8", "fp8"):
-        t, weights, kv_bytes, tokens = _time_decode(cfg, 1, ctx, quantization=quantization)
+    for name, quantization, kv_dtype in (("bf16", None, None), ("int8", "int8", None),
+                                         ("fp8", "fp8", None),
+                                         ("bf16 + fp8 KV", None, jnp.float8_e4m3fn)):
+        t, weights, kv_bytes, tokens = _time_decode(cfg, 1, ctx, quantization=quantization,
+                                                    kv_cache_dtype=kv_dtype)
         reference = tokens if reference is None else reference
         gbps = (weights + kv_bytes) / t / 1e9
-        _report("weights", f"{quantization or 'bf16'}: decode step {t * 1e3:.2f} ms; "
+        _report("weights", f"{name}: decode step {t * 1e3:.2f} ms; "
                 f"{weights / 1e6:.1f} MB weights + {kv_bytes / 1e6:.1f} MB KV = {gbps:.1f} GB/s "
                 f"= {100 * gbps / ctx.peak_gbps:.1f}% of {ctx.peak_gbps:.0f} GB/s; greedy "
                 f"tokens equal to bf16's: {int((tokens == reference).sum())}/{len(tokens)} "
