@@ -177,6 +177,7 @@ print(shard)
 """
 
 
+@pytest.mark.slow  # ~25 s: a child process on two virtual devices
 def test_experts_on_a_mesh_of_two(tmp_path: Path) -> None:
     """Expert parallel: each device holds 4 of the 8 experts' blocks whole, and the outputs
     are one device's; split over F, the down projection's rows are not whole blocks."""

@@ -17,7 +17,7 @@ from safetensors.numpy import load_file, save_file
 from jaxengine.loading import default_model_path, load_model
 from jaxengine.loading.gguf_file import gguf_tensor_name, tensor_name_map
 from jaxengine.loading.hf import read_hf_config
-from jaxengine.model.config import ModelLoadError
+from jaxengine.model.config import ModelConfig, ModelLoadError
 from jaxengine.model.step import RequestChunk
 from tests.fixtures.model_helpers import FIXTURES, PagedRunner, load_json
 
@@ -47,13 +47,9 @@ def stack_experts(tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return out
 
 
-def write_gguf(src: Path, path: Path, arch: str,
-               experts_as: gguf.GGMLQuantizationType = F32) -> None:
-    """Convert a tiny HF fixture to a GGUF file the way llama.cpp does: F32, or stacked
-    experts whose rows allow it in `experts_as`."""
-    cfg = read_hf_config(src)
-    names = tensor_name_map(cfg)
-    w = gguf.GGUFWriter(str(path), arch)
+def add_model_keys(w: gguf.GGUFWriter, cfg: ModelConfig) -> None:
+    """The llama-style metadata of `cfg` every test file writes (sizes, RoPE base, norm eps, a
+    head_dim apart from hidden / heads, a gpt2 tokenizer model)."""
     w.add_block_count(cfg.num_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
@@ -62,15 +58,25 @@ def write_gguf(src: Path, path: Path, arch: str,
     w.add_head_count_kv(cfg.num_kv_heads)
     w.add_rope_freq_base(cfg.rope_theta)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if cfg.head_dim != cfg.hidden_size // cfg.num_heads:
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("gpt2")
+
+
+def write_gguf(src: Path, path: Path, arch: str,
+               experts_as: gguf.GGMLQuantizationType = F32) -> None:
+    """Convert a tiny HF fixture to a GGUF file the way llama.cpp does: F32, or stacked
+    experts whose rows allow it in `experts_as`."""
+    cfg = read_hf_config(src)
+    names = tensor_name_map(cfg)
+    w = gguf.GGUFWriter(str(path), arch)
+    add_model_keys(w, cfg)
     vocab = load_json(src / "tokenizer.json")["model"]["vocab"]
     w.add_token_list(sorted(vocab, key=vocab.get))
     w.add_token_merges([])
     w.add_eos_token_id(vocab["<|im_end|>"])
-    if cfg.head_dim != cfg.hidden_size // cfg.num_heads:
-        w.add_key_length(cfg.head_dim)
-        w.add_value_length(cfg.head_dim)
     if cfg.num_experts:  # Mixtral's experts are as wide as its FFN and it has no other keys
         w.add_expert_count(cfg.num_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)

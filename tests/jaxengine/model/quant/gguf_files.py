@@ -15,6 +15,7 @@ import numpy as np
 
 from jaxengine.model.config import ModelConfig
 from tests.fixtures.model_helpers import FIXTURES, load_json
+from tests.jaxengine.loading.test_load import add_model_keys
 from tests.jaxengine.model.quant.test_gguf_blocks import random_rows
 
 Q = gguf.GGMLQuantizationType
@@ -45,19 +46,7 @@ def write_blocks_gguf(path: Path, cfg: ModelConfig, qtype: Q, *, seed: int = 0,
     """Write a Llama of `cfg` with random `qtype` matrices (`types`: other types, F32
     included, by GGUF name) and unit F32 norms to `path`."""
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(cfg.num_layers)
-    w.add_context_length(cfg.max_position_embeddings)
-    w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
-    w.add_head_count(cfg.num_heads)
-    w.add_head_count_kv(cfg.num_kv_heads)
-    w.add_rope_freq_base(cfg.rope_theta)
-    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    if cfg.head_dim != cfg.hidden_size // cfg.num_heads:
-        w.add_key_length(cfg.head_dim)
-        w.add_value_length(cfg.head_dim)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt2")
+    add_model_keys(w, cfg)
     vocab = load_json(FIXTURES / "tiny" / "mistral_gqa" / "tokenizer.json")["model"]["vocab"]
     w.add_token_list(sorted(vocab, key=vocab.get)[:cfg.vocab_size])
     w.add_token_merges([])
