@@ -61,6 +61,16 @@ def _scales(linears: tuple[Linear, ...]) -> jax.Array | None:
     return jnp.concatenate([lin.kernel_scale[...] for lin in linears])
 
 
+def _biases(linears: tuple[nnx.Module, ...]) -> nnx.Param | None:
+    """The projections' biases side by side, f32[sum N] (zeros for one without); None when
+    none has a bias."""
+    if all(lin.bias is None for lin in linears):
+        return None
+    return nnx.Param(jnp.concatenate([
+        jnp.zeros(lin.out_features, jnp.float32) if lin.bias is None else lin.bias[...]
+        for lin in linears]))
+
+
 class PackedLinear(nnx.Module):
     """`nnx.Linear`'s y = x @ kernel + bias with the kernel packed in column panels
     ([ceil(N/W), K, W], `jaxengine_kernels.cpu.matmul.pack`); float32 in and out. Made from one
@@ -73,10 +83,7 @@ class PackedLinear(nnx.Module):
         self.scale = None if (scale := _scales(linears)) is None else nnx.Param(scale)
         self.kernel = nnx.Param(matmul.pack(kernel) if self.scale is None
                                 else matmul.pack_int8(kernel))
-        biased = any(lin.bias is not None for lin in linears)
-        self.bias = nnx.Param(jnp.concatenate([
-            jnp.zeros(lin.out_features, jnp.float32) if lin.bias is None else lin.bias[...]
-            for lin in linears])) if biased else None
+        self.bias = _biases(linears)
         self.in_features, self.out_features = kernel.shape
 
     def __call__(self, x: jax.Array, live: jax.Array | None = None) -> jax.Array:
@@ -105,10 +112,11 @@ class PackedColumns(nnx.Module):
 
 class PackedMLP(nnx.Module):
     """`layers.MLP` with gate and up packed together (`jaxengine_kernels.cpu.matmul.pack_swiglu`):
-    one call gives silu(x @ gate) * (x @ up), and down_proj is a `PackedLinear`. The fused call
+    one call gives silu(x @ gate) * (x @ up), then down_proj. The fused call
     spares writing the [T, 2F] product and XLA's pass over it (docs/BENCHMARKS.md §2, "Packed
     projections"). int8 gate and up pack as int8 panels (`pack_swiglu_int8`) with their scales
-    side by side, `scale` f32[2F] (None for float32)."""
+    side by side, `scale` f32[2F] (None for float32); down_proj packed as its format allows
+    (`BlockMLP`'s rule)."""
 
     def __init__(self, mlp: nnx.Module) -> None:
         gate, up = mlp.gate_proj, mlp.up_proj  # without bias, as every MLP of the family
@@ -116,7 +124,7 @@ class PackedMLP(nnx.Module):
         pack = matmul.pack_swiglu if self.scale is None else matmul.pack_swiglu_int8
         self.gate_up = nnx.Param(pack(gate.kernel[...], up.kernel[...]))
         self.intermediate_size = gate.out_features
-        self.down_proj = PackedLinear(mlp.down_proj)
+        self.down_proj = _packed(mlp.down_proj) or mlp.down_proj
 
     def __call__(self, x: jax.Array, live: jax.Array | None = None) -> jax.Array:
         """x f32[T, D] -> f32[T, D]; `live` as `PackedLinear`'s (padding rows come out as
@@ -126,7 +134,7 @@ class PackedMLP(nnx.Module):
             hidden = matmul.packed_swiglu(x, self.gate_up[...], F, live)
         else:
             hidden = matmul.packed_swiglu_int8(x, self.gate_up[...], self.scale[...], F, live)
-        return self.down_proj(hidden, live)
+        return project(self.down_proj, hidden, live)
 
 
 class PackedEmbedder(nnx.Module):
@@ -170,10 +178,7 @@ class BlockLinear(nnx.Module):
     def __init__(self, *linears: GGUFLinear) -> None:
         self.blocks = nnx.Param(jnp.concatenate([lin.kernel[...] for lin in linears], axis=0))
         self.qtype = linears[0].qtype
-        biased = any(lin.bias is not None for lin in linears)
-        self.bias = nnx.Param(jnp.concatenate([
-            jnp.zeros(lin.out_features, jnp.float32) if lin.bias is None else lin.bias[...]
-            for lin in linears])) if biased else None
+        self.bias = _biases(linears)
         self.in_features = linears[0].in_features
         self.out_features = sum(lin.out_features for lin in linears)
 
