@@ -18,11 +18,11 @@ import gguf
 import numpy as np
 
 from jaxengine.loading.gguf_file import GGUFSource
-from jaxengine.loading.weights import model_weight_shapes, stacked_tensors
+from jaxengine.loading.weights import model_weight_shapes, stacked_tensors, to_layout
 from jaxengine.model.config import ModelConfig, ModelLoadError
 from jaxengine.model.families import family
 from jaxengine.model.families.family import Path
-from jaxengine.model.quant.gguf import GGUFFormat, blocks_layout, row_bytes
+from jaxengine.model.quant.gguf import GGUFFormat, row_bytes
 from jaxengine.model.tensor_parallel import TPLayout
 
 Q = gguf.GGMLQuantizationType
@@ -103,6 +103,6 @@ def gguf_format(cfg: ModelConfig, source: GGUFSource, where: str) -> GGUFFormat:
              lacks: Callable[[int], bool], on_tensor: Callable[[], object]) -> np.ndarray:
         rows = load_blocks(path, name, shape, types[path], source, where, on_tensor=on_tensor,
                            lacks=lacks)
-        return blocks_layout(path, rows, layout, cfg.head_dim)
+        return to_layout(path, rows, layout, cfg.head_dim, out_axis=-2)
 
     return GGUFFormat(types=types, read=read)

@@ -68,17 +68,25 @@ def model_weight_specs(cfg: ModelConfig, mesh: Mesh, *, dtype: jnp.dtype = jnp.f
         for path, var in nnx.to_flat_state(state)}
 
 
-def to_layout(path: Path, host: np.ndarray, layout: TPLayout, head_dim: int) -> np.ndarray:
+def to_layout(path: Path, host: np.ndarray, layout: TPLayout, head_dim: int, *,
+              out_axis: int = -1) -> np.ndarray:
     """A weight at the checkpoint's sizes laid out as the model on a mesh holds it.
 
-    k/v projections (kernel [..., K*H] and bias [..., K*H]) repeat each head `kv_repeat`
-    times in place; the embedding [V, D] and the LM head [D, V] get zero vocabulary entries
-    up to V'. Anything else, and everything at tp=1, is returned as it is.
+    k/v projections repeat each head `kv_repeat` times in place along their output axis
+    (a float kernel [..., K*H] and bias [..., K*H]); the embedding [V, ...] and the LM head
+    (vocabulary on its output axis) get zero vocabulary entries up to V'. Anything else, and
+    everything at tp=1, is returned as it is.
+
+    Args:
+        out_axis: the weight's output axis: -1 for floats ([..., in, out]), -2 for GGUF rows
+            of blocks ([..., out, row_bytes], whose zero blocks are zeros too).
     """
+    out = out_axis % host.ndim
     if len(path) >= 2 and path[-2] in ("k_proj", "v_proj") and layout.kv_repeat > 1:
-        heads = host.reshape(*host.shape[:-1], -1, head_dim)
-        return np.repeat(heads, layout.kv_repeat, axis=-2).reshape(*host.shape[:-1], -1)
-    axis = {("embed_tokens", "embedding"): 0, ("lm_head", "kernel"): 1}.get(tuple(path))
+        heads = host.reshape(*host.shape[:out], -1, head_dim, *host.shape[out + 1:])
+        return np.repeat(heads, layout.kv_repeat, axis=out).reshape(
+            *host.shape[:out], -1, *host.shape[out + 1:])
+    axis = {("embed_tokens", "embedding"): 0, ("lm_head", "kernel"): out}.get(tuple(path))
     if axis is not None and host.shape[axis] < layout.vocab_size:
         pad = [(0, 0)] * host.ndim
         pad[axis] = (0, layout.vocab_size - host.shape[axis])

@@ -61,21 +61,6 @@ def row_bytes(in_features: int, qtype: Q | int | str) -> int:
     return in_features // fmt.block_size * fmt.block_bytes
 
 
-def blocks_layout(path: Path, rows: np.ndarray, layout: TPLayout, head_dim: int
-                  ) -> np.ndarray:
-    """Rows of blocks u8[..., O, row_bytes] at the checkpoint's sizes laid out as the model
-    on a mesh holds the weight at module `path` (as `loading.weights.to_layout` does floats):
-    a k/v projection's rows of each head repeated `kv_repeat` times in place, the embedding's
-    and the LM head's vocabulary rows padded with zero blocks up to V'."""
-    if len(path) >= 2 and path[-2] in ("k_proj", "v_proj") and layout.kv_repeat > 1:
-        heads = rows.reshape(*rows.shape[:-2], -1, head_dim, rows.shape[-1])
-        return np.repeat(heads, layout.kv_repeat, axis=-3).reshape(
-            *rows.shape[:-2], -1, rows.shape[-1])
-    if tuple(path) in (("embed_tokens", "embedding"), ("lm_head", "kernel")):
-        return np.pad(rows, [(0, layout.vocab_size - rows.shape[0]), (0, 0)])
-    return rows
-
-
 class GGUFLinear(nnx.Module):
     """`nnx.Linear`'s y = x @ kernel + bias with the kernel held as GGUF blocks."""
 

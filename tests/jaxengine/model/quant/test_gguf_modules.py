@@ -17,7 +17,6 @@ from jaxengine.model.quant.gguf import (
     GGUFEmbedder,
     GGUFExperts,
     GGUFLinear,
-    blocks_layout,
     gguf_embedder,
     gguf_linear,
 )
@@ -157,7 +156,7 @@ def test_blocks_are_laid_out_as_the_floats(path: tuple, transposed: bool) -> Non
         rows = np.stack([rows, rows[::-1]])  # two stacked layers
     floats = gguf.quants.dequantize(rows.reshape(-1, rows.shape[-1]), Q.Q4_1).reshape(
         *rows.shape[:-1], 64)
-    laid = blocks_layout(path, rows, layout, head_dim=8)
+    laid = to_layout(path, rows, layout, 8, out_axis=-2)
     want = to_layout(path, np.swapaxes(floats, -1, -2) if transposed else floats, layout, 8)
     got = gguf.quants.dequantize(laid.reshape(-1, laid.shape[-1]), Q.Q4_1).reshape(
         *laid.shape[:-1], 64)
