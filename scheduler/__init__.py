@@ -35,7 +35,14 @@ from scheduler.kv_connector import (
     KVSave,
 )
 from scheduler.metadata import RequestMetadata
-from scheduler.policies.policies import POLICIES, Policy, SortedPolicy, register
+from scheduler.policies.policies import (
+    POLICIES,
+    Policy,
+    SortedPolicy,
+    register,
+    resolve_policy,
+    unregister,
+)
 from scheduler.policies.request_view import RequestView
 from scheduler.request import Request, RequestStatus
 from scheduler.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
@@ -50,5 +57,5 @@ __all__ = [
     "abort_requests", "add_request", "check_invariants", "check_stop", "grammars_ready",
     "init_state", "kv_block_layers", "max_concurrency",
     "prefix_cache_hit",
-    "register", "schedule", "update_from_output",
+    "register", "resolve_policy", "schedule", "unregister", "update_from_output",
 ]

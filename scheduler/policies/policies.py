@@ -15,11 +15,18 @@ metadata and its progress now. To add a research policy, subclass `Policy` (or `
 then `SchedulerConfig(policy="sjf", ...)`. A policy whose keys can change while requests wait
 (progress, the prefix cache, other requests' service) sets `dynamic = True`: `schedule()` then
 re-orders `waiting` (`reorder`) before each step; static policies pay nothing for it.
+
+A name is registered once: registering another class under a taken name is an error, so a
+research policy never silently replaces a built-in (those defined here can never be replaced)
+and re-running a notebook cell never silently swaps a policy's logic. Replacing one's own
+policy on purpose is `@register(replace=True)` or `unregister(name)` first. `resolve_policy`
+turns the command line's `MODULE:CLASS` into a registered name.
 """
 
 import bisect
+import importlib
 from collections.abc import Callable, Sequence
-from typing import ClassVar
+from typing import Any, ClassVar, overload
 
 from scheduler.policies.request_view import RequestView, RequestViews
 
@@ -28,10 +35,103 @@ POLICIES: dict[str, "Policy"] = {}
 Views = RequestViews  # a read-only Mapping: request id -> view, every unfinished request
 
 
-def register[P: type["Policy"]](cls: P) -> P:
-    """Class decorator: make `cls.name` usable as `SchedulerConfig.policy`."""
-    POLICIES[cls.name] = cls()
+@overload
+def register[P: type["Policy"]](cls: P, /, *, replace: bool = False) -> P: ...
+@overload
+def register[P: type["Policy"]](*, replace: bool = False) -> Callable[[P], P]: ...
+def register(cls: type["Policy"] | None = None, /, *, replace: bool = False) -> Any:
+    """Class decorator: make `cls.name` usable as `SchedulerConfig.policy`.
+
+    `@register` or `register(cls)`; `@register(replace=True)` replaces a policy registered
+    earlier under the same name (a notebook cell run again), never a built-in one. Registering
+    the same class again does nothing.
+
+    Raises:
+      ValueError: `cls` is not a `Policy` subclass with a `name`, or the name is taken by
+        another class (without `replace`, or by a built-in policy).
+    """
+    if cls is None:
+        return lambda c: register(c, replace=replace)
+    if not (isinstance(cls, type) and issubclass(cls, Policy)):
+        raise ValueError(f"register takes a subclass of scheduler.Policy; got {cls!r}")
+    name = getattr(cls, "name", None)
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"policy class {cls.__name__} needs a `name`: a non-empty str class "
+                         "attribute, the SchedulerConfig.policy it answers to")
+    existing = POLICIES.get(name)
+    if existing is not None and type(existing) is not cls:
+        if _is_builtin(name):
+            raise ValueError(f"policy name {name!r} is a built-in policy's "
+                             f"({type(existing).__name__}), which cannot be replaced; "
+                             f"give {cls.__name__} another name")
+        if not replace:
+            raise ValueError(
+                f"a policy named {name!r} is already registered ({_origin(type(existing))}); "
+                f"give {cls.__name__} another name, or replace it on purpose (say, a "
+                f"notebook cell run again) with @register(replace=True) or "
+                f"unregister({name!r}) first")
+    if existing is None or type(existing) is not cls:
+        POLICIES[name] = cls()
     return cls
+
+
+def unregister(name: str) -> None:
+    """Remove the policy registered as `name` (one's own: built-in policies stay).
+
+    Raises:
+      ValueError: no policy has that name, or it is a built-in one.
+    """
+    if name not in POLICIES:
+        raise ValueError(f"no policy named {name!r} is registered; known: {sorted(POLICIES)}")
+    if _is_builtin(name):
+        raise ValueError(f"policy {name!r} is built in and cannot be unregistered")
+    del POLICIES[name]
+
+
+def _is_builtin(name: str) -> bool:
+    """Whether `name` is registered to a policy defined in this module."""
+    return type(POLICIES[name]).__module__ == __name__
+
+
+def _origin(cls: type) -> str:
+    return f"{cls.__name__} from {cls.__module__}"
+
+
+def resolve_policy(spec: str) -> str:
+    """The registered policy name that `spec` stands for.
+
+    `spec` is a registered name ("fcfs"), or `MODULE:ATTR` (the command line's
+    `--scheduling-policy my_mod:MyPolicy`): MODULE is imported (which registers the policies it
+    decorates with `@register`), and ATTR is a `Policy` subclass there (registered now if its
+    module did not) or the name of a policy that importing MODULE registered.
+
+    Raises:
+      ValueError: an unknown name, a module that does not import, or an ATTR that is neither;
+        the message names `spec`.
+    """
+    module_name, colon, attr = spec.partition(":")
+    if not colon:
+        if spec not in POLICIES:
+            raise ValueError(f"unknown scheduling policy {spec!r}; known: {sorted(POLICIES)}, "
+                             "or MODULE:CLASS to import one")
+        return spec
+    if not module_name or not attr:
+        raise ValueError(f"scheduling policy {spec!r}: expected MODULE:CLASS, e.g. "
+                         "my_policies:ShortestPromptFirst")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # the user's module may fail in any way: say how, and where
+        raise ValueError(f"scheduling policy {spec!r}: module {module_name!r} does not import "
+                         f"({type(e).__name__}: {e})") from e
+    obj = getattr(module, attr, None)
+    if obj is None and attr in POLICIES:
+        return attr
+    if not (isinstance(obj, type) and issubclass(obj, Policy)):
+        what = "missing" if obj is None else f"a {type(obj).__name__}"
+        raise ValueError(f"scheduling policy {spec!r}: {module_name}.{attr} is {what}, not a "
+                         "subclass of scheduler.Policy nor the name of a policy it registers")
+    register(obj)
+    return obj.name
 
 
 def get_policy(name: str) -> "Policy":

@@ -4,6 +4,8 @@ import dataclasses
 import gc
 import importlib
 import inspect
+import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -17,6 +19,8 @@ from scheduler import (
     SortedPolicy,
     add_request,
     register,
+    resolve_policy,
+    unregister,
 )
 from scheduler.core._work import Work
 
@@ -66,6 +70,83 @@ def test_a_new_policy_plugs_in_without_touching_schedule():
         assert "test-longest-first" not in source_before
     finally:
         del POLICIES["test-longest-first"]
+
+
+def test_a_taken_name_is_refused_unless_replaced_on_purpose_and_never_a_built_in_one():
+    class Fake(SortedPolicy):
+        name = "fcfs"
+
+        def sort_key(self, r):
+            return (r.request_id,)
+
+    for replace in (False, True):  # a built-in policy can never be replaced
+        with pytest.raises(ValueError, match="'fcfs' is a built-in policy's .*another name"):
+            register(Fake, replace=replace)
+    assert type(POLICIES["fcfs"]).__module__ == "scheduler.policies.policies"
+    with pytest.raises(ValueError, match="built in and cannot be unregistered"):
+        unregister("fcfs")
+
+    def cell():  # a notebook cell defining the same policy, run twice: two distinct classes
+        class Mine(SortedPolicy):
+            name = "test-mine"
+
+            def sort_key(self, r):
+                return (r.arrival_time,)
+        return Mine
+
+    first, again = cell(), cell()
+    assert register(first) is first and register(first) is first  # the same class: a no-op
+    try:
+        with pytest.raises(ValueError, match=r"'test-mine' is already registered \(Mine from "
+                                             r"tests.scheduler.test_policies\); give Mine "
+                                             r"another name, .*register\(replace=True\) or "
+                                             r"unregister\('test-mine'\)"):
+            register(again)
+        assert type(POLICIES["test-mine"]) is first
+        assert register(replace=True)(again) is again and type(POLICIES["test-mine"]) is again
+    finally:
+        unregister("test-mine")
+    assert "test-mine" not in POLICIES
+    with pytest.raises(ValueError, match="no policy named 'test-mine'"):
+        unregister("test-mine")
+    with pytest.raises(ValueError, match="subclass of scheduler.Policy"):
+        register(SimpleNamespace)
+    with pytest.raises(ValueError, match="needs a `name`"):
+        register(type("Nameless", (SortedPolicy,), {}))
+
+
+def test_resolve_policy_imports_module_colon_class(tmp_path: Path, monkeypatch):
+    (tmp_path / "lab_decorated.py").write_text(
+        "from scheduler import SortedPolicy, register\n"
+        "@register\nclass Sjf(SortedPolicy):\n    name = 'test-sjf'\n"
+        "    def sort_key(self, r): return (r.num_prompt_tokens, r.arrival_time)\n")
+    (tmp_path / "lab_plain.py").write_text(
+        "from scheduler import SortedPolicy\nNOT_A_POLICY = 3\n"
+        "class Ljf(SortedPolicy):\n    name = 'test-ljf'\n"
+        "    def sort_key(self, r): return (-r.num_prompt_tokens, r.arrival_time)\n")
+    (tmp_path / "lab_broken.py").write_text("raise RuntimeError('boom')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        assert resolve_policy("fcfs") == "fcfs"
+        assert resolve_policy("lab_decorated:Sjf") == "test-sjf"  # it registered itself
+        assert resolve_policy("lab_decorated:test-sjf") == "test-sjf"  # by registered name
+        assert resolve_policy("lab_plain:Ljf") == "test-ljf"  # registered now
+        assert resolve_policy("lab_plain:Ljf") == "test-ljf"  # again: the same class
+        assert _admission_order(CFG.replace(policy="test-sjf"), REQS) == ["short", "mid", "long"]
+        for spec, needle in (
+                ("lifo", "unknown scheduling policy 'lifo'; known: .*MODULE:CLASS"),
+                ("lab_missing:X", "module 'lab_missing' does not import .ModuleNotFoundError"),
+                ("lab_broken:X", "module 'lab_broken' does not import .RuntimeError: boom"),
+                ("lab_plain:NOT_A_POLICY", "lab_plain.NOT_A_POLICY is a int, not a subclass"),
+                ("lab_plain:Nope", "lab_plain.Nope is missing"),
+                ("lab_plain:", "expected MODULE:CLASS")):
+            with pytest.raises(ValueError, match=needle):
+                resolve_policy(spec)
+    finally:
+        for name in ("test-sjf", "test-ljf"):
+            POLICIES.pop(name, None)
+        for module in ("lab_decorated", "lab_plain", "lab_broken"):
+            sys.modules.pop(module, None)
 
 
 def test_priority_ties_break_by_arrival_then_id():
