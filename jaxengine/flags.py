@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import sys
 from collections.abc import Callable, Sequence
 from types import UnionType
 from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
@@ -23,7 +25,8 @@ from jaxengine.engine.args import EngineArgs
 CHOICES = {"dtype": engine_args_module.DTYPES,
            "quantization": engine_args_module.QUANTIZATIONS,
            "kv_cache_dtype": tuple(engine_args_module.KV_CACHE_DTYPES),
-           "scheduling_policy": tuple(scheduler.POLICIES),
+           # live: a policy `--scheduling-policy MODULE:CLASS` registers is a choice too
+           "scheduling_policy": scheduler.POLICIES.keys(),
            "attention_backend": engine_args_module.ATTENTION_BACKENDS}
 
 
@@ -37,6 +40,21 @@ def _json_dict(text: str) -> dict[str, Any]:
         raise argparse.ArgumentTypeError(f"must be a JSON object {{...}}, got {text!r}")
     return value
 
+
+def _scheduling_policy(text: str) -> str:
+    """A registered policy's name, or `MODULE:CLASS` imported and registered
+    (`scheduler.resolve_policy`); the module is looked for in the working directory too, as
+    uvicorn looks for an app (a console script's sys.path does not hold it)."""
+    if ":" in text and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        return scheduler.resolve_policy(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+# Fields whose flag parses more than its type: the value is resolved when the flag is read.
+_FIELD_PARSERS: dict[str, Callable[[str], Any]] = {"scheduling_policy": _scheduling_policy}
 
 # The value types a flag parses, keyed by the field's resolved type (`typing.get_type_hints`)
 # with its `| None` taken off; bool fields get --flag/--no-flag instead.
@@ -88,7 +106,7 @@ def add_flags(group: Any, cls: type, *, skip: Sequence[str] = ()) -> None:
             kw["choices"] = CHOICES[f.name]
         else:
             kw["metavar"] = f.name.upper()
-        group.add_argument(flag, type=_PARSERS[kind], **kw)
+        group.add_argument(flag, type=_FIELD_PARSERS.get(f.name, _PARSERS[kind]), **kw)
 
 
 def engine_args_from(ns: argparse.Namespace, parser: argparse.ArgumentParser,

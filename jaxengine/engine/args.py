@@ -63,7 +63,9 @@ class EngineArgs:
     max_num_partial_prefills: int = arg(1, "prompts partially prefilled at once (>1: "
                                            "concurrent partial prefill limits)")
     max_long_partial_prefills: int = arg(1, "of those, most long ones at once")
-    scheduling_policy: str = arg("fcfs", "order of waiting requests and preemption victims")
+    scheduling_policy: str = arg("fcfs", "order of waiting requests and preemption victims: a "
+                                         "registered policy (on the command line also "
+                                         "MODULE:CLASS, imported and registered)")
     attention_backend: str | None = arg(None, "attention implementation; None: chosen by "
                                               "jax.default_backend()")
     batch_invariant: bool = arg(

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 from pathlib import Path
 
 import pytest
 
+import scheduler
 from jaxengine.cli import main
 from jaxengine.engine.args import EngineArgs
 from jaxengine.lab.cost_model import FEATURES, CostModel, load_cost_model, save_cost_model
@@ -85,3 +87,43 @@ def test_calibrate_then_bench_a_workload_on_the_tiny_model(
     assert real.info["kind"] == "real" and len(real.requests) == 8
     assert all(r.ttft is not None and r.ttft > 0 for r in real.requests)
     assert real.duration >= max(r.arrival_time for r in real.requests)
+
+
+POLICY_MODULE = """
+from scheduler import SortedPolicy
+
+
+class LongestFirst(SortedPolicy):
+    name = "test-cli-longest"
+
+    def sort_key(self, r):
+        return (-r.num_prompt_tokens, r.arrival_time, r.request_id)
+"""
+
+
+def test_a_policy_from_a_module_in_the_working_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "lab_cli_policy.py").write_text(POLICY_MODULE)
+    (tmp_path / "w.json").write_text(json.dumps({"requests": [
+        {"prompt_token_ids": [1] * n, "max_tokens": 2} for n in (3, 9, 5)]}))
+    monkeypatch.chdir(tmp_path)  # the module is found there, as `jaxengine` run from it would
+    monkeypatch.setattr("sys.path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    cost = hand_made_cost(tmp_path / "c.json")
+    try:
+        assert main(["simulate", "w.json", "--cost-model", str(cost), "--max-num-seqs", "1",
+                     "--scheduling-policy", "lab_cli_policy:LongestFirst",
+                     "--output", "o.json"]) == 0
+        result = load_result(tmp_path / "o.json")
+        assert result.info["engine_args"]["scheduling_policy"] == "test-cli-longest"
+        # One at a time, longest prompt first: r1 (9), r2 (5), r0 (3).
+        order = sorted(result.requests, key=lambda r: r.ttft)
+        assert [r.id for r in order] == ["r1", "r2", "r0"]
+    finally:
+        scheduler.POLICIES.pop("test-cli-longest", None)
+        sys.modules.pop("lab_cli_policy", None)
+    for spec, needle in (("lab_cli_nothing:X", "module 'lab_cli_nothing' does not import"),
+                         ("json:dumps", "json.dumps is a function, not a subclass")):
+        with pytest.raises(SystemExit):
+            main(["simulate", "w.json", "--cost-model", str(cost), "--scheduling-policy", spec])
+        assert needle in capsys.readouterr().err
