@@ -136,7 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     replay = sub.add_parser("replay", help="replay a scheduler trace (docs/SCHEDULING.md §10)",
                             description="Drive the scheduler with a fake model over TRACE and "
-                                        "print one JSON line per step.")
+                                        "print one JSON line per step; when vLLM's steps lie "
+                                        "beside it (TRACE.expected.jsonl), end with a verdict "
+                                        "on stderr, exit status 1 if they differ.")
     replay.add_argument("trace", metavar="TRACE.json", help="the trace file")
     replay.add_argument("-o", "--output", help="write the JSON lines here instead of stdout")
 

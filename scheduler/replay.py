@@ -5,13 +5,17 @@
 At step s, requests with `arrival_step == s` are added in trace order with
 `arrival_time = s + 1e-6 * index`; `schedule()` runs; every request whose prompt is complete
 samples `sampled_token` (EOS ignored); `update_from_output()` runs; one JSON line is printed.
+When vLLM's recorded steps lie beside the trace (`TRACE.expected.jsonl`, as the conformance
+traces' do), a verdict follows on stderr: "matches vLLM's N steps", or the first step that
+differs (exit status 1).
 """
 
 import argparse
 import contextlib
 import json
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 from scheduler.config import SchedulerConfig
 from scheduler.core.schedule import schedule
@@ -73,10 +77,46 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     with open(args.trace) as f:
         trace = json.load(f)
+    records = []
     with open(args.output, "w") if args.output else contextlib.nullcontext(sys.stdout) as out:
         for record in replay(trace):
+            records.append(record)
             out.write(json.dumps(record) + "\n")
-    return 0
+    expected_path = expected_steps_path(args.trace)
+    if not expected_path.is_file():
+        return 0
+    expected = [json.loads(line) for line in expected_path.read_text().splitlines() if line]
+    difference = first_difference(records, expected)
+    if difference is None:
+        print(f"matches vLLM's {len(expected)} steps ({expected_path})", file=sys.stderr)
+        return 0
+    print(f"differs from vLLM's steps ({expected_path}): {difference}", file=sys.stderr)
+    return 1
+
+
+def expected_steps_path(trace: str | Path) -> Path:
+    """Where vLLM's recorded steps of `trace` lie: `cNNN.json` -> `cNNN.expected.jsonl`."""
+    return Path(trace).with_suffix(".expected.jsonl")
+
+
+# The fields of a step record that must agree, each as compared (docs/SCHEDULING.md §10).
+_COMPARED = {"step": int, "num_scheduled_tokens": lambda d: list(d.items()),
+             "preempted": sorted, "finished": sorted, "num_free_blocks": int}
+
+
+def first_difference(got: Sequence[dict], expected: Sequence[dict]) -> str | None:
+    """The first step where replay records `got` differ from `expected` (vLLM's), in words;
+    None if they agree: at every step the same `num_scheduled_tokens` in the same order, the
+    same `preempted` and `finished` sets and the same `num_free_blocks` (docs/SCHEDULING.md
+    §10), and as many steps."""
+    for ours, theirs in zip(got, expected, strict=False):
+        fields = [k for k in _COMPARED if _COMPARED[k](ours[k]) != _COMPARED[k](theirs[k])]
+        if fields:
+            return f"step {ours['step']}: " + "; ".join(
+                f"{k} {ours[k]} here, {theirs[k]} in vLLM" for k in fields)
+    if len(got) != len(expected):
+        return f"vLLM took {len(expected)} steps, the replay {len(got)}"
+    return None
 
 
 if __name__ == "__main__":

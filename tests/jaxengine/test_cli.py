@@ -158,9 +158,10 @@ def test_bad_engine_values_exit_with_the_engines_message(
 
 def test_replay_prints_the_expected_lines(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["replay", str(CONFORMANCE / "c001.json")]) == 0
-    got = capsys.readouterr().out.splitlines()
+    printed = capsys.readouterr()
     expected = (CONFORMANCE / "c001.expected.jsonl").read_text().splitlines()
-    assert [json.loads(x) for x in got] == [json.loads(x) for x in expected]
+    assert [json.loads(x) for x in printed.out.splitlines()] == [json.loads(x) for x in expected]
+    assert f"matches vLLM's {len(expected)} steps" in printed.err
 
 
 def test_bench_passes_its_arguments_through(monkeypatch: pytest.MonkeyPatch,
