@@ -13,16 +13,25 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import os
 import time
 from typing import Any
 
 from jaxengine.engine.args import EngineArgs
 from jaxengine.engine.build import build_engine
+from jaxengine.lab import trust
 from jaxengine.lab.results import RunResult, request_result
 from jaxengine.lab.timeline import EngineTimeline
 from jaxengine.lab.workloads import Workload
+from jaxengine_kernels import default_impl
 from scheduler import SamplingParams
+
+
+def recorded_args(args: EngineArgs) -> dict[str, Any]:
+    """`args` as a calibration or a real run records them: the attention backend as resolved,
+    not None (what None picks depends on the platform and on whether the native CPU kernel
+    builds, `jaxengine_kernels.default_impl`)."""
+    return dataclasses.asdict(args) | {"attention_backend": args.attention_backend
+                                       or default_impl()}
 
 
 def build_warm_engine(args: EngineArgs) -> Any:
@@ -64,7 +73,7 @@ def replay(workload: Workload, engine: Any) -> RunResult:
     # Keep a collection made due by the warm-up's garbage out of the timed steps: in a process
     # holding many objects (the test suite's) it can pause one step longer than a short run.
     gc.collect()
-    load_start = os.getloadavg()[0]
+    load_start = trust.load_average()
     t0 = time.time()
     timeline = EngineTimeline(engine, clock=time.time)  # its records count from ~t0
     outputs: dict[str, Any] = {}
@@ -85,9 +94,10 @@ def replay(workload: Workload, engine: Any) -> RunResult:
                      for r in workload.requests)
     duration = max(o.metrics.finished_time for o in outputs.values()) - t0
     steps = tuple(dataclasses.asdict(s) for s in timeline.records)
-    info = {"kind": "real", "engine_args": dataclasses.asdict(engine.args),
-            # 1-minute load averages at the start and the end (see calibrate's)
-            "load_average": [load_start, os.getloadavg()[0]],
+    info = {"kind": "real", "engine_args": recorded_args(engine.args),
+            # 1-minute load averages at the start and the end, and the machine (see
+            # calibrate's: `trust.run_differences` compares them)
+            "load_average": [load_start, trust.load_average()], **trust.machine(),
             "num_blocks": engine.scheduler_config.num_blocks, "steps": len(steps)}
     return RunResult(duration=duration, requests=requests, steps=steps, info=info)
 

@@ -25,7 +25,8 @@ import jax
 import numpy as np
 
 from jaxengine.engine.args import EngineArgs
-from jaxengine.lab.bench import build_warm_engine
+from jaxengine.lab import trust
+from jaxengine.lab.bench import build_warm_engine, recorded_args
 from jaxengine.lab.cost_model import (
     FEATURES,
     CostModel,
@@ -33,7 +34,6 @@ from jaxengine.lab.cost_model import (
     fit_report,
     plan_features,
 )
-from jaxengine_kernels import default_impl
 from scheduler import SamplingParams, SchedulerOutput, schedule
 
 # Reweighting rounds of the fit (`fit_coefficients`): more of docs/LAB.md's held-out replays
@@ -160,19 +160,23 @@ def _completed(engine, plan: SchedulerOutput, state: dict) -> SchedulerOutput | 
 
 def calibrate(args: EngineArgs, *, scenes: Sequence[Scene] | None = None,
               hold_out_every: int = 4, seed: int = 0, repeats: int = 1,
-              log: Callable[[str], None] = print) -> CostModel:
-    """Build an engine from `args`, time `scenes` (default: `default_grid`), fit a cost model.
+              max_scene_tokens: int = 4096, log: Callable[[str], None] = print) -> CostModel:
+    """Build an engine from `args`, time `scenes` (default: `default_grid`, its scenes' prefill
+    capped at `max_scene_tokens`), fit a cost model.
 
     `repeats` > 1 runs the grid that many times, every other pass in reverse order, so that a
     burst of other load on the machine falls on different scenes each pass (the samples of a
-    scene keep its index: held-out scenes stay held out).
+    scene keep its index: held-out scenes stay held out). The machine's load is logged with
+    every scene and kept (`info["load_average"]`, `info["load_samples"]`); a poor fit is
+    logged and kept as a warning (`info["warnings"]`, `trust.fit_warnings`).
 
     Raises:
       ValueError: what `build_engine` raises for bad arguments, or too few timed calls.
     """
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
-    t_start, load_start = time.perf_counter(), os.getloadavg()[0]
+    t_start, load_start = time.perf_counter(), trust.load_average()
+    log(f"calibrate: machine load {load_start:.2f} (1-minute average) on {os.cpu_count()} CPUs")
     engine = build_warm_engine(dataclasses.replace(args, precompile=None))
     cfg = engine.scheduler_config
     log(f"calibrate: engine ready in {time.perf_counter() - t_start:.1f} s "
@@ -180,9 +184,10 @@ def calibrate(args: EngineArgs, *, scenes: Sequence[Scene] | None = None,
         f"{cfg.num_blocks} blocks)")
     grid = list(scenes) if scenes is not None else default_grid(
         max_num_seqs=cfg.max_num_seqs, budget=cfg.max_num_batched_tokens,
-        max_model_len=cfg.max_model_len)
+        max_model_len=cfg.max_model_len, max_prefill_tokens=max_scene_tokens)
     rng = np.random.default_rng(seed)
     samples: list[Sample] = []
+    loads: list[float] = []  # after each scene: other load shows while the engine runs
     for rep in range(repeats):
         order = list(enumerate(grid))
         for i, scene in order[::-1] if rep % 2 else order:
@@ -190,30 +195,38 @@ def calibrate(args: EngineArgs, *, scenes: Sequence[Scene] | None = None,
             samples += time_scene(engine, scene, i, rng=rng,
                                   buckets=engine.runner.token_buckets,
                                   request_buckets=engine.runner.request_buckets)
+            loads.append(trust.load_average())
             log(f"calibrate: pass {rep + 1}/{repeats}, scene {i + 1}/{len(grid)} "
                 f"{scene.decodes} x {scene.context} tokens"
                 f"{' + ' + str(list(scene.inject)) if scene.inject else ''}: "
-                f"{time.perf_counter() - t0:.1f} s")
+                f"{time.perf_counter() - t0:.1f} s, load {loads[-1]:.2f}")
     model = fit_samples(samples, hold_out_every=hold_out_every)
-    config = engine.config
-    device = jax.devices()[0]
-    # The backend as resolved, not None: what None picks depends on the platform and on
-    # whether the native CPU kernel builds (`jaxengine_kernels.default_impl`).
-    resolved = {"attention_backend": args.attention_backend or default_impl()}
-    return dataclasses.replace(
-        model, engine_args=dataclasses.asdict(args) | resolved, backend=jax.default_backend(),
-        device=getattr(device, "device_kind", str(device)), num_blocks=cfg.num_blocks,
+    config, where = engine.config, trust.machine()
+    model = dataclasses.replace(
+        model, engine_args=recorded_args(args), backend=where["backend"],
+        device=where["device"], num_blocks=cfg.num_blocks,
         kv_bytes_per_token=config.cache.kv_bytes_per_block // cfg.block_size,
         kv_budget_bytes=config.cache.kv_budget_bytes,
         max_model_len=cfg.max_model_len,
         model_max_model_len=config.model_max_model_len, vocab_size=engine.vocab_size,
         info={**model.info, "scenes": [dataclasses.asdict(s) for s in grid],
               "repeats": repeats,
-              # 1-minute load averages at the start and the end: other processes' load sets
-              # the step times (docs/LAB.md, Accuracy), so a replay should run under the same
-              "load_average": [load_start, os.getloadavg()[0]],
+              # 1-minute load averages at the start and the end, and after each scene: other
+              # processes' load sets the step times (docs/LAB.md, Accuracy), so a replay
+              # should run under the same (`trust.run_differences` compares them)
+              "load_average": [load_start, trust.load_average()], "load_samples": loads,
+              "cpu_count": where["cpu_count"],
               "seconds": round(time.perf_counter() - t_start, 1),
               "date": time.strftime("%Y-%m-%d %H:%M:%S")})
+    return _with_warnings(model, log)
+
+
+def _with_warnings(model: CostModel, log: Callable[[str], None]) -> CostModel:
+    """`model` keeping `trust.fit_warnings` of its fit (`info["warnings"]`), each logged."""
+    found = trust.fit_warnings(model)
+    for message in found:
+        log(f"calibrate: warning: {message}")
+    return dataclasses.replace(model, info={**model.info, "warnings": found})
 
 
 def fit_samples(samples: Sequence[Sample], *, hold_out_every: int = 4,
@@ -246,10 +259,11 @@ def fit_samples(samples: Sequence[Sample], *, hold_out_every: int = 4,
               "samples": [[s.scene, *map(float, s.features), s.seconds] for s in timed]})
 
 
-def refit(model: CostModel, *, hold_out_every: int = 4,
-          rounds: int = FIT_ROUNDS) -> CostModel:
+def refit(model: CostModel, *, hold_out_every: int = 4, rounds: int = FIT_ROUNDS,
+          log: Callable[[str], None] = print) -> CostModel:
     """`model` fitted again from the timed samples it keeps (`info["samples"]`), without
-    timing anything: to try another fit (`rounds`: see `fit_coefficients`).
+    timing anything: to try another fit (`rounds`: see `fit_coefficients`). Its warnings are
+    those of the new fit.
 
     Raises:
       ValueError: the model keeps no samples (calibrated before they were kept).
@@ -260,6 +274,6 @@ def refit(model: CostModel, *, hold_out_every: int = 4,
     n = len(FEATURES)
     samples = [Sample(int(r[0]), np.array(r[1:1 + n]), float(r[1 + n])) for r in rows]
     fitted = fit_samples(samples, hold_out_every=hold_out_every, rounds=rounds)
-    return dataclasses.replace(model, coefficients=fitted.coefficients, fit=fitted.fit,
-                               info={**model.info, **{k: v for k, v in fitted.info.items()
-                                                      if k != "samples"}})
+    return _with_warnings(dataclasses.replace(
+        model, coefficients=fitted.coefficients, fit=fitted.fit,
+        info={**model.info, **{k: v for k, v in fitted.info.items() if k != "samples"}}), log)

@@ -22,6 +22,7 @@ from jaxengine.lab import (
     generators,
     results,
     simulate,
+    trust,
     tune,
     workloads,
 )
@@ -38,6 +39,9 @@ def add_parsers(sub: Any) -> None:
     cal.add_argument("--repeats", type=int, default=1,
                      help="passes over the grid, alternating order, to average out other "
                           "load on the machine (default: 1)")
+    cal.add_argument("--max-scene-tokens", type=int, default=4096,
+                     help="most prompt tokens a scene of the grid prefills: higher widens the "
+                          "grid to more requests at longer contexts (default: 4096)")
     flags.add_engine_flags(cal)
     sim = sub.add_parser("simulate", help="simulate a workload with the real scheduler",
                          description="Run WORKLOAD.json through the real scheduler on a "
@@ -92,7 +96,10 @@ def run_bench_workload(ns: argparse.Namespace, parser: argparse.ArgumentParser) 
 
 def run_calibrate(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """`jaxengine calibrate --output COST.json [engine flags]`: prints the fit's errors."""
+    if ns.max_scene_tokens < 1:
+        parser.error(f"--max-scene-tokens must be >= 1, got {ns.max_scene_tokens}")
     model = calibrate.calibrate(flags.engine_args_from(ns, parser), repeats=ns.repeats,
+                                max_scene_tokens=ns.max_scene_tokens,
                                 log=lambda m: print(m, file=sys.stderr, flush=True))
     cost_model.save_cost_model(model, ns.output)
     coefs = ", ".join(f"{k} {v:.3g}" for k, v in model.coefficients.items())
@@ -103,13 +110,18 @@ def run_calibrate(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         print(f"held-out error over {f.held_out_points} calls (fit on {f.train_points}): "
               f"median {f.median_rel_error:.1%}, p90 {f.p90_rel_error:.1%}, "
               f"max {f.max_rel_error:.1%}")
-    print(f"wrote {ns.output}")
+    print(f"machine load (1-minute average): {trust.describe_load(model.info)}")
+    print(f"wrote {ns.output}" + (" (with the warning above: simulate and tune repeat it)"
+                                  if model.info["warnings"] else ""))
     return 0
 
 
 def _lab_args(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[Any, Any, Any]:
-    """(workload, cost model, engine args: the cost model's, with the flags given)."""
+    """(workload, cost model, engine args: the cost model's, with the flags given); the cost
+    model's warnings (a poor fit) are printed to stderr."""
     cost = cost_model.load_cost_model(ns.cost_model)
+    for message in cost.info.get("warnings", ()):
+        print(f"warning: {ns.cost_model}: {message}", file=sys.stderr)
     names = {f.name for f in dataclasses.fields(EngineArgs)}
     given = {k: v for k, v in vars(ns).items() if k in names}
     return (workloads.load_workload(ns.workload), cost,
@@ -128,8 +140,12 @@ def run_simulate(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int
           f"({len(result.steps) / max(seconds, 1e-9):.0f} steps/s)", file=sys.stderr)
     _report(result, ns.output, "simulated")
     if ns.compare:
-        errors = results.compare(result, results.load_result(ns.compare))
+        real = results.load_result(ns.compare)
+        errors = results.compare(result, real)
         print("simulated / real - 1: " + ", ".join(f"{k} {v:+.1%}" for k, v in errors.items()))
+        for difference in trust.run_differences(result, real, cost):
+            print(f"warning: {ns.compare} is not the run simulated: {difference}",
+                  file=sys.stderr)
     if ns.plot:
         from jaxengine.lab import plots  # here: matplotlib comes with the `lab` extra
 

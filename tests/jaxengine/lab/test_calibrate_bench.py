@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from jaxengine.engine.args import EngineArgs
+from jaxengine.lab import trust
 from jaxengine.lab.bench import bench
 from jaxengine.lab.calibrate import Scene, calibrate
 from jaxengine.lab.cost_model import CostModel
@@ -54,6 +55,9 @@ def test_calibration_saves_what_it_was_calibrated_for(cost: CostModel) -> None:
     # Two passes over the grid: every scene was timed in each (samples keep the scene index).
     assert cost.info["repeats"] == 2
     assert len(cost.info["load_average"]) == 2 and min(cost.info["load_average"]) >= 0
+    # The load after every scene of both passes, and the fit's warnings (none or one).
+    assert len(cost.info["load_samples"]) == 2 * len(SCENES) and cost.info["cpu_count"] >= 1
+    assert cost.info["warnings"] == trust.fit_warnings(cost)
     per_scene = [sum(1 for s in cost.info["samples"] if s[0] == i) for i in range(len(SCENES))]
     assert all(n >= 2 * SCENES[i].decode_steps for i, n in enumerate(per_scene))
     with pytest.raises(ValueError, match="repeats must be >= 1"):
@@ -73,6 +77,9 @@ def test_simulated_duration_is_near_the_real_replay(cost: CostModel) -> None:
     assert [r.num_output_tokens for r in real.requests] == [r.max_tokens for r in w.requests]
     assert real.info["kind"] == "real" and len(real.steps) > 10
     assert len(real.info["load_average"]) == 2
+    assert real.info["engine_args"]["attention_backend"] == "cpu"  # resolved, as calibrated
+    assert {k: real.info[k] for k in ("backend", "device")} == {"backend": cost.backend,
+                                                                "device": cost.device}
     # Generous: the 2-core machine is shared, and the tiny model's steps take about 1 ms of
     # host time, so scheduling noise of other processes is a large share of a step.
     ratio = summary(sim)["duration"] / summary(real)["duration"]
