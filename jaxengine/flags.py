@@ -41,15 +41,24 @@ def _json_dict(text: str) -> dict[str, Any]:
     return value
 
 
-def _scheduling_policy(text: str) -> str:
-    """A registered policy's name, or `MODULE:CLASS` imported and registered
-    (`scheduler.resolve_policy`); the module is looked for in the working directory too, as
-    uvicorn looks for an app (a console script's sys.path does not hold it)."""
+def policy_from_flag(text: str) -> str:
+    """The registered policy name a `--scheduling-policy` value stands for: a name, or
+    `MODULE:CLASS` imported and registered (`scheduler.resolve_policy`); the module is looked
+    for in the working directory too, as uvicorn looks for an app (a console script's sys.path
+    does not hold it).
+
+    Raises:
+      ValueError: what `scheduler.resolve_policy` raises, naming `text`.
+    """
     if ":" in text and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
+    return scheduler.resolve_policy(text)
+
+
+def _scheduling_policy(text: str) -> str:
     try:
-        return scheduler.resolve_policy(text)
-    except ValueError as e:
+        return policy_from_flag(text)
+    except ValueError as e:  # argparse shows an ArgumentTypeError's own message
         raise argparse.ArgumentTypeError(str(e)) from None
 
 

@@ -66,6 +66,10 @@ def add_parsers(sub: Any) -> None:
     tune.add_argument("--slo", default="", metavar="ttft_p99=S,tpot_p99=S",
                       help="latency limits in seconds, e.g. ttft_p99=2,tpot_p99=0.2 (metrics: "
                            "ttft, tpot, e2e, queue; percentiles p50, p90, p99)")
+    tune.add_argument("--policies", default=None, metavar="POLICY,...",
+                      help="the scheduling policies to sweep, registered names or "
+                           "MODULE:CLASS (default: every registered one, a policy "
+                           "--scheduling-policy MODULE:CLASS loads included)")
     tune.add_argument("--output", metavar="OUT.json", help="write every configuration's summary")
     tune.add_argument("--plot", metavar="PATH.png", help="draw the Pareto front there")
     flags.add_engine_flags(tune)
@@ -159,7 +163,9 @@ def run_tune(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     and the recommended flags."""
     workload, cost, args = _lab_args(ns, parser)
     slo = tune.parse_slo(ns.slo)
-    report = tune.tune(workload, cost, args, slo=slo)
+    policies = None if ns.policies is None else [
+        flags.policy_from_flag(p.strip()) for p in ns.policies.split(",") if p.strip()]
+    report = tune.tune(workload, cost, args, slo=slo, policies=policies)
     print(tune.format_report(report))
     if ns.output:
         with open(ns.output, "w") as f:

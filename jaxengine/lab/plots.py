@@ -181,20 +181,25 @@ def latency_cdfs(runs: Mapping[str, LatencySamples | Mapping[str, Sequence[float
 
 def pareto_front(points: Sequence[ParetoPoint | Mapping[str, Any]], *,
                  slo_s: float | Mapping[str, float] | None = None, recommended: str | None = None,
+                 front: Sequence[str] | None = None, annotate: Sequence[str] = (),
                  latency_label: str = "p99 latency (s)",
                  throughput_label: str = "throughput (output tokens/s)",
                  title: str | None = None, save: str | PathLike | None = None) -> Figure:
     """Throughput against a latency percentile for each measured configuration.
 
     Every point is drawn; the Pareto-optimal ones (no other point has both at least their
-    throughput and at most their latency, and is better in one) are joined by a line; each SLO
-    is a dashed vertical line; the recommended point is a large star with its label.
+    throughput and at most their latency, and is better in one; or those of `front`) are
+    joined by a line; each SLO is a dashed vertical line; the recommended point is a large
+    star with its label; the points of `annotate` carry their labels.
 
     Args:
       points: the configurations (`ParetoPoint`s or dicts of their fields); at least one, with
         unique labels.
       slo_s: a latency limit in seconds, or SLO name -> limit for several lines.
       recommended: the label of the point to highlight.
+      front: the labels of the points to join as the front (the tuner's: SLO-meeting ones);
+        default: the Pareto-optimal points of all; empty: no line.
+      annotate: labels of points to write beside them.
       latency_label: the x axis's label (say which percentile of which latency).
       throughput_label: the y axis's label.
       title: the figure's title.
@@ -202,7 +207,8 @@ def pareto_front(points: Sequence[ParetoPoint | Mapping[str, Any]], *,
     Returns:
       The figure (one axes).
     Raises:
-      ValueError: no points, duplicate labels, bad fields, or `recommended` not among them.
+      ValueError: no points, duplicate labels, bad fields, or `recommended`, `front` or
+        `annotate` naming a label that is not a point's.
     """
     pts = [_coerce(ParetoPoint, p, "points") for p in points]
     if not pts:
@@ -210,15 +216,24 @@ def pareto_front(points: Sequence[ParetoPoint | Mapping[str, Any]], *,
     labels = [p.label for p in pts]
     if len(set(labels)) != len(labels):
         raise ValueError(f"point labels must be unique; got {labels}")
-    if recommended is not None and recommended not in labels:
-        raise ValueError(f"recommended={recommended!r} is not a point label; labels: {labels}")
+    for name, given in (("recommended", [] if recommended is None else [recommended]),
+                        ("front", front or ()), ("annotate", annotate)):
+        unknown = [label for label in given if label not in labels]
+        if unknown:
+            raise ValueError(f"{name}={unknown!r} is not a point label; labels: {labels}")
     fig = Figure(figsize=(7, 5), layout="constrained")
     ax = fig.subplots()
     ax.scatter([p.latency_s for p in pts], [p.throughput for p in pts], color="0.6",
                label="configurations")
-    front = sorted((pts[i] for i in pareto_indices(pts)), key=lambda p: p.latency_s)
-    ax.plot([p.latency_s for p in front], [p.throughput for p in front], "o-", color="tab:blue",
-            label="Pareto front")
+    joined = pareto_indices(pts) if front is None else [labels.index(f) for f in front]
+    if joined:
+        line = sorted((pts[i] for i in joined), key=lambda p: (p.latency_s, p.throughput))
+        ax.plot([p.latency_s for p in line], [p.throughput for p in line], "o-",
+                color="tab:blue", label="Pareto front")
+    for label in annotate:
+        p = pts[labels.index(label)]
+        ax.annotate(label, (p.latency_s, p.throughput), xytext=(6, -10),
+                    textcoords="offset points", fontsize="x-small")
     slos = {"SLO": slo_s} if isinstance(slo_s, int | float) else dict(slo_s or {})
     for i, (name, limit) in enumerate(slos.items()):
         ax.axvline(limit, linestyle="--", color=f"C{i + 2}", label=f"{name} ({limit:g} s)")

@@ -119,9 +119,17 @@ def test_a_policy_from_a_module_in_the_working_directory(
         # One at a time, longest prompt first: r1 (9), r2 (5), r0 (3).
         order = sorted(result.requests, key=lambda r: r.ttft)
         assert [r.id for r in order] == ["r1", "r2", "r0"]
+        assert main(["tune", "w.json", "--cost-model", str(cost), "--policies",
+                     "fcfs, lab_cli_policy:LongestFirst", "--output", "t.json"]) == 0
+        trials = json.loads((tmp_path / "t.json").read_text())["trials"]
+        assert {t["settings"]["scheduling_policy"] for t in trials} == {"fcfs",
+                                                                        "test-cli-longest"}
     finally:
         scheduler.POLICIES.pop("test-cli-longest", None)
         sys.modules.pop("lab_cli_policy", None)
+    capsys.readouterr()
+    assert main(["tune", "w.json", "--cost-model", str(cost), "--policies", "fcfs,lifo"]) == 1
+    assert "unknown scheduling policy 'lifo'" in capsys.readouterr().err
     for spec, needle in (("lab_cli_nothing:X", "module 'lab_cli_nothing' does not import"),
                          ("json:dumps", "json.dumps is a function, not a subclass")):
         with pytest.raises(SystemExit):

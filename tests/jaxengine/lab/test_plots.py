@@ -223,6 +223,17 @@ def test_pareto_front_figure(tmp_path) -> None:
     assert star.get_label() == "recommended: seqs=32"
 
 
+def test_pareto_front_joins_and_labels_the_points_it_is_given() -> None:
+    fig = pareto_front(POINTS, front=["slow", "seqs=8"], annotate=["seqs=64"])
+    (ax,) = fig.axes
+    (front,) = ax.get_lines()
+    assert list(front.get_xdata()) == [0.2, 0.8]  # by latency, not the Pareto-optimal ones
+    assert [t.get_text() for t in ax.texts] == ["seqs=64"]
+    assert not pareto_front(POINTS, front=[]).axes[0].get_lines()
+    with pytest.raises(ValueError, match=r"annotate=\['nope'\] is not a point label"):
+        pareto_front(POINTS, annotate=["nope"])
+
+
 def test_pareto_front_rejects_bad_input() -> None:
     with pytest.raises(ValueError, match="not a point label"):
         pareto_front(POINTS, recommended="seqs=128")

@@ -10,7 +10,8 @@ from jaxengine.engine.args import EngineArgs
 from jaxengine.lab.cost_model import FEATURES, CostModel
 from jaxengine.lab.generators import scenario
 from jaxengine.lab.simulate import simulation_args
-from jaxengine.lab.tune import format_report, parse_slo, tune
+from jaxengine.lab.tune import NUM_CLOSEST, format_report, parse_slo, plot_data, tune
+from scheduler import POLICIES
 
 SIZES = {"max_num_seqs": (2, 8), "max_num_batched_tokens": (16, 64)}
 
@@ -45,7 +46,8 @@ def test_the_recommendation_meets_the_slo_and_tops_throughput() -> None:
         t.summary["output_tokens_per_s"] for t in loose.trials)
     assert {"s2/b16/t0/p1/fcfs", "s8/b64/t0/p1/fcfs"} <= {t.label for t in loose.trials}
     assert any(not t.settings["enable_chunked_prefill"] for t in loose.trials)
-    assert any(t.settings["scheduling_policy"] == "priority" for t in loose.trials)
+    # Every registered policy is swept (research ones too), or those it is given.
+    assert {t.settings["scheduling_policy"] for t in loose.trials} == set(POLICIES)
     assert loose.recommended in loose.pareto
     text = format_report(loose)
     assert f"recommended engine flags: --max-num-seqs {best.settings['max_num_seqs']}" in text
@@ -54,3 +56,46 @@ def test_the_recommendation_meets_the_slo_and_tops_throughput() -> None:
     strict = tune(w, c, simulation_args(c), slo={"ttft_p99": limit}, sizes=SIZES)
     assert strict.recommended is None and not strict.pareto
     assert "no configuration meets the SLO; the closest is" in format_report(strict)
+
+
+def _rows(text: str) -> list[str]:
+    """The configurations a report's text lists (its table rows), in order."""
+    return [line.split()[0] for line in text.splitlines()
+            if line.startswith("  ") and line.split()[0].startswith("s")
+            and "/" in line.split()[0]]
+
+
+def _outcome(t) -> tuple[float, float]:
+    """Throughput and the SLO's one metric (both reports' SLOs are on ttft_p99)."""
+    return (round(t.summary["output_tokens_per_s"], 6), round(t.summary["ttft_p99"], 9))
+
+
+def test_listed_configurations_are_distinct_and_the_plot_draws_what_the_text_lists() -> None:
+    c = cost()
+    w = scenario("srb_mix", num_requests=12, rate=float("inf"), seed=0, vocab_size=128,
+                 scale=0.06)
+    given = tune(w, c, simulation_args(c), slo={"ttft_p99": 100.0}, sizes=SIZES,
+                 policies=["fcfs", "las"])
+    assert {t.settings["scheduling_policy"] for t in given.trials} == {"fcfs", "las"}
+    with pytest.raises(ValueError, match="registered scheduling policies; got .*'lifo'"):
+        tune(w, c, simulation_args(c), slo={}, sizes=SIZES, policies=["lifo"])
+    # A limit no configuration meets: the closest, each outcome once.
+    strict = tune(w, c, simulation_args(c), slo={"ttft_p99": 1e-6}, sizes=SIZES)
+    for report in (given, strict):
+        text = format_report(report)
+        listed = [report.trials[i] for i in report.listed]
+        assert _rows(text) == [t.label for t in listed]
+        outcomes = [_outcome(t) for t in listed]
+        assert len(set(outcomes)) == len(outcomes)
+        # The others with the same outcome as a listed one are counted, never listed.
+        for i in report.listed:
+            same = [t for t in report.trials if _outcome(t) == _outcome(report.trials[i])]
+            assert report.alike[i] == len(same) - 1
+        data = plot_data(report)
+        assert data["front"] == [report.trials[i].label for i in report.pareto]
+        assert sorted([*data["annotate"], *filter(None, [data["recommended"]])]) == sorted(
+            _rows(text))
+        assert len(data["points"]) == len(report.trials)
+    assert strict.recommended is None and not strict.pareto
+    assert len(strict.closest) == min(NUM_CLOSEST, len({_outcome(t) for t in strict.trials}))
+    assert plot_data(strict)["front"] == [] and "the closest 5" in format_report(strict)
