@@ -25,7 +25,13 @@ from typing import Any
 import scheduler
 from jaxengine import streaming
 from jaxengine.engine.args import EngineArgs
-from jaxengine.flags import add_engine_flags, add_flags, args_from, engine_args_from
+from jaxengine.flags import (
+    add_engine_flags,
+    add_flags,
+    args_from,
+    engine_args_from,
+    policy_argument,
+)
 from jaxengine.lab import commands as lab_commands
 from jaxengine.llm import LLM
 from jaxengine.loading import load_tokenizer
@@ -141,6 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
                                         "on stderr, exit status 1 if they differ.")
     replay.add_argument("trace", metavar="TRACE.json", help="the trace file")
     replay.add_argument("-o", "--output", help="write the JSON lines here instead of stdout")
+    replay.add_argument("--scheduling-policy", type=policy_argument, metavar="POLICY",
+                        help="replay under this policy instead of the trace's: a registered "
+                             "name or MODULE:CLASS (no verdict then)")
 
     export = sub.add_parser("export-tokenizer", help="write the model's tokenizer as an HF dir",
                             description="Write MODEL's tokenizer (tokenizer.json, "
@@ -318,8 +327,10 @@ def run_export_tokenizer(ns: argparse.Namespace) -> int:
 
 
 def run_replay(ns: argparse.Namespace) -> int:
-    """`jaxengine replay TRACE.json [-o OUT]`: scheduler.replay's main."""
-    return replay_main([ns.trace, *(["-o", ns.output] if ns.output else [])])
+    """`jaxengine replay TRACE.json [-o OUT] [--scheduling-policy P]`: scheduler.replay's
+    main."""
+    policy = ["--scheduling-policy", ns.scheduling_policy] if ns.scheduling_policy else []
+    return replay_main([ns.trace, *(["-o", ns.output] if ns.output else []), *policy])
 
 
 def main(argv: Sequence[str] | None = None) -> int:

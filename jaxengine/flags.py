@@ -55,7 +55,8 @@ def policy_from_flag(text: str) -> str:
     return scheduler.resolve_policy(text)
 
 
-def _scheduling_policy(text: str) -> str:
+def policy_argument(text: str) -> str:
+    """`policy_from_flag` as an argparse `type`: its error is the flag's message."""
     try:
         return policy_from_flag(text)
     except ValueError as e:  # argparse shows an ArgumentTypeError's own message
@@ -63,7 +64,7 @@ def _scheduling_policy(text: str) -> str:
 
 
 # Fields whose flag parses more than its type: the value is resolved when the flag is read.
-_FIELD_PARSERS: dict[str, Callable[[str], Any]] = {"scheduling_policy": _scheduling_policy}
+_FIELD_PARSERS: dict[str, Callable[[str], Any]] = {"scheduling_policy": policy_argument}
 
 # The value types a flag parses, keyed by the field's resolved type (`typing.get_type_hints`)
 # with its `| None` taken off; bool fields get --flag/--no-flag instead.

@@ -1,13 +1,14 @@
 """Trace replay with a fake model (docs/SCHEDULING.md §10).
 
-    python -m scheduler.replay TRACE.json [-o OUT.jsonl]
+    python -m scheduler.replay TRACE.json [-o OUT.jsonl] [--scheduling-policy POLICY]
 
 At step s, requests with `arrival_step == s` are added in trace order with
 `arrival_time = s + 1e-6 * index`; `schedule()` runs; every request whose prompt is complete
 samples `sampled_token` (EOS ignored); `update_from_output()` runs; one JSON line is printed.
 When vLLM's recorded steps lie beside the trace (`TRACE.expected.jsonl`, as the conformance
 traces' do), a verdict follows on stderr: "matches vLLM's N steps", or the first step that
-differs (exit status 1).
+differs (exit status 1); not under `--scheduling-policy` another policy than the trace's
+(a registered name, or MODULE:CLASS imported: `resolve_policy`), whose steps vLLM did not record.
 """
 
 import argparse
@@ -23,6 +24,7 @@ from scheduler.core.state import init_state
 from scheduler.core.update import add_request, update_from_output
 from scheduler.kv.groups import KVCacheGroup
 from scheduler.kv_connector import KVConnector
+from scheduler.policies.policies import resolve_policy
 from scheduler.request import Request, SamplingParams
 
 
@@ -74,9 +76,19 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("trace", help="trace JSON (docs/SCHEDULING.md §10)")
     parser.add_argument("-o", "--output", help="write the JSON lines here instead of stdout")
+    parser.add_argument("--scheduling-policy", metavar="POLICY",
+                        help="replay under this policy instead of the trace's: a registered "
+                             "name or MODULE:CLASS")
     args = parser.parse_args(argv)
     with open(args.trace) as f:
         trace = json.load(f)
+    own = policy = _config(trace["config"]).policy
+    if args.scheduling_policy is not None:
+        try:
+            policy = resolve_policy(args.scheduling_policy)
+        except ValueError as e:
+            parser.error(str(e))
+        trace = trace | {"config": trace["config"] | {"policy": policy}}
     records = []
     with open(args.output, "w") if args.output else contextlib.nullcontext(sys.stdout) as out:
         for record in replay(trace):
@@ -84,6 +96,10 @@ def main(argv: list[str] | None = None) -> int:
             out.write(json.dumps(record) + "\n")
     expected_path = expected_steps_path(args.trace)
     if not expected_path.is_file():
+        return 0
+    if policy != own:
+        print(f"no verdict: vLLM's steps ({expected_path}) are of the trace's policy {own!r}",
+              file=sys.stderr)
         return 0
     expected = [json.loads(line) for line in expected_path.read_text().splitlines() if line]
     difference = first_difference(records, expected)

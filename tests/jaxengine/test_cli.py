@@ -162,6 +162,8 @@ def test_replay_prints_the_expected_lines(capsys: pytest.CaptureFixture[str]) ->
     expected = (CONFORMANCE / "c001.expected.jsonl").read_text().splitlines()
     assert [json.loads(x) for x in printed.out.splitlines()] == [json.loads(x) for x in expected]
     assert f"matches vLLM's {len(expected)} steps" in printed.err
+    assert main(["replay", str(CONFORMANCE / "c001.json"), "--scheduling-policy", "las"]) == 0
+    assert "no verdict: vLLM's steps" in capsys.readouterr().err
 
 
 def test_bench_passes_its_arguments_through(monkeypatch: pytest.MonkeyPatch,

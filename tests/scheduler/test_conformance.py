@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from scheduler import POLICIES
 from scheduler.replay import first_difference, main, replay
 
 CONFORMANCE = Path(__file__).resolve().parent / "conformance"
@@ -70,3 +71,28 @@ def test_replay_prints_a_verdict_against_vllms_steps_beside_the_trace(
     copy.with_suffix(".expected.jsonl").unlink()  # nothing beside it: no verdict
     assert main([str(copy), "-o", str(tmp_path / "out.jsonl")]) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_replay_under_another_policy_gives_no_verdict(tmp_path: Path, monkeypatch,
+                                                       capsys: pytest.CaptureFixture[str]):
+    (tmp_path / "replay_policy.py").write_text(
+        "from scheduler import SortedPolicy\n"
+        "class Newest(SortedPolicy):\n    name = 'test-newest'\n"
+        "    def sort_key(self, r): return (-r.arrival_time, r.request_id)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    trace = CONFORMANCE / "c001.json"
+    try:
+        assert main([str(trace), "-o", str(tmp_path / "out.jsonl"),
+                     "--scheduling-policy", "replay_policy:Newest"]) == 0
+        assert "no verdict: vLLM's steps" in capsys.readouterr().err
+        assert first_difference(_lines(tmp_path / "out.jsonl"),
+                                _lines(trace.with_suffix(".expected.jsonl"))) is not None
+        assert main([str(trace), "-o", str(tmp_path / "out.jsonl"),
+                     "--scheduling-policy", "fcfs"]) == 0  # the trace's own: a verdict
+        assert "matches vLLM's" in capsys.readouterr().err
+        with pytest.raises(SystemExit):
+            main([str(trace), "--scheduling-policy", "replay_policy:Nope"])
+        assert "replay_policy.Nope is missing" in capsys.readouterr().err
+    finally:
+        POLICIES.pop("test-newest", None)
+        sys.modules.pop("replay_policy", None)
