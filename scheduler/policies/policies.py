@@ -59,19 +59,18 @@ def register(cls: type["Policy"] | None = None, /, *, replace: bool = False) -> 
         raise ValueError(f"policy class {cls.__name__} needs a `name`: a non-empty str class "
                          "attribute, the SchedulerConfig.policy it answers to")
     existing = POLICIES.get(name)
-    if existing is not None and type(existing) is not cls:
-        if _is_builtin(name):
-            raise ValueError(f"policy name {name!r} is a built-in policy's "
-                             f"({type(existing).__name__}), which cannot be replaced; "
-                             f"give {cls.__name__} another name")
-        if not replace:
-            raise ValueError(
-                f"a policy named {name!r} is already registered ({_origin(type(existing))}); "
-                f"give {cls.__name__} another name, or replace it on purpose (say, a "
-                f"notebook cell run again) with @register(replace=True) or "
-                f"unregister({name!r}) first")
-    if existing is None or type(existing) is not cls:
-        POLICIES[name] = cls()
+    if type(existing) is cls:
+        return cls
+    if existing is not None and _is_builtin(name):
+        raise ValueError(f"policy name {name!r} is a built-in policy's "
+                         f"({type(existing).__name__}), which cannot be replaced; "
+                         f"give {cls.__name__} another name")
+    if existing is not None and not replace:
+        raise ValueError(
+            f"a policy named {name!r} is already registered ({_origin(type(existing))}); "
+            f"give {cls.__name__} another name, or replace it on purpose (say, a notebook cell "
+            f"run again) with @register(replace=True) or unregister({name!r}) first")
+    POLICIES[name] = cls()
     return cls
 
 
