@@ -115,7 +115,7 @@ def run_calibrate(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> in
               f"median {f.median_rel_error:.1%}, p90 {f.p90_rel_error:.1%}, "
               f"max {f.max_rel_error:.1%}")
     print(f"machine load (1-minute average): {trust.describe_load(model.info)}")
-    print(f"wrote {ns.output}" + (" (with the warning above: simulate and tune repeat it)"
+    print(f"wrote {ns.output}" + (" (it keeps the warning: simulate and tune repeat it)"
                                   if model.info["warnings"] else ""))
     return 0
 
