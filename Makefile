@@ -1,9 +1,10 @@
-# The two commands of the README: `make demo` and `make test`. Each creates .venv and installs
-# what it needs; nothing but packages is downloaded.
+# The commands of the README: `make demo`, `make test` and `make notebook`. Each creates .venv and
+# installs what it needs; nothing but packages is downloaded.
 SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+NOTEBOOK_STAMP := $(VENV)/.notebook
 
 # Find a Python >= 3.12: python3.13, python3.12, then pyenv's versions (pyenv shims fail unless a
 # version is selected, so each candidate is actually run, not just looked up).
@@ -17,7 +18,7 @@ for p in $$root/versions/3.1[2-9]*/bin/python; do \
 done
 endef
 
-.PHONY: demo test lint venv clean
+.PHONY: demo test lint notebook venv clean
 
 venv: $(STAMP)
 
@@ -43,6 +44,16 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q -n auto --maxprocesses 4 --dist worksteal
+
+# Jupyter is the `notebook` extra, kept out of `make test`: the test extra runs the notebooks with
+# nbclient and ipykernel alone.
+notebook: $(NOTEBOOK_STAMP)
+	@echo "open the notebooks with: $(VENV)/bin/jupyter lab notebooks/"
+	@echo "or run one headless:     $(VENV)/bin/jupyter nbconvert --execute --to notebook --output-dir /tmp notebooks/NAME.ipynb"
+
+$(NOTEBOOK_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e '.[notebook]'
+	@touch $(NOTEBOOK_STAMP)
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

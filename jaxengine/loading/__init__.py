@@ -6,8 +6,9 @@ from jaxengine.loading.load import (
     load_hf_dir,
     load_model,
     load_tokenizer,
+    tiny_model_path,
 )
 from jaxengine.model.config import ModelLoadError
 
 __all__ = ["ModelLoadError", "default_model_path", "load_gguf", "load_hf_dir", "load_model",
-           "load_tokenizer"]
+           "load_tokenizer", "tiny_model_path"]

