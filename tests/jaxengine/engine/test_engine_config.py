@@ -120,13 +120,10 @@ def test_a_scheduled_budget_that_does_not_fit_is_refused_saying_what_to_change()
                    speculative_config=NGRAM).scheduler.max_num_scheduled_tokens == 1
 
 
-def test_a_step_schedules_exactly_the_smaller_budget_and_the_runners_bucket_holds_the_drafts(
-        ) -> None:
-    """docs/SCHEDULING.md §2, "Two token budgets": the worked example."""
-    config = resolve(max_num_batched_tokens=16, max_num_scheduled_tokens=10, max_num_seqs=4,
-                     async_scheduling=False, speculative_config=NGRAM)
-    token_buckets, request_buckets = RunnerConfig.of(config).buckets()
-    assert (token_buckets, request_buckets) == ((1, 2, 4, 8, 16), (8, 16))
+def _step_with_drafts(**budget: int):
+    """docs/SCHEDULING.md §2's worked example up to its step 1: (config, step 1's plan)."""
+    config = resolve(max_num_batched_tokens=16, max_num_seqs=4, async_scheduling=False,
+                     speculative_config=NGRAM, **budget)
     s = state_with(config.scheduler, req("A", 3), req("B", 3))
     s, out = schedule(s)
     assert dict(out.num_scheduled_tokens) == {"A": 3, "B": 3}
@@ -135,6 +132,15 @@ def test_a_step_schedules_exactly_the_smaller_budget_and_the_runners_bucket_hold
     s = add_request(s, req("C", 12))
     s, out = schedule(s)
     check_invariants(s, out)
+    return config, out
+
+
+def test_a_step_schedules_exactly_the_smaller_budget_and_the_runners_bucket_holds_the_drafts(
+        ) -> None:
+    """docs/SCHEDULING.md §2, "Two token budgets": the worked example."""
+    config, out = _step_with_drafts(max_num_scheduled_tokens=10)
+    token_buckets, request_buckets = RunnerConfig.of(config).buckets()
+    assert (token_buckets, request_buckets) == ((1, 2, 4, 8, 16), (8, 16))
     assert dict(out.num_scheduled_tokens) == {"A": 4, "B": 4, "C": 2}
     assert out.total_num_scheduled_tokens == 10 == config.scheduler.max_num_scheduled_tokens
     assert dict(out.scheduled_spec_decode_tokens) == {"A": (8, 9, 10), "B": (11, 12, 13)}
@@ -144,3 +150,6 @@ def test_a_step_schedules_exactly_the_smaller_budget_and_the_runners_bucket_hold
                for r in out.sampling_req_ids)
     assert (set(out.sampling_req_ids), rows) == ({"A", "B"}, 8)  # C is mid-prompt
     assert pick_bucket(request_buckets, rows) == 8
+    # Not given, the scheduler hands out the runner's 16: C gets 8
+    _, out = _step_with_drafts()
+    assert dict(out.num_scheduled_tokens) == {"A": 4, "B": 4, "C": 8}
