@@ -64,7 +64,8 @@ def _validate(c: SchedulerConfig) -> None:
     ):
         change = ("the scheduler cannot hand out more tokens than a step takes: lower "
                   "max_num_scheduled_tokens (or leave it unset) or raise max_num_batched_tokens"
-                  if c.max_num_scheduled_tokens > 1 else "a step must schedule a token")
+                  if c.max_num_scheduled_tokens > c.max_num_batched_tokens
+                  else "set it to at least 1 (or leave it unset)")
         raise ValueError(
             f"max_num_scheduled_tokens={c.max_num_scheduled_tokens} must be in "
             f"[1, max_num_batched_tokens={c.max_num_batched_tokens}]; {change}"
