@@ -62,9 +62,13 @@ def _validate(c: SchedulerConfig) -> None:
     if c.max_num_scheduled_tokens is not None and not (
         1 <= c.max_num_scheduled_tokens <= c.max_num_batched_tokens
     ):
+        change = ("the scheduler cannot hand out more tokens than a step takes: lower "
+                  "max_num_scheduled_tokens (or leave it unset) or raise max_num_batched_tokens"
+                  if c.max_num_scheduled_tokens > c.max_num_batched_tokens
+                  else "set it to at least 1 (or leave it unset)")
         raise ValueError(
             f"max_num_scheduled_tokens={c.max_num_scheduled_tokens} must be in "
-            f"[1, max_num_batched_tokens={c.max_num_batched_tokens}]"
+            f"[1, max_num_batched_tokens={c.max_num_batched_tokens}]; {change}"
         )
     if not c.enable_chunked_prefill and c.max_num_batched_tokens < c.max_model_len:
         raise ValueError(
@@ -72,6 +76,14 @@ def _validate(c: SchedulerConfig) -> None:
             f"max_model_len={c.max_model_len} while chunked prefill is off: the longest prompt "
             "could never be scheduled. Raise max_num_batched_tokens, lower max_model_len or set "
             "enable_chunked_prefill=True."
+        )
+    if (not c.enable_chunked_prefill and c.max_num_scheduled_tokens is not None
+            and c.max_num_scheduled_tokens < c.max_model_len):
+        raise ValueError(
+            f"max_num_scheduled_tokens={c.max_num_scheduled_tokens} is smaller than "
+            f"max_model_len={c.max_model_len} while chunked prefill is off: the longest prompt "
+            "could never be scheduled. Raise max_num_scheduled_tokens (or leave it unset), "
+            "lower max_model_len or set enable_chunked_prefill=True."
         )
     if c.max_num_batched_tokens < c.max_num_seqs:
         raise ValueError(

@@ -47,6 +47,12 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config: prompt_lookup_min={self.prompt_lookup_min} "
                              f"must be <= prompt_lookup_max={self.prompt_lookup_max}")
 
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """KV positions the drafter writes past a step's tokens (vLLM's name): a draft model's
+        k proposal steps; n-gram drafts write none."""
+        return self.num_speculative_tokens if self.method == "draft_model" else 0
+
     @classmethod
     def from_dict(cls, config: Mapping[str, Any]) -> SpeculativeConfig:
         """Parse vLLM's `speculative_config` dict.

@@ -44,6 +44,10 @@ class EngineArgs:
                                           "model's max positions")
     max_num_batched_tokens: int | None = arg(
         None, "tokens one step may process; None: 2048 (max_model_len if not chunking)")
+    max_num_scheduled_tokens: int | None = arg(
+        None, "tokens the scheduler hands out per step, drafts being verified included (at "
+              "most max_num_batched_tokens, which sizes the runner); None: "
+              "max_num_batched_tokens")
     max_num_seqs: int = arg(128, "most requests running at once")
     enable_chunked_prefill: bool = arg(True, "split long prompts over several steps")
     enable_prefix_caching: bool = arg(True, "reuse the KV of shared prompt prefixes")
@@ -124,7 +128,8 @@ class EngineArgs:
             _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         for name in ("max_num_seqs", "block_size", "tensor_parallel_size", "data_parallel_size"):
             _check_int(name, getattr(self, name), minimum=1)
-        for name in ("max_model_len", "max_num_batched_tokens", "kv_cache_memory_bytes"):
+        for name in ("max_model_len", "max_num_batched_tokens", "max_num_scheduled_tokens",
+                     "kv_cache_memory_bytes"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), minimum=1)
         if self.num_gpu_blocks_override is not None:

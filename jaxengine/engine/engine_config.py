@@ -1,8 +1,9 @@
 """`create_engine_config`: `EngineArgs` resolved into one frozen `EngineConfig`.
 
-The only place a default is decided: dtype "auto", kv_cache_dtype "auto", the token budget,
-max_model_len (the model's limit), the KV pool's size (`num_gpu_blocks_override`, else the
-budget), the offloading store's bytes, the debug-recompiles switch. The engine's build calls
+The only place a default is decided: dtype "auto", kv_cache_dtype "auto", the token budgets
+(the runner's and the scheduler's), max_model_len (the model's limit), the KV pool's size
+(`num_gpu_blocks_override`, else the budget), the offloading store's bytes, the
+debug-recompiles switch. The engine's build calls
 it with the loaded model's facts and the devices' free memory; the simulator with the
 calibrated machine's.
 """
@@ -45,7 +46,8 @@ def create_engine_config(args: EngineArgs, *, model_max_model_len: int,
       The frozen `EngineConfig` every layer below the engine reads.
     Raises:
       ValueError: max_model_len beyond the model's limit, a pool that cannot hold one request
-        of max_model_len tokens, scheduler limits that do not fit together, or a setting the
+        of max_model_len tokens, scheduler limits that do not fit together (the token
+        budgets with speculative decoding: `max_num_scheduled_tokens`), or a setting the
         model's KV cache groups cannot serve (`check_kv_cache_groups`); the message names the
         setting to change.
     """
@@ -55,13 +57,16 @@ def create_engine_config(args: EngineArgs, *, model_max_model_len: int,
     budget = (args.kv_cache_memory_bytes if args.kv_cache_memory_bytes is not None
               else device_kv_budget_bytes)
     batched = max_num_batched_tokens(args, max_model_len)
+    speculative = (None if args.speculative_config is None
+                   else SpeculativeConfig.from_dict(args.speculative_config))
+    scheduled = max_num_scheduled_tokens(args, batched, speculative)
     num_blocks = num_kv_blocks(args, max_model_len=max_model_len,
                                kv_bytes_per_block=kv_bytes_per_block, budget=budget,
                                groups=kv_cache_groups,
-                               step_tokens=args.long_prefill_token_threshold or batched)
+                               step_tokens=args.long_prefill_token_threshold or scheduled)
     scheduler = SchedulerConfig(
         kv_cache_groups=kv_cache_groups,
-        max_num_batched_tokens=batched,
+        max_num_batched_tokens=batched, max_num_scheduled_tokens=scheduled,
         max_num_seqs=args.max_num_seqs, max_model_len=max_model_len,
         enable_chunked_prefill=args.enable_chunked_prefill,
         long_prefill_token_threshold=args.long_prefill_token_threshold,
@@ -80,8 +85,7 @@ def create_engine_config(args: EngineArgs, *, model_max_model_len: int,
                                                if args.kv_offloading_size else None)),
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
                                 data_parallel_size=args.data_parallel_size),
-        speculative=(None if args.speculative_config is None
-                     else SpeculativeConfig.from_dict(args.speculative_config)),
+        speculative=speculative,
         max_logprobs=args.max_logprobs,
         intermediate_token_buckets=args.intermediate_token_buckets,
         debug_recompiles=args.debug_recompiles or debug_recompiles_from_env(),
@@ -96,6 +100,28 @@ def max_num_batched_tokens(args: EngineArgs, max_model_len: int) -> int:
     if not args.enable_chunked_prefill:
         return max(max_model_len, DEFAULT_MAX_NUM_BATCHED_TOKENS)
     return max(DEFAULT_MAX_NUM_BATCHED_TOKENS, args.max_num_seqs)
+
+
+def max_num_scheduled_tokens(args: EngineArgs, batched: int,
+                             speculative: SpeculativeConfig | None) -> int:
+    """The scheduler's per-step budget: as given, else the runner's `batched`, with speculative
+    decoding too, as vLLM 0.33's `_set_max_num_scheduled_tokens` (no drafter here adds tokens
+    to a step). Whether it fits `batched` is `SchedulerConfig`'s check (docs/SCHEDULING.md §2,
+    "Two token budgets").
+
+    Raises:
+      ValueError: with speculative decoding, `batched` leaves no room for a token beside the
+        drafter's lookahead slots (vLLM's refusal, so a configuration it refuses is refused
+        here too); the message says what to change.
+    """
+    if speculative is not None and batched <= speculative.num_lookahead_tokens:
+        k = speculative.num_lookahead_tokens
+        raise ValueError(
+            f"max_num_batched_tokens={batched} leaves no room for a token beside the "
+            f"{k} lookahead slots of speculative_config method {speculative.method!r} "
+            f"(num_speculative_tokens={speculative.num_speculative_tokens}). Raise "
+            f"max_num_batched_tokens above {k} or lower num_speculative_tokens.")
+    return batched if args.max_num_scheduled_tokens is None else args.max_num_scheduled_tokens
 
 
 def check_kv_cache_groups(args: EngineArgs, groups: tuple[KVCacheGroup, ...]) -> None:

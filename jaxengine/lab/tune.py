@@ -3,16 +3,17 @@
 Two stages keep the sweep to a few dozen simulations: first every `max_num_seqs` x
 `max_num_batched_tokens` pair (`SIZES`), then, around the three best of those, the prefill
 settings: `long_prefill_token_threshold`, `max_num_partial_prefills` (with
-`max_long_partial_prefills` 1), chunked prefill off (the budget raised to max_model_len, as
-the engine requires) and each scheduling policy it is given (default: every registered one,
-`scheduler.POLICIES`, research and plug-in policies included). A configuration meets the SLO
-when every limit holds (`ttft_p99=2` means the 99th-percentile TTFT is at most 2 s). The
-recommendation is the SLO-meeting configuration of highest throughput (output tokens/s),
-ties broken by the first SLO metric; the Pareto table lists the SLO-meeting configurations
-that no other beats on both throughput and that latency; when none meets the SLO, the five
-closest are listed instead. Configurations with the same outcome (throughput and every SLO
-metric) are listed once, as the first of them, with how many others share it. The plot draws
-what the text lists (`plot_data`).
+`max_long_partial_prefills` 1), `max_num_scheduled_tokens` at three quarters of the budget
+(smaller steps in the same runner: its buckets still go up to the budget), chunked prefill off
+(the budget raised to max_model_len, as the engine requires) and each scheduling policy it is
+given (default: every registered one, `scheduler.POLICIES`, research and plug-in policies
+included). A configuration meets the SLO when every limit holds (`ttft_p99=2` means the
+99th-percentile TTFT is at most 2 s). The recommendation is the SLO-meeting configuration of
+highest throughput (output tokens/s), ties broken by the first SLO metric; the Pareto table
+lists the SLO-meeting configurations that no other beats on both throughput and that latency;
+when none meets the SLO, the five closest are listed instead. Configurations with the same
+outcome (throughput and every SLO metric) are listed once, as the first of them, with how many
+others share it. The plot draws what the text lists (`plot_data`).
 """
 
 from __future__ import annotations
@@ -35,9 +36,9 @@ SIZES = {"max_num_seqs": (8, 16, 32, 64, 128),
          "max_num_batched_tokens": (256, 512, 1024, 2048)}
 # Configurations listed when none meets the SLO (the closest, each outcome once).
 NUM_CLOSEST = 5
-SWEPT = ("max_num_seqs", "max_num_batched_tokens", "long_prefill_token_threshold",
-         "max_num_partial_prefills", "max_long_partial_prefills", "enable_chunked_prefill",
-         "scheduling_policy")
+SWEPT = ("max_num_seqs", "max_num_batched_tokens", "max_num_scheduled_tokens",
+         "long_prefill_token_threshold", "max_num_partial_prefills",
+         "max_long_partial_prefills", "enable_chunked_prefill", "scheduling_policy")
 
 
 def parse_slo(text: str) -> dict[str, float]:
@@ -72,16 +73,21 @@ class Trial:
 
     @property
     def label(self) -> str:
-        """A short name: seqs/budget/threshold/partial/chunked/policy."""
+        """A short name: seqs/budget/scheduled budget (when below the budget)/threshold/
+        partial/chunked/policy."""
         s = self.settings
+        scheduled = s["max_num_scheduled_tokens"]
         return (f"s{s['max_num_seqs']}/b{s['max_num_batched_tokens']}"
+                f"{'' if scheduled is None else f'/n{scheduled}'}"
                 f"/t{s['long_prefill_token_threshold']}/p{s['max_num_partial_prefills']}"
                 f"{'' if s['enable_chunked_prefill'] else '/nochunk'}/{s['scheduling_policy']}")
 
     def flags(self) -> str:
-        """The settings as `jaxengine` engine flags."""
+        """The settings as `jaxengine` engine flags (a None setting is the flag not given)."""
         out = []
         for k, v in self.settings.items():
+            if v is None:
+                continue
             flag = "--" + k.replace("_", "-")
             out.append(flag if v is True else
                        "--no-" + flag[2:] if v is False else f"{flag} {v}")
@@ -137,8 +143,9 @@ def _run(workload: Workload, cost: CostModel, base: EngineArgs, slo: Mapping[str
 def _stage2(best: Trial, max_model_len: int, policies: Sequence[str]) -> list[dict[str, Any]]:
     """Prefill-setting and policy variants around a stage-1 configuration."""
     seqs, budget = best.settings["max_num_seqs"], best.settings["max_num_batched_tokens"]
-    size = dict(max_num_seqs=seqs, max_num_batched_tokens=budget)
+    size = dict(max_num_seqs=seqs, max_num_batched_tokens=budget, max_num_scheduled_tokens=None)
     out = [dict(size, long_prefill_token_threshold=t) for t in (budget // 4, budget // 2)]
+    out.append(dict(size, max_num_scheduled_tokens=budget * 3 // 4))
     out += [dict(size, max_num_partial_prefills=p, long_prefill_token_threshold=budget // 4)
             for p in (2, 4)]
     out += [dict(size, scheduling_policy=p) for p in policies]
@@ -189,7 +196,8 @@ def tune(workload: Workload, cost: CostModel, base: EngineArgs, *,
     for seqs in sizes["max_num_seqs"]:
         for budget in sizes["max_num_batched_tokens"]:
             if budget >= seqs:
-                add(dict(max_num_seqs=seqs, max_num_batched_tokens=budget))
+                add(dict(max_num_seqs=seqs, max_num_batched_tokens=budget,
+                         max_num_scheduled_tokens=None))
     if not trials:
         raise ValueError("no configuration of the sweep could run this workload (each was "
                          "refused: check max_model_len and the KV pool)")

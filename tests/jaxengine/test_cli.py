@@ -127,13 +127,14 @@ def test_flags_given_reach_engine_args_and_the_rest_keep_defaults() -> None:
     parser = build_parser()
     ns = parser.parse_args(["serve", "--max-num-seqs", "3", "--no-enable-prefix-caching",
                             "--scheduling-policy", "priority", "--dtype", "bfloat16",
-                            "--long-prefill-token-threshold", "8"])
+                            "--long-prefill-token-threshold", "8",
+                            "--max-num-scheduled-tokens", "1536"])
     args = engine_args_from(ns, parser)
     assert (args.max_num_seqs, args.enable_prefix_caching) == (3, False)
     assert (args.scheduling_policy, args.dtype, args.long_prefill_token_threshold) == (
         "priority", "bfloat16", 8)
     assert args.block_size == EngineArgs().block_size
-    assert args.max_num_batched_tokens is None
+    assert (args.max_num_batched_tokens, args.max_num_scheduled_tokens) == (None, 1536)
 
 
 def test_serve_trusts_request_chat_templates_only_when_told() -> None:

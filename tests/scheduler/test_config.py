@@ -36,7 +36,12 @@ def test_num_blocks_is_required():
     (dict(max_num_seqs=0), ["max_num_seqs=0"]),
     (dict(watermark=1.0), ["watermark=1.0"]),
     (dict(watermark=-0.1), ["watermark=-0.1"]),
-    (dict(max_num_scheduled_tokens=4096), ["max_num_scheduled_tokens=4096"]),
+    (dict(max_num_scheduled_tokens=4096), ["max_num_scheduled_tokens=4096",
+                                           "raise max_num_batched_tokens"]),
+    (dict(max_num_scheduled_tokens=0), ["max_num_scheduled_tokens=0", "at least 1"]),
+    (dict(enable_chunked_prefill=False, max_num_batched_tokens=8192,
+          max_num_scheduled_tokens=4096),
+     ["max_num_scheduled_tokens=4096", "max_model_len=8192", "chunked prefill is off"]),
 ])
 def test_invalid_values_raise_naming_them(kwargs, names):
     kwargs = {"num_blocks": 10, **kwargs}

@@ -10,8 +10,11 @@ import pytest
 from jaxengine.config import EngineConfig
 from jaxengine.engine.args import EngineArgs
 from jaxengine.engine.engine_config import create_engine_config
+from jaxengine.runner.buckets import pick_bucket
 from jaxengine.runner.compiles import DEBUG_ENV
 from jaxengine.runner.config import RunnerConfig
+from scheduler import add_request, check_invariants, schedule, update_from_output
+from tests.scheduler.util import req, state_with
 
 PER_BLOCK = 1000  # bytes of one KV page of block_size tokens
 
@@ -77,3 +80,76 @@ def test_the_config_is_frozen() -> None:
         config.dtype = "bfloat16"  # type: ignore[misc]
     with pytest.raises(ValueError, match="dtype must be one of float32, bfloat16"):
         dataclasses.replace(config, dtype="auto")
+
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3}
+
+
+def test_the_scheduled_budget_defaults_to_the_runners_with_or_without_drafts() -> None:
+    draft_model = {"method": "draft_model", "model": "draft.gguf", "num_speculative_tokens": 3}
+    for spec in (None, NGRAM, draft_model):  # vLLM 0.33 subtracts no draft room either
+        s = resolve(max_num_batched_tokens=512, speculative_config=spec).scheduler
+        assert (s.max_num_batched_tokens, s.max_num_scheduled_tokens) == (512, 512)
+    s = resolve(max_num_batched_tokens=512, max_num_scheduled_tokens=384).scheduler
+    assert (s.max_num_batched_tokens, s.max_num_scheduled_tokens) == (512, 384)
+
+
+def test_a_scheduled_budget_that_does_not_fit_is_refused_saying_what_to_change() -> None:
+    with pytest.raises(ValueError, match="max_num_scheduled_tokens must be an integer >= 1, "
+                                         "got 0"):
+        EngineArgs(max_num_scheduled_tokens=0)
+    with pytest.raises(ValueError, match=r"max_num_scheduled_tokens=600 must be in \[1, "
+                                         r"max_num_batched_tokens=512\]; .* lower "
+                                         r"max_num_scheduled_tokens .* or raise "
+                                         r"max_num_batched_tokens"):
+        resolve(max_num_batched_tokens=512, max_num_scheduled_tokens=600)
+    with pytest.raises(ValueError, match="max_num_scheduled_tokens=512 is smaller than "
+                                         "max_model_len=1024 while chunked prefill is off"):
+        resolve(enable_chunked_prefill=False, max_num_scheduled_tokens=512)
+    # A draft model's 3 lookahead slots need a runner of at least 4 tokens (vLLM's rule)
+    draft_model = {"method": "draft_model", "model": "draft.gguf", "num_speculative_tokens": 3}
+    with pytest.raises(ValueError, match="max_num_batched_tokens=3 leaves no room for a token "
+                                         "beside the 3 lookahead slots of speculative_config "
+                                         "method 'draft_model' .* Raise max_num_batched_tokens "
+                                         "above 3 or lower num_speculative_tokens"):
+        resolve(max_num_batched_tokens=3, max_num_seqs=1, speculative_config=draft_model)
+    assert resolve(max_num_batched_tokens=4, max_num_seqs=1,
+                   speculative_config=draft_model).scheduler.max_num_scheduled_tokens == 4
+    # n-gram drafts write no KV ahead: one token of budget is room enough
+    assert resolve(max_num_batched_tokens=1, max_num_seqs=1,
+                   speculative_config=NGRAM).scheduler.max_num_scheduled_tokens == 1
+
+
+def _step_with_drafts(**budget: int):
+    """docs/SCHEDULING.md §2's worked example up to its step 1: (config, step 1's plan)."""
+    config = resolve(max_num_batched_tokens=16, max_num_seqs=4, async_scheduling=False,
+                     speculative_config=NGRAM, **budget)
+    s = state_with(config.scheduler, req("A", 3), req("B", 3))
+    s, out = schedule(s)
+    assert dict(out.num_scheduled_tokens) == {"A": 3, "B": 3}
+    s, _ = update_from_output(s, out, {"A": [7], "B": [7]},
+                              draft_token_ids={"A": [8, 9, 10], "B": [11, 12, 13]})
+    s = add_request(s, req("C", 12))
+    s, out = schedule(s)
+    check_invariants(s, out)
+    return config, out
+
+
+def test_a_step_schedules_exactly_the_smaller_budget_and_the_runners_bucket_holds_the_drafts(
+        ) -> None:
+    """docs/SCHEDULING.md §2, "Two token budgets": the worked example."""
+    config, out = _step_with_drafts(max_num_scheduled_tokens=10)
+    token_buckets, request_buckets = RunnerConfig.of(config).buckets()
+    assert (token_buckets, request_buckets) == ((1, 2, 4, 8, 16), (8, 16))
+    assert dict(out.num_scheduled_tokens) == {"A": 4, "B": 4, "C": 2}
+    assert out.total_num_scheduled_tokens == 10 == config.scheduler.max_num_scheduled_tokens
+    assert dict(out.scheduled_spec_decode_tokens) == {"A": (8, 9, 10), "B": (11, 12, 13)}
+    assert out.input_token_ids["A"] == (7, 8, 9, 10)
+    assert pick_bucket(token_buckets, out.total_num_scheduled_tokens) == 16
+    rows = sum(1 + len(out.scheduled_spec_decode_tokens.get(r, ()))
+               for r in out.sampling_req_ids)
+    assert (set(out.sampling_req_ids), rows) == ({"A", "B"}, 8)  # C is mid-prompt
+    assert pick_bucket(request_buckets, rows) == 8
+    # Not given, the scheduler hands out the runner's 16: C gets 8
+    _, out = _step_with_drafts()
+    assert dict(out.num_scheduled_tokens) == {"A": 4, "B": 4, "C": 8}

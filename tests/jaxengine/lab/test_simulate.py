@@ -209,6 +209,20 @@ def test_sampler_rows_are_priced_in_the_request_bucket_of_the_simulated_engine()
     assert simulate(w, cost, wider).duration == pytest.approx(0.16)
 
 
+def test_the_scheduled_budget_caps_each_step_and_the_runners_buckets_price_it() -> None:
+    w = parse_workload([{"prompt_token_ids": [2] * 24, "max_tokens": 1}])
+    cost = cost_model(padded_tokens=0.01, async_scheduling=False)
+    # max_num_batched_tokens=32 (buckets 1..16, 32): the prompt in one step, in bucket 32
+    assert simulate(w, cost).duration == pytest.approx(0.32)
+    # 12 tokens a step: two steps, each padded to the runner's bucket of 16
+    capped = simulate(w, cost, simulation_args(cost, {"max_num_scheduled_tokens": 12}))
+    assert [s["prefill_tokens"] for s in capped.steps] == [12, 12]
+    assert capped.duration == pytest.approx(0.32)
+    # The same two steps in a runner sized for 12 (buckets 1..8, 12) cost less
+    small = simulate(w, cost, simulation_args(cost, {"max_num_batched_tokens": 12}))
+    assert small.duration == pytest.approx(0.24)
+
+
 def test_requests_the_engine_would_refuse_are_refused() -> None:
     cost = cost_model()
     too_long = parse_workload([{"prompt_token_ids": [1] * 100, "max_tokens": 20}])

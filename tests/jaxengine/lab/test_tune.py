@@ -46,6 +46,15 @@ def test_the_recommendation_meets_the_slo_and_tops_throughput() -> None:
         t.summary["output_tokens_per_s"] for t in loose.trials)
     assert {"s2/b16/t0/p1/fcfs", "s8/b64/t0/p1/fcfs"} <= {t.label for t in loose.trials}
     assert any(not t.settings["enable_chunked_prefill"] for t in loose.trials)
+    # A scheduled budget of three quarters of the budget, in the budget's runner
+    capped = [t for t in loose.trials if t.settings["max_num_scheduled_tokens"] is not None]
+    assert capped and all(t.settings["max_num_scheduled_tokens"]
+                          == t.settings["max_num_batched_tokens"] * 3 // 4 for t in capped)
+    b = capped[0].settings["max_num_batched_tokens"]
+    assert f"/b{b}/n{b * 3 // 4}/" in capped[0].label
+    assert f"--max-num-scheduled-tokens {b * 3 // 4}" in capped[0].flags()
+    plain = next(t for t in loose.trials if t.settings["max_num_scheduled_tokens"] is None)
+    assert "--max-num-scheduled-tokens" not in plain.flags() and "None" not in plain.flags()
     # Every registered policy is swept (research ones too), or those it is given.
     assert {t.settings["scheduling_policy"] for t in loose.trials} == set(POLICIES)
     assert loose.recommended in loose.pareto

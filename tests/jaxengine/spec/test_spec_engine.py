@@ -284,6 +284,28 @@ def test_a_tight_budget_schedules_part_of_the_drafts(async_scheduling: bool) -> 
     assert any(n < 3 for n in scheduled) and counts.accepted == counts.draft_tokens > 0
 
 
+@pytest.mark.slow  # 4-16 s; tests/jaxengine/engine/test_engine_config.py has the same rule fast
+def test_a_scheduled_budget_below_the_runners_caps_every_step_drafts_included() -> None:
+    """docs/SCHEDULING.md §2, "Two token budgets": the runner is compiled for 32 tokens a
+    step, the scheduler hands out 10, drafts included; the outputs are the greedy ones."""
+    engine = spec_engine(async_scheduling=False, max_num_scheduled_tokens=10)
+    assert engine.runner.token_buckets[-1] == 32
+    plans: list[Any] = []
+    verify = engine.speculator.verify  # type: ignore[union-attr]
+
+    def recording(plan: Any, rows: Any, tracked: Any) -> Any:
+        plans.append(plan)
+        return verify(plan, rows, tracked)
+
+    engine.speculator.verify = recording  # type: ignore[union-attr,method-assign]
+    spec, _ = run(engine, PROMPTS, GREEDY)
+    for i, prompt in enumerate(PROMPTS):
+        assert list(spec[f"r{i}"][0]) == fake_greedy(prompt, 12, V)
+    assert max(p.total_num_scheduled_tokens for p in plans) == 10
+    assert any(p.total_num_scheduled_tokens == 10 and p.scheduled_spec_decode_tokens
+               for p in plans)
+
+
 def record_scheduled_drafts(engine: LLMEngine, seen: list[int]) -> None:
     """Append to `seen` how many drafts each plan schedules per request (the speculator's
     `verify` gets every plan)."""
