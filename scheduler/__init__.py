@@ -44,12 +44,13 @@ from scheduler.policies.policies import (
     unregister,
 )
 from scheduler.policies.request_view import RequestView
-from scheduler.request import Request, RequestStatus
+from scheduler.request import LoRARequest, Request, RequestStatus
 from scheduler.sampling_params import RequestOutputKind, SamplingParams, SamplingParamsError
 
 __all__ = [
     "PLACEHOLDER_TOKEN_ID", "POLICIES", "KVConnector", "KVConnectorMetadata", "KVConnectorOutput",
-    "KVCacheGroup", "KVLoad", "KVSave", "NewRequestData", "Policy", "Request", "RequestDelta",
+    "KVCacheGroup", "KVLoad", "KVSave", "LoRARequest", "NewRequestData", "Policy", "Request",
+    "RequestDelta",
     "RequestMetadata", "RequestOutputKind", "RequestStatus", "RequestView", "SamplingParams",
     "SamplingParamsError",
     "SchedulerConfig", "SchedulerCounters", "SchedulerOutput", "SchedulerState", "SchedulerStats",

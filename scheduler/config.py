@@ -35,6 +35,8 @@ class SchedulerConfig:
     async_scheduling: bool = False  # schedule the next step before this one's tokens (§4.1)
     # The model's KV cache groups, in the runner's order (§13); one full group: no windows
     kv_cache_groups: tuple[KVCacheGroup, ...] = (FULL_ATTENTION,)
+    # Most distinct LoRA adapters in one step (§14); None or 0: LoRA off, adapters refused
+    max_loras: int | None = None
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -119,6 +121,9 @@ def _validate(c: SchedulerConfig) -> None:
             or not all(isinstance(g, KVCacheGroup) for g in groups)):
         raise ValueError(f"kv_cache_groups={groups!r} must be a non-empty tuple of "
                          "KVCacheGroup, e.g. (KVCacheGroup(), KVCacheGroup(sliding_window=512))")
+    if c.max_loras is not None and (type(c.max_loras) is not int or c.max_loras < 0):
+        raise ValueError(f"max_loras={c.max_loras!r} must be None or an int >= 0 "
+                         "(None or 0: LoRA off)")
     if c.max_num_batched_tokens > c.max_num_seqs * c.max_model_len:
         warnings.warn(
             f"max_num_batched_tokens={c.max_num_batched_tokens} exceeds max_num_seqs * "

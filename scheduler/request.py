@@ -1,4 +1,4 @@
-"""Requests as the scheduler sees them: lifecycle status, progress counters.
+"""Requests as the scheduler sees them: lifecycle status, progress counters, LoRA adapter.
 
 Their sampling limits are `SamplingParams` (scheduler/sampling_params.py), imported here.
 """
@@ -41,6 +41,28 @@ _FINISH_REASONS = {
 }
 
 
+@dataclass(frozen=True, slots=True)
+class LoRARequest:
+    """A LoRA adapter a request is served with (vLLM's `LoRARequest`; docs/SCHEDULING.md §14).
+
+    Raises:
+        ValueError: an empty name or path, or an id below 1 (the message names the field).
+    """
+
+    lora_name: str  # keys the request's prefix-cache blocks: adapters never share KV
+    lora_int_id: int  # >= 1; the per-step `max_loras` limit counts distinct ids
+    lora_path: str  # where the adapter's files are (read by the model runner, not here)
+
+    def __post_init__(self) -> None:
+        for name in ("lora_name", "lora_path"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"LoRARequest {name}={value!r} must be a non-empty string")
+        if type(self.lora_int_id) is not int or self.lora_int_id < 1:
+            raise ValueError(f"LoRARequest lora_int_id={self.lora_int_id!r} must be an int >= 1 "
+                             "(0 would mean the base model, which needs no LoRARequest)")
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Request:
     """One request: what was asked (first eleven fields) and how far it has got.
@@ -66,6 +88,8 @@ class Request:
     # Admission never reads the prefix cache for it (vLLM V1's name): a cached position would
     # have no prompt logprobs. None: True exactly when `sampling_params.prompt_logprobs` is set.
     skip_reading_prefix_cache: bool | None = None
+    # The LoRA adapter it is served with; None: the base model (docs/SCHEDULING.md §14).
+    lora_request: LoRARequest | None = None
     output_token_ids: tuple[int, ...] = ()  # sampled so far
     spec_token_ids: tuple[int, ...] = ()  # draft tokens to verify in the next step
     num_computed_tokens: int = 0  # tokens with KV in the cache
@@ -81,6 +105,9 @@ class Request:
         if self.skip_reading_prefix_cache is None:
             object.__setattr__(self, "skip_reading_prefix_cache",
                                self.sampling_params.prompt_logprobs is not None)
+        if self.lora_request is not None and not isinstance(self.lora_request, LoRARequest):
+            raise ValueError(f"request {self.request_id!r}: lora_request="
+                             f"{self.lora_request!r} must be a LoRARequest or None")
         if type(self.metadata) is not RequestMetadata:  # a copy keeps it read-only
             object.__setattr__(self, "metadata", RequestMetadata(self.metadata,
                                                                  owner=self.request_id))
@@ -106,3 +133,8 @@ class Request:
     @property
     def all_token_ids(self) -> tuple[int, ...]:
         return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def lora_name(self) -> str | None:
+        """Its adapter's name, which keys its prefix-cache blocks; None for the base model."""
+        return None if self.lora_request is None else self.lora_request.lora_name

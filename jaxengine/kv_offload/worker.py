@@ -135,7 +135,8 @@ class OffloadingWorker:
         req = state.requests[load.req_id]
         tokens = req.prompt_token_ids + req.output_token_ids
         count = first + load.num_external_tokens // bs
-        hashes = extend_block_hashes([], tokens, count, bs, req.cache_salt)[first:]
+        hashes = extend_block_hashes([], tokens, count, bs, req.cache_salt,
+                                     lora_name=req.lora_name)[first:]
         return [self.store.get(h) for h in hashes]
 
     def _copy_out(self, blocks: Iterable[tuple[int, BlockHash]]) -> None:

@@ -147,8 +147,9 @@ class Work:
             num_full = min(num_slots, len(self.tokens[rid])) // bs
             done = self.num_cached[rid]
             if num_full > done:
-                kv.register(rid, tables, done, num_full, self.tokens[rid],
-                            self.static[rid].cache_salt)
+                req = self.static[rid]
+                kv.register(rid, tables, done, num_full, self.tokens[rid], req.cache_salt,
+                            req.lora_name)
                 self.num_cached[rid] = num_full
         return True
 

@@ -13,7 +13,8 @@ def check_invariants(state: SchedulerState, output: SchedulerOutput | None = Non
     """Raise AssertionError naming the first broken rule: queues partition the requests, the
     sequence limit holds, every block is accounted for (reference counts, the free queue, the
     prefix-cache map; blocks held by requests loading KV and by finished requests a KV connector
-    still saves, docs/SCHEDULING.md §11), and, given the step's plan, the token budget holds."""
+    still saves, docs/SCHEDULING.md §11), and, given the step's plan, the token budget and
+    the LoRA adapter limit (§14) hold."""
     cfg = state.config
     running, waiting = state.running, state.waiting
     assert len(running) <= cfg.max_num_seqs, f"{len(running)} running > max_num_seqs"
@@ -37,6 +38,10 @@ def check_invariants(state: SchedulerState, output: SchedulerOutput | None = Non
     if output is not None:
         total = sum(output.num_scheduled_tokens.values())
         assert total == output.total_num_scheduled_tokens <= cfg.max_num_scheduled_tokens
+        if cfg.max_loras:  # off, add_request lets no adapter in
+            loras = {r.lora_request.lora_int_id for rid in output.num_scheduled_tokens
+                     if (r := state.requests.get(rid)) is not None and r.lora_request}
+            assert len(loras) <= cfg.max_loras, f"adapters {sorted(loras)} > max_loras"
     state.read_data(lambda d: _check_data(state, d))
 
 

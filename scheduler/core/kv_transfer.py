@@ -96,7 +96,7 @@ def hold_blocks(w: "Work", rid: str, pending: frozenset[str]) -> None:
         tokens = w.tokens[rid]
         req = w.static[rid]
         hashes = w.kv.block_hashes(rid, tokens, computed // w.config.block_size,
-                                   req.cache_salt)
+                                   req.cache_salt, req.lora_name)
         saves += (KVSave(req_id=rid, block_ids=table, token_ids=tuple(tokens[:computed]),
                          block_hashes=hashes),)
     w.kvt = dataclasses.replace(kvt, held=MappingProxyType(held), saves=saves)

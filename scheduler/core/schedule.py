@@ -44,6 +44,10 @@ class _Step:
         self.connector = connector  # its answers are this step's input (docs §11)
         self.loads: list[KVLoad] = []
         self.evicted: list = []  # filled by the KV pool while a connector is given
+        # Distinct LoRA adapters a step may serve (docs §14); 0: LoRA off, nothing to count
+        self.max_loras: int = cfg.max_loras or 0
+        self.loras: dict[int, int] = {}  # adapter id -> scheduled requests with it
+        self.lora_of: dict[str, int] = {}  # scheduled request -> its adapter id
         if cfg.max_num_partial_prefills > 1:
             self.prefills = PartialPrefills.for_step(
                 max_prefills=cfg.max_num_partial_prefills,
@@ -51,6 +55,19 @@ class _Step:
                 batched_tokens=cfg.max_num_batched_tokens, running=w.running, waiting=w.waiting,
                 remaining=lambda r: len(w.tokens[r]) - w.computed[r],
             )
+
+    def lora_blocked(self, req: Request) -> bool:
+        """Would the request's adapter make more than `max_loras` distinct adapters in this
+        step? (Only asked with LoRA on.)"""
+        lora = req.lora_request
+        return (lora is not None and lora.lora_int_id not in self.loras
+                and len(self.loras) >= self.max_loras)
+
+    def add_lora(self, rid: str, req: Request) -> None:
+        """Count a scheduled request's adapter among the step's (only called with LoRA on)."""
+        if req.lora_request is not None:
+            lora = self.lora_of[rid] = req.lora_request.lora_int_id
+            self.loras[lora] = self.loras.get(lora, 0) + 1
 
     def cap_long(self, n: int) -> int:
         """The long-prefill threshold's cap."""
@@ -71,6 +88,8 @@ class _Step:
         self.tables[rid] = w.tables[rid]
         if end >= num_tokens + w.placeholders.get(rid, 0):
             self.sampling[rid] = None
+        if self.max_loras:
+            self.add_lora(rid, w.static[rid])
 
     def unschedule(self, rid: str) -> None:
         """A scheduled request was preempted: give its tokens back."""
@@ -79,6 +98,11 @@ class _Step:
             del planned[rid]
         for planned in (self.sampling, self.spec):
             planned.pop(rid, None)
+        lora = self.lora_of.pop(rid, None)
+        if lora is not None:
+            self.loras[lora] -= 1
+            if not self.loras[lora]:
+                del self.loras[lora]
 
 
 def schedule(state: SchedulerState, kv_connector: KVConnector | None = None,
@@ -128,7 +152,7 @@ def _schedule_running(w: Work, st: _Step) -> None:
     bs, caching = w.config.block_size, w.config.enable_prefix_caching
     hybrid = w.kv.hybrid  # windows slide at every step's allocation (docs §13)
     last_position = w.config.max_model_len - 1
-    threshold, prefills = st.threshold, st.prefills
+    threshold, prefills, max_loras = st.threshold, st.prefills, st.max_loras
     planned, before, inputs, sampling = st.tokens, st.computed_before, st.inputs, st.sampling
     i = 0
     while i < len(running) and st.budget > 0:
@@ -145,6 +169,11 @@ def _schedule_running(w: Work, st: _Step) -> None:
                    or _finishes_in_flight(static[rid], known + ph, last_position)):
             i += 1
             continue
+        # vLLM asserts this never happens; here a request that sat a step out may have let a
+        # new adapter in (docs §14): it waits, keeping its blocks and place, never preempting.
+        if max_loras and st.lora_blocked(static[rid]):
+            i += 1
+            continue
         num_tokens = known + ph
         if (num_tokens - computed == 1 and computed < len(table) * bs and not hybrid
                 and not (caching and (computed + 1 - ph) // bs > num_cached[rid])
@@ -155,6 +184,8 @@ def _schedule_running(w: Work, st: _Step) -> None:
             st.tables[rid] = table
             sampling[rid] = None
             st.budget -= 1
+            if max_loras:
+                st.add_lora(rid, static[rid])
             i += 1
             continue
         spec = static[rid].spec_token_ids
@@ -285,20 +316,23 @@ def _find_computed(w: Work, st: _Step, rid: str,
                    num_tokens: int) -> tuple[Hit, int, Lookup | None] | None:
     """Where a waiting request's first tokens' KV comes from: (prefix-cache hit blocks, tokens
     with KV once admitted, the lookup to count; None for a load taken up, counted when it
-    started). None: set it aside for this step (its grammar or its KV is not ready, or the
-    connector does not know yet). Tokens -1: stop the pass (no blocks)."""
+    started). None: set it aside for this step (its grammar or its KV is not ready, its LoRA
+    adapter would exceed `max_loras`, or the connector does not know yet). Tokens -1: stop the
+    pass (no blocks)."""
     req = w.static[rid]
     if req.status == _FSM:  # its grammar is still compiling (docs §12)
         return None
     if (req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
             and not kv_transfer.take_up_load(w, rid)):
         return None
+    if st.max_loras and st.lora_blocked(req):  # vLLM's order: after the two checks above
+        return None
     num_computed = w.computed[rid]  # > 0 only once an asynchronous load is taken up
     if num_computed:
         return w.kv.empty, num_computed, None
     # vLLM's skip_reading_prefix_cache (prompt logprobs): its every position is computed
     hit = w.kv.empty if req.skip_reading_prefix_cache else w.kv.find_cached_prefix(
-        rid, w.tokens[rid], num_tokens, req.cache_salt)
+        rid, w.tokens[rid], num_tokens, req.cache_salt, req.lora_name)
     num_hit = len(hit[0]) * w.config.block_size
     if st.connector is None or req.skip_reading_prefix_cache:  # nor external KV (vLLM's
         return hit, num_hit, (num_hit, None)  # connectors answer 0 for such a request)

@@ -18,8 +18,9 @@ def add_request(state: SchedulerState, request: Request) -> SchedulerState:
     """A new state with `request` queued in `waiting` (in policy order).
 
     Raises:
-        ValueError: duplicate id, empty prompt, or a prompt of max_model_len tokens or more
-            (no room for a single output token). The input state is unchanged.
+        ValueError: duplicate id, empty prompt, a prompt of max_model_len tokens or more
+            (no room for a single output token), or a LoRA adapter while `max_loras` is off
+            (docs/SCHEDULING.md §14). The input state is unchanged.
     """
     rid, prompt = request.request_id, request.prompt_token_ids
     max_len = state.config.max_model_len
@@ -32,6 +33,11 @@ def add_request(state: SchedulerState, request: Request) -> SchedulerState:
         raise ValueError(
             f"request {rid!r}: prompt of {len(prompt)} tokens leaves no room for output with "
             f"max_model_len={max_len}; shorten the prompt below {max_len} tokens"
+        )
+    if request.lora_request is not None and not state.config.max_loras:
+        raise ValueError(
+            f"request {rid!r}: lora_request={request.lora_request!r} but LoRA is off "
+            f"(max_loras={state.config.max_loras}); set max_loras >= 1 to serve adapters"
         )
     w = Work(state)
     try:

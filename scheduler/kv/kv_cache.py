@@ -129,32 +129,33 @@ class KVCacheManager:
     # ---- prefix cache -------------------------------------------------------------------
 
     def find_cached_prefix(self, rid: str, tokens: Sequence[int], num_tokens: int,
-                           salt: str | None) -> Hit:
+                           salt: str | None, lora_name: str | None) -> Hit:
         """Per group, the blocks holding the longest cached prefix all groups agree on, at
         most `num_tokens - 1` tokens long (the last token is always computed, for logits)."""
         if not self.caching:
             return self.empty
         # All the hashes at once: admitting the request registers them right after anyway.
         count = num_hittable_blocks(num_tokens, self.block_size)
-        hashes = itertools.islice(self._hashes(rid, tokens, count, salt), count)
+        hashes = itertools.islice(self._hashes(rid, tokens, count, salt, lora_name), count)
         if self.hybrid:
             return longest_hit(self.d.cached, tuple(hashes), self.windows, self.block_size)
         return (tuple(longest_cached_prefix(self.d.cached, hashes)),)
 
     def _hashes(self, rid: str, tokens: Sequence[int], count: int,
-                salt: str | None) -> list[BlockHash]:
+                salt: str | None, lora_name: str | None) -> list[BlockHash]:
         hashes = self.d.req_hashes.get(rid)
         if hashes is None:
             hashes = []
             self.j.set_key(self.d.req_hashes, rid, hashes)
         if len(hashes) < count:
-            self.j.extend(hashes, extend_block_hashes(hashes, tokens, count, self.block_size, salt))
+            self.j.extend(hashes, extend_block_hashes(hashes, tokens, count, self.block_size,
+                                                      salt, lora_name=lora_name))
         return hashes
 
     def block_hashes(self, rid: str, tokens: Sequence[int], count: int,
-                     salt: str | None) -> tuple[BlockHash, ...]:
+                     salt: str | None, lora_name: str | None) -> tuple[BlockHash, ...]:
         """The hashes of the request's first `count` full blocks (computed if not memoized)."""
-        return tuple(self._hashes(rid, tokens, count, salt)[:count])
+        return tuple(self._hashes(rid, tokens, count, salt, lora_name)[:count])
 
     def forget_hashes(self, rid: str) -> None:
         """Drop a finished request's hashes (preempted ones keep them: tokens do not change)."""
@@ -234,11 +235,11 @@ class KVCacheManager:
         return tuple(out)
 
     def register(self, rid: str, tables: tuple[Table, ...], num_cached: int, num_full: int,
-                 tokens: Sequence[int], salt: str | None) -> None:
+                 tokens: Sequence[int], salt: str | None, lora_name: str | None) -> None:
         """Register the hashes of each table's blocks num_cached..num_full-1 (now full) under
         its group's keys; a null entry registers nothing."""
         d, j = self.d, self.j
-        hashes = self._hashes(rid, tokens, num_full, salt)
+        hashes = self._hashes(rid, tokens, num_full, salt, lora_name)
         for g, table in enumerate(tables):
             for i in range(num_cached, num_full):
                 b = table[i]

@@ -15,7 +15,7 @@ from typing import Protocol
 from scheduler.kv.hashing import BlockHash
 from scheduler.kv.kv_cache import KVCacheManager
 from scheduler.metadata import RequestMetadata
-from scheduler.request import Request, RequestStatus
+from scheduler.request import LoRARequest, Request, RequestStatus
 from scheduler.sampling_params import SamplingParams
 
 
@@ -80,6 +80,11 @@ class RequestView:
         return self._req.cache_salt
 
     @property
+    def lora_request(self) -> LoRARequest | None:
+        """Its LoRA adapter (docs §14), e.g. for a policy that groups requests by adapter."""
+        return self._req.lora_request
+
+    @property
     def metadata(self) -> RequestMetadata:
         """Who sent it (read-only), e.g. {"tenant": "a", "user": "u1"}; empty if not given."""
         return self._req.metadata  # type: ignore[return-value]  # always a RequestMetadata
@@ -123,7 +128,7 @@ class RequestView:
         w, req = self._w, self._req
         tokens = w.tokens[self._rid]
         count = len(tokens) // w.kv.block_size
-        return w.kv.block_hashes(self._rid, tokens, count, req.cache_salt)
+        return w.kv.block_hashes(self._rid, tokens, count, req.cache_salt, req.lora_name)
 
     @property
     def num_computed_tokens(self) -> int:
@@ -142,7 +147,8 @@ class RequestView:
             return 0
         w = self._w
         tokens = w.tokens[self._rid]
-        hit = w.kv.find_cached_prefix(self._rid, tokens, len(tokens), req.cache_salt)
+        hit = w.kv.find_cached_prefix(self._rid, tokens, len(tokens), req.cache_salt,
+                                      req.lora_name)
         return len(hit[0]) * w.kv.block_size
 
     @property

@@ -7,6 +7,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from scheduler import (
+    LoRARequest,
     Request,
     SamplingParams,
     SchedulerConfig,
@@ -20,6 +21,7 @@ from scheduler import (
 from scheduler.kv.kv_cache import cdiv
 
 EOS = 3
+ADAPTERS = tuple(LoRARequest(name, i, f"/adapters/{name}") for i, name in enumerate("xyz", 1))
 
 
 @st.composite
@@ -43,6 +45,7 @@ def configs(draw) -> SchedulerConfig:
         enable_prefix_caching=draw(st.booleans()),
         reserve_full_prompt=draw(st.booleans()),
         watermark=draw(st.sampled_from([0.0, 0.0, 0.1])),
+        max_loras=draw(st.sampled_from([None, None, 1, 2])),
     )
 
 
@@ -61,6 +64,7 @@ def traces(draw):
                                            ignore_eos=draw(st.booleans())),
             arrival_time=float(i), priority=draw(st.integers(0, 3)), eos_token_id=EOS,
             cache_salt=draw(st.sampled_from([None, None, "s"])),
+            lora_request=draw(st.sampled_from((None, None) + ADAPTERS)) if cfg.max_loras else None,
         )))
     return cfg, requests, draw(st.integers(0, 2**32 - 1))
 
