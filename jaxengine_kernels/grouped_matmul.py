@@ -138,8 +138,8 @@ def _native(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
 
 
 def _tiles(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """The "tiles" implementation (module docstring): a loop over the groups that have rows,
-    and inside it one masked B-row tile per iteration.
+    """The "tiles" implementation (module docstring), f32[M, F]: a loop over the groups that
+    have rows, and inside it one masked B-row tile per iteration.
 
     The group's matrix is sliced out of `w` once per group: XLA's CPU dot reads a dynamic
     slice only after copying it, so a copy per tile would double the weight traffic.
