@@ -16,7 +16,8 @@ and the window: the scales are treated as constants.
 
 A quantized cache of real values (bfloat16, float8) is differentiated straight through its
 rounding: the derivative of a write is that of ``x / scale`` clipped to the format's range (1 /
-scale inside it, 0 for a saturated value), the cache's cotangent is in the cache's dtype. A
+scale inside it, 0 for a saturated value); the cache's cotangent is in the cache's dtype (the
+backward adds up what its reads contribute in float32 and rounds once). A
 uint8 cache of fp8 bits cannot carry a cotangent (an integer array), so what one step writes
 could pass no gradient to the next: taking a gradient through one is a ``ValueError``.
 """

@@ -509,6 +509,9 @@ def ragged_paged_attention_differentiable(
     window = jnp.asarray(sliding_window, jnp.int32)
     scales = (jnp.asarray(k_scale, jnp.float32), jnp.asarray(v_scale, jnp.float32))
     kv_cache = write_kv(kv_cache, k, v, slot_mapping, *scales)
+    # Reads gather from a float32 view (a copy for a quantized cache), so that the cotangents
+    # of what the items read add up in float32 and round to the cache's dtype once.
+    view = kv_cache.astype(jnp.float32)
     cum, _ = _work_items(_live_q_lens(query_start_loc, num_seqs), Bq, decodes=True)
     # Each live request (at most min(R, T) of them) adds at most Bq - 1 rows of a partial item:
     # at most T / Bq + min(R, T) items, of T + min(R, T) * (Bq - 1) rows.
@@ -519,9 +522,9 @@ def ragged_paged_attention_differentiable(
         r, start, in_item, q_pos = _item_rows(i, cum, query_start_loc, seq_lens, Bq)
         # An item past the last reads no key: a padding request's table may point at NaN.
         seq_len = jnp.where(in_item[0], seq_lens[r], 0)
-        o = _attend_item(lax.dynamic_slice_in_dim(q_pad, start, Bq), q_pos, kv_cache,
+        o = _attend_item(lax.dynamic_slice_in_dim(q_pad, start, Bq), q_pos, view,
                          block_tables[r], seq_len, window, scales, sm_scale=sm_scale,
-                         soft_cap=soft_cap, pages_per_chunk=C, values=kv_cache.dtype,
+                         soft_cap=soft_cap, pages_per_chunk=C, values=view.dtype,
                          static_trips=True)  # fmt: skip
         return o, jnp.where(in_item, start + jnp.arange(Bq, dtype=jnp.int32), T)
 
