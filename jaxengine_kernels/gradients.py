@@ -81,8 +81,10 @@ def _fwd(forward, backward, *operands):
             f"{jnp.dtype(backward.kv_cache_dtype).name}): an integer array carries no "
             f"cotangent from one step to the next; differentiate with a float32 or bfloat16 "
             f"cache, or a {jnp.dtype(backward.kv_cache_dtype).name} array (impl='reference')")
-    # The residuals are the operands: the backward recomputes the scores chunk by chunk.
-    return forward(*operands), operands
+    # The residuals are the operands: the backward recomputes the scores chunk by chunk. The
+    # output is with_backward's own, so a second derivative takes this rule again instead of
+    # differentiating the kernel.
+    return with_backward(forward, backward, *operands), operands
 
 
 def _bwd(forward, backward, operands, cotangents):

@@ -113,7 +113,8 @@ def _with_ragged_dot_backward(kernel: Callable[..., jax.Array], x: jax.Array, w:
 
 
 def _ragged_fwd(kernel, x, w, group_sizes):
-    return kernel(x, w, group_sizes), (x, w, group_sizes)
+    # The output is the custom_vjp's own: a second derivative takes this rule again.
+    return _with_ragged_dot_backward(kernel, x, w, group_sizes), (x, w, group_sizes)
 
 
 def _ragged_bwd(kernel, residuals, dy):

@@ -267,6 +267,10 @@ def test_packed_matmul_gradients_match_the_dense_product(swiglu):
     want_x, d_gate, d_up = jax.grad(dense, (0, 1, 2))(x, gate, up)
     assert_close(dx, want_x)
     assert_close(d_panels, pack_swiglu(d_gate, d_up) if swiglu else pack(d_gate))
+    # Second order (a Hessian-vector product in x, reverse over reverse).
+    hvp = jax.grad(lambda x: jnp.vdot(jax.grad(loss)(x, panels), c[:, :1] * x))(x)
+    want = jax.grad(lambda x: jnp.vdot(jax.grad(dense)(x, gate, up), c[:, :1] * x))(x)
+    assert_close(hvp, want)
 
 
 @pytest.mark.parametrize("swiglu", [False, True])
