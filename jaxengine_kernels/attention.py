@@ -12,10 +12,15 @@ e5m2 with per-tensor ``k_scale`` / ``v_scale``, vLLM's semantics); every impleme
 the new K/V quantized and dequantizes what it reads, with float32 arithmetic. The reference
 and the CPU kernel also take an fp8 cache stored as its bits in uint8 (``kv_cache_dtype``
 names the format), which XLA on CPU updates in place.
+
+Every implementation is reverse-mode differentiable (``jaxengine_kernels.gradients``): the
+forward is the chosen kernel, unchanged; the backward is XLA's, the VJP of the reference's
+maths with static trip counts, for the Pallas kernels too (they have no backward kernel).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from typing import Literal
@@ -28,6 +33,7 @@ import jax.numpy as jnp
 # the caller's jit compile twice.
 from jaxengine_kernels import cpu, gpu, tpu
 from jaxengine_kernels.cache_dtype import check_dtypes, check_scale, values_dtype
+from jaxengine_kernels.gradients import Backward, with_backward
 from jaxengine_kernels.reference import ragged_paged_attention_reference
 
 logger = logging.getLogger("jaxengine.kernels")
@@ -173,14 +179,17 @@ def ragged_paged_attention(
 
     Returns:
       ``(out [T, N, H] in q.dtype, updated kv_cache)``. Output rows of padding tokens are
-      unspecified.
+      unspecified. Differentiable in q, k, v and kv_cache (``jaxengine_kernels.gradients``;
+      the backward runs in XLA whatever ``impl``); the scales, the window and the integer
+      operands are constants.
 
     Raises:
       UnsupportedShapeError: the chosen kernel cannot run these shapes or block sizes.
       ValueError: for an unknown ``impl``, ``batch_invariant`` with another than "cpu", a
         negative Python ``sliding_window``, a ``soft_cap`` or Python scale that is not
         positive, a q or cache dtype not supported, or a uint8 cache without an fp8
-        ``kv_cache_dtype`` or for an impl that does not read bits.
+        ``kv_cache_dtype`` or for an impl that does not read bits; under differentiation, a
+        uint8 cache of fp8 bits (it cannot carry a gradient).
     """
     _check_window_and_cap(sliding_window, soft_cap)
     if impl not in IMPLS:
@@ -199,12 +208,17 @@ def ragged_paged_attention(
     if values != kv_cache.dtype:  # fp8 bits: the implementation is told the format
         block_sizes = {**block_sizes, "kv_cache_dtype": values}
     if impl == "reference":
-        return ragged_paged_attention_reference(
-            *args, sm_scale=sm_scale, sliding_window=window, soft_cap=soft_cap, **scales,
-            **block_sizes,
-        )
-    return _KERNELS[impl](*args, sm_scale=sm_scale, sliding_window=window, soft_cap=soft_cap,
-                          interpret=interpret, **scales, **block_sizes)  # fmt: skip
+        kernel = ragged_paged_attention_reference
+    else:
+        kernel = functools.partial(_KERNELS[impl], interpret=interpret)
+
+    def forward(*args: jax.Array) -> tuple[jax.Array, jax.Array]:
+        *args, window, k_scale, v_scale = args
+        return kernel(*args, sm_scale=sm_scale, sliding_window=window, soft_cap=soft_cap,
+                      k_scale=k_scale, v_scale=v_scale, **block_sizes)
+
+    backward = Backward(sm_scale=sm_scale, soft_cap=soft_cap, kv_cache_dtype=values)
+    return with_backward(forward, backward, *args, window, scales["k_scale"], scales["v_scale"])
 
 
 def _check_window_and_cap(sliding_window: int | jax.Array, soft_cap: float | None) -> None:
