@@ -13,6 +13,10 @@ how many trailing entries are real. `jaxengine.encode_batch` makes both from str
 `jaxengine.decode_batch` turns the output back into text, and `jaxengine.load_model_fns` /
 `jaxengine.model_fns_of(llm)` give the model.
 
+A row stops after the model's EOS ids (`ModelFns.eos_token_ids`: the tokenizer's, as the engine
+stops on them, when the model came with one) unless `eos_token_id` names others;
+`eos_token_id=()` never stops on EOS (vLLM's `ignore_eos=True`).
+
 Retrace rules (what makes a new program):
 - static, a new program for each new value: the batch size B and prompt width S (shapes: pad
   prompts to a fixed width, `encode_batch(..., width=S)`, to reuse one program),
@@ -86,7 +90,10 @@ def generate(model: ModelFns, prompt_ids: jax.Array, prompt_lens: jax.Array | No
         greedy.
       logprobs: n, how many top logprobs to return per position besides the sampled token's
         (vLLM's `SamplingParams.logprobs`); static.
-      eos_token_id: an id or ids after which a row stops (None: never).
+      eos_token_id: an id or ids after which a row stops; None: the model's
+        (`model.eos_token_ids`, the tokenizer's EOS ids from `load_model_fns` /
+        `model_fns_of`; none for a model without a tokenizer); `()`: never (vLLM's
+        `ignore_eos=True`).
       pad_id: fills positions after a row stopped.
       cache: "contiguous" or "paged" page layout (same results).
       block_size: L, tokens per page.
@@ -105,14 +112,20 @@ def generate(model: ModelFns, prompt_ids: jax.Array, prompt_lens: jax.Array | No
     full = lambda x, dt: jnp.broadcast_to(jnp.asarray(x, dt), (B,))  # noqa: E731
     seeds = (jnp.zeros(B, jnp.uint32) if key is None
              else jax.random.bits(key, (B,), jnp.uint32))
-    # No EOS is the id -1, which is never drawn: the same program as one EOS id.
-    eos = jnp.asarray(-1 if eos_token_id is None else eos_token_id, jnp.int32).reshape(-1)
+    eos = _eos_ids(model.eos_token_ids if eos_token_id is None else eos_token_id)
     return jaxengine_generate(
         model.params if params is None else params, prompt_ids.astype(jnp.int32), lens, seeds,
         full(temperature, jnp.float32), full(top_k, jnp.int32), full(top_p, jnp.float32),
         full(min_p, jnp.float32), eos, jnp.asarray(pad_id, jnp.int32),
         step_fn=model.step, logits_fn=model.compute_logits, init_kv_fn=model.init_kv,
         max_new_tokens=max_new_tokens, logprobs=logprobs, cache=cache, block_size=block_size)
+
+
+def _eos_ids(ids: int | Sequence[int]) -> jax.Array:
+    """i32[E] the ids a row stops after; no EOS is the id -1, which is never drawn: the same
+    program as one EOS id."""
+    eos = jnp.asarray(ids, jnp.int32).reshape(-1)
+    return jnp.full(1, -1, jnp.int32) if eos.size == 0 else eos
 
 
 def _check_static(max_new_tokens: Any, logprobs: Any, cache: str, block_size: Any) -> None:
