@@ -101,6 +101,7 @@ class SamplingParams:
         _check_stops(self)
         _check_penalties(self)
         _check_output_kind(self)
+        _check_structured_outputs(self)
         _normalize_logits_fields(self)
 
     def __reduce__(self) -> tuple[Any, tuple[()]]:
@@ -179,6 +180,18 @@ def _check_stops(sp: SamplingParams) -> None:
         if not isinstance(getattr(sp, name), bool):
             raise _fail(name, getattr(sp, name),
                         f"{name} must be True or False, got {getattr(sp, name)!r}")
+
+
+def _check_structured_outputs(sp: SamplingParams) -> None:
+    """A mapping is the likeliest mistake (the server's JSON field is one): say how to wrap it.
+    Other types are the engine's to refuse (`jaxengine/engine/inputs.py`), as this package
+    cannot name the class."""
+    so = sp.structured_outputs
+    if isinstance(so, Mapping):
+        raise _fail("structured_outputs", so,
+                    f"structured_outputs must be a StructuredOutputsParams, got a "
+                    f"{type(so).__name__}; wrap it: StructuredOutputsParams(**{dict(so)!r}) "
+                    f"(from jaxengine import StructuredOutputsParams)")
 
 
 def _check_output_kind(sp: SamplingParams) -> None:
