@@ -128,14 +128,15 @@ def test_stopped_rows_have_no_logprobs_and_any_eos_id_stops() -> None:
 
 
 def test_retrace_rules_by_the_compile_counter() -> None:
-    """Values (prompts of one shape, temperature, key, an EOS id, none or the model's one)
-    reuse the program; a new max_new_tokens or batch shape compiles a new one."""
+    """Values (prompts of one shape, temperature, key, an EOS id, none or the model's one,
+    the weights of a copy of the model) reuse the program; a new max_new_tokens or batch shape
+    compiles a new one."""
     ensure_listener()
-    model = fake_model(V)
+    model = dataclasses.replace(fake_model(V), eos_token_ids=(4,))
     ids, lens = _left_pad(PROMPTS)
     count = lambda: compile_count("jaxengine_generate")  # noqa: E731
     run = lambda i, n, **kw: generate(model, i, n, block_size=4, **kw).tokens.block_until_ready()  # noqa: E731
-    run(ids, lens, max_new_tokens=5)
+    run(ids, lens, max_new_tokens=5, eos_token_id=None)
     first = count()
     other = (ids + 1) % V
     run(other, np.asarray([9, 2, 5, 1], np.int32), max_new_tokens=5, temperature=0.7,
@@ -143,8 +144,8 @@ def test_retrace_rules_by_the_compile_counter() -> None:
     run(ids, lens, max_new_tokens=5, temperature=np.asarray([0.0, 1.0, 2.0, 0.5], np.float32),
         top_k=3, top_p=0.9, eos_token_id=7, pad_id=5)
     run(ids, lens, max_new_tokens=5, eos_token_id=())
-    generate(dataclasses.replace(model, eos_token_ids=(4,)), ids, lens, block_size=4,
-             max_new_tokens=5).tokens.block_until_ready()
+    new_weights = dataclasses.replace(model, params={"logit": np.float32(3.0)})
+    generate(new_weights, ids, lens, block_size=4, max_new_tokens=5).tokens.block_until_ready()
     assert count() == first
     run(ids, lens, max_new_tokens=6)
     assert count() == first + 1
