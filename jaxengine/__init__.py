@@ -13,12 +13,14 @@ from jaxengine.loading.tokenizer import Tokenizer
 from jaxengine.model.config import ModelConfig, ModelLoadError
 from jaxengine.model.mesh import make_mesh
 from jaxengine.runner.distributed import initialize_from_args
+from jaxengine.sampling_params import StructuredOutputsParams
 from jaxengine.streaming import TextDelta, TextStream, stream, stream_chat
 from scheduler import SamplingParams, SamplingParamsError
 
 __all__ = [
     "LLM", "CompletionOutput", "EngineArgs", "GenerateOutput", "LLMEngine", "Logprob",
-    "RequestMetrics", "RequestOutput", "SamplingParams", "SamplingParamsError", "generate",
+    "RequestMetrics", "RequestOutput", "SamplingParams", "SamplingParamsError",
+    "StructuredOutputsParams", "generate",
     "ModelConfig", "ModelLoadError", "TextDelta", "TextStream", "Tokenizer", "load_model",
     "stream", "stream_chat",
     # scale-out: the mesh a model is split over; joining a multi-host runtime first thing

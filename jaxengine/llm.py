@@ -118,7 +118,8 @@ class LLM:
             `get_default_sampling_params()`).
           use_tqdm: show a progress bar.
         Returns:
-          Finished `RequestOutput`s in the order of `prompts`.
+          Finished `RequestOutput`s in the order of `prompts`, one per prompt; with
+          `SamplingParams(n=...)`, its n `CompletionOutput`s (index 0..n-1).
         Raises:
           ValueError: a bad prompt or parameter; nothing was added to the engine.
         """

@@ -23,7 +23,7 @@ from jaxengine.engine.client import EngineClient
 from jaxengine.engine.inputs import PromptType
 from jaxengine.engine.outputs import RequestOutput
 from jaxengine.llm import LLM, Conversation, chat_prompt
-from scheduler import SamplingParams
+from scheduler import SamplingParams, SamplingParamsError
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,8 +131,16 @@ def stream(llm: LLM, prompts: PromptType | Sequence[PromptType],
     Returns:
       A `TextStream`: iterate it for `TextDelta`s, in the order the engine produces them.
     Raises:
-      ValueError: a bad prompt or parameter; nothing is left in the engine.
+      ValueError: a bad prompt or parameter, or `n` > 1 (a delta is one text per prompt);
+        nothing is left in the engine.
     """
+    given = [sampling_params] if isinstance(sampling_params, SamplingParams) else (
+        sampling_params or [])
+    for sp in given:
+        if sp.n != 1:
+            raise SamplingParamsError(
+                f"stream follows one text per prompt, got n={sp.n}: use LLM.generate for n "
+                f"samples, or stream the prompt n times with seeds", param="n", value=sp.n)
     return TextStream(llm.llm_engine, llm.add_requests(prompts, sampling_params))
 
 

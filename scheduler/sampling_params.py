@@ -59,6 +59,9 @@ class SamplingParams:
       SamplingParamsError: a value out of its range or of the wrong type (`param` names it).
     """
 
+    # samples of the prompt; the engine fans them out into requests of n=1 above the scheduler
+    # (jaxengine/engine/parallel_sampling.py), which never reads it
+    n: int = 1
     max_tokens: int | None = 16  # most output tokens; None: up to max_model_len
     min_tokens: int = 0  # EOS and stop token ids are ignored before this many outputs
     ignore_eos: bool = False  # keep generating past EOS
@@ -101,6 +104,7 @@ class SamplingParams:
         _check_stops(self)
         _check_penalties(self)
         _check_output_kind(self)
+        _check_structured_outputs(self)
         _normalize_logits_fields(self)
 
     def __reduce__(self) -> tuple[Any, tuple[()]]:
@@ -136,6 +140,8 @@ def _is_real(x: Any) -> bool:
 
 
 def _check_lengths(sp: SamplingParams) -> None:
+    if not _is_int(sp.n) or sp.n < 1:
+        raise _fail("n", sp.n, f"n (samples per prompt) must be an integer >= 1, got {sp.n!r}")
     if sp.max_tokens is not None and (not _is_int(sp.max_tokens) or sp.max_tokens <= 0):
         raise _fail("max_tokens", sp.max_tokens,
                     f"max_tokens must be a positive integer or None, got {sp.max_tokens!r}")
@@ -179,6 +185,18 @@ def _check_stops(sp: SamplingParams) -> None:
         if not isinstance(getattr(sp, name), bool):
             raise _fail(name, getattr(sp, name),
                         f"{name} must be True or False, got {getattr(sp, name)!r}")
+
+
+def _check_structured_outputs(sp: SamplingParams) -> None:
+    """A mapping is the likeliest mistake (the server's JSON field is one): say how to wrap it.
+    Other types are the engine's to refuse (`jaxengine/engine/inputs.py`), as this package
+    cannot name the class."""
+    so = sp.structured_outputs
+    if isinstance(so, Mapping):
+        raise _fail("structured_outputs", so,
+                    f"structured_outputs must be a StructuredOutputsParams, got a "
+                    f"{type(so).__name__}; wrap it: StructuredOutputsParams(**{dict(so)!r}) "
+                    f"(from jaxengine import StructuredOutputsParams)")
 
 
 def _check_output_kind(sp: SamplingParams) -> None:

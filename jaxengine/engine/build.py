@@ -104,8 +104,8 @@ def _check_kernel_shapes(impl: str, cfg: ModelConfig, *, block_size: int, tp: in
 
 
 def model_fns(model: Any, cfg: Any, *, attn_impl: str, pack: bool = True,
-              batch_invariant: bool = False, kv_cache_dtype: KVCacheDtype | None = None
-              ) -> ModelFns:
+              batch_invariant: bool = False, kv_cache_dtype: KVCacheDtype | None = None,
+              eos_token_ids: Sequence[int] = ()) -> ModelFns:
     """`ModelFns` of a loaded `jaxengine.model.decoder.Model` (split once into graph and weights).
 
     The weights stay where the model put them (its mesh); the KV cache is made there too, in
@@ -119,6 +119,9 @@ def model_fns(model: Any, cfg: Any, *, attn_impl: str, pack: bool = True,
     With `batch_invariant` a request's logits do not depend on its batch: the packed matmul
     gives every row the same sums whatever the row count, and the attention kernel runs in
     its batch-invariant mode (the norms and the sampler's sums are invariant always).
+
+    `eos_token_ids` (the tokenizer's; none without one) become `ModelFns.eos_token_ids`, where
+    `jaxengine.generate` stops by default.
 
     Raises:
       ValueError: `batch_invariant` where the projections cannot be packed (XLA's dots round a
@@ -147,6 +150,7 @@ def model_fns(model: Any, cfg: Any, *, attn_impl: str, pack: bool = True,
         init_group_kv=lambda num_blocks, block_size: init_kv_cache(
             cfg, num_blocks=num_blocks, block_size=block_size, dtype=stored,
             num_kv_heads=layout.num_kv_heads, mesh=model.mesh, grouped=True),
+        eos_token_ids=tuple(int(i) for i in eos_token_ids),
     )
 
 
@@ -252,7 +256,8 @@ def build_engine(args: EngineArgs, *, devices: Sequence[jax.Device] | None = Non
     # The pool's pages are sized in the cache's dtype before the config is resolved.
     fns = model_fns(model, cfg, attn_impl=attention_backend(args, cfg),
                     batch_invariant=args.batch_invariant,
-                    kv_cache_dtype=resolve_kv_cache_dtype(args.kv_cache_dtype, dtype))
+                    kv_cache_dtype=resolve_kv_cache_dtype(args.kv_cache_dtype, dtype),
+                    eos_token_ids=() if tokenizer is None else tokenizer.eos_token_ids)
     config = resolve_config(args, fns, cfg, mesh.devices.flat[0])
     draft = load_draft(config.speculative, dtype=config.dtype,
                        kv_cache_dtype=config.cache.kv_cache_dtype,

@@ -90,8 +90,9 @@ def check_params(params: SamplingParams, *, max_logprobs: int, vocab_size: int,
     so = params.structured_outputs
     if so is not None and not isinstance(so, StructuredOutputsParams):
         raise SamplingParamsError(
-            f"structured_outputs must be a jaxengine.structured.StructuredOutputsParams, "
-            f"got {type(so).__name__}", param="structured_outputs", value=so)
+            f"structured_outputs must be a StructuredOutputsParams (from jaxengine import "
+            f"StructuredOutputsParams), got {type(so).__name__}", param="structured_outputs",
+            value=so)
     if params.bad_words and not has_tokenizer:
         raise SamplingParamsError(
             "bad_words need a tokenizer, and this engine has none "

@@ -38,6 +38,7 @@ from jaxengine.engine.grammars import Grammars
 from jaxengine.engine.inputs import PromptType, TokenizerLike
 from jaxengine.engine.loops import AsyncLoop, SyncLoop
 from jaxengine.engine.outputs import RequestOutput
+from jaxengine.engine.parallel_sampling import ParentRequest, child_params
 from jaxengine.engine.prompt_logprob_outputs import record_prompt_logprobs
 from jaxengine.engine.request_state import TrackedRequest
 from jaxengine.engine.stats import IterationStats, StatLogger
@@ -129,6 +130,9 @@ class LLMEngine:
         self._on_schedule = on_schedule
         self._seeds = random.Random(config.seed)
         self._tracked: dict[str, TrackedRequest] = {}
+        # Requests of n > 1 samples by their id, and by each unfinished child's id
+        self._parents: dict[str, ParentRequest] = {}
+        self._parent_of: dict[str, ParentRequest] = {}
         self.stat_loggers: list[StatLogger] = list(stat_loggers)
         # The step loop, chosen once: async scheduling's holds the step in flight.
         self._loop = AsyncLoop(self) if config.scheduler.async_scheduling else SyncLoop(self)
@@ -184,7 +188,9 @@ class LLMEngine:
                     params: SamplingParams | None = None, *, arrival_time: float | None = None,
                     priority: int = 0,
                     metadata: Mapping[str, str | int | float | bool] | None = None) -> None:
-        """Queue a request.
+        """Queue a request; one of `params.n` > 1 samples as n requests of one
+        (`jaxengine/engine/parallel_sampling.py`: ids `"{i}_{request_id}"`), whose outputs
+        come out merged under `request_id`.
 
         Args:
           request_id: unique among live requests.
@@ -202,6 +208,29 @@ class LLMEngine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):  # its own checks ran when it was built
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        arrival = self.clock() if arrival_time is None else arrival_time
+        if params.n == 1:
+            self._add_one(request_id, prompt, params, arrival, priority, metadata)
+            return
+        if request_id in self._parents or request_id in self._tracked:
+            raise ValueError(f"request {request_id!r}: this id is already in use by a live "
+                             f"request")
+        parent = ParentRequest(request_id, params)
+        added: list[str] = []
+        try:
+            for rid, child in zip(parent.child_ids, child_params(params), strict=True):
+                self._add_one(rid, prompt, child, arrival, priority, metadata)
+                added.append(rid)
+        except BaseException:
+            self.abort_request(added)  # the children before the one refused (none, as a rule)
+            raise
+        self._parents[request_id] = parent
+        self._parent_of.update(dict.fromkeys(added, parent))
+
+    def _add_one(self, request_id: str, prompt: PromptType, params: SamplingParams,
+                 arrival: float, priority: int,
+                 metadata: Mapping[str, str | int | float | bool] | None) -> None:
+        """`add_request` of one sample."""
         text, ids = self.resolve_prompt(prompt)
         inputs.check_params(params, max_logprobs=self.config.max_logprobs,
                             vocab_size=self.vocab_size, has_tokenizer=self.tokenizer is not None)
@@ -210,7 +239,6 @@ class LLMEngine:
         bad_words = (tokenize_bad_words(self.tokenizer, params.bad_words,
                                         vocab_size=self.vocab_size)
                      if params.bad_words and self.tokenizer is not None else ())
-        arrival = self.clock() if arrival_time is None else arrival_time
         request = Request(request_id=request_id, prompt_token_ids=tuple(ids),
                           sampling_params=params, arrival_time=arrival, priority=priority,
                           eos_token_id=self.eos_token_id,
@@ -235,13 +263,16 @@ class LLMEngine:
             self.grammars.submit(request_id, params.structured_outputs)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
-        """Finish requests now and free their KV blocks; unknown ids are ignored.
+        """Finish requests now and free their KV blocks (a request of n samples: its
+        unfinished ones); unknown ids are ignored.
 
         Returns:
           The final output of each live request aborted (finish_reason "abort"); the stat
-          loggers count them as finished "abort", as vLLM does.
+          loggers count them (each sample of one of n) as finished "abort", as vLLM does.
         """
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        ids = [c for r in ids for c in (self._parents[r].child_ids if r in self._parents
+                                        else (r,))]
         live = [self._tracked.pop(r) for r in dict.fromkeys(ids) if r in self._tracked]
         if not live:
             return []
@@ -254,7 +285,27 @@ class LLMEngine:
         outputs = [t.abort(stats.timestamp) for t in live]
         stats.finished_requests.extend(t.finished_stats() for t in live)
         self._record(stats)
-        return outputs
+        return self._merged(outputs)
+
+    def _merged(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """The outputs with those of n samples' children merged into their parents'
+        (`ParentRequest.merge`; a FINAL_ONLY parent's only once all its children finished)."""
+        if not self._parent_of:
+            return outputs
+        merged = []
+        for out in outputs:
+            parent = self._parent_of.get(out.request_id)
+            if parent is None:
+                merged.append(out)
+                continue
+            if out.finished:
+                del self._parent_of[out.request_id]
+            out = parent.merge(out)
+            if out is not None:
+                merged.append(out)
+                if out.finished:
+                    del self._parents[parent.request_id]
+        return merged
 
     def has_unfinished_requests(self) -> bool:
         """True while any request is waiting or running, or a KV connector still holds a
@@ -297,7 +348,7 @@ class LLMEngine:
         if self.kv_offload is not None:  # copies out and in, before the step overwrites them
             self.kv_offload.start_step(plan, state)
         self._note_scheduled(plan)
-        return failed + self._loop.step(state, before, plan)
+        return failed + self._merged(self._loop.step(state, before, plan))
 
     def _verify(self, plan: SchedulerOutput, rows: dict[str, list[SampledToken]],
                 dropped: set[str] | None = None

@@ -2,7 +2,8 @@
 
 No scheduler, no host round trips: one prefill step over all prompts, then a `lax.while_loop`
 of decode steps, all traceable, so it can sit inside the caller's own `jax.jit` (or be called
-as is: it is a `jax.jit` program itself, `jaxengine_generate`). It drives the same pure model
+as is: it runs a `jax.jit` program itself, `jaxengine_generate`, jitted once per model and
+dropped with it, `jaxengine.fixed_batch.programs`). It drives the same pure model
 step and sampler as the engine (`jaxengine.sampling.sampler.sample_impl`), over a private
 paged KV cache (`jaxengine.fixed_batch.layout`), and returns each generated token's logprob of
 the raw model distribution, as the engine's `SamplingParams(logprobs=...)` does (vLLM's
@@ -13,12 +14,16 @@ how many trailing entries are real. `jaxengine.encode_batch` makes both from str
 `jaxengine.decode_batch` turns the output back into text, and `jaxengine.load_model_fns` /
 `jaxengine.model_fns_of(llm)` give the model.
 
+A row stops after the model's EOS ids (`ModelFns.eos_token_ids`: the tokenizer's, as the engine
+stops on them, when the model came with one) unless `eos_token_id` names others;
+`eos_token_id=()` never stops on EOS (vLLM's `ignore_eos=True`).
+
 Retrace rules (what makes a new program):
 - static, a new program for each new value: the batch size B and prompt width S (shapes: pad
   prompts to a fixed width, `encode_batch(..., width=S)`, to reuse one program),
   `max_new_tokens`, `logprobs` (the top-n count), `cache`, `block_size`, the number of EOS
   ids (none and one are the same program), and the model itself (its functions: config and
-  dtype; another `ModelFns` object is another program);
+  dtype; another model is another program, a copy with other `params` is not);
 - traced, any value reuses the program: `params` (weights of the same shapes and dtypes),
   `prompt_ids` and `prompt_lens` values, `key`, the values of `temperature`, `top_k`, `top_p`
   and `min_p` (scalars or [B]; always converted to [B] arrays, so a scalar and an array are
@@ -30,7 +35,6 @@ through its traced inputs; a Python value closed over by the outer function is a
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -46,6 +50,7 @@ from jaxengine.fixed_batch.layout import (
     pages_per_row,
     prefill,
 )
+from jaxengine.fixed_batch.programs import program_for
 from jaxengine.model.fns import ModelFns
 from jaxengine.sampling.sampler import SamplerOutput, SamplingMetadata, sample_impl
 
@@ -86,7 +91,10 @@ def generate(model: ModelFns, prompt_ids: jax.Array, prompt_lens: jax.Array | No
         greedy.
       logprobs: n, how many top logprobs to return per position besides the sampled token's
         (vLLM's `SamplingParams.logprobs`); static.
-      eos_token_id: an id or ids after which a row stops (None: never).
+      eos_token_id: an id or ids after which a row stops; None: the model's
+        (`model.eos_token_ids`, the tokenizer's EOS ids from `load_model_fns` /
+        `model_fns_of`; none for a model without a tokenizer); `()`: never (vLLM's
+        `ignore_eos=True`).
       pad_id: fills positions after a row stopped.
       cache: "contiguous" or "paged" page layout (same results).
       block_size: L, tokens per page.
@@ -105,14 +113,20 @@ def generate(model: ModelFns, prompt_ids: jax.Array, prompt_lens: jax.Array | No
     full = lambda x, dt: jnp.broadcast_to(jnp.asarray(x, dt), (B,))  # noqa: E731
     seeds = (jnp.zeros(B, jnp.uint32) if key is None
              else jax.random.bits(key, (B,), jnp.uint32))
-    # No EOS is the id -1, which is never drawn: the same program as one EOS id.
-    eos = jnp.asarray(-1 if eos_token_id is None else eos_token_id, jnp.int32).reshape(-1)
-    return jaxengine_generate(
+    eos = _eos_ids(model.eos_token_ids if eos_token_id is None else eos_token_id)
+    program = program_for(jaxengine_generate, model, static_argnames=STATIC)
+    return program(
         model.params if params is None else params, prompt_ids.astype(jnp.int32), lens, seeds,
         full(temperature, jnp.float32), full(top_k, jnp.int32), full(top_p, jnp.float32),
         full(min_p, jnp.float32), eos, jnp.asarray(pad_id, jnp.int32),
-        step_fn=model.step, logits_fn=model.compute_logits, init_kv_fn=model.init_kv,
         max_new_tokens=max_new_tokens, logprobs=logprobs, cache=cache, block_size=block_size)
+
+
+def _eos_ids(ids: int | Sequence[int]) -> jax.Array:
+    """i32[E] the ids a row stops after; no EOS is the id -1, which is never drawn: the same
+    program as one EOS id."""
+    eos = jnp.asarray(ids, jnp.int32).reshape(-1)
+    return jnp.full(1, -1, jnp.int32) if eos.size == 0 else eos
 
 
 def _check_static(max_new_tokens: Any, logprobs: Any, cache: str, block_size: Any) -> None:
@@ -123,18 +137,19 @@ def _check_static(max_new_tokens: Any, logprobs: Any, cache: str, block_size: An
     check_layout(cache, block_size)
 
 
-# Static: the model's functions (another model is another program), and what sets the output
-# and cache shapes or the loop's structure (N, the top-n count, the page layout and size).
-@functools.partial(jax.jit, static_argnames=("step_fn", "logits_fn", "init_kv_fn",
-                                             "max_new_tokens", "logprobs", "cache",
-                                             "block_size"))
+# Static (besides the model's functions, bound per model by `program_for`): what sets the
+# output and cache shapes or the loop's structure (N, the top-n count, the page layout and size).
+STATIC = ("max_new_tokens", "logprobs", "cache", "block_size")
+
+
 def jaxengine_generate(params: Any, prompt_ids: jax.Array, lens: jax.Array, seeds: jax.Array,
                        temperature: jax.Array, top_k: jax.Array, top_p: jax.Array,
                        min_p: jax.Array, eos: jax.Array, pad_id: jax.Array, *,
                        step_fn: Callable, logits_fn: Callable, init_kv_fn: Callable,
                        max_new_tokens: int, logprobs: int, cache: str, block_size: int
                        ) -> GenerateOutput:
-    """The compiled loop behind `generate` (its arguments already arrays of fixed shapes)."""
+    """The loop behind `generate` (its arguments already arrays of fixed shapes), jitted per
+    model (`jaxengine.fixed_batch.programs`)."""
     B, S = prompt_ids.shape
     N, L, n = max_new_tokens, block_size, logprobs
     M = pages_per_row(S + N, L)

@@ -36,7 +36,8 @@ def load_model_fns(path: str | None = None, *, dtype: str = "float32",
       progress: a bar over the tensors read; None: only when stderr is a terminal.
       quantization: the weights' format, as `LLM`'s: None (float), "int8" or "fp8".
     Returns:
-      (ModelFns, Tokenizer).
+      (ModelFns, Tokenizer); the functions' `eos_token_ids` are the tokenizer's (where
+      `generate` stops by default).
     Raises:
       ModelLoadError (a ValueError): a bad path or files.
       ValueError: a kernel that cannot run the model's shapes, or a bad dtype / tp size /
@@ -48,7 +49,9 @@ def load_model_fns(path: str | None = None, *, dtype: str = "float32",
     mesh = make_mesh(engine_devices(tensor_parallel_size))
     model, cfg, tokenizer = load_model(path, dtype=resolve_dtype(args.dtype), mesh=mesh,
                                        progress=progress, quantization=args.quantization)
-    return build.model_fns(model, cfg, attn_impl=build.attention_backend(args, cfg)), tokenizer
+    fns = build.model_fns(model, cfg, attn_impl=build.attention_backend(args, cfg),
+                          eos_token_ids=tokenizer.eos_token_ids)
+    return fns, tokenizer
 
 
 def model_fns_of(llm: Any) -> tuple[ModelFns, Any]:
@@ -60,6 +63,7 @@ def model_fns_of(llm: Any) -> tuple[ModelFns, Any]:
     Args:
       llm: a `jaxengine.LLM`.
     Returns:
-      (ModelFns, the LLM's tokenizer or None).
+      (ModelFns, the LLM's tokenizer or None); the functions' `eos_token_ids` are the
+      tokenizer's (none with `skip_tokenizer_init=True`).
     """
     return llm.llm_engine.replicas[0].runner.model, llm.get_tokenizer()

@@ -4,15 +4,15 @@ For research loops (evaluation, preference data, reranking): each row's prompt a
 continuation go through the model together in one prefill step over a private paged KV cache
 (`jaxengine.fixed_batch.layout`), and every continuation token's logprob is read from the raw model
 distribution at the position before it, the same distribution `generate` reports logprobs of.
-Like `generate`, it is a `jax.jit` program itself (`jaxengine_score`) and traceable inside the
-caller's jit; its retrace rules are `generate`'s: the shapes (B, S, C), `cache`, `block_size`
-and the model are static, the weights and every id and length value are traced.
+Like `generate`, it runs a `jax.jit` program itself (`jaxengine_score`, jitted once per model)
+and is traceable inside the caller's jit; its retrace rules are `generate`'s: the shapes
+(B, S, C), `cache`, `block_size` and the model are static, the weights and every id and length
+value are traced.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -26,6 +26,7 @@ from jaxengine.fixed_batch.layout import (
     pages_per_row,
     prefill,
 )
+from jaxengine.fixed_batch.programs import program_for
 from jaxengine.model.fns import ModelFns
 from jaxengine.sampling.argmax import argmax
 
@@ -70,16 +71,13 @@ def score(model: ModelFns, prompt_ids: jax.Array, continuation_ids: jax.Array,
                          f"continuation per prompt")
     p_lens = jnp.full(B, S, jnp.int32) if p_lens is None else p_lens.astype(jnp.int32)
     c_lens = jnp.full(B, C, jnp.int32) if c_lens is None else c_lens.astype(jnp.int32)
-    return jaxengine_score(
+    program = program_for(jaxengine_score, model, static_argnames=("cache", "block_size"))
+    return program(
         model.params if params is None else params, prompt_ids.astype(jnp.int32),
-        continuation_ids.astype(jnp.int32), p_lens, c_lens, step_fn=model.step,
-        logits_fn=model.compute_logits, init_kv_fn=model.init_kv, cache=cache,
-        block_size=block_size)
+        continuation_ids.astype(jnp.int32), p_lens, c_lens, cache=cache, block_size=block_size)
 
 
-# Static: the model's functions (another model is another program) and the cache layout.
-@functools.partial(jax.jit, static_argnames=("step_fn", "logits_fn", "init_kv_fn", "cache",
-                                             "block_size"))
+# Jitted per model by `program_for` (its functions bound, static), the cache layout static.
 def jaxengine_score(params: Any, prompt_ids: jax.Array, continuation_ids: jax.Array,
                     prompt_lens: jax.Array, continuation_lens: jax.Array, *,
                     step_fn: Callable, logits_fn: Callable, init_kv_fn: Callable, cache: str,

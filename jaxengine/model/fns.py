@@ -36,3 +36,6 @@ class ModelFns:
     init_group_kv: Callable[[int, int], jax.Array] | None = None
     kv_page_axis: int = 1  # the cache's axis of pages (1 in [Ly, P, L, 2K, H]): KV offloading
     # copies whole pages along it (jaxengine/kv_offload)
+    # The ids that end a generation unless the caller says otherwise (`jaxengine.generate`'s
+    # default): the tokenizer's EOS ids; empty for a model without one (the fake model)
+    eos_token_ids: tuple[int, ...] = ()

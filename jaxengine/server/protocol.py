@@ -17,7 +17,6 @@ its error names our field, which `request_error` turns into the request's field 
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal, get_args
 
@@ -27,7 +26,6 @@ from pydantic.fields import FieldInfo
 from jaxengine.server import refused
 from jaxengine.server.refused import Refused
 from scheduler import SamplingParams, SamplingParamsError
-from scheduler.sampling_params import SEED_MIN
 
 # Request fields that, when unset, take the model's default (the loader gives no others but
 # max_tokens, which `resolve_max_tokens` handles).
@@ -97,11 +95,6 @@ class StreamOptions(RequestModel):
     continuous_usage_stats: bool = False  # vLLM: every chunk carries the usage so far
     # OpenAI pads deltas with random characters when true; this server does not.
     include_obfuscation: Literal[False] | None = None
-
-
-def _seed_of_child(seed: int, index: int) -> int:
-    """vLLM V1's seed of the `index`-th of n samples (`seed + index`), kept within int64."""
-    return (seed + index - SEED_MIN) % 2**64 + SEED_MIN
 
 
 class SamplingFields(RequestModel):
@@ -210,7 +203,8 @@ class SamplingFields(RequestModel):
                         defaults: Mapping[str, Any] | None = None, *,
                         structured_outputs: Any = None,
                         prompt_logprobs: int | None = None) -> SamplingParams:
-        """The engine's parameters: each field as the request set it, else the model's default.
+        """The engine's parameters: each field as the request set it, else the model's default
+        (`n` too: `jaxengine.engine.parallel_sampling.child_params` fans them out).
 
         Args:
           max_tokens: from `resolve_max_tokens`.
@@ -227,8 +221,9 @@ class SamplingFields(RequestModel):
                  if n in MODEL_DEFAULTED and n not in chosen}
         try:
             return SamplingParams(
-                max_tokens=max_tokens, min_tokens=self.min_tokens, ignore_eos=self.ignore_eos,
-                stop_token_ids=self.stop_token_ids, stop=self.stop, seed=self.seed,
+                n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens,
+                ignore_eos=self.ignore_eos, stop_token_ids=self.stop_token_ids, stop=self.stop,
+                seed=self.seed,
                 logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 skip_special_tokens=self.skip_special_tokens,
@@ -250,14 +245,6 @@ class SamplingFields(RequestModel):
             raise RequestError(f"logit_bias keys must be token ids (integers as strings, e.g. "
                                f"\"50256\"), got {list(self.logit_bias)!r}", "logit_bias"
                                ) from None
-
-    def child_params(self, params: SamplingParams) -> list[SamplingParams]:
-        """The n samples' parameters: `params`, with seed `seed + i` for sample i when seeded
-        (vLLM V1's rule, so a seeded request is reproducible and its samples differ)."""
-        if params.seed is None:
-            return [params] * self.n  # the engine draws each request's own seed
-        return [dataclasses.replace(params, seed=_seed_of_child(params.seed, i))
-                for i in range(self.n)]
 
     def metadata_of_request(self) -> dict[str, str]:
         """The scheduler request's metadata: `metadata`, then `user`, `safety_identifier` and

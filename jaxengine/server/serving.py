@@ -28,6 +28,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from jaxengine.engine.outputs import RequestOutput
+from jaxengine.engine.parallel_sampling import child_params
 from jaxengine.loading.generation_config import diff_sampling_params
 from jaxengine.server import tokenization
 from jaxengine.server.async_engine import AsyncEngine, EngineDeadError, RequestGroup
@@ -159,7 +160,7 @@ class OpenAIServing:
                                           prompt_logprobs=body.num_prompt_logprobs())
             text = prompt_text(prompt, self.tokenizer,
                                skip_special_tokens=body.skip_special_tokens) if body.echo else ""
-            for child in body.child_params(params):
+            for child in child_params(params):
                 children.append((prompt, child))
                 echo.append(text)
         prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
@@ -195,7 +196,7 @@ class OpenAIServing:
         params = body.sampling_params(max_tokens, body.num_logprobs(),
                                       self.default_sampling_params, structured_outputs=so,
                                       prompt_logprobs=body.prompt_logprobs)
-        children = [(prompt, child) for child in body.child_params(params)]
+        children = [(prompt, child) for child in child_params(params)]
         return _Choices(children=children, echo=[body.echo_text()] * len(children),
                         prompt_tokens=len(ids), structured_outputs=so, tool_choice=tool_choice)
 

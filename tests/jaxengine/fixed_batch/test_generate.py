@@ -70,6 +70,22 @@ def test_eos_stops_a_row_and_pads_it() -> None:
     assert int(out.lengths[0]) == first + 1
 
 
+def test_the_models_eos_ids_stop_by_default_and_an_empty_tuple_never_stops() -> None:
+    """`eos_token_id=None` is `ModelFns.eos_token_ids` (the tokenizer's for a real model);
+    `()` runs every row to `max_new_tokens`, as `ignore_eos=True` does."""
+    ids, lens = _left_pad(PROMPTS)
+    want = [fake_greedy(p, 7, V) for p in PROMPTS]
+    eos = (want[0][1], want[2][3])
+    model = dataclasses.replace(fake_model(V), eos_token_ids=eos)
+    by_default = generate(model, ids, lens, max_new_tokens=7, block_size=4)
+    named = generate(model, ids, lens, max_new_tokens=7, block_size=4, eos_token_id=eos)
+    chex.assert_trees_all_equal(by_default, named)
+    assert int(by_default.lengths[0]) == 2  # stopped: the default is not "never"
+    never = generate(model, ids, lens, max_new_tokens=7, block_size=4, eos_token_id=())
+    chex.assert_trees_all_equal((never.tokens, never.lengths),
+                                (np.asarray(want, np.int32), np.full(len(PROMPTS), 7, np.int32)))
+
+
 def test_sampling_is_seeded() -> None:
     model = fake_model(V)
     ids, lens = _left_pad(PROMPTS)
@@ -112,20 +128,24 @@ def test_stopped_rows_have_no_logprobs_and_any_eos_id_stops() -> None:
 
 
 def test_retrace_rules_by_the_compile_counter() -> None:
-    """Values (prompts of one shape, temperature, key, an EOS id or none) reuse the program; a
-    new max_new_tokens or batch shape compiles a new one."""
+    """Values (prompts of one shape, temperature, key, an EOS id, none or the model's one,
+    the weights of a copy of the model) reuse the program; a new max_new_tokens or batch shape
+    compiles a new one."""
     ensure_listener()
-    model = fake_model(V)
+    model = dataclasses.replace(fake_model(V), eos_token_ids=(4,))
     ids, lens = _left_pad(PROMPTS)
     count = lambda: compile_count("jaxengine_generate")  # noqa: E731
     run = lambda i, n, **kw: generate(model, i, n, block_size=4, **kw).tokens.block_until_ready()  # noqa: E731
-    run(ids, lens, max_new_tokens=5)
+    run(ids, lens, max_new_tokens=5, eos_token_id=None)
     first = count()
     other = (ids + 1) % V
     run(other, np.asarray([9, 2, 5, 1], np.int32), max_new_tokens=5, temperature=0.7,
         key=jax.random.key(3), eos_token_id=4)
     run(ids, lens, max_new_tokens=5, temperature=np.asarray([0.0, 1.0, 2.0, 0.5], np.float32),
         top_k=3, top_p=0.9, eos_token_id=7, pad_id=5)
+    run(ids, lens, max_new_tokens=5, eos_token_id=())
+    new_weights = dataclasses.replace(model, params={"logit": np.float32(3.0)})
+    generate(new_weights, ids, lens, block_size=4, max_new_tokens=5).tokens.block_until_ready()
     assert count() == first
     run(ids, lens, max_new_tokens=6)
     assert count() == first + 1
@@ -151,7 +171,7 @@ def test_bad_arguments_say_what_to_change(bad: dict, match: str) -> None:
 def test_real_tiny_model_matches_the_engine_tokens_logprobs_and_text() -> None:
     """Greedy tokens, raw logprobs (sampled and top 3) and text equal `LLM.generate`'s with
     SamplingParams(logprobs=3), over the LLM's own model (`model_fns_of`) and over one loaded
-    alone (`load_model_fns`)."""
+    alone (`load_model_fns`), both stopping on the tokenizer's EOS ids by default."""
     from jaxengine import LLM, decode_batch, encode_batch, load_model_fns, model_fns_of
 
     llm = LLM(str(TINY), max_num_batched_tokens=32, max_num_seqs=4, block_size=4,
@@ -163,9 +183,10 @@ def test_real_tiny_model_matches_the_engine_tokens_logprobs_and_text() -> None:
     alone, _ = load_model_fns(str(TINY), attention_backend="reference")
     ids, lens = encode_batch(tokenizer, texts)
     for fns in (shared, alone):
+        assert fns.eos_token_ids == tokenizer.eos_token_ids
         out = jax.jit(lambda p, i, n, fns=fns: generate(
-            fns, i, n, max_new_tokens=6, params=p, cache="paged", block_size=4, logprobs=3,
-            eos_token_id=tokenizer.eos_token_ids))(fns.params, ids, lens)
+            fns, i, n, max_new_tokens=6, params=p, cache="paged", block_size=4,
+            logprobs=3))(fns.params, ids, lens)
         assert decode_batch(tokenizer, out) == [o.outputs[0].text for o in ref]
         for b, o in enumerate(ref):
             c = o.outputs[0]

@@ -107,3 +107,17 @@ def test_params_hash_compare_and_pickle() -> None:
     assert a != StructuredOutputsParams(json={"type": "array"})
     back = pickle.loads(pickle.dumps(a))
     assert back == a and back.key == a.key and back.kind == "json"
+
+
+def test_importable_by_vllms_paths_and_a_dict_is_refused_naming_the_class() -> None:
+    import jaxengine
+    from jaxengine.sampling_params import SamplingParams
+    from jaxengine.sampling_params import StructuredOutputsParams as ByVllmPath
+
+    assert jaxengine.StructuredOutputsParams is ByVllmPath is StructuredOutputsParams
+    so = ByVllmPath(choice=["yes", "no"])
+    assert SamplingParams(structured_outputs=so).structured_outputs is so
+    with pytest.raises(SamplingParamsError, match=r"wrap it: StructuredOutputsParams\(\*\*"
+                                                  r"\{'choice': \['yes', 'no'\]\}\)") as e:
+        SamplingParams(structured_outputs={"choice": ["yes", "no"]})
+    assert e.value.param == "structured_outputs"
