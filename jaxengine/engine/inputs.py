@@ -5,6 +5,7 @@ a prompt dict or token ids) and the sampling parameters against what only this e
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -23,6 +24,11 @@ class TokenizerLike(StreamingTokenizer, Protocol):
     @property
     def eos_token_id(self) -> int | None:
         """The id that ends generation (unless `ignore_eos`)."""
+        ...
+
+    @property
+    def eos_token_ids(self) -> Sequence[int]:
+        """Every id that ends generation: `eos_token_id` first, then the model's others."""
         ...
 
     def encode(self, text: str) -> list[int]:
@@ -98,6 +104,17 @@ def check_params(params: SamplingParams, *, max_logprobs: int, vocab_size: int,
             "bad_words need a tokenizer, and this engine has none "
             "(skip_tokenizer_init=True): ban single tokens with logit_bias or "
             "allowed_token_ids instead", param="bad_words", value=params.bad_words)
+
+
+def with_model_eos(params: SamplingParams, eos_token_ids: Sequence[int]) -> SamplingParams:
+    """`params` that also stop on the model's EOS ids beyond the tokenizer's own (a
+    generation_config.json's `eos_token_id` list: Llama 3's end of turn, say), as vLLM's
+    `update_from_generation_config` adds them to `stop_token_ids`; unchanged with
+    `ignore_eos` or no extra ids."""
+    extra = [i for i in eos_token_ids[1:] if i not in params.stop_token_ids]
+    if params.ignore_eos or not extra:
+        return params
+    return dataclasses.replace(params, stop_token_ids=(*params.stop_token_ids, *extra))
 
 
 def check_fits_pool(request_id: str, num_prompt_tokens: int, params: SamplingParams,

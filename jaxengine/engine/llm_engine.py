@@ -232,6 +232,8 @@ class LLMEngine:
                  metadata: Mapping[str, str | int | float | bool] | None) -> None:
         """`add_request` of one sample."""
         text, ids = self.resolve_prompt(prompt)
+        if self.tokenizer is not None:
+            params = inputs.with_model_eos(params, self.tokenizer.eos_token_ids)
         inputs.check_params(params, max_logprobs=self.config.max_logprobs,
                             vocab_size=self.vocab_size, has_tokenizer=self.tokenizer is not None)
         if params.structured_outputs is not None:

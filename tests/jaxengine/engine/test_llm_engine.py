@@ -133,3 +133,22 @@ def test_llm_generate_keeps_input_order_and_fills_metrics() -> None:
         assert m.first_scheduled_time is not None and m.finished_time >= m.first_token_time
     text = FakeTokenizer().decode(PROMPTS[0])
     assert llm.generate(text, GREEDY, use_tqdm=False)[0].prompt == text
+
+
+def test_the_models_other_eos_ids_stop_a_request_unless_ignore_eos() -> None:
+    """A generation_config's extra EOS ids stop requests as stop tokens, as in vLLM."""
+    prompt = [5, 6, 7]
+    third = fake_greedy(prompt, 12, V)[2]
+    tokenizer = FakeTokenizer()
+    tokenizer.eos_token_ids = (EOS, third)
+    done = {}
+    for ignore in (False, True):
+        engine = engine_over(fake_model(V), EngineArgs(max_num_batched_tokens=32, max_num_seqs=4,
+                                                       block_size=4),
+                             tokenizer=tokenizer, max_model_len=256, num_blocks=200)
+        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=ignore)
+        done[ignore] = run_all(engine, [prompt], params)["r0"].outputs[0]
+    stopped = done[False]
+    assert list(stopped.token_ids) == fake_greedy(prompt, 3, V)
+    assert (stopped.finish_reason, stopped.stop_reason) == ("stop", third)
+    assert len(done[True].token_ids) == 12 and done[True].finish_reason == "length"
