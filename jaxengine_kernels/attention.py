@@ -16,6 +16,7 @@ names the format), which XLA on CPU updates in place.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from typing import Literal
@@ -28,6 +29,7 @@ import jax.numpy as jnp
 # the caller's jit compile twice.
 from jaxengine_kernels import cpu, gpu, tpu
 from jaxengine_kernels.cache_dtype import check_dtypes, check_scale, values_dtype
+from jaxengine_kernels.gradients import Backward, with_backward
 from jaxengine_kernels.reference import ragged_paged_attention_reference
 
 logger = logging.getLogger("jaxengine.kernels")
@@ -199,12 +201,17 @@ def ragged_paged_attention(
     if values != kv_cache.dtype:  # fp8 bits: the implementation is told the format
         block_sizes = {**block_sizes, "kv_cache_dtype": values}
     if impl == "reference":
-        return ragged_paged_attention_reference(
-            *args, sm_scale=sm_scale, sliding_window=window, soft_cap=soft_cap, **scales,
-            **block_sizes,
-        )
-    return _KERNELS[impl](*args, sm_scale=sm_scale, sliding_window=window, soft_cap=soft_cap,
-                          interpret=interpret, **scales, **block_sizes)  # fmt: skip
+        kernel = ragged_paged_attention_reference
+    else:
+        kernel = functools.partial(_KERNELS[impl], interpret=interpret)
+
+    def forward(*args: jax.Array) -> tuple[jax.Array, jax.Array]:
+        *args, window, k_scale, v_scale = args
+        return kernel(*args, sm_scale=sm_scale, sliding_window=window, soft_cap=soft_cap,
+                      k_scale=k_scale, v_scale=v_scale, **block_sizes)
+
+    backward = Backward(sm_scale=sm_scale, soft_cap=soft_cap, kv_cache_dtype=values)
+    return with_backward(forward, backward, *args, window, scales["k_scale"], scales["v_scale"])
 
 
 def _check_window_and_cap(sliding_window: int | jax.Array, soft_cap: float | None) -> None:

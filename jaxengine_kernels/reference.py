@@ -130,16 +130,40 @@ def _live_q_lens(query_start_loc: jax.Array, num_seqs: jax.Array) -> jax.Array:
     return jnp.where(jnp.arange(R) < num_seqs, q_lens, 0)
 
 
-def _work_items(q_lens: jax.Array, block_q: int) -> tuple[jax.Array, jax.Array]:
-    """Items of the chunk loop: ``block_q`` tokens of a request with more than one token.
+def _work_items(q_lens: jax.Array, block_q: int, *, decodes: bool = False
+                ) -> tuple[jax.Array, jax.Array]:
+    """Items of the chunk loop: ``block_q`` tokens of a request with more than one token (of
+    every live request with ``decodes``).
 
     Returns:
       ``(cum, total)``: ``cum`` i32[R] inclusive prefix sums of the items per request,
-      ``total`` i32[] the number of items. Decodes (one token) go to ``_decode_pass``.
+      ``total`` i32[] the number of items. Decodes (one token) go to ``_decode_pass`` unless
+      ``decodes``.
     """
-    n_blocks = jnp.where(q_lens > 1, (q_lens + block_q - 1) // block_q, 0)
+    n_blocks = jnp.where(q_lens > (0 if decodes else 1), (q_lens + block_q - 1) // block_q, 0)
     cum = jnp.cumsum(n_blocks)
     return cum, cum[-1]
+
+
+def _item_rows(
+    i: jax.Array,  # i32[] the item
+    cum: jax.Array,  # i32[R] inclusive prefix sums of the items per request
+    query_start_loc: jax.Array,  # i32[R+1]
+    seq_lens: jax.Array,  # i32[R]
+    block_q: int,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Where item ``i`` sits: ``(r, start, in_item, q_pos)``, its request, its first token
+    row, bool[Bq] which of its ``block_q`` rows belong to it, and i32[Bq] their positions
+    (-1 outside it)."""
+    r = jnp.searchsorted(cum, i, side="right").astype(jnp.int32)
+    r = jnp.minimum(r, cum.shape[0] - 1)  # an item past the last (static_trips) reads row R-1
+    first_block = jnp.where(r > 0, cum[jnp.maximum(r - 1, 0)], 0)
+    start = query_start_loc[r] + (i - first_block) * block_q
+    end = query_start_loc[r + 1]
+    tok = start + jnp.arange(block_q, dtype=jnp.int32)  # [Bq]
+    in_item = (tok < end) & (i < cum[-1])
+    q_pos = jnp.where(in_item, seq_lens[r] - (end - tok), -1)
+    return r, start, in_item, q_pos
 
 
 def _attend_chunk(
@@ -153,17 +177,22 @@ def _attend_chunk(
     seq_len: jax.Array,  # i32[]
     scales: tuple[jax.Array, jax.Array],  # f32[] k_scale, v_scale
     soft_cap: float | None,
+    mask_keys: bool = False,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One online-softmax step over a chunk of cached tokens.
 
     The G query heads of a KV head are stacked as rows, so each KV head is one
     [G*Bq, H] x [H, S] product (XLA on CPU runs a few large dots much faster than many small
     ones). Only V is masked before its product: a NaN key only reaches scores that the
-    ``where`` on ``s`` replaces.
+    ``where`` on ``s`` replaces. Under reverse mode a NaN key would also reach dq through
+    ``ds @ k`` (0 * NaN), so ``mask_keys`` masks the keys too.
     """
     m, l, acc = carry  # f32[K, G*Bq], f32[K, G*Bq], f32[K, G*Bq, H]
     in_ctx = (kv_pos < seq_len) & (kv_pos >= kv_lo)  # [S]
-    k_c = dequantize(kv[:, 0::2], scales[0]).transpose(1, 2, 0)  # [K, H, S]
+    k_c = dequantize(kv[:, 0::2], scales[0])
+    if mask_keys:
+        k_c = jnp.where(in_ctx[:, None, None], k_c, 0.0)
+    k_c = k_c.transpose(1, 2, 0)  # [K, H, S]
     v_c = jnp.where(in_ctx[:, None, None], dequantize(kv[:, 1::2], scales[1]), 0.0)
     v_c = v_c.transpose(1, 0, 2)  # [K, S, H]
     s = cap_scores(jnp.matmul(q, k_c, precision=HIGHEST), soft_cap)  # f32[K, G*Bq, S]
@@ -193,10 +222,14 @@ def _attend_item(
     soft_cap: float | None,
     pages_per_chunk: int,
     values: jnp.dtype,
+    static_trips: bool = False,
 ) -> jax.Array:
     """Attention of one item's query rows over its request's pages; returns f32[Bq, N, H].
 
     The chunk loop starts at the chunk holding the first key its first (earliest) row sees.
+    With ``static_trips`` it walks every chunk of the table instead, masked, so that reverse
+    mode can run it (a scan), and each step is recomputed in the backward rather than its
+    [Bq, chunk] scores stored.
     """
     P, L, K2, H = kv_cache.shape
     K = K2 // 2
@@ -221,14 +254,17 @@ def _attend_item(
         kv = from_bits(kv, values)
         kv_pos = c * C * L + jnp.arange(C * L, dtype=jnp.int32)
         return _attend_chunk(carry, q, kv, kv_pos, q_rows, q_lo, kv_lo, seq_len, scales,
-                             soft_cap)
+                             soft_cap, mask_keys=static_trips)
 
     init = (
         jnp.full((K, G * Bq), -jnp.inf, jnp.float32),
         jnp.zeros((K, G * Bq), jnp.float32),
         jnp.zeros((K, G * Bq, H), jnp.float32),
     )
-    _, l, acc = lax.fori_loop(kv_lo // (C * L), n_chunks, body, init)
+    if static_trips:
+        _, l, acc = lax.fori_loop(0, n_chunks_max, jax.checkpoint(body), init)
+    else:
+        _, l, acc = lax.fori_loop(kv_lo // (C * L), n_chunks, body, init)
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # rows with no visible key -> 0
     return out.reshape(K, G, Bq, H).transpose(2, 0, 1, 3).reshape(Bq, N, H)
 
@@ -403,16 +439,9 @@ def ragged_paged_attention_reference(
     out = out.at[dec_rows].set(out_dec, mode="drop")
     cum, total = _work_items(q_lens, block_q)
     q_pad = jnp.pad(q, ((0, block_q), (0, 0), (0, 0)))
-    rows = jnp.arange(block_q, dtype=jnp.int32)
 
     def item(i: jax.Array, out: jax.Array) -> jax.Array:
-        r = jnp.searchsorted(cum, i, side="right").astype(jnp.int32)
-        first_block = jnp.where(r > 0, cum[jnp.maximum(r - 1, 0)], 0)
-        start = query_start_loc[r] + (i - first_block) * block_q
-        end = query_start_loc[r + 1]
-        tok = start + rows  # [Bq]
-        in_item = tok < end
-        q_pos = jnp.where(in_item, seq_lens[r] - (end - tok), -1)
+        r, start, in_item, q_pos = _item_rows(i, cum, query_start_loc, seq_lens, block_q)
         q_item = lax.dynamic_slice_in_dim(q_pad, start, block_q)
         o = _attend_item(
             q_item,
@@ -433,3 +462,63 @@ def ragged_paged_attention_reference(
 
     out = lax.fori_loop(0, total, item, out)
     return out[:T].astype(q.dtype), kv_cache
+
+
+def ragged_paged_attention_differentiable(
+    q: jax.Array,  # [T, N, H]
+    k: jax.Array,  # [T, K, H]
+    v: jax.Array,  # [T, K, H]
+    kv_cache: jax.Array,  # [P, L, 2*K, H]
+    slot_mapping: jax.Array,  # i32[T]
+    block_tables: jax.Array,  # i32[R, max_blocks]
+    seq_lens: jax.Array,  # i32[R]
+    query_start_loc: jax.Array,  # i32[R+1]
+    num_seqs: jax.Array,  # i32[]
+    *,
+    sm_scale: float,
+    sliding_window: jax.Array | int = 0,
+    soft_cap: float | None = None,
+    k_scale: jax.Array | float = 1.0,
+    v_scale: jax.Array | float = 1.0,
+    block_q: int = DEFAULT_BLOCK_Q,
+    pages_per_chunk: int | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """The reference's maths with static trip counts, which reverse mode runs: the formulation
+    whose VJP is every implementation's backward (``jaxengine_kernels.attention``).
+
+    Arguments and results as ``ragged_paged_attention_reference``'s (a cache of real values:
+    no uint8 bits). Every live request, decodes included, is cut into items of ``block_q``
+    tokens (at most ``T``); a scan runs the most items T tokens in R requests can make, and
+    each item a scan over every chunk of its block table, masked (keys too, NaN-safe under
+    reverse mode) and recomputed in the backward (``jax.checkpoint``): the backward stores an
+    item's online-softmax state per chunk, never a [T, context] array of scores. The cost
+    follows the shapes (``T``, ``max_blocks``), not the live work: this is for gradients.
+    Padding rows of ``out`` are zeros.
+    """
+    T, N, H = q.shape
+    L = kv_cache.shape[1]
+    R = block_tables.shape[0]
+    C = pages_per_chunk or max(1, DEFAULT_KV_TOKENS_PER_CHUNK // L)
+    Bq = min(block_q, T)
+    window = jnp.asarray(sliding_window, jnp.int32)
+    scales = (jnp.asarray(k_scale, jnp.float32), jnp.asarray(v_scale, jnp.float32))
+    kv_cache = write_kv(kv_cache, k, v, slot_mapping, *scales)
+    cum, _ = _work_items(_live_q_lens(query_start_loc, num_seqs), Bq, decodes=True)
+    # Each live request (at most min(R, T) of them) adds at most Bq - 1 rows of a partial item.
+    n_items = (T + min(R, T) * (Bq - 1)) // Bq
+    q_pad = jnp.pad(q, ((0, Bq), (0, 0), (0, 0)))
+
+    def item(i: jax.Array) -> tuple[jax.Array, jax.Array]:
+        r, start, in_item, q_pos = _item_rows(i, cum, query_start_loc, seq_lens, Bq)
+        # An item past the last reads no key: a padding request's table may point at NaN.
+        seq_len = jnp.where(in_item[0], seq_lens[r], 0)
+        o = _attend_item(lax.dynamic_slice_in_dim(q_pad, start, Bq), q_pos, kv_cache,
+                         block_tables[r], seq_len, window, scales, sm_scale=sm_scale,
+                         soft_cap=soft_cap, pages_per_chunk=C, values=kv_cache.dtype,
+                         static_trips=True)  # fmt: skip
+        return o, jnp.where(in_item, start + jnp.arange(Bq, dtype=jnp.int32), T)
+
+    outs, rows = lax.map(item, jnp.arange(n_items, dtype=jnp.int32))  # [I, Bq, N, H], [I, Bq]
+    out = jnp.zeros((T, N, H), jnp.float32).at[rows.reshape(-1)].set(
+        outs.reshape(-1, N, H), mode="drop")
+    return out.astype(q.dtype), kv_cache
