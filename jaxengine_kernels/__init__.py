@@ -11,6 +11,8 @@ The cache may hold float32, bfloat16 or fp8 (``CACHE_DTYPES``) with per-tensor `
 ``v_scale`` operands (``jaxengine_kernels.cache_dtype``: writes quantize, reads dequantize).
 ``grouped_matmul(x, w, group_sizes, impl=default_grouped_impl())`` multiplies rows sorted by
 group by their group's matrix (the mixture-of-experts layer's experts).
+Every kernel is reverse-mode differentiable, its backward run by XLA
+(``jaxengine_kernels.gradients`` for attention).
 """
 
 from jaxengine_kernels.attention import (

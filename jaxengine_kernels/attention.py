@@ -12,6 +12,10 @@ e5m2 with per-tensor ``k_scale`` / ``v_scale``, vLLM's semantics); every impleme
 the new K/V quantized and dequantizes what it reads, with float32 arithmetic. The reference
 and the CPU kernel also take an fp8 cache stored as its bits in uint8 (``kv_cache_dtype``
 names the format), which XLA on CPU updates in place.
+
+Every implementation is reverse-mode differentiable (``jaxengine_kernels.gradients``): the
+forward is the chosen kernel, unchanged; the backward is XLA's, the VJP of the reference's
+maths with static trip counts, for the Pallas kernels too (they have no backward kernel).
 """
 
 from __future__ import annotations
@@ -175,14 +179,17 @@ def ragged_paged_attention(
 
     Returns:
       ``(out [T, N, H] in q.dtype, updated kv_cache)``. Output rows of padding tokens are
-      unspecified.
+      unspecified. Differentiable in q, k, v and kv_cache (``jaxengine_kernels.gradients``;
+      the backward runs in XLA whatever ``impl``); the scales, the window and the integer
+      operands are constants.
 
     Raises:
       UnsupportedShapeError: the chosen kernel cannot run these shapes or block sizes.
       ValueError: for an unknown ``impl``, ``batch_invariant`` with another than "cpu", a
         negative Python ``sliding_window``, a ``soft_cap`` or Python scale that is not
         positive, a q or cache dtype not supported, or a uint8 cache without an fp8
-        ``kv_cache_dtype`` or for an impl that does not read bits.
+        ``kv_cache_dtype`` or for an impl that does not read bits; under differentiation, a
+        uint8 cache of fp8 bits (it cannot carry a gradient).
     """
     _check_window_and_cap(sliding_window, soft_cap)
     if impl not in IMPLS:

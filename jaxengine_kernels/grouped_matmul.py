@@ -20,10 +20,16 @@ Three implementations:
   on every row, docs/BENCHMARKS.md §11). Loops whose trip counts are traced run the groups that
   have rows, and in each one B-row tile at a time (the last one masked), so the work is that of
   the rows present rounded up to B per group, and a group without rows never reads its weights.
+
+All three are differentiable in x and w: ``ragged_dot`` is, and the other two are
+``jax.custom_vjp``s whose backward is ``ragged_dot``'s VJP, run by XLA (dx = dy @ w[g].T per
+group, dw[g] = x_g.T @ dy_g; rows past the groups get none).
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Literal
 
 import jax
@@ -94,9 +100,31 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *,
     if impl == "xla":
         out = jax.lax.ragged_dot(x, w, group_sizes, preferred_element_type=jnp.float32)
         return out.astype(out_dtype)
-    if impl == "native":
-        return _native(x, w, group_sizes).astype(out_dtype)
-    return _tiles(x, w, group_sizes, out_dtype)
+    kernel = _native if impl == "native" else _tiles
+    return _with_ragged_dot_backward(kernel, x, w, group_sizes).astype(out_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _with_ragged_dot_backward(kernel: Callable[..., jax.Array], x: jax.Array, w: jax.Array,
+                              group_sizes: jax.Array) -> jax.Array:
+    """``kernel(x, w, group_sizes)`` f32[M, F], differentiable: the backward is the VJP of
+    ``jax.lax.ragged_dot`` (the "xla" implementation's own), run by XLA."""
+    return kernel(x, w, group_sizes)
+
+
+def _ragged_fwd(kernel, x, w, group_sizes):
+    return kernel(x, w, group_sizes), (x, w, group_sizes)
+
+
+def _ragged_bwd(kernel, residuals, dy):
+    del kernel
+    x, w, group_sizes = residuals
+    _, vjp = jax.vjp(lambda x, w: jax.lax.ragged_dot(
+        x, w, group_sizes, preferred_element_type=jnp.float32), x, w)
+    return (*vjp(dy), None)
+
+
+_with_ragged_dot_backward.defvjp(_ragged_fwd, _ragged_bwd)
 
 
 def _native(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
@@ -109,8 +137,7 @@ def _native(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
     return call(x, w, group_sizes)
 
 
-def _tiles(x: jax.Array, w: jax.Array, group_sizes: jax.Array, out_dtype: jnp.dtype
-           ) -> jax.Array:
+def _tiles(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
     """The "tiles" implementation (module docstring): a loop over the groups that have rows,
     and inside it one masked B-row tile per iteration.
 
@@ -143,4 +170,4 @@ def _tiles(x: jax.Array, w: jax.Array, group_sizes: jax.Array, out_dtype: jnp.dt
         return jax.lax.fori_loop(0, -(-size // B), tile, out)
 
     out = jax.lax.fori_loop(0, num_active, group, jnp.zeros((M + B, F), jnp.float32))
-    return out[:M].astype(out_dtype)
+    return out[:M]

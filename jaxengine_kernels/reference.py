@@ -31,6 +31,10 @@ Memory stays bounded for long contexts; no ``[T, max_context]`` array is ever bu
   ``lax.fori_loop`` over the items walks each item's pages ``pages_per_chunk`` at a time with
   an online softmax. Items and chunk counts are data-dependent trip counts, so the cost follows
   the live work, not ``max_blocks`` or the padding.
+
+Reverse mode refuses those loops; ``ragged_paged_attention_differentiable`` runs the same items
+and chunk steps with static trip counts, masked, and is the backward of every implementation
+(``jaxengine_kernels.gradients``).
 """
 
 from __future__ import annotations

@@ -10,9 +10,16 @@ sums each output in kLanes partial sums; see the source).
 
 ``block_swiglu(x, gate, up, ...)`` gives silu(x @ gate.T) * (x @ up.T) in one call, the MLP's
 hidden activations from two weights' blocks.
+
+Both are differentiable in x (``jax.custom_vjp``): the forward is the kernel, the backward the
+VJP of the same product in XLA operations over the weights `dequantize` unpacks (SwiGLU's gate
+and up recomputed), run by XLA. The blocks are integers and get no cotangent: a GGUF model's
+trainable parameters are its float ones (norms, embeddings kept in floats).
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +37,7 @@ def block_matmul(x: jax.Array, blocks: jax.Array, quant_type: str,
 
     `live` (i32[], default: all) counts the rows of x (its leading axes flattened) that are
     computed; the rows past it come out zero, at no cost (an engine step's padding). Under
-    jax.vmap the kernel runs once per batch element; there is no derivative rule.
+    jax.vmap the kernel runs once per batch element. Reverse mode gives dx (module docstring).
 
     Raises:
       ValueError: another type, blocks that do not hold [N, K] weights, or x not float32.
@@ -74,7 +81,59 @@ def _call(quant_type: str, x: jax.Array, gate: jax.Array, up: jax.Array, *, swig
                          f"{gate.dtype}")
     lead, n = x.shape[:-1], gate.shape[0]
     rows = x.reshape(-1, K)
-    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32),
-                            vmap_method="sequential")
     live = jnp.asarray(rows.shape[0] if live is None else live, jnp.int32)
-    return call(rows, gate, up, live).reshape(*lead, n)
+    return _product(target, quant_type, swiglu, rows, gate, up, live).reshape(*lead, n)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _product(target: str, quant_type: str, swiglu: bool, rows: jax.Array, gate: jax.Array,
+             up: jax.Array, live: jax.Array) -> jax.Array:
+    """The kernel's f32[M, N] for rows f32[M, K]; its backward is `_xla`'s VJP in x."""
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows.shape[0], gate.shape[0]),
+                                                         jnp.float32), vmap_method="sequential")
+    return call(rows, gate, up, live)
+
+
+def _product_fwd(target, quant_type, swiglu, rows, gate, up, live):
+    return _product(target, quant_type, swiglu, rows, gate, up, live), (rows, gate, up, live)
+
+
+def _product_bwd(target, quant_type, swiglu, residuals, dy):
+    """dx only: the blocks are integers (their cotangent is float0)."""
+    del target
+    rows, gate, up, live = residuals
+    _, vjp = jax.vjp(lambda x: _xla(x, gate, up, live, quant_type, swiglu), rows)
+    return (*vjp(dy), None, None, None)
+
+
+_product.defvjp(_product_fwd, _product_bwd)
+
+
+def _xla(rows: jax.Array, gate: jax.Array, up: jax.Array, live: jax.Array, quant_type: str,
+         swiglu: bool) -> jax.Array:
+    """The kernel's product f32[M, N] in XLA operations over `dequantize`'s weights, the maths
+    its backward differentiates (SwiGLU's gate and up recomputed); the rows past `live` zero."""
+    y = jnp.dot(rows, dequantize(gate, quant_type).T, precision=jax.lax.Precision.HIGHEST)
+    if swiglu:
+        y = jax.nn.silu(y) * jnp.dot(rows, dequantize(up, quant_type).T,
+                                     precision=jax.lax.Precision.HIGHEST)
+    return jnp.where(jnp.arange(rows.shape[0])[:, None] < live, y, 0.0)
+
+
+def dequantize(blocks: jax.Array, quant_type: str) -> jax.Array:
+    """u8[N, K/32 * B] blocks of `quant_type` -> their weights f32[N, K] (ggml's layout:
+    Q4_1 w = d * q + m, its 4-bit q low nibbles first; Q8_0 w = d * q), in XLA operations.
+
+    Args:
+      blocks: u8[N, K/32 * B] as `block_matmul` takes them.
+      quant_type: "Q4_1" or "Q8_0".
+    """
+    N = blocks.shape[0]
+    b = blocks.reshape(N, -1, BLOCK_BYTES[quant_type])  # [N, K/32, B]
+    d = jax.lax.bitcast_convert_type(b[..., 0:2], jnp.float16).astype(jnp.float32)[..., None]
+    if quant_type == "Q8_0":
+        q = jax.lax.bitcast_convert_type(b[..., 2:], jnp.int8).astype(jnp.float32)
+        return (d * q).reshape(N, -1)
+    m = jax.lax.bitcast_convert_type(b[..., 2:4], jnp.float16).astype(jnp.float32)[..., None]
+    nibbles = jnp.concatenate([b[..., 4:] & 0xF, b[..., 4:] >> 4], axis=-1)  # [N, K/32, 32]
+    return (d * nibbles.astype(jnp.float32) + m).reshape(N, -1)

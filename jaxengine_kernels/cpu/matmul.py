@@ -17,9 +17,19 @@ Weight-only int8 goes the same way (`pack_int8`, `packed_matmul_int8`, `pack_swi
 `packed_swiglu_int8`): int8 panels [ceil(N/W), K, W] of a quarter of the bytes, widened to float32
 in the kernel's registers, and a float32 scale per output column applied to the sums, so the
 product is (x @ values) * scale in float32 arithmetic.
+
+Every product is differentiable (``jax.custom_vjp``): the forward is the kernel, the backward
+the VJP of the same product written in XLA operations (`_xla`: the kernels read back out of
+the panels, SwiGLU's gate and up recomputed), run by XLA. Float32 panels get dx = dy @ w.T and
+d(panels) = pack(x.T @ dy), the panels being the parameters a caller holds (zeros in the
+padding columns); int8 panels get dx and the cotangent of their float32 scales, and none for
+the integer values (a quantized model's trainable parameters are its float ones). Rows past
+`live` get none.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -79,8 +89,8 @@ def packed_matmul(x: jax.Array, panels: jax.Array, n: int,
     `live` (i32[], default: all) counts the rows of x (its leading axes flattened) that are
     computed; the rows past it come out zero, at no cost (an engine step's padding).
 
-    Under jax.vmap the kernel runs once per batch element. There is no derivative rule: this
-    is for inference (the model's XLA layout serves training).
+    Under jax.vmap the kernel runs once per batch element. Reverse mode gives dx and the
+    panels' cotangent in their layout (module docstring).
     """
     return _call(native.matmul_target()[0], x, panels, n, 1, live)
 
@@ -129,8 +139,51 @@ def _call(target: str, x: jax.Array, panels: jax.Array, n: int, parts: int,
                          f"{scale.dtype}{list(scale.shape)}")
     lead = x.shape[:-1]
     rows = x.reshape(-1, K)
+    live = jnp.asarray(rows.shape[0] if live is None else live, jnp.int32)
+    return _product(target, n, parts, rows, panels, scale, live).reshape(*lead, n)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _product(target: str, n: int, parts: int, rows: jax.Array, panels: jax.Array,
+             scale: jax.Array | None, live: jax.Array) -> jax.Array:
+    """The kernel's f32[M, n] for rows f32[M, K]; its backward is `_xla`'s VJP."""
     call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((rows.shape[0], n), jnp.float32),
                             vmap_method="sequential")
-    live = jnp.asarray(rows.shape[0] if live is None else live, jnp.int32)
     operands = (panels,) if scale is None else (panels, scale)
-    return call(rows, *operands, live).reshape(*lead, n)
+    return call(rows, *operands, live)
+
+
+def _product_fwd(target, n, parts, rows, panels, scale, live):
+    return _product(target, n, parts, rows, panels, scale, live), (rows, panels, scale, live)
+
+
+def _product_bwd(target, n, parts, residuals, dy):
+    """dx, and d(panels) in the panel layout (zeros in the padding columns) for float32 panels,
+    d(scale) for int8 ones, whose integer values get none."""
+    del target
+    rows, panels, scale, live = residuals
+    if scale is None:
+        _, vjp = jax.vjp(lambda x, p: _xla(x, p, None, live, n, parts), rows, panels)
+        dx, d_panels = vjp(dy)
+        return dx, d_panels, None, None
+    _, vjp = jax.vjp(lambda x, s: _xla(x, panels, s, live, n, parts), rows, scale)
+    dx, d_scale = vjp(dy)
+    return dx, None, d_scale, None
+
+
+_product.defvjp(_product_fwd, _product_bwd)
+
+
+def _xla(rows: jax.Array, panels: jax.Array, scale: jax.Array | None, live: jax.Array, n: int,
+         parts: int) -> jax.Array:
+    """The kernel's product f32[M, n] in XLA operations, the maths its backward differentiates:
+    each part's kernel [K, n] read back out of the panels, (x @ w) * scale, SwiGLU's
+    silu(gate) * up for two parts, the rows past `live` zero."""
+    per_part = panels.reshape(-1, parts, *panels.shape[1:])  # [P, parts, K, W]
+    ys = []
+    for i in range(parts):
+        w = per_part[:, i].transpose(1, 0, 2).reshape(panels.shape[1], -1)[:, :n]  # [K, n]
+        y = jnp.dot(rows, w.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+        ys.append(y if scale is None else y * scale[i * n:(i + 1) * n])
+    y = ys[0] if parts == 1 else jax.nn.silu(ys[0]) * ys[1]
+    return jnp.where(jnp.arange(rows.shape[0])[:, None] < live, y, 0.0)

@@ -9,12 +9,27 @@ context, padding tokens and padding requests, so a NaN that leaked into a gradie
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType, quants
 
-from jaxengine_kernels import ragged_paged_attention
+from jaxengine_kernels import grouped_matmul, ragged_paged_attention
+from jaxengine_kernels.cpu.block_matmul import block_matmul, block_swiglu
+from jaxengine_kernels.cpu.matmul import (
+    pack,
+    pack_int8,
+    pack_swiglu,
+    pack_swiglu_int8,
+    packed_matmul,
+    packed_matmul_int8,
+    packed_swiglu,
+    packed_swiglu_int8,
+)
 from tests.jaxengine_kernels.cases import Case, make_case
 
 # Tiny shapes the Pallas kernels run in interpret mode (tests/jaxengine_kernels/test_kernels.py).
@@ -143,3 +158,150 @@ def test_attention_gradients_match_dense_and_finite_differences(impl, one_step):
     loss = loss_of(attention(impl, case, sliding_window=WINDOW, soft_cap=CAP))
     grads = check_gradients(loss, want, case.args(jnp.float32)[:4])
     assert np.abs(grads[1]).max() > 0  # k reaches the loss through the cache
+
+
+def test_gradient_flows_from_a_later_step_through_the_cache():
+    """Step 1 prefills request 0 (12 tokens), step 2 decodes its 13th and runs a chunk of
+    another request; the loss reads step 2's output alone, which depends on step 1's k and v
+    only through the cache. (The backward is one formulation for every impl; the native
+    kernel's forward compiles fastest.)"""
+    step2 = make_case([(1, 13), (5, 37)], num_heads=HEADS, num_kv_heads=KV_HEADS,
+                      head_dim=HEAD_DIM, page_size=PAGE, seed=5)
+    R, pos = step2.block_tables.shape[0], np.arange(12)
+    rng = np.random.default_rng(6)
+    step1 = dataclasses.replace(
+        step2, slot_mapping=(step2.block_tables[0, pos // PAGE] * PAGE + pos % PAGE),
+        seq_lens=np.full(R, 12, np.int32), num_seqs=np.array(1, np.int32),
+        query_start_loc=np.array([0] + [12] * R, np.int32),
+        **{name: rng.standard_normal((12, n, HEAD_DIM)).astype(np.float32)
+           for name, n in (("q", HEADS), ("k", KV_HEADS), ("v", KV_HEADS))})
+    weights = jnp.asarray(rng.standard_normal((step2.num_tokens, HEADS, HEAD_DIM)), jnp.float32)
+
+    def loss_of(attend1, attend2):
+        def loss(k1, v1, q2, k2, v2, cache):
+            _, cache = attend1(jnp.asarray(step1.q), k1, v1, cache)
+            out2, _ = attend2(q2, k2, v2, cache)
+            return jnp.sum(weights * out2[: step2.num_tokens])
+        return loss
+
+    primals = (*step1.args(jnp.float32)[1:3], *step2.args(jnp.float32)[:4])
+    dense = loss_of(*(functools.partial(dense_attention, case=c) for c in (step1, step2)))
+    want = jax.jit(jax.grad(dense, tuple(range(6))))(*primals)
+    grads = check_gradients(loss_of(attention("cpu", step1), attention("cpu", step2)), want,
+                            primals)
+    assert np.abs(grads[0]).max() > 0 and np.abs(grads[1]).max() > 0
+
+
+def test_no_gradient_through_a_cache_of_fp8_bits():
+    case = _case()
+    q, k, v, cache, *meta = case.args(jnp.float32)
+    bits = jnp.zeros(cache.shape, jnp.uint8)
+
+    def loss(q):
+        out, _ = ragged_paged_attention(q, k, v, bits, *meta, sm_scale=case.sm_scale,
+                                        kv_cache_dtype=jnp.float8_e4m3fn)
+        return out.sum()
+
+    with pytest.raises(ValueError, match="uint8 kv_cache of fp8 bits.*float8_e4m3fn"):
+        jax.grad(loss)(q)
+
+
+def assert_close(got, want) -> None:
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+M, K_IN, N_OUT, LIVE = 6, 64, 40, 5  # 40 columns: padding in every panel width's last panel
+
+
+def _dense_rows(y: jax.Array) -> jax.Array:
+    """The rows past LIVE zero, as the kernels' ``live`` makes them."""
+    return jnp.where(jnp.arange(M)[:, None] < LIVE, y, 0.0)
+
+
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_packed_matmul_gradients_match_the_dense_product(swiglu):
+    """dx and d(panels) = the panel layout of dw (zeros in the padding columns)."""
+    rng = np.random.default_rng(7)
+    x, c = (jnp.asarray(rng.standard_normal((M, n)), jnp.float32) for n in (K_IN, N_OUT))
+    gate, up = (jnp.asarray(rng.standard_normal((K_IN, N_OUT)), jnp.float32) for _ in "gu")
+
+    def loss(x, panels):
+        op = packed_swiglu if swiglu else packed_matmul
+        return jnp.sum(c * op(x, panels, N_OUT, LIVE))
+
+    def dense(x, gate, up):
+        y = jax.nn.silu(x @ gate) * (x @ up) if swiglu else x @ gate
+        return jnp.sum(c * _dense_rows(y))
+
+    panels = pack_swiglu(gate, up) if swiglu else pack(gate)
+    dx, d_panels = jax.grad(loss, (0, 1))(x, panels)
+    want_x, d_gate, d_up = jax.grad(dense, (0, 1, 2))(x, gate, up)
+    assert_close(dx, want_x)
+    assert_close(d_panels, pack_swiglu(d_gate, d_up) if swiglu else pack(d_gate))
+
+
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_int8_matmul_gradients_reach_x_and_the_scales(swiglu):
+    rng = np.random.default_rng(8)
+    x, c = (jnp.asarray(rng.standard_normal((M, n)), jnp.float32) for n in (K_IN, N_OUT))
+    gate, up = (jnp.asarray(rng.integers(-127, 128, (K_IN, N_OUT)), jnp.int8) for _ in "gu")
+    scale = jnp.asarray(rng.uniform(0.01, 0.02, (2 if swiglu else 1) * N_OUT), jnp.float32)
+    panels = pack_swiglu_int8(gate, up) if swiglu else pack_int8(gate)
+
+    def loss(x, scale, panels=panels):
+        op = packed_swiglu_int8 if swiglu else packed_matmul_int8
+        return jnp.sum(c * op(x, panels, scale, N_OUT, LIVE))
+
+    def dense(x, scale):
+        g = (x @ gate.astype(jnp.float32)) * scale[:N_OUT]
+        y = jax.nn.silu(g) * (x @ up.astype(jnp.float32)) * scale[N_OUT:] if swiglu else g
+        return jnp.sum(c * _dense_rows(y))
+
+    for got, want in zip(jax.grad(loss, (0, 1))(x, scale), jax.grad(dense, (0, 1))(x, scale),
+                         strict=True):
+        assert_close(got, want)
+    # The integer values get none.
+    assert jax.grad(loss, 2, allow_int=True)(x, scale, panels).dtype == jax.dtypes.float0
+
+
+@pytest.mark.parametrize(("quant_type", "swiglu"), [("Q4_1", False), ("Q8_0", False),
+                                                    ("Q4_1", True)])
+def test_block_matmul_gradient_in_x_matches_the_dense_product(quant_type, swiglu):
+    rng = np.random.default_rng(9)
+    x, c = (jnp.asarray(rng.standard_normal((M, n)), jnp.float32) for n in (K_IN, N_OUT))
+    kind = GGMLQuantizationType[quant_type]
+    blocks = [quants.quantize(rng.standard_normal((N_OUT, K_IN)).astype(np.float32), kind)
+              for _ in "gu"]
+    gate, up = (jnp.asarray(quants.dequantize(b, kind)) for b in blocks)
+
+    def loss(x):
+        if swiglu:
+            return jnp.sum(c * block_swiglu(x, *blocks, quant_type, LIVE))
+        return jnp.sum(c * block_matmul(x, blocks[0], quant_type, LIVE))
+
+    def dense(x):
+        y = jax.nn.silu(x @ gate.T) * (x @ up.T) if swiglu else x @ gate.T
+        return jnp.sum(c * _dense_rows(y))
+
+    assert_close(jax.grad(loss)(x), jax.grad(dense)(x))
+
+
+@pytest.mark.parametrize("impl", ["native", "tiles", "xla"])
+def test_grouped_matmul_gradients_match_the_dense_product(impl):
+    """Rows of 3 groups (one empty) and 2 rows past them: dx and dw."""
+    rng = np.random.default_rng(10)
+    sizes = jnp.asarray([3, 0, 4], jnp.int32)
+    group = np.array([0, 0, 0, 2, 2, 2, 2, 0, 0])  # the last two rows belong to no group
+    x, c = (jnp.asarray(rng.standard_normal((9, n)), jnp.float32) for n in (16, 8))
+    w = jnp.asarray(rng.standard_normal((3, 16, 8)), jnp.float32)
+
+    def loss(x, w):
+        return jnp.sum(c * grouped_matmul(x, w, sizes, impl=impl))
+
+    def dense(x, w):
+        y = jnp.einsum("md,mdf->mf", x, w[group])
+        return jnp.sum(c[:7] * y[:7])
+
+    for got, want in zip(jax.grad(loss, (0, 1))(x, w), jax.grad(dense, (0, 1))(x, w),
+                         strict=True):
+        assert_close(got, want)
