@@ -16,7 +16,8 @@ and the window: the scales are treated as constants.
 
 A quantized cache of real values (bfloat16, float8) is differentiated straight through its
 rounding: the derivative of a write is that of ``x / scale`` clipped to the format's range (1 /
-scale inside it, 0 for a saturated value), the cache's cotangent is in the cache's dtype. A
+scale inside it, 0 for a saturated value); the cache's cotangent is in the cache's dtype (the
+backward adds up what its reads contribute in float32 and rounds once). A
 uint8 cache of fp8 bits cannot carry a cotangent (an integer array), so what one step writes
 could pass no gradient to the next: taking a gradient through one is a ``ValueError``.
 """
@@ -80,8 +81,10 @@ def _fwd(forward, backward, *operands):
             f"{jnp.dtype(backward.kv_cache_dtype).name}): an integer array carries no "
             f"cotangent from one step to the next; differentiate with a float32 or bfloat16 "
             f"cache, or a {jnp.dtype(backward.kv_cache_dtype).name} array (impl='reference')")
-    # The residuals are the operands: the backward recomputes the scores chunk by chunk.
-    return forward(*operands), operands
+    # The residuals are the operands: the backward recomputes the scores chunk by chunk. The
+    # output is with_backward's own, so a second derivative takes this rule again instead of
+    # differentiating the kernel.
+    return with_backward(forward, backward, *operands), operands
 
 
 def _bwd(forward, backward, operands, cotangents):

@@ -113,7 +113,8 @@ def _with_ragged_dot_backward(kernel: Callable[..., jax.Array], x: jax.Array, w:
 
 
 def _ragged_fwd(kernel, x, w, group_sizes):
-    return kernel(x, w, group_sizes), (x, w, group_sizes)
+    # The output is the custom_vjp's own: a second derivative takes this rule again.
+    return _with_ragged_dot_backward(kernel, x, w, group_sizes), (x, w, group_sizes)
 
 
 def _ragged_bwd(kernel, residuals, dy):
@@ -138,8 +139,8 @@ def _native(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
 
 
 def _tiles(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """The "tiles" implementation (module docstring): a loop over the groups that have rows,
-    and inside it one masked B-row tile per iteration.
+    """The "tiles" implementation (module docstring), f32[M, F]: a loop over the groups that
+    have rows, and inside it one masked B-row tile per iteration.
 
     The group's matrix is sliced out of `w` once per group: XLA's CPU dot reads a dynamic
     slice only after copying it, so a copy per tile would double the weight traffic.

@@ -491,24 +491,30 @@ def ragged_paged_attention_differentiable(
     whose VJP is every implementation's backward (``jaxengine_kernels.attention``).
 
     Arguments and results as ``ragged_paged_attention_reference``'s (a cache of real values:
-    no uint8 bits). Every live request, decodes included, is cut into items of ``block_q``
-    tokens (at most ``T``); a scan runs the most items T tokens in R requests can make, and
-    each item a scan over every chunk of its block table, masked (keys too, NaN-safe under
-    reverse mode) and recomputed in the backward (``jax.checkpoint``): the backward stores an
-    item's online-softmax state per chunk, never a [T, context] array of scores. The cost
-    follows the shapes (``T``, ``max_blocks``), not the live work: this is for gradients.
-    Padding rows of ``out`` are zeros.
+    no uint8 bits). Every live request, decodes included, is cut into items of Bq tokens; a
+    scan runs the most items T tokens in R requests can make, and each item a scan over every
+    chunk of its block table, masked (keys too, NaN-safe under reverse mode) and recomputed in
+    the backward (``jax.checkpoint``): the backward stores an item's online-softmax state per
+    chunk, never a [T, context] array of scores. Bq is ``block_q`` or the mean tokens per
+    request slot, ``ceil(T / min(R, T))``, if fewer, so the items hold about 2T rows at most,
+    whatever the mix of decodes and prefills. The cost follows the shapes (``T``,
+    ``max_blocks``), not the live work: this is for gradients. Padding rows of ``out`` are
+    zeros.
     """
     T, N, H = q.shape
     L = kv_cache.shape[1]
     R = block_tables.shape[0]
     C = pages_per_chunk or max(1, DEFAULT_KV_TOKENS_PER_CHUNK // L)
-    Bq = min(block_q, T)
+    Bq = min(block_q, -(-T // min(R, T)))
     window = jnp.asarray(sliding_window, jnp.int32)
     scales = (jnp.asarray(k_scale, jnp.float32), jnp.asarray(v_scale, jnp.float32))
     kv_cache = write_kv(kv_cache, k, v, slot_mapping, *scales)
+    # Reads gather from a float32 view (a copy for a quantized cache), so that the cotangents
+    # of what the items read add up in float32 and round to the cache's dtype once.
+    view = kv_cache.astype(jnp.float32)
     cum, _ = _work_items(_live_q_lens(query_start_loc, num_seqs), Bq, decodes=True)
-    # Each live request (at most min(R, T) of them) adds at most Bq - 1 rows of a partial item.
+    # Each live request (at most min(R, T) of them) adds at most Bq - 1 rows of a partial item:
+    # at most T / Bq + min(R, T) items, of T + min(R, T) * (Bq - 1) rows.
     n_items = (T + min(R, T) * (Bq - 1)) // Bq
     q_pad = jnp.pad(q, ((0, Bq), (0, 0), (0, 0)))
 
@@ -516,9 +522,9 @@ def ragged_paged_attention_differentiable(
         r, start, in_item, q_pos = _item_rows(i, cum, query_start_loc, seq_lens, Bq)
         # An item past the last reads no key: a padding request's table may point at NaN.
         seq_len = jnp.where(in_item[0], seq_lens[r], 0)
-        o = _attend_item(lax.dynamic_slice_in_dim(q_pad, start, Bq), q_pos, kv_cache,
+        o = _attend_item(lax.dynamic_slice_in_dim(q_pad, start, Bq), q_pos, view,
                          block_tables[r], seq_len, window, scales, sm_scale=sm_scale,
-                         soft_cap=soft_cap, pages_per_chunk=C, values=kv_cache.dtype,
+                         soft_cap=soft_cap, pages_per_chunk=C, values=view.dtype,
                          static_trips=True)  # fmt: skip
         return o, jnp.where(in_item, start + jnp.arange(Bq, dtype=jnp.int32), T)
 

@@ -46,12 +46,13 @@ WINDOW, CAP = 7, 0.7  # the window cuts every request's context
 
 
 def dense_attention(q, k, v, kv_cache, case: Case, *, window: int = 0,
-                    soft_cap: float | None = None):
-    """The textbook formula over the written cache: ``(out [T_live, N, H], cache)``."""
+                    soft_cap: float | None = None, k_scale: float = 1.0, v_scale: float = 1.0):
+    """The textbook formula over the written cache: ``(out [T_live, N, H], cache)``. The cache
+    holds ``k / k_scale`` and ``v / v_scale`` in its dtype."""
     P, L, K2, H = kv_cache.shape
     K, N = K2 // 2, q.shape[1]
-    new = jnp.stack([k, v], axis=2).reshape(-1, K2, H)
-    flat = kv_cache.reshape(P * L, K2, H).at[case.slot_mapping].set(new)
+    new = jnp.stack([k / k_scale, v / v_scale], axis=2).reshape(-1, K2, H)
+    flat = kv_cache.reshape(P * L, K2, H).at[case.slot_mapping].set(new.astype(kv_cache.dtype))
     outs = []
     qsl, bt = case.query_start_loc, case.block_tables
     for r in range(int(case.num_seqs)):
@@ -62,15 +63,16 @@ def dense_attention(q, k, v, kv_cache, case: Case, *, window: int = 0,
         if window:
             visible &= pos[None, :] > q_pos[:, None] - window
         # Keys no query sees (slid out of every window) may be NaN: zeroed, not multiplied.
-        ctx = flat[bt[r, pos // L] * L + pos % L]  # [S, 2K, H]
+        ctx = flat[bt[r, pos // L] * L + pos % L].astype(jnp.float32)  # [S, 2K, H]
         ctx = jnp.where(visible.any(axis=0)[:, None, None], ctx, 0.0)
         q_r = q[t0:t1].reshape(t1 - t0, K, N // K, H)
-        logits = jnp.einsum("tkgh,skh->tkgs", q_r, ctx[:, 0::2]) * case.sm_scale
+        logits = jnp.einsum("tkgh,skh->tkgs", q_r, ctx[:, 0::2] * k_scale) * case.sm_scale
         if soft_cap is not None:
             logits = soft_cap * jnp.tanh(logits / soft_cap)
         logits = jnp.where(visible[:, None, None, :], logits, -jnp.inf)
         w = jax.nn.softmax(logits, axis=-1)
-        outs.append(jnp.einsum("tkgs,skh->tkgh", w, ctx[:, 1::2]).reshape(t1 - t0, N, H))
+        outs.append(jnp.einsum("tkgs,skh->tkgh", w, ctx[:, 1::2] * v_scale).reshape(
+            t1 - t0, N, H))
     return jnp.concatenate(outs), flat.reshape(P, L, K2, H)
 
 
@@ -160,6 +162,33 @@ def test_attention_gradients_match_dense_and_finite_differences(impl, one_step):
     assert np.abs(grads[1]).max() > 0  # k reaches the loss through the cache
 
 
+def test_attention_gradients_through_a_bfloat16_cache():
+    """A quantized cache with scales, straight through its rounding: dq to 1e-4 of the dense
+    formula's; dk, dv and the cache's cotangent, which pass through bfloat16 values, to its
+    rounding. (Finite differences do not apply: a rounding's derivative is 0 almost
+    everywhere.)"""
+    case = _case(seed=4)
+    q, k, v, cache = case.args(jnp.float32)[:4]
+    cache = cache.astype(jnp.bfloat16)
+    weights, mask, T_live = _weights(case, 1), _cache_mask(case), case.num_tokens
+    scales = {"k_scale": 0.5, "v_scale": 2.0}
+
+    def loss_of(attend):
+        return lambda *primals: scalar_loss(*attend(*primals), weights, T_live, mask)
+
+    got = jax.jit(jax.grad(loss_of(attention("cpu", case, **scales)), (0, 1, 2, 3)))(
+        q, k, v, cache)
+    dense = loss_of(lambda *p: dense_attention(*p, case, **scales))
+    want = jax.jit(jax.grad(dense, (0, 1, 2, 3)))(q, k, v, cache)
+    assert got[3].dtype == jnp.bfloat16
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
+        tol = 1e-4 if i == 0 else 1e-2
+        assert np.all(np.isfinite(g))
+        np.testing.assert_allclose(g, w, rtol=tol, atol=tol * np.abs(w).max(),
+                                   err_msg=f"primal {i}")
+
+
 def test_gradient_flows_from_a_later_step_through_the_cache():
     """Step 1 prefills request 0 (12 tokens), step 2 decodes its 13th and runs a chunk of
     another request; the loss reads step 2's output alone, which depends on step 1's k and v
@@ -238,6 +267,10 @@ def test_packed_matmul_gradients_match_the_dense_product(swiglu):
     want_x, d_gate, d_up = jax.grad(dense, (0, 1, 2))(x, gate, up)
     assert_close(dx, want_x)
     assert_close(d_panels, pack_swiglu(d_gate, d_up) if swiglu else pack(d_gate))
+    # Second order (a Hessian-vector product in x, reverse over reverse).
+    hvp = jax.grad(lambda x: jnp.vdot(jax.grad(loss)(x, panels), c[:, :1] * x))(x)
+    want = jax.grad(lambda x: jnp.vdot(jax.grad(dense)(x, gate, up), c[:, :1] * x))(x)
+    assert_close(hvp, want)
 
 
 @pytest.mark.parametrize("swiglu", [False, True])
