@@ -51,6 +51,16 @@ def _score_loss(fns: ModelFns) -> Any:
     return lambda p: -score(fns, ids, cont, lens, clens, params=p, block_size=BLOCK).total.sum()
 
 
+@cache
+def _value_and_grad(name: str, backend: str, dtype: str = "float32",
+                    quantization: str | None = None) -> tuple[ModelFns, Any]:
+    """A model and `jit(value_and_grad)` of its loss, compiled once per module for every test
+    (and every set of weights of its shapes) that asks for it."""
+    fns = _fns(name, backend, dtype, quantization)
+    return fns, jax.jit(jax.value_and_grad(_score_loss(fns),
+                                           allow_int=quantization is not None))
+
+
 def _dense_loss(name: str) -> Any:
     """params -> the same negative log-likelihood by the dense model."""
     cfg, (ids, lens, cont, clens) = DenseConfig.of(TINY / name), _batch()
@@ -85,9 +95,8 @@ def test_gradients_match_the_dense_model_and_finite_differences(backend: str,
     relative norm over the whole pytree and per leaf, and with a central finite difference
     along a random direction to 3e-3 (f32 rounding of the loss, divided by the step, allows
     no less: the dense model's own gradient meets it by 5e-6 to 7e-4)."""
-    fns = _fns(name, backend)
-    loss = _score_loss(fns)
-    value, grads = jax.jit(jax.value_and_grad(loss))(fns.params)
+    fns, value_and_grad = _value_and_grad(name, backend)
+    value, grads = value_and_grad(fns.params)
     dense_value, dense_grads = jax.value_and_grad(_dense_loss(name))(fns.params)
     np.testing.assert_allclose(value, dense_value, rtol=1e-5)
     assert _relative_error(grads, dense_grads) <= 1e-4
@@ -99,8 +108,9 @@ def test_gradients_match_the_dense_model_and_finite_differences(backend: str,
     direction = jax.tree.unflatten(treedef, [jax.random.normal(k, x.shape, x.dtype)
                                              for k, x in zip(keys, leaves, strict=True)])
     eps = 3e-3 / _norm(direction) * _norm(fns.params)
-    step = jax.jit(lambda s: loss(jax.tree.map(lambda p, d: p + s * d, fns.params, direction)))
-    finite = (step(eps) - step(-eps)) / (2 * eps)
+    loss = lambda s: value_and_grad(jax.tree.map(  # noqa: E731  (the same program)
+        lambda p, d: p + s * d, fns.params, direction))[0]
+    finite = (loss(eps) - loss(-eps)) / (2 * eps)
     along = sum(jnp.vdot(g, d) for g, d in zip(jax.tree.leaves(grads), jax.tree.leaves(
         direction), strict=True))
     np.testing.assert_allclose(finite, along, rtol=3e-3)
@@ -111,9 +121,9 @@ def test_bfloat16_gradients_are_finite_and_near_float32s(backend: str) -> None:
     """bfloat16 weights (not packed: another pytree) give finite gradients, within 3% in
     relative norm of float32's on the leaves both share (the embedding table, every norm)."""
     name = "mistral_gqa"  # untied: its embedding table is the same leaf in both dtypes
-    f32, bf16 = _fns(name, backend), _fns(name, backend, "bfloat16")
-    want = jax.grad(_score_loss(f32))(f32.params)
-    got = jax.jit(jax.grad(_score_loss(bf16)))(bf16.params)
+    (f32, f32_grad), (bf16, bf16_grad) = (_value_and_grad(name, backend, dtype)
+                                          for dtype in ("float32", "bfloat16"))
+    want, got = f32_grad(f32.params)[1], bf16_grad(bf16.params)[1]
     assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree.leaves(got))
     f32_leaves = {jax.tree_util.keystr(p): g for p, g in
                   jax.tree_util.tree_flatten_with_path(want)[0]}
@@ -127,8 +137,8 @@ def test_bfloat16_gradients_are_finite_and_near_float32s(backend: str) -> None:
 def test_int8_weights_give_finite_gradients_for_their_float_leaves() -> None:
     """int8 weights: `jax.grad(..., allow_int=True)` differentiates w.r.t. the float leaves
     (norms, column scales) through the packed int8 kernels; the int8 values get float0."""
-    fns = _fns("mistral_gqa", "cpu", quantization="int8")
-    grads = jax.jit(jax.grad(_score_loss(fns), allow_int=True))(fns.params)
+    fns, value_and_grad = _value_and_grad("mistral_gqa", "cpu", quantization="int8")
+    grads = value_and_grad(fns.params)[1]
     kinds = {(jnp.dtype(x.dtype), jnp.dtype(g.dtype)) for x, g in zip(
         jax.tree.leaves(fns.params), jax.tree.leaves(grads), strict=True)}
     assert kinds == {(jnp.dtype(jnp.float32),) * 2,
