@@ -24,11 +24,11 @@ PROMPTS = [list(range(3, 16)), list(range(40, 53))]
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 
-def _llm() -> LLM:
+def _llm(**engine_args: object) -> LLM:
     """Two replicas on jax's first device; each bucket compiles when a step first needs it."""
     args = EngineArgs(model=str(TINY), skip_tokenizer_init=True, num_gpu_blocks_override=64,
                       max_model_len=64, block_size=4, max_num_seqs=4,
-                      max_num_batched_tokens=32, data_parallel_size=2)
+                      max_num_batched_tokens=32, data_parallel_size=2, **engine_args)
     device = jax.devices()[0]
     return LLM.from_engine(build_engines(args, devices=[device, device]))
 
@@ -83,3 +83,5 @@ def test_wrong_weights_and_a_busy_engine_are_refused() -> None:
         llm.update_weights(params)
     llm.llm_engine.abort_request(ids)
     llm.update_weights(params)  # idle again: taken
+    with pytest.raises(ValueError, match="not supported with kv_offloading_size"):
+        _llm(kv_offloading_size=0.001).update_weights(params)
