@@ -77,7 +77,7 @@ def _relative_error(got: Any, want: Any) -> float:
     return _norm(jax.tree.map(lambda a, b: a - b, got, want)) / _norm(want)
 
 
-# One fixture per backend in the default run (~10 s each here), the rest slow: GQA with q/k/v
+# One fixture per backend in the default run (10-25 s each here), the rest slow: GQA with q/k/v
 # biases and a tied head, untied GQA, tied MHA.
 SLOW = pytest.mark.slow
 
