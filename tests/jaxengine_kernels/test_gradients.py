@@ -1,7 +1,7 @@
 """Reverse mode through the kernels: every attention implementation's gradients w.r.t. q, k, v
 and the cache against a dense jnp attention written plainly here (gather each request's
 context, mask, softmax) and against central finite differences of the implementation's own
-forward; the packed and grouped matmuls' gradients against the dense ``x @ w``.
+forward; the packed, GGUF-block and grouped matmuls' gradients against the dense ``x @ w``.
 
 The batches are ``cases.make_case``'s: shuffled block tables, NaN in every slot without
 context, padding tokens and padding requests, so a NaN that leaked into a gradient would fail.
