@@ -9,6 +9,7 @@ import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jax
 from tqdm.auto import tqdm
 
 from jaxengine.engine.args import EngineArgs
@@ -26,6 +27,7 @@ from jaxengine.metrics import (
 )
 from jaxengine.replicas.data_parallel import build_engines
 from jaxengine.runner.distributed import initialize_from_args
+from jaxengine.runner.weights import check_weights
 from scheduler import RequestOutputKind, SamplingParams
 
 Conversation = Sequence[Mapping[str, Any]]
@@ -106,6 +108,33 @@ class LLM:
     def get_tokenizer(self) -> Any:
         """The engine's tokenizer."""
         return self.llm_engine.tokenizer
+
+    def update_weights(self, params: Any) -> None:
+        """Serve new model weights without reloading or compiling (vLLM's name, of its weight
+        transfer API): e.g. params trained with `jax.grad` of `jaxengine.score`.
+
+        Every data-parallel replica gets them (copied to its devices). The prefix cache is
+        emptied (its KV is the old weights'); afterwards `model_fns_of(llm)` holds `params`
+        and `generate` and `chat` use them. A draft model for speculative decoding keeps its
+        own weights.
+
+        Args:
+          params: a pytree exactly like `model_fns_of(llm)[0].params` (an nnx.State): the
+            same leaves, shapes, dtypes and shardings, e.g. `jax.tree.map` of it.
+        Raises:
+          ValueError: requests are unfinished (let `generate` return, or abort them); a leaf
+            differs (the first named); a multi-host engine; KV offloading is on. Nothing
+            changes.
+        """
+        if jax.process_count() > 1:
+            raise ValueError("update_weights runs in one process; a multi-host engine cannot "
+                             "take new weights yet")
+        check_weights(params, self._replicas[0].runner.model.params)
+        if self.llm_engine.has_unfinished_requests():
+            raise ValueError(f"update_weights: {self.llm_engine.get_num_unfinished_requests()} "
+                             f"requests are unfinished; let them finish (or abort them) first")
+        for replica in self._replicas:
+            replica.update_weights(params)
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

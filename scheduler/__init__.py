@@ -24,6 +24,7 @@ from scheduler.core.update import (
     add_request,
     check_stop,
     grammars_ready,
+    reset_prefix_cache,
     update_from_output,
 )
 from scheduler.kv.groups import KVCacheGroup, kv_block_layers, max_concurrency
@@ -58,5 +59,6 @@ __all__ = [
     "abort_requests", "add_request", "check_invariants", "check_stop", "grammars_ready",
     "init_state", "kv_block_layers", "max_concurrency",
     "prefix_cache_hit",
-    "register", "resolve_policy", "schedule", "unregister", "update_from_output",
+    "register", "reset_prefix_cache", "resolve_policy", "schedule", "unregister",
+    "update_from_output",
 ]

@@ -29,6 +29,7 @@ import logging
 import random
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 from jaxengine.config import EngineConfig
 from jaxengine.engine import inputs
@@ -65,6 +66,7 @@ from scheduler import (
     add_request,
     grammars_ready,
     init_state,
+    reset_prefix_cache,
     schedule,
     update_from_output,
 )
@@ -313,6 +315,27 @@ class LLMEngine:
         """True while any request is waiting or running, or a KV connector still holds a
         finished one's blocks (the steps that report its transfers free them)."""
         return bool(self._tracked or self.state.held_req_ids)
+
+    def update_weights(self, params: Any) -> None:
+        """Serve new model weights from the next request on (`LLM.update_weights`): the
+        runner takes them (`Runner.update_weights`: nothing compiles), then the prefix cache
+        is emptied, since the KV it holds was computed by the old ones. A draft model keeps
+        its weights.
+
+        Raises:
+          ValueError: a request is unfinished; KV offloading is on (its host store holds
+            KV of the old weights); `params` not of the model's structure, shapes and dtypes
+            (the first leaf that differs named). Nothing changes.
+        """
+        if self.kv_offload is not None:
+            raise ValueError("update_weights is not supported with kv_offloading_size (the "
+                             "host KV store would serve KV of the old weights); build the "
+                             "engine without KV offloading")
+        if self.has_unfinished_requests():
+            raise ValueError(f"update_weights: {self.get_num_unfinished_requests()} requests "
+                             f"are unfinished; let them finish (or abort them) first")
+        self.runner.update_weights(params)
+        self.state = reset_prefix_cache(self.state)
 
     def get_num_unfinished_requests(self) -> int:
         """Requests waiting or running."""

@@ -30,6 +30,11 @@ Retrace rules (what makes a new program):
   the same program), the EOS ids' values and `pad_id`.
 Under an outer `jax.jit` the same rules hold for the outer program, for the arguments passed
 through its traced inputs; a Python value closed over by the outer function is a constant of it.
+
+No output is differentiable w.r.t. `params`: the tokens are sampled, in a `lax.while_loop` of
+data-dependent length, and differentiating through the weights raises a `ValueError` that says
+so. The logprobs are a function of the weights all the same: score the generated tokens with
+`jaxengine.score` (the same raw logprobs) and take gradients of that.
 """
 
 from __future__ import annotations
@@ -100,9 +105,11 @@ def generate(model: ModelFns, prompt_ids: jax.Array, prompt_lens: jax.Array | No
       block_size: L, tokens per page.
     Returns:
       GenerateOutput(tokens i32[B, N], lengths i32[B], logprobs f32[B, N],
-      top_logprobs f32[B, N, n], top_token_ids i32[B, N, n]).
+      top_logprobs f32[B, N, n], top_token_ids i32[B, N, n]); none carries gradients (for
+      those, `jaxengine.score` the tokens).
     Raises:
-      ValueError: a bad argument (checked values: shapes, and ids and lengths when concrete).
+      ValueError: a bad argument (checked values: shapes, and ids and lengths when concrete);
+        under `jax.grad` (or any autodiff) w.r.t. `params`, one saying to use `score`.
     """
     _check_static(max_new_tokens, logprobs, cache, block_size)
     prompt_ids = jnp.asarray(prompt_ids)
@@ -137,6 +144,27 @@ def _check_static(max_new_tokens: Any, logprobs: Any, cache: str, block_size: An
     check_layout(cache, block_size)
 
 
+@jax.custom_jvp
+def _not_differentiable(params: Any) -> Any:
+    """The weights as they are; differentiating through them raises `_NOT_DIFFERENTIABLE`
+    (reverse mode would otherwise fail deep inside the loop, naming a while_loop or a
+    kernel)."""
+    return params
+
+
+_NOT_DIFFERENTIABLE = (
+    "jaxengine.generate is not differentiable w.r.t. the weights: its tokens are sampled, in a "
+    "lax.while_loop of data-dependent length. To train on generated tokens, generate them, "
+    "then take gradients of jaxengine.score(model, prompt_ids, out.tokens, prompt_lens, "
+    "out.lengths, params=params): its logprobs are the same raw logprobs, differentiable.")
+
+
+@_not_differentiable.defjvp
+def _no_tangents(primals: tuple, tangents: tuple) -> tuple:
+    del primals, tangents
+    raise ValueError(_NOT_DIFFERENTIABLE)
+
+
 # Static (besides the model's functions, bound per model by `program_for`): what sets the
 # output and cache shapes or the loop's structure (N, the top-n count, the page layout and size).
 STATIC = ("max_new_tokens", "logprobs", "cache", "block_size")
@@ -150,6 +178,7 @@ def jaxengine_generate(params: Any, prompt_ids: jax.Array, lens: jax.Array, seed
                        ) -> GenerateOutput:
     """The loop behind `generate` (its arguments already arrays of fixed shapes), jitted per
     model (`jaxengine.fixed_batch.programs`)."""
+    params = _not_differentiable(params)
     B, S = prompt_ids.shape
     N, L, n = max_new_tokens, block_size, logprobs
     M = pages_per_row(S + N, L)

@@ -58,7 +58,9 @@ def model_fns_of(llm: Any) -> tuple[ModelFns, Any]:
     """The pure functions and tokenizer of a running `LLM`'s model (no copy of the weights).
 
     With `data_parallel_size` > 1 this is replica 0's model. `generate` and `score` allocate
-    their own KV cache beside the engine's pool, which keeps its memory.
+    their own KV cache beside the engine's pool, which keeps its memory. After
+    `llm.update_weights(params)` it returns the same functions with the new weights (a
+    `ModelFns` taken before keeps the old ones; the programs compiled for it still serve).
 
     Args:
       llm: a `jaxengine.LLM`.

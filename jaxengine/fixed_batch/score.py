@@ -8,6 +8,13 @@ Like `generate`, it runs a `jax.jit` program itself (`jaxengine_score`, jitted o
 and is traceable inside the caller's jit; its retrace rules are `generate`'s: the shapes
 (B, S, C), `cache`, `block_size` and the model are static, the weights and every id and length
 value are traced.
+
+It is differentiable w.r.t. `params` in reverse mode (`jax.grad`, `jax.vjp`), on every
+attention backend: the kernels carry their own backward (jaxengine_kernels). `logprobs` and
+`total` carry gradients; `is_greedy` (an argmax) does not. This is how to train on what
+`generate` produced: generate, then differentiate the score of its tokens
+(`notebooks/gradients.ipynb` trains the embedded model so, then serves the weights with
+`LLM.update_weights`).
 """
 
 from __future__ import annotations
@@ -55,7 +62,9 @@ def score(model: ModelFns, prompt_ids: jax.Array, continuation_ids: jax.Array,
       params: the weights (default `model.params`); pass them as a traced argument under jit.
       cache, block_size: the private cache's page layout and page size, as for `generate`.
     Returns:
-      ScoreOutput(logprobs f32[B, C], total f32[B], is_greedy bool[B]).
+      ScoreOutput(logprobs f32[B, C], total f32[B], is_greedy bool[B]); `logprobs` and
+      `total` are differentiable w.r.t. `params` (`jax.grad` of a loss of them), `is_greedy`
+      is not.
     Raises:
       ValueError: bad shapes, or (when concrete) ids or lengths out of range.
     """

@@ -44,6 +44,7 @@ from jaxengine.runner.penalty_inputs import WRITE_SLOT_NAME, PenaltyInputs
 from jaxengine.runner.programs import SAMPLE_NAME, STEP_NAME, programs_for
 from jaxengine.runner.prompt_logprob_inputs import PromptLogprobChunk, PromptLogprobInputs
 from jaxengine.runner.verify import gather_indices, sampler_rows
+from jaxengine.runner.weights import place_weights
 from jaxengine.sampling.logits_processors import build_adjustments
 from jaxengine.sampling.rows import MAX_BANNED, SamplingRow, build_sampling_metadata
 from jaxengine.sampling.sampler import SamplerOutput
@@ -170,6 +171,18 @@ class Runner:
     def mark_warm(self) -> None:
         """Declare warm-up over: from now on a compilation is counted (and raises in debug)."""
         self.warm = True
+
+    def update_weights(self, params: Any) -> None:
+        """Run the model with `params` from the next step on, compiling nothing: they must
+        have the structure, shapes and dtypes of `self.model.params`, and are put on its
+        shardings (`jaxengine.runner.weights.place_weights`). `self.model` becomes a copy with
+        them; the programs stay this runner's (they close over the model's functions, which
+        are the same, and take the weights as an argument).
+
+        Raises:
+          ValueError: a leaf missing, extra, or of another shape or dtype (named).
+        """
+        self.model = replace(self.model, params=place_weights(params, self.model.params))
 
     @staticmethod
     def _fill_spec(num_tokens: int) -> jax.ShapeDtypeStruct:

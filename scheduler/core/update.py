@@ -4,9 +4,10 @@
 import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 
+from scheduler._versioned import Version
 from scheduler.core import kv_transfer
 from scheduler.core._work import Work
-from scheduler.core.state import RequestDelta, SchedulerOutput, SchedulerState
+from scheduler.core.state import RequestDelta, SchedulerOutput, SchedulerState, StateData
 from scheduler.kv_connector import KVConnector, KVConnectorOutput
 from scheduler.request import Request, RequestStatus
 from scheduler.sampling_params import SamplingParams
@@ -79,6 +80,23 @@ def abort_requests(state: SchedulerState, request_ids: Iterable[str], *,
         w.abort()
         raise
     return w.freeze(step=state.step)
+
+
+def reset_prefix_cache(state: SchedulerState) -> SchedulerState:
+    """A new state whose KV pool caches nothing (vLLM's `reset_prefix_cache`): every usable
+    block free in the initial order, no hash registered. Queues, counters and the finished ids
+    still to report are kept. For when the cached KV no longer holds (new model weights).
+
+    Raises:
+        ValueError: a request is unfinished or a KV connector holds blocks (their KV is in
+            use); the input state is unchanged.
+    """
+    if state._static or state.held_req_ids:
+        raise ValueError(f"cannot reset the prefix cache while {len(state._static)} requests "
+                         f"are unfinished and a KV connector holds {len(state.held_req_ids)} "
+                         f"finished ones' blocks; finish or abort them first")
+    return dataclasses.replace(state, num_free_blocks=state.config.num_blocks - 1,
+                               _data=Version.initial(StateData(state.config.num_blocks)))
 
 
 def grammars_ready(state: SchedulerState, request_ids: Iterable[str]) -> SchedulerState:

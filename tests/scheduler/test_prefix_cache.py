@@ -2,7 +2,15 @@
 
 import dataclasses
 
-from scheduler import SchedulerConfig, add_request, prefix_cache_hit
+import pytest
+
+from scheduler import (
+    SchedulerConfig,
+    add_request,
+    check_invariants,
+    prefix_cache_hit,
+    reset_prefix_cache,
+)
 
 from .util import req, state_with, step
 
@@ -42,6 +50,20 @@ def test_hit_is_capped_at_num_tokens_minus_one():
     s, out, _ = step(s)
     # The last token must be computed to get logits: only 1 of the 2 cached blocks is hit.
     assert out.num_computed_tokens["B"] == 4 and out.num_scheduled_tokens["B"] == 4
+
+
+def test_reset_prefix_cache_forgets_every_block_and_keeps_the_rest():
+    s = state_with(CFG, req("A", PROMPT, 1))
+    s, _, _ = step(s)
+    fresh = reset_prefix_cache(s)
+    check_invariants(fresh)
+    assert fresh.free_block_queue() == tuple(range(1, 10))  # the initial order, none cached
+    assert fresh.step == s.step and fresh.counters == s.counters
+    assert s.free_block_queue() == (3, 4, 5, 6, 7, 8, 9, 2, 1)  # the input state is unchanged
+    fresh, out, _ = step(add_request(fresh, req("B", PROMPT, 2)))
+    assert out.num_computed_tokens["B"] == 0 and out.num_scheduled_tokens["B"] == 10
+    with pytest.raises(ValueError, match="1 requests are unfinished"):
+        reset_prefix_cache(add_request(s, req("C", PROMPT, 2)))
 
 
 def test_eviction_takes_the_least_recently_freed_suffix_first():

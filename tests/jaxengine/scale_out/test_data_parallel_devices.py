@@ -1,5 +1,6 @@
 """Data-parallel replicas on distinct virtual CPU devices, with a real tiny checkpoint: the same
-greedy tokens (and logprobs) as one engine, each replica's arrays on its own device group.
+greedy tokens (and logprobs) as one engine, each replica's arrays on its own device group, and
+after `LLM.update_weights` the same new tokens.
 
 One child process with 4 devices (`tests/parallel_helpers.py`) runs dp=1, dp=2 and
 dp=2 x tp=2 one after another, so jax starts once.
@@ -36,8 +37,12 @@ for dp, tp in ((1, 1), (2, 1), (2, 2)):
     outs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     engine = llm.llm_engine
     replicas = engine.replicas if isinstance(engine, DataParallelEngine) else (engine,)
+    # New weights (replica 0's, scaled) reach every replica, on its own devices.
+    llm.update_weights(jax.tree.map(lambda x: x * 1.25, replicas[0].runner.model.params))
+    updated = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
     results[f"{dp}x{tp}"] = dict(
         tokens=[list(o.outputs[0].token_ids) for o in outs],
+        updated=[list(o.outputs[0].token_ids) for o in updated],
         logprobs=[o.outputs[0].cumulative_logprob for o in outs],
         devices=[placed(r) for r in replicas],
         kv_devices=[sorted(d.id for d in r.runner.kv.devices()) for r in replicas],
@@ -55,6 +60,7 @@ def test_replicas_on_their_own_devices_give_one_engines_outputs() -> None:
     for config, groups in (("2x1", [[0], [1]]), ("2x2", [[0, 1], [2, 3]])):
         r = results[config]
         assert r["tokens"] == one["tokens"], config
+        assert r["updated"] == one["updated"] != one["tokens"], config
         assert all(abs(a - b) < 1e-4 for a, b in zip(r["logprobs"], one["logprobs"],
                                                        strict=True)), config
         assert r["devices"] == groups and r["kv_devices"] == groups, config
