@@ -17,14 +17,15 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 BLOCKS = {
     "Python in ten lines": True,
     "Generation inside your own jit": True,
+    "Gradients, and serving the trained weights": True,
     "The scheduler is a pure state machine": False,
 }
 
 
 def python_blocks() -> dict[str, str]:
-    """{heading: code} of the README's ```python blocks (one per section)."""
+    """{heading: code} of the README's ```python blocks (one per section or subsection)."""
     blocks: dict[str, str] = {}
-    for section in re.split(r"^## ", README.read_text(), flags=re.M)[1:]:
+    for section in re.split(r"^###? ", README.read_text(), flags=re.M)[1:]:
         heading = section.splitlines()[0].strip()
         for code in re.findall(r"^```python\n(.*?)^```", section, flags=re.M | re.S):
             assert heading not in blocks, f"two python blocks under {heading!r}"

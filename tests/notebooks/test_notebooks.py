@@ -17,8 +17,8 @@ from jaxengine.loading import tiny_model_path
 
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 # The notebooks whose results are pictures (issue 35: what a person would rather see than read).
-DRAWS = {"quickstart.ipynb", "jit_generate.ipynb", "policy_lab.ipynb", "policy_experiments.ipynb",
-         "scheduling_timeline.ipynb"}
+DRAWS = {"quickstart.ipynb", "jit_generate.ipynb", "gradients.ipynb", "policy_lab.ipynb",
+         "policy_experiments.ipynb", "scheduling_timeline.ipynb"}
 
 
 def _is_slow(path: Path) -> bool:
