@@ -26,22 +26,31 @@ Sections, in order; each prints lines tagged with its name:
                Mixtral-shaped one (8 of its layers, 8 experts, top-2), random bf16: the
                kernel's custom call (and the experts' ragged_dot) in the compiled step, the
                decode step at context 8 x window: median ms and bytes read / time / peak.
+  first-token  seconds from process start to the first generated token: a fresh subprocess
+               imports jaxengine, builds ``LLM()`` over the default model (precompiled) and
+               generates one token for a short prompt; cold (an empty compilation cache) then
+               warm (the cache the cold run filled), with the imports / ``LLM()`` / generate
+               split. A figure against the 5 s warm target, no threshold.
 It ends with ``summary: PASS`` or ``summary: FAIL (...)`` and exits 1 on any failure; a section
 that raises is a failure, and the later sections still run.
 
 ``--cpu-smoke`` runs every section on CPU: both kernels in interpret mode at tiny sizes, the
 engine step lowered (not compiled) for an abstract H200 and TPU v6e, and tensor parallel on 4
-virtual CPU devices (tp=8 skipped) with a tiny model. Its timings mean nothing; it exists so
-that a test keeps this script from rotting between device runs.
+virtual CPU devices (tp=8 skipped) with a tiny model, and the first token with the tiny
+fixture model. Its timings mean nothing; it exists so that a test keeps this script from
+rotting between device runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -64,6 +73,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import attention as bench  # noqa: E402
 from jaxengine.engine.args import EngineArgs  # noqa: E402
 from jaxengine.engine.build import attention_backend, model_fns  # noqa: E402
+from jaxengine.loading.load import tiny_model_path  # noqa: E402
 from jaxengine.model.batch import ModelBatch, RequestChunk  # noqa: E402
 from jaxengine.model.config import ModelConfig  # noqa: E402
 from jaxengine.model.decoder import Model  # noqa: E402
@@ -445,9 +455,53 @@ def families(ctx: Context) -> list[str]:
     return failures
 
 
+# ---- first token after start ----------------------------------------------------------------
+
+# A fresh interpreter: import, `LLM(model)` (load and precompile), one greedy one-token generate.
+FIRST_TOKEN_CHILD = """
+import json, sys, time
+t0 = time.perf_counter()
+from jaxengine import LLM, SamplingParams
+t1 = time.perf_counter()
+llm = LLM(sys.argv[1] or None, compilation_cache_dir=sys.argv[2])
+t2 = time.perf_counter()
+out = llm.generate(["The capital of France is"], SamplingParams(max_tokens=1, temperature=0),
+                   use_tqdm=False)
+t3 = time.perf_counter()
+print(json.dumps(dict(imports=t1 - t0, llm=t2 - t1, generate=t3 - t2,
+                      tokens=len(out[0].outputs[0].token_ids))))
+"""
+FIRST_TOKEN_TARGET_S = 5.0  # issue 37: warm cache, process start to the first token
+
+
+def first_token(ctx: Context) -> list[str]:
+    """Seconds from process start to the first generated token, `LLM()` + one short prompt in
+    a fresh subprocess: cold (an empty compilation cache) then warm (the cache it filled).
+    The default model (the tiny fixture in the CPU smoke); a figure, no threshold."""
+    model = (tiny_model_path() or "") if ctx.smoke else ""
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (root, os.environ.get("PYTHONPATH")) if p)}
+    with tempfile.TemporaryDirectory() as cache:
+        for start in ("cold", "warm"):
+            t0 = time.perf_counter()
+            run = subprocess.run([sys.executable, "-c", FIRST_TOKEN_CHILD, model, cache],
+                                 capture_output=True, text=True, env=env, timeout=600)
+            wall = time.perf_counter() - t0
+            if run.returncode != 0:
+                raise RuntimeError(f"{start} start failed: {run.stderr[-2000:]}")
+            t = json.loads(run.stdout.strip().splitlines()[-1])
+            _report("first-token", f"{start}: {wall:.1f} s from process start to "
+                    f"{t['tokens']} token (imports {t['imports']:.1f} s, LLM() "
+                    f"{t['llm']:.1f} s, generate {t['generate']:.2f} s; target warm <= "
+                    f"{FIRST_TOKEN_TARGET_S:.0f} s) {'tiny model' if model else 'default model'}")
+    return []  # a figure: it fails by raising
+
+
 # Sections in report order: each takes the Context, prints its lines, returns its failures.
 SECTIONS: list[Callable[[Context], list[str]]] = [correctness, engine_hlo, timing,
-                                                  tensor_parallel, quantized_weights, families]
+                                                  tensor_parallel, quantized_weights, families,
+                                                  first_token]
 
 
 def _context(args: argparse.Namespace) -> Context:

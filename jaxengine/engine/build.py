@@ -26,7 +26,7 @@ from jaxengine.model.config import ModelConfig
 from jaxengine.model.fns import ModelFns
 from jaxengine.model.kv_cache import init_kv_cache, kv_cache_bytes_per_block
 from jaxengine.model.kv_groups import kv_cache_layout
-from jaxengine.model.mesh import engine_devices, make_mesh
+from jaxengine.model.mesh import engine_devices, make_mesh, mesh_platform
 from jaxengine.model.packing import pack_projections, packable
 from jaxengine.model.step import make_compute_logits, make_model_step, split_model
 from jaxengine.model.tensor_parallel import tp_layout
@@ -133,7 +133,7 @@ def model_fns(model: Any, cfg: Any, *, attn_impl: str, pack: bool = True,
         pack_projections(model)
     graphdef, state = split_model(model)
     dtype, layout = jnp.dtype(kv_cache_dtype or model.dtype), model.layout
-    stored = storage_dtype(dtype, impl=attn_impl, platform=model.mesh.devices.flat[0].platform)
+    stored = storage_dtype(dtype, impl=attn_impl, platform=mesh_platform(model.mesh))
     return ModelFns(
         params=state,
         step=make_model_step(graphdef, attn_impl=attn_impl, batch_invariant=batch_invariant,

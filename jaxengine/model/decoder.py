@@ -59,7 +59,7 @@ from jaxengine.model.layers import (
     rope_inv_freq,
     rope_tables,
 )
-from jaxengine.model.mesh import make_mesh, replicated, tp_size
+from jaxengine.model.mesh import make_mesh, mesh_platform, replicated, tp_size
 from jaxengine.model.quant import (
     QuantizedEmbedder,
     QuantizedLinear,
@@ -256,7 +256,7 @@ class Model(nnx.Module):
                 repeated, vocabulary padded), as `jaxengine.loading.weights.load_weights`
                 returns them; a fresh model is then only traced (`nnx.eval_shape`), not drawn.
             scan_layers: scan over stacked weights (True) or loop over per-layer blocks
-                (False); None picks the loop on CPU and the scan elsewhere.
+                (False); None picks the loop on a CPU mesh and the scan on an accelerator's.
             mesh: the devices, axis "tp" (`jaxengine.make_mesh`); default: a mesh of
                 jax's first device.
             expert_parallel: split a MoE model's experts whole over "tp" (vLLM's
@@ -277,8 +277,11 @@ class Model(nnx.Module):
         self.config = config
         self.family = family(config.architecture)
         self.dtype = jnp.dtype(dtype)
-        self.scan_layers = jax.default_backend() != "cpu" if scan_layers is None else scan_layers
         self.mesh = mesh or make_mesh(jax.devices()[:1])
+        # The mesh's platform, not jax's default backend: an abstract TPU mesh on a CPU host
+        # lowers the program a TPU runs.
+        self.scan_layers = (mesh_platform(self.mesh) != "cpu" if scan_layers is None
+                            else scan_layers)
         self.layout = tp_layout(config, tp_size(self.mesh), expert_parallel=expert_parallel)
         fmt = weight_format(quantization)
         if fmt is not None:

@@ -16,6 +16,8 @@ of the checkpoint's cache.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
@@ -84,4 +86,13 @@ def init_kv_cache(cfg: ModelConfig, *, num_blocks: int, block_size: int,
     shape = kv_cache_shape(cfg, num_blocks=num_blocks, block_size=block_size,
                            num_kv_heads=num_kv_heads, grouped=grouped)
     mesh = mesh or make_mesh(jax.devices()[:1])
-    return jnp.zeros(shape, dtype, device=kv_cache_sharding(mesh))
+    return _zeros(shape, jnp.dtype(dtype), kv_cache_sharding(mesh))
+
+
+# A jit whose output has the cache's sharding, rather than `jnp.zeros(..., device=)`: the
+# same in-place zeroing on a concrete mesh, and it also traces inside `generate` / `score`
+# on an abstract mesh of Auto axes (lowering for devices this machine lacks), where
+# `jnp.zeros` refuses an Auto axis in its sharding.
+@functools.partial(jax.jit, static_argnames=("shape", "dtype", "sharding"))
+def _zeros(shape: tuple[int, ...], dtype: jnp.dtype, sharding: NamedSharding) -> jax.Array:
+    return jax.lax.with_sharding_constraint(jnp.zeros(shape, dtype), sharding)

@@ -16,10 +16,10 @@ from jaxengine.model.config import ModelConfig
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "device_check.py"
 
 
-@pytest.mark.slow  # 95 s unloaded; test_hlo_check_* below keeps the HLO check in the default run
+@pytest.mark.slow  # 150 s unloaded; test_hlo_check_* below keeps the HLO check in the default run
 def test_cpu_smoke_prints_every_section_and_passes() -> None:
     run = subprocess.run([sys.executable, str(SCRIPT), "--cpu-smoke"], capture_output=True,
-                         text=True, timeout=300)  # fmt: skip
+                         text=True, timeout=600)  # fmt: skip
     assert run.returncode == 0, run.stdout + run.stderr
     lines = run.stdout.splitlines()
     assert lines[0].startswith("device_check: backend=cpu") and "impls=tpu,gpu" in lines[0]
@@ -36,12 +36,16 @@ def test_cpu_smoke_prints_every_section_and_passes() -> None:
         assert sum(line.startswith("[bandwidth]") and "% of 4800 GB/s" in line
                    for line in mine) == 2  # fmt: skip
     weights = [line for line in tagged if line.startswith("[weights]")]
-    assert [line.split(":")[0] for line in weights] == ["[weights] bf16", "[weights] int8",
-                                                        "[weights] fp8"]
+    assert [line.split(":")[0] for line in weights] == [
+        "[weights] bf16", "[weights] int8", "[weights] fp8", "[weights] bf16 + fp8 KV"]
     families = [line for line in tagged if line.startswith("[families]")]
     assert sum(line.endswith("PASS") for line in families) == 4  # 2 models x 2 kernels
     assert sum("ragged_dot x" in line for line in families) == 2  # the MoE model's
     assert sum("decode step" in line for line in families) == 2
+    first = [line for line in tagged if line.startswith("[first-token]")]
+    assert [line.split(":")[0] for line in first] == ["[first-token] cold",
+                                                      "[first-token] warm"]
+    assert all("s from process start to 1 token" in line for line in first)
     assert lines[-1].startswith("summary: PASS")
 
 

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import AbstractMesh, Mesh
 
 from jaxengine.model.families.family import Path
 from jaxengine.model.layers import Embedder
@@ -152,14 +152,15 @@ def quantize_modules(node: Any, fmt: WeightFormat, path: Path = ()) -> Any:
     return node
 
 
-def check_platform(fmt: WeightFormat, mesh: Mesh) -> None:
+def check_platform(fmt: WeightFormat, mesh: Mesh | AbstractMesh) -> None:
     """Raise if the mesh's devices cannot hold `fmt`'s values (fp8 needs the platform's
-    float8_e4m3fn arrays; every XLA platform holds int8).
+    float8_e4m3fn arrays; every XLA platform holds int8). An abstract mesh (lowering for
+    devices this machine lacks) has no device to probe: lowering is its check.
 
     Raises:
         ValueError: naming the format, the device kind and what to use instead.
     """
-    if fmt.name != "fp8":
+    if fmt.name != "fp8" or isinstance(mesh, AbstractMesh):
         return
     device = mesh.devices.flat[0]
     problem = _fp8_problem(device)
