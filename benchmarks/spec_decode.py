@@ -7,8 +7,9 @@ with `speculative_config`, on repetitive text and on the mix64 workload, in one 
 
 Each workload runs on four engines over the same loaded weights: the synchronous loop
 (`async_scheduling=False`), the default asynchronous loop, and ngram speculation in each
-(`ngram`: synchronous; `ngram-async`: async scheduling, where a request whose drafts are in
-flight sits out the next step, docs/DESIGN.md "Speculative decoding"). Every request is
+(`ngram`: synchronous; `ngram-async`: async scheduling, where a step that verifies drafts is
+collected before the next is planned, docs/DESIGN.md "Speculative decoding"). `steps` counts
+device steps. Every request is
 greedy, ignores EOS and arrives at t=0. Each timed run is a fresh engine (no prefix-cache
 hits from the one before) over programs compiled before it starts, so the times are steps
 only (any compilation after warm-up is counted); the kinds run interleaved `--repeats` times
