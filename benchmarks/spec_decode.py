@@ -7,8 +7,10 @@ with `speculative_config`, on repetitive text and on the mix64 workload, in one 
 
 Each workload runs on four engines over the same loaded weights: the synchronous loop
 (`async_scheduling=False`), the default asynchronous loop, and ngram speculation in each
-(`ngram`: synchronous; `ngram-async`: async scheduling, where a request whose drafts are in
-flight sits out the next step, docs/DESIGN.md "Speculative decoding"). Every request is
+(`ngram`: synchronous; `ngram-async`: async scheduling, where a step that verifies drafts is
+collected before the next is planned, docs/DESIGN.md "Speculative decoding"). `steps` counts
+device steps, `calls` the engine's `step()` calls (one with an empty plan runs no device
+step). Every request is
 greedy, ignores EOS and arrives at t=0. Each timed run is a fresh engine (no prefix-cache
 hits from the one before) over programs compiled before it starts, so the times are steps
 only (any compilation after warm-up is counted); the kinds run interleaved `--repeats` times
@@ -104,7 +106,9 @@ def run(args: argparse.Namespace, fns: Any, cfg: Any, tokenizer: Any,
                            SamplingParams(max_tokens=r["max_tokens"], temperature=0.0,
                                           ignore_eos=True))
     outputs, request_steps, seen = {}, 0, dict.fromkeys((r["id"] for r in requests), 0)
+    calls = 0
     while engine.has_unfinished_requests():
+        calls += 1
         for o in engine.step():
             n = len(o.outputs[0].token_ids)
             request_steps += n > seen[o.request_id]  # a step that gave this request tokens
@@ -114,7 +118,7 @@ def run(args: argparse.Namespace, fns: Any, cfg: Any, tokenizer: Any,
     elapsed = time.perf_counter() - start
     tokens = sum(map(len, outputs.values()))
     return dict(elapsed=elapsed, output_tokens=tokens, tokens_per_s=tokens / elapsed,
-                steps=engine.runner.stats.steps - steps0,
+                steps=engine.runner.stats.steps - steps0, calls=calls,
                 tokens_per_request_step=tokens / max(request_steps, 1), drafts=counts.drafts,
                 draft_tokens=counts.draft_tokens, accepted=counts.accepted,
                 compilations_after_warmup=engine.runner.stats.compilations_after_warmup,
@@ -145,7 +149,8 @@ def main() -> None:
         workloads["mix64"] = mix64(args.mix_requests)
     results: dict[str, dict[str, Any]] = {}
     print(f"speculative_config={json.dumps(spec)}")
-    print(f"{'workload':<11} {'engine':<11} {'steps':>6} {'tok/req-step':>12} {'out tok':>8} "
+    print(f"{'workload':<11} {'engine':<11} {'steps':>6} {'calls':>6} {'tok/req-step':>12} "
+          f"{'out tok':>8} "
           f"{'tok/s':>7} {'accepted/drafted':>17} {'compiles':>8}")
     kinds = {"sync": dict(async_scheduling=False), "async": dict(async_scheduling=True),
              "ngram": dict(speculative_config=spec, async_scheduling=False),
@@ -160,7 +165,8 @@ def main() -> None:
         res = {k: min(rs, key=lambda r: r["elapsed"]) for k, rs in runs.items()}
         for engine, r in res.items():
             acc = f"{r['accepted']}/{r['draft_tokens']}" if "ngram" in engine else "-"
-            print(f"{name:<11} {engine:<11} {r['steps']:>6} {r['tokens_per_request_step']:>12.2f} "
+            print(f"{name:<11} {engine:<11} {r['steps']:>6} {r['calls']:>6} "
+                  f"{r['tokens_per_request_step']:>12.2f} "
                   f"{r['output_tokens']:>8} {r['tokens_per_s']:>7.1f} {acc:>17} "
                   f"{sum(x['compilations_after_warmup'] for x in runs[engine]):>8}")
         same = all(r["outputs"] == res["sync"]["outputs"] for rs in runs.values() for r in rs)
@@ -168,7 +174,8 @@ def main() -> None:
         print(f"{name}: ngram / sync: steps x{ng['steps'] / sy['steps']:.2f}, tokens/s "
               f"x{ng['tokens_per_s'] / sy['tokens_per_s']:.2f}; ngram / async tokens/s "
               f"x{ng['tokens_per_s'] / asy['tokens_per_s']:.2f}; ngram-async / async: steps "
-              f"x{na['steps'] / asy['steps']:.2f}, tokens/s "
+              f"x{na['steps'] / asy['steps']:.2f}, calls x{na['calls'] / asy['calls']:.2f}, "
+              f"tokens/s "
               f"x{na['tokens_per_s'] / asy['tokens_per_s']:.2f}; ngram-async / ngram tokens/s "
               f"x{na['tokens_per_s'] / ng['tokens_per_s']:.2f}; acceptance "
               f"{ng['accepted'] / max(ng['draft_tokens'], 1):.1%} (sync), "

@@ -365,6 +365,7 @@ class LLMEngine:
         A request whose grammar failed to compile is aborted here (its output comes first).
         """
         failed = self._take_compiled_grammars()
+        verified = self._loop.finish_verifying()
         before = self.state
         # Pure scheduler: if anything below raises, self.state is still the old, consistent one.
         state, plan = schedule(before, self._kv_connector)
@@ -373,7 +374,7 @@ class LLMEngine:
         if self.kv_offload is not None:  # copies out and in, before the step overwrites them
             self.kv_offload.start_step(plan, state)
         self._note_scheduled(plan)
-        return failed + self._merged(self._loop.step(state, before, plan))
+        return self._merged(failed + verified + self._loop.step(state, before, plan))
 
     def _verify(self, plan: SchedulerOutput, rows: dict[str, list[SampledToken]],
                 dropped: set[str] | None = None

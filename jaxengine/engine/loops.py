@@ -9,7 +9,9 @@ finished; each is the engine's own part and calls its stages (`_sampling_rows`, 
 - `SyncLoop` finishes each plan in the call that made it: dispatch, collect, update.
 - `AsyncLoop` (`async_scheduling`, docs/DESIGN.md "Async scheduling") dispatches a plan and
   finishes it in the next call, behind the next plan's dispatch, and holds all that needs: the
-  step in flight, the plan dispatched last and the ids whose tokens in it went stale.
+  step in flight, the plan dispatched last and the ids whose tokens in it went stale. A step
+  in flight that verifies drafts is finished before the next plan is made instead
+  (`finish_verifying`), so its requests are planned again at once.
 """
 
 from __future__ import annotations
@@ -44,6 +46,10 @@ class SyncLoop:
         sampled, spec_stats = e._verify(plan, sampled)
         return e._update(state, before, plan, sampled, spec_decoding=spec_stats)
 
+    def finish_verifying(self) -> list[RequestOutput]:
+        """Nothing is in flight between calls: nothing to finish."""
+        return []
+
     def drop(self, request_ids: Iterable[str]) -> None:
         """Requests that left between calls: no step holds tokens of theirs."""
 
@@ -76,6 +82,22 @@ class AsyncLoop:
                                              timestamp=e.clock()))
             return []
         return self._finish(state, before, prev, dropped)
+
+    def finish_verifying(self) -> list[RequestOutput]:
+        """If the step in flight verifies drafts, collect and update it now, before the next
+        plan is made; its outputs (none otherwise).
+
+        Its requests get 1 to k + 1 tokens there, known only once it is collected; a plan made
+        before would have them sit its step out (docs/SCHEDULING.md §4.1). Made after, it
+        plans them at once, and with drafts that follow their real tokens (docs/DESIGN.md
+        "Speculative decoding"). The device waits for the host's update and the next plan.
+        """
+        prev = self.in_flight
+        if prev is None or not prev.plan.scheduled_spec_decode_tokens:
+            return []
+        e, dropped = self.engine, self._dropped
+        self.in_flight, self.plan, self._dropped = None, None, set()
+        return self._finish(e.state, e.state, prev, dropped)
 
     def _step_sampling_a_grammar(self, state: SchedulerState, before: SchedulerState,
                                  plan: SchedulerOutput, prev: InFlight,

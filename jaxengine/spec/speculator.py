@@ -11,7 +11,7 @@ Under async scheduling (docs/DESIGN.md, "Speculative decoding") step N is collec
 N+1 was dispatched. A request that N+1 decodes plainly gets drafts for N+2 that follow the token
 N+1 samples, not known yet: the proposer drafts one token more from the known history and the
 first (its guess of that token) is dropped (`tokens_in_flight` = 1). One whose drafts N+1
-verifies gets none (the scheduler keeps it out of N+2).
+verifies gets none now: the engine finishes N+1 before it plans N+2, and proposes then.
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ def tokens_in_flight(in_flight: SchedulerOutput | None, request_id: str) -> int 
     """Tokens the step in flight samples for a request before drafts proposed now are
     verified: 0 (none, or the synchronous loop), 1 (a plain decode: the proposal follows its
     token, guessed), or None when that step verifies the request's drafts (no proposal now:
-    the scheduler plans it again only after that step's update)."""
+    the engine finishes that step before the next plan, and proposes then)."""
     if in_flight is None or request_id not in in_flight.sampling_req_ids:
         return 0
     return None if request_id in in_flight.scheduled_spec_decode_tokens else 1
