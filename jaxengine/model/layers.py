@@ -97,6 +97,9 @@ def rope_tables(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, j
     return jax.lax.optimization_barrier((jnp.cos(angles), jnp.sin(angles)))
 
 
+# Jitted, like `fixed_order_sum`, so that a step traces it once per shape rather than at each
+# of its two calls a layer; XLA inlines the call.
+@jax.jit
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """Rotate x [T, heads, H] by the tables cos/sin f32[T, H]; result in x's dtype.
 
