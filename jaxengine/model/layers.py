@@ -97,6 +97,9 @@ def rope_tables(positions: jax.Array, inv_freq: jax.Array) -> tuple[jax.Array, j
     return jax.lax.optimization_barrier((jnp.cos(angles), jnp.sin(angles)))
 
 
+# Jitted, like `fixed_order_sum`, so that a step traces it once per shape rather than at each
+# of its two calls a layer; XLA inlines the call.
+@jax.jit
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """Rotate x [T, heads, H] by the tables cos/sin f32[T, H]; result in x's dtype.
 
@@ -110,6 +113,22 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     signed_sin = jnp.concatenate([-sin[:, :half], sin[:, half:]], axis=-1)
     cos, signed_sin = cos[:, None, :].astype(x.dtype), signed_sin[:, None, :].astype(x.dtype)
     return x * cos + swapped * signed_sin
+
+
+@functools.cache
+def _sharded_attention(mesh: Mesh, **kernel: Any) -> Callable[..., tuple[jax.Array, jax.Array]]:
+    """The attention kernel with `kernel`'s static arguments, under `shard_map` over `mesh`,
+    jitted: every layer of the same settings calls this one function, so a step traces the
+    kernel once per shape, not once a layer (XLA inlines the call). Its arguments: q, k, v,
+    pages, slots, block tables, seq lens, query start locs, num seqs, window, k and v scales.
+    """
+    def attend(*a: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return ragged_paged_attention(*a[:-3], sliding_window=a[-3], k_scale=a[-2],
+                                      v_scale=a[-1], **kernel)
+
+    return jax.jit(jax.shard_map(
+        attend, mesh=mesh, in_specs=(HEADS, HEADS, HEADS, PAGES, *[P()] * 8),
+        out_specs=(HEADS, PAGES), check_vma=False))  # kernels' loop carries start unvaried
 
 
 def _normal(key: jax.Array, shape: tuple[int, ...], dtype: jnp.dtype) -> jax.Array:
@@ -310,14 +329,10 @@ class Attention(nnx.Module):
         # Per device, over its own heads: the kernels never see the mesh. Query head n reads
         # KV head n // (N/K) globally, and device d holds query heads d*N/tp.. and KV heads
         # d*K/tp.., so the local rule n // (N/K) holds too. The batch metadata is replicated.
-        kernel = functools.partial(ragged_paged_attention, sm_scale=self.sm_scale,
-                                   soft_cap=self.soft_cap, impl=attn_impl, interpret=interpret,
-                                   batch_invariant=batch_invariant,
-                                   kv_cache_dtype=kv_cache_dtype)
-        attend = jax.shard_map(
-            lambda *a: kernel(*a[:-3], sliding_window=a[-3], k_scale=a[-2], v_scale=a[-1]),
-            mesh=self.mesh, in_specs=(HEADS, HEADS, HEADS, PAGES, *[P()] * 8),
-            out_specs=(HEADS, PAGES), check_vma=False)  # kernels' loop carries start unvaried
+        attend = _sharded_attention(self.mesh, sm_scale=self.sm_scale, soft_cap=self.soft_cap,
+                                    impl=attn_impl, interpret=interpret,
+                                    batch_invariant=batch_invariant,
+                                    kv_cache_dtype=kv_cache_dtype)
         window = per_layer(self.windows, layer) if self.windows else 0
         k_scale, v_scale = self._kv_scales(kv_cache_dtype or pages.dtype, layer)
         out, pages = attend(q, k, v, pages, slots, batch.block_tables + page_offset,

@@ -23,6 +23,10 @@ WIDTH = 16  # running sums a row: one AVX-512 vector of float32
 MAX_CHUNKS = 64  # chunks added one after another; wider rows widen the chunk instead
 
 
+# Jitted so that a step traces it once per shape, not at each call (two a layer): tracing its
+# unrolled adds was most of a warm start's precompile (docs/BENCHMARKS.md §14). XLA inlines
+# the call: the same adds in the same order.
+@jax.jit
 def fixed_order_sum(x: jax.Array) -> jax.Array:
     """x [..., V] -> [...]: each row's sum, in an order that depends on V alone.
 
