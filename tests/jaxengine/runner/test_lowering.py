@@ -24,7 +24,8 @@ from flax import nnx
 from jax.sharding import AbstractDevice, AbstractMesh, AxisType, NamedSharding, PartitionSpec
 
 from jaxengine.engine.build import model_fns
-from jaxengine.fixed_batch.generate import jaxengine_generate
+from jaxengine.fixed_batch.generate import STATIC, jaxengine_generate
+from jaxengine.fixed_batch.programs import program_for
 from jaxengine.fixed_batch.score import jaxengine_score
 from jaxengine.loading.hf import read_hf_config
 from jaxengine.model.batch import pack_batch
@@ -204,15 +205,14 @@ def test_generate_and_score_lower_with_the_kernel(program: str, impl: str) -> No
     f32 = jax.ShapeDtypeStruct((B,), np.float32)
     with jax.sharding.use_abstract_mesh(mesh):
         fns, _ = _fns(LLAMA_TP4, mesh, impl)
-        model = dict(step_fn=fns.step, logits_fn=fns.compute_logits, init_kv_fn=fns.init_kv,
-                     cache="paged", block_size=BLOCK)
+        layout = dict(cache="paged", block_size=BLOCK)
         if program == "generate":
-            traced = jaxengine_generate.trace(
+            traced = program_for(jaxengine_generate, fns, static_argnames=STATIC).trace(
                 fns.params, i32(B, S), i32(B), jax.ShapeDtypeStruct((B,), np.uint32), f32,
-                i32(B), f32, f32, i32(1), i32(), max_new_tokens=N, logprobs=2, **model)
+                i32(B), f32, f32, i32(1), i32(), max_new_tokens=N, logprobs=2, **layout)
         else:
-            traced = jaxengine_score.trace(fns.params, i32(B, S), i32(B, N), i32(B), i32(B),
-                                           **model)
+            traced = program_for(jaxengine_score, fns, static_argnames=tuple(layout)).trace(
+                fns.params, i32(B, S), i32(B, N), i32(B), i32(B), **layout)
         text = traced.lower(lowering_platforms=(platform,)).as_text()
     assert_kernel_not_reference(text, impl)
     # generate: the prefill and the decode loop's step each call the kernel
