@@ -68,6 +68,12 @@ def pack_swiglu_int8(gate: jax.Array | np.ndarray, up: jax.Array | np.ndarray) -
     return _interleave(pack_int8(gate), pack_int8(up))
 
 
+def unpack(panels: jax.Array, n: int) -> jax.Array:
+    """`pack`'s inverse: panels [ceil(n/W), K, W] (any dtype) -> the kernel [K, n]."""
+    P, K, W = panels.shape
+    return panels.transpose(1, 0, 2).reshape(K, P * W)[:, :n]
+
+
 def _panels(w: jax.Array) -> jax.Array:
     """w [K, N] -> [ceil(N/W), K, W] in w's dtype, zeros past N."""
     width = panel_width()
@@ -183,7 +189,7 @@ def _xla(rows: jax.Array, panels: jax.Array, scale: jax.Array | None, live: jax.
     per_part = panels.reshape(-1, parts, *panels.shape[1:])  # [P, parts, K, W]
     ys = []
     for i in range(parts):
-        w = per_part[:, i].transpose(1, 0, 2).reshape(panels.shape[1], -1)[:, :n]  # [K, n]
+        w = unpack(per_part[:, i], n)  # [K, n]
         y = jnp.dot(rows, w.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
         ys.append(y if scale is None else y * scale[i * n:(i + 1) * n])
     y = ys[0] if parts == 1 else jax.nn.silu(ys[0]) * ys[1]
