@@ -24,7 +24,7 @@ import numpy as np
 from jaxengine.loading.weights import model_weight_shapes, stacked_tensors
 from jaxengine.model.config import ModelConfig, ModelLoadError, RopeScaling
 from jaxengine.model.families import GGUF_ARCHS, GGUF_EXPERT_ARCHS, family
-from jaxengine.model.quant.gguf_blocks import BLOCK_FORMATS, SUPPORTED
+from jaxengine_kernels.gguf_blocks import BLOCK_FORMATS, SUPPORTED
 
 # gguf's architecture enum by name; a "mistral" file has llama's tensor names
 _GGUF_ENUM = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}
@@ -214,7 +214,7 @@ class GGUFSource:
         llama.cpp are put back in HF's order whole, as `get` does to the float rows.
         Raises:
             ModelLoadError: a quantization type without a jnp dequantizer
-                (jaxengine/model/quant/gguf_blocks.py); the message names the tensor, the type
+                (jaxengine_kernels/gguf_blocks.py); the message names the tensor, the type
                 and those supported.
         """
         held, expert = _split_expert(name)

@@ -3,7 +3,7 @@ and its rows of blocks stacked as `load_weight` stacks floats, in the file's wei
 (`gguf_format`, which `load_gguf` hands to the loader and the model).
 
 A weight of the model (module path, scanned layout) is held as blocks when every tensor behind
-it is of one quantized type (jaxengine/model/quant/gguf_blocks.py); F32/F16/BF16 tensors stay
+it is of one quantized type (jaxengine_kernels/gguf_blocks.py); F32/F16/BF16 tensors stay
 floats. A stacked weight is one array, so its layers must share a type: a file that mixes
 types across the layers of one weight (llama.cpp's "_M" mixes do, for some `ffn_down` and
 `attn_v`) is refused by name rather than served partly as floats.

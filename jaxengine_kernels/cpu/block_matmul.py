@@ -12,9 +12,10 @@ sums each output in kLanes partial sums; see the source).
 hidden activations from two weights' blocks.
 
 Both are differentiable in x (``jax.custom_vjp``): the forward is the kernel, the backward the
-VJP of the same product in XLA operations over the weights `dequantize` unpacks (SwiGLU's gate
-and up recomputed), run by XLA. The blocks are integers and get no cotangent: a GGUF model's
-trainable parameters are its float ones (norms, embeddings kept in floats).
+VJP of the same product in XLA operations over the weights `gguf_blocks.dequantize` unpacks
+(the dequantizer of the model's jnp path; SwiGLU's gate and up recomputed), run by XLA. The
+blocks are integers and get no cotangent: a GGUF model's trainable parameters are its float
+ones (norms, embeddings kept in floats).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxengine_kernels.cpu import native
+from jaxengine_kernels.gguf_blocks import dequantize
 
 BLOCK_SIZE = 32  # weights per block of every type the kernel reads
 BLOCK_BYTES = {"Q4_1": 20, "Q8_0": 34}  # bytes per block
@@ -112,29 +114,11 @@ _product.defvjp(_product_fwd, _product_bwd)
 
 def _xla(rows: jax.Array, gate: jax.Array, up: jax.Array, live: jax.Array, quant_type: str,
          swiglu: bool) -> jax.Array:
-    """The kernel's product f32[M, N] in XLA operations over `dequantize`'s weights, the maths
-    its backward differentiates (SwiGLU's gate and up recomputed); the rows past `live` zero."""
+    """The kernel's product f32[M, N] in XLA operations over `gguf_blocks.dequantize`'s
+    weights, the maths its backward differentiates (SwiGLU's gate and up recomputed); the
+    rows past `live` zero."""
     y = jnp.dot(rows, dequantize(gate, quant_type).T, precision=jax.lax.Precision.HIGHEST)
     if swiglu:
         y = jax.nn.silu(y) * jnp.dot(rows, dequantize(up, quant_type).T,
                                      precision=jax.lax.Precision.HIGHEST)
     return jnp.where(jnp.arange(rows.shape[0])[:, None] < live, y, 0.0)
-
-
-def dequantize(blocks: jax.Array, quant_type: str) -> jax.Array:
-    """u8[N, K/32 * B] blocks of `quant_type` -> their weights f32[N, K] (ggml's layout:
-    Q4_1 w = d * q + m, its 4-bit q low nibbles first; Q8_0 w = d * q), in XLA operations.
-
-    Args:
-      blocks: u8[N, K/32 * B] as `block_matmul` takes them.
-      quant_type: "Q4_1" or "Q8_0".
-    """
-    N = blocks.shape[0]
-    b = blocks.reshape(N, -1, BLOCK_BYTES[quant_type])  # [N, K/32, B]
-    d = jax.lax.bitcast_convert_type(b[..., 0:2], jnp.float16).astype(jnp.float32)[..., None]
-    if quant_type == "Q8_0":
-        q = jax.lax.bitcast_convert_type(b[..., 2:], jnp.int8).astype(jnp.float32)
-        return (d * q).reshape(N, -1)
-    m = jax.lax.bitcast_convert_type(b[..., 2:4], jnp.float16).astype(jnp.float32)[..., None]
-    nibbles = jnp.concatenate([b[..., 4:] & 0xF, b[..., 4:] >> 4], axis=-1)  # [N, K/32, 32]
-    return (d * nibbles.astype(jnp.float32) + m).reshape(N, -1)

@@ -1,7 +1,7 @@
 """Projections and the token embedding served from GGUF blocks (`quantization="gguf"`).
 
 The weights stay on the device as the file stores them, u8[out, row_bytes] rows of blocks
-(jaxengine/model/quant/gguf_blocks.py), and are dequantized inside the jitted step, right
+(jaxengine_kernels/gguf_blocks.py), and are dequantized inside the jitted step, right
 before their dot: never stored as floats. `GGUFLinear` replaces an `nnx.Linear` (kernel
 [in, out]) with the same product, y = x @ W.T in x's dtype with float32 accumulation;
 `GGUFEmbedder` replaces the `Embedder`, gathering the ids' rows of blocks and dequantizing only
@@ -36,8 +36,8 @@ from jax.sharding import PartitionSpec as P
 from jaxengine.model.families.family import Path
 from jaxengine.model.layers import COLUMN, ROW, Embedder, Sharding, vocab_parallel_rows
 from jaxengine.model.mesh import TP_AXIS, tp_size
-from jaxengine.model.quant.gguf_blocks import block_format, dequantize
 from jaxengine.model.tensor_parallel import TPLayout
+from jaxengine_kernels.gguf_blocks import block_format, dequantize
 
 Q = gguf.GGMLQuantizationType
 

@@ -16,7 +16,7 @@ import numpy as np
 from jaxengine.model.config import ModelConfig
 from tests.fixtures.model_helpers import FIXTURES, load_json
 from tests.jaxengine.loading.test_load import add_model_keys
-from tests.jaxengine.model.quant.test_gguf_blocks import random_rows
+from tests.jaxengine_kernels.test_gguf_blocks import random_rows
 
 Q = gguf.GGMLQuantizationType
 

@@ -20,9 +20,9 @@ from jaxengine.model.quant.gguf import (
     gguf_embedder,
     gguf_linear,
 )
-from jaxengine.model.quant.gguf_blocks import BLOCK_FORMATS
 from jaxengine.model.tensor_parallel import tp_layout
-from tests.jaxengine.model.quant.test_gguf_blocks import random_rows
+from jaxengine_kernels.gguf_blocks import BLOCK_FORMATS
+from tests.jaxengine_kernels.test_gguf_blocks import random_rows
 from tests.parallel_helpers import run_python
 
 Q = gguf.GGMLQuantizationType
@@ -111,7 +111,7 @@ import gguf, jax, jax.numpy as jnp, numpy as np
 from jaxengine.model.layers import COLUMN, ROW
 from jaxengine.model.mesh import make_mesh
 from jaxengine.model.quant.gguf import GGUFEmbedder, GGUFLinear
-from tests.jaxengine.model.quant.test_gguf_blocks import random_rows
+from tests.jaxengine_kernels.test_gguf_blocks import random_rows
 Q = gguf.GGMLQuantizationType
 one, two = make_mesh(jax.devices()[:1]), make_mesh(jax.devices()[:2])
 x = jax.random.normal(jax.random.key(0), (3, 512), jnp.float32)

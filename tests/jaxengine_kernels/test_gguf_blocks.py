@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxengine.model.quant.gguf_blocks import BLOCK_FORMATS, block_format, dequantize
+from jaxengine_kernels.gguf_blocks import BLOCK_FORMATS, block_format, dequantize
 
 Q = gguf.GGMLQuantizationType
 # gguf.quants.quantize makes these (Q5_0: a type served only as floats); k-quants: random
