@@ -141,6 +141,13 @@ def test_on_the_mesh_tp_and_ep_give_tp1s_output() -> None:
     assert " passed" in out and "failed" not in out
 
 
+@pytest.mark.slow
+def test_on_the_mesh_tp4() -> None:
+    """The mesh checks' slow cases: tp=4 with every grouped implementation."""
+    out = run_pytest([MESH_CHECKS], num_devices=8, timeout=600, args=["-m", "slow"])
+    assert " passed" in out and "failed" not in out
+
+
 def test_bfloat16_runs_the_cpu_default_and_stays_near_float32() -> None:
     """In bfloat16 (the native kernel is float32 only: the XLA tiles run) the layer gives the
     float32 layer's output to bfloat16 precision, but for the rare token whose routing flips on
