@@ -10,7 +10,8 @@ from pathlib import Path
 import jax.numpy as jnp
 import pytest
 
-from benchmarks import device_check
+from benchmarks.device_sections import kernel, model
+from benchmarks.device_sections.context import Context
 from jaxengine.model.config import ModelConfig
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "device_check.py"
@@ -30,7 +31,7 @@ def test_cpu_smoke_prints_every_section_and_passes() -> None:
         assert len(correct) == 4 and all(line.endswith("PASS") for line in correct)
         assert {"garbage=nan", "garbage=+inf"} <= {w for line in correct for w in line.split()}
         hlo = [line for line in mine if line.startswith("[engine-hlo]")]
-        assert len(hlo) == 1 and device_check.CUSTOM_CALL[impl] + " found x" in hlo[0]
+        assert len(hlo) == 1 and kernel.CUSTOM_CALL[impl] + " found x" in hlo[0]
         assert "reference not found PASS" in hlo[0]
         assert sum(line.startswith("[timing]") for line in mine) == 2
         assert sum(line.startswith("[bandwidth]") and "% of 4800 GB/s" in line
@@ -51,9 +52,9 @@ def test_cpu_smoke_prints_every_section_and_passes() -> None:
 
 @pytest.mark.slow  # 50 s: compiles and times two tiny models; the smoke above covers it too
 def test_families_section_finds_both_kernels_in_the_abstract_steps(capsys) -> None:
-    ctx = device_check.Context(impls=("tpu", "gpu"), interpret=True, smoke=True, quick=True,
+    ctx = Context(impls=("tpu", "gpu"), interpret=True, smoke=True, quick=True,
                                peak_gbps=4800.0, iters=1)
-    assert device_check.families(ctx) == []
+    assert model.families(ctx) == []
     out = capsys.readouterr().out.splitlines()
     assert [line.split(":")[0] for line in out if line.endswith("PASS")] == [
         f"[families] {m} {i} lowered (abstract device)"
@@ -63,10 +64,10 @@ def test_families_section_finds_both_kernels_in_the_abstract_steps(capsys) -> No
 
 def test_hlo_check_fails_on_a_step_over_the_reference(capsys) -> None:
     cfg = ModelConfig.tiny(hidden_size=64, head_dim=64)
-    jitted, args, statics = device_check._engine_step(cfg, "reference", jnp.float32)
+    jitted, args, statics = kernel.engine_step(cfg, "reference", jnp.float32)
     text = jitted.lower(*args, **statics).as_text()
-    assert not device_check._check_text("gpu", "lowered", text, require_call=True)
-    assert not device_check._check_text("gpu", "compiled", text, require_call=False)
+    assert not kernel.check_text("gpu", "lowered", text, require_call=True)
+    assert not kernel.check_text("gpu", "compiled", text, require_call=False)
     out = capsys.readouterr().out
     assert "__gpu$xla.gpu.triton NOT FOUND" in out and "reference FOUND" in out
     assert out.count("FAIL") == 2

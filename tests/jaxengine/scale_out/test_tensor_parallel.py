@@ -36,9 +36,10 @@ print(json.dumps(list(outs[0].outputs[0].token_ids)))
 
 
 DEVICE_CHECK = """
-from benchmarks import device_check as dc
-ctx = dc.Context(impls=(), interpret=True, smoke=True, quick=True, peak_gbps=4800.0, iters=1)
-assert dc.tensor_parallel(ctx) == []
+from benchmarks.device_sections.context import Context
+from benchmarks.device_sections.model import tensor_parallel
+ctx = Context(impls=(), interpret=True, smoke=True, quick=True, peak_gbps=4800.0, iters=1)
+assert tensor_parallel(ctx) == []
 """
 
 
