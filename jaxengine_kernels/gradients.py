@@ -3,8 +3,8 @@
 ``with_backward(forward, ...)`` is a ``jax.custom_vjp``: its forward is the chosen kernel as it
 runs without gradients (the native CPU call, a Pallas kernel, the jnp reference: same bits,
 same speed), and its backward is the VJP of one jnp formulation of the same maths,
-``reference.ragged_paged_attention_differentiable`` (static trip counts, recomputed chunk by
-chunk), run by XLA. So the Pallas kernels on TPU and GPU have no backward kernel of their own:
+``differentiable.ragged_paged_attention_differentiable`` (static trip counts, recomputed chunk
+by chunk), run by XLA. So the Pallas kernels on TPU and GPU have no backward kernel of their own:
 their backward is this XLA program.
 
 Cotangents: q, k, v, and the input cache, which receives the output cache's cotangent where
@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxengine_kernels.cache_dtype import BITS_DTYPE
-from jaxengine_kernels.reference import ragged_paged_attention_differentiable
+from jaxengine_kernels.differentiable import ragged_paged_attention_differentiable
 
 # The differentiable operands: q, k, v, kv_cache; the rest (slot_mapping, block_tables,
 # seq_lens, query_start_loc, num_seqs, sliding_window, k_scale, v_scale) get no cotangent.

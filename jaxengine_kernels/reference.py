@@ -32,8 +32,9 @@ Memory stays bounded for long contexts; no ``[T, max_context]`` array is ever bu
   an online softmax. Items and chunk counts are data-dependent trip counts, so the cost follows
   the live work, not ``max_blocks`` or the padding.
 
-Reverse mode refuses those loops; ``ragged_paged_attention_differentiable`` runs the same items
-and chunk steps with static trip counts, masked, and is the backward of every implementation
+Reverse mode refuses those loops; ``differentiable.ragged_paged_attention_differentiable``
+runs the same items and chunk steps (``work_items``, ``item_rows``, ``attend_item``) with
+static trip counts, masked, and is the backward of every implementation
 (``jaxengine_kernels.gradients``).
 """
 
@@ -127,14 +128,14 @@ def write_kv(
     return flat.reshape(P, L, K2, H)
 
 
-def _live_q_lens(query_start_loc: jax.Array, num_seqs: jax.Array) -> jax.Array:
+def live_q_lens(query_start_loc: jax.Array, num_seqs: jax.Array) -> jax.Array:
     """i32[R] scheduled tokens per request, 0 for rows past ``num_seqs``."""
     R = query_start_loc.shape[0] - 1
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
     return jnp.where(jnp.arange(R) < num_seqs, q_lens, 0)
 
 
-def _work_items(q_lens: jax.Array, block_q: int, *, decodes: bool = False
+def work_items(q_lens: jax.Array, block_q: int, *, decodes: bool = False
                 ) -> tuple[jax.Array, jax.Array]:
     """Items of the chunk loop: ``block_q`` tokens of a request with more than one token (of
     every live request with ``decodes``).
@@ -149,7 +150,7 @@ def _work_items(q_lens: jax.Array, block_q: int, *, decodes: bool = False
     return cum, cum[-1]
 
 
-def _item_rows(
+def item_rows(
     i: jax.Array,  # i32[] the item
     cum: jax.Array,  # i32[R] inclusive prefix sums of the items per request
     query_start_loc: jax.Array,  # i32[R+1]
@@ -213,7 +214,7 @@ def _attend_chunk(
     return m_new, l, acc
 
 
-def _attend_item(
+def attend_item(
     q_item: jax.Array,  # [Bq, N, H]
     q_pos: jax.Array,  # i32[Bq]; -1 outside the item
     kv_cache: jax.Array,  # [P, L, 2*K, H]
@@ -424,7 +425,7 @@ def ragged_paged_attention_reference(
     scales = (jnp.asarray(k_scale, jnp.float32), jnp.asarray(v_scale, jnp.float32))
     values = kv_cache_dtype or kv_cache.dtype
     kv_cache = write_kv(kv_cache, k, v, slot_mapping, *scales, kv_cache_dtype=values)
-    q_lens = _live_q_lens(query_start_loc, num_seqs)
+    q_lens = live_q_lens(query_start_loc, num_seqs)
     is_decode = q_lens == 1
     # Every live request schedules at least one token, so live rows are among the first
     # min(R, T): the decode pass need not touch the padding rows of a large max_num_seqs.
@@ -441,13 +442,13 @@ def ragged_paged_attention_reference(
     out = jnp.zeros((T + block_q, N, H), jnp.float32)
     dec_rows = jnp.where(is_decode, q_start, T + block_q)
     out = out.at[dec_rows].set(out_dec, mode="drop")
-    cum, total = _work_items(q_lens, block_q)
+    cum, total = work_items(q_lens, block_q)
     q_pad = jnp.pad(q, ((0, block_q), (0, 0), (0, 0)))
 
     def item(i: jax.Array, out: jax.Array) -> jax.Array:
-        r, start, in_item, q_pos = _item_rows(i, cum, query_start_loc, seq_lens, block_q)
+        r, start, in_item, q_pos = item_rows(i, cum, query_start_loc, seq_lens, block_q)
         q_item = lax.dynamic_slice_in_dim(q_pad, start, block_q)
-        o = _attend_item(
+        o = attend_item(
             q_item,
             q_pos,
             kv_cache,
@@ -466,69 +467,3 @@ def ragged_paged_attention_reference(
 
     out = lax.fori_loop(0, total, item, out)
     return out[:T].astype(q.dtype), kv_cache
-
-
-def ragged_paged_attention_differentiable(
-    q: jax.Array,  # [T, N, H]
-    k: jax.Array,  # [T, K, H]
-    v: jax.Array,  # [T, K, H]
-    kv_cache: jax.Array,  # [P, L, 2*K, H]
-    slot_mapping: jax.Array,  # i32[T]
-    block_tables: jax.Array,  # i32[R, max_blocks]
-    seq_lens: jax.Array,  # i32[R]
-    query_start_loc: jax.Array,  # i32[R+1]
-    num_seqs: jax.Array,  # i32[]
-    *,
-    sm_scale: float,
-    sliding_window: jax.Array | int = 0,
-    soft_cap: float | None = None,
-    k_scale: jax.Array | float = 1.0,
-    v_scale: jax.Array | float = 1.0,
-    block_q: int = DEFAULT_BLOCK_Q,
-    pages_per_chunk: int | None = None,
-) -> tuple[jax.Array, jax.Array]:
-    """The reference's maths with static trip counts, which reverse mode runs: the formulation
-    whose VJP is every implementation's backward (``jaxengine_kernels.attention``).
-
-    Arguments and results as ``ragged_paged_attention_reference``'s (a cache of real values:
-    no uint8 bits). Every live request, decodes included, is cut into items of Bq tokens; a
-    scan runs the most items T tokens in R requests can make, and each item a scan over every
-    chunk of its block table, masked (keys too, NaN-safe under reverse mode) and recomputed in
-    the backward (``jax.checkpoint``): the backward stores an item's online-softmax state per
-    chunk, never a [T, context] array of scores. Bq is ``block_q`` or the mean tokens per
-    request slot, ``ceil(T / min(R, T))``, if fewer, so the items hold about 2T rows at most,
-    whatever the mix of decodes and prefills. The cost follows the shapes (``T``,
-    ``max_blocks``), not the live work: this is for gradients. Padding rows of ``out`` are
-    zeros.
-    """
-    T, N, H = q.shape
-    L = kv_cache.shape[1]
-    R = block_tables.shape[0]
-    C = pages_per_chunk or max(1, DEFAULT_KV_TOKENS_PER_CHUNK // L)
-    Bq = min(block_q, -(-T // min(R, T)))
-    window = jnp.asarray(sliding_window, jnp.int32)
-    scales = (jnp.asarray(k_scale, jnp.float32), jnp.asarray(v_scale, jnp.float32))
-    kv_cache = write_kv(kv_cache, k, v, slot_mapping, *scales)
-    # Reads gather from a float32 view (a copy for a quantized cache), so that the cotangents
-    # of what the items read add up in float32 and round to the cache's dtype once.
-    view = kv_cache.astype(jnp.float32)
-    cum, _ = _work_items(_live_q_lens(query_start_loc, num_seqs), Bq, decodes=True)
-    # Each live request (at most min(R, T) of them) adds at most Bq - 1 rows of a partial item:
-    # at most T / Bq + min(R, T) items, of T + min(R, T) * (Bq - 1) rows.
-    n_items = (T + min(R, T) * (Bq - 1)) // Bq
-    q_pad = jnp.pad(q, ((0, Bq), (0, 0), (0, 0)))
-
-    def item(i: jax.Array) -> tuple[jax.Array, jax.Array]:
-        r, start, in_item, q_pos = _item_rows(i, cum, query_start_loc, seq_lens, Bq)
-        # An item past the last reads no key: a padding request's table may point at NaN.
-        seq_len = jnp.where(in_item[0], seq_lens[r], 0)
-        o = _attend_item(lax.dynamic_slice_in_dim(q_pad, start, Bq), q_pos, view,
-                         block_tables[r], seq_len, window, scales, sm_scale=sm_scale,
-                         soft_cap=soft_cap, pages_per_chunk=C, values=view.dtype,
-                         static_trips=True)  # fmt: skip
-        return o, jnp.where(in_item, start + jnp.arange(Bq, dtype=jnp.int32), T)
-
-    outs, rows = lax.map(item, jnp.arange(n_items, dtype=jnp.int32))  # [I, Bq, N, H], [I, Bq]
-    out = jnp.zeros((T, N, H), jnp.float32).at[rows.reshape(-1)].set(
-        outs.reshape(-1, N, H), mode="drop")
-    return out.astype(q.dtype), kv_cache

@@ -11,12 +11,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-
-def _live_q_lens(query_start_loc: jax.Array, num_seqs: jax.Array) -> jax.Array:
-    """i32[R] scheduled tokens per request, 0 past ``num_seqs``."""
-    R = query_start_loc.shape[0] - 1
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]
-    return jnp.where(jnp.arange(R) < num_seqs, q_lens, 0)
+from jaxengine_kernels.reference import live_q_lens
 
 
 def decode_items(
@@ -26,7 +21,7 @@ def decode_items(
 ) -> tuple[jax.Array, jax.Array]:
     """``(item_seq i32[R], item_q0 i32[R])``: request r's decode item, or -1 if it has none."""
     R = query_start_loc.shape[0] - 1
-    q_lens = _live_q_lens(query_start_loc, num_seqs)
+    q_lens = live_q_lens(query_start_loc, num_seqs)
     is_dec = (q_lens >= 1) & (q_lens <= decode_tokens)
     return jnp.where(is_dec, jnp.arange(R, dtype=jnp.int32), -1), query_start_loc[:-1]
 
@@ -46,7 +41,7 @@ def prefill_items(
     """``((item_seq i32[I], item_q0 i32[I]), first_item i32[R])`` for the prefill launch."""
     R = query_start_loc.shape[0] - 1
     I = num_prefill_items(num_tokens, R, decode_tokens, block_q)
-    q_lens = _live_q_lens(query_start_loc, num_seqs)
+    q_lens = live_q_lens(query_start_loc, num_seqs)
     n_blocks = jnp.where(q_lens > decode_tokens, (q_lens + block_q - 1) // block_q, 0)
     cum = jnp.cumsum(n_blocks)
     first = (cum - n_blocks).astype(jnp.int32)
@@ -76,7 +71,7 @@ def gather_rows(
     t = jnp.arange(num_tokens, dtype=jnp.int32)
     r = jnp.minimum(jnp.searchsorted(query_start_loc[1:], t, side="right"), R - 1)
     j = jnp.maximum(t - query_start_loc[r], 0)  # token index inside its request
-    is_dec = _live_q_lens(query_start_loc, num_seqs)[r] <= decode_tokens
+    is_dec = live_q_lens(query_start_loc, num_seqs)[r] <= decode_tokens
     dec = out_dec.reshape(R, K, decode_tokens, Gp, H)[r, :, jnp.minimum(j, decode_tokens - 1)]
     item = jnp.minimum(pre_first[r] + j // block_q, I - 1)
     pre = out_pre.reshape(I, K, block_q, Gp, H)[item, :, j % block_q]  # [T, K, Gp, H]
