@@ -92,7 +92,9 @@ class KVTransferWorker:
                                block_size=block_size, tp_size=tp_size)
         self.engine_id = config.engine_id or uuid.uuid4().hex
         self.connector = TransferConnector()
-        self._held: dict[str, tuple[tuple[int, ...], float]] = {}  # blocks, deadline
+        # Blocks and deadline of each request held for a pickup; written by the engine's
+        # thread only (the server's threads test membership, atomic in CPython)
+        self._held: dict[str, tuple[tuple[int, ...], float]] = {}
         self._pickups: queue.Queue[_Pickup] = queue.Queue()  # from the server's threads
         self._fetched: queue.Queue[_Fetched] = queue.Queue()  # from the fetch threads
         self._num_fetching = 0  # fetch threads started, their pages not yet written
@@ -183,9 +185,17 @@ class KVTransferWorker:
         """(The server's thread.) The pages of a pickup, once the engine's thread has
         gathered them (the server's thread copies them to the host)."""
         reply: Future[list[jax.Array]] = Future()
+        if request_id not in self._held:  # answered here: the engine may not be stepping
+            reply.set_exception(self._not_held(request_id))
+            return reply
         self._pickups.put(_Pickup(request_id, first_block, num_blocks, reply))
         self._wake.set()
         return reply
+
+    def _not_held(self, request_id: str) -> LookupError:
+        return LookupError(f"request {request_id!r} holds no KV here: unknown, already picked "
+                           f"up, or released after abort_timeout_s="
+                           f"{self.config.abort_timeout_s}")
 
     def _answer_pickups(self) -> None:
         while True:
@@ -195,9 +205,7 @@ class KVTransferWorker:
                 return
             held = self._held.pop(p.request_id, None)
             if held is None:
-                p.reply.set_exception(LookupError(
-                    f"request {p.request_id!r} holds no KV here: unknown, already picked up, "
-                    f"or released after abort_timeout_s={self.config.abort_timeout_s}"))
+                p.reply.set_exception(self._not_held(p.request_id))
                 continue
             self._sending.add(p.request_id)  # one pickup per request, whatever it asks
             blocks = held[0][p.first_block:p.first_block + p.num_blocks]

@@ -136,28 +136,39 @@ def test_a_producer_that_dies_mid_transfer_or_is_gone_the_consumer_recomputes() 
                                         handles["r0"]["remote_kv_dtype"])
     handles["r0"] = {**handles["r0"], "remote_port": port}
     producer.kv_transfer.close()  # r1's producer is gone: its port refuses the connection
-    producer.abort_request(["r0"])
     done = decode(consumer, make_engine(), PROMPTS[:2], handles)
     thread.join(5)
     for i in range(2):
         assert list(done[f"r{i}"].outputs[0].token_ids) == fake_greedy(PROMPTS[i], 12, V)
         assert done[f"r{i}"].num_cached_tokens == 0
-    # The producer still holds what nobody picked up; its own steps release it on timeout,
-    # and it keeps serving requests meanwhile.
+    # The producer still holds what nobody picked up (its steps release it on timeout).
     assert producer.state.held_req_ids == {"r0", "r1"}
-    assert consumer.has_unfinished_requests() is False
 
 
 def test_a_consumer_aborted_while_its_fetch_runs_frees_its_blocks_once_the_fetch_ends(
         ) -> None:
-    producer, consumer = engines()
+    producer, consumer = engines(abort_timeout_s=1)  # r0 is never picked up from it
     handles = prefill(producer, PROMPTS[:2])
-    consumer.add_request("gone", {"prompt_token_ids": PROMPTS[0]}, params(handles["r0"]))
+    server, release = socket.create_server(("127.0.0.1", 0)), threading.Event()
+
+    def stall() -> None:  # a producer that answers only once released, then hangs up
+        conn, _ = server.accept()
+        with conn, server:
+            conn.makefile("rb").readline()
+            release.wait(10)
+
+    thread = threading.Thread(target=stall, daemon=True)
+    thread.start()
+    stalled = {**handles["r0"], "remote_port": server.getsockname()[1]}
+    consumer.add_request("gone", {"prompt_token_ids": PROMPTS[0]}, params(stalled))
     consumer.step()  # admitted: its fetch starts
     consumer.abort_request("gone")
+    consumer.step()
     assert consumer.state.held_req_ids == {"gone"}  # the fetch still writes into its blocks
+    release.set()
     done = decode(consumer, producer, PROMPTS[1:2], {"r0": handles["r1"]})
     assert list(done["r0"].outputs[0].token_ids) == fake_greedy(PROMPTS[1], 12, V)
+    thread.join(5)
 
 
 @pytest.mark.parametrize(("change", "message"), [
