@@ -315,7 +315,7 @@ class LLMEngine:
                                     kv_connector=self._kv_connector)
         if self.kv_transfer is not None:
             for t in live:
-                self.kv_transfer.finish_request(t.request_id, held=False,
+                self.kv_transfer.finish_request(t.request_id, held_blocks=None,
                                                 num_prompt_tokens=len(t.prompt_token_ids))
         stats = IterationStats(timestamp=self.clock())
         outputs = [t.abort(stats.timestamp) for t in live]
@@ -544,8 +544,9 @@ class LLMEngine:
         scheduler holds its blocks for a pickup (vLLM's `RequestOutput.kv_transfer_params`)."""
         assert self.kv_transfer is not None
         rid = tracked.request_id
+        held = self.state.kv_transfers.held.get(rid)
         handle = self.kv_transfer.finish_request(
-            rid, held=rid in self.state.held_req_ids,
+            rid, held_blocks=None if held is None else held.block_ids,
             num_prompt_tokens=len(tracked.prompt_token_ids))
         return dataclasses.replace(tracked.output(), kv_transfer_params=handle)
 

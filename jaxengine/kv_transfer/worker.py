@@ -1,7 +1,8 @@
 """`KVTransferWorker`: the engine side of prefill/decode disaggregation, called around a step.
 
 Producer (`kv_producer` / `kv_both`). A finished do_remote_decode request's blocks are held by
-the scheduler (its `KVSave` in the next plan); the worker notes them with a deadline. A
+the scheduler; the worker notes them with a deadline when the engine builds the request's
+output (`finish_request`), before the handle in it can reach a consumer. A
 consumer's pickup arrives on the `TransferServer`'s thread and waits there; the engine's thread
 answers it in `start_step`, before the step is dispatched: it gathers the pages (the offloading
 code's `BlockCopier`, the pool not donated) and reports the request in `finished_sending` at
@@ -126,16 +127,18 @@ class KVTransferWorker:
         elif isinstance(asked, RemoteHandle):
             self.connector.remote_prefill[request_id] = asked
 
-    def finish_request(self, request_id: str, *, held: bool, num_prompt_tokens: int
-                       ) -> dict[str, Any] | None:
+    def finish_request(self, request_id: str, *, held_blocks: tuple[int, ...] | None,
+                       num_prompt_tokens: int) -> dict[str, Any] | None:
         """Forget a finished or aborted request; the handle its output carries when the
-        scheduler holds its blocks for a pickup (`held`), else None."""
+        scheduler holds its blocks (`held_blocks`) for a pickup, else None. The pickup may
+        come as soon as the handle is out, so the blocks are servable from now on."""
         self.connector.remote_prefill.pop(request_id, None)
         if request_id not in self.connector.remote_decode:
             return None
         self.connector.remote_decode.discard(request_id)
-        if not held or self.server is None:
+        if held_blocks is None or self.server is None:
             return None
+        self._held[request_id] = (held_blocks, self.clock() + self.config.abort_timeout_s)
         return transfer_params.handle(engine_id=self.engine_id, host=self.server.host,
                                       port=self.server.port, request_id=request_id,
                                       num_tokens=num_prompt_tokens, layout=self.layout)
@@ -152,9 +155,9 @@ class KVTransferWorker:
         """
         meta = plan.kv_connector_metadata
         if meta is not None:
-            deadline = self.clock() + self.config.abort_timeout_s
-            for save in meta.saves:
-                self._held[save.req_id] = (save.block_ids, deadline)
+            for save in meta.saves:  # each one's pickup was armed by finish_request
+                if save.req_id not in self._held:  # (none is not: never leak its blocks)
+                    self._sending.add(save.req_id)
             for load in meta.loads:
                 self._start_fetch(load)
         if idle and (self._held or self._num_fetching):

@@ -10,9 +10,11 @@ import threading
 import time
 from typing import Any
 
+import numpy as np
 import pytest
 
 from jaxengine.engine.llm_engine import LLMEngine
+from jaxengine.kv_transfer import fetch_pages
 from jaxengine.model.fake import fake_greedy
 from scheduler import SamplingParams, check_invariants
 from tests.jaxengine.engine.test_llm_engine import V, make_engine
@@ -203,3 +205,24 @@ def test_kv_transfer_params_need_the_matching_role() -> None:
         extra_args={"kv_transfer_params": {"do_remote_decode": True}}))
     outs = [o for _ in range(4) for o in producer.step() if o.finished]
     assert outs[0].kv_transfer_params is None and not producer.has_unfinished_requests()
+
+
+def test_a_pickup_as_soon_as_the_handle_is_out_gets_the_pools_own_pages() -> None:
+    producer, _ = engines()
+    handle = prefill(producer, PROMPTS[:1])["r0"]
+    blocks = producer.state.kv_transfers.held["r0"].block_ids[:11]  # 41 tokens, 4 a block
+    axis = producer.kv_transfer.copier.page_axis
+    expected = np.moveaxis(np.take(np.asarray(producer.runner.kv), blocks, axis=axis), axis, 0)
+    got: dict[str, np.ndarray] = {}
+    fetch = threading.Thread(target=lambda: got.update(pages=fetch_pages(
+        "127.0.0.1", handle["remote_port"], "r0", first_block=0, num_blocks=11,
+        page_shape=tuple(handle["remote_page_shape"]), dtype=np.dtype("int32"),
+        timeout_s=10)))
+    fetch.start()
+    time.sleep(0.2)  # the pickup waits on the server before the producer's next step
+    deadline = time.monotonic() + 10
+    while fetch.is_alive():
+        producer.step()
+        assert time.monotonic() < deadline
+    np.testing.assert_array_equal(got["pages"], expected)
+    assert producer.state.num_free_blocks == producer.scheduler_config.num_blocks - 1
