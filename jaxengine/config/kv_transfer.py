@@ -22,7 +22,7 @@ DEFAULT_PORT = 14579  # vLLM's KVTransferConfig.kv_port
 DEFAULT_ABORT_TIMEOUT_S = 480.0  # vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT
 DEFAULT_FETCH_TIMEOUT_S = 60.0  # a consumer's socket timeout while it fetches a request's KV
 _KEYS = ("kv_connector", "kv_role", "kv_ip", "kv_port", "kv_connector_extra_config",
-         "engine_id")
+         "engine_id", "kv_load_failure_policy")
 _EXTRA_KEYS = ("abort_timeout_s", "fetch_timeout_s")
 # vLLM's connectors, refused by name: they move vLLM's (torch) KV cache, not this pool's
 _VLLM_CONNECTORS = ("NixlConnector", "P2pNcclConnector", "LMCacheConnectorV1",
@@ -39,6 +39,8 @@ class KVTransferConfig:
     kv_ip: str = "127.0.0.1"  # where a producer's transfer server listens (and is reached)
     kv_port: int = DEFAULT_PORT  # its TCP port; 0: any free port (tests, several on a host)
     engine_id: str | None = None  # names this engine in the handles it gives; None: random
+    # a load that fails is recomputed locally (vLLM's default; its "fail" is not built)
+    kv_load_failure_policy: str = "recompute"
     # "abort_timeout_s": a producer frees blocks nobody picked up after this many seconds;
     # "fetch_timeout_s": a consumer gives a fetch up (and recomputes) after this many
     kv_connector_extra_config: Mapping[str, float] = field(
@@ -54,6 +56,10 @@ class KVTransferConfig:
         if self.kv_role not in ROLES:
             raise ValueError(f"kv_transfer_config: kv_role must be one of {', '.join(ROLES)}; "
                              f"got {self.kv_role!r}")
+        if self.kv_load_failure_policy != "recompute":
+            raise ValueError(f"kv_transfer_config: kv_load_failure_policy must be 'recompute' "
+                             f"(a failed load is computed locally; 'fail' is not built), got "
+                             f"{self.kv_load_failure_policy!r}")
         if not isinstance(self.kv_ip, str) or not self.kv_ip:
             raise ValueError(f"kv_transfer_config: kv_ip must be a host name or address, got "
                              f"{self.kv_ip!r}")

@@ -37,6 +37,8 @@ def test_a_role_alone_is_a_whole_config_with_vllms_defaults() -> None:
      "kv_connector_extra_config key 'backends' is not supported"),
     ({"kv_role": "kv_consumer", "kv_connector_extra_config": {"abort_timeout_s": -1}},
      "abort_timeout_s must be a number of seconds > 0"),
+    ({"kv_role": "kv_consumer", "kv_load_failure_policy": "fail"},
+     "kv_load_failure_policy must be 'recompute'"),
     ("kv_producer", "kv_transfer_config must be a dict"),
 ])
 def test_a_bad_config_is_refused_naming_the_key(config: Any, message: str) -> None:
