@@ -66,8 +66,26 @@ def test_through_the_proxy_the_decode_server_loads_the_prompt_and_answers_as_alo
         assert streamed == alone["choices"][0]["text"]
         bad = http.post(f"{url}/v1/completions", json={**body, "temperature": -1})
         assert bad.status_code == 400 and "temperature" in bad.text  # the instance's 400
+        # A client that leaves mid-stream: the proxy closes the decode instance's stream,
+        # which aborts the request (both servers end idle below).
+        with http.stream("POST", f"{url}/v1/completions",
+                         json={**body, "max_tokens": 100, "ignore_eos": True, "stream": True,
+                               "prompt": "Another prompt"}) as r:
+            next(r.iter_lines())
+        deadline = time.monotonic() + 30
+        while "abort" not in _finished_reasons(http, consumer.base_url):
+            assert time.monotonic() < deadline, "the decode instance did not abort"
+            time.sleep(0.1)
     for s in (producer, consumer):
         wait_until_idle(s)  # picked up: the producer holds nothing, the consumer is idle
+
+
+def _finished_reasons(http: httpx.Client, url: str) -> set[str]:
+    """The finish reasons a server's /metrics has counted at least once."""
+    return {line.split('finished_reason="')[1].split('"')[0]
+            for line in http.get(url + "/metrics").text.splitlines()
+            if line.startswith("jaxengine:request_success_total{")
+            and not line.endswith(" 0.0")}
 
 
 def test_a_prefill_instance_is_chosen_by_prefix_then_load_and_a_decode_one_by_load() -> None:
