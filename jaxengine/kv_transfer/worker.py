@@ -163,9 +163,12 @@ class KVTransferWorker:
         if idle and (self._held or self._num_fetching):
             self._wake.wait(IDLE_WAIT_S)
         self._wake.clear()
+        compiles_before = self.copier.compilations()
         self._answer_pickups()
         self._release_expired()
         self._write_fetched()
+        new = self.copier.check_compiles(self.copier.compilations() - compiles_before)
+        self.runner.stats.compilations_after_warmup += new  # the programs compiled at build
 
     def take_output(self) -> KVConnectorOutput | None:
         """The transfers finished since the last call (None: none), for `update_from_output`."""
