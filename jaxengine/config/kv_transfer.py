@@ -36,7 +36,9 @@ class KVTransferConfig:
 
     kv_role: str  # kv_producer: serves its prompts' KV; kv_consumer: loads it; kv_both: both
     kv_connector: str = CONNECTOR  # only the built-in one
-    kv_ip: str = "127.0.0.1"  # where a producer's transfer server listens (and is reached)
+    # where a producer's transfer server listens, and the host its handles name: an address
+    # the consumers reach (not 0.0.0.0)
+    kv_ip: str = "127.0.0.1"
     kv_port: int = DEFAULT_PORT  # its TCP port; 0: any free port (tests, several on a host)
     engine_id: str | None = None  # names this engine in the handles it gives; None: random
     # a load that fails is recomputed locally (vLLM's default; its "fail" is not built)

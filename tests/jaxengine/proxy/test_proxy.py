@@ -1,6 +1,7 @@
 """The P/D proxy in front of a prefill and a decode server (each a tiny-model engine served in a
-thread on 127.0.0.1): answers equal the decode server's own, streamed and not, the whole prompt
-comes from the producer, and both end idle; plus the proxy's choice of instances."""
+thread on 127.0.0.1): answers equal the decode server's own, completions (streamed and not) and
+chat, the whole prompt comes from the producer, a client that leaves is aborted, and both end
+idle; plus the proxy's choice of instances."""
 
 from __future__ import annotations
 
@@ -64,6 +65,12 @@ def test_through_the_proxy_the_decode_server_loads_the_prompt_and_answers_as_alo
         assert events[-1] == "[DONE]"
         streamed = "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1])
         assert streamed == alone["choices"][0]["text"]
+        chat = {"model": "tiny-llama", "max_tokens": 6, "temperature": 0,
+                "messages": [{"role": "user", "content": "Tell me about foxes."}]}
+        chat_via = http.post(f"{url}/v1/chat/completions", json=chat).json()
+        chat_alone = http.post(f"{consumer.base_url}/v1/chat/completions", json=chat).json()
+        assert (chat_via["choices"][0]["message"]["content"]
+                == chat_alone["choices"][0]["message"]["content"])
         bad = http.post(f"{url}/v1/completions", json={**body, "temperature": -1})
         assert bad.status_code == 400 and "temperature" in bad.text  # the instance's 400
         # A client that leaves mid-stream: the proxy closes the decode instance's stream,
