@@ -45,7 +45,12 @@ from jaxengine.engine.prompt_logprob_outputs import record_prompt_logprobs
 from jaxengine.engine.request_state import TrackedRequest
 from jaxengine.engine.stats import IterationStats, StatLogger
 from jaxengine.kv_offload import offloading_worker
-from jaxengine.kv_transfer import kv_transfer_params_of, kv_transfer_worker
+from jaxengine.kv_transfer import (
+    RemoteDecode,
+    RemoteHandle,
+    kv_transfer_params_of,
+    kv_transfer_worker,
+)
 from jaxengine.model.fns import ModelFns
 from jaxengine.runner.config import RunnerConfig
 from jaxengine.runner.in_flight import InFlight, SampledToken
@@ -278,7 +283,8 @@ class LLMEngine:
         if params.structured_outputs is not None:  # WAITING_FOR_FSM until it compiles
             self.grammars.submit(request_id, params.structured_outputs)
 
-    def _check_kv_transfer(self, params: SamplingParams, num_prompt_tokens: int) -> object:
+    def _check_kv_transfer(self, params: SamplingParams, num_prompt_tokens: int
+                           ) -> RemoteDecode | RemoteHandle | None:
         """What a request's kv_transfer_params (in `params.extra_args`) ask of the transfer
         worker (`KVTransferWorker.check_request`); None without them.
 

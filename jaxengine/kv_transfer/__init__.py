@@ -16,14 +16,19 @@ import jax
 
 from jaxengine.config import EngineConfig
 from jaxengine.kv_transfer.connector import TransferConnector
-from jaxengine.kv_transfer.params import KVLayout, RemoteHandle
+from jaxengine.kv_transfer.params import (
+    KVLayout,
+    RemoteDecode,
+    RemoteHandle,
+    kv_transfer_params_of,
+)
 from jaxengine.kv_transfer.transport import TransferError, TransferServer, fetch_pages
-from jaxengine.kv_transfer.worker import KVTransferWorker, kv_transfer_params_of
+from jaxengine.kv_transfer.worker import KVTransferWorker
 
 if TYPE_CHECKING:
     from jaxengine.runner.runner import Runner
 
-__all__ = ["KVLayout", "KVTransferWorker", "RemoteHandle", "TransferConnector",
+__all__ = ["KVLayout", "KVTransferWorker", "RemoteDecode", "RemoteHandle", "TransferConnector",
            "TransferError", "TransferServer", "fetch_pages", "kv_transfer_params_of",
            "kv_transfer_worker"]
 

@@ -31,6 +31,11 @@ class KVLayout:
     tp_size: int  # tensor-parallel devices the pool is split over
 
 
+@dataclass(frozen=True, slots=True)
+class RemoteDecode:
+    """do_remote_decode: hold the request's KV for a consumer's pickup when it finishes."""
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class RemoteHandle:
     """Where a consumer fetches a request's KV from (a producer's handle, checked)."""
@@ -43,7 +48,7 @@ class RemoteHandle:
 
 
 def parse(params: Any, *, num_prompt_tokens: int, layout: KVLayout, producer: bool,
-          consumer: bool) -> bool | RemoteHandle | None:
+          consumer: bool) -> RemoteDecode | RemoteHandle | None:
     """What a request's `kv_transfer_params` asks of this engine.
 
     Args:
@@ -52,8 +57,8 @@ def parse(params: Any, *, num_prompt_tokens: int, layout: KVLayout, producer: bo
       layout: this engine's pages.
       producer, consumer: this engine's role (`KVTransferConfig.is_producer` / `is_consumer`).
     Returns:
-      True: do_remote_decode (hold its KV for pickup); a `RemoteHandle`: do_remote_prefill
-      (load its KV from there); None: neither.
+      `RemoteDecode` for do_remote_decode; a `RemoteHandle` for do_remote_prefill (load its
+      KV from there); None: neither.
     Raises:
       ValueError: not a dict, an unknown key, a role this engine does not have, a missing or
         bad handle field, or a handle whose layout or prompt length differs from this
@@ -75,7 +80,7 @@ def parse(params: Any, *, num_prompt_tokens: int, layout: KVLayout, producer: bo
         if not producer:
             raise ValueError("kv_transfer_params: do_remote_decode needs an engine whose "
                              "kv_transfer_config kv_role is kv_producer or kv_both")
-        return True
+        return RemoteDecode()
     if not prefill:
         return None
     if not consumer:
@@ -128,3 +133,8 @@ def handle(*, engine_id: str, host: str, port: int, request_id: str, num_tokens:
             "remote_host": host, "remote_port": port, "remote_num_tokens": num_tokens,
             "remote_block_size": layout.block_size, "remote_kv_dtype": layout.dtype,
             "remote_page_shape": list(layout.page_shape), "tp_size": layout.tp_size}
+
+
+def kv_transfer_params_of(extra_args: Mapping[str, Any] | None) -> Any:
+    """A request's `kv_transfer_params` (vLLM carries them in `SamplingParams.extra_args`)."""
+    return None if extra_args is None else extra_args.get("kv_transfer_params")

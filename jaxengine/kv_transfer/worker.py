@@ -29,7 +29,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -41,7 +41,7 @@ from jaxengine.config import KVTransferConfig
 from jaxengine.kv_offload.copies import BLOCKS_PER_COPY, BlockCopier
 from jaxengine.kv_transfer import params as transfer_params
 from jaxengine.kv_transfer.connector import TransferConnector
-from jaxengine.kv_transfer.params import KVLayout, RemoteHandle
+from jaxengine.kv_transfer.params import KVLayout, RemoteDecode, RemoteHandle
 from jaxengine.kv_transfer.transport import TransferError, TransferServer, fetch_pages
 from scheduler import KVConnectorOutput, KVLoad, SchedulerOutput
 
@@ -110,7 +110,7 @@ class KVTransferWorker:
     # ---- requests (the engine's add_request and finish) ----------------------------------
 
     def check_request(self, kv_transfer_params: Any, num_prompt_tokens: int
-                      ) -> bool | RemoteHandle | None:
+                      ) -> RemoteDecode | RemoteHandle | None:
         """What a request's kv_transfer_params ask (`params.parse`), checked; changes nothing.
 
         Raises:
@@ -120,9 +120,10 @@ class KVTransferWorker:
                                      layout=self.layout, producer=self.config.is_producer,
                                      consumer=self.config.is_consumer)
 
-    def add_request(self, request_id: str, asked: bool | RemoteHandle | None) -> None:
+    def add_request(self, request_id: str, asked: RemoteDecode | RemoteHandle | None
+                    ) -> None:
         """Register a request that `check_request` accepted (`asked`: what it returned)."""
-        if asked is True:
+        if isinstance(asked, RemoteDecode):
             self.connector.remote_decode.add(request_id)
         elif isinstance(asked, RemoteHandle):
             self.connector.remote_prefill[request_id] = asked
@@ -275,8 +276,3 @@ class KVTransferWorker:
                 self.runner.kv = self.copier.scatter(
                     self.runner.kv, np.array(f.block_ids[i:i + BLOCKS_PER_COPY], np.int32),
                     f.pages[i:i + BLOCKS_PER_COPY])
-
-
-def kv_transfer_params_of(extra_args: Mapping[str, Any] | None) -> Any:
-    """A request's `kv_transfer_params` (vLLM carries them in `SamplingParams.extra_args`)."""
-    return None if extra_args is None else extra_args.get("kv_transfer_params")
