@@ -14,6 +14,10 @@ N's tokens and detokenizes and updates them. The host's scheduling and packing o
 the device's step N, and its output work for N overlaps step N+1; no thread is involved.
 Outputs are those of the synchronous loop, one call later.
 
+A KV connector, when one is configured (host offloading, `kv_offload/`, or prefill/decode
+disaggregation, `kv_transfer/`), answers every `schedule()` call, and its worker carries out
+the plan's transfers between `schedule` and the step's dispatch.
+
 Structured outputs (docs/DESIGN.md, "Structured outputs"): `add_request` submits the grammar to
 the engine's `GrammarCompiler` and the request waits as WAITING_FOR_FSM; each `step()` first
 passes the finished compilations to `grammars_ready`. The runner fills the bitmask rows from the
