@@ -106,6 +106,10 @@ def build_proxy_app(prefill: Sequence[str], decode: Sequence[str], *,
             return _error(400, "the request body is not valid JSON")
         if not isinstance(body, dict):
             return _error(400, "the request body must be a JSON object")
+        if body.get("n", 1) != 1 or isinstance(body.get("prompt"), list) and any(
+                isinstance(p, str | list) for p in body["prompt"]):
+            return _error(400, "the P/D proxy serves one prompt with n=1 per request (a "
+                               "request's KV is handed on once); send several requests")
         headers = {k: v for k, v in request.headers.items() if k in FORWARDED_HEADERS}
         key = prompt_key(body)
         p = pick(prefills, key)

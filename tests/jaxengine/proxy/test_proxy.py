@@ -5,6 +5,7 @@ idle; plus the proxy's choice of instances."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 import threading
@@ -107,3 +108,30 @@ def test_a_prefill_instance_is_chosen_by_prefix_then_load_and_a_decode_one_by_lo
     index = PrefixIndex(capacity=2)
     index.add(prompt)  # 3 chunks, capacity 2: the oldest is forgotten
     assert index.hit(prompt) == 0 and PrefixIndex().hit(prompt) == 0
+
+
+def _post_to(app: object, body: object) -> httpx.Response:
+    async def post() -> httpx.Response:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://proxy") as client:
+            return await client.post("/v1/completions", json=body)
+
+    return asyncio.run(post())
+
+
+def test_an_instance_that_cannot_be_reached_is_a_502_naming_it() -> None:
+    app = build_proxy_app(["http://127.0.0.1:9"], ["http://127.0.0.1:9"])  # nothing listens
+    answer = _post_to(app, {"prompt": "a"})
+    assert answer.status_code == 502
+    assert "prefill instance http://127.0.0.1:9 failed" in answer.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("body", [{"prompt": "a", "n": 2}, {"prompt": ["a", "b"]}, [1, 2]])
+def test_the_proxy_refuses_what_it_cannot_hand_on_before_calling_an_instance(
+        body: object) -> None:
+    app = build_proxy_app(["http://127.0.0.1:9"], ["http://127.0.0.1:9"])  # nothing listens
+    answer = _post_to(app, body)
+    assert answer.status_code == 400
+    assert answer.json()["error"]["message"].startswith(
+        "the P/D proxy serves one prompt with n=1" if isinstance(body, dict)
+        else "the request body must be a JSON object")
