@@ -212,7 +212,8 @@ def test_a_pickup_as_soon_as_the_handle_is_out_gets_the_pools_own_pages() -> Non
     handle = prefill(producer, PROMPTS[:1])["r0"]
     blocks = producer.state.kv_transfers.held["r0"].block_ids[:11]  # 41 tokens, 4 a block
     axis = producer.kv_transfer.copier.page_axis
-    expected = np.moveaxis(np.take(np.asarray(producer.runner.kv), blocks, axis=axis), axis, 0)
+    pool = np.array(producer.runner.kv)  # a copy: a view would keep the pool from donation
+    expected = np.moveaxis(np.take(pool, blocks, axis=axis), axis, 0)
     got: dict[str, np.ndarray] = {}
     fetch = threading.Thread(target=lambda: got.update(pages=fetch_pages(
         "127.0.0.1", handle["remote_port"], "r0", first_block=0, num_blocks=11,
