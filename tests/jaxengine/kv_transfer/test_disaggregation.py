@@ -22,13 +22,14 @@ from tests.jaxengine.engine.test_llm_engine import V, make_engine
 PROMPTS = [list(range(1, 42)), [9] * 13, [5, 6, 7], list(range(40, 47))]
 
 
-def engines(*, abort_timeout_s: float = 60, async_scheduling: bool = True
+def engines(*, abort_timeout_s: float = 60, async_scheduling: bool = True,
+            roles: tuple[str, str] = ("kv_producer", "kv_consumer")
             ) -> tuple[LLMEngine, LLMEngine]:
     extra = {"abort_timeout_s": abort_timeout_s, "fetch_timeout_s": 10}
     producer = make_engine(async_scheduling=async_scheduling, kv_transfer_config={
-        "kv_role": "kv_producer", "kv_port": 0, "kv_connector_extra_config": extra})
+        "kv_role": roles[0], "kv_port": 0, "kv_connector_extra_config": extra})
     consumer = make_engine(async_scheduling=async_scheduling, kv_transfer_config={
-        "kv_role": "kv_consumer", "kv_connector_extra_config": extra})
+        "kv_role": roles[1], "kv_port": 0, "kv_connector_extra_config": extra})
     return producer, consumer
 
 
@@ -77,10 +78,12 @@ def decode(consumer: LLMEngine, producer: LLMEngine, prompts: list[list[int]],
     return done
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize(("async_scheduling", "roles"), [
+    (False, ("kv_producer", "kv_consumer")), (True, ("kv_producer", "kv_consumer")),
+    (True, ("kv_both", "kv_both"))])
 def test_the_consumer_decodes_the_producers_prefill_computing_only_the_last_prompt_token(
-        async_scheduling: bool) -> None:
-    producer, consumer = engines(async_scheduling=async_scheduling)
+        async_scheduling: bool, roles: tuple[str, str]) -> None:
+    producer, consumer = engines(async_scheduling=async_scheduling, roles=roles)
     handles = prefill(producer, PROMPTS)
     assert handles["r0"]["remote_num_tokens"] == 41 and handles["r0"]["do_remote_prefill"]
     # The consumer's prefix cache holds the first 8 tokens of r0: only the rest is fetched.
