@@ -189,6 +189,10 @@ class SamplingFields(RequestModel):
         if self.kv_transfer_params is not None and self.n != 1:
             raise RequestError(f"kv_transfer_params need n=1 (one sequence's KV is handed "
                                f"on), got n={self.n}", "kv_transfer_params")
+        if self.stream and (self.kv_transfer_params or {}).get("do_remote_decode"):
+            raise RequestError("kv_transfer_params with do_remote_decode need stream=false: "
+                               "the handle to the KV comes in the response body",
+                               "kv_transfer_params")
         if self.best_of is not None and self.best_of != self.n:
             raise RequestError(f"best_of must equal n (got best_of={self.best_of}, n={self.n}): "
                                f"as in vLLM V1, no extra samples are drawn to rank", "best_of")

@@ -102,7 +102,7 @@ def test_bad_values_are_400s_naming_the_field(server: RunningServer, body: dict[
     assert r.json()["error"]["param"] == param
 
 
-def test_kv_transfer_params_reach_the_engine_in_extra_args_with_n_1_only() -> None:
+def test_kv_transfer_params_reach_the_engine_in_extra_args_with_n_1_and_not_streamed() -> None:
     from jaxengine.server.protocol import RequestError
 
     handle = {"do_remote_decode": True}
@@ -111,3 +111,5 @@ def test_kv_transfer_params_reach_the_engine_in_extra_args_with_n_1_only() -> No
     assert CompletionRequest(prompt="x").sampling_params(2, None).extra_args is None
     with pytest.raises(RequestError, match="kv_transfer_params need n=1"):
         CompletionRequest(prompt="x", n=2, kv_transfer_params=handle).check_supported()
+    with pytest.raises(RequestError, match="do_remote_decode need stream=false"):
+        CompletionRequest(prompt="x", stream=True, kv_transfer_params=handle).check_supported()
