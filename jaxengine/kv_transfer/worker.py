@@ -2,9 +2,9 @@
 
 Producer (`kv_producer` / `kv_both`). A finished do_remote_decode request's blocks are held by
 the scheduler; the worker notes them with a deadline when the engine builds the request's
-output (`finish_request`), before the handle in it can reach a consumer. A
-consumer's pickup arrives on the `TransferServer`'s thread and waits there; the engine's thread
-answers it in `start_step`, before the step is dispatched: it gathers the pages (the offloading
+output (`finish_request`), before the handle in it can reach a consumer. A consumer's pickup
+arrives on the `TransferServer`'s thread and waits there; the engine's thread answers it in
+`start_step`, before the step is dispatched: it gathers the pages (the offloading
 code's `BlockCopier`, the pool not donated) and reports the request in `finished_sending` at
 once, since JAX lets the gather's reads finish before a later step that was donated the pool
 overwrites the blocks. The server's thread then copies the pages to the host and sends them.
