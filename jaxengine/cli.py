@@ -1,5 +1,5 @@
-"""The `jaxengine` command: generate | chat | serve | bench | replay | export-tokenizer, and
-the lab's calibrate | simulate | tune | workload (docs/LAB.md; their parsers and runners are
+"""The `jaxengine` command: generate | chat | serve | proxy | bench | replay | export-tokenizer,
+and the lab's calibrate | simulate | tune | workload (docs/LAB.md; their parsers and runners are
 in `jaxengine/lab/commands.py`).
 
 Engine flags are generated from the `EngineArgs` dataclass, `serve`'s HTTP flags (`--api-key`,
@@ -126,6 +126,23 @@ def build_parser() -> argparse.ArgumentParser:
                             "(processes 1 .. N-1; process 0 serves)")
     add_flags(serve.add_argument_group("HTTP server (FrontendArgs)"), FrontendArgs)
     add_engine_flags(serve)
+
+    proxy = sub.add_parser(
+        "proxy", help="prefill/decode disaggregation proxy (OpenAI-compatible)",
+        description="Send each /v1/completions and /v1/chat/completions request to a prefill "
+                    "instance (serve --kv-transfer-config '{\"kv_role\": \"kv_producer\"}') "
+                    "with max_tokens=1, then to a decode instance (kv_consumer) with the KV "
+                    "handle it returned, streaming the decode instance's answer through.")
+    proxy.add_argument("--host", default="127.0.0.1",
+                       help="interface to listen on (default: %(default)s)")
+    proxy.add_argument("--port", type=int, default=8000, help="port (default: %(default)s)")
+    proxy.add_argument("--prefill", nargs="+", required=True, metavar="URL",
+                       help="prefill instances' base URLs, e.g. http://127.0.0.1:8100")
+    proxy.add_argument("--decode", nargs="+", required=True, metavar="URL",
+                       help="decode instances' base URLs")
+    proxy.add_argument("--uvicorn-log-level", default="info",
+                       choices=("critical", "error", "warning", "info", "debug"),
+                       help="uvicorn's log level (default: info)")
 
     bench = sub.add_parser(
         "bench", help="replay a workload for real (--workload), else benchmarks/throughput.py",
@@ -297,6 +314,18 @@ def run_serve(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
+def run_proxy(ns: argparse.Namespace) -> int:
+    """`jaxengine proxy --prefill URL... --decode URL...`: blocks until interrupted."""
+    # The serve extra's: imported only by the commands that serve.
+    import uvicorn
+
+    from jaxengine.proxy import build_proxy_app
+
+    app = build_proxy_app(ns.prefill, ns.decode)
+    uvicorn.run(app, host=ns.host, port=ns.port, log_level=ns.uvicorn_log_level)
+    return 0
+
+
 def _bench_passes_through(args: Sequence[str]) -> bool:
     """`jaxengine bench ARGS` runs throughput.py unless ARGS (before any `--`) hold
     --workload, or are just --help."""
@@ -352,6 +381,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_chat(ns, parser)
         if ns.command == "serve":
             return run_serve(ns, parser)
+        if ns.command == "proxy":
+            return run_proxy(ns)
         if ns.command == "export-tokenizer":
             return run_export_tokenizer(ns)
         return run_replay(ns)

@@ -92,6 +92,9 @@ class SamplingParams:
     # checked by the engine). None: unconstrained.
     structured_outputs: Any = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE  # the outputs step() returns
+    # vLLM's free-form arguments for plugins, a read-only mapping of str keys (None: none):
+    # the engine reads "kv_transfer_params" (prefill/decode disaggregation, docs/DESIGN.md).
+    extra_args: Mapping[str, Any] | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         # Lists (or None) are accepted for convenience; tuples keep the object hashable and pure.
@@ -106,13 +109,15 @@ class SamplingParams:
         _check_output_kind(self)
         _check_structured_outputs(self)
         _normalize_logits_fields(self)
+        _freeze_extra_args(self)
 
     def __reduce__(self) -> tuple[Any, tuple[()]]:
-        """Picklable and copyable although the read-only `logit_bias` mapping is not: rebuilt
-        (and validated again) from its fields."""
+        """Picklable and copyable although the read-only `logit_bias` and `extra_args`
+        mappings are not: rebuilt (and validated again) from its fields."""
         kw = {f.name: getattr(self, f.name) for f in fields(self)}
-        if kw["logit_bias"] is not None:
-            kw["logit_bias"] = dict(kw["logit_bias"])
+        for name in ("logit_bias", "extra_args"):
+            if kw[name] is not None:
+                kw[name] = dict(kw[name])
         return functools.partial(SamplingParams, **kw), ()
 
 
@@ -256,3 +261,14 @@ def _normalize_logits_fields(sp: SamplingParams) -> None:
         raise _fail("bad_words", words,
                     f"bad_words must be non-blank strings, got {list(words)!r}")
     object.__setattr__(sp, "bad_words", words)
+
+
+def _freeze_extra_args(sp: SamplingParams) -> None:
+    """extra_args becomes a read-only {str: value} (its values are the caller's)."""
+    if sp.extra_args is None:
+        return
+    if not isinstance(sp.extra_args, Mapping) or not all(isinstance(k, str)
+                                                         for k in sp.extra_args):
+        raise _fail("extra_args", sp.extra_args,
+                    f"extra_args must be a dict with string keys, got {sp.extra_args!r}")
+    object.__setattr__(sp, "extra_args", MappingProxyType(dict(sp.extra_args)))

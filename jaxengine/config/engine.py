@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, get_args
 
+from jaxengine.config.kv_transfer import KVTransferConfig
 from jaxengine.config.speculative import SpeculativeConfig
 from scheduler import SchedulerConfig
 
@@ -94,6 +95,7 @@ class EngineConfig:
     debug_recompiles: bool  # raise on a compilation after warm-up
     precompile: bool | None  # compile every bucket at startup; None: the caller's choice
     seed: int  # seeds the per-request seeds of requests that give none
+    kv_transfer: KVTransferConfig | None = None  # prefill/decode disaggregation; None: off
 
     def __post_init__(self) -> None:
         if self.dtype not in get_args(Dtype):

@@ -7,7 +7,7 @@ import difflib
 from typing import Any, get_args
 
 import scheduler
-from jaxengine.config import KV_CACHE_DTYPES, Dtype, SpeculativeConfig
+from jaxengine.config import KV_CACHE_DTYPES, Dtype, KVTransferConfig, SpeculativeConfig
 from jaxengine.model.quant import QUANTIZATIONS
 
 DTYPES = ("auto", *get_args(Dtype))  # "auto": jaxengine.config.DEFAULT_DTYPE
@@ -62,6 +62,11 @@ class EngineArgs:
     kv_offloading_size: float | None = arg(
         None, "GiB of host memory for KV blocks evicted from the device's prefix cache, loaded "
               "back when a prefix needs them again; None or 0: off (needs prefix caching)")
+    kv_transfer_config: dict[str, Any] | None = arg(
+        None, "prefill/decode disaggregation, vLLM's dict (JSON on the command line), e.g. "
+              '{"kv_role": "kv_producer", "kv_port": 14579} (a prefill instance: keeps its '
+              'prompts\' KV for pickup) or {"kv_role": "kv_consumer"} (a decode instance: '
+              "loads it); kv_connector: only JaxEngineConnector (the default); None: off")
     long_prefill_token_threshold: int = arg(
         0, "most tokens one request gets in one step while others wait (0: no cap)")
     max_num_partial_prefills: int = arg(1, "prompts partially prefilled at once (>1: "
@@ -135,6 +140,7 @@ class EngineArgs:
         if self.num_gpu_blocks_override is not None:
             _check_int("num_gpu_blocks_override", self.num_gpu_blocks_override, minimum=2)
         _check_kv_offloading(self)
+        _check_kv_transfer(self)
         _check_batch_invariant(self)
         for name in ("long_prefill_token_threshold", "max_logprobs", "seed"):
             _check_int(name, getattr(self, name), minimum=0)
@@ -215,6 +221,24 @@ def _check_kv_offloading(args: EngineArgs) -> None:
         raise ValueError("kv_offloading_size needs enable_prefix_caching=True: host blocks are "
                          "found by their prefix-cache hashes; enable it, or unset "
                          "kv_offloading_size")
+
+
+def _check_kv_transfer(args: EngineArgs) -> None:
+    """kv_transfer_config parses (`KVTransferConfig.from_dict`), and the settings it cannot
+    serve with are not given: each engine's transfer server is one port and moves one pool."""
+    if args.kv_transfer_config is None:
+        return
+    KVTransferConfig.from_dict(args.kv_transfer_config)  # raises naming the key
+    if args.kv_offloading_size:
+        raise ValueError(f"kv_transfer_config cannot be combined with kv_offloading_size="
+                         f"{args.kv_offloading_size} (one KV connector per engine); unset one")
+    if args.data_parallel_size != 1:
+        raise ValueError(f"kv_transfer_config needs data_parallel_size=1 (got "
+                         f"{args.data_parallel_size}): run one instance per replica behind "
+                         f"`jaxengine proxy` instead")
+    if args.num_processes not in (None, 1):
+        raise ValueError(f"kv_transfer_config is not supported with num_processes="
+                         f"{args.num_processes} (a multi-host engine) yet")
 
 
 def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:

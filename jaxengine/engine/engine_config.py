@@ -13,6 +13,7 @@ from __future__ import annotations
 from jaxengine.config import (
     CacheConfig,
     EngineConfig,
+    KVTransferConfig,
     ParallelConfig,
     SpeculativeConfig,
     check_max_model_len,
@@ -89,7 +90,9 @@ def create_engine_config(args: EngineArgs, *, model_max_model_len: int,
         max_logprobs=args.max_logprobs,
         intermediate_token_buckets=args.intermediate_token_buckets,
         debug_recompiles=args.debug_recompiles or debug_recompiles_from_env(),
-        precompile=args.precompile, seed=args.seed)
+        precompile=args.precompile, seed=args.seed,
+        kv_transfer=(None if args.kv_transfer_config is None
+                     else KVTransferConfig.from_dict(args.kv_transfer_config)))
 
 
 def max_num_batched_tokens(args: EngineArgs, max_model_len: int) -> int:
@@ -126,9 +129,9 @@ def max_num_scheduled_tokens(args: EngineArgs, batched: int,
 
 def check_kv_cache_groups(args: EngineArgs, groups: tuple[KVCacheGroup, ...]) -> None:
     """`ValueError` naming the setting if the model's KV cache groups cannot serve `args`
-    (docs/SCHEDULING.md §13, "Refused for now"): KV offloading needs a single full-attention
-    group (its loads and saves are block lists of one table), and a draft model reads the
-    target's first group's tables, so that group must keep every block."""
+    (docs/SCHEDULING.md §13, "Refused for now"): KV offloading and KV transfer need a single
+    full-attention group (their loads and saves are block lists of one table), and a draft
+    model reads the target's first group's tables, so that group must keep every block."""
     if one_full_group(groups):
         return
     if args.kv_offloading_size:
@@ -136,6 +139,11 @@ def check_kv_cache_groups(args: EngineArgs, groups: tuple[KVCacheGroup, ...]) ->
             f"kv_offloading_size={args.kv_offloading_size} is not supported for a model with "
             f"sliding-window or several KV cache groups ({_describe(groups)}): offloading "
             f"moves the blocks of one full-attention table. Leave kv_offloading_size unset.")
+    if args.kv_transfer_config is not None:
+        raise ValueError(
+            f"kv_transfer_config is not supported for a model with sliding-window or several "
+            f"KV cache groups ({_describe(groups)}): a transfer moves the blocks of one "
+            f"full-attention table. Leave kv_transfer_config unset.")
     spec = args.speculative_config or {}
     if spec.get("method") == "draft_model" and groups[0].sliding_window is not None:
         raise ValueError(

@@ -14,6 +14,10 @@ N's tokens and detokenizes and updates them. The host's scheduling and packing o
 the device's step N, and its output work for N overlaps step N+1; no thread is involved.
 Outputs are those of the synchronous loop, one call later.
 
+A KV connector, when one is configured (host offloading, `kv_offload/`, or prefill/decode
+disaggregation, `kv_transfer/`), answers every `schedule()` call, and its worker carries out
+the plan's transfers between `schedule` and the step's dispatch.
+
 Structured outputs (docs/DESIGN.md, "Structured outputs"): `add_request` submits the grammar to
 the engine's `GrammarCompiler` and the request waits as WAITING_FOR_FSM; each `step()` first
 passes the finished compilations to `grammars_ready`. The runner fills the bitmask rows from the
@@ -25,6 +29,7 @@ the forward runs, and its sampler dispatched last (vLLM's order).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -44,6 +49,12 @@ from jaxengine.engine.prompt_logprob_outputs import record_prompt_logprobs
 from jaxengine.engine.request_state import TrackedRequest
 from jaxengine.engine.stats import IterationStats, StatLogger
 from jaxengine.kv_offload import offloading_worker
+from jaxengine.kv_transfer import (
+    RemoteDecode,
+    RemoteHandle,
+    kv_transfer_params_of,
+    kv_transfer_worker,
+)
 from jaxengine.model.fns import ModelFns
 from jaxengine.runner.config import RunnerConfig
 from jaxengine.runner.in_flight import InFlight, SampledToken
@@ -128,6 +139,8 @@ class LLMEngine:
             self.runner.precompile()
         # Host offloading (kv_offloading_size): its connector answers every schedule() call.
         self.kv_offload = offloading_worker(config, self.runner, model.kv_page_axis)
+        # P/D disaggregation (kv_transfer_config): a producer's or a consumer's transfers.
+        self.kv_transfer = kv_transfer_worker(config, self.runner, model.kv_page_axis)
         self.clock = clock
         self._on_schedule = on_schedule
         self._seeds = random.Random(config.seed)
@@ -144,8 +157,10 @@ class LLMEngine:
 
     @property
     def _kv_connector(self) -> KVConnector | None:
-        """What schedule() and the updates ask (None without offloading); a test may swap the
-        worker or its connector."""
+        """What schedule() and the updates ask (None without offloading or a transfer
+        config; `EngineArgs` allow one of them); a test may swap the worker or its connector."""
+        if self.kv_transfer is not None:
+            return self.kv_transfer.connector
         return None if self.kv_offload is None else self.kv_offload.connector
 
     @property
@@ -210,6 +225,9 @@ class LLMEngine:
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):  # its own checks ran when it was built
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if params.n > 1 and kv_transfer_params_of(params.extra_args) is not None:
+            raise ValueError(f"kv_transfer_params need n=1 (one sequence's KV is handed on), "
+                             f"got n={params.n}")
         arrival = self.clock() if arrival_time is None else arrival_time
         if params.n == 1:
             self._add_one(request_id, prompt, params, arrival, priority, metadata)
@@ -252,7 +270,10 @@ class LLMEngine:
         # output; its new state is a value, kept only once the engine's own check passes too.
         state = add_request(self.state, request)
         inputs.check_fits_pool(request_id, len(ids), params, self.scheduler_config)
+        transfer = self._check_kv_transfer(params, len(ids))
         self.state = state
+        if self.kv_transfer is not None:
+            self.kv_transfer.add_request(request_id, transfer)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(32)
         detok = None
         if self.tokenizer is not None:
@@ -265,6 +286,23 @@ class LLMEngine:
             detokenizer=detok, arrival_time=arrival, bad_words_token_ids=bad_words)
         if params.structured_outputs is not None:  # WAITING_FOR_FSM until it compiles
             self.grammars.submit(request_id, params.structured_outputs)
+
+    def _check_kv_transfer(self, params: SamplingParams, num_prompt_tokens: int
+                           ) -> RemoteDecode | RemoteHandle | None:
+        """What a request's kv_transfer_params (in `params.extra_args`) ask of the transfer
+        worker (`KVTransferWorker.check_request`); None without them.
+
+        Raises:
+          ValueError: they are given to an engine without kv_transfer_config, or cannot be
+            served here (the message names the key).
+        """
+        kv_params = kv_transfer_params_of(params.extra_args)
+        if kv_params is None:
+            return None
+        if self.kv_transfer is None:
+            raise ValueError("kv_transfer_params need an engine started with "
+                             "kv_transfer_config (a prefill or decode instance)")
+        return self.kv_transfer.check_request(kv_params, num_prompt_tokens)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
         """Finish requests now and free their KV blocks (a request of n samples: its
@@ -285,6 +323,10 @@ class LLMEngine:
         self._loop.drop(t.request_id for t in live)
         self.state = abort_requests(self.state, [t.request_id for t in live],
                                     kv_connector=self._kv_connector)
+        if self.kv_transfer is not None:
+            for t in live:
+                self.kv_transfer.finish_request(t.request_id, held_blocks=None,
+                                                num_prompt_tokens=len(t.prompt_token_ids))
         stats = IterationStats(timestamp=self.clock())
         outputs = [t.abort(stats.timestamp) for t in live]
         stats.finished_requests.extend(t.finished_stats() for t in live)
@@ -373,6 +415,9 @@ class LLMEngine:
             self._on_schedule(before, state, plan)
         if self.kv_offload is not None:  # copies out and in, before the step overwrites them
             self.kv_offload.start_step(plan, state)
+        if self.kv_transfer is not None:
+            self.kv_transfer.start_step(plan, idle=not plan.num_scheduled_tokens
+                                        and self._loop.in_flight is None)
         self._note_scheduled(plan)
         return self._merged(failed + verified + self._loop.step(state, before, plan))
 
@@ -420,7 +465,8 @@ class LLMEngine:
         stopped = self._detokenize(sampled)  # before update: a stop string ends the request there
         drafts = (None if self.speculator is None
                   else self.speculator.propose(self._tracked, sampled, stopped, in_flight))
-        kv_output = None if self.kv_offload is None else self.kv_offload.take_output()
+        kv_output = (self.kv_offload.take_output() if self.kv_offload is not None
+                     else None if self.kv_transfer is None else self.kv_transfer.take_output())
         self.state, deltas = update_from_output(
             state, plan, {rid: [t.token_id for t in ts] for rid, ts in sampled.items()}, drafts,
             stopped=stopped,
@@ -497,9 +543,22 @@ class LLMEngine:
             self._loop.drop((delta.request_id,))
             if stats is not None:
                 stats.finished_requests.append(tracked.finished_stats())
+            if self.kv_transfer is not None:
+                return self._with_kv_transfer_params(tracked)
         elif tracked.params.output_kind is RequestOutputKind.FINAL_ONLY:
             return None
         return tracked.output()
+
+    def _with_kv_transfer_params(self, tracked: TrackedRequest) -> RequestOutput:
+        """A finished request's output, with the handle a consumer fetches its KV by when the
+        scheduler holds its blocks for a pickup (vLLM's `RequestOutput.kv_transfer_params`)."""
+        assert self.kv_transfer is not None
+        rid = tracked.request_id
+        held = self.state.kv_transfers.held.get(rid)
+        handle = self.kv_transfer.finish_request(
+            rid, held_blocks=None if held is None else held.block_ids,
+            num_prompt_tokens=len(tracked.prompt_token_ids))
+        return dataclasses.replace(tracked.output(), kv_transfer_params=handle)
 
     def _record(self, stats: IterationStats) -> None:
         if self.kv_offload is not None:

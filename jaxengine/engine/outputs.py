@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,3 +91,6 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs' (None unless set): the positions computed so far, all
     # of them once the prompt is processed (such a request never reads the prefix cache)
     prompt_logprobs: PromptLogprobs | None = None
+    # A prefill instance's finished request: the handle a decode instance loads its KV by
+    # (vLLM's name; docs/DESIGN.md "Prefill/decode disaggregation"); None otherwise
+    kv_transfer_params: dict[str, Any] | None = None

@@ -46,5 +46,18 @@ def route(states: Sequence[SchedulerState], request: Request) -> Route:
         raise ValueError("route needs at least one replica state")
     hits = [prefix_cache_hit(s, request) for s in states]
     loads = [load(s) for s in states]
-    best = min(range(len(states)), key=lambda i: (-hits[i], loads[i], i))
+    best = choose(hits, loads)
     return Route(replica=best, hit_tokens=hits[best], load=loads[best])
+
+
+def choose(hits: Sequence[int], loads: Sequence[int]) -> int:
+    """The rule itself, for any measure of hit and load (the P/D proxy's too,
+    `jaxengine/proxy/`): the longest hit, then the least load, then the lowest index.
+
+    Args:
+        hits: each candidate's prefix hit (any unit; 0: none).
+        loads: each candidate's load, in the same order.
+    Returns:
+        The chosen candidate's index.
+    """
+    return min(range(len(hits)), key=lambda i: (-hits[i], loads[i], i))

@@ -149,6 +149,10 @@ class SamplingFields(RequestModel):
     guided_grammar: Any = None
     guided_whitespace_pattern: Any = None
 
+    # vLLM's prefill/decode disaggregation: {"do_remote_decode": true} to a prefill instance,
+    # the handle its response carries to a decode instance (the engine checks it).
+    kv_transfer_params: dict[str, Any] | None = None
+
     # Known fields we cannot honour (`jaxengine.server.refused`).
     use_beam_search: Any = None
     length_penalty: Any = None
@@ -156,7 +160,6 @@ class SamplingFields(RequestModel):
     logits_processors: Any = None
     spaces_between_special_tokens: Any = None
     cache_salt: Any = None
-    kv_transfer_params: Any = None
     vllm_xargs: Any = None
     store: Any = None
     service_tier: Any = None
@@ -183,6 +186,13 @@ class SamplingFields(RequestModel):
                                    f"({why.reason}); got {value!r}", name)
         if self.n < 1:
             raise RequestError(f"n must be at least 1, got {self.n}", "n")
+        if self.kv_transfer_params is not None and self.n != 1:
+            raise RequestError(f"kv_transfer_params need n=1 (one sequence's KV is handed "
+                               f"on), got n={self.n}", "kv_transfer_params")
+        if self.stream and (self.kv_transfer_params or {}).get("do_remote_decode"):
+            raise RequestError("kv_transfer_params with do_remote_decode need stream=false: "
+                               "the handle to the KV comes in the response body",
+                               "kv_transfer_params")
         if self.best_of is not None and self.best_of != self.n:
             raise RequestError(f"best_of must equal n (got best_of={self.best_of}, n={self.n}): "
                                f"as in vLLM V1, no extra samples are drawn to rank", "best_of")
@@ -230,8 +240,10 @@ class SamplingFields(RequestModel):
                 presence_penalty=self.presence_penalty or 0.0,
                 frequency_penalty=self.frequency_penalty or 0.0,
                 logit_bias=self._logit_bias(), allowed_token_ids=self.allowed_token_ids,
-                bad_words=self.bad_words, structured_outputs=structured_outputs, **unset,
-                **chosen)
+                bad_words=self.bad_words, structured_outputs=structured_outputs,
+                extra_args=(None if self.kv_transfer_params is None
+                            else {"kv_transfer_params": self.kv_transfer_params}),
+                **unset, **chosen)
         except SamplingParamsError as e:
             raise self.request_error(e) from None
 

@@ -31,7 +31,6 @@ COMMON: Mapping[str, Refused] = {
         (True,), "the detokenizer always joins special tokens as the tokenizer does; leave "
                  "it true"),
     "cache_salt": Refused((), "the prefix cache has no per-request salt"),
-    "kv_transfer_params": Refused((), "disaggregated serving (KV transfer) is not available"),
     "vllm_xargs": Refused((), "this server has no extensions that read them"),
     # OpenAI: storing completions for distillation/evals. Nothing is stored here.
     "store": Refused((False,), "this server stores no completions; leave it false"),

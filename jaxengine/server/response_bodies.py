@@ -83,6 +83,9 @@ class CompletionResponse:
     model: str
     choices: list[CompletionResponseChoice]
     usage: UsageInfo
+    # vLLM's: a prefill instance's handle to the request's KV (docs/DESIGN.md, "Prefill/decode
+    # disaggregation"), when it holds it for a decode instance
+    kv_transfer_params: dict[str, Any] | None | MISSING = MISSING
 
 
 @dataclasses.dataclass(slots=True, kw_only=True)
@@ -212,6 +215,8 @@ class ChatCompletionResponse:
     usage: UsageInfo
     # vLLM's, when the request asks for them
     prompt_logprobs: PromptLogprobs | None | MISSING = MISSING
+    # as CompletionResponse's
+    kv_transfer_params: dict[str, Any] | None | MISSING = MISSING
 
 
 @dataclasses.dataclass(slots=True, kw_only=True)

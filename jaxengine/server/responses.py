@@ -152,9 +152,12 @@ class CompletionFormatter(_Formatter):
             if self.prompt_logprobs:  # vLLM: on each choice
                 choice.prompt_logprobs = prompt_logprobs_of(out)
             choices.append(choice)
-        return CompletionResponse(id=self.request_id,
+        body = CompletionResponse(id=self.request_id,
                                   created=self.created, model=self.model, choices=choices,
                                   usage=usage(prompt_tokens, outs))
+        if outs[0].kv_transfer_params is not None:  # one prompt, n=1 (the protocol's check)
+            body.kv_transfer_params = outs[0].kv_transfer_params
+        return body
 
     def chunk(self, index: int, out: RequestOutput, *, with_logprobs: bool,
               usage_so_far: UsageInfo | None = None) -> CompletionStreamResponse | None:
@@ -246,6 +249,8 @@ class ChatFormatter(_Formatter):
                                       usage=usage(prompt_tokens, outs))
         if self.prompt_logprobs:  # vLLM: on the response
             body.prompt_logprobs = prompt_logprobs_of(outs[0])
+        if outs[0].kv_transfer_params is not None:
+            body.kv_transfer_params = outs[0].kv_transfer_params
         return body
 
     def first_chunks(self, num_choices: int, *, usage_of: Sequence[UsageInfo] | None = None

@@ -147,6 +147,9 @@ class OpenAIServing:
         so, _ = structured_outputs_of(body)
         children, echo = [], []
         prompts = completion_prompts(body, self.tokenizer, self.vocab_size)
+        if body.kv_transfer_params is not None and len(prompts) > 1:
+            raise RequestError(f"kv_transfer_params need a single prompt (one request's KV "
+                               f"is handed on), got {len(prompts)}", "kv_transfer_params")
         for prompt in prompts:
             # max_tokens defaults to 16 here (OpenAI's and vLLM's), so the model's default
             # max_tokens applies only to an explicit null, as in vLLM. Echo with 0 generates

@@ -156,3 +156,15 @@ def test_pickles_and_copies_with_a_logit_bias() -> None:
                         presence_penalty=0.5, stop=["end"])
     for again in (pickle.loads(pickle.dumps(sp)), copy.deepcopy(sp), copy.copy(sp)):
         assert again == sp and dict(again.logit_bias) == {3: 2.0}
+
+
+def test_extra_args_are_a_read_only_copy_with_string_keys_and_survive_pickling() -> None:
+    given = {"kv_transfer_params": {"do_remote_decode": True}}
+    sp = SamplingParams(extra_args=given)
+    given["other"] = 1
+    assert dict(sp.extra_args) == {"kv_transfer_params": {"do_remote_decode": True}}
+    with pytest.raises(TypeError):
+        sp.extra_args["x"] = 1  # type: ignore[index]
+    assert pickle.loads(pickle.dumps(sp)) == sp
+    with pytest.raises(SamplingParamsError, match="extra_args must be a dict with string keys"):
+        SamplingParams(extra_args={1: "a"})

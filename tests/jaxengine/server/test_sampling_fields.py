@@ -100,3 +100,16 @@ def test_bad_values_are_400s_naming_the_field(server: RunningServer, body: dict[
                    json={"model": MODEL_NAME, "prompt": "x", "max_tokens": 2, **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+def test_kv_transfer_params_reach_the_engine_in_extra_args_with_n_1_and_not_streamed() -> None:
+    from jaxengine.server.protocol import RequestError
+
+    handle = {"do_remote_decode": True}
+    params = CompletionRequest(prompt="x", kv_transfer_params=handle).sampling_params(2, None)
+    assert params.extra_args == {"kv_transfer_params": handle}
+    assert CompletionRequest(prompt="x").sampling_params(2, None).extra_args is None
+    with pytest.raises(RequestError, match="kv_transfer_params need n=1"):
+        CompletionRequest(prompt="x", n=2, kv_transfer_params=handle).check_supported()
+    with pytest.raises(RequestError, match="do_remote_decode need stream=false"):
+        CompletionRequest(prompt="x", stream=True, kv_transfer_params=handle).check_supported()
