@@ -8,7 +8,8 @@ jitted matmul on any backend. The arithmetic is `gguf.quants`' own, operation fo
 (the products of a scale and a quant are exact in float32 but for Q6_K's, done in the same
 order), so the values equal the `gguf` package's bit for bit; a block of zero bytes
 dequantizes to zeros in every type (vocabulary padding rows).
-Types: Q4_0, Q4_1, Q8_0 (32-element blocks) and the k-quants Q4_K, Q5_K, Q6_K (256).
+Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (32-element blocks) and the k-quants Q4_K, Q5_K, Q6_K
+(256).
 """
 
 from __future__ import annotations
@@ -43,6 +44,22 @@ def _q4_0(b: jax.Array) -> jax.Array:  # [..., 18]: f16 d, 16 bytes of 32 nibble
 
 def _q4_1(b: jax.Array) -> jax.Array:  # [..., 20]: f16 d, f16 m, 16 bytes of 32 nibbles
     q = _nibbles(b[..., 4:], 1).astype(jnp.float32)
+    return _f16(b[..., 0:2])[..., None] * q + _f16(b[..., 2:4])[..., None]
+
+
+def _bits32(b: jax.Array) -> jax.Array:
+    """u8[..., 4], a little-endian uint32 -> u8[..., 32]: its bit i at i (0 or 1)."""
+    bits = (b[..., :, None] >> jnp.arange(8, dtype=jnp.uint8)) & 1
+    return bits.reshape(*b.shape[:-1], 32)
+
+
+def _q5_0(b: jax.Array) -> jax.Array:  # [..., 22]: f16 d, u32 high bits, 16 bytes of nibbles
+    q = (_nibbles(b[..., 6:], 1) | (_bits32(b[..., 2:6]) << 4)).astype(jnp.int32) - 16
+    return _f16(b[..., 0:2])[..., None] * q.astype(jnp.float32)
+
+
+def _q5_1(b: jax.Array) -> jax.Array:  # [..., 24]: f16 d, f16 m, u32 high bits, 16 bytes
+    q = (_nibbles(b[..., 8:], 1) | (_bits32(b[..., 4:8]) << 4)).astype(jnp.float32)
     return _f16(b[..., 0:2])[..., None] * q + _f16(b[..., 2:4])[..., None]
 
 
@@ -103,8 +120,8 @@ class BlockFormat:
 BLOCK_FORMATS: dict[Q, BlockFormat] = {
     t: BlockFormat(name=t.name, block_size=gguf.GGML_QUANT_SIZES[t][0],
                    block_bytes=gguf.GGML_QUANT_SIZES[t][1], dequantize_blocks=f)
-    for t, f in ((Q.Q4_0, _q4_0), (Q.Q4_1, _q4_1), (Q.Q8_0, _q8_0), (Q.Q4_K, _q4_k),
-                 (Q.Q5_K, _q5_k), (Q.Q6_K, _q6_k))}
+    for t, f in ((Q.Q4_0, _q4_0), (Q.Q4_1, _q4_1), (Q.Q5_0, _q5_0), (Q.Q5_1, _q5_1),
+                 (Q.Q8_0, _q8_0), (Q.Q4_K, _q4_k), (Q.Q5_K, _q5_k), (Q.Q6_K, _q6_k))}
 SUPPORTED = ", ".join(f.name for f in BLOCK_FORMATS.values())
 
 

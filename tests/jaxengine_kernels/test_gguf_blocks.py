@@ -10,8 +10,8 @@ import pytest
 from jaxengine_kernels.gguf_blocks import BLOCK_FORMATS, block_format, dequantize
 
 Q = gguf.GGMLQuantizationType
-# gguf.quants.quantize makes these (Q5_0: a type served only as floats); k-quants: random
-QUANTIZABLE = (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0)
+# gguf.quants.quantize makes these; k-quants: random
+QUANTIZABLE = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.TQ2_0)
 
 
 def random_rows(qtype: Q, rows: int, cols: int, seed: int = 0, scale: float = 0.1
@@ -56,8 +56,9 @@ def test_leading_axes_and_zero_blocks(qtype: Q) -> None:
 
 
 def test_unsupported_types_are_named() -> None:
-    with pytest.raises(ValueError, match="Q5_0 is not served.*Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K"):
-        block_format(Q.Q5_0)
+    with pytest.raises(ValueError, match="Q2_K is not served.*Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, "
+                       "Q4_K, Q5_K, Q6_K"):
+        block_format(Q.Q2_K)
     with pytest.raises(ValueError, match="unknown GGUF quantization type 'Q9'"):
         block_format("Q9")
     with pytest.raises(ValueError, match="Q4_1 rows of 30 bytes are not whole blocks of 20"):

@@ -89,8 +89,8 @@ def test_experts_partly_quantized_are_refused(tmp_path: Path) -> None:
 def test_bad_files_and_values_are_refused(tmp_path: Path) -> None:
     path = tmp_path / "m.gguf"
     write_blocks_gguf(path, blocks_config(), Q.Q8_0, types={
-        "blk.0.ffn_up.weight": Q.Q5_0, "blk.1.ffn_up.weight": Q.Q5_0})
-    with pytest.raises(ModelLoadError, match="blk.0.ffn_up.weight is Q5_0, which "
+        "blk.0.ffn_up.weight": Q.TQ2_0, "blk.1.ffn_up.weight": Q.TQ2_0})
+    with pytest.raises(ModelLoadError, match="blk.0.ffn_up.weight is TQ2_0, which "
                        "quantization='gguf' does not serve"):
         load_model(path, with_tokenizer=False, quantization="gguf")
     load_model(path, with_tokenizer=False)  # the float load dequantizes any type gguf reads
