@@ -15,11 +15,13 @@ Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (32-element blocks) and the k-quants Q4_K, Q
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 
 import gguf
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Q = gguf.GGMLQuantizationType
 
@@ -159,3 +161,72 @@ def dequantize(rows: jax.Array, qtype: Q | int | str) -> jax.Array:
     # blocks keep their row's axes, so a row split over devices at block boundaries stays split
     values = fmt.dequantize_blocks(rows.reshape(*lead, -1, fmt.block_bytes))
     return values.reshape(*lead, row_bytes // fmt.block_bytes * fmt.block_size)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class SlotLayout:
+    """Rows of one weight whose GGUF type differs from layer to layer (llama.cpp's "_M"
+    mixes: some layers' `ffn_down` and `attn_v` Q6_K, the rest Q4_K), held as one array.
+
+    Each row is a run of slots of `values` inputs (whole blocks of every type: the least
+    common multiple of their block sizes), each `slot_bytes` long (the widest type's bytes for
+    those values); a layer's blocks fill the start of each slot and zero bytes the rest, so a
+    row split at slot boundaries (tensor parallel) is whole blocks of whichever type. Of one
+    type, a slot is a block: the rows exactly as the file stores them.
+    """
+
+    qtypes: tuple[str, ...]  # the types' names, in the order a layer's index names them
+    values: int  # inputs per slot
+    slot_bytes: int  # bytes per slot
+
+
+def slot_layout(qtypes: Sequence[Q | int | str]) -> SlotLayout:
+    """The slots holding blocks of any of `qtypes` (enums, values or names; one or more).
+
+    Raises:
+        ValueError: a type without a dequantizer here.
+    """
+    fmts = [block_format(t) for t in qtypes]
+    values = math.lcm(*(f.block_size for f in fmts))
+    return SlotLayout(qtypes=tuple(f.name for f in fmts), values=values,
+                      slot_bytes=max(values // f.block_size * f.block_bytes for f in fmts))
+
+
+def _used(layout: SlotLayout, qtype: Q | int | str) -> int:
+    """The bytes of `qtype`'s blocks at the start of each slot of `layout`."""
+    fmt = block_format(qtype)
+    return layout.values // fmt.block_size * fmt.block_bytes
+
+
+def to_slots(rows: np.ndarray, qtype: Q | int | str, layout: SlotLayout) -> np.ndarray:
+    """Rows u8[..., row_bytes] of `qtype` (one of `layout.qtypes`), as the file stores them ->
+    u8[..., slots * slot_bytes] in `layout`'s slots (host arrays)."""
+    used = _used(layout, qtype)
+    *lead, row_bytes = rows.shape
+    out = np.zeros((*lead, row_bytes // used, layout.slot_bytes), np.uint8)
+    out[..., :used] = rows.reshape(*lead, -1, used)
+    return out.reshape(*lead, -1)
+
+
+def dequantize_slots(rows: jax.Array, which: jax.Array | None, layout: SlotLayout
+                     ) -> jax.Array:
+    """Rows in `layout`'s slots -> float32 values, by the type `layout.qtypes[which]`.
+
+    Args:
+        rows: u8[..., slots * slot_bytes].
+        which: i32[] the rows' type, an index into `layout.qtypes` (a traced value: one
+            `lax.switch` over the types, so a scanned layer picks its own); None for a layout
+            of one type.
+    Returns:
+        f32[..., slots * values].
+    """
+    if len(layout.qtypes) == 1:
+        return dequantize(rows, layout.qtypes[0])
+    *lead, row_bytes = rows.shape
+    slots = rows.reshape(*lead, row_bytes // layout.slot_bytes, layout.slot_bytes)
+
+    def branch(qtype: str) -> Callable[[jax.Array], jax.Array]:
+        used = _used(layout, qtype)
+        return lambda s: dequantize(s[..., :used].reshape(*lead, -1), qtype)
+
+    return jax.lax.switch(which, [branch(t) for t in layout.qtypes], slots)
