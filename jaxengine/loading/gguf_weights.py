@@ -6,9 +6,9 @@ A weight of the model (module path, scanned layout) is held as blocks when every
 it is of a quantized type with a dequantizer (jaxengine_kernels/gguf_blocks.py); F32/F16/BF16
 tensors stay floats. A projection whose layers mix types (llama.cpp's "_M" mixes: some layers'
 `ffn_down` and `attn_v` Q6_K, the rest Q4_K) is one array in the slots of
-`gguf_blocks.SlotLayout`, with each layer's type index beside it (`GGUFLinear`). Refused by
-name: a weight mixing float and quantized layers (it would be served partly as floats), and
-MoE experts whose layers mix types.
+`gguf_blocks.SlotLayout`, with each layer's type index beside it (`GGUFLinear`, and MoE
+experts' `GGUFExperts`). Refused by name: a weight mixing float and quantized layers (it would
+be served partly as floats).
 """
 
 from __future__ import annotations
@@ -37,9 +37,8 @@ def gguf_weight_types(cfg: ModelConfig, source: GGUFSource, where: str
     order of the first layer of each (one type for most weights).
 
     Raises:
-        ModelLoadError: the layers of one weight are partly float, partly quantized, or MoE
-            experts' layers mix types, or a quantized type has no dequantizer; the message
-            names the tensors and types.
+        ModelLoadError: the layers of one weight are partly float, partly quantized, or a
+            quantized type has no dequantizer; the message names the tensors and types.
     """
     fam, shapes = family(cfg.architecture), model_weight_shapes(cfg)
     types = {}
@@ -52,14 +51,13 @@ def gguf_weight_types(cfg: ModelConfig, source: GGUFSource, where: str
         kinds: dict[Q | None, str] = {}  # each type found -> the first tensor of it
         for tensor in tensors:
             kinds.setdefault(source.qtype(tensor), tensor)
-        experts = path[-1] not in ("kernel", "embedding")
-        if len(kinds) > 1 and (None in kinds or experts):
+        if len(kinds) > 1 and None in kinds:
             found = " and ".join(f"{t} is {'float' if k is None else k.name}"
                                  for k, t in kinds.items())
             raise ModelLoadError(
-                f"{where}: quantization='gguf' holds {'experts' if experts else 'a weight'} "
-                f"in {'one type' if experts else 'blocks in every layer or in none'}, but "
-                f"{found}; load with quantization=None to dequantize the file to floats")
+                f"{where}: quantization='gguf' holds a weight in blocks in every layer or in "
+                f"none, but {found}; load with quantization=None to dequantize the file to "
+                "floats")
         if None not in kinds:
             for tensor in kinds.values():
                 source.blocks(tensor)  # refuses a type without a dequantizer, by name

@@ -235,7 +235,8 @@ def _rows_spec(kernel: P) -> P:
 class GGUFExperts(nnx.Module):
     """`moe.Experts` held as GGUF blocks: `gate_proj`, `up_proj` u8[E, F, row_bytes(D)] and
     `down_proj` u8[E, D, row_bytes(F)] (each expert's [out, in] rows, as the file's stacked
-    `*_exps` tensors hold them), each of its own type.
+    `*_exps` tensors hold them), each of its own type; one whose layers mix types (llama.cpp's
+    Q4_K_M `ffn_down_exps`) in slots, with `<name>_qtype` each layer's type as `GGUFLinear`'s.
 
     The grouped matmul reads float matrices, so each device dequantizes its blocks inside the
     step right before it (`matrices`); split as the float experts are (expert parallel: whole
@@ -243,48 +244,61 @@ class GGUFExperts(nnx.Module):
     """
 
     def __init__(self, blocks: tuple[jax.Array, jax.Array, jax.Array],
-                 qtypes: tuple[Q | int | str, Q | int | str, Q | int | str], *,
-                 gate_up_spec: P, down_spec: P, mesh: Mesh) -> None:
-        """Hold gate, up, down `blocks` of `qtypes`, split like float experts of
-        `gate_up_spec` / `down_spec` ([E, I, O] kernels' specs).
+                 qtypes: tuple[QTypes, QTypes, QTypes], *, gate_up_spec: P, down_spec: P,
+                 mesh: Mesh) -> None:
+        """Hold gate, up, down `blocks` of `qtypes` (each a type, or a mix's types), split
+        like float experts of `gate_up_spec` / `down_spec` ([E, I, O] kernels' specs); a
+        mix's type indices are zeros, filled from a file.
 
         Raises:
             ValueError: an unsupported type, or a down projection split over tp (not expert
                 parallel) whose F/tp is not whole blocks.
         """
-        self.qtypes = tuple(block_format(t).name for t in qtypes)
+        self.layouts = tuple(slot_layout(_types(t)) for t in qtypes)
         self.gate_up_spec, self.down_spec = gate_up_spec, down_spec
-        down_fmt, F = block_format(qtypes[2]), blocks[0].shape[-2]
+        down, F = self.layouts[2], blocks[0].shape[-2]
         tp = tp_size(mesh)
-        if down_spec[1] is not None and (F // tp) % down_fmt.block_size:
+        if down_spec[1] is not None and (F // tp) % down.values:
             raise ValueError(
-                f"{down_fmt.name} expert down projections of {F} input features cannot be "
-                f"split over tensor_parallel_size={tp} at {down_fmt.block_size}-value block "
+                f"{'/'.join(down.qtypes)} expert down projections of {F} input features cannot "
+                f"be split over tensor_parallel_size={tp} at {down.values}-value block "
                 "boundaries: use enable_expert_parallel, another tensor_parallel_size, or "
                 "quantization=None")
         specs = (gate_up_spec, gate_up_spec, down_spec)
-        for name, rows, spec in zip(EXPERT_WEIGHTS, blocks, specs, strict=True):
+        for name, rows, spec, layout in zip(EXPERT_WEIGHTS, blocks, specs, self.layouts,
+                                            strict=True):
             setattr(self, name, nnx.Param(rows, sharding_names=tuple(_rows_spec(spec)),
                                           mesh=mesh))
+            if len(layout.qtypes) > 1:  # replicated, as `GGUFLinear`'s
+                setattr(self, qtype_name(name), nnx.Param(jnp.zeros(rows.shape[:-3], jnp.int32)))
 
     def operands(self) -> tuple[tuple[jax.Array, P], ...]:
-        """The blocks of gate, up and down, each with its split over "tp"."""
+        """The blocks of gate, up and down, each with its split over "tp", and after a mix's
+        blocks its layer's type index (replicated)."""
         specs = (self.gate_up_spec, self.gate_up_spec, self.down_spec)
-        return tuple((getattr(self, name)[...], _rows_spec(spec))
-                     for name, spec in zip(EXPERT_WEIGHTS, specs, strict=True))
+        out = []
+        for name, spec, layout in zip(EXPERT_WEIGHTS, specs, self.layouts, strict=True):
+            out.append((getattr(self, name)[...], _rows_spec(spec)))
+            if len(layout.qtypes) > 1:
+                out.append((getattr(self, qtype_name(name))[...], P()))
+        return tuple(out)
 
     def matrices(self, *local: jax.Array, dtype: jnp.dtype
                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """One device's gate, up [E_local, D, F_local] and down [E_local, F_local, D] in
         `dtype`, dequantized from its blocks of `operands()`."""
-        gate, up, down = (jnp.swapaxes(dequantize(rows, qtype), -1, -2).astype(dtype)
-                          for rows, qtype in zip(local, self.qtypes, strict=True))
+        arrays, out = iter(local), []
+        for layout in self.layouts:
+            rows = next(arrays)
+            which = next(arrays) if len(layout.qtypes) > 1 else None
+            out.append(jnp.swapaxes(dequantize_slots(rows, which, layout), -1, -2).astype(dtype))
+        gate, up, down = out
         return gate, up, down
 
 
-def gguf_experts(experts: nnx.Module, qtypes: tuple[Q | int | str, ...]) -> GGUFExperts:
+def gguf_experts(experts: nnx.Module, qtypes: tuple[QTypes, QTypes, QTypes]) -> GGUFExperts:
     """The GGUF counterpart of `moe.Experts` `experts` with zero blocks of `qtypes` (gate,
-    up, down), filled from a file."""
+    up, down; each a type or a mix's types), filled from a file."""
     E, D, F = experts.gate_proj.shape
     mesh = experts.gate_proj.get_metadata()["mesh"]
     shapes = ((E, F, row_bytes(D, qtypes[0])), (E, F, row_bytes(D, qtypes[1])),
@@ -343,13 +357,14 @@ class GGUFFormat:
         return embedder if qtype is None else gguf_embedder(embedder, qtype)
 
     def experts(self, experts: nnx.Module, path: Path) -> nnx.Module:
-        qtypes = [self._one_type((*path, name)) for name in EXPERT_WEIGHTS]
+        qtypes = [self._type((*path, name)) for name in EXPERT_WEIGHTS]
         if all(t is None for t in qtypes):
             return experts
         if any(t is None for t in qtypes):
+            found = ", ".join("/".join(q.name for q in t) if t else "float" for t in qtypes)
             raise ValueError(f"experts {'.'.join(map(str, path))}: quantization='gguf' holds "
                              "gate, up and down all quantized or all float, but the file "
-                             f"has {', '.join(t.name if t else 'float' for t in qtypes)}")
+                             f"has {found}")
         return gguf_experts(experts, tuple(qtypes))
 
     def read_host(self, path: Path, name: str, shape: tuple[int, ...], layout: TPLayout, *,

@@ -84,11 +84,16 @@ def test_a_q4_k_m_mix_serves_as_its_float_load_looped_and_scanned(tmp_path: Path
 
 
 def test_experts_serve_from_their_blocks(tmp_path: Path) -> None:
+    """Q8_0 experts whose down projections mix types across layers (Q8_0, then Q4_0), as
+    llama.cpp's Q4_K_M recipe mixes `ffn_down_exps`."""
     path = tmp_path / "m.gguf"
-    write_gguf(FIXTURES / "tiny" / "qwen2_moe", path, "qwen2moe", experts_as=Q.Q8_0)
+    write_gguf(FIXTURES / "tiny" / "qwen2_moe", path, "qwen2moe", experts_as=Q.Q8_0,
+               types={"blk.2.ffn_down_exps.weight": Q.Q4_0})
     floats, _, _ = load_model(path, with_tokenizer=False)
     blocks, _, _ = load_model(path, with_tokenizer=False, quantization="gguf")
     assert _held(blocks) == {GGUFExperts}  # the rest of the file is F32
+    experts = blocks.layers[2].moe.experts
+    assert experts.layouts[2].qtypes == ("Q8_0", "Q4_0") and experts.down_proj_qtype[...] == 1
     np.testing.assert_allclose(_logits(blocks), _logits(floats), rtol=0, atol=1e-5)
 
 
@@ -173,8 +178,9 @@ from jaxengine.model.step import RequestChunk
 from tests.fixtures.model_helpers import FIXTURES, PagedRunner
 from tests.jaxengine.loading.test_load import write_gguf
 path = Path({tmp!r}) / "m.gguf"
-write_gguf(FIXTURES / "tiny" / "qwen2_moe", path, "qwen2moe",
-           experts_as=gguf.GGMLQuantizationType.Q8_0)
+Q = gguf.GGMLQuantizationType
+write_gguf(FIXTURES / "tiny" / "qwen2_moe", path, "qwen2moe", experts_as=Q.Q8_0,
+           types={{"blk.2.ffn_down_exps.weight": Q.Q4_0}})  # down of mixed types
 def logits(model):
     return PagedRunner(model).run([RequestChunk(token_ids=[1, 5, 9, 3, 7], start=0,
                                                 block_table=[1, 2])], num_tokens=8)[0]
@@ -195,7 +201,8 @@ print(shard)
 
 @pytest.mark.slow  # ~25 s: a child process on two virtual devices
 def test_experts_on_a_mesh_of_two(tmp_path: Path) -> None:
-    """Expert parallel: each device holds 4 of the 8 experts' blocks whole, and the outputs
-    are one device's; split over F, the down projection's rows are not whole blocks."""
+    """Expert parallel: each device holds 4 of the 8 experts' blocks whole (down's layers of
+    mixed types in slots of Q8_0's bytes), and the outputs are one device's; split over F, the
+    down projection's rows are not whole blocks."""
     out = run_python(EXPERTS_MESH_CHECK.format(tmp=str(tmp_path)), num_devices=2, timeout=300)
     assert out.strip().splitlines()[-1] == "(4, 32, 34)"  # [E/tp, D, row_bytes(F)]
