@@ -202,6 +202,8 @@ def to_slots(rows: np.ndarray, qtype: Q | int | str, layout: SlotLayout) -> np.n
     """Rows u8[..., row_bytes] of `qtype` (one of `layout.qtypes`), as the file stores them ->
     u8[..., slots * slot_bytes] in `layout`'s slots (host arrays)."""
     used = _used(layout, qtype)
+    if used == layout.slot_bytes:  # the widest type (or the only one): its rows as they are
+        return rows
     *lead, row_bytes = rows.shape
     out = np.zeros((*lead, row_bytes // used, layout.slot_bytes), np.uint8)
     out[..., :used] = rows.reshape(*lead, -1, used)

@@ -88,8 +88,9 @@ class GGUFLinear(nnx.Module):
 
     A weight whose layers mix types (llama.cpp's "_M" mixes) holds every layer's rows in the
     slots of `gguf_blocks.SlotLayout` and, in `kernel_qtype` (i32, a leading layer axis when
-    stacked), each layer's type as an index into `qtypes`: a scanned stack of layers stays one
-    array and one compiled body, each layer dequantizing by its own type (`lax.switch`).
+    stacked), each layer's type as an index into `layout.qtypes`: a scanned stack of layers
+    stays one array and one compiled body, each layer dequantizing by its own type
+    (`lax.switch`).
     """
 
     def __init__(self, blocks: jax.Array, qtype: QTypes, *, sharding: Sharding,
