@@ -341,21 +341,13 @@ class GGUFFormat:
                              "another quantization for other checkpoints")
         return self.types.get(path)
 
-    def _one_type(self, path: Path) -> Q | None:
-        qtypes = self._type(path)
-        if qtypes is not None and len(qtypes) > 1:
-            raise ValueError(f"{'.'.join(map(str, path))}: quantization='gguf' serves it in "
-                             f"one type, but its layers mix {', '.join(t.name for t in qtypes)}"
-                             "; load with quantization=None to dequantize it instead")
-        return None if qtypes is None else qtypes[0]
-
     def linear(self, linear: nnx.Linear, path: Path) -> nnx.Module:
         qtypes = self._type((*path, "kernel"))
         return linear if qtypes is None else gguf_linear(linear, qtypes)
 
     def embedder(self, embedder: Embedder, path: Path) -> nnx.Module:
-        qtype = self._one_type((*path, "embedding"))
-        return embedder if qtype is None else gguf_embedder(embedder, qtype)
+        qtypes = self._type((*path, "embedding"))  # one: the embedding has no layers
+        return embedder if qtypes is None else gguf_embedder(embedder, *qtypes)
 
     def experts(self, experts: nnx.Module, path: Path) -> nnx.Module:
         qtypes = [self._type((*path, name)) for name in EXPERT_WEIGHTS]
