@@ -8,17 +8,20 @@ jitted matmul on any backend. The arithmetic is `gguf.quants`' own, operation fo
 (the products of a scale and a quant are exact in float32 but for Q6_K's, done in the same
 order), so the values equal the `gguf` package's bit for bit; a block of zero bytes
 dequantizes to zeros in every type (vocabulary padding rows).
-Types: Q4_0, Q4_1, Q8_0 (32-element blocks) and the k-quants Q4_K, Q5_K, Q6_K (256).
+Types: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (32-element blocks) and the k-quants Q4_K, Q5_K, Q6_K
+(256).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Sequence
 
 import gguf
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Q = gguf.GGMLQuantizationType
 
@@ -43,6 +46,22 @@ def _q4_0(b: jax.Array) -> jax.Array:  # [..., 18]: f16 d, 16 bytes of 32 nibble
 
 def _q4_1(b: jax.Array) -> jax.Array:  # [..., 20]: f16 d, f16 m, 16 bytes of 32 nibbles
     q = _nibbles(b[..., 4:], 1).astype(jnp.float32)
+    return _f16(b[..., 0:2])[..., None] * q + _f16(b[..., 2:4])[..., None]
+
+
+def _bits32(b: jax.Array) -> jax.Array:
+    """u8[..., 4], a little-endian uint32 -> u8[..., 32]: its bit i at i (0 or 1)."""
+    bits = (b[..., :, None] >> jnp.arange(8, dtype=jnp.uint8)) & 1
+    return bits.reshape(*b.shape[:-1], 32)
+
+
+def _q5_0(b: jax.Array) -> jax.Array:  # [..., 22]: f16 d, u32 high bits, 16 bytes of nibbles
+    q = (_nibbles(b[..., 6:], 1) | (_bits32(b[..., 2:6]) << 4)).astype(jnp.int32) - 16
+    return _f16(b[..., 0:2])[..., None] * q.astype(jnp.float32)
+
+
+def _q5_1(b: jax.Array) -> jax.Array:  # [..., 24]: f16 d, f16 m, u32 high bits, 16 bytes
+    q = (_nibbles(b[..., 8:], 1) | (_bits32(b[..., 4:8]) << 4)).astype(jnp.float32)
     return _f16(b[..., 0:2])[..., None] * q + _f16(b[..., 2:4])[..., None]
 
 
@@ -103,8 +122,8 @@ class BlockFormat:
 BLOCK_FORMATS: dict[Q, BlockFormat] = {
     t: BlockFormat(name=t.name, block_size=gguf.GGML_QUANT_SIZES[t][0],
                    block_bytes=gguf.GGML_QUANT_SIZES[t][1], dequantize_blocks=f)
-    for t, f in ((Q.Q4_0, _q4_0), (Q.Q4_1, _q4_1), (Q.Q8_0, _q8_0), (Q.Q4_K, _q4_k),
-                 (Q.Q5_K, _q5_k), (Q.Q6_K, _q6_k))}
+    for t, f in ((Q.Q4_0, _q4_0), (Q.Q4_1, _q4_1), (Q.Q5_0, _q5_0), (Q.Q5_1, _q5_1),
+                 (Q.Q8_0, _q8_0), (Q.Q4_K, _q4_k), (Q.Q5_K, _q5_k), (Q.Q6_K, _q6_k))}
 SUPPORTED = ", ".join(f.name for f in BLOCK_FORMATS.values())
 
 
@@ -142,3 +161,74 @@ def dequantize(rows: jax.Array, qtype: Q | int | str) -> jax.Array:
     # blocks keep their row's axes, so a row split over devices at block boundaries stays split
     values = fmt.dequantize_blocks(rows.reshape(*lead, -1, fmt.block_bytes))
     return values.reshape(*lead, row_bytes // fmt.block_bytes * fmt.block_size)
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class SlotLayout:
+    """Rows of one weight whose GGUF type differs from layer to layer (llama.cpp's "_M"
+    mixes: some layers' `ffn_down` and `attn_v` Q6_K, the rest Q4_K), held as one array.
+
+    Each row is a run of slots of `values` inputs (whole blocks of every type: the least
+    common multiple of their block sizes), each `slot_bytes` long (the widest type's bytes for
+    those values); a layer's blocks fill the start of each slot and zero bytes the rest, so a
+    row split at slot boundaries (tensor parallel) is whole blocks of whichever type. Of one
+    type, a slot is a block: the rows exactly as the file stores them.
+    """
+
+    qtypes: tuple[str, ...]  # the types' names, in the order a layer's index names them
+    values: int  # inputs per slot
+    slot_bytes: int  # bytes per slot
+
+
+def slot_layout(qtypes: Sequence[Q | int | str]) -> SlotLayout:
+    """The slots holding blocks of any of `qtypes` (enums, values or names; one or more).
+
+    Raises:
+        ValueError: a type without a dequantizer here.
+    """
+    fmts = [block_format(t) for t in qtypes]
+    values = math.lcm(*(f.block_size for f in fmts))
+    return SlotLayout(qtypes=tuple(f.name for f in fmts), values=values,
+                      slot_bytes=max(values // f.block_size * f.block_bytes for f in fmts))
+
+
+def _used(layout: SlotLayout, qtype: Q | int | str) -> int:
+    """The bytes of `qtype`'s blocks at the start of each slot of `layout`."""
+    fmt = block_format(qtype)
+    return layout.values // fmt.block_size * fmt.block_bytes
+
+
+def to_slots(rows: np.ndarray, qtype: Q | int | str, layout: SlotLayout) -> np.ndarray:
+    """Rows u8[..., row_bytes] of `qtype` (one of `layout.qtypes`), as the file stores them ->
+    u8[..., slots * slot_bytes] in `layout`'s slots (host arrays)."""
+    used = _used(layout, qtype)
+    if used == layout.slot_bytes:  # the widest type (or the only one): its rows as they are
+        return rows
+    *lead, row_bytes = rows.shape
+    out = np.zeros((*lead, row_bytes // used, layout.slot_bytes), np.uint8)
+    out[..., :used] = rows.reshape(*lead, -1, used)
+    return out.reshape(*lead, -1)
+
+
+def dequantize_slots(rows: jax.Array, which: jax.Array | None, layout: SlotLayout
+                     ) -> jax.Array:
+    """Rows in `layout`'s slots -> float32 values, by the type `layout.qtypes[which]`.
+
+    Args:
+        rows: u8[..., slots * slot_bytes].
+        which: i32[] the rows' type, an index into `layout.qtypes` (a traced value: one
+            `lax.switch` over the types, so a scanned layer picks its own); None for a layout
+            of one type.
+    Returns:
+        f32[..., slots * values].
+    """
+    if len(layout.qtypes) == 1:
+        return dequantize(rows, layout.qtypes[0])
+    *lead, row_bytes = rows.shape
+    slots = rows.reshape(*lead, row_bytes // layout.slot_bytes, layout.slot_bytes)
+
+    def branch(qtype: str) -> Callable[[jax.Array], jax.Array]:
+        used = _used(layout, qtype)
+        return lambda s: dequantize(s[..., :used].reshape(*lead, -1), qtype)
+
+    return jax.lax.switch(which, [branch(t) for t in layout.qtypes], slots)

@@ -19,8 +19,8 @@ the same way into int8 panels with their per-column scales (`pack_int8`): a quar
 float32 bytes for a decode step to read (docs/BENCHMARKS.md §2, "Quantized projections"). GGUF
 Q4_1 and Q8_0 blocks (`quantization="gguf"`: `GGUFLinear`, `GGUFEmbedder`) stay blocks, read by
 the native block matmul (`BlockLinear`, `BlockMLP`, `BlockEmbedder`; q/k/v of one type merged
-as their rows of blocks stacked). A projection in another format (fp8, other GGUF types) keeps
-its own module, and the rest of the model packs around it.
+as their rows of blocks stacked). A projection in another format (fp8, other GGUF types, layers
+of mixed GGUF types) keeps its own module, and the rest of the model packs around it.
 """
 
 from __future__ import annotations

@@ -7,11 +7,18 @@ import jax
 import numpy as np
 import pytest
 
-from jaxengine_kernels.gguf_blocks import BLOCK_FORMATS, block_format, dequantize
+from jaxengine_kernels.gguf_blocks import (
+    BLOCK_FORMATS,
+    block_format,
+    dequantize,
+    dequantize_slots,
+    slot_layout,
+    to_slots,
+)
 
 Q = gguf.GGMLQuantizationType
-# gguf.quants.quantize makes these (Q5_0: a type served only as floats); k-quants: random
-QUANTIZABLE = (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0)
+# gguf.quants.quantize makes these; k-quants: random
+QUANTIZABLE = (Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.TQ2_0)
 
 
 def random_rows(qtype: Q, rows: int, cols: int, seed: int = 0, scale: float = 0.1
@@ -56,9 +63,29 @@ def test_leading_axes_and_zero_blocks(qtype: Q) -> None:
 
 
 def test_unsupported_types_are_named() -> None:
-    with pytest.raises(ValueError, match="Q5_0 is not served.*Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K"):
-        block_format(Q.Q5_0)
+    with pytest.raises(ValueError, match="Q2_K is not served.*Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, "
+                       "Q4_K, Q5_K, Q6_K"):
+        block_format(Q.Q2_K)
     with pytest.raises(ValueError, match="unknown GGUF quantization type 'Q9'"):
         block_format("Q9")
     with pytest.raises(ValueError, match="Q4_1 rows of 30 bytes are not whole blocks of 20"):
         dequantize(np.zeros((1, 30), np.uint8), Q.Q4_1)
+
+
+@pytest.mark.parametrize(("qtypes", "slot"), [((Q.Q4_K, Q.Q6_K), (256, 210)),
+                                              ((Q.Q5_0, Q.Q8_0), (32, 34)),
+                                              ((Q.Q8_0, Q.Q4_K), (256, 8 * 34))])
+def test_slots_of_a_mix_dequantize_by_each_layers_type(qtypes: tuple[Q, Q],
+                                                       slot: tuple[int, int]) -> None:
+    """Rows of either type padded into the mix's slots (values, bytes) come back as gguf's
+    values, bit for bit, by a traced type index."""
+    layout = slot_layout(qtypes)
+    assert (layout.values, layout.slot_bytes) == slot
+    assert layout.qtypes == tuple(t.name for t in qtypes)
+    run = jax.jit(lambda rows, which: dequantize_slots(rows, which, layout))
+    for which, qtype in enumerate(qtypes):
+        rows = random_rows(qtype, 3, 512, seed=which)
+        slots = to_slots(rows, qtype, layout)
+        assert slots.shape == (3, 512 // slot[0] * slot[1])
+        np.testing.assert_array_equal(np.asarray(run(slots, np.int32(which))),
+                                      gguf.quants.dequantize(rows, qtype))

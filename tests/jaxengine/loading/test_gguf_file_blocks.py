@@ -52,9 +52,9 @@ def test_an_expert_is_its_slice_of_the_stack(tmp_path: Path) -> None:
 
 def test_a_type_without_a_dequantizer_is_named(tmp_path: Path) -> None:
     path = tmp_path / "m.gguf"
-    write_blocks_gguf(path, blocks_config(), Q.Q8_0, types={"blk.0.ffn_up.weight": Q.Q5_0})
+    write_blocks_gguf(path, blocks_config(), Q.Q8_0, types={"blk.0.ffn_up.weight": Q.TQ2_0})
     source = _source(path)
-    with pytest.raises(ModelLoadError, match=r"tensor blk\.0\.ffn_up\.weight is Q5_0, which "
-                       r"quantization='gguf' does not serve.*supported: Q4_0, Q4_1, Q8_0, "
-                       r"Q4_K, Q5_K, Q6_K.*quantization=None"):
+    with pytest.raises(ModelLoadError, match=r"tensor blk\.0\.ffn_up\.weight is TQ2_0, which "
+                       r"quantization='gguf' does not serve.*supported: Q4_0, Q4_1, Q5_0, Q5_1, "
+                       r"Q8_0, Q4_K, Q5_K, Q6_K.*quantization=None"):
         source.blocks("model.layers.0.mlp.up_proj.weight")

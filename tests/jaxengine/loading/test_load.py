@@ -66,9 +66,10 @@ def add_model_keys(w: gguf.GGUFWriter, cfg: ModelConfig) -> None:
 
 
 def write_gguf(src: Path, path: Path, arch: str,
-               experts_as: gguf.GGMLQuantizationType = F32) -> None:
+               experts_as: gguf.GGMLQuantizationType = F32,
+               types: dict[str, gguf.GGMLQuantizationType] | None = None) -> None:
     """Convert a tiny HF fixture to a GGUF file the way llama.cpp does: F32, or stacked
-    experts whose rows allow it in `experts_as`."""
+    experts whose rows allow it in `experts_as` (`types`: others, by GGUF name)."""
     cfg = read_hf_config(src)
     names = tensor_name_map(cfg)
     w = gguf.GGUFWriter(str(path), arch)
@@ -101,9 +102,10 @@ def write_gguf(src: Path, path: Path, arch: str,
             arr = _permute(arr, cfg.num_kv_heads)
         if name.endswith("shared_expert_gate.weight"):
             arr = arr.reshape(-1)  # llama.cpp declares it a vector {D}
-        if ".experts." in name and arr.shape[-1] % 32 == 0 and experts_as != F32:
-            w.add_tensor(gguf_tensor_name(names, name), gguf.quants.quantize(arr, experts_as),
-                         raw_dtype=experts_as)
+        qtype = (types or {}).get(gguf_tensor_name(names, name), experts_as)
+        if ".experts." in name and arr.shape[-1] % 32 == 0 and qtype != F32:
+            w.add_tensor(gguf_tensor_name(names, name), gguf.quants.quantize(arr, qtype),
+                         raw_dtype=qtype)
         else:
             w.add_tensor(gguf_tensor_name(names, name), arr)
     w.write_header_to_file()

@@ -27,7 +27,7 @@ from jaxengine.model.packing import (
 )
 from jaxengine.model.quant.gguf import GGUFEmbedder, GGUFLinear
 from jaxengine.model.step import RequestChunk, make_model_step, pack_batch, split_model
-from tests.jaxengine.model.quant.gguf_files import blocks_config, write_blocks_gguf
+from tests.jaxengine.model.quant.gguf_files import blocks_config, k_m_types, write_blocks_gguf
 
 TARGET = "jaxengine_packed_matmul_f32"
 SWIGLU = "jaxengine_packed_swiglu_f32"
@@ -204,10 +204,12 @@ def test_a_gguf_model_reads_its_q4_1_and_q8_0_blocks_natively(tmp_path):
 
 
 def test_gguf_types_without_a_native_kernel_keep_their_modules(tmp_path):
-    """Q4_K down projections stay `GGUFLinear` (the jnp path) beside the Q4_1 ones packed."""
+    """A Q4_K embedding stays `GGUFEmbedder`, and down projections whose layers mix Q4_1 and
+    Q8_0 (llama.cpp's "_M" rule) `GGUFLinear` (the jnp path), beside the Q4_1 ones packed."""
     path = tmp_path / "m.gguf"
     cfg = blocks_config()
-    types = {f"blk.{i}.ffn_down.weight": Q.Q4_K for i in range(cfg.num_layers)}
+    types = {k: t for k, t in k_m_types(cfg, down=(Q.Q4_1, Q.Q8_0)).items() if "ffn_down" in k}
+    assert set(types.values()) == {Q.Q4_1, Q.Q8_0}
     write_blocks_gguf(path, cfg, Q.Q4_1, types={**types, "token_embd.weight": Q.Q4_K})
     floats, _, _ = load_model(path, with_tokenizer=False)
     want, _, _ = run(floats)

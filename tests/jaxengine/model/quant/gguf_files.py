@@ -3,7 +3,8 @@
 `write_blocks_gguf(path, cfg, qtype)` writes a Llama model of `cfg` as llama.cpp lays it out
 (tied embedding, Q/K rows in its rotary order: the blocks are random, so their order is
 whatever the file says), norms F32, every matrix in `qtype`; with the fixtures' tokenizer
-metadata so it loads with one.
+metadata so it loads with one. `k_m_types(cfg)` gives the per-layer types of llama.cpp's
+Q4_K_M recipe for `types=`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,24 @@ def blocks_config(**overrides: int) -> ModelConfig:
     fields = dict(hidden_size=256, intermediate_size=512, num_heads=4, num_kv_heads=2,
                   head_dim=64, vocab_size=128, tie_word_embeddings=True)
     return ModelConfig.tiny("llama", **(fields | overrides))
+
+
+def use_more_bits(layer: int, num_layers: int) -> bool:
+    """llama.cpp's choice of the layers whose attn_v and ffn_down get more bits in its "_M"
+    mixes (src/llama-quant.cpp `use_more_bits`): the first and last eighth, and every third
+    between."""
+    return (layer < num_layers // 8 or layer >= 7 * num_layers // 8
+            or (layer - num_layers // 8) % 3 == 2)
+
+
+def k_m_types(cfg: ModelConfig, *, v: tuple[Q, Q] = (Q.Q4_K, Q.Q6_K),
+              down: tuple[Q, Q] = (Q.Q4_K, Q.Q6_K)) -> dict[str, Q]:
+    """Per-layer types of llama.cpp's Q4_K_M recipe, by GGUF name: attn_v and ffn_down in
+    `v[1]` / `down[1]` where `use_more_bits`, else `v[0]` / `down[0]` (llama.cpp falls back to
+    Q5_0 / Q8_0 for rows that are not whole 256-value blocks, as Qwen's 896-wide ones)."""
+    more = [use_more_bits(i, cfg.num_layers) for i in range(cfg.num_layers)]
+    return {f"blk.{i}.{name}.weight": pair[m] for i, m in enumerate(more)
+            for name, pair in (("attn_v", v), ("ffn_down", down))}
 
 
 def _matrices(cfg: ModelConfig) -> dict[str, tuple[int, int]]:

@@ -21,7 +21,7 @@ from jaxengine.model.quant.gguf import (
     gguf_linear,
 )
 from jaxengine.model.tensor_parallel import tp_layout
-from jaxengine_kernels.gguf_blocks import BLOCK_FORMATS
+from jaxengine_kernels.gguf_blocks import BLOCK_FORMATS, slot_layout, to_slots
 from tests.jaxengine_kernels.test_gguf_blocks import random_rows
 from tests.parallel_helpers import run_python
 
@@ -78,6 +78,28 @@ def test_stacked_blocks_are_scanned_a_layer_at_a_time() -> None:
         w = gguf.quants.dequantize(np.asarray(blocks[i]), Q.Q8_0)
         np.testing.assert_allclose(np.asarray(ys[i]), np.asarray(x) @ w.T, rtol=1e-5,
                                    atol=1e-5)
+
+
+def test_a_stack_of_mixed_types_dequantizes_each_layer_by_its_own() -> None:
+    """Layers of Q8_0, Q5_0, Q5_0 in one array of slots: each layer's product is that of its
+    own type's values, the scan picking the type by the layer's index."""
+    qtypes, which = (Q.Q8_0, Q.Q5_0), (0, 1, 1)
+    rows = [random_rows(qtypes[w], 8, 64, seed=i) for i, w in enumerate(which)]
+    layout = slot_layout(qtypes)
+    blocks = np.stack([to_slots(r, qtypes[w], layout) for r, w in zip(rows, which, strict=True)])
+    lin = GGUFLinear(jnp.asarray(blocks), qtypes, sharding=ROW, mesh=MESH,
+                     which=jnp.asarray(which, jnp.int32))
+    assert (lin.qtype, lin.in_features, lin.layout.qtypes) == (None, 64, ("Q8_0", "Q5_0"))
+    x = _x(2, 64)
+
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))
+    def run(x: jax.Array, layer: GGUFLinear) -> tuple[jax.Array, jax.Array]:
+        return x, layer(x)
+
+    _, ys = run(x, lin)
+    for i, w in enumerate(which):
+        want = np.asarray(x) @ gguf.quants.dequantize(rows[i], qtypes[w]).T
+        np.testing.assert_allclose(np.asarray(ys[i]), want, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q6_K])
