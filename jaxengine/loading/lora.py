@@ -45,8 +45,8 @@ def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
             "gate_proj": (D, F), "up_proj": (D, F), "down_proj": (F, D)}
 
 
-def load_peft_adapter(path: str | Path, model_config: ModelConfig, *, max_lora_rank: int,
-                      name: str | None = None) -> LoRAAdapter:
+def load_peft_adapter(path: str | Path, model_config: ModelConfig, *, max_lora_rank: int
+                      ) -> LoRAAdapter:
     """Read the PEFT adapter in directory `path` for a base model of `model_config`.
 
     Raises:
@@ -64,7 +64,7 @@ def load_peft_adapter(path: str | Path, model_config: ModelConfig, *, max_lora_r
     _check_config(config, rank, max_lora_rank)
     scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     weights = _stack(load_file(str(weights_file)), model_config, rank)
-    return LoRAAdapter(name=name or root.name, rank=rank, scaling=scaling, weights=weights)
+    return LoRAAdapter(name=root.name, rank=rank, scaling=scaling, weights=weights)
 
 
 def _check_config(config: dict, rank: int, max_lora_rank: int) -> None:
