@@ -208,11 +208,11 @@ def _factors(tensors: Mapping[str, np.ndarray], cfg: ModelConfig, file: str
         slot = slots.get(_text_name(module_name))
         if slot is None:
             raise ValueError(
-                f"{file}: tensor {key!r} adapts {module_name!r}, which this "
-                f"{cfg.architecture} model ({cfg.num_layers} layers) has not or the engine "
-                f"does not adapt (LoRA is served on {', '.join(LORA_MODULES)} of the decoder "
-                "layers, not on embeddings, the LM head or experts); remove it from "
-                "target_modules, or serve the adapter with the base model it was trained for")
+                f"{file}: tensor {key!r} adapts {module_name!r}, which is not a module LoRA "
+                f"is served on: {', '.join(LORA_MODULES)} of the decoder layers of this "
+                f"{cfg.architecture} model ({cfg.num_layers} layers), not embeddings, the LM "
+                "head or experts; remove it from target_modules, or, for an adapter of "
+                "another base model, serve it with that model")
         found.setdefault(slot, (module_name, {}))[1][factor] = tensor
     for module_name, pair in found.values():
         if len(pair) != 2:
