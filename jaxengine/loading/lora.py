@@ -63,7 +63,7 @@ class LoRAAdapter:
 
 
 def load_peft_adapter(path: str | os.PathLike[str], model_config: ModelConfig, *,
-                      max_lora_rank: int, name: str | None = None) -> LoRAAdapter:
+                      max_lora_rank: int) -> LoRAAdapter:
     """The PEFT LoRA adapter in directory `path`, checked against the base `model_config`.
 
     `layers_to_transform` / `layers_pattern` need nothing of their own: the layers an adapter
@@ -73,9 +73,8 @@ def load_peft_adapter(path: str | os.PathLike[str], model_config: ModelConfig, *
         path: a directory with `adapter_config.json` and `adapter_model.safetensors`.
         model_config: the served model's config (the adapter's base).
         max_lora_rank: the largest rank the engine's adapter slots hold.
-        name: the adapter's name; default: the directory's name.
     Returns:
-        The adapter, its weights float32 numpy on the host.
+        The adapter (named as its directory), its weights float32 numpy on the host.
     Raises:
         ValueError: a missing or unreadable file, a rank above `max_lora_rank`, a PEFT type
             or variant other than plain LoRA, a module the engine does not adapt, or a tensor
@@ -89,7 +88,7 @@ def load_peft_adapter(path: str | os.PathLike[str], model_config: ModelConfig, *
     r, alpha, rslora = config["r"], config["lora_alpha"], bool(config.get("use_rslora"))
     rank = max([r, *(config.get("rank_pattern") or {}).values()])
     scaling = _scale(alpha, r, rslora)
-    shapes = _module_shapes(model_config)
+    shapes = module_shapes(model_config)
     weights: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     for (module, layer), (module_name, pair) in sorted(factors.items()):
         n_in, n_out = shapes[module]
@@ -102,7 +101,7 @@ def load_peft_adapter(path: str | os.PathLike[str], model_config: ModelConfig, *
                                np.zeros((model_config.num_layers, n_out, rank), np.float32))
         weights[module][0][layer, :r_here] = a
         weights[module][1][layer, :, :r_here] = b * np.float32(scale / scaling)
-    return LoRAAdapter(name=name or os.path.basename(os.path.normpath(path)), rank=rank,
+    return LoRAAdapter(name=os.path.basename(os.path.normpath(path)), rank=rank,
                        scaling=scaling, weights=weights)
 
 
@@ -185,8 +184,9 @@ def _lora_paths(cfg: ModelConfig) -> dict[str, tuple[tuple[str | int, ...], str]
             and path[-2] in LORA_MODULES}
 
 
-def _module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
-    """Module of LORA_MODULES -> (in, out) of its base weight."""
+def module_shapes(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(in, out) of the base weight of each module of LORA_MODULES a model of `cfg` has in its
+    decoder layers (at the checkpoint's sizes)."""
     shapes = model_weight_shapes(cfg)  # kernels are [Ly, in, out]
     return {module: shapes[path][1:] for module, (path, _) in _lora_paths(cfg).items()}
 
