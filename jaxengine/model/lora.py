@@ -117,10 +117,8 @@ class LoRALayout:
     mesh: Mesh
     dtype: jnp.dtype
 
-    def shardings(self, num_slots: int, rank: int) -> LoRASlots:
-        """The `NamedSharding` of each slot array (`num_slots`, `rank` unused: one sharding
-        whatever the sizes), as a `LoRASlots` of shardings."""
-        del num_slots, rank
+    def shardings(self) -> LoRASlots:
+        """The `NamedSharding` of each slot array, as a `LoRASlots` of shardings."""
         a = {m: NamedSharding(self.mesh, P(None, None, TP_AXIS if m in ROW_PARALLEL else None,
                                              None)) for m in self.modules}
         b = {m: NamedSharding(self.mesh, P(None, None, None,
@@ -130,7 +128,7 @@ class LoRALayout:
 
     def init_slots(self, num_slots: int, rank: int) -> LoRASlots:
         """All `num_slots` slots zero, of rank `rank`, placed in their shardings."""
-        sh = self.shardings(num_slots, rank)
+        sh = self.shardings()
         Ly = self.num_layers
 
         def zeros(shape: tuple[int, ...], sharding: NamedSharding) -> jax.Array:
