@@ -1,10 +1,10 @@
 """Multi-LoRA on the device: the adapter slots and the per-token low-rank update.
 
 Adapters live in S = max_loras + 1 fixed slots, slot 0 all zeros (the base model). Per target
-module the slots hold A [Ly, S, in, r] and B [Ly, S, r, out] (kernel layout, [in, out] as the
-base projections' kernels; r = max_lora_rank, a smaller adapter zero-padded) and one scaling
-f32[S]. Every token of a batch carries its slot (`ModelBatch.lora_slots`, i32[T]), and each
-targeted projection adds
+module the slots hold A [Ly, in, S*r] and B [Ly, S*r, out], slot s in columns (rows) s*r to
+(s+1)*r (kernel layout, [in, out] as the base projections' kernels; r = max_lora_rank, a smaller
+adapter zero-padded), and one scaling f32[S]. Every token of a batch carries its slot
+(`ModelBatch.lora_slots`, i32[T]), and each targeted projection adds
 
     y[t] += scaling[s_t] * (x[t] @ A[s_t]) @ B[s_t],   s_t = lora_slots[t]
 
@@ -12,8 +12,10 @@ on top of whatever the base projection is (float, packed, int8, GGUF blocks): `p
 layers.py is the one place that calls it. The slots are not gathered per token (that would be
 T copies of [in, r]); x is multiplied by every slot's A at once, [T, S*r], the columns of
 other slots are zeroed, and one matmul with all the B's, [S*r, out], sums only the token's
-own. S is small, so this costs S times the rank of one adapter, and the shapes never depend
-on which adapters are loaded: writing a slot compiles nothing.
+own: two plain [M, K] @ [K, N] dots (with the slot axis elsewhere, XLA's CPU dots ran the
+update several times slower inside the model step). S is small, so this costs S times the rank
+of one adapter, and the shapes never depend on which adapters are loaded: writing a slot
+compiles nothing.
 
 Under tensor parallelism A and B shard with their layer: a column-parallel projection
 (q/k/v, gate/up, split on out) has B split on out and A whole; a row-parallel one (o, down,
@@ -51,8 +53,8 @@ ROW_PARALLEL = ("o_proj", "down_proj")  # split on in; the others on out
 class LoRASlots:
     """The adapters on the device (a pytree, updated by value: `write_slot`)."""
 
-    a: dict[str, jax.Array]  # module -> [Ly, S, in, r]; slot 0 zeros
-    b: dict[str, jax.Array]  # module -> [Ly, S, r, out']; slot 0 zeros
+    a: dict[str, jax.Array]  # module -> [Ly, in, S*r]; slot 0 (columns :r) zeros
+    b: dict[str, jax.Array]  # module -> [Ly, S*r, out']; slot 0 (rows :r) zeros
     scaling: jax.Array  # f32[S]  each slot's alpha / r (or alpha / sqrt(r)); 0 in slot 0
 
 
@@ -61,8 +63,8 @@ class LoRASlots:
 class LayerLoRA:
     """One layer's slots and the batch's token slots: what its projections add."""
 
-    a: dict[str, jax.Array]  # module -> [S, in, r]
-    b: dict[str, jax.Array]  # module -> [S, r, out']
+    a: dict[str, jax.Array]  # module -> [in, S*r]
+    b: dict[str, jax.Array]  # module -> [S*r, out']
     scaling: jax.Array  # f32[S]
     token_slots: jax.Array  # i32[T]  each token's slot (0: no adapter)
 
@@ -81,16 +83,15 @@ def lora_delta(x: jax.Array, a: jax.Array, b: jax.Array, scaling: jax.Array,
 
     Args:
         x: [T, in] the projection's input.
-        a: [S, in, r], b: [S, r, out] the slots.
+        a: [in, S*r], b: [S*r, out] the slots side by side.
         scaling: f32[S].
         token_slots: i32[T].
     """
-    S, _, r = a.shape
-    h = jnp.einsum("ti,sir->tsr", x, a.astype(x.dtype),
-                   preferred_element_type=jnp.float32)  # [T, S, r]
-    mine = token_slots[:, None] == jnp.arange(S)[None, :]  # [T, S]
-    h = jnp.where(mine[:, :, None], h, 0.0).reshape(-1, S * r)  # other slots' columns zeroed
-    out = jnp.dot(h.astype(b.dtype), b.reshape(S * r, -1), preferred_element_type=jnp.float32)
+    r = a.shape[1] // scaling.shape[0]
+    h = jnp.dot(x, a.astype(x.dtype), preferred_element_type=jnp.float32)  # [T, S*r]
+    mine = token_slots[:, None] == jnp.arange(a.shape[1])[None, :] // r  # [T, S*r]
+    h = jnp.where(mine, h, 0.0)  # other slots' columns zeroed
+    out = jnp.dot(h.astype(b.dtype), b, preferred_element_type=jnp.float32)  # [T, out]
     return out * scaling[token_slots][:, None]  # PEFT's order: B(A(x)) * scaling
 
 
@@ -119,10 +120,9 @@ class LoRALayout:
 
     def shardings(self) -> LoRASlots:
         """The `NamedSharding` of each slot array, as a `LoRASlots` of shardings."""
-        a = {m: NamedSharding(self.mesh, P(None, None, TP_AXIS if m in ROW_PARALLEL else None,
-                                             None)) for m in self.modules}
-        b = {m: NamedSharding(self.mesh, P(None, None, None,
-                                             None if m in ROW_PARALLEL else TP_AXIS))
+        a = {m: NamedSharding(self.mesh, P(None, TP_AXIS if m in ROW_PARALLEL else None, None))
+             for m in self.modules}
+        b = {m: NamedSharding(self.mesh, P(None, None, None if m in ROW_PARALLEL else TP_AXIS))
              for m in self.modules}
         return LoRASlots(a=a, b=b, scaling=NamedSharding(self.mesh, P()))
 
@@ -134,9 +134,10 @@ class LoRALayout:
         def zeros(shape: tuple[int, ...], sharding: NamedSharding) -> jax.Array:
             return jax.device_put(np.zeros(shape, self.dtype), sharding)
 
+        Sr = num_slots * rank
         return LoRASlots(
-            a={m: zeros((Ly, num_slots, i, rank), sh.a[m]) for m, (i, _) in self.modules.items()},
-            b={m: zeros((Ly, num_slots, rank, o), sh.b[m]) for m, (_, o) in self.modules.items()},
+            a={m: zeros((Ly, i, Sr), sh.a[m]) for m, (i, _) in self.modules.items()},
+            b={m: zeros((Ly, Sr, o), sh.b[m]) for m, (_, o) in self.modules.items()},
             scaling=zeros((num_slots,), sh.scaling).astype(jnp.float32))
 
     def check(self, modules: Iterable[str]) -> None:
@@ -195,6 +196,11 @@ def write_slot(slots: LoRASlots, slot: jax.Array, a: dict[str, jax.Array],
     """`slots` with slot `slot` (i32[]) holding one adapter: A [Ly, in, r] and B [Ly, r, out']
     per module (`LoRALayout.slot_arrays`), `scaling` f32[]. Pure; jit it with `slots`
     donated, so the write is in place and, the slot traced, one program serves every slot."""
-    return LoRASlots(a={m: v.at[:, slot].set(a[m]) for m, v in slots.a.items()},
-                     b={m: v.at[:, slot].set(b[m]) for m, v in slots.b.items()},
+    def put(v: jax.Array, new: jax.Array, axis: int) -> jax.Array:
+        start = [0, 0, 0]
+        start[axis] = slot * new.shape[axis]  # slot s: columns (rows) s*r .. (s+1)*r
+        return jax.lax.dynamic_update_slice(v, new.astype(v.dtype), start)
+
+    return LoRASlots(a={m: put(v, a[m], 2) for m, v in slots.a.items()},
+                     b={m: put(v, b[m], 1) for m, v in slots.b.items()},
                      scaling=slots.scaling.at[slot].set(scaling))

@@ -51,9 +51,9 @@ def test_tp_gives_one_devices_hidden_states_with_slots_split_with_their_layers(t
         shard = x.sharding.shard_shape(x.shape)
         return tuple(n // s for n, s in zip(x.shape, shard, strict=True))
 
-    assert split(slots.b["q_proj"]) == (1, 1, 1, tp)  # column-parallel: B on out
-    assert split(slots.a["q_proj"]) == (1, 1, 1, 1)
-    assert split(slots.a["down_proj"]) == (1, 1, tp, 1)  # row-parallel: A on in
-    assert split(slots.b["down_proj"]) == (1, 1, 1, 1)
+    assert split(slots.b["q_proj"]) == (1, 1, tp)  # column-parallel: B on out
+    assert split(slots.a["q_proj"]) == (1, 1, 1)
+    assert split(slots.a["down_proj"]) == (1, tp, 1)  # row-parallel: A on in
+    assert split(slots.b["down_proj"]) == (1, 1, 1)
     k_out = cfg.num_kv_heads * max(1, tp // cfg.num_kv_heads) * cfg.head_dim
     assert slots.b["k_proj"].shape[-1] == k_out
