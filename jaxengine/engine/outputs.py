@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from scheduler import LoRARequest
+
 
 @dataclass(frozen=True, slots=True)
 class Logprob:
@@ -90,3 +92,4 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs' (None unless set): the positions computed so far, all
     # of them once the prompt is processed (such a request never reads the prefix cache)
     prompt_logprobs: PromptLogprobs | None = None
+    lora_request: LoRARequest | None = None  # the adapter it was served with (vLLM's field)

@@ -150,4 +150,5 @@ class TrackedRequest:
             request_id=self.request_id, prompt=self.prompt,
             prompt_token_ids=list(self.prompt_token_ids), outputs=[completion],
             finished=finished, metrics=self.metrics, num_cached_tokens=self.num_cached_tokens,
-            prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs))
+            prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),
+            lora_request=self.lora_request)

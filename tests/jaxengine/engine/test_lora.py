@@ -47,6 +47,7 @@ def test_adapters_interleaved_with_one_slot_give_peft_greedy_tokens_and_logprobs
                         greedy, use_tqdm=False,
                         lora_request=[None if w is None else loras[w] for w in which])
     for w, out in zip(which, outs, strict=True):
+        assert out.lora_request == (None if w is None else loras[w])
         got, want = out.outputs[0], oracles[w]
         assert list(got.token_ids) == want["greedy_ids"].tolist(), w
         logprobs = [lp[t].logprob for lp, t in zip(got.logprobs, got.token_ids, strict=True)]
