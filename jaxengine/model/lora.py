@@ -43,8 +43,6 @@ from jaxengine.model.config import ModelConfig
 from jaxengine.model.mesh import TP_AXIS
 from jaxengine.model.tensor_parallel import TPLayout
 
-ATTENTION_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj")
-MLP_MODULES = ("gate_proj", "up_proj", "down_proj")
 ROW_PARALLEL = ("o_proj", "down_proj")  # split on in; the others on out
 
 
