@@ -56,6 +56,11 @@ def test_adapters_interleaved_with_one_slot_give_peft_greedy_tokens_and_logprobs
     assert len(engine.list_loras()) == 2  # max_cpu_loras: the third is read again when needed
     assert engine.state.num_free_blocks == engine.scheduler_config.num_blocks - 1
     assert engine.runner.stats.compilations_after_warmup == 0
+    # vLLM's adapter calls on LLM: add reads into host memory, remove forgets (host and slot)
+    held = llm.list_loras()
+    assert llm.remove_lora(min(held)) and llm.list_loras() == held - {min(held)}
+    assert not llm.remove_lora(99)
+    assert llm.add_lora(loras["mlp"]) and 3 in llm.list_loras()
 
 
 def test_a_lora_request_needs_enable_lora():
