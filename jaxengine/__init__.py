@@ -15,10 +15,11 @@ from jaxengine.model.mesh import make_mesh
 from jaxengine.runner.distributed import initialize_from_args
 from jaxengine.sampling_params import StructuredOutputsParams
 from jaxengine.streaming import TextDelta, TextStream, stream, stream_chat
-from scheduler import SamplingParams, SamplingParamsError
+from scheduler import LoRARequest, SamplingParams, SamplingParamsError
 
 __all__ = [
-    "LLM", "CompletionOutput", "EngineArgs", "GenerateOutput", "LLMEngine", "Logprob",
+    "LLM", "CompletionOutput", "EngineArgs", "GenerateOutput", "LLMEngine", "LoRARequest",
+    "Logprob",
     "RequestMetrics", "RequestOutput", "SamplingParams", "SamplingParamsError",
     "StructuredOutputsParams", "generate",
     "ModelConfig", "ModelLoadError", "TextDelta", "TextStream", "Tokenizer", "load_model",

@@ -28,7 +28,7 @@ from jaxengine.metrics import (
 from jaxengine.replicas.data_parallel import build_engines
 from jaxengine.runner.distributed import initialize_from_args
 from jaxengine.runner.weights import check_weights
-from scheduler import RequestOutputKind, SamplingParams
+from scheduler import LoRARequest, RequestOutputKind, SamplingParams
 
 Conversation = Sequence[Mapping[str, Any]]
 
@@ -136,9 +136,28 @@ class LLM:
         for replica in self._replicas:
             replica.update_weights(params)
 
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read a LoRA adapter into host memory ahead of the requests that use it (vLLM's).
+
+        Raises:
+          ValueError: the engine was built without `enable_lora`, or the adapter cannot be
+            served (its rank, modules or base model; named).
+        """
+        return self.llm_engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter; False if it was not held."""
+        return self.llm_engine.remove_lora(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        """The `lora_int_id`s of the adapters held in host memory."""
+        return self.llm_engine.list_loras()
+
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, *,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+                 ) -> list[RequestOutput]:
         """Generate completions for all prompts with continuous batching.
 
         Args:
@@ -146,6 +165,8 @@ class LLM:
           sampling_params: one for all prompts or one per prompt (default:
             `get_default_sampling_params()`).
           use_tqdm: show a progress bar.
+          lora_request: the LoRA adapter for all prompts, or one (or None: the base model)
+            per prompt; needs `enable_lora`.
         Returns:
           Finished `RequestOutput`s in the order of `prompts`, one per prompt; with
           `SamplingParams(n=...)`, its n `CompletionOutput`s (index 0..n-1).
@@ -154,7 +175,7 @@ class LLM:
         """
         # Only the finished outputs are read: the engine builds no per-step output (vLLM's
         # LLM does the same)
-        ids = self._add(prompts, sampling_params, RequestOutputKind.FINAL_ONLY)
+        ids = self._add(prompts, sampling_params, RequestOutputKind.FINAL_ONLY, lora_request)
         try:
             return self._run(ids, use_tqdm)
         except BaseException:
@@ -162,7 +183,8 @@ class LLM:
             raise
 
     def add_requests(self, prompts: PromptType | Sequence[PromptType],
-                     sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
+                     sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                     *, lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
                      ) -> list[str]:
         """Queue prompts on the engine without stepping it (`generate` and
         `jaxengine.streaming` step it); the arguments are `generate`'s.
@@ -172,20 +194,23 @@ class LLM:
         Raises:
           ValueError: a bad prompt or parameter; nothing was added to the engine.
         """
-        return self._add(prompts, sampling_params, None)
+        return self._add(prompts, sampling_params, None, lora_request)
 
     def _add(self, prompts: PromptType | Sequence[PromptType],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-             output_kind: RequestOutputKind | None) -> list[str]:
+             output_kind: RequestOutputKind | None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+             ) -> list[str]:
         """`add_requests`, each request's `output_kind` set when given."""
         prompts = _as_list(prompts)
         params = _params_list(sampling_params, len(prompts), self._default_params)
+        loras = _loras_list(lora_request, len(prompts))
         if output_kind is not None:
             params = [dataclasses.replace(sp, output_kind=output_kind) for sp in params]
         ids = [str(next(self._ids)) for _ in prompts]
         try:
-            for rid, prompt, sp in zip(ids, prompts, params, strict=True):
-                self.llm_engine.add_request(rid, prompt, sp)
+            for rid, prompt, sp, lora in zip(ids, prompts, params, loras, strict=True):
+                self.llm_engine.add_request(rid, prompt, sp, lora_request=lora)
         except BaseException:
             self.llm_engine.abort_request(ids)  # the ones added before the bad one
             raise
@@ -205,12 +230,14 @@ class LLM:
     def chat(self, messages: Conversation | Sequence[Conversation],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, *, add_generation_prompt: bool = True,
-             chat_template_kwargs: Mapping[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: Mapping[str, Any] | None = None,
+             lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None
+             ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them via the chat template.
 
         Args:
           messages: `[{"role": ..., "content": ...}, ...]`, or a list of such lists.
-          sampling_params, use_tqdm: as in `generate`.
+          sampling_params, use_tqdm, lora_request: as in `generate`.
           add_generation_prompt: end the prompt with the assistant turn's header.
           chat_template_kwargs: extra variables for the template.
         """
@@ -219,7 +246,7 @@ class LLM:
                                add_generation_prompt=add_generation_prompt,
                                chat_template_kwargs=chat_template_kwargs)
                    for conv in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
 
 def chat_prompt(tokenizer: Any, conversation: Conversation, *, add_generation_prompt: bool = True,
@@ -243,6 +270,17 @@ def _as_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
     if prompts and all(isinstance(p, int) for p in prompts):
         raise ValueError("pass token ids as {'prompt_token_ids': [...]}, not a bare list")
     return prompts
+
+
+def _loras_list(lora: LoRARequest | Sequence[LoRARequest | None] | None, n: int
+                ) -> list[LoRARequest | None]:
+    if lora is None or isinstance(lora, LoRARequest):
+        return [lora] * n
+    loras = list(lora)
+    if len(loras) != n:
+        raise ValueError(f"got {len(loras)} lora_request values for {n} prompts; pass one or "
+                         f"one per prompt")
+    return loras
 
 
 def _params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int,

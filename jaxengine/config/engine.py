@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 from jaxengine.config.kv_transfer import KVTransferConfig
+from jaxengine.config.lora import LoRAConfig
 from jaxengine.config.speculative import SpeculativeConfig
 from scheduler import SchedulerConfig
 
@@ -90,6 +91,7 @@ class EngineConfig:
     cache: CacheConfig
     parallel: ParallelConfig
     speculative: SpeculativeConfig | None  # None: no speculative decoding
+    lora: LoRAConfig | None  # None: LoRA off, a request with an adapter is refused
     max_logprobs: int  # most top logprobs a request may ask for
     intermediate_token_buckets: bool  # 1.5x token buckets too
     debug_recompiles: bool  # raise on a compilation after warm-up

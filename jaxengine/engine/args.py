@@ -7,7 +7,14 @@ import difflib
 from typing import Any, get_args
 
 import scheduler
-from jaxengine.config import KV_CACHE_DTYPES, Dtype, KVTransferConfig, SpeculativeConfig
+from jaxengine.config import (
+    KV_CACHE_DTYPES,
+    LORA_RANKS,
+    Dtype,
+    KVTransferConfig,
+    LoRAConfig,
+    SpeculativeConfig,
+)
 from jaxengine.model.quant import QUANTIZATIONS
 
 DTYPES = ("auto", *get_args(Dtype))  # "auto": jaxengine.config.DEFAULT_DTYPE
@@ -94,6 +101,15 @@ class EngineArgs:
               '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, '
               '"prompt_lookup_max": 4} or {"method": "draft_model", "model": DIR, '
               '"num_speculative_tokens": 3}; None: off')
+    enable_lora: bool = arg(False, "serve LoRA adapters (PEFT directories): a request names one "
+                                   "with lora_request")
+    max_loras: int = arg(1, "with enable_lora: adapters on the device at once, the most "
+                            "distinct adapters one step serves (more wait their turn)")
+    max_lora_rank: int = arg(16, "with enable_lora: the highest adapter rank served (one of "
+                                 f"{', '.join(map(str, LORA_RANKS))}); the device slots are "
+                                 "this wide")
+    max_cpu_loras: int | None = arg(None, "with enable_lora: adapters kept read in host memory "
+                                          "(LRU), at least max_loras; None: max_loras")
     compilation_cache_dir: str | None = arg(
         None, "directory of JAX's persistent compilation cache (process-wide); None: "
               "$JAXENGINE_COMPILATION_CACHE_DIR, else JAX's own setting, else "
@@ -147,6 +163,7 @@ class EngineArgs:
         for name in ("max_num_partial_prefills", "max_long_partial_prefills"):
             _check_int(name, getattr(self, name), minimum=1)
         _check_distributed(self)
+        _check_lora(self)
         if self.speculative_config is not None:
             SpeculativeConfig.from_dict(self.speculative_config)  # raises naming the key
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -185,6 +202,18 @@ def _check_distributed(args: EngineArgs) -> None:
                              f"got {address!r}")
 
 
+def _check_lora(args: EngineArgs) -> None:
+    """enable_lora is a bool; the adapter limits hold together as `LoRAConfig` checks them
+    (vLLM's rules), whether or not LoRA is on, so a bad value is never silently kept."""
+    if not isinstance(args.enable_lora, bool):
+        raise ValueError(f"enable_lora must be True or False, got {args.enable_lora!r}")
+    if args.max_cpu_loras is not None:
+        _check_int("max_cpu_loras", args.max_cpu_loras, minimum=1)
+    _check_int("max_loras", args.max_loras, minimum=1)
+    LoRAConfig(max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+               max_cpu_loras=args.max_cpu_loras or args.max_loras)
+
+
 def _check_batch_invariant(args: EngineArgs) -> None:
     """batch_invariant is a bool, and with it the settings that rule it out are not given (what
     only the loaded model tells, jaxengine.engine.build checks)."""
@@ -202,6 +231,9 @@ def _check_batch_invariant(args: EngineArgs) -> None:
     if args.tensor_parallel_size != 1:
         raise ValueError(f"batch_invariant=True needs tensor_parallel_size=1 (the packed CPU "
                          f"matmul), got {args.tensor_parallel_size}")
+    if args.enable_lora:
+        raise ValueError("batch_invariant=True does not serve LoRA adapters (enable_lora): "
+                         "their updates are XLA's dots, whose row sums depend on the row count")
     if args.attention_backend not in (None, "cpu"):
         raise ValueError(f"batch_invariant=True needs attention_backend 'cpu' (or None on a "
                          f"CPU), got {args.attention_backend!r}: only the native CPU kernel has "

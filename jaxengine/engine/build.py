@@ -26,6 +26,7 @@ from jaxengine.model.config import ModelConfig
 from jaxengine.model.fns import ModelFns
 from jaxengine.model.kv_cache import init_kv_cache, kv_cache_bytes_per_block
 from jaxengine.model.kv_groups import kv_cache_layout
+from jaxengine.model.lora import lora_layout
 from jaxengine.model.mesh import engine_devices, make_mesh, mesh_platform
 from jaxengine.model.packing import pack_projections, packable
 from jaxengine.model.step import make_compute_logits, make_model_step, split_model
@@ -105,7 +106,7 @@ def _check_kernel_shapes(impl: str, cfg: ModelConfig, *, block_size: int, tp: in
 
 def model_fns(model: Any, cfg: Any, *, attn_impl: str, pack: bool = True,
               batch_invariant: bool = False, kv_cache_dtype: KVCacheDtype | None = None,
-              eos_token_ids: Sequence[int] = ()) -> ModelFns:
+              eos_token_ids: Sequence[int] = (), lora: bool = False) -> ModelFns:
     """`ModelFns` of a loaded `jaxengine.model.decoder.Model` (split once into graph and weights).
 
     The weights stay where the model put them (its mesh); the KV cache is made there too, in
@@ -123,6 +124,10 @@ def model_fns(model: Any, cfg: Any, *, attn_impl: str, pack: bool = True,
     `eos_token_ids` (the tokenizer's; none without one) become `ModelFns.eos_token_ids`, where
     `jaxengine.generate` stops by default.
 
+    With `lora` the model serves LoRA adapters (`ModelFns.lora_layout`, jaxengine/model/lora.py);
+    a SwiGLU MLP is then packed without its fused gate/up call, which leaves no gate or up
+    output for an adapter to add to.
+
     Raises:
       ValueError: `batch_invariant` where the projections cannot be packed (XLA's dots round a
         row differently as the row count changes) or the attention is not the "cpu" kernel.
@@ -130,7 +135,7 @@ def model_fns(model: Any, cfg: Any, *, attn_impl: str, pack: bool = True,
     if batch_invariant:
         _check_batch_invariant(packable(model) if pack else "pack=False", attn_impl)
     if pack:
-        pack_projections(model)
+        pack_projections(model, fuse_swiglu=not lora)
     graphdef, state = split_model(model)
     dtype, layout = jnp.dtype(kv_cache_dtype or model.dtype), model.layout
     stored = storage_dtype(dtype, impl=attn_impl, platform=mesh_platform(model.mesh))
@@ -151,6 +156,8 @@ def model_fns(model: Any, cfg: Any, *, attn_impl: str, pack: bool = True,
             cfg, num_blocks=num_blocks, block_size=block_size, dtype=stored,
             num_kv_heads=layout.num_kv_heads, mesh=model.mesh, grouped=True),
         eos_token_ids=tuple(int(i) for i in eos_token_ids),
+        lora_layout=lora_layout(cfg, layout, mesh=model.mesh, dtype=model.dtype) if lora
+        else None,
     )
 
 
@@ -257,7 +264,8 @@ def build_engine(args: EngineArgs, *, devices: Sequence[jax.Device] | None = Non
     fns = model_fns(model, cfg, attn_impl=attention_backend(args, cfg),
                     batch_invariant=args.batch_invariant,
                     kv_cache_dtype=resolve_kv_cache_dtype(args.kv_cache_dtype, dtype),
-                    eos_token_ids=() if tokenizer is None else tokenizer.eos_token_ids)
+                    eos_token_ids=() if tokenizer is None else tokenizer.eos_token_ids,
+                    lora=args.enable_lora)
     config = resolve_config(args, fns, cfg, mesh.devices.flat[0])
     draft = load_draft(config.speculative, dtype=config.dtype,
                        kv_cache_dtype=config.cache.kv_cache_dtype,

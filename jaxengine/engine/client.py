@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from jaxengine.engine.llm_engine import LLMEngine
     from jaxengine.engine.outputs import RequestOutput
     from jaxengine.structured.params import StructuredOutputsParams
-    from scheduler import SamplingParams, SchedulerConfig
+    from scheduler import LoRARequest, SamplingParams, SchedulerConfig
 
 
 @runtime_checkable
@@ -67,7 +67,8 @@ class EngineClient(Protocol):
 
     def add_request(self, request_id: str, prompt: PromptType,
                     params: SamplingParams | None = None, *, arrival_time: float | None = None,
-                    priority: int = 0, metadata: Mapping[str, Any] | None = None) -> object:
+                    priority: int = 0, metadata: Mapping[str, Any] | None = None,
+                    lora_request: LoRARequest | None = None) -> object:
         """Queue a request (`LLMEngine.add_request`'s arguments and errors); callers ignore
         what it returns (a data-parallel engine says where the request went).
 
@@ -75,6 +76,22 @@ class EngineClient(Protocol):
           ValueError: a bad prompt or parameter (`SamplingParamsError` names it); nothing
             changes.
         """
+        ...
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Hold a LoRA adapter for requests to use (vLLM's; `LLMEngine.add_lora`).
+
+        Raises:
+          ValueError: LoRA off, or an adapter that cannot be served (named).
+        """
+        ...
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter; False if none was held under that id."""
+        ...
+
+    def list_loras(self) -> set[int]:
+        """The ids of the adapters held."""
         ...
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:

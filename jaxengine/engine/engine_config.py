@@ -14,6 +14,7 @@ from jaxengine.config import (
     CacheConfig,
     EngineConfig,
     KVTransferConfig,
+    LoRAConfig,
     ParallelConfig,
     SpeculativeConfig,
     check_max_model_len,
@@ -75,7 +76,8 @@ def create_engine_config(args: EngineArgs, *, model_max_model_len: int,
         max_long_partial_prefills=args.max_long_partial_prefills,
         policy=args.scheduling_policy, block_size=args.block_size, num_blocks=num_blocks,
         enable_prefix_caching=args.enable_prefix_caching,
-        async_scheduling=args.async_scheduling)
+        async_scheduling=args.async_scheduling,
+        max_loras=args.max_loras if args.enable_lora else None)
     dtype = resolve_dtype(args.dtype)
     return EngineConfig(
         dtype=dtype, model_max_model_len=model_max_model_len,
@@ -87,6 +89,9 @@ def create_engine_config(args: EngineArgs, *, model_max_model_len: int,
         parallel=ParallelConfig(tensor_parallel_size=args.tensor_parallel_size,
                                 data_parallel_size=args.data_parallel_size),
         speculative=speculative,
+        lora=LoRAConfig(max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+                        max_cpu_loras=args.max_cpu_loras or args.max_loras)
+        if args.enable_lora else None,
         max_logprobs=args.max_logprobs,
         intermediate_token_buckets=args.intermediate_token_buckets,
         debug_recompiles=args.debug_recompiles or debug_recompiles_from_env(),

@@ -43,6 +43,7 @@ from jaxengine.engine.detokenizer import IncrementalDetokenizer
 from jaxengine.engine.grammars import Grammars
 from jaxengine.engine.inputs import PromptType, TokenizerLike
 from jaxengine.engine.loops import AsyncLoop, SyncLoop
+from jaxengine.engine.loras import LoRAAdapters
 from jaxengine.engine.outputs import RequestOutput
 from jaxengine.engine.parallel_sampling import ParentRequest, child_params
 from jaxengine.engine.prompt_logprob_outputs import record_prompt_logprobs
@@ -58,6 +59,7 @@ from jaxengine.kv_transfer import (
 from jaxengine.model.fns import ModelFns
 from jaxengine.runner.config import RunnerConfig
 from jaxengine.runner.in_flight import InFlight, SampledToken
+from jaxengine.runner.lora_inputs import LoRAInputs
 from jaxengine.runner.runner import Runner
 from jaxengine.sampling.bad_words import tokenize_bad_words
 from jaxengine.sampling.rows import SamplingRow
@@ -67,6 +69,7 @@ from jaxengine.structured.compiler import GrammarCompiler
 from jaxengine.structured.params import StructuredOutputsParams
 from scheduler import (
     KVConnector,
+    LoRARequest,
     Request,
     RequestDelta,
     RequestOutputKind,
@@ -83,6 +86,19 @@ from scheduler import (
 )
 
 logger = logging.getLogger("jaxengine.engine")
+
+
+def _lora_slots(runner: Runner) -> LoRAInputs:
+    """The runner's adapter slots.
+
+    Raises:
+      ValueError: a runner without them (the simulator's cost runner prices no adapters).
+    """
+    slots = getattr(runner, "lora", None)
+    if slots is None:
+        raise ValueError("enable_lora: this engine's runner has no LoRA adapter slots (the "
+                         "simulator does not price adapters)")
+    return slots
 
 # What `on_schedule` is given: (state before, state after, plan) of a step's `schedule` call.
 OnSchedule = Callable[[SchedulerState, SchedulerState, SchedulerOutput], None]
@@ -154,6 +170,9 @@ class LLMEngine:
         self.grammars = Grammars(tokenizer, vocab_size=self.vocab_size,
                                  eos_token_id=self.eos_token_id,
                                  on_compiler=self._give_runner_executor)
+        # LoRA adapters on the host and in the runner's slots (enable_lora); None: off
+        self.loras = None if config.lora is None else LoRAAdapters(config.lora,
+                                                                    _lora_slots(self.runner))
 
     @property
     def _kv_connector(self) -> KVConnector | None:
@@ -204,7 +223,8 @@ class LLMEngine:
     def add_request(self, request_id: str, prompt: PromptType,
                     params: SamplingParams | None = None, *, arrival_time: float | None = None,
                     priority: int = 0,
-                    metadata: Mapping[str, str | int | float | bool] | None = None) -> None:
+                    metadata: Mapping[str, str | int | float | bool] | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
         """Queue a request; one of `params.n` > 1 samples as n requests of one
         (`jaxengine/engine/parallel_sampling.py`: ids `"{i}_{request_id}"`), whose outputs
         come out merged under `request_id`.
@@ -217,10 +237,13 @@ class LLMEngine:
           priority: lower is served first under `scheduling_policy="priority"`.
           metadata: who sent it, e.g. `{"tenant": "a", "user": "u1"}` (str keys; str, int,
             float or bool values), for scheduling policies such as `fair`.
+          lora_request: the LoRA adapter to serve it with (needs `enable_lora`); read now if
+            the engine does not hold it (`add_lora`).
         Raises:
           SamplingParamsError: a parameter this engine cannot honour (`param` names it).
-          ValueError: a bad prompt, a duplicate id, or a request that can never fit the KV
-            pool; the engine is unchanged.
+          ValueError: a bad prompt, a duplicate id, a request that can never fit the KV
+            pool, or an adapter without `enable_lora` or that cannot be served (named); the
+            engine is unchanged.
         """
         params = SamplingParams() if params is None else params
         if not isinstance(params, SamplingParams):  # its own checks ran when it was built
@@ -229,8 +252,10 @@ class LLMEngine:
             raise ValueError(f"kv_transfer_params need n=1 (one sequence's KV is handed on), "
                              f"got n={params.n}")
         arrival = self.clock() if arrival_time is None else arrival_time
+        if lora_request is not None:
+            self.add_lora(lora_request)  # read and checked before anything is queued
         if params.n == 1:
-            self._add_one(request_id, prompt, params, arrival, priority, metadata)
+            self._add_one(request_id, prompt, params, arrival, priority, metadata, lora_request)
             return
         if request_id in self._parents or request_id in self._tracked:
             raise ValueError(f"request {request_id!r}: this id is already in use by a live "
@@ -239,7 +264,7 @@ class LLMEngine:
         added: list[str] = []
         try:
             for rid, child in zip(parent.child_ids, child_params(params), strict=True):
-                self._add_one(rid, prompt, child, arrival, priority, metadata)
+                self._add_one(rid, prompt, child, arrival, priority, metadata, lora_request)
                 added.append(rid)
         except BaseException:
             self.abort_request(added)  # the children before the one refused (none, as a rule)
@@ -249,7 +274,8 @@ class LLMEngine:
 
     def _add_one(self, request_id: str, prompt: PromptType, params: SamplingParams,
                  arrival: float, priority: int,
-                 metadata: Mapping[str, str | int | float | bool] | None) -> None:
+                 metadata: Mapping[str, str | int | float | bool] | None,
+                 lora_request: LoRARequest | None = None) -> None:
         """`add_request` of one sample."""
         text, ids = self.resolve_prompt(prompt)
         if self.tokenizer is not None:
@@ -265,7 +291,8 @@ class LLMEngine:
                           sampling_params=params, arrival_time=arrival, priority=priority,
                           eos_token_id=self.eos_token_id,
                           metadata={} if metadata is None else metadata,
-                          use_structured_output=params.structured_outputs is not None)
+                          use_structured_output=params.structured_outputs is not None,
+                          lora_request=lora_request)
         # The scheduler refuses duplicate ids, empty prompts and prompts with no room for
         # output; its new state is a value, kept only once the engine's own check passes too.
         state = add_request(self.state, request)
@@ -283,7 +310,8 @@ class LLMEngine:
                 skip_special_tokens=params.skip_special_tokens)
         self._tracked[request_id] = TrackedRequest(
             request_id=request_id, prompt=text, prompt_token_ids=ids, params=params, seed=seed,
-            detokenizer=detok, arrival_time=arrival, bad_words_token_ids=bad_words)
+            detokenizer=detok, arrival_time=arrival, bad_words_token_ids=bad_words,
+            lora_request=lora_request)
         if params.structured_outputs is not None:  # WAITING_FOR_FSM until it compiles
             self.grammars.submit(request_id, params.structured_outputs)
 
@@ -352,6 +380,39 @@ class LLMEngine:
                 if out.finished:
                     del self._parents[parent.request_id]
         return merged
+
+    # ---- LoRA adapters (vLLM's names) ---------------------------------------------------
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read an adapter into host memory so requests can use it; True.
+
+        Raises:
+          ValueError: LoRA is off (`enable_lora`), or the adapter cannot be served
+            (`jaxengine.engine.loras.LoRAAdapters.add`: named).
+        """
+        return self._adapters("add_lora").add(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter (host and device); False if the engine did not hold it."""
+        return self._adapters("remove_lora").remove(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        """The `lora_int_id`s of the adapters the engine holds in host memory."""
+        return self._adapters("list_loras").list()
+
+    def _adapters(self, caller: str) -> LoRAAdapters:
+        if self.loras is None:
+            raise ValueError(f"{caller}: LoRA is off; build the engine with enable_lora=True "
+                             f"(--enable-lora)")
+        return self.loras
+
+    def lora_slots(self, plan: SchedulerOutput) -> dict[str, int] | None:
+        """The device slot of each adapter `plan`'s requests use, its adapters loaded first
+        (None with LoRA off): the runner's `lora_slots`."""
+        if self.loras is None:
+            return None
+        return self.loras.slots_for(plan.num_scheduled_tokens,
+                                    lambda rid: self._tracked[rid].lora_request)
 
     def has_unfinished_requests(self) -> bool:
         """True while any request is waiting or running, or a KV connector still holds a

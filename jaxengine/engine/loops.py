@@ -40,7 +40,7 @@ class SyncLoop:
              plan: SchedulerOutput) -> list[RequestOutput]:
         """Pack, run and sample `plan`, wait for its tokens, verify and update; its outputs."""
         e = self.engine
-        step = e.runner.dispatch(plan, e._sampling_rows(plan))
+        step = e.runner.dispatch(plan, e._sampling_rows(plan), lora_slots=e.lora_slots(plan))
         sampled = {} if step is None else e.runner.collect_rows(step)
         e._take_prompt_logprobs(step)
         sampled, spec_stats = e._verify(plan, sampled)
@@ -73,7 +73,8 @@ class AsyncLoop:
         self._dropped, self.plan = set(), plan
         if prev is not None and e.grammars.samples_a_grammar(e._tracked, plan.sampling_req_ids):
             return self._step_sampling_a_grammar(state, before, plan, prev, dropped)
-        self.in_flight = e.runner.dispatch(plan, e._sampling_rows(plan), prev)
+        self.in_flight = e.runner.dispatch(plan, e._sampling_rows(plan), prev,
+                                           lora_slots=e.lora_slots(plan))
         e.state = state
         if prev is None and self.in_flight is None:  # an empty plan, nothing in flight: done
             return e._update(state, before, plan, {})
@@ -107,7 +108,7 @@ class AsyncLoop:
         the rows of requests that finish meanwhile)."""
         e = self.engine
         tracked = {r: e._tracked[r] for r in plan.sampling_req_ids}
-        forward = e.runner.dispatch_forward(plan, prev)
+        forward = e.runner.dispatch_forward(plan, prev, lora_slots=e.lora_slots(plan))
         e.state = state
         outputs = self._finish(state, before, prev, dropped)
         assert forward is not None  # the plan samples a request

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from scheduler import LoRARequest
+
 
 @dataclass(frozen=True, slots=True)
 class Logprob:
@@ -94,3 +96,4 @@ class RequestOutput:
     # A prefill instance's finished request: the handle a decode instance loads its KV by
     # (vLLM's name; docs/DESIGN.md "Prefill/decode disaggregation"); None otherwise
     kv_transfer_params: dict[str, Any] | None = None
+    lora_request: LoRARequest | None = None  # the adapter it was served with (vLLM's field)

@@ -21,7 +21,7 @@ from jaxengine.engine.outputs import (
 from jaxengine.engine.stats import FinishedRequestStats
 from jaxengine.runner.in_flight import SampledToken
 from jaxengine.structured.matcher import GrammarMatcher
-from scheduler import RequestDelta, SamplingParams
+from scheduler import LoRARequest, RequestDelta, SamplingParams
 
 
 @dataclass(slots=True, kw_only=True)
@@ -51,6 +51,7 @@ class TrackedRequest:
     grammar: GrammarMatcher | None = None
     # params.prompt_logprobs' entries so far ([None] at first; None when not asked for)
     prompt_logprobs: PromptLogprobs | None = None
+    lora_request: LoRARequest | None = None  # the adapter it is served with; None: the base
 
     def __post_init__(self) -> None:
         if self.prompt_logprobs is None and self.params.prompt_logprobs is not None:
@@ -149,4 +150,5 @@ class TrackedRequest:
             request_id=self.request_id, prompt=self.prompt,
             prompt_token_ids=list(self.prompt_token_ids), outputs=[completion],
             finished=finished, metrics=self.metrics, num_cached_tokens=self.num_cached_tokens,
-            prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs))
+            prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),
+            lora_request=self.lora_request)

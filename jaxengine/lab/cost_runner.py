@@ -70,9 +70,11 @@ class CostModelRunner:
         """Nothing compiles."""
 
     def dispatch(self, out: SchedulerOutput, rows: Mapping[str, SamplingRow],
-                 prev: PricedStep | None = None) -> PricedStep | None:
+                 prev: PricedStep | None = None, *, lora_slots: Mapping[str, int] | None = None
+                 ) -> PricedStep | None:
         """Charge this engine call's price to the clock; the step (None if `out` schedules
-        nothing)."""
+        nothing). `lora_slots` is always None: an engine over this runner refuses
+        `enable_lora`."""
         finished = out if not self.async_scheduling else None if prev is None else prev.plan
         self.last_seconds = self.cost.step_seconds(finished, self.token_buckets,
                                                    self.request_buckets)

@@ -34,6 +34,9 @@ class ModelBatch:
     # cache is one slot per layer and every layer reads those two
     group_block_tables: jax.Array | None = None
     group_slot_mapping: jax.Array | None = None
+    # i32[T]: each token's LoRA adapter slot (0: the base model; padding 0), read with the
+    # slots the step is given (jaxengine/model/lora.py); None: a model run without LoRA
+    lora_slots: jax.Array | None = None
 
 
 def requests_of_step(batch: ModelBatch) -> ModelBatch:

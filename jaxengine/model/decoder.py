@@ -59,6 +59,7 @@ from jaxengine.model.layers import (
     rope_inv_freq,
     rope_tables,
 )
+from jaxengine.model.lora import LayerLoRA, LoRASlots, layer_lora
 from jaxengine.model.mesh import make_mesh, mesh_platform, replicated, tp_size
 from jaxengine.model.quant import (
     QuantizedEmbedder,
@@ -307,7 +308,8 @@ class Model(nnx.Module):
 
     def __call__(self, kv: jax.Array, batch: ModelBatch, *, attn_impl: str = "reference",
                  interpret: bool = False, batch_invariant: bool = False,
-                 kv_cache_dtype: jnp.dtype | None = None) -> tuple[jax.Array, jax.Array]:
+                 kv_cache_dtype: jnp.dtype | None = None, lora: LoRASlots | None = None
+                 ) -> tuple[jax.Array, jax.Array]:
         """One step over a ragged batch of prefill chunks and decodes.
 
         Args:
@@ -323,6 +325,8 @@ class Model(nnx.Module):
             kv_cache_dtype: the dtype of the cache's values: an fp8 dtype for a uint8 `kv`
                 holding their bits (`jaxengine_kernels.cache_dtype.storage_dtype`); None:
                 `kv`'s own.
+            lora: the LoRA adapter slots (jaxengine/model/lora.py), read at each token's
+                `batch.lora_slots`; None (or a batch without them): the base model.
         Returns:
             (new kv cache, hidden [T, D] after the final norm).
         """
@@ -349,26 +353,31 @@ class Model(nnx.Module):
         pages = kv.reshape(S * P, L, K2, H)
         kw = {"attn_impl": attn_impl, "interpret": interpret, "batch_invariant": batch_invariant,
               "kv_cache_dtype": kv_cache_dtype}
+        lora = None if batch.lora_slots is None else lora
         if isinstance(self.layers, nnx.List):
             for i, block in enumerate(self.layers):
                 cos, sin = local_rope if local[i] else rope
                 x, pages = block(x, pages, slot_of[i] * P, _group_batch(batch, group_of[i]),
-                                 cos, sin, i, **kw)
+                                 cos, sin, i, lora=layer_lora(lora, i, batch.lora_slots), **kw)
         else:
-            @nnx.scan(in_axes=(nnx.Carry, 0, 0), out_axes=nnx.Carry,
+            # The adapter slots are layer-first, like the stacked weights: scanned beside them.
+            @nnx.scan(in_axes=(nnx.Carry, 0, 0, 0), out_axes=nnx.Carry,
                       transform_metadata=LAYER_AXIS)
-            def run(carry: tuple[jax.Array, jax.Array], block: DecoderBlock, layer: jax.Array
-                    ) -> tuple[jax.Array, jax.Array]:
+            def run(carry: tuple[jax.Array, jax.Array], block: DecoderBlock, layer: jax.Array,
+                    ab: tuple[dict, dict]) -> tuple[jax.Array, jax.Array]:
                 x, pages = carry
                 is_local = jnp.asarray(local)[layer]
                 cos, sin = rope if not any(local) else (
                     jnp.where(is_local, a, b) for a, b in zip(local_rope, rope, strict=True))
+                one = None if lora is None else LayerLoRA(
+                    a=ab[0], b=ab[1], scaling=lora.scaling, token_slots=batch.lora_slots)
                 return block(x, pages, jnp.asarray(slot_of)[layer] * P,
                              _group_batch(batch, jnp.asarray(group_of)[layer]), cos, sin,
-                             layer, **kw)
+                             layer, lora=one, **kw)
 
             x, pages = run((x, pages), self.layers,
-                           jnp.arange(cfg.num_layers, dtype=jnp.int32))
+                           jnp.arange(cfg.num_layers, dtype=jnp.int32),
+                           ({}, {}) if lora is None else (lora.a, lora.b))
         # The cache comes back in the sharding it came in, so its donated buffers are reused.
         kv = jax.lax.with_sharding_constraint(pages.reshape(S, P, L, K2, H),
                                               kv_cache_sharding(self.mesh))

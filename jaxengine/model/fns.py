@@ -13,6 +13,7 @@ from typing import Any
 import jax
 
 from jaxengine.model.batch import ModelBatch
+from jaxengine.model.lora import LoRALayout
 from scheduler.kv.groups import FULL_ATTENTION, KVCacheGroup
 
 
@@ -39,3 +40,6 @@ class ModelFns:
     # The ids that end a generation unless the caller says otherwise (`jaxengine.generate`'s
     # default): the tokenizer's EOS ids; empty for a model without one (the fake model)
     eos_token_ids: tuple[int, ...] = ()
+    # Where LoRA adapters go in this model (jaxengine/model/lora.py); its `step` then takes
+    # the slots as a fourth argument. None: a model that serves no adapters (the fake one)
+    lora_layout: LoRALayout | None = None

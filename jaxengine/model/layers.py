@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxengine.model.batch import ModelBatch
 from jaxengine.model.config import RopeScaling
+from jaxengine.model.lora import LayerLoRA
 from jaxengine.model.mesh import TP_AXIS
 from jaxengine.model.reductions import fixed_order_sum
 from jaxengine_kernels import ragged_paged_attention
@@ -196,11 +197,15 @@ def live_tokens(batch: ModelBatch) -> jax.Array:
     return batch.query_start_loc[batch.num_seqs]
 
 
-def project(proj: nnx.Module, x: jax.Array, live: jax.Array | None) -> jax.Array:
-    """`proj(x)` for x [T, in]. A projection packed for the CPU's native matmul
-    (jaxengine/model/packing.py) is also told the `live` rows and skips the padding after
-    them, whose outputs are then the bias; XLA's dots compute every row."""
-    return proj(x) if isinstance(proj, nnx.Linear) or live is None else proj(x, live)
+def project(proj: nnx.Module, x: jax.Array, live: jax.Array | None,
+            lora: LayerLoRA | None = None, name: str = "") -> jax.Array:
+    """`proj(x)` for x [T, in], plus the LoRA update of module `name` from `lora` (the one
+    place adapters apply, whatever the projection's weight format). A projection packed for
+    the CPU's native matmul (jaxengine/model/packing.py) is also told the `live` rows and
+    skips the padding after them, whose outputs are then the bias; XLA's dots compute every
+    row."""
+    y = proj(x) if isinstance(proj, nnx.Linear) or live is None else proj(x, live)
+    return y if lora is None else lora.add(name, x, y)
 
 
 def vocab_parallel_rows(mesh: Mesh, ids: jax.Array,
@@ -296,8 +301,8 @@ class Attention(nnx.Module):
     def __call__(self, x: jax.Array, pages: jax.Array, page_offset: jax.Array | int,
                  batch: ModelBatch, cos: jax.Array, sin: jax.Array,
                  layer: jax.Array | int = 0, *, attn_impl: str, interpret: bool = False,
-                 batch_invariant: bool = False, kv_cache_dtype: jnp.dtype | None = None
-                 ) -> tuple[jax.Array, jax.Array]:
+                 batch_invariant: bool = False, kv_cache_dtype: jnp.dtype | None = None,
+                 lora: LayerLoRA | None = None) -> tuple[jax.Array, jax.Array]:
         """Attend the batch's tokens to their context, writing their K/V into `pages` first.
 
         Args:
@@ -313,15 +318,16 @@ class Attention(nnx.Module):
             batch_invariant: the kernel's batch-invariant mode ("cpu" only).
             kv_cache_dtype: the dtype of the values in `pages` (an fp8 dtype for uint8 pages
                 of their bits); None: `pages`' own.
+            lora: the layer's LoRA slots and the tokens' adapters (None: no adapters).
         Returns:
             (output [T, D], updated pages).
         """
         T = x.shape[0]
         N, K, H = self.num_heads, self.num_kv_heads, self.head_dim
         live = live_tokens(batch)
-        q = project(self.q_proj, x, live).reshape(T, N, H)
-        k = project(self.k_proj, x, live).reshape(T, K, H)
-        v = project(self.v_proj, x, live).reshape(T, K, H)
+        q = project(self.q_proj, x, live, lora, "q_proj").reshape(T, N, H)
+        k = project(self.k_proj, x, live, lora, "k_proj").reshape(T, K, H)
+        v = project(self.v_proj, x, live, lora, "v_proj").reshape(T, K, H)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -338,7 +344,8 @@ class Attention(nnx.Module):
         out, pages = attend(q, k, v, pages, slots, batch.block_tables + page_offset,
                             batch.seq_lens, batch.query_start_loc, batch.num_seqs,
                             jnp.asarray(window, jnp.int32), k_scale, v_scale)
-        return project(self.o_proj, out.astype(x.dtype).reshape(T, N * H), live), pages
+        return project(self.o_proj, out.astype(x.dtype).reshape(T, N * H), live, lora,
+                       "o_proj"), pages
 
     def _kv_scales(self, cache_dtype: jnp.dtype, layer: jax.Array | int
                    ) -> tuple[jax.Array, jax.Array]:
@@ -370,8 +377,9 @@ class MLP(nnx.Module):
         self.up_proj = linear(D, F, sharding=COLUMN, mesh=mesh, dtype=dtype, rngs=rngs)
         self.down_proj = linear(F, D, sharding=ROW, mesh=mesh, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x: jax.Array, live: jax.Array | None = None) -> jax.Array:
-        """x [T, D] -> [T, D]; `live` (i32[]) as `project`'s."""
-        gate = ACTIVATIONS[self.activation](project(self.gate_proj, x, live))
-        hidden = gate * project(self.up_proj, x, live)
-        return project(self.down_proj, hidden, live)
+    def __call__(self, x: jax.Array, live: jax.Array | None = None,
+                 lora: LayerLoRA | None = None) -> jax.Array:
+        """x [T, D] -> [T, D]; `live` (i32[]) and `lora` as `project`'s."""
+        gate = ACTIVATIONS[self.activation](project(self.gate_proj, x, live, lora, "gate_proj"))
+        hidden = gate * project(self.up_proj, x, live, lora, "up_proj")
+        return project(self.down_proj, hidden, live, lora, "down_proj")

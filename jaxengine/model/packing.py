@@ -31,6 +31,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from jaxengine.model.layers import Embedder, project
+from jaxengine.model.lora import LayerLoRA
 from jaxengine.model.quant.gguf import GGUFEmbedder, GGUFLinear
 from jaxengine.model.quant.modules import QuantizedEmbedder, QuantizedLinear
 from jaxengine_kernels.cpu import matmul, native
@@ -110,6 +111,14 @@ class PackedColumns(nnx.Module):
         return self.merged(x, live)[..., self.start:self.stop]
 
 
+def check_no_lora(lora: LayerLoRA | None) -> None:
+    """A fused SwiGLU call has no gate or up output to add an adapter's update to: a model
+    that serves LoRA is packed with `fuse_swiglu=False`."""
+    if lora is not None:
+        raise ValueError("LoRA on a fused SwiGLU MLP: pack with pack_projections(model, "
+                         "fuse_swiglu=False)")
+
+
 class PackedMLP(nnx.Module):
     """`layers.MLP` with gate and up packed together (`jaxengine_kernels.cpu.matmul.pack_swiglu`):
     one call gives silu(x @ gate) * (x @ up), then down_proj. The fused call
@@ -126,9 +135,11 @@ class PackedMLP(nnx.Module):
         self.intermediate_size = gate.out_features
         self.down_proj = _packed(mlp.down_proj) or mlp.down_proj
 
-    def __call__(self, x: jax.Array, live: jax.Array | None = None) -> jax.Array:
+    def __call__(self, x: jax.Array, live: jax.Array | None = None,
+                 lora: LayerLoRA | None = None) -> jax.Array:
         """x f32[T, D] -> f32[T, D]; `live` as `PackedLinear`'s (padding rows come out as
-        down_proj's bias)."""
+        down_proj's bias). `lora` must be None: see `check_no_lora`."""
+        check_no_lora(lora)
         F = self.intermediate_size
         if self.scale is None:
             hidden = matmul.packed_swiglu(x, self.gate_up[...], F, live)
@@ -198,8 +209,10 @@ class BlockMLP(nnx.Module):
         self.qtype = gate.qtype
         self.down_proj = _packed(mlp.down_proj) or mlp.down_proj
 
-    def __call__(self, x: jax.Array, live: jax.Array | None = None) -> jax.Array:
-        """x f32[T, D] -> f32[T, D]; `live` as `PackedLinear`'s."""
+    def __call__(self, x: jax.Array, live: jax.Array | None = None,
+                 lora: LayerLoRA | None = None) -> jax.Array:
+        """x f32[T, D] -> f32[T, D]; `live` as `PackedLinear`'s; `lora` None (`check_no_lora`)."""
+        check_no_lora(lora)
         hidden = block_swiglu(x, self.gate[...], self.up[...], self.qtype, live)
         return project(self.down_proj, hidden, live)
 
@@ -273,9 +286,10 @@ def _merge(module: nnx.Module, names: tuple[str, ...]) -> int:
     return count
 
 
-def pack_projections(model: nnx.Module) -> int:
+def pack_projections(model: nnx.Module, *, fuse_swiglu: bool = True) -> int:
     """Swap `model`'s projections for packed ones in place; returns how many projections were
-    packed (0 when `packable` says no)."""
+    packed (0 when `packable` says no). Without `fuse_swiglu` a SwiGLU MLP is packed as any
+    other (gate and up merged, the activation in XLA), so LoRA can add to gate and up."""
     if packable(model) is not None:
         return 0
     count = 0
@@ -286,7 +300,8 @@ def pack_projections(model: nnx.Module) -> int:
         if mlp is None:
             continue
         kind = _kind(mlp.gate_proj)
-        if mlp.activation == "silu" and kind is not None and kind == _kind(mlp.up_proj):
+        if (fuse_swiglu and mlp.activation == "silu" and kind is not None
+                and kind == _kind(mlp.up_proj)):
             block.mlp = PackedMLP(mlp) if kind in ("float32", "int8") else BlockMLP(mlp)
             count += 2 + (block.mlp.down_proj is not mlp.down_proj)
         else:  # the fused call is SwiGLU's: gate and up merged, the activation in XLA

@@ -15,6 +15,7 @@ from flax import nnx
 
 from jaxengine.model.batch import ModelBatch, RequestChunk, pack_batch
 from jaxengine.model.decoder import Model
+from jaxengine.model.lora import LoRASlots
 
 __all__ = ["ModelBatch", "RequestChunk", "make_compute_logits", "make_model_step",
            "pack_batch", "split_model"]
@@ -40,15 +41,18 @@ def make_model_step(graphdef: nnx.GraphDef, *, attn_impl: str = "reference",
         batch_invariant: the attention kernel's batch-invariant mode (`Model.__call__`).
         kv_cache_dtype: the dtype of the cache's values (`Model.__call__`); closed over.
     Returns:
-        A function of (state, kv [layers, P, L, 2*K, H], batch) returning the new cache and the
-        final-norm hidden states [T, D]; jit it with `donate_argnames=("kv",)`.
+        A function of (state, kv [layers, P, L, 2*K, H], batch, lora=None) returning the new
+        cache and the final-norm hidden states [T, D]; jit it with `donate_argnames=("kv",)`.
+        `lora` is the adapter slots (`jaxengine.model.lora.LoRASlots`) the batch's
+        `lora_slots` index.
     """
 
-    def model_step(state: nnx.State, kv: jax.Array, batch: ModelBatch
-                   ) -> tuple[jax.Array, jax.Array]:
+    def model_step(state: nnx.State, kv: jax.Array, batch: ModelBatch,
+                   lora: LoRASlots | None = None) -> tuple[jax.Array, jax.Array]:
         model = nnx.merge(graphdef, state)
         return model(kv, batch, attn_impl=attn_impl, interpret=interpret,
-                     batch_invariant=batch_invariant, kv_cache_dtype=kv_cache_dtype)
+                     batch_invariant=batch_invariant, kv_cache_dtype=kv_cache_dtype,
+                     lora=lora)
 
     return model_step
 

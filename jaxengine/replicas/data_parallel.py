@@ -30,7 +30,7 @@ from jaxengine.engine.llm_engine import LLMEngine
 from jaxengine.engine.outputs import RequestOutput
 from jaxengine.replicas.router import Route, route
 from jaxengine.structured.params import StructuredOutputsParams
-from scheduler import Request, SamplingParams, SchedulerConfig, SchedulerState
+from scheduler import LoRARequest, Request, SamplingParams, SchedulerConfig, SchedulerState
 
 
 class DataParallelEngine:
@@ -85,7 +85,8 @@ class DataParallelEngine:
 
     def add_request(self, request_id: str, prompt: PromptType,
                     params: SamplingParams | None = None, *, arrival_time: float | None = None,
-                    priority: int = 0, metadata: Mapping[str, Any] | None = None) -> Route:
+                    priority: int = 0, metadata: Mapping[str, Any] | None = None,
+                    lora_request: LoRARequest | None = None) -> Route:
         """Route a request to a replica and queue it there (`LLMEngine.add_request`'s args).
 
         Returns:
@@ -103,16 +104,19 @@ class DataParallelEngine:
         # parameters count (a prompt-logprobs request reads no prefix cache: routed by load).
         # Parameters of a wrong type are the replica's to refuse, below.
         looked_up = params if isinstance(params, SamplingParams) else SamplingParams()
+        # Its adapter counts too: the prefix cache keys blocks by adapter.
         where = route(self.snapshots(), Request(request_id=request_id,
                                                 prompt_token_ids=tuple(ids),
-                                                sampling_params=looked_up))
+                                                sampling_params=looked_up,
+                                                lora_request=lora_request))
         seeds = self._seeds.getstate()
         if isinstance(params, SamplingParams) and params.seed is None:  # else the replica refuses
             params = dataclasses.replace(params, seed=self._seeds.getrandbits(32))
         try:
             self.replicas[where.replica].add_request(
                 request_id, {"prompt": text, "prompt_token_ids": ids}, params,
-                arrival_time=arrival_time, priority=priority, metadata=metadata)
+                arrival_time=arrival_time, priority=priority, metadata=metadata,
+                lora_request=lora_request)
         except BaseException:
             self._seeds.setstate(seeds)  # a refused request takes no seed, as in one engine
             raise
@@ -135,6 +139,18 @@ class DataParallelEngine:
         for i, rids in sorted(by_replica.items()):
             outputs += self.replicas[i].abort_request(rids)
         return outputs
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """`LLMEngine.add_lora` on every replica (each holds its own adapters)."""
+        return all([r.add_lora(lora_request) for r in self.replicas])
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """`LLMEngine.remove_lora` on every replica; True if one held it."""
+        return any([r.remove_lora(lora_int_id) for r in self.replicas])
+
+    def list_loras(self) -> set[int]:
+        """The adapters any replica holds in host memory."""
+        return set().union(*(r.list_loras() for r in self.replicas))
 
     def compile_grammar(self, params: StructuredOutputsParams) -> None:
         """Nothing: the replica the router picks compiles the grammar in its `add_request`

@@ -36,7 +36,7 @@ from jaxengine.engine.inputs import PromptType, TokenizerLike
 from jaxengine.engine.llm_engine import LLMEngine
 from jaxengine.engine.outputs import RequestOutput
 from jaxengine.structured.params import StructuredOutputsParams
-from scheduler import SamplingParams, SchedulerConfig
+from scheduler import LoRARequest, SamplingParams, SchedulerConfig
 
 logger = logging.getLogger("jaxengine.replicas")
 
@@ -183,8 +183,15 @@ class LeaderEngine:
 
     def add_request(self, request_id: str, prompt: PromptType,
                     params: SamplingParams | None = None, *, arrival_time: float | None = None,
-                    priority: int = 0, metadata: Mapping[str, Any] | None = None) -> None:
-        """`LLMEngine.add_request`; a request it accepts is recorded for the followers."""
+                    priority: int = 0, metadata: Mapping[str, Any] | None = None,
+                    lora_request: LoRARequest | None = None) -> None:
+        """`LLMEngine.add_request`; a request it accepts is recorded for the followers.
+
+        Raises:
+          ValueError: a `lora_request` (the followers are not sent adapters yet).
+        """
+        if lora_request is not None:
+            self.add_lora(lora_request)  # raises
         params = SamplingParams() if params is None else params
         arrival = time.time() if arrival_time is None else arrival_time
         with self._lock:
@@ -194,6 +201,24 @@ class LeaderEngine:
             self._new.append(NewRequest(request_id=request_id, prompt=_plain(prompt),
                                         params=params, arrival_time=arrival, priority=priority,
                                         metadata=dict(metadata or {})))
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Refused: the followers are not sent adapters yet.
+
+        Raises:
+          ValueError: always, naming enable_lora.
+        """
+        raise ValueError(f"LoRA adapter {lora_request.lora_name!r}: a multi-host engine "
+                         f"serves no adapters yet; run it without enable_lora")
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """No adapter is ever held: False."""
+        del lora_int_id
+        return False
+
+    def list_loras(self) -> set[int]:
+        """No adapter is ever held."""
+        return set()
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
         """`LLMEngine.abort_request`, recorded for the followers."""

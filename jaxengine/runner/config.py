@@ -25,6 +25,10 @@ class RunnerConfig:
     # G, the model's KV cache groups: above 1 the pool is in their layout and each batch
     # carries every group's tables (jaxengine/model/kv_groups.py)
     num_kv_cache_groups: int = 1
+    # LoRA (jaxengine/runner/lora_inputs.py): adapter slots beside the zero slot, and their
+    # rank; 0: LoRA off, no slots and no token slots in the batch
+    max_loras: int = 0
+    max_lora_rank: int = 0
 
     @classmethod
     def of(cls, config: EngineConfig) -> RunnerConfig:
@@ -37,7 +41,9 @@ class RunnerConfig:
                    intermediate_token_buckets=config.intermediate_token_buckets,
                    debug_recompiles=config.debug_recompiles,
                    num_speculative_tokens=config.num_speculative_tokens,
-                   num_kv_cache_groups=len(s.kv_cache_groups))
+                   num_kv_cache_groups=len(s.kv_cache_groups),
+                   max_loras=0 if config.lora is None else config.lora.max_loras,
+                   max_lora_rank=0 if config.lora is None else config.lora.max_lora_rank)
 
     @property
     def max_blocks_per_seq(self) -> int:

@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding
 
 from jaxengine.model.batch import ModelBatch
 from jaxengine.model.fns import ModelFns
+from jaxengine.model.lora import LoRASlots
 from jaxengine.sampling.logits_processors import LogitsAdjustments, apply_logits_processors
 from jaxengine.sampling.prompt_logprobs import prompt_logprobs
 from jaxengine.sampling.request_tables import RequestTables, record_tokens
@@ -31,7 +32,8 @@ SAMPLE_NAME = "jaxengine_sample"
 
 
 def jaxengine_model_step(params: Any, kv: jax.Array, batch: ModelBatch, prev_tokens: jax.Array,
-                         fill: jax.Array, prompt_targets: jax.Array | None = None, *,
+                         fill: jax.Array, prompt_targets: jax.Array | None = None,
+                         lora: LoRASlots | None = None, *,
                          step_fn: Callable, logits_fn: Callable | None = None,
                          max_logprobs: int = 0) -> tuple[Any, ...]:
     """The model step, then the hidden rows at `logits_indices` ([R, D], a fixed shape;
@@ -42,10 +44,12 @@ def jaxengine_model_step(params: Any, kv: jax.Array, batch: ModelBatch, prev_tok
     token each position predicts, -1: none; the runner always passes them, None is a program
     without them) a third output: the `PromptLogprobs` of the T positions, with `max_logprobs`
     top ones, from `logits_fn` (jaxengine/sampling/prompt_logprobs.py; skipped at run time
-    when no position has a target).
+    when no position has a target). With `lora` (the adapter slots; the batch then carries
+    each token's `lora_slots`) the model adds the tokens' adapters (jaxengine/model/lora.py).
     """
     ids = jnp.where(fill >= 0, prev_tokens[jnp.maximum(fill, 0)], batch.input_ids)
-    kv, hidden = step_fn(params, kv, replace(batch, input_ids=ids))
+    kv, hidden = step_fn(params, kv, replace(batch, input_ids=ids),
+                         *(() if lora is None else (lora,)))
     extra = () if prompt_targets is None else (
         prompt_logprobs(logits_fn, params, hidden, prompt_targets, num_top=max_logprobs),)
     return kv, hidden[batch.logits_indices], *extra
@@ -87,8 +91,8 @@ def jaxengine_sample(params: Any, hidden: jax.Array, rows: jax.Array, md: Sampli
 class ModelPrograms:
     """The step and the sampler, jitted over one model's functions (`programs_for`)."""
 
-    # jaxengine_model_step(params, kv, batch, prev_tokens, fill, prompt_targets=None, *,
-    # max_logprobs): the KV cache donated, so the step updates it in place.
+    # jaxengine_model_step(params, kv, batch, prev_tokens, fill, prompt_targets=None,
+    # lora=None, *, max_logprobs): the KV cache donated, so the step updates it in place.
     step: Callable
     # jaxengine_sample(params, hidden, ..., *, max_logprobs, num_rows, token_sharding): the
     # output counts donated, so the sampler updates them in place.

@@ -40,6 +40,7 @@ from jaxengine.runner.compiles import (
 from jaxengine.runner.config import RunnerConfig, RunnerStats
 from jaxengine.runner.distributed import to_host
 from jaxengine.runner.in_flight import Forward, InFlight, SampledToken
+from jaxengine.runner.lora_inputs import WRITE_LORA_NAME, LoRAInputs, token_slots
 from jaxengine.runner.penalty_inputs import WRITE_SLOT_NAME, PenaltyInputs
 from jaxengine.runner.programs import SAMPLE_NAME, STEP_NAME, programs_for
 from jaxengine.runner.prompt_logprob_inputs import PromptLogprobChunk, PromptLogprobInputs
@@ -87,6 +88,8 @@ class Runner:
         self.precompile_hooks: list[Callable[[], None]] = []
         # Requests that asked for prompt logprobs, each step's targets (sampling/prompt_logprob*)
         self.prompt_logprobs = PromptLogprobInputs()
+        # LoRA adapter slots (runner/lora_inputs.py); None: LoRA off
+        self.lora = _lora_inputs(model, config)
 
         # Runners over the same model object share its programs (runner/programs.py).
         self._programs = programs_for(model)
@@ -105,14 +108,14 @@ class Runner:
     def compilations(self) -> int:
         """Process-wide compilations of the step, the sampler and the slot writer (all
         runners)."""
-        return compile_count(STEP_NAME, SAMPLE_NAME, WRITE_SLOT_NAME)
+        return compile_count(STEP_NAME, SAMPLE_NAME, WRITE_SLOT_NAME, WRITE_LORA_NAME)
 
     @property
     def num_programs(self) -> int:
         """What `precompile` compiles: a step per token bucket, a sampler per request bucket
         and the penalty-slot writer (which depends on no model: runners of the same shapes in
-        one process share it)."""
-        return len(self.token_buckets) + len(self.request_buckets) + 1
+        one process share it), and with LoRA the adapter-slot writer."""
+        return len(self.token_buckets) + len(self.request_buckets) + 1 + (self.lora is not None)
 
     def precompile(self, *, progress: bool = True) -> None:
         """AOT-compile the step for every token bucket and the sampler for every request bucket.
@@ -123,23 +126,25 @@ class Runner:
         before, t0 = self.compilations(), time.perf_counter()
         specs = [("step", t) for t in self.token_buckets]
         specs += [("sample", r) for r in self.request_buckets] + [("write_slot", 1)]
+        specs += [("write_lora_slot", 1)] if self.lora is not None else []
+        lora = None if self.lora is None else self.lora.slots
         params, kv = self.model.params, self.kv
         step = functools.partial(self._programs.step, **self._step_statics)
         prev = jax.ShapeDtypeStruct(self._no_tokens.shape, np.int32,
                                     sharding=self._token_sharding)
         hidden = jax.eval_shape(step, params, kv, self._batch_spec(16), prev,
-                                self._fill_spec(16), self._fill_spec(16))[1]
+                                self._fill_spec(16), self._fill_spec(16), lora)[1]
         # jit's outputs are committed (to their sharding) when an input is: the sampler is
         # compiled for the hidden rows exactly as the step hands them over (on the mesh), or a
         # first real call would compile it again.
         committed = any(getattr(x, "committed", False) for x in jax.tree.leaves((params, kv)))
         for kind, size in tqdm(specs, desc="precompile", disable=not progress):
-            t_spec, hits = time.perf_counter(), cache_hit_count(STEP_NAME, SAMPLE_NAME,
-                                                                WRITE_SLOT_NAME)
+            t_spec, hits = time.perf_counter(), cache_hit_count(
+                STEP_NAME, SAMPLE_NAME, WRITE_SLOT_NAME, WRITE_LORA_NAME)
             if kind == "step":
                 compiled = self._programs.step.lower(
                     params, kv, self._batch_spec(size), prev, self._fill_spec(size),
-                    self._fill_spec(size), **self._step_statics).compile()
+                    self._fill_spec(size), lora, **self._step_statics).compile()
                 if committed:
                     hidden = jax.ShapeDtypeStruct(hidden.shape, hidden.dtype,
                                                   sharding=compiled.output_shardings[1])
@@ -153,9 +158,12 @@ class Runner:
                 self._programs.sample.lower(params, hidden, rows, md, adj, t.bias,
                                             t.prompt_mask, t.output_counts, prev, mask,
                                             **self._sample_statics).compile()
-            else:
+            elif kind == "write_slot":
                 self.penalties.precompile_write_slot(prev)
-            loaded = cache_hit_count(STEP_NAME, SAMPLE_NAME, WRITE_SLOT_NAME) > hits
+            else:
+                self.lora.precompile()
+            loaded = cache_hit_count(STEP_NAME, SAMPLE_NAME, WRITE_SLOT_NAME,
+                                     WRITE_LORA_NAME) > hits
             logger.info("compiled %s for %d %s in %.2f s%s", kind, size,
                         "tokens" if kind == "step" else "requests", time.perf_counter() - t_spec,
                         " (loaded from the compilation cache)" if loaded else "")
@@ -195,6 +203,8 @@ class Runner:
                            num_groups=c.num_kv_cache_groups)
         if c.num_speculative_tokens:  # the step keeps 1 + K hidden rows per request
             batch = replace(batch, logits_indices=np.zeros(c.max_num_rows, np.int32))
+        if self.lora is not None:
+            batch = replace(batch, lora_slots=np.zeros(num_tokens, np.int32))
         return jax.tree.map(_spec, batch)
 
     # ---- one step ----------------------------------------------------------------------
@@ -213,7 +223,8 @@ class Runner:
         return {} if step is None else self.collect(step)
 
     def dispatch(self, out: SchedulerOutput, rows: Mapping[str, SamplingRow],
-                 prev: InFlight | None = None) -> InFlight | None:
+                 prev: InFlight | None = None, *, lora_slots: Mapping[str, int] | None = None
+                 ) -> InFlight | None:
         """Enqueue one plan's step and sampler on the device; return without waiting.
 
         Args:
@@ -221,16 +232,18 @@ class Runner:
           rows: sampling parameters, seed and output position of each sampling request.
           prev: the step before, if its tokens are not on the host yet: each placeholder in
             `out.input_token_ids` is the token that step sampled for the same request.
+          lora_slots: with LoRA, the slot of each scheduled request's adapter in `self.lora`
+            (the engine loads them first); a request not in it runs the base model.
         Returns:
           The step in flight (pass it to `collect`), or None if the plan schedules nothing.
         Raises:
           ValueError: a placeholder for a request that `prev` does not sample.
         """
-        forward = self.dispatch_forward(out, prev)
+        forward = self.dispatch_forward(out, prev, lora_slots=lora_slots)
         return None if forward is None else self.dispatch_sample(forward, rows)
 
-    def dispatch_forward(self, out: SchedulerOutput, prev: InFlight | None = None
-                         ) -> Forward | None:
+    def dispatch_forward(self, out: SchedulerOutput, prev: InFlight | None = None, *,
+                         lora_slots: Mapping[str, int] | None = None) -> Forward | None:
         """`dispatch`'s first half: enqueue the model step only (None if the plan schedules
         nothing). The host may then collect `prev` and build the rows (a grammar's bitmask
         needs `prev`'s tokens) while the device runs it; `dispatch_sample` finishes the step."""
@@ -240,13 +253,13 @@ class Runner:
         before, t0 = self.compilations(), time.perf_counter()
         self.penalties.slots.release(out.finished_req_ids)  # before a reused id asks for one
         self.prompt_logprobs.update(out)
-        batch, fill = self._pack(out, order, prev)
+        batch, fill = self._pack(out, order, prev, lora_slots or {})
         targets, spans = self.prompt_logprobs.targets(out, order, batch.query_start_loc,
                                                       len(batch.input_ids))
         prev_tokens = self._prev_tokens(prev)
-        self.kv, hidden, plp = self._programs.step(self.model.params, self.kv, batch,
-                                                   prev_tokens, fill, targets,
-                                                   **self._step_statics)
+        self.kv, hidden, plp = self._programs.step(
+            self.model.params, self.kv, batch, prev_tokens, fill, targets,
+            None if self.lora is None else self.lora.slots, **self._step_statics)
         return Forward(plan=out, order=order, hidden=hidden, prev=prev, started=t0,
                        compiles_before=before, num_tokens=len(batch.input_ids),
                        total=int(batch.query_start_loc[-1]),
@@ -298,10 +311,11 @@ class Runner:
         result, targets, spans = step.prompt_logprobs
         return PromptLogprobInputs.read(to_host(result), targets, spans)
 
-    def _pack(self, out: SchedulerOutput, order: Sequence[str], prev: InFlight | None
-              ) -> tuple[ModelBatch, np.ndarray]:
-        """The padded batch, and for each of its tokens the row of `prev.tokens` a placeholder
-        takes (-1: not a placeholder). Shapes: ModelBatch of T tokens; fill i32[T]."""
+    def _pack(self, out: SchedulerOutput, order: Sequence[str], prev: InFlight | None,
+              lora_slots: Mapping[str, int]) -> tuple[ModelBatch, np.ndarray]:
+        """The padded batch (with LoRA each token's adapter slot), and for each of its tokens
+        the row of `prev.tokens` a placeholder takes (-1: not a placeholder). Shapes:
+        ModelBatch of T tokens; fill i32[T]."""
         c = self.config
         groups = out.group_block_tables if c.num_kv_cache_groups > 1 else None
         chunks = [
@@ -320,6 +334,12 @@ class Runner:
             batch = replace(batch, logits_indices=gather_indices(
                 batch.query_start_loc, [len(drafts.get(r, ())) for r in order],
                 num_seqs=c.max_num_seqs, width=1 + c.num_speculative_tokens))
+        if self.lora is not None:
+            batch = replace(batch, lora_slots=token_slots(
+                batch.query_start_loc, [lora_slots.get(r, 0) for r in order], num_tokens))
+        elif lora_slots:
+            raise ValueError("requests with LoRA adapters, but this runner has no adapter "
+                             "slots (enable_lora)")
         fill = np.full(num_tokens, -1, np.int32)
         holes = np.flatnonzero(batch.input_ids[:total] == PLACEHOLDER_TOKEN_ID)
         if len(holes):
@@ -390,6 +410,21 @@ class Runner:
                     f"{new} compilation(s) after warm-up in a step of {num_tokens} tokens; "
                     f"buckets: tokens {self.token_buckets}, requests {self.request_buckets}"
                 )
+
+
+def _lora_inputs(model: ModelFns, config: RunnerConfig) -> LoRAInputs | None:
+    """The adapter slots when `config` asks for LoRA (None otherwise).
+
+    Raises:
+      ValueError: LoRA asked of a model that serves no adapters.
+    """
+    if not config.max_loras:
+        return None
+    if model.lora_layout is None:
+        raise ValueError("enable_lora: this model serves no LoRA adapters (it has no "
+                         "lora_layout; the fake model has none)")
+    return LoRAInputs(model.lora_layout, max_loras=config.max_loras,
+                      max_lora_rank=config.max_lora_rank)
 
 
 def _first_rows(prev: InFlight | None) -> dict[str, int]:

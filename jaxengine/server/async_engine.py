@@ -28,7 +28,7 @@ from jaxengine.metrics import (
     attach_stat_loggers,
     cache_config_info,
 )
-from scheduler import SamplingParams, SchedulerStats
+from scheduler import LoRARequest, SamplingParams, SchedulerStats
 
 logger = logging.getLogger("jaxengine.server")
 
@@ -222,21 +222,23 @@ class AsyncEngine:
     # ---- requests ----------------------------------------------------------------------
 
     async def add(self, request_id: str, prompt: PromptType, params: SamplingParams, *,
-                  priority: int = 0, metadata: Mapping[str, str] | None = None) -> RequestStream:
-        """Queue a request; it joins the batch at the next step (`metadata`: see
-        `LLMEngine.add_request`).
+                  priority: int = 0, metadata: Mapping[str, str] | None = None,
+                  lora_request: LoRARequest | None = None) -> RequestStream:
+        """Queue a request; it joins the batch at the next step (`metadata`, `lora_request`:
+        see `LLMEngine.add_request`).
 
         Raises:
           ValueError: the engine rejected the request (bad prompt or parameters).
           EngineDeadError: the loop is not running.
         """
         stream = RequestStream(request_id, self)
-        await self._add(stream, [(request_id, prompt, params)], priority, metadata)
+        await self._add(stream, [(request_id, prompt, params)], priority, metadata,
+                        lora_request)
         return stream
 
     async def add_all(self, requests: Sequence[tuple[str, PromptType, SamplingParams]], *,
-                      priority: int = 0, metadata: Mapping[str, str] | None = None
-                      ) -> RequestGroup:
+                      priority: int = 0, metadata: Mapping[str, str] | None = None,
+                      lora_request: LoRARequest | None = None) -> RequestGroup:
         """Queue several requests (id, prompt, params) at once: all join the same step (n
         samples of one prompt then share its prefix-cache blocks as soon as they are full),
         or none does.
@@ -246,8 +248,23 @@ class AsyncEngine:
           EngineDeadError: the loop is not running.
         """
         group = RequestGroup([r[0] for r in requests], self)
-        await self._add(group, requests, priority, metadata)
+        await self._add(group, requests, priority, metadata, lora_request)
         return group
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """`EngineClient.add_lora` between two steps (its errors: `ValueError`)."""
+        async with self._lock:
+            return self.engine.add_lora(lora_request)
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """`EngineClient.remove_lora` between two steps."""
+        async with self._lock:
+            return self.engine.remove_lora(lora_int_id)
+
+    async def list_loras(self) -> set[int]:
+        """`EngineClient.list_loras` between two steps."""
+        async with self._lock:
+            return self.engine.list_loras()
 
     def live_request_ids(self) -> list[str]:
         """The engine ids of the requests whose outputs the server still delivers."""
@@ -255,7 +272,8 @@ class AsyncEngine:
 
     async def _add(self, group: RequestGroup,
                    requests: Sequence[tuple[str, PromptType, SamplingParams]], priority: int,
-                   metadata: Mapping[str, str] | None) -> None:
+                   metadata: Mapping[str, str] | None,
+                   lora_request: LoRARequest | None = None) -> None:
         if not self.is_running():
             raise EngineDeadError("the engine loop is not running", code=503)
         async with self._lock:
@@ -263,7 +281,7 @@ class AsyncEngine:
             try:
                 for request_id, prompt, params in requests:
                     self.engine.add_request(request_id, prompt, params, priority=priority,
-                                            metadata=metadata)
+                                            metadata=metadata, lora_request=lora_request)
                     added.append(request_id)
             except BaseException:
                 self.engine.abort_request(added)

@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 
 from jaxengine.model.batch import ModelBatch
 from jaxengine.model.config import ModelConfig, ModelLoadError
+from jaxengine.model.lora import LayerLoRA
 from jaxengine.model.tensor_parallel import TPLayout
 
 Path = tuple[str | int, ...]  # a weight's module path, e.g. ("layers", "mlp", "up_proj", "kernel")
@@ -31,14 +32,15 @@ class DecoderBlock(Protocol):
 
     `layer` is the layer's index: a Python int when the layers are looped, an i32[] when they
     are scanned; what differs between layers (a window, a routed or dense FFN) the block reads
-    from the config with `jaxengine.model.layers.per_layer`.
+    from the config with `jaxengine.model.layers.per_layer`. `lora` is the layer's adapter
+    slots with the tokens' adapters (jaxengine/model/lora.py), for its projections.
     """
 
     def __call__(self, x: jax.Array, pages: jax.Array, page_offset: jax.Array | int,
                  batch: ModelBatch, cos: jax.Array, sin: jax.Array,
                  layer: jax.Array | int, *, attn_impl: str, interpret: bool = False,
-                 batch_invariant: bool = False, kv_cache_dtype: jnp.dtype | None = None
-                 ) -> tuple[jax.Array, jax.Array]: ...
+                 batch_invariant: bool = False, kv_cache_dtype: jnp.dtype | None = None,
+                 lora: LayerLoRA | None = None) -> tuple[jax.Array, jax.Array]: ...
 
 
 class BlockFactory(Protocol):

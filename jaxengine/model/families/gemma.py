@@ -23,6 +23,7 @@ from jaxengine.model.config import FULL, SLIDING, ModelConfig
 from jaxengine.model.families.family import Family, Get, Path, layer_names, refuse
 from jaxengine.model.families.llama import ATTENTION_NAMES, MLP_NAMES, attention, outer_names
 from jaxengine.model.layers import MLP, RMSNorm, live_tokens
+from jaxengine.model.lora import LayerLoRA
 from jaxengine.model.tensor_parallel import TPLayout
 
 logger = logging.getLogger("jaxengine.loading")
@@ -47,12 +48,13 @@ class GemmaBlock(nnx.Module):
 
     def __call__(self, x: jax.Array, pages: jax.Array, page_offset: jax.Array | int,
                  batch: ModelBatch, cos: jax.Array, sin: jax.Array,
-                 layer: jax.Array | int, **kernel: Any) -> tuple[jax.Array, jax.Array]:
+                 layer: jax.Array | int, *, lora: LayerLoRA | None = None, **kernel: Any
+                 ) -> tuple[jax.Array, jax.Array]:
         """x [T, D] -> (x [T, D], updated pages); the arguments as `Attention`'s."""
         out, pages = self.self_attn(self.input_layernorm(x), pages, page_offset, batch, cos,
-                                    sin, layer, **kernel)
+                                    sin, layer, lora=lora, **kernel)
         x = x + self.post_attention_layernorm(out)
-        out = self.mlp(self.pre_feedforward_layernorm(x), live_tokens(batch))
+        out = self.mlp(self.pre_feedforward_layernorm(x), live_tokens(batch), lora)
         return x + self.post_feedforward_layernorm(out), pages
 
 

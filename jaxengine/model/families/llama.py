@@ -18,6 +18,7 @@ from jaxengine.model.batch import ModelBatch
 from jaxengine.model.config import ModelConfig
 from jaxengine.model.families.family import Family, Get, Path, layer_names, refuse
 from jaxengine.model.layers import MLP, Attention, RMSNorm, live_tokens
+from jaxengine.model.lora import LayerLoRA
 from jaxengine.model.tensor_parallel import TPLayout
 
 
@@ -47,12 +48,13 @@ class LlamaBlock(nnx.Module):
 
     def __call__(self, x: jax.Array, pages: jax.Array, page_offset: jax.Array | int,
                  batch: ModelBatch, cos: jax.Array, sin: jax.Array,
-                 layer: jax.Array | int, **kernel: Any) -> tuple[jax.Array, jax.Array]:
+                 layer: jax.Array | int, *, lora: LayerLoRA | None = None, **kernel: Any
+                 ) -> tuple[jax.Array, jax.Array]:
         """x [T, D] -> (x [T, D], updated pages); the arguments as `Attention`'s."""
         out, pages = self.self_attn(self.input_layernorm(x), pages, page_offset, batch, cos,
-                                    sin, layer, **kernel)
+                                    sin, layer, lora=lora, **kernel)
         x = x + out
-        return x + self.mlp(self.post_attention_layernorm(x), live_tokens(batch)), pages
+        return x + self.mlp(self.post_attention_layernorm(x), live_tokens(batch), lora), pages
 
 
 ATTENTION_NAMES = {f"self_attn.{p}.{kind}": f"self_attn.{p}.{hf}"

@@ -21,6 +21,7 @@ from jaxengine.model.config import ModelConfig, ModelLoadError
 from jaxengine.model.families.family import Family, Get, Path, layer_names, refuse
 from jaxengine.model.families.llama import ATTENTION_NAMES, MLP_NAMES, attention, outer_names
 from jaxengine.model.layers import MLP, RMSNorm, live_tokens, per_layer
+from jaxengine.model.lora import LayerLoRA
 from jaxengine.model.moe import SparseMoE
 from jaxengine.model.tensor_parallel import TPLayout
 
@@ -46,10 +47,12 @@ class MoEBlock(nnx.Module):
 
     def __call__(self, x: jax.Array, pages: jax.Array, page_offset: jax.Array | int,
                  batch: ModelBatch, cos: jax.Array, sin: jax.Array,
-                 layer: jax.Array | int, **kernel: Any) -> tuple[jax.Array, jax.Array]:
-        """x [T, D] -> (x [T, D], updated pages); the arguments as `Attention`'s."""
+                 layer: jax.Array | int, *, lora: LayerLoRA | None = None, **kernel: Any
+                 ) -> tuple[jax.Array, jax.Array]:
+        """x [T, D] -> (x [T, D], updated pages); the arguments as `Attention`'s. Adapters
+        apply to the attention only (`jaxengine.model.lora.lora_layout`)."""
         out, pages = self.self_attn(self.input_layernorm(x), pages, page_offset, batch, cos,
-                                    sin, layer, **kernel)
+                                    sin, layer, lora=lora, **kernel)
         x = x + out
         h, live = self.post_attention_layernorm(x), live_tokens(batch)
         if self.mlp is None or self.moe is None:  # one kind of layer

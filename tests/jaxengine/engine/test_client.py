@@ -21,7 +21,7 @@ from tests.jaxengine.engine.test_llm_engine import V, make_engine
 
 MEMBERS = {"args", "tokenizer", "max_model_len", "vocab_size", "scheduler_config", "replicas",
            "add_request", "abort_request", "has_unfinished_requests", "step",
-           "compile_grammar"}
+           "compile_grammar", "add_lora", "remove_lora", "list_loras"}
 ENGINES: dict[str, Callable[[], EngineClient]] = {
     "plain": make_engine,
     "data_parallel": lambda: DataParallelEngine([make_engine(), make_engine()]),
