@@ -5,6 +5,7 @@ environment variable); the tokens and logprobs are transformers+peft's (tests/fi
 from __future__ import annotations
 
 import argparse
+import asyncio
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -13,7 +14,9 @@ import numpy as np
 import pytest
 
 from jaxengine.cli import build_parser, run_serve
+from jaxengine.server.app import _load_lora_modules
 from jaxengine.server.args import LoRAModulePath, parse_lora_module, runtime_lora_updating
+from jaxengine.server.models import ServedModels
 from tests.jaxengine.server.test_harness import MODEL_NAME, RunningServer, start_server
 
 LORA = Path(__file__).resolve().parents[2] / "fixtures" / "lora"
@@ -50,6 +53,15 @@ def test_lora_modules_need_enable_lora(capsys: pytest.CaptureFixture[str]) -> No
     ns = parser.parse_args(["serve", "--enable-lora", "--lora-modules", "a=/x", '{"name": "b", '
                             '"path": "/y"}'])
     assert isinstance(ns, argparse.Namespace) and [m.name for m in ns.lora_modules] == ["a", "b"]
+
+
+def test_an_adapter_that_does_not_load_stops_the_start() -> None:
+    # LoRA off: refused before the engine is asked (which this test has none of)
+    models = ServedModels(None, MODEL_NAME, enable_lora=False)  # type: ignore[arg-type]
+    module = LoRAModulePath(name="sql", path=str(ADAPTERS / "all7"))
+    with pytest.raises(ValueError, match=r"--lora-modules sql=.*all7: LoRA adapters are not "
+                                         r"enabled on this server; start it with --enable-lora"):
+        asyncio.run(_load_lora_modules(models, [module]))
 
 
 @pytest.mark.parametrize("environ, allowed", [
