@@ -218,6 +218,9 @@ def _check_batch_invariant(args: EngineArgs) -> None:
     if args.tensor_parallel_size != 1:
         raise ValueError(f"batch_invariant=True needs tensor_parallel_size=1 (the packed CPU "
                          f"matmul), got {args.tensor_parallel_size}")
+    if args.enable_lora:
+        raise ValueError("batch_invariant=True does not serve LoRA adapters (enable_lora): "
+                         "their updates are XLA's dots, whose row sums depend on the row count")
     if args.attention_backend not in (None, "cpu"):
         raise ValueError(f"batch_invariant=True needs attention_backend 'cpu' (or None on a "
                          f"CPU), got {args.attention_backend!r}: only the native CPU kernel has "

@@ -153,3 +153,22 @@ def test_a_step_schedules_exactly_the_smaller_budget_and_the_runners_bucket_hold
     # Not given, the scheduler hands out the runner's 16: C gets 8
     _, out = _step_with_drafts()
     assert dict(out.num_scheduled_tokens) == {"A": 4, "B": 4, "C": 8}
+
+
+def test_lora_settings_resolve_as_vllms_and_are_checked_as_given() -> None:
+    assert resolve().lora is None and resolve().scheduler.max_loras is None
+    config = resolve(enable_lora=True, max_loras=2, max_lora_rank=8)
+    assert (config.lora.max_loras, config.lora.max_lora_rank) == (2, 8)
+    assert config.lora.max_cpu_loras == 2  # None: max_loras
+    assert config.scheduler.max_loras == 2  # the per-step adapter limit (SCHEDULING.md §14)
+    runner = RunnerConfig.of(config)
+    assert (runner.max_loras, runner.max_lora_rank) == (2, 8)
+    assert resolve(enable_lora=True, max_cpu_loras=5).lora.max_cpu_loras == 5
+    for kw, message in ((dict(max_lora_rank=12), "max_lora_rank must be one of 1, 8, 16"),
+                        (dict(max_loras=3, max_cpu_loras=2), "max_cpu_loras=2 must be >= "
+                                                             "max_loras=3"),
+                        (dict(max_loras=0), "max_loras must be an integer >= 1, got 0"),
+                        (dict(enable_lora="yes"), "enable_lora must be True or False"),
+                        (dict(enable_lora=True, batch_invariant=True), "enable_lora")):
+        with pytest.raises(ValueError, match=message):
+            EngineArgs(**kw)

@@ -79,7 +79,7 @@ def test_adapters_interleaved_with_one_slot_give_the_merged_weights_outputs(tmp_
     model, cfg, tokenizer = _base()
     model = nnx.clone(model)
     fns = model_fns(model, cfg, attn_impl="reference", pack=False, lora=True)
-    args = EngineArgs(max_num_batched_tokens=32, max_num_seqs=4, block_size=4,
+    args = EngineArgs(max_num_batched_tokens=4, max_num_seqs=4, block_size=4,
                       max_model_len=64, enable_lora=True, max_loras=1, max_cpu_loras=2,
                       max_lora_rank=16, debug_recompiles=True, precompile=True)
     llm = LLM.from_engine(engine_over(fns, args, tokenizer=tokenizer, max_model_len=64,

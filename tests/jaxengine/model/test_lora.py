@@ -15,8 +15,13 @@ from flax import nnx
 from jaxengine.model.config import ModelConfig
 from jaxengine.model.decoder import Model
 from jaxengine.model.lora import LoRALayout, lora_layout, write_slot
+from jaxengine.model.mesh import make_mesh
 from jaxengine.model.packing import pack_projections
 from jaxengine.model.step import RequestChunk, make_model_step, pack_batch, split_model
+from jaxengine.model.tensor_parallel import tp_layout
+from tests.parallel_helpers import run_pytest
+
+MESH_CHECKS = "tests/jaxengine/model/lora_mesh_checks.py"
 
 PROMPTS = ((5, 1), (3, 0), (6, 2), (2, 1))  # (tokens, slot) of each request; 0: no adapter
 SCALING = (0.0, 2.0, 0.5)  # slot 0 holds no adapter
@@ -70,10 +75,8 @@ def test_slots_give_each_request_its_merged_adapter(architecture, layout):
                      shared_expert_intermediate_size=32) if architecture == "qwen2_moe" else {}
     cfg = ModelConfig.tiny(architecture, **overrides)
 
-    def build(seed: int = 3) -> Model:
-        return Model(cfg, seed=seed, scan_layers=layout == "scanned")
-
-    model = build()
+    base = Model(cfg, seed=3, scan_layers=layout == "scanned")
+    model = nnx.clone(base)
     lay = lora_layout(cfg, model.layout, mesh=model.mesh, dtype=model.dtype)
     # X targets every module the model serves, Y (of a smaller rank) only v and down
     adapters = {1: random_adapter(lay, 8, 1, tuple(lay.modules)),
@@ -94,7 +97,7 @@ def test_slots_give_each_request_its_merged_adapter(architecture, layout):
     got = hidden(model, lora=True)
     starts = np.cumsum([0] + [n for n, _ in PROMPTS])
     for slot in (0, 1, 2):
-        want_model = build()  # the same weights; with every token in slot 0 (no adapter)
+        want_model = nnx.clone(base)  # with every token in slot 0 (no adapter)
         if slot:
             merge(want_model, adapters[slot], SCALING[slot])
         if layout == "packed":
@@ -111,8 +114,19 @@ def test_slots_give_each_request_its_merged_adapter(architecture, layout):
 def test_a_moe_model_refuses_an_adapter_on_its_experts():
     cfg = ModelConfig.tiny("qwen2_moe", num_experts=4, num_experts_per_tok=2,
                            moe_intermediate_size=16)
-    model = Model(cfg, seed=0)
-    lay = lora_layout(cfg, model.layout, mesh=model.mesh, dtype=model.dtype)
+    lay = lora_layout(cfg, tp_layout(cfg, 1), mesh=make_mesh(jax.devices()[:1]),
+                      dtype=np.float32)
     assert set(lay.modules) == {"q_proj", "k_proj", "v_proj", "o_proj"}
     with pytest.raises(ValueError, match="gate_proj.*serves no LoRA"):
         lay.slot_arrays({"gate_proj": (np.zeros((2, 4, 32)), np.zeros((2, 64, 4)))}, 8)
+
+
+def test_slots_split_over_a_tensor_parallel_mesh_give_one_devices_outputs():
+    out = run_pytest([MESH_CHECKS], num_devices=4, timeout=600)
+    assert "1 passed" in out
+
+
+@pytest.mark.slow
+def test_slots_split_over_four_devices_repeat_the_kv_heads():
+    out = run_pytest([MESH_CHECKS], num_devices=4, timeout=600, args=("-m", "slow"))
+    assert "1 passed" in out
