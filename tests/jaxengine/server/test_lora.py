@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -125,6 +126,16 @@ def test_the_model_field_picks_the_adapter(lora_server: RunningServer) -> None:
     assert r.status_code == 404
     assert r.json()["error"]["type"] == "NotFoundError" and r.json()["error"]["param"] == "model"
     assert "The model `nope` does not exist" in r.json()["error"]["message"]
+
+
+@pytest.mark.slow  # the mixed steps compile more token buckets
+def test_the_base_and_adapters_at_once_with_one_slot(lora_server: RunningServer) -> None:
+    cases = [(MODEL_NAME, LORA / "llama3_gqa" / "oracle.npz"),
+             ("all7", ADAPTERS / "all7" / "oracle.npz"), ("mlp", ADAPTERS / "mlp" / "oracle.npz")]
+    with ThreadPoolExecutor(len(cases)) as pool:
+        responses = list(pool.map(lambda case: _complete(lora_server, *case), cases))
+    for (model, oracle), r in zip(cases, responses, strict=True):
+        _assert_oracle(r, oracle, model)
 
 
 def test_chat_by_adapter_name(lora_server: RunningServer) -> None:
