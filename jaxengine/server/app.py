@@ -190,7 +190,7 @@ def build_app(engine: EngineClient, *, model_name: str,
     async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
         """vLLM's: stop serving adapter `lora_name`."""
         models.check_runtime_updates()
-        return PlainTextResponse(await models.unload(body.lora_name))
+        return PlainTextResponse(await models.unload(body.lora_name, body.lora_int_id))
 
     return app
 

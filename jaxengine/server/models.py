@@ -30,7 +30,8 @@ class LoadLoRAAdapterRequest(RequestModel):
 
 
 class UnloadLoRAAdapterRequest(RequestModel):
-    """The body of `POST /v1/unload_lora_adapter` (vLLM's; its `lora_int_id` is not used)."""
+    """The body of `POST /v1/unload_lora_adapter` (vLLM's; `lora_int_id`, if given, must be
+    the adapter's)."""
 
     lora_name: str
     lora_int_id: int | None = None
@@ -124,19 +125,25 @@ class ServedModels:
         self._adapters[name] = _Served(request, base_model_name or self.base_model_name)
         return f"Success: LoRA adapter '{name}' added successfully."
 
-    async def unload(self, name: str) -> str:
+    async def unload(self, name: str, lora_int_id: int | None = None) -> str:
         """Stop serving adapter `name` (vLLM's `unload_lora_adapter`); returns vLLM's
         message.
 
         Raises:
-          RequestError: 400 without a name, 404 for a name not loaded.
+          RequestError: 400 without a name or with a `lora_int_id` other than the adapter's,
+            404 for a name not loaded.
         """
         if not name:
             raise RequestError("'lora_name' needs to be provided to unload a LoRA adapter.",
                                "lora_name")
-        served = self._adapters.pop(name, None)
+        served = self._adapters.get(name)
         if served is None:
             raise RequestError(f"The lora adapter '{name}' cannot be found.", "lora_name",
                                code=404)
+        if lora_int_id not in (None, served.request.lora_int_id):
+            raise RequestError(f"lora_int_id={lora_int_id} does not match adapter '{name}' "
+                               f"(lora_int_id {served.request.lora_int_id}); leave it out or "
+                               "send that one", "lora_int_id")
+        del self._adapters[name]
         await self.engine.remove_lora(served.request.lora_int_id)
         return f"Success: LoRA adapter '{name}' removed successfully."

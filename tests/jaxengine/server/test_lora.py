@@ -172,6 +172,8 @@ def test_load_and_unload_at_run_time(lora_server: RunningServer, tmp_path: Path)
                                                      "lora_path": str(tmp_path / "none")})
     assert r.status_code == 404 and "No adapter found" in r.json()["error"]["message"]
     assert _complete(lora_server, "gemma", ADAPTERS / "all7" / "oracle.npz").status_code == 404
+    r = _post(lora_server, "/v1/unload_lora_adapter", {"lora_name": "rs", "lora_int_id": 99})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_int_id"
     r = _post(lora_server, "/v1/unload_lora_adapter", {"lora_name": "rs"})
     assert (r.status_code, r.text) == (200, "Success: LoRA adapter 'rs' removed successfully.")
     assert _complete(lora_server, "rs", ADAPTERS / "all7" / "oracle.npz").status_code == 404
