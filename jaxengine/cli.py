@@ -35,7 +35,7 @@ from jaxengine.flags import (
 from jaxengine.lab import commands as lab_commands
 from jaxengine.llm import LLM
 from jaxengine.loading import load_tokenizer
-from jaxengine.server.args import FrontendArgs
+from jaxengine.server.args import FrontendArgs, LoRAModulePath, parse_lora_module
 from jaxengine.server.run import serve
 from scheduler import SamplingParams
 from scheduler.replay import main as replay_main
@@ -79,6 +79,14 @@ def sampling_overrides(ns: argparse.Namespace) -> dict[str, Any]:
 
 
 # ---- the parser ----------------------------------------------------------------------------
+
+def lora_module_argument(text: str) -> LoRAModulePath:
+    """`parse_lora_module` as an argparse `type`: its error is the flag's message."""
+    try:
+        return parse_lora_module(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
 
 def build_parser() -> argparse.ArgumentParser:
     """The `jaxengine` parser with its subcommands."""
@@ -124,6 +132,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--headless", action="store_true",
                        help="multi-host: serve no HTTP, follow process 0's engine step by step "
                             "(processes 1 .. N-1; process 0 serves)")
+    serve.add_argument("--lora-modules", nargs="+", type=lora_module_argument, default=(),
+                       metavar="NAME=PATH",
+                       help="LoRA adapters (PEFT directories) to serve under their own model "
+                            "names, as name=path or JSON '{\"name\": ..., \"path\": ..., "
+                            "\"base_model_name\": ...}' (vLLM's forms); needs --enable-lora")
     add_flags(serve.add_argument_group("HTTP server (FrontendArgs)"), FrontendArgs)
     add_engine_flags(serve)
 
@@ -308,9 +321,12 @@ def run_serve(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if ns.model_tag is not None and flag_model is not None and ns.model_tag != flag_model:
         parser.error(f"two models given: {ns.model_tag!r} and --model {flag_model!r}")
     args = engine_args_from(ns, parser, model=ns.model_tag)
+    if ns.lora_modules and not args.enable_lora:
+        parser.error("--lora-modules needs --enable-lora (and --max-lora-rank at least the "
+                     "adapters' rank)")
     serve(args, host=ns.host, port=ns.port, model_name=ns.served_model_name,
           log_interval=ns.log_interval, log_level=ns.uvicorn_log_level, headless=ns.headless,
-          frontend=args_from(FrontendArgs, ns, parser))
+          frontend=args_from(FrontendArgs, ns, parser), lora_modules=ns.lora_modules)
     return 0
 
 

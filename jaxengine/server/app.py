@@ -7,6 +7,8 @@ starts and stops with the app's lifespan. The lifespan first compiles every buck
 engine (`jaxengine.server.warmup`): uvicorn opens its socket
 only after the lifespan's startup is done, so `/health` is never 200, and no request is taken,
 before the engine is warm.
+`lora_modules` are the LoRA adapters served from the start, and `runtime_lora_updating` opens
+vLLM's `/v1/load_lora_adapter` and `/v1/unload_lora_adapter` (`jaxengine.server.models`).
 `frontend` (`FrontendArgs`) adds the edge's middleware (`jaxengine.server.middleware`): the
 API key, the body limit, and the echo of `X-Request-Id`.
 `app.state.async_engine` is the `AsyncEngine` (tests read the scheduler state through
@@ -21,16 +23,16 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from importlib.metadata import version as package_version
 from typing import Annotated, Any
 
 from fastapi import Body, FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from jaxengine.engine.client import EngineClient
-from jaxengine.server.args import FrontendArgs
+from jaxengine.server.args import FrontendArgs, LoRAModulePath
 from jaxengine.server.async_engine import AsyncEngine
 from jaxengine.server.chat_protocol import ChatCompletionRequest
 from jaxengine.server.errors import install_error_handlers
@@ -39,12 +41,16 @@ from jaxengine.server.middleware import (
     BodyLimitMiddleware,
     RequestIdHeaderMiddleware,
 )
-from jaxengine.server.protocol import CompletionRequest
+from jaxengine.server.models import (
+    LoadLoRAAdapterRequest,
+    ServedModels,
+    UnloadLoRAAdapterRequest,
+)
+from jaxengine.server.protocol import CompletionRequest, RequestError
 from jaxengine.server.response_bodies import (
     ChatCompletionResponse,
     CompletionResponse,
     DetokenizeResponse,
-    ModelCard,
     ModelList,
     TokenizeResponse,
     VersionResponse,
@@ -61,7 +67,9 @@ logger = logging.getLogger("jaxengine.server")
 
 def build_app(engine: EngineClient, *, model_name: str,
               log_interval: float = 10.0, warm_up: bool = True,
-              frontend: FrontendArgs | None = None) -> FastAPI:
+              frontend: FrontendArgs | None = None,
+              lora_modules: Sequence[LoRAModulePath] = (),
+              runtime_lora_updating: bool = False) -> FastAPI:
     """An OpenAI-compatible app serving `engine` as `model_name`.
 
     Args:
@@ -73,10 +81,18 @@ def build_app(engine: EngineClient, *, model_name: str,
         stalling the batch when they do (tests that are not about warm-up).
       frontend: the API key, the body limit and whether requests may bring chat templates
         (its timeouts are uvicorn's: `serve` applies them); None: `FrontendArgs()`, no key.
+      lora_modules: LoRA adapters to serve under their own names (the engine must be built
+        with `enable_lora`); loaded when the app starts, which fails with a `ValueError`
+        naming the adapter if one does not load.
+      runtime_lora_updating: serve `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`
+        (`jaxengine serve` sets it from $VLLM_ALLOW_RUNTIME_LORA_UPDATING); off, they are
+        404s that say how to turn them on.
     """
     frontend = FrontendArgs() if frontend is None else frontend
     async_engine = AsyncEngine(engine, model_name=model_name, log_interval=log_interval)
-    serving = OpenAIServing(async_engine, model_name,
+    models = ServedModels(async_engine, model_name, enable_lora=engine.args.enable_lora,
+                          runtime_updates=runtime_lora_updating)
+    serving = OpenAIServing(async_engine, models,
                             trust_request_chat_template=frontend.trust_request_chat_template)
     created = int(time.time())
 
@@ -93,6 +109,7 @@ def build_app(engine: EngineClient, *, model_name: str,
             await asyncio.to_thread(warm_up_engine, engine)
         async_engine.start()
         try:
+            await _load_lora_modules(models, lora_modules)
             yield
         finally:
             await stop_engine()
@@ -100,6 +117,7 @@ def build_app(engine: EngineClient, *, model_name: str,
     app = FastAPI(title="jaxengine", lifespan=lifespan)
     app.state.async_engine = async_engine
     app.state.serving = serving
+    app.state.models = models
     app.state.stop_engine = stop_engine
     install_error_handlers(app)
     # The last added runs first: the id is echoed on refusals too, and a request without the
@@ -116,11 +134,10 @@ def build_app(engine: EngineClient, *, model_name: str,
         return Response(status_code=200 if alive else 503)
 
     @app.get("/v1/models", response_model=ModelList)
-    async def models() -> Response:
-        """The one served model."""
-        card = ModelCard(id=model_name, created=created, root=model_name,
-                         max_model_len=engine.max_model_len)
-        return _json(ModelList(data=[card]))
+    async def list_models() -> Response:
+        """The served model, then the LoRA adapters served on it."""
+        return _json(ModelList(data=models.cards(created=created, root=model_name,
+                                                 max_model_len=engine.max_model_len)))
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -163,7 +180,33 @@ def build_app(engine: EngineClient, *, model_name: str,
         """OpenAI chat completions (SSE when `stream`)."""
         return await serving.chat(body, raw)
 
+    @app.post("/v1/load_lora_adapter", response_class=PlainTextResponse)
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
+        """vLLM's: serve the adapter at `lora_path` as `lora_name`."""
+        models.check_runtime_updates()
+        return PlainTextResponse(await models.load(body.lora_name, body.lora_path))
+
+    @app.post("/v1/unload_lora_adapter", response_class=PlainTextResponse)
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
+        """vLLM's: stop serving adapter `lora_name`."""
+        models.check_runtime_updates()
+        return PlainTextResponse(await models.unload(body.lora_name, body.lora_int_id))
+
     return app
+
+
+async def _load_lora_modules(models: ServedModels, modules: Sequence[LoRAModulePath]) -> None:
+    """Load the adapters served from the start (vLLM's `init_static_loras`).
+
+    Raises:
+      ValueError: one does not load; the message names it and says why.
+    """
+    for module in modules:
+        try:
+            await models.load(module.name, module.path, module.base_model_name)
+        except RequestError as e:
+            raise ValueError(f"--lora-modules {module.name}={module.path}: {e}") from None
+        logger.info("serving LoRA adapter %r from %s", module.name, module.path)
 
 
 def _json(body: object) -> Response:

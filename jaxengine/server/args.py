@@ -4,17 +4,22 @@ They guard the server's edge: who may call it (`api_key`), how big a request may
 client may take to send one or stay idle, whether a request may bring its own chat template, and
 how long a shutdown waits for running requests.
 `jaxengine serve` makes one flag per field (`--api-key`, `--shutdown-timeout`, ...), with the
-help text each field declares.
+help text each field declares. The LoRA adapters it serves are `--lora-modules` entries
+(`LoRAModulePath`), and whether they may change at run time is the environment's
+(`runtime_lora_updating`), as in vLLM.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Mapping
 
 from jaxengine.engine.args import arg
 
 API_KEY_ENV = "JAXENGINE_API_KEY"  # vLLM's VLLM_API_KEY: a key that should not show in `ps`
+# vLLM's variable that allows loading LoRA adapters at run time, and this project's name for it
+RUNTIME_LORA_ENVS = ("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "JAXENGINE_ALLOW_RUNTIME_LORA_UPDATING")
 
 # 32 MiB, the body limit of vLLM's Rust frontend (its Python one has none): at 32 bytes a token
 # (a token id and its comma, or a few characters of JSON-escaped text) that is a million tokens,
@@ -70,3 +75,49 @@ class FrontendArgs:
         if self.api_key is not None or not environ.get(API_KEY_ENV):
             return self
         return dataclasses.replace(self, api_key=environ[API_KEY_ENV])
+
+
+@dataclasses.dataclass(frozen=True, slots=True, kw_only=True)
+class LoRAModulePath:
+    """One `--lora-modules` entry (vLLM's): the adapter's served name, its directory, and the
+    model `/v1/models` lists as its parent (None: the served base model)."""
+
+    name: str
+    path: str
+    base_model_name: str | None = None
+
+
+def parse_lora_module(text: str) -> LoRAModulePath:
+    """A `--lora-modules` value in either of vLLM's forms: `name=path`, or a JSON object
+    `{"name": ..., "path": ..., "base_model_name": ...}` (base_model_name optional).
+
+    Raises:
+      ValueError: neither form, or a JSON object with a missing, empty or unknown field.
+    """
+    if "=" in text and "," not in text and not text.lstrip().startswith("{"):
+        name, _, path = text.partition("=")
+        fields: object = {"name": name, "path": path}
+    else:
+        try:
+            fields = json.loads(text)
+        except json.JSONDecodeError:
+            raise ValueError(f"--lora-modules {text!r}: want name=path or a JSON object "
+                             '{"name": ..., "path": ..., "base_model_name": ...}') from None
+    if not isinstance(fields, dict):
+        raise ValueError(f"--lora-modules {text!r}: want name=path or a JSON object")
+    known = {f.name for f in dataclasses.fields(LoRAModulePath)}
+    unknown = sorted(fields.keys() - known)
+    if unknown:
+        raise ValueError(f"--lora-modules {text!r}: unknown field {unknown[0]!r} (fields: "
+                         "name, path, base_model_name)")
+    for field in ("name", "path"):
+        if not isinstance(fields.get(field), str) or not fields[field]:
+            raise ValueError(f"--lora-modules {text!r}: {field} must be a non-empty string")
+    return LoRAModulePath(**fields)
+
+
+def runtime_lora_updating(environ: Mapping[str, str]) -> bool:
+    """Whether `environ` allows loading and unloading adapters at run time (vLLM's rule for its
+    variable: "1" or "true", any case)."""
+    return any(environ.get(name, "0").strip().lower() in ("1", "true")
+               for name in RUNTIME_LORA_ENVS)

@@ -253,8 +253,9 @@ class ModelCard:
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "jaxengine"
-    root: str
-    max_model_len: int
+    root: str  # the base model's name, an adapter's directory
+    parent: str | None = None  # an adapter's base model
+    max_model_len: int | None = None  # the base model's (an adapter's is its parent's)
 
 
 @dataclasses.dataclass(slots=True, kw_only=True)

@@ -8,6 +8,7 @@ import dataclasses
 import logging
 import os
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from jaxengine.engine.args import EngineArgs
@@ -16,7 +17,13 @@ from jaxengine.engine.llm_engine import LLMEngine
 from jaxengine.replicas.data_parallel import build_engines
 from jaxengine.replicas.lockstep import LeaderEngine, follow
 from jaxengine.runner.distributed import initialize_from_args
-from jaxengine.server.args import API_KEY_ENV, FrontendArgs
+from jaxengine.server.args import (
+    API_KEY_ENV,
+    RUNTIME_LORA_ENVS,
+    FrontendArgs,
+    LoRAModulePath,
+    runtime_lora_updating,
+)
 from jaxengine.server.warmup import warm_up
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -34,7 +41,8 @@ def served_model_name(args: EngineArgs, explicit: str | None = None) -> str:
 def serve(args: EngineArgs, *, host: str = "127.0.0.1", port: int = 8000,
           model_name: str | None = None, log_interval: float = 10.0,
           log_level: str = "info", headless: bool = False,
-          frontend: FrontendArgs | None = None) -> None:
+          frontend: FrontendArgs | None = None,
+          lora_modules: Sequence[LoRAModulePath] = ()) -> None:
     """Load the model, compile every bucket, then serve it until interrupted (blocks).
 
     The warm-up (`jaxengine.server.warmup`) runs whatever `args.precompile` says, on every
@@ -55,6 +63,9 @@ def serve(args: EngineArgs, *, host: str = "127.0.0.1", port: int = 8000,
       headless: serve no HTTP; follow process 0 (processes 1 .. N-1 of a multi-host run).
       frontend: the HTTP server's settings (None: the defaults); without an API key, the one
         in $JAXENGINE_API_KEY applies, if set.
+      lora_modules: LoRA adapters served from the start (`args.enable_lora` must be set);
+        $VLLM_ALLOW_RUNTIME_LORA_UPDATING (or $JAXENGINE_ALLOW_RUNTIME_LORA_UPDATING) "true"
+        or "1" also serves `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`.
     Raises:
       ValueError: `headless` on process 0, or not `headless` on another process.
     """
@@ -84,10 +95,10 @@ def serve(args: EngineArgs, *, host: str = "127.0.0.1", port: int = 8000,
         _follow(engine)
     elif jax.process_count() > 1:
         _lead(engine, name, host=host, port=port, log_interval=log_interval,
-              log_level=log_level, frontend=frontend)
+              log_level=log_level, frontend=frontend, lora_modules=lora_modules)
     else:
         _run_http(engine, name, host=host, port=port, log_interval=log_interval,
-                  log_level=log_level, frontend=frontend)
+                  log_level=log_level, frontend=frontend, lora_modules=lora_modules)
 
 
 def _check_role(process: int, processes: int, *, headless: bool) -> None:
@@ -100,7 +111,8 @@ def _check_role(process: int, processes: int, *, headless: bool) -> None:
 
 
 def _run_http(engine: EngineClient, name: str, *, host: str, port: int, log_interval: float,
-              log_level: str, frontend: FrontendArgs) -> None:
+              log_level: str, frontend: FrontendArgs,
+              lora_modules: Sequence[LoRAModulePath]) -> None:
     # Here: FastAPI and uvicorn come with the `serve` extra, which `--headless` followers and
     # the offline API do without.
     from jaxengine.server.app import build_app
@@ -109,7 +121,12 @@ def _run_http(engine: EngineClient, name: str, *, host: str, port: int, log_inte
     if frontend.api_key is not None:
         logger.info("clients must send the API key (--api-key or $%s) on every route but "
                     "/health, /ping and /metrics", API_KEY_ENV)
-    app = build_app(engine, model_name=name, log_interval=log_interval, frontend=frontend)
+    runtime_lora = runtime_lora_updating(os.environ)
+    if runtime_lora:  # vLLM's warning
+        logger.warning("LoRA dynamic loading & unloading is enabled in the API server ($%s). "
+                       "This should ONLY be used for local development!", RUNTIME_LORA_ENVS[0])
+    app = build_app(engine, model_name=name, log_interval=log_interval, frontend=frontend,
+                    lora_modules=lora_modules, runtime_lora_updating=runtime_lora)
     run_uvicorn(app, host=host, port=port, log_level=log_level, frontend=frontend,
                 stop_requests=app.state.stop_engine)
 

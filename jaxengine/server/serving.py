@@ -35,6 +35,7 @@ from jaxengine.server.async_engine import AsyncEngine, EngineDeadError, RequestG
 from jaxengine.server.chat_protocol import ChatCompletionRequest
 from jaxengine.server.errors import error_body, error_response
 from jaxengine.server.limits import RequestLimits
+from jaxengine.server.models import ServedModels
 from jaxengine.server.prompts import (
     EnginePrompt,
     chat_prompt,
@@ -42,7 +43,7 @@ from jaxengine.server.prompts import (
     prompt_text,
     truncated,
 )
-from jaxengine.server.protocol import CompletionRequest, RequestError, resolve_max_tokens
+from jaxengine.server.protocol import CompletionRequest, resolve_max_tokens
 from jaxengine.server.response_bodies import DetokenizeResponse, TokenizeResponse, to_json
 from jaxengine.server.responses import (
     ChatFormatter,
@@ -62,6 +63,7 @@ from jaxengine.server.tokenization import (
 )
 from jaxengine.structured.params import StructuredOutputsParams
 from scheduler import SamplingParams, SamplingParamsError
+from scheduler.request import LoRARequest
 
 logger = logging.getLogger("jaxengine.server")
 
@@ -82,7 +84,7 @@ class _Choices:
 
 class OpenAIServing:
     """Serves `/v1/completions`, `/v1/chat/completions`, `/tokenize` and `/detokenize` for one
-    model.
+    model and the LoRA adapters served on it (`ServedModels`: a request's `model` picks one).
 
     A request with n samples (and, for completions, a list of prompts) becomes one engine
     request per choice, all added in one step (`AsyncEngine.add_all`): the n samples of a
@@ -90,12 +92,13 @@ class OpenAIServing:
     `seed + i` (vLLM V1's rule), so it is reproducible.
     """
 
-    def __init__(self, engine: AsyncEngine, model_name: str, *,
+    def __init__(self, engine: AsyncEngine, models: ServedModels, *,
                  trust_request_chat_template: bool = False) -> None:
-        """Serve `engine` under the name `model_name`; render the chat templates requests send
-        only if `trust_request_chat_template` (vLLM's flag)."""
+        """Serve `engine` as `models` names it; render the chat templates requests send only
+        if `trust_request_chat_template` (vLLM's flag)."""
         self.engine = engine
-        self.model_name = model_name
+        self.models = models
+        self.model_name = models.base_model_name
         self.trust_request_chat_template = trust_request_chat_template
         self.tokenizer = engine.engine.tokenizer
         self.max_model_len = engine.engine.max_model_len
@@ -108,18 +111,17 @@ class OpenAIServing:
         self.default_sampling_params = diff_sampling_params(args.model, args.generation_config)
         self._threads = anyio.CapacityLimiter(PREPARE_THREADS)
 
-    def check_model(self, model: str | None) -> None:
-        """vLLM's 404 for a `model` this server does not serve (`OpenAIServing._check_model`),
-        plus what to send instead."""
-        if model is not None and model != self.model_name:
-            raise RequestError(f"The model `{model}` does not exist; this server serves "
-                               f"`{self.model_name}` (see /v1/models).", "model", code=404)
-
-    def _check(self, body: CompletionRequest | ChatCompletionRequest) -> None:
-        """The checks both endpoints share, text first: the others may echo a field."""
+    def _check(self, body: CompletionRequest | ChatCompletionRequest) -> LoRARequest | None:
+        """The checks both endpoints share, text first: the others may echo a field; returns
+        the adapter `model` names (None: the base model)."""
         body.check_text()
-        self.check_model(body.model)
+        lora_request = self.models.lora_request(body.model)
         body.check_supported()
+        return lora_request
+
+    def _served_name(self, lora_request: LoRARequest | None) -> str:
+        """The `model` a response names: the adapter's, else the base model's (vLLM's)."""
+        return self.model_name if lora_request is None else lora_request.lora_name
 
     async def _prepare(self, fn: Callable[..., T], *args: Any) -> T:
         """`fn(*args)` in a worker thread, at most `PREPARE_THREADS` at once."""
@@ -127,20 +129,21 @@ class OpenAIServing:
 
     async def completions(self, body: CompletionRequest, raw: Request) -> Response:
         """POST /v1/completions."""
-        self._check(body)
+        lora_request = self._check(body)
         prompts = body.prompts()
         self.limits.check_choices(body.n, len(prompts))
         self.limits.check_prompts(prompts, truncated=body.truncate_prompt_tokens is not None)
         choices = await self._prepare(self._completion_choices, body)
         await self._compile(choices.structured_outputs, body)
         fmt = CompletionFormatter(
-            model=self.model_name, tokenizer=self.tokenizer, echo=choices.echo,
+            model=self._served_name(lora_request), tokenizer=self.tokenizer, echo=choices.echo,
             request_id=response_id(CompletionFormatter.ID_PREFIX, _base_id(body, raw)),
             tokens_as_ids=body.return_tokens_as_token_ids,
             prompt_logprobs=body.prompt_logprobs is not None,
             echo_logprobs=body.logprobs if body.echo else None, echo_only=body.echo_only)
         return await self._generate(body, choices, raw, fmt,
-                                    with_logprobs=body.logprobs is not None)
+                                    with_logprobs=body.logprobs is not None,
+                                    lora_request=lora_request)
 
     def _completion_choices(self, body: CompletionRequest) -> _Choices:
         """Tokenize each prompt and fan it out into n choices (in a worker thread)."""
@@ -172,19 +175,20 @@ class OpenAIServing:
 
     async def chat(self, body: ChatCompletionRequest, raw: Request) -> Response:
         """POST /v1/chat/completions."""
-        self._check(body)
+        lora_request = self._check(body)
         body.check_chat_template(trusted=self.trust_request_chat_template)
         self.limits.check_choices(body.n, 1)
         self.limits.check_text(body.num_chars(), "messages")
         choices = await self._prepare(self._chat_choices, body)
         await self._compile(choices.structured_outputs, body)
         fmt = ChatFormatter(
-            model=self.model_name, tokenizer=self.tokenizer, echo=choices.echo,
+            model=self._served_name(lora_request), tokenizer=self.tokenizer, echo=choices.echo,
             request_id=response_id(ChatFormatter.ID_PREFIX, _base_id(body, raw)),
             tokens_as_ids=body.return_tokens_as_token_ids,
             prompt_logprobs=body.prompt_logprobs is not None,
             tool_choice=choices.tool_choice, top_logprobs=body.top_logprobs or 0)
-        return await self._generate(body, choices, raw, fmt, with_logprobs=body.logprobs)
+        return await self._generate(body, choices, raw, fmt, with_logprobs=body.logprobs,
+                                    lora_request=lora_request)
 
     def _chat_choices(self, body: ChatCompletionRequest) -> _Choices:
         """Render and tokenize the conversation, and fan it out into n choices (in a worker
@@ -206,14 +210,14 @@ class OpenAIServing:
     async def tokenize(self, body: TokenizeCompletionRequest | TokenizeChatRequest
                        ) -> TokenizeResponse:
         """vLLM's /tokenize."""
-        self.check_model(body.model)
+        self.models.lora_request(body.model)  # a 404 for a model not served
         tokenization.check_tokenize(body, self.tokenizer, self.limits,
                                     trusted=self.trust_request_chat_template)
         return await self._prepare(tokenization.tokenize, body, self.tokenizer, self.limits)
 
     async def detokenize(self, body: DetokenizeRequest) -> DetokenizeResponse:
         """vLLM's /detokenize."""
-        self.check_model(body.model)
+        self.models.lora_request(body.model)  # a 404 for a model not served
         return await self._prepare(tokenization.detokenize, body, self.tokenizer)
 
     async def _compile(self, so: StructuredOutputsParams | None, body: Any) -> None:
@@ -232,16 +236,17 @@ class OpenAIServing:
         return self.default_sampling_params.get("max_tokens")
 
     async def _generate(self, body: Any, choices: _Choices, raw: Request, fmt: Formatter, *,
-                        with_logprobs: bool) -> Response:
-        """Submit one engine request per choice and respond with `fmt`'s bodies (SSE when
-        `body.stream`)."""
+                        with_logprobs: bool, lora_request: LoRARequest | None) -> Response:
+        """Submit one engine request per choice, with `lora_request`'s adapter, and respond
+        with `fmt`'s bodies (SSE when `body.stream`)."""
         children = choices.children
         ids = engine_request_ids(fmt.request_id, len(children))
         try:
             group = await self.engine.add_all(
                 [(rid, prompt, params) for rid, (prompt, params) in zip(ids, children,
                                                                         strict=True)],
-                priority=body.priority, metadata=body.metadata_of_request())
+                priority=body.priority, metadata=body.metadata_of_request(),
+                lora_request=lora_request)
         except SamplingParamsError as e:  # a limit of this engine (max_logprobs, vocabulary)
             raise body.request_error(e) from None
         except EngineDeadError as e:

@@ -45,12 +45,10 @@ class MergedSource:
         return w
 
 
-# One family in the default run (each compiles its model once, seconds on a CPU)
-FAMILIES = [pytest.param("llama3_gqa"), pytest.param("qwen2_bias_tied", marks=pytest.mark.slow),
-            pytest.param("gemma3_text", marks=pytest.mark.slow)]
-
-
-@pytest.mark.parametrize("fixture", FAMILIES)
+# Slow: each family compiles its model (seconds on a CPU); the default run checks peft's
+# tokens and logprobs through the engine (tests/jaxengine/server/test_lora.py).
+@pytest.mark.slow
+@pytest.mark.parametrize("fixture", ["llama3_gqa", "qwen2_bias_tied", "gemma3_text"])
 def test_peft_adapters_merged_give_peft_logits(fixture: str) -> None:
     base_dir = FIXTURES / "tiny" / fixture
     cfg = read_hf_config(base_dir)
