@@ -43,7 +43,7 @@ from jaxengine.server.prompts import (
     prompt_text,
     truncated,
 )
-from jaxengine.server.protocol import CompletionRequest, resolve_max_tokens
+from jaxengine.server.protocol import CompletionRequest, RequestError, resolve_max_tokens
 from jaxengine.server.response_bodies import DetokenizeResponse, TokenizeResponse, to_json
 from jaxengine.server.responses import (
     ChatFormatter,
