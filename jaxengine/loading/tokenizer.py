@@ -12,14 +12,16 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
-from transformers import PreTrainedTokenizerFast
 
 from jaxengine.model.config import ModelLoadError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 # llama.cpp pre-tokenizer names -> split regexes (applied before byte-level mapping)
 _LLAMA3_RE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+"
@@ -187,6 +189,10 @@ class Tokenizer:
                 special_tokens=[(bos, bos_token_id)])
         special = {"eos_token": eos_token_id, "bos_token": bos_token_id,
                    "pad_token": pad_token_id}
+        # imported when a tokenizer is built, not with the package: transformers takes ~0.7 s
+        # to import, which `import jaxengine` spares (docs/STYLE.md rule 19)
+        from transformers import PreTrainedTokenizerFast
+
         hf = PreTrainedTokenizerFast(
             tokenizer_object=backend, chat_template=chat_template,
             **{key: name[i] for key, i in special.items() if i is not None})
@@ -229,6 +235,9 @@ class Tokenizer:
             raise ModelLoadError(f"{path}: no tokenizer.json (only fast-tokenizer files are "
                                  "supported); add it, or pass skip_tokenizer_init=True and "
                                  "token-id prompts")
+        from transformers import PreTrainedTokenizerFast  # as in from_backend
+
+
         # tokenizer.json as written, not a model-specific class that may rebuild the pipeline
         # from the vocabulary (transformers 5's Qwen2Tokenizer does).
         hf = PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
