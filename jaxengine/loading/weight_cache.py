@@ -14,7 +14,8 @@ the source of the loading code and the versions of `gguf` and numpy); a changed 
 misses. Each array is written to a temporary file and renamed into place, so a reader sees a
 whole array or none, and an array that does not read back with the shape and dtype the model
 expects (a truncated or foreign file) is logged and derived again. Writing a file's entry
-removes that file's older entries (other keys of the same path).
+removes that file's older entries but the newest other one (`KEEP`): two checkouts of different
+loading code on one machine then keep one entry each instead of replacing each other's.
 
 `$JAXENGINE_WEIGHT_CACHE_DIR` chooses the directory ('' disables the cache), else
 `$XDG_CACHE_HOME/jaxengine/weights` (`~/.cache/jaxengine/weights`). Files larger than
@@ -44,6 +45,7 @@ logger = logging.getLogger("jaxengine.loading")
 ENV = "JAXENGINE_WEIGHT_CACHE_DIR"
 # ~0.6B parameters at Q4_1 (2.6 GB of float32); the default model's file is 98 MB
 MAX_FILE_BYTES = 400 << 20
+KEEP = 2  # entries kept per file path: this one and the newest other
 _HEAD_BYTES = 1 << 20  # the header (metadata, tensor table) of a GGUF file, hashed into the key
 # the modules whose code decides what an entry holds: a change to any of them misses
 _DERIVATION = ("gguf_file.py", "weights.py", "weight_cache.py")
@@ -158,14 +160,23 @@ class WeightCache:
             logger.warning("weight cache: cannot write %s (%s); loading without it", file, e)
 
     def _remove_stale(self) -> None:
-        """Remove this file's entries under other keys (the file or the code changed)."""
+        """Remove this file's entries under other keys (the file or the code changed) but
+        the `KEEP - 1` newest."""
         if self._cleaned:
             return
         self._cleaned = True
-        if self.root.is_dir():
-            for other in self.root.glob(self._prefix + "*"):
-                if other != self.dir:
-                    shutil.rmtree(other, ignore_errors=True)
+        others = [d for d in self.root.glob(self._prefix + "*") if d != self.dir]
+        others.sort(key=_written, reverse=True)
+        for other in others[KEEP - 1:]:
+            shutil.rmtree(other, ignore_errors=True)
+
+
+def _written(entry: FsPath) -> int:
+    """When an entry last changed (ns); 0 if another process removed it meanwhile."""
+    try:
+        return entry.stat().st_mtime_ns
+    except OSError:
+        return 0
 
 
 def _bits(dtype: np.dtype) -> np.dtype:
