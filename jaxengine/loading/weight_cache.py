@@ -2,11 +2,11 @@
 `load_weight` makes them, and its parsed header (metadata and tensor names), saved by the first
 load and read back by the next ones, which then do not parse the file at all.
 
-Dequantizing the default model's Q4_1 tensors to float32 and stacking them takes about 1.5 s
-of a 2-vCPU start; reading the arrays back takes a tenth of that (docs/BENCHMARKS.md §14), for
-0.54 GB of disk; parsing the header with the `gguf` reader, 0.5 s, reading it back as JSON
-0.03 s. An entry holds one `.npy` per weight (module path) and host dtype, before the mesh's
-layout (`to_layout`), so one entry serves any tp size and weight format read from floats.
+On a 2-vCPU machine that spares a start the `gguf` reader's parse of the header (0.5 s; the
+JSON reads back in 0.03 s) and most of the second dequantizing and stacking the default model's
+Q4_1 tensors takes, for 0.54 GB of disk (docs/BENCHMARKS.md §14). An entry holds one `.npy` per
+weight (module path) and host dtype, before the mesh's layout (`to_layout`), so one entry serves
+any tp size and weight format read from floats.
 
 Soundness: an entry's key is the file's identity (its real path, size, modification time and
 the sha256 of its first MiB) and the derivation's version (`code_version`:
@@ -139,8 +139,13 @@ class WeightCache:
             return None
 
     def put_json(self, name: str, value: Any) -> None:
-        """Save `value` (JSON's types) as `name` (`_write`'s way)."""
-        self._write(self.dir / f"{name}.json", lambda f: f.write(json.dumps(value).encode()))
+        """Save `value` as `name` (`_write`'s way); one JSON cannot hold is logged, not saved."""
+        try:
+            text = json.dumps(value)
+        except (TypeError, ValueError) as e:
+            logger.warning("weight cache: %s is not saved (%s)", name, e)
+            return
+        self._write(self.dir / f"{name}.json", lambda f: f.write(text.encode()))
 
     def _write(self, file: FsPath, write: Callable[[IO[bytes]], object]) -> None:
         """`write` into a temporary file renamed to `file`, so a reader sees all or nothing; a
