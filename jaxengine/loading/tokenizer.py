@@ -179,7 +179,14 @@ class Tokenizer:
             add_bos: prepend bos when special tokens are added (GGUF's add_bos_token); kept in
                 the tokenizer's post-processor, so an exported tokenizer.json does it too.
         """
-        backend = Backend.from_str(backend.to_str())  # a copy: the post-processor is ours
+        return cls._wrap(Backend.from_str(backend.to_str()),  # a copy: its post-processor is ours
+                         eos_token_id=eos_token_id, bos_token_id=bos_token_id,
+                         pad_token_id=pad_token_id, chat_template=chat_template, add_bos=add_bos)
+
+    @classmethod
+    def _wrap(cls, backend: Backend, *, eos_token_id: int | None, bos_token_id: int | None,
+              pad_token_id: int | None, chat_template: str | None, add_bos: bool) -> Tokenizer:
+        """`from_backend` over a backend of our own (its post-processor set here)."""
         name = {i: backend.id_to_token(i) for i in (eos_token_id, bos_token_id, pad_token_id)
                 if i is not None}
         if add_bos and bos_token_id is not None:
@@ -220,7 +227,7 @@ class Tokenizer:
         backend.add_tokens([AddedToken(tokens[i], normalized=False)
                             for i in np.flatnonzero(types == _USER_DEFINED)])
         eos = meta.get("tokenizer.ggml.eos_token_id")
-        return cls.from_backend(
+        return cls._wrap(  # built here, ours to change: not copied as `from_backend` copies
             backend, eos_token_id=None if eos is None else int(eos),
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
