@@ -1,5 +1,5 @@
-"""Suite-wide setup: JAX's persistent compilation cache in a fresh temporary directory, and
-compiled programs freed after each test module.
+"""Suite-wide setup: JAX's persistent compilation cache and the weight cache in fresh temporary
+directories, and compiled programs freed after each test module.
 
 The engine turns the cache on by default (`jaxengine/runner/compilation_cache.py`), and child
 processes (serve, the CLI) inherit the setting. A directory of its own per run keeps the suite
@@ -8,7 +8,9 @@ cache itself still runs, as it does for users. Under pytest-xdist (`make test`) 
 takes a subdirectory of the run's: jax writes an entry in place, so a worker reading a program
 another is still writing would get a truncated file (jax warns, and warnings fail tests). To run
 warm or without it, set JAXENGINE_COMPILATION_CACHE_DIR yourself (a directory, or '' to
-disable): it is left alone, workers included.
+disable): it is left alone, workers included. The weight cache (jaxengine/loading/weight_cache.py,
+JAXENGINE_WEIGHT_CACHE_DIR) likewise gets a directory of the run's, which its workers share (an
+entry's files are renamed into place whole).
 
 Every program XLA compiles on CPU keeps memory mappings for its code until it is freed, and a
 process may hold at most vm.max_map_count of them (65530 here): the whole suite in one process
@@ -31,12 +33,15 @@ import pytest
 # scheduler tests does not import jax; test_compilation_cache.py checks the two agree.
 CACHE_ENV = "JAXENGINE_COMPILATION_CACHE_DIR"
 SUITE_CACHE_ENV = "JAXENGINE_TEST_SUITE_CACHE"  # the run's directory, seen by xdist's workers
+WEIGHT_CACHE_ENV = "JAXENGINE_WEIGHT_CACHE_DIR"  # jaxengine.loading.weight_cache.ENV
 _made: list[str] = []
+_made_weights: list[str] = []
 
 
 def pytest_configure(config: pytest.Config) -> None:
     """Point the compilation cache at a new temporary directory unless one is set; an xdist
-    worker (started after its controller configured) at a subdirectory of its own."""
+    worker (started after its controller configured) at a subdirectory of its own. The
+    weight cache the same, shared by the workers."""
     del config
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if worker and SUITE_CACHE_ENV in os.environ:
@@ -44,15 +49,21 @@ def pytest_configure(config: pytest.Config) -> None:
     elif CACHE_ENV not in os.environ:
         _made.append(tempfile.mkdtemp(prefix="jaxengine-jax-cache-"))
         os.environ[CACHE_ENV] = os.environ[SUITE_CACHE_ENV] = _made[0]
+    if WEIGHT_CACHE_ENV not in os.environ:  # workers inherit their controller's
+        _made_weights.append(tempfile.mkdtemp(prefix="jaxengine-weights-"))
+        os.environ[WEIGHT_CACHE_ENV] = _made_weights[0]
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    """Remove the directory `pytest_configure` made."""
+    """Remove the directories `pytest_configure` made."""
     del config
     for path in _made:
         shutil.rmtree(path, ignore_errors=True)
         os.environ.pop(CACHE_ENV, None)
         os.environ.pop(SUITE_CACHE_ENV, None)
+    for path in _made_weights:
+        shutil.rmtree(path, ignore_errors=True)
+        os.environ.pop(WEIGHT_CACHE_ENV, None)
 
 
 @pytest.fixture(autouse=True, scope="module")

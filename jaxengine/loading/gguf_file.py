@@ -258,9 +258,19 @@ class GGUFSource:
 
 
 def read_gguf_config(reader: gguf.GGUFReader, meta: dict[str, Any]) -> ModelConfig:
-    """ModelConfig from GGUF metadata; tied when the file has no separate output.weight, its
-    routed layers those with a router (`blk.N.ffn_gate_inp.weight`), as llama.cpp decides."""
-    names = {t.name for t in reader.tensors}
+    """ModelConfig from GGUF metadata and the file's tensors (`gguf_config`)."""
+    return gguf_config(meta, [t.name for t in reader.tensors])
+
+
+def gguf_config(meta: Mapping[str, Any], tensors: Collection[str]) -> ModelConfig:
+    """ModelConfig from GGUF metadata and the names of the file's tensors: tied when it has no
+    separate output.weight, its routed layers those with a router (`blk.N.ffn_gate_inp.weight`),
+    as llama.cpp decides.
+
+    Raises:
+        ModelLoadError: as `model_config_from_gguf`, or llama3 RoPE scaling (rope_freqs).
+    """
+    names = set(tensors)
     if "rope_freqs.weight" in names:
         raise ModelLoadError("GGUF with rope_freqs (llama3 RoPE scaling) is not supported; "
                              "load the HF checkpoint directory instead")

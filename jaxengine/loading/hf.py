@@ -14,15 +14,17 @@ import json
 import os
 from collections.abc import Mapping
 from contextlib import ExitStack
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from safetensors import safe_open
-from transformers import AutoConfig, PretrainedConfig
 
 from jaxengine.model.config import ModelConfig, ModelLoadError, RopeScaling
 from jaxengine.model.families import MODEL_TYPES, Family, family
 from jaxengine.model.families.family import refuse
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 # config.json fields without a meaningful default (transformers' would be Llama-7B's)
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -50,6 +52,10 @@ def read_hf_config(path: str | os.PathLike[str]) -> ModelConfig:
     missing = [name for name in _REQUIRED if text_raw.get(name) is None]
     if missing:
         raise ModelLoadError(f"config.json lacks required field {missing[0]!r}")
+    # here, not at the top: transformers takes ~0.7 s to import, and `import jaxengine` and a
+    # GGUF model's start do without it (docs/STYLE.md rule 19)
+    from transformers import AutoConfig
+
     try:
         hf = AutoConfig.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except Exception as e:  # transformers and huggingface_hub raise their own error types

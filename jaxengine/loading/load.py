@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Callable
 
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh
 
-from jaxengine.loading.gguf_file import GGUFSource, gguf_metadata, open_gguf, read_gguf_config
+from jaxengine.loading.gguf_file import GGUFSource, gguf_config, gguf_metadata, open_gguf
 from jaxengine.loading.gguf_weights import gguf_format
 from jaxengine.loading.hf import SafetensorsSource, read_hf_config
 from jaxengine.loading.kv_scales import with_kv_scales
 from jaxengine.loading.tokenizer import Tokenizer
+from jaxengine.loading.weight_cache import weight_cache
 from jaxengine.loading.weights import load_weights
 from jaxengine.model.config import ModelConfig, ModelLoadError
 from jaxengine.model.decoder import Model
@@ -153,15 +156,44 @@ def load_gguf(path: str, *, dtype: jnp.dtype, with_tokenizer: bool = True,
               ) -> tuple[Model, ModelConfig, Tokenizer | None]:
     """Load a GGUF file onto `mesh`, dequantizing tensor by tensor, or with
     quantization="gguf" keeping its quantized tensors' blocks (`progress`, `expert_parallel`
-    and `quantization`: as for `load_model`)."""
-    reader = open_gguf(path)
-    meta = gguf_metadata(reader)
-    cfg = read_gguf_config(reader, meta)
+    and `quantization`: as for `load_model`). A file loaded before is not parsed again: its
+    header and dequantized weights come from the weight cache
+    (jaxengine/loading/weight_cache.py); the blocks of quantization="gguf" are the file's
+    bytes, nothing derived to cache."""
+    cache = None if quantization == "gguf" else weight_cache(path)
+    header, reader = None if cache is None else cache.get_json("header"), None
+    if header is None:
+        reader = open_gguf(path)
+        header = {"meta": gguf_metadata(reader), "tensors": [t.name for t in reader.tensors]}
+        if cache is not None:
+            cache.put_json("header", header)
+    meta = header["meta"]
+    cfg = gguf_config(meta, header["tensors"])
     tokenizer = Tokenizer.from_gguf_metadata(meta) if with_tokenizer else None
-    source = GGUFSource(reader, cfg, path)
-    fmt = gguf_format(cfg, source, path) if quantization == "gguf" else quantization
+    source = _OnFirstRead(lambda: GGUFSource(
+        open_gguf(path) if reader is None else reader, cfg, path))
+    fmt = gguf_format(cfg, source.opened(), path) if quantization == "gguf" else quantization
     weights = load_weights(cfg, source, dtype=dtype, where=path, mesh=mesh, progress=progress,
-                           expert_parallel=expert_parallel, quantization=fmt)
+                           expert_parallel=expert_parallel, quantization=fmt, cache=cache)
     model = Model(cfg, dtype=dtype, weights=weights, mesh=mesh, expert_parallel=expert_parallel,
                   quantization=fmt)
     return model, cfg, tokenizer
+
+
+class _OnFirstRead:
+    """A GGUF file's `GGUFSource`, made at its first read: a load whose weights all come from
+    the weight cache never opens the file."""
+
+    def __init__(self, make: Callable[[], GGUFSource]) -> None:
+        self._make = make
+        self._source: GGUFSource | None = None
+
+    def opened(self) -> GGUFSource:
+        """The source, made now if it was not yet."""
+        if self._source is None:
+            self._source = self._make()
+        return self._source
+
+    def get(self, name: str) -> np.ndarray | None:
+        """`GGUFSource.get`."""
+        return self.opened().get(name)

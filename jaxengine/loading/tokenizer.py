@@ -12,14 +12,16 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
-from transformers import PreTrainedTokenizerFast
 
 from jaxengine.model.config import ModelLoadError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 # llama.cpp pre-tokenizer names -> split regexes (applied before byte-level mapping)
 _LLAMA3_RE = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+"
@@ -177,7 +179,14 @@ class Tokenizer:
             add_bos: prepend bos when special tokens are added (GGUF's add_bos_token); kept in
                 the tokenizer's post-processor, so an exported tokenizer.json does it too.
         """
-        backend = Backend.from_str(backend.to_str())  # a copy: the post-processor is ours
+        return cls._wrap(Backend.from_str(backend.to_str()),  # a copy: its post-processor is ours
+                         eos_token_id=eos_token_id, bos_token_id=bos_token_id,
+                         pad_token_id=pad_token_id, chat_template=chat_template, add_bos=add_bos)
+
+    @classmethod
+    def _wrap(cls, backend: Backend, *, eos_token_id: int | None, bos_token_id: int | None,
+              pad_token_id: int | None, chat_template: str | None, add_bos: bool) -> Tokenizer:
+        """`from_backend` over a backend of our own (its post-processor set here)."""
         name = {i: backend.id_to_token(i) for i in (eos_token_id, bos_token_id, pad_token_id)
                 if i is not None}
         if add_bos and bos_token_id is not None:
@@ -187,6 +196,10 @@ class Tokenizer:
                 special_tokens=[(bos, bos_token_id)])
         special = {"eos_token": eos_token_id, "bos_token": bos_token_id,
                    "pad_token": pad_token_id}
+        # imported when a tokenizer is built, not with the package: transformers takes ~0.7 s
+        # to import, which `import jaxengine` spares (docs/STYLE.md rule 19)
+        from transformers import PreTrainedTokenizerFast
+
         hf = PreTrainedTokenizerFast(
             tokenizer_object=backend, chat_template=chat_template,
             **{key: name[i] for key, i in special.items() if i is not None})
@@ -214,7 +227,7 @@ class Tokenizer:
         backend.add_tokens([AddedToken(tokens[i], normalized=False)
                             for i in np.flatnonzero(types == _USER_DEFINED)])
         eos = meta.get("tokenizer.ggml.eos_token_id")
-        return cls.from_backend(
+        return cls._wrap(  # built here, ours to change: not copied as `from_backend` copies
             backend, eos_token_id=None if eos is None else int(eos),
             bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
             pad_token_id=meta.get("tokenizer.ggml.padding_token_id"),
@@ -229,6 +242,9 @@ class Tokenizer:
             raise ModelLoadError(f"{path}: no tokenizer.json (only fast-tokenizer files are "
                                  "supported); add it, or pass skip_tokenizer_init=True and "
                                  "token-id prompts")
+        from transformers import PreTrainedTokenizerFast  # as in from_backend
+
+
         # tokenizer.json as written, not a model-specific class that may rebuild the pipeline
         # from the vocabulary (transformers 5's Qwen2Tokenizer does).
         hf = PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)

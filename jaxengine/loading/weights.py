@@ -27,6 +27,7 @@ from flax import nnx
 from jax.sharding import Mesh
 from tqdm.auto import tqdm
 
+from jaxengine.loading.weight_cache import WeightCache
 from jaxengine.model.config import ModelConfig, ModelLoadError
 from jaxengine.model.decoder import Model
 from jaxengine.model.families import family
@@ -144,7 +145,8 @@ def load_weight(path: Path, name: str, shape: tuple[int, ...], source: TensorSou
 def load_weights(cfg: ModelConfig, source: TensorSource, *, dtype: jnp.dtype, where: str,
                  mesh: Mesh | None = None, progress: bool | None = None,
                  expert_parallel: bool = False,
-                 quantization: str | WeightFormat | None = None) -> dict[Path, jax.Array]:
+                 quantization: str | WeightFormat | None = None,
+                 cache: WeightCache | None = None) -> dict[Path, jax.Array]:
     """All weights of `cfg` as device arrays in `dtype`, by module path, one at a time.
 
     With `quantization` each matrix the format holds quantized is read in float32, laid out,
@@ -162,6 +164,8 @@ def load_weights(cfg: ModelConfig, source: TensorSource, *, dtype: jnp.dtype, wh
         expert_parallel: lay a MoE model's experts out whole over the mesh (as `Model`'s).
         quantization: the weight format (`Model`'s): None (float), "int8", "fp8", or a
             GGUF file's format (`jaxengine.loading.gguf_weights.gguf_format`).
+        cache: where the weights `load_weight` assembles are read from when held, and saved
+            to when not (jaxengine/loading/weight_cache.py); None: always from `source`.
     Returns:
         Arrays by module path in the scanned layout, laid out and sharded for a model on
         `mesh`, for `Model(cfg, weights=..., mesh=mesh, quantization=quantization)`.
@@ -196,10 +200,17 @@ def load_weights(cfg: ModelConfig, source: TensorSource, *, dtype: jnp.dtype, wh
                 path, names[path], shapes[path], layout, lacks=lacks[path],
                 on_tensor=bar.update)
             if arrays is None:
-                host = to_layout(path, load_weight(
-                    path, names[path], shapes[path], source,
-                    np.dtype(np.float32) if quantized else np_dtype, where,
-                    on_tensor=bar.update, lacks=lacks[path]), layout, cfg.head_dim)
+                host_dtype = np.dtype(np.float32) if quantized else np_dtype
+                host = None if cache is None else cache.get(path, shapes[path], host_dtype)
+                if host is None:
+                    host = load_weight(path, names[path], shapes[path], source, host_dtype,
+                                       where, on_tensor=bar.update, lacks=lacks[path])
+                    if cache is not None:
+                        cache.put(path, host)
+                else:
+                    bar.update(len(stacked_tensors(names[path], shapes[path], lacks[path]))
+                               if path[0] == "layers" else 1)
+                host = to_layout(path, host, layout, cfg.head_dim)
                 arrays = fmt.host_weights(path, host) if quantized else {path: host}
                 del host
             for key, array in arrays.items():

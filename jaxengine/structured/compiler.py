@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
-import llguidance.hf
 
 from jaxengine.loading.tokenizer import Tokenizer
 from jaxengine.structured.bitmask import bitmask_width
@@ -61,6 +60,10 @@ def _ll_tokenizer(tokenizer: Tokenizer, vocab_size: int | None,
                   eos_token_ids: Sequence[int]) -> llguidance.LLTokenizer:
     """llguidance's view of the tokenizer: from its HF description, or, for a decoder that
     llguidance does not know (e.g. a character-level `Fuse`), from each token's decoded text."""
+    # imported on the first grammar, not with the package: llguidance.hf imports transformers
+    # (~0.7 s), which `import jaxengine` spares (docs/STYLE.md rule 19)
+    import llguidance.hf
+
     try:
         return llguidance.hf.from_tokenizer(tokenizer.hf, n_vocab=vocab_size,
                                             eos_token=list(eos_token_ids))

@@ -74,6 +74,9 @@ def unpack(panels: jax.Array, n: int) -> jax.Array:
     return panels.transpose(1, 0, 2).reshape(K, P * W)[:, :n]
 
 
+# Jitted: packing a model runs these eagerly once per layer, and a jit compiles one program per
+# kernel shape where eager pad/reshape/transpose/stack compile one per operation and shape.
+@jax.jit
 def _panels(w: jax.Array) -> jax.Array:
     """w [K, N] -> [ceil(N/W), K, W] in w's dtype, zeros past N."""
     width = panel_width()
@@ -83,6 +86,7 @@ def _panels(w: jax.Array) -> jax.Array:
     return w.reshape(K, panels, width).transpose(1, 0, 2)
 
 
+@jax.jit
 def _interleave(gate: jax.Array, up: jax.Array) -> jax.Array:
     """Two kernels' panels [P, K, W] -> [2P, K, W]: gate's panel p, then up's."""
     return jnp.stack([gate, up], axis=1).reshape(-1, *gate.shape[1:])

@@ -1,0 +1,38 @@
+"""`import jaxengine` leaves the heavy libraries that only some paths use unimported, so a start
+pays for them only when it uses them (docs/BENCHMARKS.md §14)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# each imported only by the code that needs it: transformers by an HF config and a tokenizer,
+# llguidance.hf by the first structured-outputs grammar, the others by the server and the lab
+DEFERRED = ("transformers", "llguidance.hf", "fastapi", "uvicorn", "starlette", "matplotlib",
+            "torch")
+
+# One interpreter (each costs seconds): the deferred modules loaded after each step.
+PROBE = f"""
+import json, sys
+def loaded():
+    return sorted(set({DEFERRED!r}) & set(sys.modules))
+steps = []
+import jaxengine
+jaxengine.LLM, jaxengine.SamplingParams, jaxengine.Tokenizer
+steps.append(loaded())
+from jaxengine.loading.hf import read_hf_config
+read_hf_config("tests/fixtures/tiny/llama_tied_mha")
+steps.append(loaded())
+print(json.dumps(steps))
+"""
+
+
+def test_heavy_libraries_are_imported_where_they_are_used_only() -> None:
+    done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    after_import, after_hf_config = json.loads(done.stdout.splitlines()[-1])
+    assert after_import == []
+    assert after_hf_config == ["transformers"]  # the probe sees an import where there is one
