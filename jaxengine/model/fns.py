@@ -6,6 +6,9 @@ both just these pure functions and their weights, so the loop above never knows 
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +17,8 @@ import jax
 
 from jaxengine.model.batch import ModelBatch
 from scheduler.kv.groups import FULL_ATTENTION, KVCacheGroup
+
+_SIGNATURE = "jaxengine_signature"  # the attribute `sign` sets
 
 
 # weakref_slot: the runner's jitted programs are dropped with the model (runner/programs.py).
@@ -39,3 +44,28 @@ class ModelFns:
     # The ids that end a generation unless the caller says otherwise (`jaxengine.generate`'s
     # default): the tokenizer's EOS ids; empty for a model without one (the fake model)
     eos_token_ids: tuple[int, ...] = ()
+
+
+def sign[F: Callable](fn: F, *closed_over: Any) -> F:
+    """Mark the model function `fn` with a signature of what it closes over (a graph, static
+    settings), so that the runner can key `fn`'s saved executables without tracing it
+    (jaxengine/runner/executables.py); returns `fn`.
+
+    The signature travels with the function object: a function built otherwise has none (or
+    its own), so a replaced `ModelFns.step` is never keyed as the old one. It is a hash of the
+    reprs of `closed_over` with memory addresses left out (they differ from process to
+    process), computed when first asked for.
+    """
+    def signature() -> str:
+        text = re.sub(r" at 0x[0-9a-f]+", "", "\0".join(map(repr, closed_over)))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    setattr(fn, _SIGNATURE, functools.cache(signature))
+    return fn
+
+
+def signature(model: ModelFns) -> str | None:
+    """The signature of `model`'s step and logits functions (`sign`), or None unless both
+    carry one (then the runner neither saves nor loads their executables)."""
+    parts = [getattr(f, _SIGNATURE, None) for f in (model.step, model.compute_logits)]
+    return None if None in parts else "\0".join(p() for p in parts)
