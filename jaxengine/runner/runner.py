@@ -3,8 +3,10 @@
 It owns the device side of a step: packing the plan into a padded `ModelBatch` (token count
 bucketed, request arrays at the fixed size `max_num_seqs`), the jitted model step (KV cache
 donated, so it is updated in place), and the jitted sampler (compiled per request bucket).
-With `precompile()` every bucket is compiled up front; after that a workload compiles nothing,
-and with `debug_recompiles` a compilation raises `RecompileError`.
+With `precompile()` every bucket is compiled up front (or loaded whole from an earlier run:
+`jaxengine/runner/executables.py`; the larger ones may follow on a background thread, which a
+step needing one waits for); after that a workload compiles nothing, and with
+`debug_recompiles` a compilation raises `RecompileError`.
 
 A step is `dispatch` (pack, then enqueue the step and the sampler: JAX dispatches them
 asynchronously and returns at once) and `collect` (wait for the tokens, copy them to the host).
