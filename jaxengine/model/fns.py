@@ -9,11 +9,13 @@ from __future__ import annotations
 import functools
 import hashlib
 import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import jax
+import numpy as np
 
 from jaxengine.model.batch import ModelBatch
 from scheduler.kv.groups import FULL_ATTENTION, KVCacheGroup
@@ -53,11 +55,17 @@ def sign[F: Callable](fn: F, *closed_over: Any) -> F:
 
     The signature travels with the function object: a function built otherwise has none (or
     its own), so a replaced `ModelFns.step` is never keyed as the old one. It is a hash of the
-    reprs of `closed_over` with memory addresses left out (they differ from process to
-    process), computed when first asked for.
+    reprs of `closed_over` (arrays in full), computed when first asked for. A function's repr
+    holds a memory address, which differs from process to process: it is left out (the
+    function's name stays, its code is keyed with the package's). Any other object whose repr
+    is only its address says nothing of its contents, so then there is no signature.
     """
-    def signature() -> str:
-        text = re.sub(r" at 0x[0-9a-f]+", "", "\0".join(map(repr, closed_over)))
+    def signature() -> str | None:
+        with np.printoptions(threshold=sys.maxsize):
+            text = "\0".join(map(repr, closed_over))
+        text = re.sub(r"(<function [\w.<>]+) at 0x[0-9a-f]+>", r"\1>", text)
+        if re.search(r" at 0x[0-9a-f]+", text):
+            return None
         return hashlib.sha256(text.encode()).hexdigest()
 
     setattr(fn, _SIGNATURE, functools.cache(signature))
@@ -66,6 +74,7 @@ def sign[F: Callable](fn: F, *closed_over: Any) -> F:
 
 def signature(model: ModelFns) -> str | None:
     """The signature of `model`'s step and logits functions (`sign`), or None unless both
-    carry one (then the runner neither saves nor loads their executables)."""
-    parts = [getattr(f, _SIGNATURE, None) for f in (model.step, model.compute_logits)]
-    return None if None in parts else "\0".join(p() for p in parts)
+    have one (then the runner neither saves nor loads their executables)."""
+    marks = [getattr(f, _SIGNATURE, None) for f in (model.step, model.compute_logits)]
+    parts = [None if mark is None else mark() for mark in marks]
+    return None if None in parts else "\0".join(parts)  # type: ignore[arg-type]

@@ -15,9 +15,9 @@ load, so the key covers everything the program is made of:
 - the code: the sources of `jaxengine` and `jaxengine_kernels`, and on CPU the kernels'
   library, loaded before any key is made (its path names a hash of its sources, toolchain
   and CPU);
-- the platform: jax's and jaxlib's versions, the backend's platform and version, the devices
-  it runs on and all of the process's, the CPU, `XLA_FLAGS`/`LIBTPU_INIT_ARGS` and jax's
-  configuration (the options about caches left out).
+- the platform: Python's, jax's, jaxlib's, flax's, numpy's and ml_dtypes's versions, the
+  backend's platform and version, the devices it runs on and all of the process's, the CPU,
+  `XLA_FLAGS`/`LIBTPU_INIT_ARGS` and jax's configuration (the options about caches left out).
 
 An executable JAX read from its persistent cache cannot be saved whole: XLA:CPU serializes
 it again without its compiled functions (a later load fails to run: "Function wrapped_tanh not
@@ -31,7 +31,7 @@ under `attempt=1`'s options, and saves that.
 
 A file holds a header, the payload's SHA-256 and the pickled executable: a truncated or
 corrupt file is refused before XLA reads it. Any miss or failed load returns None, logged, and
-the runner compiles instead (JAX's persistent cache still applies). Files are written to a
+the runner compiles instead. Files are written to a
 temporary name and renamed, so processes starting at once never read half a file.
 """
 
@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.metadata
 import logging
 import os
 import pickle
@@ -158,11 +159,24 @@ def _platform() -> str:
         # calls its kernels needs them registered before it is loaded.
         native.available()
     config = sorted((k, repr(v)) for k, v in jax.config.values.items() if "cache" not in k)
-    return "\0".join([jax.__version__, jaxlib.__version__, backend.platform,
+    return "\0".join([*_versions(), backend.platform,
                       backend.platform_version, repr([(d.platform, d.device_kind, d.id)
                                                       for d in jax.devices()]),
                       _cpu(), *(os.environ.get(v, "") for v in _ENV), repr(config),
                       str(native.loaded_path())])
+
+
+@functools.cache
+def _versions() -> tuple[str, ...]:
+    """Python's and the versions of the libraries a program is traced and compiled with."""
+    def version(name: str) -> str:
+        try:
+            return f"{name} {importlib.metadata.version(name)}"
+        except importlib.metadata.PackageNotFoundError:
+            return f"{name} absent"
+
+    return (platform.python_version(), f"jax {jax.__version__}", f"jaxlib {jaxlib.__version__}",
+            *map(version, ("flax", "numpy", "ml_dtypes")))
 
 
 @functools.cache

@@ -24,7 +24,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxengine.model.fake import fake_model
-from jaxengine.model.fns import signature
+from jaxengine.model.fns import sign, signature
 from jaxengine.model.mesh import make_mesh
 from jaxengine.runner import executables
 from jaxengine.runner.compilation_cache import configure
@@ -92,6 +92,14 @@ def test_a_replaced_model_function_is_never_keyed_as_the_old_one() -> None:
     assert signature(fake) is not None
     assert signature(fake_model.__wrapped__(VOCAB + 1)) != signature(fake)
     assert signature(dataclasses.replace(fake, step=lambda p, kv, b: (kv, b.input_ids))) is None
+    # What a function closes over is keyed in full, arrays too (numpy would print these two
+    # alike, eliding the middle), and an object whose repr is only its address is no key.
+    a, b = np.zeros(2000), np.zeros(2000)
+    b[1000] = 1
+    logits = [sign(lambda p, h: h, x) for x in (a, b, object())]
+    signatures = [signature(dataclasses.replace(fake, compute_logits=f)) for f in logits]
+    assert None not in signatures[:2] and signatures[0] != signatures[1]
+    assert signatures[2] is None
 
 
 def test_another_pool_size_misses_and_compiles(filled: tuple[Path, dict]) -> None:
