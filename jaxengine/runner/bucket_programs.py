@@ -8,6 +8,7 @@ never a second time on the request path.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -44,8 +45,11 @@ class BucketPrograms:
         background thread; `get` waits for one not made yet."""
         pool = ThreadPoolExecutor(1, thread_name_prefix="jaxengine-programs")
         for bucket in buckets:
-            self._programs[bucket] = pool.submit(make, bucket)
-        pool.shutdown(wait=False)  # its thread ends once these are made
+            self._programs[bucket] = program = pool.submit(make, bucket)
+            program.add_done_callback(functools.partial(_log_failure, bucket))
+        # Its thread ends once these are made; a process that exits first waits for them
+        # (Python joins the pool's threads), so they are saved for the next start.
+        pool.shutdown(wait=False)
 
     def get(self, bucket: Bucket) -> jax.stages.Compiled | None:
         """`bucket`'s program, once made (waiting for it if it is being made); None when it
@@ -72,6 +76,13 @@ class BucketPrograms:
     def pending(self) -> int:
         """Programs still being made."""
         return sum(not p.done() for p in self._programs.values())
+
+
+def _log_failure(bucket: Bucket, program: Future[jax.stages.Compiled]) -> None:
+    """Say at once when a background program failed (a step needing it raises the error)."""
+    if not program.cancelled() and (error := program.exception()) is not None:
+        logger.error("making the %s program of %d in the background failed: %s: %s",
+                     bucket[0], bucket[1], type(error).__name__, error)
 
 
 def make_program(bucket: Bucket, name: str, jitted: Any, args: tuple[Any, ...],

@@ -5,7 +5,7 @@ a given directory, precompiled, on a small sampled workload.
 
 prints one JSON line: each request's tokens and logprobs, how often the step and the sampler
 were traced (JAX's trace events), the programs precompile made and of those loaded whole, and
-whether the first step donated the KV pool.
+whether the first step and sampler donated the KV pool and the output counts.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def main(cache_dir: str) -> None:
     jax.monitoring.register_event_duration_secs_listener(_count_traces)
     runner = Runner(fake_model(VOCAB), CONFIG)
     runner.precompile(progress=False)
-    kv = runner.kv
+    kv, counts = runner.kv, runner.penalties.tables.output_counts  # the two donated inputs
     outputs = run(runner)
     print(json.dumps({
         "outputs": outputs,
@@ -88,7 +88,7 @@ def main(cache_dir: str) -> None:
         "made": runner.stats.compilations,
         "loaded": cache_hit_count(STEP_NAME, SAMPLE_NAME),
         "programs": len(runner.token_buckets) + len(runner.request_buckets),
-        "donated": kv.is_deleted(),
+        "donated": kv.is_deleted() and counts.is_deleted(),
         "after_warmup": runner.stats.compilations_after_warmup,
     }))
 

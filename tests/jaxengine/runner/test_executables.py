@@ -65,7 +65,7 @@ def test_a_second_process_loads_every_program_whole_without_tracing(
     assert warm["traces"] == 0  # neither the step nor the sampler was traced
     assert warm["made"] >= warm["programs"] == warm["loaded"] == 3  # all loaded whole
     assert warm["outputs"] == cold  # the same tokens and logprobs, sampled at temperature 1
-    assert warm["donated"] and warm["after_warmup"] == 0  # KV pool updated in place
+    assert warm["donated"] and warm["after_warmup"] == 0  # KV pool, counts updated in place
 
 
 def test_the_key_covers_shapes_shardings_statics_model_and_devices() -> None:
