@@ -147,11 +147,10 @@ class Runner:
         rest = sorted(({("step", t) for t in self.token_buckets}
                        | {("sample", r) for r in self.request_buckets}) - set(first),
                       key=lambda bucket: (bucket[1], bucket[0]))
-        later = rest if background else []
+        now, later = (first, rest) if background else (first + rest, [])
         # Abstract, so that the background thread never reads the pool a step donates.
         self._abstract_params = abstract(self.model.params)
         self._abstract_kv = abstract(self.kv)
-        now = first + rest[:len(rest) - len(later)]
         for bucket in tqdm(now, desc="precompile", disable=not progress):
             self._executables.put(bucket, self._make_program(bucket))
         self.penalties.precompile_write_slot(self._prev_spec())
