@@ -32,7 +32,9 @@ under `attempt=1`'s options, and saves that.
 A file holds a header, the payload's SHA-256 and the pickled executable: a truncated or
 corrupt file is refused before XLA reads it. Any miss or failed load returns None, logged, and
 the runner compiles instead. Files are written to a
-temporary name and renamed, so processes starting at once never read half a file.
+temporary name and renamed, so processes starting at once never read half a file. Loading a
+file runs what it holds (it is unpickled, then XLA's code in it): like JAX's own cache, the
+directory must be writable only by those trusted to run code as this user.
 """
 
 from __future__ import annotations
@@ -116,7 +118,7 @@ def load(cache_dir: str, name: str, key: str, devices: Sequence[jax.Device]
 def save(cache_dir: str, name: str, key: str, compiled: jax.stages.Compiled) -> None:
     """Save `compiled` under `key` (atomically); a failure is logged, never raised (the
     program is compiled and runs either way)."""
-    path = _path(cache_dir, name, key)
+    path, tmp = _path(cache_dir, name, key), None
     try:
         payload, in_tree, out_tree = serialize_executable.serialize(compiled)
         body = pickle.dumps((payload, in_tree, out_tree), protocol=pickle.HIGHEST_PROTOCOL)
@@ -128,6 +130,8 @@ def save(cache_dir: str, name: str, key: str, compiled: jax.stages.Compiled) -> 
     except Exception as e:  # noqa: BLE001 — a cache that cannot be written is only slower
         logger.warning("cannot save the executable of %s to %s (%s: %s)", name, path,
                        type(e).__name__, e)
+        if tmp is not None and os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def _path(cache_dir: str, name: str, key: str) -> Path:
