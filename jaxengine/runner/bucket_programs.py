@@ -72,11 +72,6 @@ class BucketPrograms:
         for program in list(self._programs.values()):
             program.result()
 
-    @property
-    def pending(self) -> int:
-        """Programs still being made."""
-        return sum(not p.done() for p in self._programs.values())
-
 
 def _log_failure(bucket: Bucket, program: Future[jax.stages.Compiled]) -> None:
     """Say at once when a background program failed (a step needing it raises the error)."""
