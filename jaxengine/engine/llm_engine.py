@@ -151,8 +151,8 @@ class LLMEngine:
             max_model_len=config.max_model_len,
             eos_token_id=None if tokenizer is None else tokenizer.eos_token_id,
             async_scheduling=config.scheduler.async_scheduling)
-        if config.precompile:
-            self.runner.precompile()
+        if config.precompile:  # ready once a first short request can run; the rest follows
+            self.runner.precompile(background=True)
         # Host offloading (kv_offloading_size): its connector answers every schedule() call.
         self.kv_offload = offloading_worker(config, self.runner, model.kv_page_axis)
         # P/D disaggregation (kv_transfer_config): a producer's or a consumer's transfers.

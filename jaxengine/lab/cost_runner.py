@@ -66,8 +66,8 @@ class CostModelRunner:
         self.token_buckets, self.request_buckets = config.buckets()
         self.last_seconds = 0.0  # the price of the last call
 
-    def precompile(self) -> None:
-        """Nothing compiles."""
+    def precompile(self, *, background: bool = False) -> None:
+        """Nothing compiles, here or in the background."""
 
     def dispatch(self, out: SchedulerOutput, rows: Mapping[str, SamplingRow],
                  prev: PricedStep | None = None, *, lora_slots: Mapping[str, int] | None = None

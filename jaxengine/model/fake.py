@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxengine.model.batch import ModelBatch
-from jaxengine.model.fns import ModelFns
+from jaxengine.model.fns import ModelFns, sign
 
 LOGIT = 10.0  # the chosen token's logit; every other token has 0
 
@@ -71,8 +71,8 @@ def fake_model(vocab_size: int = 97) -> ModelFns:
 
     return ModelFns(
         params={"logit": jnp.float32(LOGIT)},
-        step=step,
-        compute_logits=compute_logits,
+        step=sign(step, "fake step", vocab_size),
+        compute_logits=sign(compute_logits, "fake logits", vocab_size),
         init_kv=lambda num_blocks, block_size: jnp.zeros((num_blocks, block_size), jnp.int32),
         kv_bytes_per_block=lambda block_size: 4 * block_size,
         vocab_size=vocab_size,

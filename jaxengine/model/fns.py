@@ -6,15 +6,22 @@ both just these pure functions and their weights, so the loop above never knows 
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import jax
+import numpy as np
 
 from jaxengine.model.batch import ModelBatch
 from jaxengine.model.lora import LoRALayout
 from scheduler.kv.groups import FULL_ATTENTION, KVCacheGroup
+
+_SIGNATURE = "jaxengine_signature"  # the attribute `sign` sets
 
 
 # weakref_slot: the runner's jitted programs are dropped with the model (runner/programs.py).
@@ -43,3 +50,35 @@ class ModelFns:
     # Where LoRA adapters go in this model (jaxengine/model/lora.py); its `step` then takes
     # the slots as a fourth argument. None: a model that serves no adapters (the fake one)
     lora_layout: LoRALayout | None = None
+
+
+def sign[F: Callable](fn: F, *closed_over: Any) -> F:
+    """Mark the model function `fn` with a signature of what it closes over (a graph, static
+    settings), so that the runner can key `fn`'s saved executables without tracing it
+    (jaxengine/runner/executables.py); returns `fn`.
+
+    The signature travels with the function object: a function built otherwise has none (or
+    its own), so a replaced `ModelFns.step` is never keyed as the old one. It is a hash of the
+    reprs of `closed_over` (arrays in full), computed when first asked for. A function's repr
+    holds a memory address, which differs from process to process: it is left out (the
+    function's name stays, its code is keyed with the package's). Any other object whose repr
+    is only its address says nothing of its contents, so then there is no signature.
+    """
+    def signature() -> str | None:
+        with np.printoptions(threshold=sys.maxsize):
+            text = "\0".join(map(repr, closed_over))
+        text = re.sub(r"(<function [\w.<>]+) at 0x[0-9a-f]+>", r"\1>", text)
+        if re.search(r" at 0x[0-9a-f]+", text):
+            return None
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    setattr(fn, _SIGNATURE, functools.cache(signature))
+    return fn
+
+
+def signature(model: ModelFns) -> str | None:
+    """The signature of `model`'s step and logits functions (`sign`), or None unless both
+    have one (then the runner neither saves nor loads their executables)."""
+    marks = [getattr(f, _SIGNATURE, None) for f in (model.step, model.compute_logits)]
+    parts = [None if mark is None else mark() for mark in marks]
+    return None if None in parts else "\0".join(parts)  # type: ignore[arg-type]

@@ -15,6 +15,7 @@ from flax import nnx
 
 from jaxengine.model.batch import ModelBatch, RequestChunk, pack_batch
 from jaxengine.model.decoder import Model
+from jaxengine.model.fns import sign
 from jaxengine.model.lora import LoRASlots
 
 __all__ = ["ModelBatch", "RequestChunk", "make_compute_logits", "make_model_step",
@@ -54,7 +55,8 @@ def make_model_step(graphdef: nnx.GraphDef, *, attn_impl: str = "reference",
                      batch_invariant=batch_invariant, kv_cache_dtype=kv_cache_dtype,
                      lora=lora)
 
-    return model_step
+    return sign(model_step, "model_step", graphdef, attn_impl, interpret, batch_invariant,
+                kv_cache_dtype)
 
 
 def make_compute_logits(graphdef: nnx.GraphDef) -> ComputeLogits:
@@ -67,4 +69,4 @@ def make_compute_logits(graphdef: nnx.GraphDef) -> ComputeLogits:
     def compute_logits(state: nnx.State, hidden: jax.Array) -> jax.Array:
         return nnx.merge(graphdef, state).logits(hidden)
 
-    return compute_logits
+    return sign(compute_logits, "compute_logits", graphdef)

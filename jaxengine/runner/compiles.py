@@ -9,6 +9,11 @@ A program loaded from the persistent compilation cache fires that event too (mea
 warm-up" must hold with a warm cache as with a cold one. It is also counted as a cache hit:
 JAX records `/jax/compilation_cache/cache_hits` (without the function's name) on the same
 thread just before the compile event, so a per-thread flag carries the hit over to the name.
+An executable the runner loads whole (jaxengine/runner/executables.py) fires neither: the
+runner records it with `record_load`, as a compilation and a hit, for the same reasons.
+
+Each thread also counts its own (`this_thread=True`): a step's stall is what its own thread
+compiled, not what a background thread loads meanwhile.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ _lock = threading.Lock()
 _counts: collections.Counter[str] = collections.Counter()  # compile events, hits included
 _hits: collections.Counter[str] = collections.Counter()  # of those, loaded from the cache
 _pending = threading.local()  # .hit: a cache hit waiting for its compile event
+_local = threading.local()  # .counts, .hits: this thread's compile events and cache hits
 _registered = False
 
 
@@ -37,9 +43,22 @@ def _duration_listener(event: str, duration_secs: float, **kwargs: Any) -> None:
     if event == COMPILE_EVENT:
         name, hit = str(kwargs.get("fun_name", "?")), getattr(_pending, "hit", False)
         _pending.hit = False
-        with _lock:
-            _counts[name] += 1
-            _hits[name] += hit
+        _count(name, hit=hit)
+
+
+def _count(name: str, *, hit: bool) -> None:
+    with _lock:
+        _counts[name] += 1
+        _hits[name] += hit
+    counts, hits = _thread_counters()
+    counts[name] += 1
+    hits[name] += hit
+
+
+def _thread_counters() -> tuple[collections.Counter[str], collections.Counter[str]]:
+    if not hasattr(_local, "counts"):
+        _local.counts, _local.hits = collections.Counter(), collections.Counter()
+    return _local.counts, _local.hits
 
 
 def _event_listener(event: str, **kwargs: Any) -> None:
@@ -58,20 +77,28 @@ def ensure_listener() -> None:
             _registered = True
 
 
-def compile_count(*fun_names: str) -> int:
-    """Compilations so far of the jitted functions named `fun_names` (`jit(<name>)` or `<name>`).
+def record_load(fun_name: str) -> None:
+    """Count an executable of `fun_name` loaded whole as a compilation and a cache hit, on
+    this thread."""
+    _count(f"jit({fun_name})", hit=True)
+
+
+def compile_count(*fun_names: str, this_thread: bool = False) -> int:
+    """Compilations so far of the jitted functions named `fun_names` (`jit(<name>)` or `<name>`),
+    in the whole process or (`this_thread`) on the calling thread.
 
     Programs loaded from the persistent cache are included (see `cache_hit_count`).
     """
-    return _total(_counts, fun_names)
+    return _total(_thread_counters()[0] if this_thread else _counts, fun_names)
 
 
-def cache_hit_count(*fun_names: str) -> int:
-    """Of `compile_count(*fun_names)`, the programs loaded from the persistent cache.
+def cache_hit_count(*fun_names: str, this_thread: bool = False) -> int:
+    """Of `compile_count(*fun_names, this_thread=...)`, the programs loaded from the persistent
+    cache (or whole: `record_load`).
 
     The difference is what XLA really compiled.
     """
-    return _total(_hits, fun_names)
+    return _total(_thread_counters()[1] if this_thread else _hits, fun_names)
 
 
 def _total(counter: collections.Counter[str], fun_names: tuple[str, ...]) -> int:

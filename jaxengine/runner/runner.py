@@ -3,8 +3,10 @@
 It owns the device side of a step: packing the plan into a padded `ModelBatch` (token count
 bucketed, request arrays at the fixed size `max_num_seqs`), the jitted model step (KV cache
 donated, so it is updated in place), and the jitted sampler (compiled per request bucket).
-With `precompile()` every bucket is compiled up front; after that a workload compiles nothing,
-and with `debug_recompiles` a compilation raises `RecompileError`.
+With `precompile()` every bucket is compiled up front (or loaded whole from an earlier run:
+`jaxengine/runner/executables.py`; the larger ones may follow on a background thread, which a
+step needing one waits for); after that a workload compiles nothing, and with
+`debug_recompiles` a compilation raises `RecompileError`.
 
 A step is `dispatch` (pack, then enqueue the step and the sampler: JAX dispatches them
 asynchronously and returns at once) and `collect` (wait for the tokens, copy them to the host).
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
@@ -30,13 +33,16 @@ from tqdm.auto import tqdm
 
 from jaxengine.model.batch import ModelBatch, RequestChunk, pack_batch
 from jaxengine.model.fns import ModelFns
-from jaxengine.runner.buckets import pick_bucket
-from jaxengine.runner.compiles import (
-    RecompileError,
-    cache_hit_count,
-    compile_count,
-    ensure_listener,
+from jaxengine.model.fns import signature as model_signature
+from jaxengine.runner.bucket_programs import (
+    Bucket,
+    BucketPrograms,
+    abstract,
+    devices_of,
+    make_program,
 )
+from jaxengine.runner.buckets import pick_bucket
+from jaxengine.runner.compiles import RecompileError, compile_count, ensure_listener
 from jaxengine.runner.config import RunnerConfig, RunnerStats
 from jaxengine.runner.distributed import to_host
 from jaxengine.runner.in_flight import Forward, InFlight, SampledToken
@@ -91,8 +97,16 @@ class Runner:
         # LoRA adapter slots (runner/lora_inputs.py); None: LoRA off
         self.lora = _lora_inputs(model, config)
 
-        # Runners over the same model object share its programs (runner/programs.py).
+        # Runners over the same model object share its programs (runner/programs.py); the
+        # executables `precompile` made are this runner's, by bucket.
         self._programs = programs_for(model)
+        self._executables = BucketPrograms()
+        self._devices = devices_of(self.kv)  # where the programs run, in assignment order
+        self._stats_lock = threading.Lock()  # a background thread counts what it makes
+        self._abstract_params: Any = None  # the weights and the pool as programs take them
+        self._abstract_kv: Any = None
+        self._abstract_lora: Any = None  # the adapter slots (None: LoRA off)
+        self._hidden_spec: jax.ShapeDtypeStruct | None = None  # the sampler's hidden rows
         self._step_statics = dict(max_logprobs=config.max_logprobs)
         self._sample_statics = dict(max_logprobs=config.max_logprobs,
                                     num_rows=config.max_num_rows,
@@ -117,64 +131,113 @@ class Runner:
         one process share it), and with LoRA the adapter-slot writer."""
         return len(self.token_buckets) + len(self.request_buckets) + 1 + (self.lora is not None)
 
-    def precompile(self, *, progress: bool = True) -> None:
-        """AOT-compile the step for every token bucket and the sampler for every request bucket.
+    def precompile(self, *, progress: bool = True, background: bool = False) -> None:
+        """Make ready the step of every token bucket and the sampler of every request bucket:
+        each loaded whole when it was saved before (jaxengine/runner/executables.py: no
+        tracing), else traced and compiled (or loaded from JAX's persistent cache) and then
+        saved. The runner is warm afterwards: later steps call these executables and compile
+        nothing (docs/JAX_NOTES.md, "Counting compilations").
 
-        Later calls reuse these executables (docs/JAX_NOTES.md, "Counting compilations"), so
-        the runner is warm afterwards.
+        Args:
+          progress: a bar over the programs made here.
+          background: make only what a first short request needs here (the smallest token
+            bucket's step: one decode token, and the smallest request bucket's sampler) and
+            the rest afterwards on a background thread, smallest first; a step that needs
+            one of those waits for it (`BucketPrograms`).
         """
-        before, t0 = self.compilations(), time.perf_counter()
-        specs = [("step", t) for t in self.token_buckets]
-        specs += [("sample", r) for r in self.request_buckets] + [("write_slot", 1)]
-        specs += [("write_lora_slot", 1)] if self.lora is not None else []
-        lora = None if self.lora is None else self.lora.slots
-        params, kv = self.model.params, self.kv
-        step = functools.partial(self._programs.step, **self._step_statics)
-        prev = jax.ShapeDtypeStruct(self._no_tokens.shape, np.int32,
-                                    sharding=self._token_sharding)
-        hidden = jax.eval_shape(step, params, kv, self._batch_spec(16), prev,
-                                self._fill_spec(16), self._fill_spec(16), lora)[1]
-        # jit's outputs are committed (to their sharding) when an input is: the sampler is
-        # compiled for the hidden rows exactly as the step hands them over (on the mesh), or a
-        # first real call would compile it again.
-        committed = any(getattr(x, "committed", False) for x in jax.tree.leaves((params, kv)))
-        for kind, size in tqdm(specs, desc="precompile", disable=not progress):
-            t_spec, hits = time.perf_counter(), cache_hit_count(
-                STEP_NAME, SAMPLE_NAME, WRITE_SLOT_NAME, WRITE_LORA_NAME)
-            if kind == "step":
-                compiled = self._programs.step.lower(
-                    params, kv, self._batch_spec(size), prev, self._fill_spec(size),
-                    self._fill_spec(size), lora, **self._step_statics).compile()
-                if committed:
-                    hidden = jax.ShapeDtypeStruct(hidden.shape, hidden.dtype,
-                                                  sharding=compiled.output_shardings[1])
-            elif kind == "sample":
-                rows = jax.ShapeDtypeStruct((size,), np.int32)
-                md = jax.tree.map(_spec, build_sampling_metadata([], size))
-                adj = jax.tree.map(_spec, build_adjustments([], [], [], [], size))
-                t = self.penalties.spec()
-                mask = jax.ShapeDtypeStruct((size, bitmask_width(self.model.vocab_size)),
-                                            np.int32, sharding=self._token_sharding)
-                self._programs.sample.lower(params, hidden, rows, md, adj, t.bias,
-                                            t.prompt_mask, t.output_counts, prev, mask,
-                                            **self._sample_statics).compile()
-            elif kind == "write_slot":
-                self.penalties.precompile_write_slot(prev)
-            else:
-                self.lora.precompile()
-            loaded = cache_hit_count(STEP_NAME, SAMPLE_NAME, WRITE_SLOT_NAME,
-                                     WRITE_LORA_NAME) > hits
-            logger.info("compiled %s for %d %s in %.2f s%s", kind, size,
-                        "tokens" if kind == "step" else "requests", time.perf_counter() - t_spec,
-                        " (loaded from the compilation cache)" if loaded else "")
-        self.stats.compilations += self.compilations() - before
-        self.stats.compile_seconds += time.perf_counter() - t0
-        logger.info("compiled %d programs (%d token buckets, %d request buckets) in %.2f s",
-                    len(specs), len(self.token_buckets), len(self.request_buckets),
-                    time.perf_counter() - t0)
+        before, t0 = self._compiles_here(), time.perf_counter()
+        first: list[Bucket] = [("step", self.token_buckets[0]),
+                               ("sample", self.request_buckets[0])]
+        rest = sorted(({("step", t) for t in self.token_buckets}
+                       | {("sample", r) for r in self.request_buckets}) - set(first),
+                      key=lambda bucket: (bucket[1], bucket[0]))
+        now, later = (first, rest) if background else (first + rest, [])
+        # Abstract, so that the background thread never reads the pool a step donates.
+        self._abstract_params = abstract(self.model.params)
+        self._abstract_kv = abstract(self.kv)
+        self._abstract_lora = None if self.lora is None else abstract(self.lora.slots)
+        for bucket in tqdm(now, desc="precompile", disable=not progress):
+            self._executables.put(bucket, self._make_program(bucket))
+        self.penalties.precompile_write_slot(self._prev_spec())
+        if self.lora is not None:
+            self.lora.precompile()
+        with self._stats_lock:
+            self.stats.compilations += self._compiles_here() - before
+            self.stats.compile_seconds += time.perf_counter() - t0
+        logger.info("compiled %d programs (%d token buckets, %d request buckets) in %.2f s%s",
+                    len(now) + 1 + (self.lora is not None), len(self.token_buckets),
+                    len(self.request_buckets),
+                    time.perf_counter() - t0,
+                    f"; {len(later)} more follow in the background" if later else "")
         for hook in self.precompile_hooks:
             hook()
+        if later:
+            self._executables.make_later(later, self._make_program_counted)
         self.warm = True
+
+    def wait_for_programs(self) -> None:
+        """Wait until the programs `precompile(background=True)` left to the background are
+        made (at once if none are)."""
+        self._executables.wait()
+
+    def _make_program_counted(self, bucket: Bucket) -> jax.stages.Compiled:
+        """`_make_program`, its compilations (and loads) added to the stats (a background
+        thread's)."""
+        before = self._compiles_here()
+        compiled = self._make_program(bucket)
+        with self._stats_lock:
+            self.stats.compilations += self._compiles_here() - before
+        return compiled
+
+    def _make_program(self, bucket: Bucket) -> jax.stages.Compiled:
+        """`bucket`'s program (`make_program`); the first step's tells the samplers' input."""
+        name, jitted, args, statics = self._program_inputs(*bucket)
+        compiled = make_program(bucket, name, jitted, args, statics,
+                                signature=model_signature(self.model), devices=self._devices)
+        if bucket[0] == "step" and self._hidden_spec is None:
+            self._hidden_spec = self._hidden_of(compiled)
+        return compiled
+
+    def _program_inputs(self, kind: str, size: int
+                        ) -> tuple[str, Callable, tuple[Any, ...], dict[str, Any]]:
+        """(name, jitted function, abstract arguments, static arguments) of `kind`'s program
+        for `size` tokens ("step") or requests ("sample")."""
+        prev = self._prev_spec()
+        params = self._abstract_params
+        if kind == "step":
+            fill = self._fill_spec(size)
+            return (STEP_NAME, self._programs.step,
+                    (params, self._abstract_kv, self._batch_spec(size), prev, fill, fill,
+                     self._abstract_lora),
+                    self._step_statics)
+        md = jax.tree.map(_spec, build_sampling_metadata([], size))
+        adj = jax.tree.map(_spec, build_adjustments([], [], [], [], size))
+        t = self.penalties.spec()
+        mask = jax.ShapeDtypeStruct((size, bitmask_width(self.model.vocab_size)), np.int32,
+                                    sharding=self._token_sharding)
+        return (SAMPLE_NAME, self._programs.sample,
+                (params, self._hidden_spec, jax.ShapeDtypeStruct((size,), np.int32), md, adj,
+                 t.bias, t.prompt_mask, t.output_counts, prev, mask), self._sample_statics)
+
+    def _hidden_of(self, step: jax.stages.Compiled) -> jax.ShapeDtypeStruct:
+        """The hidden rows as `step` hands them to the sampler. jit's outputs are committed
+        (to their sharding) when an input is: the sampler is compiled for them on the mesh
+        then, or a first real call would not match it."""
+        out = step.out_info[1]
+        committed = any(getattr(x, "sharding", None) is not None
+                        for x in jax.tree.leaves((self._abstract_params, self._abstract_kv)))
+        return jax.ShapeDtypeStruct(out.shape, out.dtype,
+                                    sharding=step.output_shardings[1] if committed else None)
+
+    def _prev_spec(self) -> jax.ShapeDtypeStruct:
+        """The sampled tokens' array (i32[R]) as programs take it."""
+        return jax.ShapeDtypeStruct(self._no_tokens.shape, np.int32,
+                                    sharding=self._token_sharding)
+
+    def _compiles_here(self) -> int:
+        """Compilations (loads included) of this runner's kinds of program on this thread."""
+        return compile_count(STEP_NAME, SAMPLE_NAME, WRITE_SLOT_NAME, WRITE_LORA_NAME,
+                             this_thread=True)
 
     def mark_warm(self) -> None:
         """Declare warm-up over: from now on a compilation is counted (and raises in debug)."""
@@ -250,16 +313,18 @@ class Runner:
         order = list(out.num_scheduled_tokens)
         if not order:
             return None
-        before, t0 = self.compilations(), time.perf_counter()
+        before, t0 = self._compiles_here(), time.perf_counter()
         self.penalties.slots.release(out.finished_req_ids)  # before a reused id asks for one
         self.prompt_logprobs.update(out)
         batch, fill = self._pack(out, order, prev, lora_slots or {})
         targets, spans = self.prompt_logprobs.targets(out, order, batch.query_start_loc,
                                                       len(batch.input_ids))
         prev_tokens = self._prev_tokens(prev)
-        self.kv, hidden, plp = self._programs.step(
-            self.model.params, self.kv, batch, prev_tokens, fill, targets,
-            None if self.lora is None else self.lora.slots, **self._step_statics)
+        step = self._executables.get(("step", len(batch.input_ids)))
+        if step is None:  # not precompiled: jit compiles it on first use
+            step = functools.partial(self._programs.step, **self._step_statics)
+        self.kv, hidden, plp = step(self.model.params, self.kv, batch, prev_tokens, fill,
+                                    targets, None if self.lora is None else self.lora.slots)
         return Forward(plan=out, order=order, hidden=hidden, prev=prev, started=t0,
                        compiles_before=before, num_tokens=len(batch.input_ids),
                        total=int(batch.query_start_loc[-1]),
@@ -377,10 +442,12 @@ class Runner:
         adj = self.penalties.adjustments(sampling_ids, rows, size, _first_rows(prev),
                                          prev_tokens)
         t = self.penalties.tables
-        out, tokens, counts = self._programs.sample(
+        sample = self._executables.get(("sample", size))
+        if sample is None:  # not precompiled: jit compiles it on first use
+            sample = functools.partial(self._programs.sample, **self._sample_statics)
+        out, tokens, counts = sample(
             self.model.params, hidden, row_index, md, adj, t.bias, t.prompt_mask,
-            t.output_counts, prev_tokens, self._bitmask(batch_rows, size),
-            **self._sample_statics)
+            t.output_counts, prev_tokens, self._bitmask(batch_rows, size))
         self.penalties.tables = replace(t, output_counts=counts)
         return tuple(sampling_ids), out, tokens
 
@@ -399,8 +466,9 @@ class Runner:
 
     def _account_compiles(self, compiles_before: int, seconds: float, num_tokens: int) -> None:
         s = self.stats
-        new = self.compilations() - compiles_before
-        s.compilations += new
+        new = self._compiles_here() - compiles_before
+        with self._stats_lock:
+            s.compilations += new
         if new:
             s.compile_seconds += seconds
         if self.warm and new:

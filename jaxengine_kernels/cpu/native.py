@@ -195,6 +195,7 @@ def _build(cxx: str, march: tuple[str, ...]) -> Path:
 
 _lock = threading.Lock()  # engines built in threads (data parallel) load the library once
 _library: list[ctypes.CDLL] = []
+_library_path: list[Path] = []
 
 
 def _load() -> ctypes.CDLL:
@@ -218,7 +219,15 @@ def _load() -> ctypes.CDLL:
                 jax.ffi.register_ffi_target(
                     target_name, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
             _library.append(library)
+            _library_path.append(path)
         return _library[0]
+
+
+def loaded_path() -> Path | None:
+    """The library this process loaded (its directory is named by the hash of everything it
+    was built from), or None before the first use; a program calling its kernels needs it
+    loaded (`jaxengine.runner.executables` keys on it)."""
+    return _library_path[0] if _library_path else None
 
 
 def target(cache_dtype: jnp.dtype) -> str:

@@ -132,6 +132,7 @@ def test_real_model_prompt_logprobs_equal_score_and_compile_nothing_new() -> Non
     llm = LLM(str(TINY), max_num_batched_tokens=16, max_num_seqs=4, block_size=4,
               max_model_len=64, num_gpu_blocks_override=60, debug_recompiles=True)
     runner = llm.llm_engine.runner
+    runner.wait_for_programs()  # LLM() leaves the buckets a first request does not need
     programs = runner.stats.compilations
     prompt = [int(t) for t in np.random.default_rng(0).integers(3, 100, 37)]
     params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=5)

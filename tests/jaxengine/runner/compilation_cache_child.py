@@ -30,6 +30,7 @@ def main(cache_dir: str, dtype: str) -> None:
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
     runner = llm.llm_engine.runner
+    runner.wait_for_programs()  # LLM() leaves the buckets a first request does not need
     print(json.dumps({
         "tokens": [list(o.outputs[0].token_ids) for o in outs],
         "logprobs": [o.outputs[0].cumulative_logprob for o in outs],

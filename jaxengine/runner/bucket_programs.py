@@ -1,0 +1,151 @@
+"""The runner's executables by bucket: the step of each token bucket and the sampler of each
+request bucket, each made (`make_program`: loaded whole, else compiled and saved) either before
+the runner is ready or afterwards, on a background thread (`Runner.precompile`).
+
+A step that needs a program still being made there waits for it: a program is made once,
+never a second time on the request path.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding
+
+from jaxengine.runner import executables
+from jaxengine.runner.compilation_cache import active_dir
+from jaxengine.runner.compiles import cache_hit_count, record_load
+
+logger = logging.getLogger("jaxengine.runner")
+
+Bucket = tuple[str, int]  # ("step", tokens) or ("sample", requests)
+
+
+class BucketPrograms:
+    """Compiled programs by bucket, some of them still being made in the background."""
+
+    def __init__(self) -> None:
+        self._programs: dict[Bucket, Future[jax.stages.Compiled]] = {}
+
+    def put(self, bucket: Bucket, compiled: jax.stages.Compiled) -> None:
+        """`bucket`'s program, ready now."""
+        done: Future[jax.stages.Compiled] = Future()
+        done.set_result(compiled)
+        self._programs[bucket] = done
+
+    def make_later(self, buckets: Sequence[Bucket],
+                   make: Callable[[Bucket], jax.stages.Compiled]) -> None:
+        """Make `buckets`' programs with `make`, one after another in this order, on a
+        background thread; `get` waits for one not made yet."""
+        pool = ThreadPoolExecutor(1, thread_name_prefix="jaxengine-programs")
+        for bucket in buckets:
+            self._programs[bucket] = program = pool.submit(make, bucket)
+            program.add_done_callback(functools.partial(_log_failure, bucket))
+        # Its thread ends once these are made; a process that exits first waits for them
+        # (Python joins the pool's threads), so they are saved for the next start.
+        pool.shutdown(wait=False)
+
+    def get(self, bucket: Bucket) -> jax.stages.Compiled | None:
+        """`bucket`'s program, once made (waiting for it if it is being made); None when it
+        was never asked for (the caller compiles through jit).
+
+        Raises:
+          whatever making it raised.
+        """
+        program = self._programs.get(bucket)
+        if program is None:
+            return None
+        if not program.done():
+            logger.info("a step waits for the %s program of %d %s, still being made in the "
+                        "background", bucket[0], bucket[1],
+                        "tokens" if bucket[0] == "step" else "requests")
+        return program.result()
+
+    def wait(self) -> None:
+        """Wait until every program asked for is made (raising what making one raised)."""
+        for program in list(self._programs.values()):
+            program.result()
+
+
+def _log_failure(bucket: Bucket, program: Future[jax.stages.Compiled]) -> None:
+    """Say at once when a background program failed (a step needing it raises the error)."""
+    if not program.cancelled() and (error := program.exception()) is not None:
+        logger.error("making the %s program of %d in the background failed: %s: %s",
+                     bucket[0], bucket[1], type(error).__name__, error)
+
+
+def make_program(bucket: Bucket, name: str, jitted: Any, args: tuple[Any, ...],
+                 statics: dict[str, Any], *, signature: str | None,
+                 devices: Sequence[jax.Device]) -> jax.stages.Compiled:
+    """`bucket`'s program: loaded whole when it was saved before, else lowered, compiled and
+    saved (jaxengine/runner/executables.py); logged with its time and where it came from.
+    Without a compilation cache directory or a model `signature` nothing is saved or loaded.
+
+    Args:
+      bucket: ("step", tokens) or ("sample", requests), for the log.
+      name: the jitted function's name; `jitted` the function.
+      args: its abstract arguments; `statics` its static ones, by name.
+      signature: the model's (`jaxengine.model.fns.signature`).
+      devices: where it runs, in its device assignment's order.
+    """
+    t0 = time.perf_counter()
+    where = active_dir()
+    key = None if where is None or signature is None else executables.program_key(
+        name, args, statics, signature=signature, devices=devices)
+    compiled = None if key is None else executables.load(where, name, key, devices)
+    if compiled is not None:
+        record_load(name)
+        how = " (loaded whole from the compilation cache)"
+    else:
+        compiled, how = _compile(jitted.lower(*args, **statics), name,
+                                 None if key is None else (where, key))
+    kind, size = bucket
+    logger.info("compiled %s for %d %s in %.2f s%s", kind, size,
+                "tokens" if kind == "step" else "requests", time.perf_counter() - t0, how)
+    return compiled
+
+
+def _compile(lowered: jax.stages.Lowered, name: str, saved_as: tuple[str, str] | None
+             ) -> tuple[jax.stages.Compiled, str]:
+    """`lowered` compiled, and the log's note on where it came from; saved whole (into
+    directory `saved_as[0]` under key `saved_as[1]`) when XLA really compiled it. One that JAX
+    read from its persistent cache would not run once saved (jaxengine/runner/executables.py),
+    so it is compiled once more under the key's second options, which JAX's cache has not
+    seen."""
+    hits = cache_hit_count(name, this_thread=True)
+    if saved_as is None:
+        compiled = lowered.compile()
+        return compiled, (" (loaded from the compilation cache)"
+                          if cache_hit_count(name, this_thread=True) > hits else "")
+    where, key = saved_as
+    for attempt in (0, 1):
+        compiled = lowered.compile(executables.compiler_options(key, attempt=attempt))
+        if cache_hit_count(name, this_thread=True) == hits:
+            executables.save(where, name, key, compiled)
+            return compiled, ""
+        hits = cache_hit_count(name, this_thread=True)
+    logger.info("%s came from the compilation cache under both of its key's options: not "
+                "saved whole", name)
+    return compiled, " (loaded from the compilation cache)"
+
+
+def abstract(tree: Any) -> Any:
+    """`tree`'s arrays as `ShapeDtypeStruct`s: with their sharding where committed to one,
+    without where not (jit places those on the default device), as jit lowers for them."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+        x.shape, x.dtype, weak_type=x.weak_type,
+        sharding=x.sharding if getattr(x, "committed", True) else None), tree)
+
+
+def devices_of(kv: jax.Array) -> list[jax.Device]:
+    """The devices the programs over pool `kv` run on, in their device assignment's order."""
+    sharding = kv.sharding
+    if isinstance(sharding, NamedSharding):
+        return list(sharding.mesh.devices.flat)
+    return sorted(sharding.device_set, key=lambda d: d.id)
