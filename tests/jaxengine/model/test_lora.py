@@ -121,6 +121,7 @@ def test_a_moe_model_refuses_an_adapter_on_its_experts():
         lay.slot_arrays({"gate_proj": (np.zeros((2, 4, 32)), np.zeros((2, 64, 4)))}, 8)
 
 
+@pytest.mark.slow  # 16-28 s: a child process on 2 devices; LoRA under tp runs with -m slow
 def test_slots_split_over_a_tensor_parallel_mesh_give_one_devices_outputs():
     out = run_pytest([MESH_CHECKS], num_devices=4, timeout=600)
     assert "1 passed" in out
