@@ -17,7 +17,8 @@ pass, so no device holds them in float.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Protocol
 
 import jax
@@ -43,12 +44,13 @@ class TensorSource(Protocol):
     def get(self, name: str) -> np.ndarray | None: ...
 
 
-def model_weight_shapes(cfg: ModelConfig) -> dict[Path, tuple[int, ...]]:
+@functools.lru_cache(maxsize=16)  # a load asks twice (the source's names, the weights)
+def model_weight_shapes(cfg: ModelConfig) -> Mapping[Path, tuple[int, ...]]:
     """Every weight of a model of `cfg` by module path (scanned layout: layers stacked), at
     the checkpoint's sizes (one device: no KV head repeated, no vocabulary padding)."""
-    abstract = nnx.eval_shape(lambda: Model(cfg, scan_layers=True))
-    return {path: tuple(var.get_value().shape)
-            for path, var in nnx.to_flat_state(nnx.state(abstract, nnx.Param))}
+    abstract = nnx.eval_shape(lambda: Model(cfg, scan_layers=True))  # traces the whole model
+    return MappingProxyType({path: tuple(var.get_value().shape)
+                             for path, var in nnx.to_flat_state(nnx.state(abstract, nnx.Param))})
 
 
 def model_weight_specs(cfg: ModelConfig, mesh: Mesh, *, dtype: jnp.dtype = jnp.float32,

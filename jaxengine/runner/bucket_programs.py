@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import jax
@@ -32,6 +33,8 @@ class BucketPrograms:
 
     def __init__(self) -> None:
         self._programs: dict[Bucket, Future[jax.stages.Compiled]] = {}
+        self._pending: list[Bucket] = []  # left to the background thread, not started yet
+        self._lock = threading.Lock()  # guards `_pending`
 
     def put(self, bucket: Bucket, compiled: jax.stages.Compiled) -> None:
         """`bucket`'s program, ready now."""
@@ -41,19 +44,37 @@ class BucketPrograms:
 
     def make_later(self, buckets: Sequence[Bucket],
                    make: Callable[[Bucket], jax.stages.Compiled]) -> None:
-        """Make `buckets`' programs with `make`, one after another in this order, on a
-        background thread; `get` waits for one not made yet."""
-        pool = ThreadPoolExecutor(1, thread_name_prefix="jaxengine-programs")
-        for bucket in buckets:
-            self._programs[bucket] = program = pool.submit(make, bucket)
-            program.add_done_callback(functools.partial(_log_failure, bucket))
-        # Its thread ends once these are made; a process that exits first waits for them
-        # (Python joins the pool's threads), so they are saved for the next start.
-        pool.shutdown(wait=False)
+        """Make `buckets`' programs with `make`, one after another in this order (but for one
+        a step waits for: `get`), on a background thread; `get` waits for one not made yet."""
+        with self._lock:
+            for bucket in buckets:
+                self._programs[bucket] = program = Future()
+                program.add_done_callback(functools.partial(_log_failure, bucket))
+                self._pending.append(bucket)
+        # Not a daemon: a process that exits first waits for these, so they are saved for the
+        # next start.
+        threading.Thread(target=self._make_pending, args=(make,),
+                         name="jaxengine-programs").start()
+
+    def _make_pending(self, make: Callable[[Bucket], jax.stages.Compiled]) -> None:
+        """The background thread: make the pending programs, front first, until none is left."""
+        while True:
+            with self._lock:
+                if not self._pending:
+                    return
+                bucket = self._pending.pop(0)
+            program = self._programs[bucket]
+            program.set_running_or_notify_cancel()
+            try:
+                program.set_result(make(bucket))
+            except BaseException as error:  # the step that needs it raises it
+                program.set_exception(error)
 
     def get(self, bucket: Bucket) -> jax.stages.Compiled | None:
-        """`bucket`'s program, once made (waiting for it if it is being made); None when it
-        was never asked for (the caller compiles through jit).
+        """`bucket`'s program, once made (waiting for it if it is being made, and moving it to
+        the front of the background thread's queue if it is not started: a first request's
+        prefill needs one bucket, not every smaller one first); None when it was never asked
+        for (the caller compiles through jit).
 
         Raises:
           whatever making it raised.
@@ -62,6 +83,10 @@ class BucketPrograms:
         if program is None:
             return None
         if not program.done():
+            with self._lock:
+                if bucket in self._pending:
+                    self._pending.remove(bucket)
+                    self._pending.insert(0, bucket)
             logger.info("a step waits for the %s program of %d %s, still being made in the "
                         "background", bucket[0], bucket[1],
                         "tokens" if bucket[0] == "step" else "requests")
