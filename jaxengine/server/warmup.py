@@ -1,4 +1,8 @@
-"""Warm-up before serving: every bucket of every replica is compiled before `/health` is 200.
+"""Warm-up before serving: the programs a first short request needs are ready before `/health`
+is 200, and every other bucket's follow on a background thread (as `LLM()` makes them:
+`Runner.precompile(background=True)`); a request that needs one not ready yet waits for it, so
+nothing compiles on a request's path. A multi-host run makes every bucket before it serves: its
+processes run each step together, and a program one process still makes would hold the others.
 
 `serve` calls `warm_up` before uvicorn listens (on every process of a multi-host run), and
 `build_app`'s lifespan calls it before the engine loop starts, so an app built over a cold
@@ -6,12 +10,13 @@ engine compiles first as well; a replica that is warm already costs nothing. Pro
 the log, not to a bar: `jaxengine.runner` logs one line per bucket with its time and a line per
 replica, and `warm_up` a summary with how many programs came from the compilation cache.
 """
-
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass
+
+import jax
 
 from jaxengine.engine.client import EngineClient
 from jaxengine.runner.compilation_cache import active_dir, cache_state, shown
@@ -26,7 +31,7 @@ class WarmUp:
     """What one `warm_up` did."""
 
     replicas: int  # replicas compiled now (those warm before are not counted)
-    programs: int  # step and sampler programs compiled or loaded, over those replicas
+    programs: int  # step and sampler programs compiled or loaded before it returned
     cache_hits: int  # of those, loaded from the persistent compilation cache
     seconds: float  # wall time of the whole warm-up
 
@@ -53,13 +58,14 @@ def warm_up(engine: EngineClient) -> WarmUp:
                     "buckets %s)", i, len(replicas), len(runner.token_buckets),
                     list(runner.token_buckets), len(runner.request_buckets),
                     list(runner.request_buckets))
-        runner.precompile(progress=False)
+        runner.precompile(progress=False, background=jax.process_count() == 1)
         programs += runner.stats.compilations - before
     done = WarmUp(replicas=len(cold), programs=programs,
                   cache_hits=cache_hit_count(STEP_NAME, SAMPLE_NAME) - hits0,
                   seconds=time.perf_counter() - t0)
     logger.info("warm-up done in %.1f s: %d programs over %d replica(s), %s; no request "
-                "compiles from now on", done.seconds, done.programs, done.replicas,
+                "compiles from now on (a request needing a bucket still being made in the "
+                "background waits for it)", done.seconds, done.programs, done.replicas,
                 _cache_words(done))
     return done
 
