@@ -203,8 +203,9 @@ class LLM:
              ) -> list[str]:
         """`add_requests`, each request's `output_kind` set when given."""
         prompts = _as_list(prompts)
-        params = _params_list(sampling_params, len(prompts), self._default_params)
-        loras = _loras_list(lora_request, len(prompts))
+        params = _per_prompt(self._default_params if sampling_params is None else sampling_params,
+                             len(prompts), SamplingParams, "sampling params")
+        loras = _per_prompt(lora_request, len(prompts), LoRARequest, "lora_request values")
         if output_kind is not None:
             params = [dataclasses.replace(sp, output_kind=output_kind) for sp in params]
         ids = [str(next(self._ids)) for _ in prompts]
@@ -272,25 +273,13 @@ def _as_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
     return prompts
 
 
-def _loras_list(lora: LoRARequest | Sequence[LoRARequest | None] | None, n: int
-                ) -> list[LoRARequest | None]:
-    if lora is None or isinstance(lora, LoRARequest):
-        return [lora] * n
-    loras = list(lora)
-    if len(loras) != n:
-        raise ValueError(f"got {len(loras)} lora_request values for {n} prompts; pass one or "
-                         f"one per prompt")
-    return loras
-
-
-def _params_list(params: SamplingParams | Sequence[SamplingParams] | None, n: int,
-                 default: SamplingParams) -> list[SamplingParams]:
-    if params is None:
-        return [default] * n
-    if isinstance(params, SamplingParams):
-        return [params] * n
-    params = list(params)
-    if len(params) != n:
-        raise ValueError(f"got {len(params)} sampling params for {n} prompts; pass one or one "
-                         f"per prompt")
-    return params
+def _per_prompt[T](value: T | Sequence[T], n: int, one: type, what: str) -> list[T]:
+    """`value` for each of `n` prompts: one (an instance of `one`, or None) for all of them, or
+    a sequence of exactly one per prompt."""
+    if value is None or isinstance(value, one):
+        return [value] * n  # type: ignore[list-item]
+    values = list(value)  # type: ignore[arg-type]
+    if len(values) != n:
+        raise ValueError(f"got {len(values)} {what} for {n} prompts; pass one or one per "
+                         f"prompt")
+    return values
