@@ -53,7 +53,10 @@ def prefill(producer: LLMEngine, prompts: list[list[int]]) -> dict[str, dict[str
                 assert out.kv_transfer_params is not None
                 handles[out.request_id] = out.kv_transfer_params
         check_invariants(producer.state)
-    assert producer.state.held_req_ids == frozenset(handles)
+    # tcp holds the blocks for the pickup; jax frees them the step after the pages are offered
+    held = producer.state.held_req_ids
+    assert held == frozenset(handles) if producer.kv_transfer.transport == "tcp" else (
+        held <= frozenset(handles))
     return handles
 
 
