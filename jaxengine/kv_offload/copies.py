@@ -93,9 +93,19 @@ class BlockCopier:
           kv: the pool (not donated: the next model step donates it).
           block_ids: i32[n], n <= M; padded here with the null block.
         """
-        pages = self._gather(kv, _padded(block_ids), page_axis=self.page_axis)
+        pages = self.gather_pages(kv, block_ids)
         pages.copy_to_host_async()
         return pages
+
+    def gather_pages(self, kv: jax.Array, block_ids: np.ndarray) -> jax.Array:
+        """Up to M pages out of the pool into an [M, ...page] array that stays on the device
+        (split as the pool is; `gather` also starts its copy to the host).
+
+        Args:
+          kv: the pool (not donated: the next model step donates it).
+          block_ids: i32[n], n <= M; padded here with the null block.
+        """
+        return self._gather(kv, _padded(block_ids), page_axis=self.page_axis)
 
     def scatter(self, kv: jax.Array, block_ids: np.ndarray, pages: np.ndarray) -> jax.Array:
         """Write up to M host pages into the pool; returns the new pool (`kv` is donated).

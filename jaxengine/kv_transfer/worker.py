@@ -164,7 +164,7 @@ class KVTransferWorker:
         if isinstance(self.server, DeviceTransferServer):  # not held: start_step frees them
             transfer_id = uuid.uuid4().int >> 65  # JAX's ids are 64-bit signed
             blocks = held_blocks[:math.ceil(num_prompt_tokens / self.block_size)]
-            self.server.offer(transfer_id, self._gather(blocks),
+            self.server.offer(transfer_id, self._gather(blocks, to_host=False),
                               timeout_s=self.config.abort_timeout_s)
         else:
             self._held[request_id] = (held_blocks, self.clock() + self.config.abort_timeout_s)
@@ -250,12 +250,13 @@ class KVTransferWorker:
                     f"request {p.request_id!r} holds {len(held[0])} blocks, asked for "
                     f"{p.num_blocks} from block {p.first_block}"))
                 continue
-            p.reply.set_result(self._gather(blocks))
+            p.reply.set_result(self._gather(blocks, to_host=True))
 
-    def _gather(self, blocks: tuple[int, ...]) -> list[jax.Array]:
-        """The pages of `blocks`, [M, ...page] per BLOCKS_PER_COPY of them (padded)."""
-        return [self.copier.gather(self.runner.kv,
-                                   np.array(blocks[i:i + BLOCKS_PER_COPY], np.int32))
+    def _gather(self, blocks: tuple[int, ...], *, to_host: bool) -> list[jax.Array]:
+        """The pages of `blocks`, [M, ...page] per BLOCKS_PER_COPY of them (padded); with
+        `to_host` their copy to the host started (TCP sends them from there)."""
+        gather = self.copier.gather if to_host else self.copier.gather_pages
+        return [gather(self.runner.kv, np.array(blocks[i:i + BLOCKS_PER_COPY], np.int32))
                 for i in range(0, len(blocks), BLOCKS_PER_COPY)]
 
     def _release_expired(self) -> None:
