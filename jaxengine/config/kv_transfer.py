@@ -23,7 +23,10 @@ DEFAULT_ABORT_TIMEOUT_S = 480.0  # vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT
 DEFAULT_FETCH_TIMEOUT_S = 60.0  # a consumer's socket timeout while it fetches a request's KV
 _KEYS = ("kv_connector", "kv_role", "kv_ip", "kv_port", "kv_connector_extra_config",
          "engine_id", "kv_load_failure_policy")
-_EXTRA_KEYS = ("abort_timeout_s", "fetch_timeout_s")
+_EXTRA_KEYS = ("abort_timeout_s", "fetch_timeout_s", "transport")
+# how pages move: "tcp" (device -> host -> our TCP protocol -> host -> device) or "jax"
+# (`jax.experimental.transfer`, device to device); unset: "jax" on tpu/gpu, "tcp" on cpu
+TRANSPORTS = ("tcp", "jax")
 # vLLM's connectors, refused by name: they move vLLM's (torch) KV cache, not this pool's
 _VLLM_CONNECTORS = ("NixlConnector", "P2pNcclConnector", "LMCacheConnectorV1",
                     "MooncakeConnector", "OffloadingConnector", "SharedStorageConnector",
@@ -44,8 +47,9 @@ class KVTransferConfig:
     # a load that fails is recomputed locally (vLLM's default; its "fail" is not built)
     kv_load_failure_policy: str = "recompute"
     # "abort_timeout_s": a producer frees blocks nobody picked up after this many seconds;
-    # "fetch_timeout_s": a consumer gives a fetch up (and recomputes) after this many
-    kv_connector_extra_config: Mapping[str, float] = field(
+    # "fetch_timeout_s": a consumer gives a fetch up (and recomputes) after this many;
+    # "transport": one of TRANSPORTS
+    kv_connector_extra_config: Mapping[str, float | str] = field(
         default_factory=lambda: MappingProxyType({}), hash=False)
 
     def __post_init__(self) -> None:
@@ -81,6 +85,12 @@ class KVTransferConfig:
             if key not in _EXTRA_KEYS:
                 raise ValueError(f"kv_transfer_config: kv_connector_extra_config key {key!r} "
                                  f"is not supported; it takes {', '.join(_EXTRA_KEYS)}")
+            if key == "transport":
+                if value not in TRANSPORTS:
+                    raise ValueError(f"kv_transfer_config: kv_connector_extra_config transport "
+                                     f"must be one of {', '.join(TRANSPORTS)} (left out: jax on "
+                                     f"tpu/gpu, tcp on cpu), got {value!r}")
+                continue
             if (not isinstance(value, int | float) or isinstance(value, bool)
                     or not 0 < value < float("inf")):
                 raise ValueError(f"kv_transfer_config: kv_connector_extra_config {key} must "
@@ -108,6 +118,12 @@ class KVTransferConfig:
         """Seconds a consumer waits on a producer before it recomputes the prompt."""
         return float(self.kv_connector_extra_config.get("fetch_timeout_s",
                                                         DEFAULT_FETCH_TIMEOUT_S))
+
+    @property
+    def transport(self) -> str | None:
+        """The transport asked for (one of TRANSPORTS); None: the platform's default."""
+        value = self.kv_connector_extra_config.get("transport")
+        return None if value is None else str(value)
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any]) -> KVTransferConfig:

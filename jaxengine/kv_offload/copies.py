@@ -93,9 +93,19 @@ class BlockCopier:
           kv: the pool (not donated: the next model step donates it).
           block_ids: i32[n], n <= M; padded here with the null block.
         """
-        pages = self._gather(kv, _padded(block_ids), page_axis=self.page_axis)
+        pages = self.gather_pages(kv, block_ids)
         pages.copy_to_host_async()
         return pages
+
+    def gather_pages(self, kv: jax.Array, block_ids: np.ndarray) -> jax.Array:
+        """Up to M pages out of the pool into an [M, ...page] array that stays on the device
+        (split as the pool is; `gather` also starts its copy to the host).
+
+        Args:
+          kv: the pool (not donated: the next model step donates it).
+          block_ids: i32[n], n <= M; padded here with the null block.
+        """
+        return self._gather(kv, _padded(block_ids), page_axis=self.page_axis)
 
     def scatter(self, kv: jax.Array, block_ids: np.ndarray, pages: np.ndarray) -> jax.Array:
         """Write up to M host pages into the pool; returns the new pool (`kv` is donated).
@@ -110,7 +120,25 @@ class BlockCopier:
         # would make the pool committed and the next model step compile again.
         on_device = (padded if self._pages_sharding is None
                      else jax.device_put(padded, self._pages_sharding))
-        return self._scatter(kv, _padded(block_ids), on_device, page_axis=self.page_axis)
+        return self.scatter_pages(kv, block_ids, on_device)
+
+    def pages_struct(self, device: jax.Device) -> jax.ShapeDtypeStruct:
+        """What one copy's [M, ...page] array is on the device, for a transfer into this pool:
+        the pool's split (`device`, a pool on no mesh: the one device it lives on)."""
+        sharding = self._pages_sharding or jax.sharding.SingleDeviceSharding(device)
+        return jax.ShapeDtypeStruct((BLOCKS_PER_COPY, *self.page_shape), self.dtype,
+                                    sharding=sharding)
+
+    def scatter_pages(self, kv: jax.Array, block_ids: np.ndarray, pages: jax.Array
+                      ) -> jax.Array:
+        """Write an [M, ...page] array of pages already on the device into the pool; returns
+        the new pool (`kv` is donated).
+
+        Args:
+          block_ids: i32[n], n <= M, where pages 0 .. n-1 go (the rest: the null block).
+          pages: [M, ...page] in the pool's dtype, split as `pages_struct` says.
+        """
+        return self._scatter(kv, _padded(block_ids), pages, page_axis=self.page_axis)
 
 
 def _padded(block_ids: np.ndarray) -> np.ndarray:

@@ -3,7 +3,8 @@
 
 `kv_transfer_worker(config, runner, page_axis)` builds what an engine needs when
 `EngineArgs.kv_transfer_config` is set (`EngineConfig.kv_transfer`): the `KVTransferWorker`,
-which holds the scheduler-side `TransferConnector`, a producer's `TransferServer` and a
+which holds the scheduler-side `TransferConnector`, the transfer server (a producer's TCP
+`TransferServer`, or with the "jax" transport a `DeviceTransferServer` on either side) and a
 consumer's fetches. Pages move in the pool's own layout and dtype (`KVLayout`), copied by the
 offloading code's `BlockCopier`.
 """

@@ -9,11 +9,16 @@ code's `BlockCopier`, the pool not donated) and reports the request in `finished
 once, since JAX lets the gather's reads finish before a later step that was donated the pool
 overwrites the blocks. The server's thread then copies the pages to the host and sends them.
 Blocks nobody picks up are released the same way once `abort_timeout_s` has passed.
+With the "jax" transport the producer cannot learn when a pull is served
+(`device_transport`), so `finish_request` gathers the pages at once, offers them to its
+`DeviceTransferServer` until `abort_timeout_s`, and the request is reported in
+`finished_sending` with the plan that holds it: the pages wait outside the pool.
 
 Consumer (`kv_consumer` / `kv_both`). Each asynchronous `KVLoad` of a plan starts a thread that
-fetches the pages from the producer named in the request's handle. The engine's thread writes
-what arrived into the allocated blocks in a later `start_step` (the scatter donates the pool,
-so only the step loop may) and reports the request in `finished_recving`; a fetch that failed
+fetches the pages from the producer named in the request's handle (over TCP to the host, or,
+"jax", pulled onto its devices). The engine's thread writes what arrived into the allocated
+blocks in a later `start_step` (the scatter donates the pool, so only the step loop may) and
+reports the request in `finished_recving`; a fetch that failed
 reports its blocks in `invalid_block_ids` too, so the scheduler recomputes the prompt locally
 (vLLM's default `kv_load_failure_policy`, "recompute").
 
@@ -41,6 +46,7 @@ from jaxengine.config import KVTransferConfig
 from jaxengine.kv_offload.copies import BLOCKS_PER_COPY, BlockCopier
 from jaxengine.kv_transfer import params as transfer_params
 from jaxengine.kv_transfer.connector import TransferConnector
+from jaxengine.kv_transfer.device_transport import DeviceTransferServer
 from jaxengine.kv_transfer.params import KVLayout, RemoteDecode, RemoteHandle
 from jaxengine.kv_transfer.transport import TransferError, TransferServer, fetch_pages
 from scheduler import KVConnectorOutput, KVLoad, SchedulerOutput
@@ -64,7 +70,15 @@ class _Pickup:
 class _Fetched:
     request_id: str
     block_ids: tuple[int, ...]  # where the pages go
-    pages: np.ndarray | None  # [n, ...page]; None: the fetch failed
+    # (i32[<= M] block ids, their pages: [n, ...page] on the host or [M, ...page] on the
+    # device) per copy; None: the fetch failed
+    writes: list[tuple[np.ndarray, np.ndarray | jax.Array]] | None
+
+
+def choose_transport(config: KVTransferConfig, platform: str) -> str:
+    """The transport an engine uses: the configured one, else "jax" where the pool's devices
+    can move pages device to device (tpu, gpu), "tcp" elsewhere (cpu)."""
+    return config.transport or ("jax" if platform in ("tpu", "gpu") else "tcp")
 
 
 class KVTransferWorker:
@@ -92,6 +106,8 @@ class KVTransferWorker:
         self.layout = KVLayout(page_shape=self.copier.page_shape, dtype=self.copier.dtype.name,
                                block_size=block_size, tp_size=tp_size)
         self.engine_id = config.engine_id or uuid.uuid4().hex
+        self.device = next(iter(runner.kv.devices()))
+        self.transport = choose_transport(config, self.device.platform)
         self.connector = TransferConnector()
         # Blocks and deadline of each request held for a pickup; written by the engine's
         # thread only (the server's threads test membership, atomic in CPython)
@@ -103,9 +119,13 @@ class KVTransferWorker:
         self._recving: set[str] = set()  # not yet reported (take_output)
         self._sending: set[str] = set()
         self._invalid: set[int] = set()
-        self.server = (TransferServer(config.kv_ip, config.kv_port, self._ask_pickup,
-                                      timeout_s=config.abort_timeout_s)
-                       if config.is_producer else None)
+        self.server: TransferServer | DeviceTransferServer | None = None
+        if self.transport == "jax":  # a consumer's server only connects to producers'
+            self.server = DeviceTransferServer(
+                self.device, config.kv_ip, config.kv_port if config.is_producer else 0)
+        elif config.is_producer:
+            self.server = TransferServer(config.kv_ip, config.kv_port, self._ask_pickup,
+                                         timeout_s=config.abort_timeout_s)
 
     # ---- requests (the engine's add_request and finish) ----------------------------------
 
@@ -117,7 +137,8 @@ class KVTransferWorker:
           ValueError: they cannot be served here (the message names the key).
         """
         return transfer_params.parse(kv_transfer_params, num_prompt_tokens=num_prompt_tokens,
-                                     layout=self.layout, producer=self.config.is_producer,
+                                     layout=self.layout, transport=self.transport,
+                                     producer=self.config.is_producer,
                                      consumer=self.config.is_consumer)
 
     def add_request(self, request_id: str, asked: RemoteDecode | RemoteHandle | None
@@ -139,10 +160,18 @@ class KVTransferWorker:
         self.connector.remote_decode.discard(request_id)
         if held_blocks is None or self.server is None:
             return None
-        self._held[request_id] = (held_blocks, self.clock() + self.config.abort_timeout_s)
+        transfer_id = None
+        if isinstance(self.server, DeviceTransferServer):  # not held: start_step frees them
+            transfer_id = uuid.uuid4().int >> 65  # JAX's ids are 64-bit signed
+            blocks = held_blocks[:math.ceil(num_prompt_tokens / self.block_size)]
+            self.server.offer(transfer_id, self._gather(blocks, to_host=False),
+                              timeout_s=self.config.abort_timeout_s)
+        else:
+            self._held[request_id] = (held_blocks, self.clock() + self.config.abort_timeout_s)
         return transfer_params.handle(engine_id=self.engine_id, host=self.server.host,
                                       port=self.server.port, request_id=request_id,
-                                      num_tokens=num_prompt_tokens, layout=self.layout)
+                                      num_tokens=num_prompt_tokens, layout=self.layout,
+                                      transport=self.transport, transfer_id=transfer_id)
 
     # ---- around a step -------------------------------------------------------------------
 
@@ -181,8 +210,8 @@ class KVTransferWorker:
         return out
 
     def close(self) -> None:
-        """Stop the transfer server (a producer's)."""
-        if self.server is not None:
+        """Stop the transfer server (a producer's TCP one)."""
+        if isinstance(self.server, TransferServer):
             self.server.close()
 
     # ---- producer ----------------------------------------------------------------------
@@ -221,10 +250,14 @@ class KVTransferWorker:
                     f"request {p.request_id!r} holds {len(held[0])} blocks, asked for "
                     f"{p.num_blocks} from block {p.first_block}"))
                 continue
-            p.reply.set_result([
-                self.copier.gather(self.runner.kv, np.array(blocks[i:i + BLOCKS_PER_COPY],
-                                                            np.int32))
-                for i in range(0, len(blocks), BLOCKS_PER_COPY)])
+            p.reply.set_result(self._gather(blocks, to_host=True))
+
+    def _gather(self, blocks: tuple[int, ...], *, to_host: bool) -> list[jax.Array]:
+        """The pages of `blocks`, [M, ...page] per BLOCKS_PER_COPY of them (padded); with
+        `to_host` their copy to the host started (TCP sends them from there)."""
+        gather = self.copier.gather if to_host else self.copier.gather_pages
+        return [gather(self.runner.kv, np.array(blocks[i:i + BLOCKS_PER_COPY], np.int32))
+                for i in range(0, len(blocks), BLOCKS_PER_COPY)]
 
     def _release_expired(self) -> None:
         now = self.clock()
@@ -248,18 +281,41 @@ class KVTransferWorker:
 
     def _fetch(self, request_id: str, handle: RemoteHandle, first: int,
                targets: tuple[int, ...]) -> None:
-        """(A fetch thread.) The pages of `targets` from the producer, or None on failure."""
-        pages = None
+        """(A fetch thread.) The pages of `targets` (pages first .. of the producer's) and
+        where they go, or None on failure."""
+        writes = None
         try:
-            pages = fetch_pages(handle.host, handle.port, handle.request_id,
-                                first_block=first, num_blocks=len(targets),
-                                page_shape=self.copier.page_shape, dtype=self.copier.dtype,
-                                timeout_s=self.config.fetch_timeout_s)
+            writes = (self._pull(handle, first, targets) if handle.transport == "jax"
+                      else self._fetch_tcp(handle, first, targets))
         except (OSError, TransferError, ValueError) as e:
             logger.warning("request %r: fetching its KV from %s:%s failed (%s); its prompt "
                            "is recomputed here", request_id, handle.host, handle.port, e)
-        self._fetched.put(_Fetched(request_id, targets, pages))
+        self._fetched.put(_Fetched(request_id, targets, writes))
         self._wake.set()
+
+    def _fetch_tcp(self, handle: RemoteHandle, first: int, targets: tuple[int, ...]
+                   ) -> list[tuple[np.ndarray, np.ndarray]]:
+        pages = fetch_pages(handle.host, handle.port, handle.request_id,
+                            first_block=first, num_blocks=len(targets),
+                            page_shape=self.copier.page_shape, dtype=self.copier.dtype,
+                            timeout_s=self.config.fetch_timeout_s)
+        return [(np.array(targets[i:i + BLOCKS_PER_COPY], np.int32),
+                 pages[i:i + BLOCKS_PER_COPY]) for i in range(0, len(targets), BLOCKS_PER_COPY)]
+
+    def _pull(self, handle: RemoteHandle, first: int, targets: tuple[int, ...]
+              ) -> list[tuple[np.ndarray, jax.Array]]:
+        """All the pages the producer offered (copies of M, from its page 0), pulled onto this
+        pool's devices; those before `first` (hit locally) go to the null block."""
+        assert isinstance(self.server, DeviceTransferServer) and handle.transfer_id is not None
+        num_pages = math.ceil(handle.num_tokens / self.block_size)
+        ids = np.zeros(math.ceil(num_pages / BLOCKS_PER_COPY) * BLOCKS_PER_COPY, np.int32)
+        ids[first:num_pages] = targets
+        pages = self.server.pull(handle.host, handle.port, handle.transfer_id,
+                                 [self.copier.pages_struct(self.device)] * (len(ids)
+                                                                           // BLOCKS_PER_COPY),
+                                 timeout_s=self.config.fetch_timeout_s)
+        return [(ids[k * BLOCKS_PER_COPY:(k + 1) * BLOCKS_PER_COPY], p)
+                for k, p in enumerate(pages)]
 
     def _write_fetched(self) -> None:
         while True:
@@ -269,10 +325,10 @@ class KVTransferWorker:
                 return
             self._num_fetching -= 1
             self._recving.add(f.request_id)
-            if f.pages is None:
+            if f.writes is None:
                 self._invalid.update(f.block_ids)
                 continue
-            for i in range(0, len(f.block_ids), BLOCKS_PER_COPY):
-                self.runner.kv = self.copier.scatter(
-                    self.runner.kv, np.array(f.block_ids[i:i + BLOCKS_PER_COPY], np.int32),
-                    f.pages[i:i + BLOCKS_PER_COPY])
+            for ids, pages in f.writes:
+                scatter = (self.copier.scatter if isinstance(pages, np.ndarray)
+                           else self.copier.scatter_pages)
+                self.runner.kv = scatter(self.runner.kv, ids, pages)

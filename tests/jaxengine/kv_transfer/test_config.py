@@ -11,6 +11,7 @@ from jaxengine.cli import build_parser, engine_args_from
 from jaxengine.config import KVTransferConfig
 from jaxengine.engine.args import EngineArgs
 from jaxengine.engine.engine_config import check_kv_cache_groups
+from jaxengine.kv_transfer.worker import choose_transport
 from scheduler.kv.groups import FULL_ATTENTION, KVCacheGroup
 
 
@@ -23,6 +24,16 @@ def test_a_role_alone_is_a_whole_config_with_vllms_defaults() -> None:
     both = KVTransferConfig.from_dict({"kv_role": "kv_both", "kv_connector": None,
                                        "kv_connector_extra_config": {"abort_timeout_s": 5}})
     assert both.is_producer and both.is_consumer and both.abort_timeout_s == 5.0
+
+
+def test_the_transport_is_jax_on_accelerators_and_tcp_on_cpu_unless_set() -> None:
+    plain = KVTransferConfig.from_dict({"kv_role": "kv_producer"})
+    assert [choose_transport(plain, p) for p in ("cpu", "gpu", "tpu")] == ["tcp", "jax", "jax"]
+    tcp = KVTransferConfig.from_dict({"kv_role": "kv_producer",
+                                      "kv_connector_extra_config": {"transport": "tcp"}})
+    jax_ = KVTransferConfig.from_dict({"kv_role": "kv_producer",
+                                       "kv_connector_extra_config": {"transport": "jax"}})
+    assert (choose_transport(tcp, "gpu"), choose_transport(jax_, "cpu")) == ("tcp", "jax")
 
 
 @pytest.mark.parametrize(("config", "message"), [
@@ -40,6 +51,8 @@ def test_a_role_alone_is_a_whole_config_with_vllms_defaults() -> None:
     ({"kv_role": "kv_consumer", "kv_load_failure_policy": "fail"},
      "kv_load_failure_policy must be 'recompute'"),
     ("kv_producer", "kv_transfer_config must be a dict"),
+    ({"kv_role": "kv_producer", "kv_connector_extra_config": {"transport": "nixl"}},
+     "transport must be one of tcp, jax .*got 'nixl'"),
 ])
 def test_a_bad_config_is_refused_naming_the_key(config: Any, message: str) -> None:
     with pytest.raises(ValueError, match=message):

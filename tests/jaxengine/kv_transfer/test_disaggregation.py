@@ -1,6 +1,7 @@
 """Prefill/decode disaggregation in process: a producer engine and a consumer engine over the
 fake model (whose next token is a function of the KV it reads back through the block table, so
-a page lost or misplaced in the transfer changes the output), talking TCP on 127.0.0.1."""
+a page lost or misplaced in the transfer changes the output), talking TCP on 127.0.0.1, or
+`jax.experimental.transfer` (the "jax" transport, which runs on CPU too)."""
 
 from __future__ import annotations
 
@@ -22,10 +23,12 @@ from tests.jaxengine.engine.test_llm_engine import V, make_engine
 PROMPTS = [list(range(1, 42)), [9] * 13, [5, 6, 7], list(range(40, 47))]
 
 
-def engines(*, abort_timeout_s: float = 60, async_scheduling: bool = True,
-            roles: tuple[str, str] = ("kv_producer", "kv_consumer")
+def engines(*, abort_timeout_s: float = 60, fetch_timeout_s: float = 10,
+            async_scheduling: bool = True,
+            roles: tuple[str, str] = ("kv_producer", "kv_consumer"), transport: str = "tcp"
             ) -> tuple[LLMEngine, LLMEngine]:
-    extra = {"abort_timeout_s": abort_timeout_s, "fetch_timeout_s": 10}
+    extra = {"abort_timeout_s": abort_timeout_s, "fetch_timeout_s": fetch_timeout_s,
+             "transport": transport}
     producer = make_engine(async_scheduling=async_scheduling, kv_transfer_config={
         "kv_role": roles[0], "kv_port": 0, "kv_connector_extra_config": extra})
     consumer = make_engine(async_scheduling=async_scheduling, kv_transfer_config={
@@ -50,7 +53,10 @@ def prefill(producer: LLMEngine, prompts: list[list[int]]) -> dict[str, dict[str
                 assert out.kv_transfer_params is not None
                 handles[out.request_id] = out.kv_transfer_params
         check_invariants(producer.state)
-    assert producer.state.held_req_ids == frozenset(handles)
+    # tcp holds the blocks for the pickup; jax frees them the step after the pages are offered
+    held = producer.state.held_req_ids
+    assert held == frozenset(handles) if producer.kv_transfer.transport == "tcp" else (
+        held <= frozenset(handles))
     return handles
 
 
@@ -78,14 +84,17 @@ def decode(consumer: LLMEngine, producer: LLMEngine, prompts: list[list[int]],
     return done
 
 
-@pytest.mark.parametrize(("async_scheduling", "roles"), [
-    (False, ("kv_producer", "kv_consumer")), (True, ("kv_producer", "kv_consumer")),
-    (True, ("kv_both", "kv_both"))])
+@pytest.mark.parametrize(("async_scheduling", "roles", "transport"), [
+    (False, ("kv_producer", "kv_consumer"), "tcp"), (True, ("kv_producer", "kv_consumer"), "tcp"),
+    (True, ("kv_both", "kv_both"), "tcp"), (False, ("kv_producer", "kv_consumer"), "jax"),
+    (True, ("kv_both", "kv_both"), "jax")])
 def test_the_consumer_decodes_the_producers_prefill_computing_only_the_last_prompt_token(
-        async_scheduling: bool, roles: tuple[str, str]) -> None:
-    producer, consumer = engines(async_scheduling=async_scheduling, roles=roles)
+        async_scheduling: bool, roles: tuple[str, str], transport: str) -> None:
+    producer, consumer = engines(async_scheduling=async_scheduling, roles=roles,
+                                 transport=transport)
     handles = prefill(producer, PROMPTS)
     assert handles["r0"]["remote_num_tokens"] == 41 and handles["r0"]["do_remote_prefill"]
+    assert handles["r0"]["remote_transport"] == transport
     # The consumer's prefix cache holds the first 8 tokens of r0: only the rest is fetched.
     consumer.add_request("warm", {"prompt_token_ids": PROMPTS[0][:9]}, params(None, 1))
     while consumer.has_unfinished_requests():
@@ -97,6 +106,11 @@ def test_the_consumer_decodes_the_producers_prefill_computing_only_the_last_prom
         assert out.num_cached_tokens == len(p) - 1  # local hit + loaded: only the last computed
     c = consumer.state.counters
     assert c.connector_prefix_cache_hits == sum(len(p) for p in PROMPTS) - 8
+    # (The fake model's pool is on no mesh, and pulled pages are committed to the device: a
+    # process's first "jax" load commits the pool and compiles the scatter and the step once
+    # more, device_transport.py; a model's pool, on a mesh, compiles nothing.)
+    if transport == "tcp":
+        assert consumer.runner.stats.compilations_after_warmup == 0
 
 
 def test_a_producer_frees_blocks_nobody_picks_up_after_the_timeout_and_refuses_them_then(
@@ -150,6 +164,20 @@ def test_a_producer_that_dies_mid_transfer_or_is_gone_the_consumer_recomputes() 
     assert producer.state.held_req_ids == {"r0", "r1"}
 
 
+def test_a_jax_pull_that_never_arrives_is_given_up_and_the_prompt_recomputed() -> None:
+    producer, consumer = engines(transport="jax", fetch_timeout_s=0.5)
+    handles = prefill(producer, PROMPTS[:2])
+    # The pages wait outside the pool: the producer's blocks are free from the next step.
+    producer.step()
+    assert producer.state.num_free_blocks == producer.scheduler_config.num_blocks - 1
+    handles["r0"] = {**handles["r0"], "remote_transfer_id": handles["r0"]["remote_transfer_id"]
+                     ^ 1}  # an id nobody offered: its pull never arrives
+    done = decode(consumer, producer, PROMPTS[:2], handles)
+    for i, cached in enumerate((0, len(PROMPTS[1]) - 1)):
+        assert list(done[f"r{i}"].outputs[0].token_ids) == fake_greedy(PROMPTS[i], 12, V)
+        assert done[f"r{i}"].num_cached_tokens == cached
+
+
 def test_a_consumer_aborted_while_its_fetch_runs_frees_its_blocks_once_the_fetch_ends(
         ) -> None:
     producer, consumer = engines(abort_timeout_s=1)  # r0 is never picked up from it
@@ -184,6 +212,7 @@ def test_a_consumer_aborted_while_its_fetch_runs_frees_its_blocks_once_the_fetch
     ({"remote_port": None}, "remote_port must be an integer >= 1"),
     ({"nixl_side_channel": 1}, "unknown key.*'nixl_side_channel'"),
     ({"do_remote_decode": True}, "do_remote_decode and do_remote_prefill are both true"),
+    ({"remote_transport": "jax"}, "remote_transport 'jax', this engine's transport is 'tcp'"),
 ])
 def test_a_handle_the_consumer_cannot_use_is_refused_before_anything_changes(
         change: dict[str, Any], message: str) -> None:

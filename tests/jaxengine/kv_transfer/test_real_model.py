@@ -2,7 +2,8 @@
 move between two engines unchanged (greedy outputs equal the consumer's own, computed again
 after its prefix cache is emptied), precompiled with `debug_recompiles` (no transfer compiles
 anything after warm-up), also with both pools split over the heads on a
-tensor-parallel mesh (2 virtual CPU devices, in a child process)."""
+tensor-parallel mesh (2 virtual CPU devices, in a child process); over TCP and device to device
+(`jax.experimental.transfer`)."""
 
 from __future__ import annotations
 
@@ -21,14 +22,16 @@ TINY = "tests/fixtures/tiny/llama3_gqa"
 PROMPTS = [list(range(1, 42)), [(7 + j) % 120 + 1 for j in range(23)], [5, 6, 7]]
 
 
-def disaggregated(**kw: Any) -> dict[str, Any]:
+def disaggregated(transport: str = "tcp", **kw: Any) -> dict[str, Any]:
     """The prompts prefilled by one engine and decoded by another, then by that other alone."""
     args = dict(model=TINY, skip_tokenizer_init=True, block_size=4, num_gpu_blocks_override=64,
                 max_model_len=80, max_num_batched_tokens=32, max_num_seqs=4,
                 precompile=True, debug_recompiles=True, **kw)
+    extra = {"transport": transport}
     producer = build_engine(EngineArgs(**args, kv_transfer_config={
-        "kv_role": "kv_producer", "kv_port": 0}))
-    consumer = build_engine(EngineArgs(**args, kv_transfer_config={"kv_role": "kv_consumer"}))
+        "kv_role": "kv_producer", "kv_port": 0, "kv_connector_extra_config": extra}))
+    consumer = build_engine(EngineArgs(**args, kv_transfer_config={
+        "kv_role": "kv_consumer", "kv_connector_extra_config": extra}))
     sharding = consumer.runner.kv.sharding
     done = decode(consumer, producer, PROMPTS, prefill(producer, PROMPTS))
     consumer.state = reset_prefix_cache(consumer.state)  # nothing loaded is reused below
@@ -43,8 +46,9 @@ def disaggregated(**kw: Any) -> dict[str, Any]:
 
 
 @pytest.mark.slow  # two tiny-model engines compiling their buckets
-def test_a_real_pool_moves_unchanged() -> None:
-    result = disaggregated()
+@pytest.mark.parametrize("transport", ["tcp", "jax"])
+def test_a_real_pool_moves_unchanged(transport: str) -> None:
+    result = disaggregated(transport)
     assert result["loaded"] == result["alone"]
     assert result["cached"] == [len(p) - 1 for p in PROMPTS]
     assert result["same_sharding"] and result["after_warmup"] == [0, 0]
@@ -53,13 +57,15 @@ def test_a_real_pool_moves_unchanged() -> None:
 TENSOR_PARALLEL = """
 import json
 from tests.jaxengine.kv_transfer.test_real_model import disaggregated
-print(json.dumps(disaggregated(tensor_parallel_size=2)))
+print(json.dumps(disaggregated({transport!r}, tensor_parallel_size=2)))
 """
 
 
 @pytest.mark.slow  # a child process, two engines on 2 virtual devices
-def test_pools_split_over_the_heads_exchange_whole_pages() -> None:
-    result = json.loads(run_python(TENSOR_PARALLEL, num_devices=2, timeout=300).splitlines()[-1])
+@pytest.mark.parametrize("transport", ["tcp", "jax"])
+def test_pools_split_over_the_heads_exchange_whole_pages(transport: str) -> None:
+    result = json.loads(run_python(TENSOR_PARALLEL.format(transport=transport), num_devices=2,
+                                   timeout=300).splitlines()[-1])
     assert result["loaded"] == result["alone"]
     assert result["cached"] == [len(p) - 1 for p in PROMPTS]
     assert result["same_sharding"] and result["after_warmup"] == [0, 0]
