@@ -56,10 +56,17 @@ def tp1(inputs) -> list[np.ndarray]:
     return [np.asarray(call(jnp.asarray(x), jnp.int32(live))) for x, live in inputs]
 
 
-@pytest.mark.parametrize("grouped_impl", ["native", "tiles", "xla"])
+# Every grouped implementation at tp=2, the default one (native) at tp=8 too; the rest run with
+# -m slow (tp=4 adds no layout case that 2 and 8 lack: both split E and F evenly).
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize(("tp", "grouped_impl"), [
+    (2, "native"), (2, "tiles"), (2, "xla"), (8, "native"),
+    pytest.param(8, "tiles", marks=SLOW), pytest.param(8, "xla", marks=SLOW),
+    pytest.param(4, "native", marks=SLOW), pytest.param(4, "tiles", marks=SLOW),
+    pytest.param(4, "xla", marks=SLOW)])
 @pytest.mark.parametrize("expert_parallel", [False, True], ids=["tp", "ep"])
-# tp=4 adds no layout case that 2 and 8 lack (both split E and F evenly), so it runs with -m slow
-@pytest.mark.parametrize("tp", [2, pytest.param(4, marks=pytest.mark.slow), 8])
 def test_gives_tp1s_output_and_compiles_once(tp: int, expert_parallel: bool, grouped_impl: str,
                                              inputs, tp1) -> None:
     call = jitted(build(tp, expert_parallel=expert_parallel, grouped_impl=grouped_impl))
