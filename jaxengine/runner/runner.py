@@ -60,6 +60,9 @@ from scheduler import PLACEHOLDER_TOKEN_ID, SchedulerOutput
 
 logger = logging.getLogger("jaxengine.runner")
 
+# The programs a runner makes, by the names its compilations are counted under.
+_PROGRAM_NAMES = (STEP_NAME, SAMPLE_NAME, WRITE_SLOT_NAME, WRITE_LORA_NAME)
+
 
 class Runner:
     """Runs scheduler plans on a model; holds the KV cache as a donated value."""
@@ -120,9 +123,9 @@ class Runner:
                 else jax.device_put(x, self._token_sharding))
 
     def compilations(self) -> int:
-        """Process-wide compilations of the step, the sampler and the slot writer (all
-        runners)."""
-        return compile_count(STEP_NAME, SAMPLE_NAME, WRITE_SLOT_NAME, WRITE_LORA_NAME)
+        """Process-wide compilations of the step, the sampler and the slot writers (penalties,
+        LoRA) of all runners."""
+        return compile_count(*_PROGRAM_NAMES)
 
     @property
     def num_programs(self) -> int:
@@ -236,8 +239,7 @@ class Runner:
 
     def _compiles_here(self) -> int:
         """Compilations (loads included) of this runner's kinds of program on this thread."""
-        return compile_count(STEP_NAME, SAMPLE_NAME, WRITE_SLOT_NAME, WRITE_LORA_NAME,
-                             this_thread=True)
+        return compile_count(*_PROGRAM_NAMES, this_thread=True)
 
     def mark_warm(self) -> None:
         """Declare warm-up over: from now on a compilation is counted (and raises in debug)."""
