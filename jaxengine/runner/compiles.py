@@ -21,6 +21,8 @@ from __future__ import annotations
 import collections
 import os
 import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -102,9 +104,50 @@ def cache_hit_count(*fun_names: str, this_thread: bool = False) -> int:
 
 
 def _total(counter: collections.Counter[str], fun_names: tuple[str, ...]) -> int:
-    wanted = set(fun_names) | {f"jit({n})" for n in fun_names}
+    wanted = _wanted(fun_names)
     with _lock:
         return sum(c for name, c in counter.items() if name in wanted)
+
+
+def _wanted(fun_names: tuple[str, ...]) -> set[str]:
+    return set(fun_names) | {f"jit({n})" for n in fun_names}
+
+
+@dataclass(frozen=True, slots=True)
+class Compiles:
+    """Compilations by jitted function name (`jit(<name>)`): what a `RecompileError` names.
+
+    Subtract an earlier snapshot (`compiles_by_name`) to get what compiled in between.
+    """
+
+    counts: Mapping[str, int]  # compile events, cache hits and loads included
+    hits: Mapping[str, int]  # of those, loaded from the persistent cache or whole
+
+    @property
+    def total(self) -> int:
+        """All compilations counted (hits included)."""
+        return sum(self.counts.values())
+
+    def __sub__(self, before: Compiles) -> Compiles:
+        """What was counted since `before` (only names that grew)."""
+        grew = {n: c - before.counts.get(n, 0) for n, c in self.counts.items()
+                if c > before.counts.get(n, 0)}
+        return Compiles(counts=grew, hits={n: self.hits.get(n, 0) - before.hits.get(n, 0)
+                                           for n in grew})
+
+    def __str__(self) -> str:
+        """E.g. `jit(jaxengine_write_slot) x1 (1 from the cache)`; `nothing` when empty."""
+        return ", ".join(f"{n} x{c} ({self.hits.get(n, 0)} from the cache)"
+                         for n, c in sorted(self.counts.items())) or "nothing"
+
+
+def compiles_by_name(*fun_names: str, this_thread: bool = False) -> Compiles:
+    """`compile_count` and `cache_hit_count` of each of `fun_names`, by name (a snapshot)."""
+    wanted = _wanted(fun_names)
+    counts, hits = _thread_counters() if this_thread else (_counts, _hits)
+    with _lock:
+        return Compiles(counts={n: c for n, c in counts.items() if n in wanted and c},
+                        hits={n: c for n, c in hits.items() if n in wanted and c})
 
 
 def debug_recompiles_from_env() -> bool:

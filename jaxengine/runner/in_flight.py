@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
+from jaxengine.runner.compiles import Compiles
 from jaxengine.runner.prompt_logprob_inputs import PromptSpan
 from jaxengine.sampling.prompt_logprobs import PromptLogprobs
 from jaxengine.sampling.rows import SamplingRow
@@ -54,7 +55,7 @@ class Forward:
     hidden: jax.Array  # [R * (1 + K), D] hidden rows, on the device
     prev: InFlight | None  # the step its placeholders read
     started: float  # perf_counter() at dispatch
-    compiles_before: int  # compilations counted at dispatch
+    compiles_before: Compiles  # this thread's compilations by name at dispatch
     num_tokens: int  # the token bucket
     total: int  # scheduled (real) tokens
     prompt_logprobs: PromptInFlight | None = None  # None: no position asked for them

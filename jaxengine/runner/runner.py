@@ -42,7 +42,13 @@ from jaxengine.runner.bucket_programs import (
     make_program,
 )
 from jaxengine.runner.buckets import pick_bucket
-from jaxengine.runner.compiles import RecompileError, compile_count, ensure_listener
+from jaxengine.runner.compiles import (
+    Compiles,
+    RecompileError,
+    compile_count,
+    compiles_by_name,
+    ensure_listener,
+)
 from jaxengine.runner.config import RunnerConfig, RunnerStats
 from jaxengine.runner.distributed import to_host
 from jaxengine.runner.in_flight import Forward, InFlight, SampledToken
@@ -165,7 +171,7 @@ class Runner:
         if self.lora is not None:
             self.lora.precompile()
         with self._stats_lock:
-            self.stats.compilations += self._compiles_here() - before
+            self.stats.compilations += (self._compiles_here() - before).total
             self.stats.compile_seconds += time.perf_counter() - t0
         logger.info("compiled %d programs (%d token buckets, %d request buckets) in %.2f s%s",
                     len(now) + 1 + (self.lora is not None), len(self.token_buckets),
@@ -189,7 +195,7 @@ class Runner:
         before = self._compiles_here()
         compiled = self._make_program(bucket)
         with self._stats_lock:
-            self.stats.compilations += self._compiles_here() - before
+            self.stats.compilations += (self._compiles_here() - before).total
         return compiled
 
     def _make_program(self, bucket: Bucket) -> jax.stages.Compiled:
@@ -237,9 +243,9 @@ class Runner:
         return jax.ShapeDtypeStruct(self._no_tokens.shape, np.int32,
                                     sharding=self._token_sharding)
 
-    def _compiles_here(self) -> int:
+    def _compiles_here(self) -> Compiles:
         """Compilations (loads included) of this runner's kinds of program on this thread."""
-        return compile_count(*_PROGRAM_NAMES, this_thread=True)
+        return compiles_by_name(*_PROGRAM_NAMES, this_thread=True)
 
     def mark_warm(self) -> None:
         """Declare warm-up over: from now on a compilation is counted (and raises in debug)."""
@@ -466,20 +472,22 @@ class Runner:
                              self.grammar_executor)
         return self._put(mask)
 
-    def _account_compiles(self, compiles_before: int, seconds: float, num_tokens: int) -> None:
+    def _account_compiles(self, compiles_before: Compiles, seconds: float,
+                          num_tokens: int) -> None:
         s = self.stats
         new = self._compiles_here() - compiles_before
         with self._stats_lock:
-            s.compilations += new
-        if new:
+            s.compilations += new.total
+        if new.total:
             s.compile_seconds += seconds
-        if self.warm and new:
-            s.compilations_after_warmup += new
+        if self.warm and new.total:
+            s.compilations_after_warmup += new.total
+            message = (f"{new.total} compilation(s) after warm-up in a step of {num_tokens} "
+                       f"tokens: {new}; buckets: tokens {self.token_buckets}, requests "
+                       f"{self.request_buckets}")
             if self.config.debug_recompiles:
-                raise RecompileError(
-                    f"{new} compilation(s) after warm-up in a step of {num_tokens} tokens; "
-                    f"buckets: tokens {self.token_buckets}, requests {self.request_buckets}"
-                )
+                raise RecompileError(message)
+            logger.warning("%s", message)
 
 
 def _lora_inputs(model: ModelFns, config: RunnerConfig) -> LoRAInputs | None:

@@ -18,7 +18,12 @@ import pytest
 
 from jaxengine.model.fake import fake_model
 from jaxengine.runner.compilation_cache import ENV, configure, default_cache_dir, resolve_cache_dir
-from jaxengine.runner.compiles import cache_hit_count, compile_count, ensure_listener
+from jaxengine.runner.compiles import (
+    cache_hit_count,
+    compile_count,
+    compiles_by_name,
+    ensure_listener,
+)
 from jaxengine.runner.config import RunnerConfig
 from jaxengine.runner.penalty_inputs import WRITE_SLOT_NAME
 from jaxengine.runner.programs import SAMPLE_NAME, STEP_NAME
@@ -75,11 +80,15 @@ def test_a_program_loaded_from_the_cache_counts_as_a_compilation_and_a_hit(cache
     ensure_listener()
     name, x = "jaxengine_cache_probe", jnp.ones((8, 8))
     before, hits = compile_count(name), cache_hit_count(name)
+    by_name = compiles_by_name(name, "jaxengine_model_step", this_thread=True)
     _probe()(x).block_until_ready()
     assert (compile_count(name) - before, cache_hit_count(name) - hits) == (1, 0)
     assert len(list(cache_at.glob("jit_jaxengine_cache_probe-*"))) == 1  # written
     _probe()(x).block_until_ready()  # another function object: read back from the directory
     assert (compile_count(name) - before, cache_hit_count(name) - hits) == (2, 1)
+    # by name, as a RecompileError says what compiled
+    new = compiles_by_name(name, "jaxengine_model_step", this_thread=True) - by_name
+    assert (new.total, str(new)) == (2, "jit(jaxengine_cache_probe) x2 (1 from the cache)")
     configure("")  # disabled: compiled again, nothing read
     _probe()(x).block_until_ready()
     assert (compile_count(name) - before, cache_hit_count(name) - hits) == (3, 1)
