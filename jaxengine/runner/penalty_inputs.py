@@ -82,6 +82,11 @@ class PenaltyInputs:
         self.sharding = sharding
         self.tables: RequestTables = jax.tree.map(put, init_tables(num_slots, vocab_size))
         self.slots = TableSlots(num_slots)
+        # The slot writer: jitted until `precompile_write_slot` gives its executable, which is
+        # called from then on. The tables come back from the sampler committed to the weights'
+        # devices, which a jit cache entry lowered for unplaced shapes does not match: the
+        # jitted writer would compile again (docs/JAX_NOTES.md, "Counting compilations").
+        self._write_slot: Callable[..., RequestTables] = _jitted_write_slot
 
     def spec(self) -> RequestTables:
         """The tables as `ShapeDtypeStruct`s, for lowering the programs that take them."""
@@ -89,12 +94,14 @@ class PenaltyInputs:
                                                            sharding=self.sharding), self.tables)
 
     def precompile_write_slot(self, prev_tokens: jax.ShapeDtypeStruct) -> None:
-        """AOT-compile the slot writer (`prev_tokens`: the spec of a step's token array)."""
+        """AOT-compile the slot writer, which later writes call (`prev_tokens`: the spec of a
+        step's token array)."""
         V = self.vocab_size
         spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
-        _jitted_write_slot.lower(self.spec(), spec(np.int32(0)), spec(np.zeros(V, np.float32)),
-                                 spec(np.zeros(V, bool)), spec(np.zeros(V, np.int32)),
-                                 prev_tokens, spec(np.int32(0))).compile()
+        self._write_slot = _jitted_write_slot.lower(
+            self.spec(), spec(np.int32(0)), spec(np.zeros(V, np.float32)),
+            spec(np.zeros(V, bool)), spec(np.zeros(V, np.int32)), prev_tokens,
+            spec(np.int32(0))).compile()
 
     def adjustments(self, sampling_ids: Sequence[str], rows: Mapping[str, SamplingRow],
                     size: int, in_prev: Mapping[str, int], prev_tokens: jax.Array
@@ -135,8 +142,8 @@ class PenaltyInputs:
     def _write(self, slot: int, row: SamplingRow, prev_tokens: jax.Array, prev_row: int) -> None:
         bias, prompt, counts = slot_rows(row.params, row.prompt_token_ids, row.output_token_ids,
                                          row.bad_words_token_ids, self.vocab_size)
-        self.tables = _jitted_write_slot(self.tables, np.int32(slot), bias, prompt, counts,
-                                         prev_tokens, np.int32(prev_row))
+        self.tables = self._write_slot(self.tables, np.int32(slot), bias, prompt, counts,
+                                       prev_tokens, np.int32(prev_row))
 
 
 def jaxengine_write_slot(tables: RequestTables, slot: jax.Array, bias: jax.Array,

@@ -5,6 +5,9 @@ through preemption and aborts; nothing compiles after warm-up; bad values name t
 
 from __future__ import annotations
 
+import dataclasses
+
+import jax
 import numpy as np
 import pytest
 
@@ -105,6 +108,28 @@ def test_nothing_compiles_after_warm_up_with_penalties_on_and_off(async_scheduli
         engine.add_request(f"r{i}", {"prompt_token_ids": p}, sp)
     while engine.has_unfinished_requests():
         engine.step()  # debug_recompiles: a compilation here raises
+    assert engine.runner.stats.compilations_after_warmup == 0
+
+
+
+def test_a_slot_written_after_the_sampler_ran_compiles_nothing() -> None:
+    # Weights committed to a device, as a loaded model's are: the sampler's outputs, and with
+    # them the penalty tables, are committed too, and a jit entry lowered for unplaced shapes
+    # misses them. A penalty request joining after a first step writes its slot into those
+    # (a vocabulary of its own: no other test's writer is in jit's cache for these shapes).
+    fake = fake_model.__wrapped__(83)
+    model = dataclasses.replace(fake, params=jax.device_put(fake.params, jax.devices()[0]))
+    engine = engine_over(model, EngineArgs(max_num_batched_tokens=8, max_num_seqs=2,
+                                           block_size=4, precompile=True,
+                                           debug_recompiles=True),
+                         tokenizer=None, max_model_len=32, num_blocks=20)
+    engine.add_request("plain", {"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=3))
+    engine.step()
+    assert engine.runner.penalties.tables.output_counts.committed  # the sampler's
+    engine.add_request("penalized", {"prompt_token_ids": [3]},
+                       SamplingParams(max_tokens=2, presence_penalty=1.0))
+    while engine.has_unfinished_requests():
+        engine.step()  # debug_recompiles: the slot writer compiling here would raise
     assert engine.runner.stats.compilations_after_warmup == 0
 
 
