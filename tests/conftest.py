@@ -25,6 +25,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 
 import pytest
@@ -34,6 +35,7 @@ import pytest
 CACHE_ENV = "JAXENGINE_COMPILATION_CACHE_DIR"
 SUITE_CACHE_ENV = "JAXENGINE_TEST_SUITE_CACHE"  # the run's directory, seen by xdist's workers
 WEIGHT_CACHE_ENV = "JAXENGINE_WEIGHT_CACHE_DIR"  # jaxengine.loading.weight_cache.ENV
+PROGRAMS_THREAD = "jaxengine-programs"  # jaxengine.runner.bucket_programs.THREAD_NAME
 _made: list[str] = []
 _made_weights: list[str] = []
 
@@ -55,8 +57,12 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    """Remove the directories `pytest_configure` made."""
+    """Remove the directories `pytest_configure` made, once the background program making of
+    the engines tests left unshut has ended (it writes into the compilation cache)."""
     del config
+    for thread in threading.enumerate():
+        if thread.name == PROGRAMS_THREAD:
+            thread.join()
     for path in _made:
         shutil.rmtree(path, ignore_errors=True)
         os.environ.pop(CACHE_ENV, None)

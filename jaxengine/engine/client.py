@@ -120,3 +120,8 @@ class EngineClient(Protocol):
           SamplingParamsError: the grammar does not compile, or the engine has no tokenizer.
         """
         ...
+
+    def shutdown(self) -> None:
+        """Stop what the engine runs in the background (its runners' program making) and
+        wait for it; the engine must not step afterwards. Idempotent."""
+        ...

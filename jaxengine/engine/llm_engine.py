@@ -482,6 +482,12 @@ class LLMEngine:
         self._note_scheduled(plan)
         return self._merged(failed + verified + self._loop.step(state, before, plan))
 
+    def shutdown(self) -> None:
+        """Stop the runner's background program making (`Runner.shutdown`; what a process
+        that exits would otherwise wait for). Call it before dropping an engine in a process
+        that goes on; the engine must not step afterwards. Idempotent."""
+        self.runner.shutdown()
+
     def _verify(self, plan: SchedulerOutput, rows: dict[str, list[SampledToken]],
                 dropped: set[str] | None = None
                 ) -> tuple[dict[str, list[SampledToken]], SpecDecodingStats | None]:

@@ -69,6 +69,9 @@ class CostModelRunner:
     def precompile(self, *, background: bool = False) -> None:
         """Nothing compiles, here or in the background."""
 
+    def shutdown(self) -> None:
+        """Nothing runs in the background to stop."""
+
     def dispatch(self, out: SchedulerOutput, rows: Mapping[str, SamplingRow],
                  prev: PricedStep | None = None, *, lora_slots: Mapping[str, int] | None = None
                  ) -> PricedStep | None:

@@ -191,6 +191,11 @@ class DataParallelEngine:
                 outputs += step_outputs
         return outputs
 
+    def shutdown(self) -> None:
+        """Shut every replica down (`LLMEngine.shutdown`)."""
+        for replica in self.replicas:
+            replica.shutdown()
+
 
 def device_groups(data_parallel_size: int, tensor_parallel_size: int,
                   devices: Sequence[jax.Device] | None = None) -> list[list[jax.Device]]:

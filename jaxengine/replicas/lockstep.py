@@ -236,11 +236,13 @@ class LeaderEngine:
             return self._engine.step()
 
     def shutdown(self) -> None:
-        """Tell the followers to return (after any step in flight); later calls do nothing."""
+        """Tell the followers to return (after any step in flight), and shut the engine down
+        (`LLMEngine.shutdown`); later calls do nothing."""
         with self._lock:
             if not self._closed:
                 self._exchange(self._take(shutdown=True))
                 self._closed = True
+                self._engine.shutdown()
 
     def _take(self, *, shutdown: bool) -> StepInputs:
         inputs = StepInputs(new_requests=tuple(self._new), aborts=tuple(self._aborts),

@@ -3,7 +3,8 @@ request bucket, each made (`make_program`: loaded whole, else compiled and saved
 the runner is ready or afterwards, on a background thread (`Runner.precompile`).
 
 A step that needs a program still being made there waits for it: a program is made once,
-never a second time on the request path.
+never a second time on the request path. `stop` ends the background making (a runner's
+`shutdown`): the program in progress is finished, the others are never made.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from jaxengine.runner.compiles import cache_hit_count, record_load
 logger = logging.getLogger("jaxengine.runner")
 
 Bucket = tuple[str, int]  # ("step", tokens) or ("sample", requests)
+THREAD_NAME = "jaxengine-programs"  # the background threads' name
 
 
 class BucketPrograms:
@@ -34,7 +36,9 @@ class BucketPrograms:
     def __init__(self) -> None:
         self._programs: dict[Bucket, Future[jax.stages.Compiled]] = {}
         self._pending: list[Bucket] = []  # left to the background thread, not started yet
-        self._lock = threading.Lock()  # guards `_pending`
+        self._lock = threading.Lock()  # guards `_pending` and `_stopped`
+        self._threads: list[threading.Thread] = []  # one per `make_later`
+        self._stopped = False  # `stop` was called: nothing more is made
 
     def put(self, bucket: Bucket, compiled: jax.stages.Compiled) -> None:
         """`bucket`'s program, ready now."""
@@ -49,12 +53,27 @@ class BucketPrograms:
         with self._lock:
             for bucket in buckets:
                 self._programs[bucket] = program = Future()
-                program.add_done_callback(functools.partial(_log_failure, bucket))
+                program.add_done_callback(functools.partial(self._log_failure, bucket))
                 self._pending.append(bucket)
         # Not a daemon: a process that exits first waits for these, so they are saved for the
         # next start.
-        threading.Thread(target=self._make_pending, args=(make,),
-                         name="jaxengine-programs").start()
+        thread = threading.Thread(target=self._make_pending, args=(make,),
+                                  name=THREAD_NAME)
+        self._threads.append(thread)
+        thread.start()
+
+    def stop(self) -> None:
+        """Make nothing more in the background: the programs not started are cancelled (a
+        `get` of one raises), the one in progress is finished (XLA cannot be interrupted);
+        returns once the background threads have ended. A failure after this is only logged
+        at debug level (its runner is gone, and maybe the cache directory it wrote to)."""
+        with self._lock:
+            self._stopped = True
+            for bucket in self._pending:
+                self._programs[bucket].cancel()
+            self._pending.clear()
+        for thread in self._threads:
+            thread.join()
 
     def _make_pending(self, make: Callable[[Bucket], jax.stages.Compiled]) -> None:
         """The background thread: make the pending programs, front first, until none is left."""
@@ -82,6 +101,9 @@ class BucketPrograms:
         program = self._programs.get(bucket)
         if program is None:
             return None
+        if program.cancelled():
+            raise RuntimeError(f"the {bucket[0]} program of {bucket[1]} was never made: its "
+                               f"runner was shut down")
         if not program.done():
             with self._lock:
                 if bucket in self._pending:
@@ -97,12 +119,13 @@ class BucketPrograms:
         for program in list(self._programs.values()):
             program.result()
 
-
-def _log_failure(bucket: Bucket, program: Future[jax.stages.Compiled]) -> None:
-    """Say at once when a background program failed (a step needing it raises the error)."""
-    if not program.cancelled() and (error := program.exception()) is not None:
-        logger.error("making the %s program of %d in the background failed: %s: %s",
-                     bucket[0], bucket[1], type(error).__name__, error)
+    def _log_failure(self, bucket: Bucket, program: Future[jax.stages.Compiled]) -> None:
+        """Say at once when a background program failed (a step needing it raises the
+        error); quietly once stopped."""
+        if not program.cancelled() and (error := program.exception()) is not None:
+            logger.log(logging.DEBUG if self._stopped else logging.ERROR,
+                       "making the %s program of %d in the background failed: %s: %s",
+                       bucket[0], bucket[1], type(error).__name__, error)
 
 
 def make_program(bucket: Bucket, name: str, jitted: Any, args: tuple[Any, ...],

@@ -189,6 +189,13 @@ class Runner:
         made (at once if none are)."""
         self._executables.wait()
 
+    def shutdown(self) -> None:
+        """Stop making programs in the background (`precompile(background=True)`): the one in
+        progress is finished, the rest are never made (nor saved for a later start); returns
+        once the background thread has ended. A step needing one never made raises
+        afterwards. Idempotent."""
+        self._executables.stop()
+
     def _make_program_counted(self, bucket: Bucket) -> jax.stages.Compiled:
         """`_make_program`, its compilations (and loads) added to the stats (a background
         thread's)."""

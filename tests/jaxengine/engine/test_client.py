@@ -4,7 +4,10 @@ own, not forwarded), and the members that differ between them (`replicas`,
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -14,6 +17,8 @@ from jaxengine.engine.llm_engine import LLMEngine
 from jaxengine.model.fake import fake_model
 from jaxengine.replicas.data_parallel import DataParallelEngine
 from jaxengine.replicas.lockstep import LeaderEngine
+from jaxengine.runner import runner as runner_module
+from jaxengine.runner.bucket_programs import THREAD_NAME, make_program
 from jaxengine.structured import StructuredOutputsParams
 from scheduler import SamplingParams, SamplingParamsError
 from tests.engine_helpers import engine_over
@@ -21,7 +26,7 @@ from tests.jaxengine.engine.test_llm_engine import V, make_engine
 
 MEMBERS = {"args", "tokenizer", "max_model_len", "vocab_size", "scheduler_config", "replicas",
            "add_request", "abort_request", "has_unfinished_requests", "step",
-           "compile_grammar", "add_lora", "remove_lora", "list_loras"}
+           "compile_grammar", "add_lora", "remove_lora", "list_loras", "shutdown"}
 ENGINES: dict[str, Callable[[], EngineClient]] = {
     "plain": make_engine,
     "data_parallel": lambda: DataParallelEngine([make_engine(), make_engine()]),
@@ -84,3 +89,27 @@ def test_only_the_plain_engine_compiles_a_grammar_up_front() -> None:
     # These compile in add_request, on the replica (or every process) the request reaches.
     DataParallelEngine([_untokenized()]).compile_grammar(REGEX)
     LeaderEngine(_untokenized()).compile_grammar(REGEX)
+
+
+@pytest.mark.parametrize("kind", sorted(ENGINES))
+def test_shutdown_ends_the_background_program_making(kind: str,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    # Background programs made slowly: without shutdown their threads would outlive it.
+    def slow_make(*args: Any, **kwargs: Any) -> Any:
+        if threading.current_thread().name == THREAD_NAME:
+            time.sleep(0.2)
+        return make_program(*args, **kwargs)
+
+    monkeypatch.setattr(runner_module, "make_program", slow_make)
+    others = set(threading.enumerate())
+    make = lambda: make_engine(precompile=True)  # noqa: E731
+    engine = {"plain": make, "data_parallel": lambda: DataParallelEngine([make(), make()]),
+              "lockstep": lambda: LeaderEngine(make())}[kind]()
+    engine.shutdown()
+    assert not [t for t in threading.enumerate() if t.name == THREAD_NAME and t not in others]
+    engine.shutdown()  # idempotent
+    replica = engine.replicas[0]  # the largest token bucket's step was never made
+    replica.add_request("long", {"prompt_token_ids": list(range(1, 31))},
+                        SamplingParams(max_tokens=1))
+    with pytest.raises(RuntimeError, match="never made: its runner was shut down"):
+        replica.step()
