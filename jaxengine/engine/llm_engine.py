@@ -14,8 +14,9 @@ N's tokens and detokenizes and updates them. The host's scheduling and packing o
 the device's step N, and its output work for N overlaps step N+1; no thread is involved.
 Outputs are those of the synchronous loop, one call later.
 
-A KV connector, when one is configured (host offloading, `kv_offload/`, or prefill/decode
-disaggregation, `kv_transfer/`), answers every `schedule()` call, and its worker carries out
+The engine's `KVWorker` (`jaxengine/kv_connector`: host offloading's, `kv_offload/`, prefill/
+decode disaggregation's, `kv_transfer/`, or the base one that moves nothing) is called at the
+same points whichever it is: its connector answers every `schedule()` call, and it carries out
 the plan's transfers between `schedule` and the step's dispatch.
 
 Structured outputs (docs/DESIGN.md, "Structured outputs"): `add_request` submits the grammar to
@@ -49,13 +50,9 @@ from jaxengine.engine.parallel_sampling import ParentRequest, child_params
 from jaxengine.engine.prompt_logprob_outputs import record_prompt_logprobs
 from jaxengine.engine.request_state import TrackedRequest
 from jaxengine.engine.stats import IterationStats, StatLogger
-from jaxengine.kv_offload import offloading_worker
-from jaxengine.kv_transfer import (
-    RemoteDecode,
-    RemoteHandle,
-    kv_transfer_params_of,
-    kv_transfer_worker,
-)
+from jaxengine.kv_connector import KVWorker
+from jaxengine.kv_offload import OffloadingWorker, offloading_worker
+from jaxengine.kv_transfer import KVTransferWorker, kv_transfer_params_of, kv_transfer_worker
 from jaxengine.model.fns import ModelFns
 from jaxengine.runner.config import RunnerConfig
 from jaxengine.runner.in_flight import InFlight, SampledToken
@@ -68,7 +65,6 @@ from jaxengine.spec.metrics import SpecDecodingStats
 from jaxengine.structured.compiler import GrammarCompiler
 from jaxengine.structured.params import StructuredOutputsParams
 from scheduler import (
-    KVConnector,
     LoRARequest,
     Request,
     RequestDelta,
@@ -153,10 +149,11 @@ class LLMEngine:
             async_scheduling=config.scheduler.async_scheduling)
         if config.precompile:  # ready once a first short request can run; the rest follows
             self.runner.precompile(background=True)
-        # Host offloading (kv_offloading_size): its connector answers every schedule() call.
-        self.kv_offload = offloading_worker(config, self.runner, model.kv_page_axis)
-        # P/D disaggregation (kv_transfer_config): a producer's or a consumer's transfers.
-        self.kv_transfer = kv_transfer_worker(config, self.runner, model.kv_page_axis)
+        # Host offloading (kv_offloading_size) or P/D disaggregation (kv_transfer_config):
+        # `EngineArgs` allow one of them; without either the base worker moves nothing.
+        self.kv_worker: KVWorker = (
+            offloading_worker(config, self.runner, model.kv_page_axis)
+            or kv_transfer_worker(config, self.runner, model.kv_page_axis) or KVWorker())
         self.clock = clock
         self._on_schedule = on_schedule
         self._seeds = random.Random(config.seed)
@@ -175,12 +172,14 @@ class LLMEngine:
                                                                     _lora_slots(self.runner))
 
     @property
-    def _kv_connector(self) -> KVConnector | None:
-        """What schedule() and the updates ask (None without offloading or a transfer
-        config; `EngineArgs` allow one of them); a test may swap the worker or its connector."""
-        if self.kv_transfer is not None:
-            return self.kv_transfer.connector
-        return None if self.kv_offload is None else self.kv_offload.connector
+    def kv_offload(self) -> OffloadingWorker | None:
+        """The KV worker if it is host offloading's (its store), else None."""
+        return self.kv_worker if isinstance(self.kv_worker, OffloadingWorker) else None
+
+    @property
+    def kv_transfer(self) -> KVTransferWorker | None:
+        """The KV worker if it is P/D disaggregation's (its server), else None."""
+        return self.kv_worker if isinstance(self.kv_worker, KVTransferWorker) else None
 
     @property
     def max_model_len(self) -> int:
@@ -297,10 +296,9 @@ class LLMEngine:
         # output; its new state is a value, kept only once the engine's own check passes too.
         state = add_request(self.state, request)
         inputs.check_fits_pool(request_id, len(ids), params, self.scheduler_config)
-        transfer = self._check_kv_transfer(params, len(ids))
+        asked = self._check_kv_transfer(params, len(ids))
         self.state = state
-        if self.kv_transfer is not None:
-            self.kv_transfer.add_request(request_id, transfer)
+        self.kv_worker.add_request(request_id, asked)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(32)
         detok = None
         if self.tokenizer is not None:
@@ -315,22 +313,18 @@ class LLMEngine:
         if params.structured_outputs is not None:  # WAITING_FOR_FSM until it compiles
             self.grammars.submit(request_id, params.structured_outputs)
 
-    def _check_kv_transfer(self, params: SamplingParams, num_prompt_tokens: int
-                           ) -> RemoteDecode | RemoteHandle | None:
-        """What a request's kv_transfer_params (in `params.extra_args`) ask of the transfer
-        worker (`KVTransferWorker.check_request`); None without them.
+    def _check_kv_transfer(self, params: SamplingParams, num_prompt_tokens: int) -> object:
+        """What a request's kv_transfer_params (in `params.extra_args`) ask of the KV worker
+        (`KVWorker.check_request`); None without them.
 
         Raises:
-          ValueError: they are given to an engine without kv_transfer_config, or cannot be
-            served here (the message names the key).
+          ValueError: they cannot be served here, e.g. by an engine without
+            kv_transfer_config (the message names the key).
         """
         kv_params = kv_transfer_params_of(params.extra_args)
         if kv_params is None:
             return None
-        if self.kv_transfer is None:
-            raise ValueError("kv_transfer_params need an engine started with "
-                             "kv_transfer_config (a prefill or decode instance)")
-        return self.kv_transfer.check_request(kv_params, num_prompt_tokens)
+        return self.kv_worker.check_request(kv_params, num_prompt_tokens)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
         """Finish requests now and free their KV blocks (a request of n samples: its
@@ -350,13 +344,9 @@ class LLMEngine:
             self.grammars.forget(t.request_id)
         self._loop.drop(t.request_id for t in live)
         self.state = abort_requests(self.state, [t.request_id for t in live],
-                                    kv_connector=self._kv_connector)
-        if self.kv_transfer is not None:
-            for t in live:
-                self.kv_transfer.finish_request(t.request_id, held_blocks=None,
-                                                num_prompt_tokens=len(t.prompt_token_ids))
+                                    kv_connector=self.kv_worker.connector)
         stats = IterationStats(timestamp=self.clock())
-        outputs = [t.abort(stats.timestamp) for t in live]
+        outputs = [self._with_kv_transfer_params(t, t.abort(stats.timestamp)) for t in live]
         stats.finished_requests.extend(t.finished_stats() for t in live)
         self._record(stats)
         return self._merged(outputs)
@@ -426,14 +416,11 @@ class LLMEngine:
         its weights.
 
         Raises:
-          ValueError: a request is unfinished; KV offloading is on (its host store holds
-            KV of the old weights); `params` not of the model's structure, shapes and dtypes
-            (the first leaf that differs named). Nothing changes.
+          ValueError: a request is unfinished; the KV worker refuses (KV offloading: its
+            host store holds KV of the old weights); `params` not of the model's structure,
+            shapes and dtypes (the first leaf that differs named). Nothing changes.
         """
-        if self.kv_offload is not None:
-            raise ValueError("update_weights is not supported with kv_offloading_size (the "
-                             "host KV store would serve KV of the old weights); build the "
-                             "engine without KV offloading")
+        self.kv_worker.check_update_weights()
         if self.has_unfinished_requests():
             raise ValueError(f"update_weights: {self.get_num_unfinished_requests()} requests "
                              f"are unfinished; let them finish (or abort them) first")
@@ -471,14 +458,12 @@ class LLMEngine:
         verified = self._loop.finish_verifying()
         before = self.state
         # Pure scheduler: if anything below raises, self.state is still the old, consistent one.
-        state, plan = schedule(before, self._kv_connector)
+        state, plan = schedule(before, self.kv_worker.connector)
         if self._on_schedule is not None:
             self._on_schedule(before, state, plan)
-        if self.kv_offload is not None:  # copies out and in, before the step overwrites them
-            self.kv_offload.start_step(plan, state)
-        if self.kv_transfer is not None:
-            self.kv_transfer.start_step(plan, idle=not plan.num_scheduled_tokens
-                                        and self._loop.in_flight is None)
+        # Copies out and in before the step overwrites or reads the blocks
+        self.kv_worker.start_step(plan, state, idle=not plan.num_scheduled_tokens
+                                  and self._loop.in_flight is None)
         self._note_scheduled(plan)
         return self._merged(failed + verified + self._loop.step(state, before, plan))
 
@@ -526,17 +511,15 @@ class LLMEngine:
         stopped = self._detokenize(sampled)  # before update: a stop string ends the request there
         drafts = (None if self.speculator is None
                   else self.speculator.propose(self._tracked, sampled, stopped, in_flight))
-        kv_output = (self.kv_offload.take_output() if self.kv_offload is not None
-                     else None if self.kv_transfer is None else self.kv_transfer.take_output())
         self.state, deltas = update_from_output(
             state, plan, {rid: [t.token_id for t in ts] for rid, ts in sampled.items()}, drafts,
-            stopped=stopped,
-            kv_connector=self._kv_connector, kv_connector_output=kv_output)
+            stopped=stopped, kv_connector=self.kv_worker.connector,
+            kv_connector_output=self.kv_worker.take_output())
         now = self.clock()
-        # The step's statistics are made only for their readers: the stat loggers and the
-        # offloading worker (which moves its transfers into them).
+        # The step's statistics are made only for their readers: the stat loggers and a KV
+        # worker that records into them (offloading moves its transfers there).
         stats = None
-        if self.stat_loggers or self.kv_offload is not None:
+        if self.stat_loggers or self.kv_worker.records_stats:
             stats = IterationStats.between(before.counters, self.state.counters, timestamp=now)
             stats.spec_decoding = spec_decoding
         outputs = []
@@ -604,26 +587,25 @@ class LLMEngine:
             self._loop.drop((delta.request_id,))
             if stats is not None:
                 stats.finished_requests.append(tracked.finished_stats())
-            if self.kv_transfer is not None:
-                return self._with_kv_transfer_params(tracked)
+            return self._with_kv_transfer_params(tracked, tracked.output())
         elif tracked.params.output_kind is RequestOutputKind.FINAL_ONLY:
             return None
         return tracked.output()
 
-    def _with_kv_transfer_params(self, tracked: TrackedRequest) -> RequestOutput:
-        """A finished request's output, with the handle a consumer fetches its KV by when the
-        scheduler holds its blocks for a pickup (vLLM's `RequestOutput.kv_transfer_params`)."""
-        assert self.kv_transfer is not None
+    def _with_kv_transfer_params(self, tracked: TrackedRequest, out: RequestOutput
+                                 ) -> RequestOutput:
+        """A finished or aborted request's final output `out`, with what the KV worker gives
+        it, told whether the scheduler holds its blocks (a producer's handle, by which a
+        consumer fetches its KV: vLLM's `RequestOutput.kv_transfer_params`)."""
         rid = tracked.request_id
         held = self.state.kv_transfers.held.get(rid)
-        handle = self.kv_transfer.finish_request(
+        params = self.kv_worker.finish_request(
             rid, held_blocks=None if held is None else held.block_ids,
             num_prompt_tokens=len(tracked.prompt_token_ids))
-        return dataclasses.replace(tracked.output(), kv_transfer_params=handle)
+        return out if params is None else dataclasses.replace(out, kv_transfer_params=params)
 
     def _record(self, stats: IterationStats) -> None:
-        if self.kv_offload is not None:
-            self.kv_offload.record(stats)
+        self.kv_worker.record(stats)
         if not self.stat_loggers:
             return
         scheduler_stats = self.state.stats
