@@ -8,14 +8,13 @@ the step's statistics to `stat_loggers`. The scheduler state is a value held her
 
 The loop itself is one of two, picked once when the engine is built (`engine/loops.py`):
 `SyncLoop` finishes each plan in the call that made it; with `async_scheduling`
-(docs/DESIGN.md, "Async scheduling") `AsyncLoop` schedules step N+1 (its decodes read
-placeholders), dispatches it — JAX enqueues it behind step N and returns — then waits for step
-N's tokens and detokenizes and updates them. The host's scheduling and packing of N+1 overlap
-the device's step N, and its output work for N overlaps step N+1; no thread is involved.
-Outputs are those of the synchronous loop, one call later.
+(docs/DESIGN.md, "Async scheduling") `AsyncLoop` overlaps the host's work on one step with the
+device's on the next, its outputs those of the synchronous loop, one call later. Both finish a
+collected step with the stages of `engine/step_outputs.py`.
 
-A KV connector, when one is configured (host offloading, `kv_offload/`, or prefill/decode
-disaggregation, `kv_transfer/`), answers every `schedule()` call, and its worker carries out
+The engine's `KVWorker` (`jaxengine/kv_connector`: host offloading's, `kv_offload/`, prefill/
+decode disaggregation's, `kv_transfer/`, or the base one that moves nothing) is called at the
+same points whichever it is: its connector answers every `schedule()` call, and it carries out
 the plan's transfers between `schedule` and the step's dispatch.
 
 Structured outputs (docs/DESIGN.md, "Structured outputs"): `add_request` submits the grammar to
@@ -30,7 +29,6 @@ the forward runs, and its sampler dispatched last (vLLM's order).
 from __future__ import annotations
 
 import dataclasses
-import logging
 import random
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -39,40 +37,28 @@ from typing import Any
 from jaxengine.config import EngineConfig
 from jaxengine.engine import inputs
 from jaxengine.engine.args import EngineArgs
-from jaxengine.engine.detokenizer import IncrementalDetokenizer
 from jaxengine.engine.grammars import Grammars
 from jaxengine.engine.inputs import PromptType, TokenizerLike
 from jaxengine.engine.loops import AsyncLoop, SyncLoop
 from jaxengine.engine.loras import LoRAAdapters
 from jaxengine.engine.outputs import RequestOutput
-from jaxengine.engine.parallel_sampling import ParentRequest, child_params
-from jaxengine.engine.prompt_logprob_outputs import record_prompt_logprobs
+from jaxengine.engine.parallel_sampling import ParentRequest, ParentRequests, child_params
 from jaxengine.engine.request_state import TrackedRequest
 from jaxengine.engine.stats import IterationStats, StatLogger
-from jaxengine.kv_offload import offloading_worker
-from jaxengine.kv_transfer import (
-    RemoteDecode,
-    RemoteHandle,
-    kv_transfer_params_of,
-    kv_transfer_worker,
-)
+from jaxengine.kv_connector import KVWorker
+from jaxengine.kv_offload import OffloadingWorker, offloading_worker
+from jaxengine.kv_transfer import KVTransferWorker, kv_transfer_params_of, kv_transfer_worker
 from jaxengine.model.fns import ModelFns
 from jaxengine.runner.config import RunnerConfig
-from jaxengine.runner.in_flight import InFlight, SampledToken
 from jaxengine.runner.lora_inputs import LoRAInputs
 from jaxengine.runner.runner import Runner
 from jaxengine.sampling.bad_words import tokenize_bad_words
-from jaxengine.sampling.rows import SamplingRow
 from jaxengine.spec.factory import make_speculator
-from jaxengine.spec.metrics import SpecDecodingStats
 from jaxengine.structured.compiler import GrammarCompiler
 from jaxengine.structured.params import StructuredOutputsParams
 from scheduler import (
-    KVConnector,
     LoRARequest,
     Request,
-    RequestDelta,
-    RequestOutputKind,
     SamplingParams,
     SchedulerOutput,
     SchedulerState,
@@ -82,10 +68,7 @@ from scheduler import (
     init_state,
     reset_prefix_cache,
     schedule,
-    update_from_output,
 )
-
-logger = logging.getLogger("jaxengine.engine")
 
 
 def _lora_slots(runner: Runner) -> LoRAInputs:
@@ -110,6 +93,7 @@ class LLMEngine:
 
     `stat_loggers` (a list; append to it) receive every step's `SchedulerStats` and
     `IterationStats`, and an `IterationStats` of the requests each `abort_request` finished.
+    `kv_worker` (a `KVWorker`) moves KV blocks between the pool and a store outside it.
     """
 
     def __init__(self, model: ModelFns, args: EngineArgs, config: EngineConfig, *,
@@ -153,17 +137,16 @@ class LLMEngine:
             async_scheduling=config.scheduler.async_scheduling)
         if config.precompile:  # ready once a first short request can run; the rest follows
             self.runner.precompile(background=True)
-        # Host offloading (kv_offloading_size): its connector answers every schedule() call.
-        self.kv_offload = offloading_worker(config, self.runner, model.kv_page_axis)
-        # P/D disaggregation (kv_transfer_config): a producer's or a consumer's transfers.
-        self.kv_transfer = kv_transfer_worker(config, self.runner, model.kv_page_axis)
+        # Host offloading (kv_offloading_size) or P/D disaggregation (kv_transfer_config):
+        # `EngineArgs` allow one of them; without either the base worker moves nothing.
+        self.kv_worker: KVWorker = (
+            offloading_worker(config, self.runner, model.kv_page_axis)
+            or kv_transfer_worker(config, self.runner, model.kv_page_axis) or KVWorker())
         self.clock = clock
         self._on_schedule = on_schedule
         self._seeds = random.Random(config.seed)
         self._tracked: dict[str, TrackedRequest] = {}
-        # Requests of n > 1 samples by their id, and by each unfinished child's id
-        self._parents: dict[str, ParentRequest] = {}
-        self._parent_of: dict[str, ParentRequest] = {}
+        self._parents = ParentRequests()  # requests of n > 1 samples
         self.stat_loggers: list[StatLogger] = list(stat_loggers)
         # The step loop, chosen once: async scheduling's holds the step in flight.
         self._loop = AsyncLoop(self) if config.scheduler.async_scheduling else SyncLoop(self)
@@ -175,12 +158,14 @@ class LLMEngine:
                                                                     _lora_slots(self.runner))
 
     @property
-    def _kv_connector(self) -> KVConnector | None:
-        """What schedule() and the updates ask (None without offloading or a transfer
-        config; `EngineArgs` allow one of them); a test may swap the worker or its connector."""
-        if self.kv_transfer is not None:
-            return self.kv_transfer.connector
-        return None if self.kv_offload is None else self.kv_offload.connector
+    def kv_offload(self) -> OffloadingWorker | None:
+        """The KV worker if it is host offloading's (its store), else None."""
+        return self.kv_worker if isinstance(self.kv_worker, OffloadingWorker) else None
+
+    @property
+    def kv_transfer(self) -> KVTransferWorker | None:
+        """The KV worker if it is P/D disaggregation's (its server), else None."""
+        return self.kv_worker if isinstance(self.kv_worker, KVTransferWorker) else None
 
     @property
     def max_model_len(self) -> int:
@@ -269,8 +254,7 @@ class LLMEngine:
         except BaseException:
             self.abort_request(added)  # the children before the one refused (none, as a rule)
             raise
-        self._parents[request_id] = parent
-        self._parent_of.update(dict.fromkeys(added, parent))
+        self._parents.add(parent)
 
     def _add_one(self, request_id: str, prompt: PromptType, params: SamplingParams,
                  arrival: float, priority: int,
@@ -297,40 +281,16 @@ class LLMEngine:
         # output; its new state is a value, kept only once the engine's own check passes too.
         state = add_request(self.state, request)
         inputs.check_fits_pool(request_id, len(ids), params, self.scheduler_config)
-        transfer = self._check_kv_transfer(params, len(ids))
+        kv_params = kv_transfer_params_of(params.extra_args)  # refused by name if unservable
+        asked = None if kv_params is None else self.kv_worker.check_request(kv_params, len(ids))
         self.state = state
-        if self.kv_transfer is not None:
-            self.kv_transfer.add_request(request_id, transfer)
+        self.kv_worker.add_request(request_id, asked)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(32)
-        detok = None
-        if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(
-                self.tokenizer, ids, stop=params.stop, min_tokens=params.min_tokens,
-                include_stop_str_in_output=params.include_stop_str_in_output,
-                skip_special_tokens=params.skip_special_tokens)
-        self._tracked[request_id] = TrackedRequest(
-            request_id=request_id, prompt=text, prompt_token_ids=ids, params=params, seed=seed,
-            detokenizer=detok, arrival_time=arrival, bad_words_token_ids=bad_words,
-            lora_request=lora_request)
+        self._tracked[request_id] = TrackedRequest.start(
+            request, prompt=text, seed=seed, tokenizer=self.tokenizer,
+            bad_words_token_ids=bad_words)
         if params.structured_outputs is not None:  # WAITING_FOR_FSM until it compiles
             self.grammars.submit(request_id, params.structured_outputs)
-
-    def _check_kv_transfer(self, params: SamplingParams, num_prompt_tokens: int
-                           ) -> RemoteDecode | RemoteHandle | None:
-        """What a request's kv_transfer_params (in `params.extra_args`) ask of the transfer
-        worker (`KVTransferWorker.check_request`); None without them.
-
-        Raises:
-          ValueError: they are given to an engine without kv_transfer_config, or cannot be
-            served here (the message names the key).
-        """
-        kv_params = kv_transfer_params_of(params.extra_args)
-        if kv_params is None:
-            return None
-        if self.kv_transfer is None:
-            raise ValueError("kv_transfer_params need an engine started with "
-                             "kv_transfer_config (a prefill or decode instance)")
-        return self.kv_transfer.check_request(kv_params, num_prompt_tokens)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> list[RequestOutput]:
         """Finish requests now and free their KV blocks (a request of n samples: its
@@ -340,9 +300,8 @@ class LLMEngine:
           The final output of each live request aborted (finish_reason "abort"); the stat
           loggers count them (each sample of one of n) as finished "abort", as vLLM does.
         """
-        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
-        ids = [c for r in ids for c in (self._parents[r].child_ids if r in self._parents
-                                        else (r,))]
+        ids = self._parents.expand([request_ids] if isinstance(request_ids, str)
+                                   else request_ids)
         live = [self._tracked.pop(r) for r in dict.fromkeys(ids) if r in self._tracked]
         if not live:
             return []
@@ -350,36 +309,12 @@ class LLMEngine:
             self.grammars.forget(t.request_id)
         self._loop.drop(t.request_id for t in live)
         self.state = abort_requests(self.state, [t.request_id for t in live],
-                                    kv_connector=self._kv_connector)
-        if self.kv_transfer is not None:
-            for t in live:
-                self.kv_transfer.finish_request(t.request_id, held_blocks=None,
-                                                num_prompt_tokens=len(t.prompt_token_ids))
+                                    kv_connector=self.kv_worker.connector)
         stats = IterationStats(timestamp=self.clock())
-        outputs = [t.abort(stats.timestamp) for t in live]
+        outputs = [self._with_kv_transfer_params(t, t.abort(stats.timestamp)) for t in live]
         stats.finished_requests.extend(t.finished_stats() for t in live)
         self._record(stats)
-        return self._merged(outputs)
-
-    def _merged(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
-        """The outputs with those of n samples' children merged into their parents'
-        (`ParentRequest.merge`; a FINAL_ONLY parent's only once all its children finished)."""
-        if not self._parent_of:
-            return outputs
-        merged = []
-        for out in outputs:
-            parent = self._parent_of.get(out.request_id)
-            if parent is None:
-                merged.append(out)
-                continue
-            if out.finished:
-                del self._parent_of[out.request_id]
-            out = parent.merge(out)
-            if out is not None:
-                merged.append(out)
-                if out.finished:
-                    del self._parents[parent.request_id]
-        return merged
+        return self._parents.merged(outputs)
 
     # ---- LoRA adapters (vLLM's names) ---------------------------------------------------
 
@@ -426,14 +361,11 @@ class LLMEngine:
         its weights.
 
         Raises:
-          ValueError: a request is unfinished; KV offloading is on (its host store holds
-            KV of the old weights); `params` not of the model's structure, shapes and dtypes
-            (the first leaf that differs named). Nothing changes.
+          ValueError: a request is unfinished; the KV worker refuses (KV offloading: its
+            host store holds KV of the old weights); `params` not of the model's structure,
+            shapes and dtypes (the first leaf that differs named). Nothing changes.
         """
-        if self.kv_offload is not None:
-            raise ValueError("update_weights is not supported with kv_offloading_size (the "
-                             "host KV store would serve KV of the old weights); build the "
-                             "engine without KV offloading")
+        self.kv_worker.check_update_weights()
         if self.has_unfinished_requests():
             raise ValueError(f"update_weights: {self.get_num_unfinished_requests()} requests "
                              f"are unfinished; let them finish (or abort them) first")
@@ -471,43 +403,22 @@ class LLMEngine:
         verified = self._loop.finish_verifying()
         before = self.state
         # Pure scheduler: if anything below raises, self.state is still the old, consistent one.
-        state, plan = schedule(before, self._kv_connector)
+        state, plan = schedule(before, self.kv_worker.connector)
         if self._on_schedule is not None:
             self._on_schedule(before, state, plan)
-        if self.kv_offload is not None:  # copies out and in, before the step overwrites them
-            self.kv_offload.start_step(plan, state)
-        if self.kv_transfer is not None:
-            self.kv_transfer.start_step(plan, idle=not plan.num_scheduled_tokens
-                                        and self._loop.in_flight is None)
+        # Copies out and in before the step overwrites or reads the blocks
+        self.kv_worker.start_step(plan, state, idle=not plan.num_scheduled_tokens
+                                  and self._loop.in_flight is None)
         self._note_scheduled(plan)
-        return self._merged(failed + verified + self._loop.step(state, before, plan))
+        return self._parents.merged(failed + verified + self._loop.step(state, before, plan))
 
     def shutdown(self) -> None:
         """Stop the runner's background program making (`Runner.shutdown`; what a process
-        that exits would otherwise wait for). Call it before dropping an engine in a process
-        that goes on; the engine must not step afterwards. Idempotent."""
+        that exits would otherwise wait for) and the KV worker's server or threads. Call it
+        before dropping an engine in a process that goes on; the engine must not step
+        afterwards. Idempotent."""
         self.runner.shutdown()
-
-    def _verify(self, plan: SchedulerOutput, rows: dict[str, list[SampledToken]],
-                dropped: set[str] | None = None
-                ) -> tuple[dict[str, list[SampledToken]], SpecDecodingStats | None]:
-        """Each request's tokens of a collected step: with speculation, its accepted drafts'
-        (`Speculator.verify`, shown none of `dropped`: their ids may be new requests'), and
-        the step's draft statistics."""
-        if self.speculator is None:
-            return rows, None
-        tracked = self._tracked
-        if dropped:
-            tracked = {r: t for r, t in tracked.items() if r not in dropped}
-        return self.speculator.verify(plan, rows, tracked)
-
-    def _take_prompt_logprobs(self, step: InFlight | None, dropped: set[str] | None = None
-                              ) -> None:
-        """Record the prompt logprobs a collected step computed (before its outputs; not
-        those of `dropped`, requests that left while it was in flight)."""
-        if step is not None:
-            record_prompt_logprobs(self._tracked, self.runner.collect_prompt_logprobs(step),
-                                   skip=dropped or ())
+        self.kv_worker.shutdown()
 
     def _take_compiled_grammars(self) -> list[RequestOutput]:
         """Hand finished compilations to the scheduler (`grammars_ready`); abort the requests
@@ -520,116 +431,25 @@ class LLMEngine:
             self.state = grammars_ready(self.state, ready)
         return self.abort_request(failed) if failed else []
 
-    def _update(self, state: SchedulerState, before: SchedulerState, plan: SchedulerOutput,
-                sampled: dict[str, list[SampledToken]], *,
-                spec_decoding: SpecDecodingStats | None = None,
-                in_flight: SchedulerOutput | None = None) -> list[RequestOutput]:
-        """Take one step's tokens (of `plan`; per request one, or its accepted drafts' too;
-        none of requests that left while it was in flight) into `state`, with the next step's
-        drafts (after `in_flight`, the plan dispatched since, under async scheduling); its
-        outputs."""
-        self.grammars.accept_sampled(self._tracked, sampled)
-        stopped = self._detokenize(sampled)  # before update: a stop string ends the request there
-        drafts = (None if self.speculator is None
-                  else self.speculator.propose(self._tracked, sampled, stopped, in_flight))
-        kv_output = (self.kv_offload.take_output() if self.kv_offload is not None
-                     else None if self.kv_transfer is None else self.kv_transfer.take_output())
-        self.state, deltas = update_from_output(
-            state, plan, {rid: [t.token_id for t in ts] for rid, ts in sampled.items()}, drafts,
-            stopped=stopped,
-            kv_connector=self._kv_connector, kv_connector_output=kv_output)
-        now = self.clock()
-        # The step's statistics are made only for their readers: the stat loggers and the
-        # offloading worker (which moves its transfers into them).
-        stats = None
-        if self.stat_loggers or self.kv_offload is not None:
-            stats = IterationStats.between(before.counters, self.state.counters, timestamp=now)
-            stats.spec_decoding = spec_decoding
-        outputs = []
-        for d in deltas:
-            out = self._apply(d, (sampled.get(d.request_id) or [None])[0], now, stats)
-            if out is not None:
-                outputs.append(out)
-        if stats is not None:
-            self._record(stats)
-        return outputs
-
     def _note_scheduled(self, plan: SchedulerOutput) -> None:
         now = self.clock()
         for rid in plan.num_scheduled_tokens:
             self._tracked[rid].on_scheduled(now, plan.num_computed_tokens[rid])
 
-    def _sampling_rows(self, plan: SchedulerOutput,
-                       tracked: Mapping[str, TrackedRequest] | None = None
-                       ) -> dict[str, SamplingRow]:
-        """Parameters, seed and output position (what the PRNG key folds in) of each sampler
-        (from `tracked`, when given: requests that finished since the plan was made)."""
-        rows, eos = {}, self.eos_token_id
-        spec = plan.scheduled_spec_decode_tokens
-        tracked = self._tracked if tracked is None else tracked
-        for rid in plan.sampling_req_ids:
-            t = tracked[rid]
-            # The sampled token's index among the outputs, from the plan: the host may not
-            # have the tokens before it yet (async scheduling).
-            end = plan.num_computed_tokens[rid] + plan.num_scheduled_tokens[rid]
-            position = end - len(t.prompt_token_ids) - len(spec.get(rid, ()))
-            rows[rid] = SamplingRow(params=t.params, seed=t.seed, position=position,
-                                    eos_token_id=eos, prompt_token_ids=t.prompt_token_ids,
-                                    output_token_ids=t.token_ids,
-                                    bad_words_token_ids=t.bad_words_token_ids,
-                                    grammar=t.grammar)
-        return rows
-
-    def _detokenize(self, sampled: Mapping[str, list[SampledToken]]) -> dict[str, str]:
-        """Decode each sampled token in order; request id -> the stop string one completed
-        (the tokens after it are cut from its list: never emitted)."""
-        stopped: dict[str, str] = {}
-        if self.tokenizer is None:  # no detokenizers: nothing to decode, no stop strings
-            return stopped
-        for rid, tokens in sampled.items():
-            for i, token in enumerate(tokens):
-                hit = self._tracked[rid].detokenize(token.token_id)
-                if hit is not None:
-                    stopped[rid] = hit
-                    del tokens[i + 1:]
-                    break
-        return stopped
-
-    def _apply(self, delta: RequestDelta, sampled: SampledToken | None, now: float,
-               stats: IterationStats | None) -> RequestOutput | None:
-        """Take one request's delta (of the step that ended `now`) into its engine state and
-        the step's statistics (None: nobody reads them); its output (None: it runs on, and its
-        client asked only for the final one)."""
-        tracked = self._tracked[delta.request_id]
-        if stats is not None:
-            stats.observe_tokens(len(delta.new_token_ids),
-                                 prompt_len=len(tracked.prompt_token_ids), before=tracked)
-        tracked.apply(delta, sampled, now)
-        if tracked.finish_reason is not None:
-            del self._tracked[delta.request_id]
-            self._loop.drop((delta.request_id,))
-            if stats is not None:
-                stats.finished_requests.append(tracked.finished_stats())
-            if self.kv_transfer is not None:
-                return self._with_kv_transfer_params(tracked)
-        elif tracked.params.output_kind is RequestOutputKind.FINAL_ONLY:
-            return None
-        return tracked.output()
-
-    def _with_kv_transfer_params(self, tracked: TrackedRequest) -> RequestOutput:
-        """A finished request's output, with the handle a consumer fetches its KV by when the
-        scheduler holds its blocks for a pickup (vLLM's `RequestOutput.kv_transfer_params`)."""
-        assert self.kv_transfer is not None
+    def _with_kv_transfer_params(self, tracked: TrackedRequest, out: RequestOutput
+                                 ) -> RequestOutput:
+        """A finished or aborted request's final output `out`, with what the KV worker gives
+        it, told whether the scheduler holds its blocks (a producer's handle, by which a
+        consumer fetches its KV: vLLM's `RequestOutput.kv_transfer_params`)."""
         rid = tracked.request_id
         held = self.state.kv_transfers.held.get(rid)
-        handle = self.kv_transfer.finish_request(
+        params = self.kv_worker.finish_request(
             rid, held_blocks=None if held is None else held.block_ids,
             num_prompt_tokens=len(tracked.prompt_token_ids))
-        return dataclasses.replace(tracked.output(), kv_transfer_params=handle)
+        return out if params is None else dataclasses.replace(out, kv_transfer_params=params)
 
     def _record(self, stats: IterationStats) -> None:
-        if self.kv_offload is not None:
-            self.kv_offload.record(stats)
+        self.kv_worker.record(stats)
         if not self.stat_loggers:
             return
         scheduler_stats = self.state.stats

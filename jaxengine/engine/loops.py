@@ -3,8 +3,8 @@ picks `step` or `step_with_batch_queue`).
 
 Each loop's `step` takes the plan the engine's call just scheduled (`state`: the scheduler
 state after it, `before`: the one before) and returns the outputs of the plan the call
-finished; each is the engine's own part and calls its stages (`_sampling_rows`, `_verify`,
-`_update`, ...), which docs/DESIGN.md "One engine step" lists.
+finished; each dispatches with `sampling_rows` and finishes a collected step with the stages
+of `engine/step_outputs.py`, which docs/DESIGN.md "One engine step" lists.
 
 - `SyncLoop` finishes each plan in the call that made it: dispatch, collect, update.
 - `AsyncLoop` (`async_scheduling`, docs/DESIGN.md "Async scheduling") dispatches a plan and
@@ -19,7 +19,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
+from jaxengine.engine import step_outputs
 from jaxengine.engine.outputs import RequestOutput
+from jaxengine.engine.request_state import sampling_rows
 from jaxengine.engine.stats import IterationStats
 from jaxengine.runner.in_flight import InFlight
 from scheduler import SchedulerOutput, SchedulerState
@@ -40,11 +42,12 @@ class SyncLoop:
              plan: SchedulerOutput) -> list[RequestOutput]:
         """Pack, run and sample `plan`, wait for its tokens, verify and update; its outputs."""
         e = self.engine
-        step = e.runner.dispatch(plan, e._sampling_rows(plan), lora_slots=e.lora_slots(plan))
+        step = e.runner.dispatch(plan, sampling_rows(plan, e._tracked, e.eos_token_id),
+                                 lora_slots=e.lora_slots(plan))
         sampled = {} if step is None else e.runner.collect_rows(step)
-        e._take_prompt_logprobs(step)
-        sampled, spec_stats = e._verify(plan, sampled)
-        return e._update(state, before, plan, sampled, spec_decoding=spec_stats)
+        step_outputs.take_prompt_logprobs(e, step)
+        sampled, spec_stats = step_outputs.verify(e, plan, sampled)
+        return step_outputs.update(e, state, before, plan, sampled, spec_decoding=spec_stats)
 
     def finish_verifying(self) -> list[RequestOutput]:
         """Nothing is in flight between calls: nothing to finish."""
@@ -73,11 +76,11 @@ class AsyncLoop:
         self._dropped, self.plan = set(), plan
         if prev is not None and e.grammars.samples_a_grammar(e._tracked, plan.sampling_req_ids):
             return self._step_sampling_a_grammar(state, before, plan, prev, dropped)
-        self.in_flight = e.runner.dispatch(plan, e._sampling_rows(plan), prev,
-                                           lora_slots=e.lora_slots(plan))
+        self.in_flight = e.runner.dispatch(plan, sampling_rows(plan, e._tracked, e.eos_token_id),
+                                           prev, lora_slots=e.lora_slots(plan))
         e.state = state
         if prev is None and self.in_flight is None:  # an empty plan, nothing in flight: done
-            return e._update(state, before, plan, {})
+            return step_outputs.update(e, state, before, plan, {})
         if prev is None:  # nothing to collect yet; the step's statistics are its scheduling
             e._record(IterationStats.between(before.counters, state.counters,
                                              timestamp=e.clock()))
@@ -112,7 +115,8 @@ class AsyncLoop:
         e.state = state
         outputs = self._finish(state, before, prev, dropped)
         assert forward is not None  # the plan samples a request
-        self.in_flight = e.runner.dispatch_sample(forward, e._sampling_rows(plan, tracked))
+        self.in_flight = e.runner.dispatch_sample(forward,
+                                                  sampling_rows(plan, tracked, e.eos_token_id))
         return outputs
 
     def _finish(self, state: SchedulerState, before: SchedulerState, prev: InFlight,
@@ -120,13 +124,13 @@ class AsyncLoop:
         """Wait for `prev`'s tokens, verify its drafts and update; none of `dropped`'s (the
         next drafts follow `self.plan`, dispatched since)."""
         e = self.engine
-        e._take_prompt_logprobs(prev, dropped)
+        step_outputs.take_prompt_logprobs(e, prev, dropped)
         rows = e.runner.collect_rows(prev)
         if dropped:
             rows = {r: t for r, t in rows.items() if r not in dropped}
-        sampled, spec_stats = e._verify(prev.plan, rows, dropped)
-        return e._update(state, before, prev.plan, sampled, spec_decoding=spec_stats,
-                         in_flight=self.plan)
+        sampled, spec_stats = step_outputs.verify(e, prev.plan, rows, dropped)
+        return step_outputs.update(e, state, before, prev.plan, sampled,
+                                   spec_decoding=spec_stats, in_flight=self.plan)
 
     def drop(self, request_ids: Iterable[str]) -> None:
         """These requests left: tokens the step in flight samples for them are stale (an id

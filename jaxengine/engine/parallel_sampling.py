@@ -7,12 +7,14 @@ children's parameters, which both the engine (`LLMEngine.add_request`) and the H
 (`jaxengine/server/serving.py`, whose choices span a list of prompts too) follow: with a seed,
 sample i draws with `seed + i` (vLLM V1's), so a seeded request is reproducible and its samples
 differ; without one, each child gets the engine's own random seed. `ParentRequest` merges the
-children's outputs back into the parent's, as vLLM's output processor does.
+children's outputs back into the parent's, as vLLM's output processor does; `ParentRequests`
+holds an engine's live ones.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 
 from jaxengine.engine.outputs import CompletionOutput, RequestOutput
 from scheduler import RequestOutputKind, SamplingParams
@@ -74,3 +76,48 @@ class ParentRequest:
             outputs = [completion]
         return dataclasses.replace(out, request_id=self.request_id, outputs=outputs,
                                    finished=not self._live)
+
+
+class ParentRequests:
+    """An engine's live requests of n > 1 samples: by their id, and by each unfinished
+    child's id."""
+
+    __slots__ = ("_by_child", "_by_id")
+
+    def __init__(self) -> None:
+        self._by_id: dict[str, ParentRequest] = {}
+        self._by_child: dict[str, ParentRequest] = {}
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._by_id
+
+    def add(self, parent: ParentRequest) -> None:
+        """Hold `parent` until its last child's final output is merged (all its children
+        queued)."""
+        self._by_id[parent.request_id] = parent
+        self._by_child.update(dict.fromkeys(parent.child_ids, parent))
+
+    def expand(self, request_ids: Iterable[str]) -> list[str]:
+        """The ids with each live parent's replaced by its children's."""
+        return [c for r in request_ids
+                for c in (self._by_id[r].child_ids if r in self._by_id else (r,))]
+
+    def merged(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """The outputs with those of children merged into their parents'
+        (`ParentRequest.merge`; a FINAL_ONLY parent's only once all its children finished)."""
+        if not self._by_child:
+            return outputs
+        merged = []
+        for out in outputs:
+            parent = self._by_child.get(out.request_id)
+            if parent is None:
+                merged.append(out)
+                continue
+            if out.finished:
+                del self._by_child[out.request_id]
+            out = parent.merge(out)
+            if out is not None:
+                merged.append(out)
+                if out.finished:
+                    del self._by_id[parent.request_id]
+        return merged

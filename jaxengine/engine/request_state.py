@@ -3,14 +3,15 @@
 The scheduler owns token-level progress; this keeps what only the engine knows (the prompt
 text, the detokenizer, logprobs, wall-clock times). In a step, `detokenize` decodes the sampled
 token first (so a stop string it completes goes to the scheduler with the token), then `apply`
-takes the scheduler's `RequestDelta`.
+takes the scheduler's `RequestDelta`. `sampling_rows` reads a plan's sampler rows off them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from jaxengine.engine.detokenizer import IncrementalDetokenizer
+from jaxengine.engine.detokenizer import IncrementalDetokenizer, StreamingTokenizer
 from jaxengine.engine.outputs import (
     CompletionOutput,
     Logprob,
@@ -20,8 +21,9 @@ from jaxengine.engine.outputs import (
 )
 from jaxengine.engine.stats import FinishedRequestStats
 from jaxengine.runner.in_flight import SampledToken
+from jaxengine.sampling.rows import SamplingRow
 from jaxengine.structured.matcher import GrammarMatcher
-from scheduler import LoRARequest, RequestDelta, SamplingParams
+from scheduler import LoRARequest, Request, RequestDelta, SamplingParams, SchedulerOutput
 
 
 @dataclass(slots=True, kw_only=True)
@@ -56,6 +58,31 @@ class TrackedRequest:
     def __post_init__(self) -> None:
         if self.prompt_logprobs is None and self.params.prompt_logprobs is not None:
             self.prompt_logprobs = [None]
+
+    @classmethod
+    def start(cls, request: Request, *, prompt: str | None, seed: int,
+              tokenizer: StreamingTokenizer | None,
+              bad_words_token_ids: tuple[tuple[int, ...], ...]) -> TrackedRequest:
+        """The engine's state of a request just queued (its `sampling_params` the checked
+        ones, with the model's EOS ids).
+
+        Args:
+          request: the scheduler's request.
+          prompt: its text (None: given as token ids).
+          seed: its sampler's seed (its own, or one the engine drew).
+          tokenizer: decodes its outputs (None: token ids only, no stop strings).
+          bad_words_token_ids: its `bad_words`, tokenized.
+        """
+        params = request.sampling_params
+        ids = list(request.prompt_token_ids)
+        detokenizer = None if tokenizer is None else IncrementalDetokenizer(
+            tokenizer, ids, stop=params.stop, min_tokens=params.min_tokens,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+            skip_special_tokens=params.skip_special_tokens)
+        return cls(request_id=request.request_id, prompt=prompt, prompt_token_ids=ids,
+                   params=params, seed=seed, detokenizer=detokenizer,
+                   arrival_time=request.arrival_time, bad_words_token_ids=bad_words_token_ids,
+                   lora_request=request.lora_request)
 
     @property
     def metrics(self) -> RequestMetrics:
@@ -152,3 +179,23 @@ class TrackedRequest:
             finished=finished, metrics=self.metrics, num_cached_tokens=self.num_cached_tokens,
             prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),
             lora_request=self.lora_request)
+
+
+def sampling_rows(plan: SchedulerOutput, tracked: Mapping[str, TrackedRequest],
+                  eos_token_id: int | None) -> dict[str, SamplingRow]:
+    """Parameters, seed and output position (what the PRNG key folds in) of each request that
+    `plan` samples, from `tracked` (which may hold requests that finished since the plan was
+    made)."""
+    rows = {}
+    spec = plan.scheduled_spec_decode_tokens
+    for rid in plan.sampling_req_ids:
+        t = tracked[rid]
+        # The sampled token's index among the outputs, from the plan: the host may not have
+        # the tokens before it yet (async scheduling).
+        end = plan.num_computed_tokens[rid] + plan.num_scheduled_tokens[rid]
+        position = end - len(t.prompt_token_ids) - len(spec.get(rid, ()))
+        rows[rid] = SamplingRow(params=t.params, seed=t.seed, position=position,
+                                eos_token_id=eos_token_id, prompt_token_ids=t.prompt_token_ids,
+                                output_token_ids=t.token_ids,
+                                bad_words_token_ids=t.bad_words_token_ids, grammar=t.grammar)
+    return rows

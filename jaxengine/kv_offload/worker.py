@@ -1,4 +1,5 @@
-"""`OffloadingWorker`: the device side of host offloading, called by the engine around a step.
+"""`OffloadingWorker`: the device side of host offloading, the `KVWorker` the engine calls
+around a step (`jaxengine/kv_connector`).
 
 Each plan's `kv_connector_metadata` (docs/SCHEDULING.md §11) is carried out in `start_step`,
 before the plan's model step is dispatched, in this order:
@@ -31,6 +32,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from jaxengine.kv_connector import KVWorker
 from jaxengine.kv_offload.connector import OffloadingConnector
 from jaxengine.kv_offload.copies import BLOCKS_PER_COPY, BlockCopier
 from jaxengine.kv_offload.host_store import HostKVStore, PendingPage, PendingPages
@@ -53,8 +55,10 @@ class KVTransferStats:
     seconds: float  # host time spent on it: dispatching it, and waiting for it
 
 
-class OffloadingWorker:
+class OffloadingWorker(KVWorker):
     """Host offloading for one engine: the store, its connector and the device copies."""
+
+    records_stats = True  # its transfers and the store's usage go into every step's stats
 
     def __init__(self, runner: Runner, *, capacity_bytes: int, block_size: int,
                  page_axis: int) -> None:
@@ -81,12 +85,13 @@ class OffloadingWorker:
         # pages, bytes, seconds spent dispatching, the start_step that dispatched them
         self._transfers: list[KVTransferStats] = []  # not yet handed to a step's stats
 
-    def start_step(self, plan: SchedulerOutput, state: SchedulerState) -> None:
+    def start_step(self, plan: SchedulerOutput, state: SchedulerState, *, idle: bool) -> None:
         """Carry out a plan's transfers before its model step is dispatched.
 
         Args:
           plan: the step's plan (nothing to do unless it has `kv_connector_metadata`).
           state: the state `schedule()` returned with it (the loading requests' tokens).
+          idle: unused: the copies never wait for anything outside the engine.
         """
         meta = plan.kv_connector_metadata
         if meta is None:
@@ -121,6 +126,12 @@ class OffloadingWorker:
         stats.kv_offload_transfers.extend(self._transfers)
         self._transfers = []
         stats.kv_offload_usage = self.store.usage
+
+    def check_update_weights(self) -> None:
+        """Refused: the host store would serve KV of the old weights."""
+        raise ValueError("update_weights is not supported with kv_offloading_size (the "
+                         "host KV store would serve KV of the old weights); build the "
+                         "engine without KV offloading")
 
     # ---- the copies --------------------------------------------------------------------
 

@@ -1,4 +1,5 @@
-"""`KVTransferWorker`: the engine side of prefill/decode disaggregation, called around a step.
+"""`KVTransferWorker`: the engine side of prefill/decode disaggregation, the `KVWorker` the
+engine calls around a step (`jaxengine/kv_connector`).
 
 Producer (`kv_producer` / `kv_both`). A finished do_remote_decode request's blocks are held by
 the scheduler; the worker notes them with a deadline when the engine builds the request's
@@ -43,13 +44,14 @@ import jax
 import numpy as np
 
 from jaxengine.config import KVTransferConfig
+from jaxengine.kv_connector import KVWorker
 from jaxengine.kv_offload.copies import BLOCKS_PER_COPY, BlockCopier
 from jaxengine.kv_transfer import params as transfer_params
 from jaxengine.kv_transfer.connector import TransferConnector
 from jaxengine.kv_transfer.device_transport import DeviceTransferServer
 from jaxengine.kv_transfer.params import KVLayout, RemoteDecode, RemoteHandle
 from jaxengine.kv_transfer.transport import TransferError, TransferServer, fetch_pages
-from scheduler import KVConnectorOutput, KVLoad, SchedulerOutput
+from scheduler import KVConnectorOutput, KVLoad, SchedulerOutput, SchedulerState
 
 if TYPE_CHECKING:
     from jaxengine.runner.runner import Runner
@@ -81,7 +83,7 @@ def choose_transport(config: KVTransferConfig, platform: str) -> str:
     return config.transport or ("jax" if platform in ("tpu", "gpu") else "tcp")
 
 
-class KVTransferWorker:
+class KVTransferWorker(KVWorker):
     """One engine's side of P/D disaggregation: its connector, transfer server and fetches."""
 
     def __init__(self, runner: Runner, config: KVTransferConfig, *, block_size: int,
@@ -175,11 +177,12 @@ class KVTransferWorker:
 
     # ---- around a step -------------------------------------------------------------------
 
-    def start_step(self, plan: SchedulerOutput, *, idle: bool) -> None:
+    def start_step(self, plan: SchedulerOutput, state: SchedulerState, *, idle: bool) -> None:
         """Carry out a plan's transfers and answer what arrived, before the step is dispatched.
 
         Args:
           plan: the step's plan (its `kv_connector_metadata`: new holds and loads).
+          state: unused: a load's blocks and handle are all it needs.
           idle: the engine has nothing to compute or collect this step; wait up to
             `IDLE_WAIT_S` for a pickup or a fetch if one is pending.
         """
@@ -209,7 +212,7 @@ class KVTransferWorker:
         self._recving, self._sending, self._invalid = set(), set(), set()
         return out
 
-    def close(self) -> None:
+    def shutdown(self) -> None:
         """Stop the transfer server (a producer's TCP one)."""
         if isinstance(self.server, TransferServer):
             self.server.close()

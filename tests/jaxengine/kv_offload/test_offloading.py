@@ -130,8 +130,8 @@ class SlowWorker(OffloadingWorker):
 
 def slow_engine(**kw: Any):
     engine = offload_engine(**kw)
-    engine.kv_offload = SlowWorker(engine.runner, capacity_bytes=GiB // 1000,
-                                   block_size=4, page_axis=0)
+    engine.kv_worker = SlowWorker(engine.runner, capacity_bytes=GiB // 1000,
+                                  block_size=4, page_axis=0)
     return engine
 
 

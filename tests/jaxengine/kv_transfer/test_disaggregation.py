@@ -154,7 +154,7 @@ def test_a_producer_that_dies_mid_transfer_or_is_gone_the_consumer_recomputes() 
     port, thread = _truncating_producer(handles["r0"]["remote_page_shape"],
                                         handles["r0"]["remote_kv_dtype"])
     handles["r0"] = {**handles["r0"], "remote_port": port}
-    producer.kv_transfer.close()  # r1's producer is gone: its port refuses the connection
+    producer.shutdown()  # r1's producer is gone (its transfer server too): its port refuses
     done = decode(consumer, make_engine(), PROMPTS[:2], handles)
     thread.join(5)
     for i in range(2):

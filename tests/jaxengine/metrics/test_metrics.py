@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from jaxengine.engine import llm_engine
+from jaxengine.engine import step_outputs
 from jaxengine.engine.llm_engine import LLMEngine
 from jaxengine.engine.stats import IterationStats
 from jaxengine.metrics import LoggingStatLogger, PrometheusStatLogger
@@ -146,7 +146,7 @@ def test_a_stop_string_is_the_schedulers_stop_and_counts_as_stop(
         deltas.extend(step_deltas)
         return state, step_deltas
 
-    monkeypatch.setattr(llm_engine, "update_from_output", update_and_keep)
+    monkeypatch.setattr(step_outputs, "update_from_output", update_and_keep)
     engine = make_engine()
     kept, prom, _ = _loggers(engine)
     stop = FakeTokenizer().decode(fake_greedy(PROMPTS[0], 5, V)[3:5])  # spans two tokens
