@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -111,12 +110,6 @@ class OpenAIServing:
         # vLLM's name: what fills the sampling fields a request leaves unset
         self.default_sampling_params = diff_sampling_params(args.model, args.generation_config)
         self._threads = anyio.CapacityLimiter(PREPARE_THREADS)
-        if self.tokenizer is not None and self.tokenizer.chat_template:
-            # transformers' tokenizer renders chat templates; a GGUF model's is built at its
-            # first use (importing transformers: most of a second), here on a thread of its
-            # own, so that neither /health nor the first chat request waits for all of it
-            threading.Thread(target=lambda: self.tokenizer.hf, name="chat-template",
-                             daemon=True).start()
 
     def _check(self, body: CompletionRequest | ChatCompletionRequest) -> LoRARequest | None:
         """The checks both endpoints share, text first: the others may echo a field; returns
