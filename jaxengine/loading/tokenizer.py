@@ -1,16 +1,19 @@
-"""Tokenizer without torch: a transformers fast tokenizer, for HF directories and GGUF files.
+"""Tokenizer without torch: a `tokenizers` tokenizer, for HF directories and GGUF files.
 
-An HF directory loads through `PreTrainedTokenizerFast.from_pretrained` (tokenizer.json,
-tokenizer_config.json, the chat template). A GGUF file carries a byte-level BPE in its metadata;
-transformers' GGUF tokenizer path imports torch, so the `tokenizers` model is built here and
-wrapped with `PreTrainedTokenizerFast(tokenizer_object=...)`. Chat templates render through
-transformers' `apply_chat_template`, so they render exactly as transformers renders them.
+An HF directory loads through transformers' `PreTrainedTokenizerFast.from_pretrained`
+(tokenizer.json, tokenizer_config.json, the chat template). A GGUF file carries a byte-level BPE
+in its metadata; transformers' GGUF tokenizer path imports torch, so the `tokenizers` model is
+built here. Either way `tokenizers` encodes and decodes; chat templates render through
+transformers' `apply_chat_template` (so exactly as transformers renders them), on a
+`PreTrainedTokenizerFast` that a GGUF tokenizer builds at its first chat template, so that a
+start which only encodes and decodes never imports transformers.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import threading
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -47,49 +50,59 @@ def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
 
 
 class Tokenizer:
-    """Encode/decode text and render chat templates (a transformers fast tokenizer inside)."""
+    """Encode/decode text through a `tokenizers.Tokenizer`; render chat templates through a
+    transformers fast tokenizer over it, built at its first use."""
 
-    def __init__(self, hf: PreTrainedTokenizerFast, *,
-                 eos_token_ids: Sequence[int] | None = None) -> None:
-        """Wrap a transformers fast tokenizer.
-
-        Args:
-            hf: the tokenizer proper (its `tokenizers` backend does the encoding).
-            eos_token_ids: ids that end generation (default: the tokenizer's eos token); a
-                model's generation_config may add more.
+    def __init__(self, backend: Backend, *, eos_token_ids: Sequence[int],
+                 bos_token_id: int | None = None, pad_token_id: int | None = None,
+                 chat_template: str | None = None,
+                 hf: PreTrainedTokenizerFast | None = None) -> None:
+        """Args:
+            backend: the tokenizer proper, which encodes and decodes.
+            eos_token_ids: ids that end generation (the tokenizer's eos token first; a
+                model's generation_config may add more).
+            bos_token_id, pad_token_id: the special ids, if the tokenizer has them.
+            chat_template: the jinja source of the chat template, if any.
+            hf: transformers' tokenizer over `backend` where one was loaded (an HF
+                directory); else `hf` builds one when first asked.
         """
-        eos = list(eos_token_ids or ())
-        if not eos and hf.eos_token_id is not None:
-            eos = [hf.eos_token_id]
-        if not eos:
+        if not eos_token_ids:
             raise ModelLoadError("the tokenizer has no eos token; set eos_token in its config")
-        self.hf = hf
-        self.eos_token_ids = tuple(int(i) for i in eos)
+        self.backend = backend
+        self.eos_token_ids = tuple(int(i) for i in eos_token_ids)
+        self.bos_token_id = bos_token_id
+        self.pad_token_id = pad_token_id
+        self.chat_template = chat_template
+        self._hf = hf
+        self._hf_lock = threading.Lock()
 
     @property
-    def backend(self) -> Backend:
-        """The `tokenizers.Tokenizer` that encodes and decodes."""
-        return self.hf.backend_tokenizer
+    def hf(self) -> PreTrainedTokenizerFast:
+        """transformers' fast tokenizer, for what only it does (chat templates, structured
+        outputs' `llguidance.hf`, `save_pretrained`): built at first use over a copy of
+        `backend`, since importing transformers and building it take most of a second that
+        encoding and decoding never need (docs/BENCHMARKS.md §14)."""
+        with self._hf_lock:
+            if self._hf is None:
+                self._hf = self._build_hf()
+            return self._hf
+
+    def _build_hf(self) -> PreTrainedTokenizerFast:
+        # imported here, not with the package: transformers takes ~0.7 s to import
+        # (docs/STYLE.md rule 19)
+        from transformers import PreTrainedTokenizerFast
+
+        special = {"eos_token": self.eos_token_id, "bos_token": self.bos_token_id,
+                   "pad_token": self.pad_token_id}
+        return PreTrainedTokenizerFast(
+            tokenizer_object=Backend.from_str(self.backend.to_str()),
+            chat_template=self.chat_template,
+            **{key: self.backend.id_to_token(i) for key, i in special.items() if i is not None})
 
     @property
     def eos_token_id(self) -> int:
         """The primary end-of-sequence id."""
         return self.eos_token_ids[0]
-
-    @property
-    def bos_token_id(self) -> int | None:
-        """The beginning-of-sequence id, if the tokenizer has one."""
-        return self.hf.bos_token_id
-
-    @property
-    def pad_token_id(self) -> int | None:
-        """The padding id, if the tokenizer has one."""
-        return self.hf.pad_token_id
-
-    @property
-    def chat_template(self) -> str | None:
-        """The jinja source of the chat template, if any."""
-        return self.hf.chat_template
 
     @property
     def vocab_size(self) -> int:
@@ -121,7 +134,7 @@ class Tokenizer:
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text` (special-token strings in it map to their ids; with
         `add_special_tokens`, the tokenizer's own bos/eos rule applies)."""
-        return self.hf.encode(text, add_special_tokens=add_special_tokens)
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         """Text of `ids`."""
@@ -187,23 +200,14 @@ class Tokenizer:
     def _wrap(cls, backend: Backend, *, eos_token_id: int | None, bos_token_id: int | None,
               pad_token_id: int | None, chat_template: str | None, add_bos: bool) -> Tokenizer:
         """`from_backend` over a backend of our own (its post-processor set here)."""
-        name = {i: backend.id_to_token(i) for i in (eos_token_id, bos_token_id, pad_token_id)
-                if i is not None}
         if add_bos and bos_token_id is not None:
-            bos = name[bos_token_id]
+            bos = backend.id_to_token(bos_token_id)
             backend.post_processor = processors.TemplateProcessing(
                 single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
                 special_tokens=[(bos, bos_token_id)])
-        special = {"eos_token": eos_token_id, "bos_token": bos_token_id,
-                   "pad_token": pad_token_id}
-        # imported when a tokenizer is built, not with the package: transformers takes ~0.7 s
-        # to import, which `import jaxengine` spares (docs/STYLE.md rule 19)
-        from transformers import PreTrainedTokenizerFast
-
-        hf = PreTrainedTokenizerFast(
-            tokenizer_object=backend, chat_template=chat_template,
-            **{key: name[i] for key, i in special.items() if i is not None})
-        return cls(hf, eos_token_ids=[] if eos_token_id is None else [eos_token_id])
+        return cls(backend, eos_token_ids=[] if eos_token_id is None else [eos_token_id],
+                   bos_token_id=bos_token_id, pad_token_id=pad_token_id,
+                   chat_template=chat_template)
 
     @classmethod
     def from_gguf_metadata(cls, meta: Mapping[str, Any]) -> Tokenizer:
@@ -242,8 +246,7 @@ class Tokenizer:
             raise ModelLoadError(f"{path}: no tokenizer.json (only fast-tokenizer files are "
                                  "supported); add it, or pass skip_tokenizer_init=True and "
                                  "token-id prompts")
-        from transformers import PreTrainedTokenizerFast  # as in from_backend
-
+        from transformers import PreTrainedTokenizerFast  # as in `hf`
 
         # tokenizer.json as written, not a model-specific class that may rebuild the pipeline
         # from the vocabulary (transformers 5's Qwen2Tokenizer does).
@@ -253,7 +256,8 @@ class Tokenizer:
         for i in gen_eos if isinstance(gen_eos, list) else [gen_eos]:
             if i is not None and i not in eos:
                 eos.append(int(i))
-        return cls(hf, eos_token_ids=eos)
+        return cls(hf.backend_tokenizer, eos_token_ids=eos, bos_token_id=hf.bos_token_id,
+                   pad_token_id=hf.pad_token_id, chat_template=hf.chat_template, hf=hf)
 
 
 class DecodeStream:

@@ -178,6 +178,22 @@ def on_mesh(create: Callable[..., Any], mesh: Mesh) -> Callable[..., Any]:
     return run
 
 
+def traced_once(create: Callable[..., Any]) -> Callable[..., Any]:
+    """`create` (a module constructor) called once, and its module copied for every later
+    call. Only under `nnx.eval_shape`, where each copy has the shapes a call of its own would
+    trace: every layer of a looped model is built alike, so its 30 layers are traced once
+    (most of what `Model(weights=...)` spent before its weights went in)."""
+    made: list[Any] = []
+
+    def run(*args: Any) -> Any:
+        if made:
+            return nnx.clone(made[0])
+        made.append(create(*args))
+        return made[0]
+
+    return run
+
+
 def _layer(stacked: jax.Array | np.ndarray, index: int) -> jax.Array | np.ndarray:
     """Layer `index` of a stacked weight [Ly, ...] -> [...]. A device array's is sliced at a
     traced index: one compiled slice per weight's shape, not one per layer too (at ~5 ms a
@@ -301,8 +317,8 @@ class Model(nnx.Module):
                                    dtype=self.dtype, seed=seed, scan_layers=self.scan_layers,
                                    fmt=fmt)
         parts = (create(build=functools.partial(on_mesh, mesh=self.mesh)) if weights is None
-                 else _with_weights(nnx.eval_shape(create), weights, mesh=self.mesh,
-                                    scan_layers=self.scan_layers))
+                 else _with_weights(nnx.eval_shape(lambda: create(build=traced_once)), weights,
+                                    mesh=self.mesh, scan_layers=self.scan_layers))
         self.embed_tokens: Embedder | QuantizedEmbedder = parts["embed_tokens"]
         self.layers: DecoderBlock | nnx.List = parts["layers"]
         self.norm: RMSNorm = parts["norm"]

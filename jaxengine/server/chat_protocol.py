@@ -4,12 +4,10 @@ fields of `jaxengine.server.protocol` (the response: `jaxengine.server.response_
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, field_validator
-from transformers import PreTrainedTokenizerBase
 
 from jaxengine.server import refused
 from jaxengine.server.protocol import (
@@ -19,11 +17,17 @@ from jaxengine.server.protocol import (
 )
 from jaxengine.server.refused import Refused
 
-# transformers' rendering arguments, which chat_template_kwargs (template variables) may not set:
+# transformers' rendering arguments (`PreTrainedTokenizerBase.apply_chat_template`'s, a test
+# holds them to its signature), which chat_template_kwargs (template variables) may not set:
 # they would change what rendering returns, or clash with the request's own fields. (vLLM
 # refuses `chat_template` and `tokenize` there; `messages` is the template's own variable.)
-_RENDER_ARGS = (set(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters)
-                - {"self", "conversation", "kwargs"} | {"messages"})
+# Spelled out, not read from the signature: importing transformers would cost the server's
+# start most of a second (docs/BENCHMARKS.md §14).
+_RENDER_ARGS = frozenset({
+    "add_generation_prompt", "chat_template", "continue_final_message", "documents",
+    "max_length", "padding", "return_assistant_tokens_mask", "return_dict", "return_tensors",
+    "sanitize_control_tokens", "tokenize", "tokenizer_kwargs", "tools", "truncation",
+    "messages"})
 _REQUEST_FIELDS = ("messages", "chat_template", "add_generation_prompt", "continue_final_message",
                    "tools", "documents")
 

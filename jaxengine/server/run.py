@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -86,6 +87,12 @@ def serve(args: EngineArgs, *, host: str = "127.0.0.1", port: int = 8000,
     # data_parallel_size > 1: replicas behind the router.
     engine = build_engines(dataclasses.replace(args, precompile=False))
     logger.info("loaded in %.1f s; warming up", time.perf_counter() - t0)
+    if engine.tokenizer is not None and engine.tokenizer.chat_template:
+        # transformers' tokenizer renders chat templates; a GGUF model's is built at its first
+        # use (importing transformers: most of a second), here beside the warm-up, which mostly
+        # waits for executables to load, so that no chat request waits for all of it
+        threading.Thread(target=lambda: engine.tokenizer.hf, name="chat-template",
+                         daemon=True).start()
     warm_up(engine)
     logger.info("engine ready: %d replica(s) of %d KV blocks of %d tokens, max_model_len %d; "
                 "%.1f s after loading began", args.data_parallel_size,

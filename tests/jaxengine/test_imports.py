@@ -8,7 +8,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# each imported only by the code that needs it: transformers by an HF config and a tokenizer,
+# each imported only by the code that needs it: transformers by an HF config, an HF directory's
+# tokenizer and a chat template (not by the server: a GGUF model's server starts without it),
 # llguidance.hf by the first structured-outputs grammar, the others by the server and the lab
 DEFERRED = ("transformers", "llguidance.hf", "fastapi", "uvicorn", "starlette", "matplotlib",
             "torch")
@@ -22,8 +23,15 @@ steps = []
 import jaxengine
 jaxengine.LLM, jaxengine.SamplingParams, jaxengine.Tokenizer
 steps.append(loaded())
-from jaxengine.loading.hf import read_hf_config
-read_hf_config("tests/fixtures/tiny/llama_tied_mha")
+tok = jaxengine.Tokenizer.from_gguf_metadata({{
+    "tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["a", "b", "ab", "<e>"],
+    "tokenizer.ggml.merges": ["a b"], "tokenizer.ggml.token_type": [1, 1, 1, 3],
+    "tokenizer.ggml.eos_token_id": 3, "tokenizer.chat_template": "{{{{ messages[0].content }}}}"}})
+assert tok.decode(tok.encode("ab<e>"), skip_special_tokens=False) == "ab<e>"
+steps.append(loaded())
+import jaxengine.server
+steps.append(loaded())
+assert tok.apply_chat_template([{{"role": "user", "content": "ab"}}]) == "ab"
 steps.append(loaded())
 print(json.dumps(steps))
 """
@@ -33,6 +41,8 @@ def test_heavy_libraries_are_imported_where_they_are_used_only() -> None:
     done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
                           timeout=120, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
-    after_import, after_hf_config = json.loads(done.stdout.splitlines()[-1])
-    assert after_import == []
-    assert after_hf_config == ["transformers"]  # the probe sees an import where there is one
+    after_import, after_gguf_tokenizer, after_server, after_chat = json.loads(
+        done.stdout.splitlines()[-1])
+    assert after_import == after_gguf_tokenizer == []  # `tokenizers` encodes and decodes
+    assert "transformers" not in after_server and "fastapi" in after_server
+    assert "transformers" in after_chat  # its `apply_chat_template` renders

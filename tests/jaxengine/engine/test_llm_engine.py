@@ -23,7 +23,7 @@ class FakeTokenizer(Tokenizer):
 
     def __init__(self) -> None:
         chars = char_tokenizer([chr(0x100 + t) for t in range(V)], eos=chr(0x100 + EOS))
-        super().__init__(chars.hf, eos_token_ids=chars.eos_token_ids)
+        super().__init__(chars.backend, eos_token_ids=chars.eos_token_ids)
 
 
 def make_engine(*, num_blocks: int = 200, max_model_len: int = 256, **kw: Any) -> LLMEngine:

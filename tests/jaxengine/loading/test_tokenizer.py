@@ -48,6 +48,41 @@ def test_chat_template_equals_transformers(tok: Tokenizer) -> None:
     assert not without.endswith("assistant\n")
 
 
+# Text a tokenizer may treat specially: digits, whitespace runs, newlines, accents, CJK, emoji,
+# contractions, special tokens inline and glued to words, a partial special token.
+VARIED = ["", " ", "  two  spaces\n\n\tand tabs ", "1234567 + 3.14159 = x", "I'll've don't",
+          "café naïve Ωμέγα", "日本語のテキスト", "emoji 🤖👩‍👩‍👧 end",
+          "<|im_start|>user\nhi<|im_end|>\n", "a<|endoftext|>b", "<|im_start", "  <|im_end|>  ",
+          "\u200b\u00a0zero width"]
+
+
+@pytest.mark.parametrize("add_bos", [False, True])
+def test_tokenizers_alone_encode_decode_and_render_as_transformers(tok: Tokenizer,
+                                                                   add_bos: bool) -> None:
+    # `encode`/`decode` go through `tokenizers` alone; `hf` is transformers' tokenizer over
+    # the same pipeline, which a start builds only for chat templates
+    ours = tok if not add_bos else Tokenizer.from_backend(
+        tok.backend, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id,
+        chat_template=tok.chat_template, add_bos=True)
+    hf = ours.hf
+    assert (hf.eos_token_id, hf.bos_token_id, hf.pad_token_id) == (
+        ours.eos_token_id, ours.bos_token_id, ours.pad_token_id)
+    for text in VARIED:
+        for special in (False, True):
+            ids = ours.encode(text, add_special_tokens=special)
+            assert ids == hf.encode(text, add_special_tokens=special), (text, special)
+            for skip in (False, True):
+                assert ours.decode(ids, skip_special_tokens=skip) == hf.decode(
+                    ids, skip_special_tokens=skip), (text, skip)
+    assert (ours.encode("x")[0] == ours.bos_token_id) == add_bos
+    messages = [*CHAT["messages"], {"role": "assistant", "content": VARIED[8]},
+                {"role": "user", "content": VARIED[7]}]
+    text = ours.apply_chat_template(messages)
+    assert text == hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert ours.apply_chat_template(messages, tokenize=True) == hf.encode(
+        text, add_special_tokens=False)
+
+
 def test_hf_directory_tokenizer() -> None:
     _, _, tok = load_model(str(FIXTURES / "tiny" / "qwen2_bias_tied"))
     ids = tok.encode("Hi!\n")

@@ -4,6 +4,7 @@ thread, and refused when they render more than the context can hold."""
 
 from __future__ import annotations
 
+import inspect
 import threading
 import time
 from collections.abc import Iterator
@@ -11,8 +12,10 @@ from typing import Any
 
 import httpx
 import pytest
+from transformers import PreTrainedTokenizerBase
 
 from jaxengine.server.args import FrontendArgs
+from jaxengine.server.chat_protocol import _RENDER_ARGS
 from tests.jaxengine.server.test_harness import (
     MODEL_NAME,
     RunningServer,
@@ -123,3 +126,9 @@ def test_health_answers_while_a_request_is_prepared(server: RunningServer) -> No
     # waits for a GIL switch (or, rarely, a garbage collection of this big test process).
     assert sorted(waits)[len(waits) // 2] < 0.1 and max(waits) < done[0] / 2, \
         (done, sorted(waits)[-3:])
+
+
+def test_the_refused_template_variables_are_transformers_rendering_arguments() -> None:
+    # spelled out in chat_protocol so the server imports no transformers to start
+    rendering = set(inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters)
+    assert rendering - {"self", "conversation", "kwargs"} | {"messages"} == _RENDER_ARGS
