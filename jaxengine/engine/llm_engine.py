@@ -414,11 +414,12 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the runner's background program making (`Runner.shutdown`; what a process
-        that exits would otherwise wait for) and the KV worker's server or threads. Call it
-        before dropping an engine in a process that goes on; the engine must not step
-        afterwards. Idempotent."""
+        that exits would otherwise wait for), the KV worker's server or threads and the
+        grammar compiler's threads. Call it before dropping an engine in a process that goes
+        on; the engine must not step afterwards. Idempotent."""
         self.runner.shutdown()
         self.kv_worker.shutdown()
+        self.grammars.shutdown()
 
     def _take_compiled_grammars(self) -> list[RequestOutput]:
         """Hand finished compilations to the scheduler (`grammars_ready`); abort the requests
