@@ -122,6 +122,7 @@ class EngineClient(Protocol):
         ...
 
     def shutdown(self) -> None:
-        """Stop what the engine runs in the background (its runners' program making) and
-        wait for it; the engine must not step afterwards. Idempotent."""
+        """Stop what the engine runs in the background (its runners' program making, its
+        grammar compilers' threads) and wait for it; the engine must not step afterwards.
+        Idempotent."""
         ...

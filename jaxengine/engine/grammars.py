@@ -74,6 +74,11 @@ class Grammars:
             concurrent.futures.wait([future])
         self._compiling[request_id] = future
 
+    def shutdown(self) -> None:
+        """Stop the compiler's threads, if it was built (`GrammarCompiler.shutdown`)."""
+        if self._compiler is not None:
+            self._compiler.shutdown()
+
     def forget(self, request_id: str) -> None:
         """A request left (aborted): its compilation's result is not wanted."""
         self._compiling.pop(request_id, None)

@@ -50,7 +50,6 @@ from jaxengine.kv_offload import OffloadingWorker, offloading_worker
 from jaxengine.kv_transfer import KVTransferWorker, kv_transfer_params_of, kv_transfer_worker
 from jaxengine.model.fns import ModelFns
 from jaxengine.runner.config import RunnerConfig
-from jaxengine.runner.lora_inputs import LoRAInputs
 from jaxengine.runner.runner import Runner
 from jaxengine.sampling.bad_words import tokenize_bad_words
 from jaxengine.spec.factory import make_speculator
@@ -69,19 +68,6 @@ from scheduler import (
     reset_prefix_cache,
     schedule,
 )
-
-
-def _lora_slots(runner: Runner) -> LoRAInputs:
-    """The runner's adapter slots.
-
-    Raises:
-      ValueError: a runner without them (the simulator's cost runner prices no adapters).
-    """
-    slots = getattr(runner, "lora", None)
-    if slots is None:
-        raise ValueError("enable_lora: this engine's runner has no LoRA adapter slots (the "
-                         "simulator does not price adapters)")
-    return slots
 
 # What `on_schedule` is given: (state before, state after, plan) of a step's `schedule` call.
 OnSchedule = Callable[[SchedulerState, SchedulerState, SchedulerOutput], None]
@@ -154,8 +140,8 @@ class LLMEngine:
                                  eos_token_id=self.eos_token_id,
                                  on_compiler=self._give_runner_executor)
         # LoRA adapters on the host and in the runner's slots (enable_lora); None: off
-        self.loras = None if config.lora is None else LoRAAdapters(config.lora,
-                                                                    _lora_slots(self.runner))
+        self.loras = None if config.lora is None else LoRAAdapters.over(config.lora,
+                                                                         self.runner)
 
     @property
     def kv_offload(self) -> OffloadingWorker | None:
@@ -414,11 +400,12 @@ class LLMEngine:
 
     def shutdown(self) -> None:
         """Stop the runner's background program making (`Runner.shutdown`; what a process
-        that exits would otherwise wait for) and the KV worker's server or threads. Call it
-        before dropping an engine in a process that goes on; the engine must not step
-        afterwards. Idempotent."""
+        that exits would otherwise wait for), the KV worker's server or threads and the
+        grammar compiler's threads. Call it before dropping an engine in a process that goes
+        on; the engine must not step afterwards. Idempotent."""
         self.runner.shutdown()
         self.kv_worker.shutdown()
+        self.grammars.shutdown()
 
     def _take_compiled_grammars(self) -> list[RequestOutput]:
         """Hand finished compilations to the scheduler (`grammars_ready`); abort the requests

@@ -14,11 +14,15 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 from jaxengine.config import LoRAConfig
 from jaxengine.loading.lora import LoRAAdapter, load_peft_adapter
 from jaxengine.runner.lora_inputs import LoRAInputs
 from scheduler import LoRARequest
+
+if TYPE_CHECKING:
+    from jaxengine.runner.runner import Runner
 
 
 class LoRAAdapters:
@@ -28,6 +32,19 @@ class LoRAAdapters:
         self.config, self.device = config, device
         self._host: OrderedDict[int, LoRAAdapter] = OrderedDict()  # LRU first
         self._requests: dict[int, LoRARequest] = {}  # each id's adapter, as first added
+
+    @classmethod
+    def over(cls, config: LoRAConfig, runner: Runner) -> LoRAAdapters:
+        """The adapters of an engine over `runner`, put into its adapter slots.
+
+        Raises:
+          ValueError: a runner without them (the simulator's cost runner prices no adapters).
+        """
+        slots = getattr(runner, "lora", None)
+        if slots is None:
+            raise ValueError("enable_lora: this engine's runner has no LoRA adapter slots (the "
+                             "simulator does not price adapters)")
+        return cls(config, slots)
 
     def add(self, lora: LoRARequest) -> bool:
         """Read the adapter into host memory (if it is not there) and check it fits the

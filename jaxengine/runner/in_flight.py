@@ -3,7 +3,7 @@ and, once collected, each request's `SampledToken`s."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import jax
@@ -59,3 +59,24 @@ class Forward:
     num_tokens: int  # the token bucket
     total: int  # scheduled (real) tokens
     prompt_logprobs: PromptInFlight | None = None  # None: no position asked for them
+
+
+def sampled_tokens(result: SamplerOutput, row_ids: Sequence[str],
+                   rows: Mapping[str, SamplingRow]) -> dict[str, list[SampledToken]]:
+    """A collected step's tokens, per sampling request in row order (its token, then one per
+    draft it verifies), with the logprobs each asked for.
+
+    Args:
+      result: the sampler's results on the host (numpy leaves).
+      row_ids: the request of each sampler row (`InFlight.row_ids`).
+      rows: each request's sampling row (its `params.logprobs`).
+    """
+    out: dict[str, list[SampledToken]] = {}
+    for i, r in enumerate(row_ids):
+        n = rows[r].params.logprobs
+        top = tuple(zip(result.top_token_ids[i, :n].tolist(),
+                        result.top_logprobs[i, :n].tolist(), strict=True)) if n else ()
+        lp, rank = (None, None) if n is None else (float(result.logprobs[i]),
+                                                   int(result.ranks[i]))
+        out.setdefault(r, []).append(SampledToken(int(result.token_ids[i]), lp, top, rank))
+    return out

@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from jaxengine.model.lora import LoRALayout, LoRASlots, write_slot
+from jaxengine.runner.config import RunnerConfig
 
 WRITE_LORA_NAME = "jaxengine_write_lora_slot"
 
@@ -89,6 +90,21 @@ class LoRAInputs:
         """AOT-compile the slot writer."""
         a, b = self.layout.slot_arrays({}, self.max_lora_rank)
         _jitted_write.lower(self.slots, np.int32(0), a, b, np.float32(0)).compile()
+
+
+def lora_inputs_for(layout: LoRALayout | None, config: RunnerConfig) -> LoRAInputs | None:
+    """A runner's adapter slots when `config` asks for LoRA (None otherwise), for a model of
+    `layout` (`ModelFns.lora_layout`).
+
+    Raises:
+      ValueError: LoRA asked of a model that serves no adapters.
+    """
+    if not config.max_loras:
+        return None
+    if layout is None:
+        raise ValueError("enable_lora: this model serves no LoRA adapters (it has no "
+                         "lora_layout; the fake model has none)")
+    return LoRAInputs(layout, max_loras=config.max_loras, max_lora_rank=config.max_lora_rank)
 
 
 def token_slots(query_start_loc: np.ndarray, request_slots: Sequence[int], num_tokens: int

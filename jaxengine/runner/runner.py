@@ -1,8 +1,8 @@
 """The model runner: a `SchedulerOutput` in, one sampled token per sampling request out.
 
-It owns the device side of a step: packing the plan into a padded `ModelBatch` (token count
-bucketed, request arrays at the fixed size `max_num_seqs`), the jitted model step (KV cache
-donated, so it is updated in place), and the jitted sampler (compiled per request bucket).
+It owns the device side of a step: the plan packed into a padded `ModelBatch`
+(`jaxengine/runner/step_batch.py`), the jitted model step (KV cache donated, so it is updated
+in place), and the jitted sampler (compiled per request bucket).
 With `precompile()` every bucket is compiled up front (or loaded whole from an earlier run:
 `jaxengine/runner/executables.py`; the larger ones may follow on a background thread, which a
 step needing one waits for); after that a workload compiles nothing, and with
@@ -31,7 +31,6 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 from tqdm.auto import tqdm
 
-from jaxengine.model.batch import ModelBatch, RequestChunk, pack_batch
 from jaxengine.model.fns import ModelFns
 from jaxengine.model.fns import signature as model_signature
 from jaxengine.runner.bucket_programs import (
@@ -51,18 +50,19 @@ from jaxengine.runner.compiles import (
 )
 from jaxengine.runner.config import RunnerConfig, RunnerStats
 from jaxengine.runner.distributed import to_host
-from jaxengine.runner.in_flight import Forward, InFlight, SampledToken
-from jaxengine.runner.lora_inputs import WRITE_LORA_NAME, LoRAInputs, token_slots
+from jaxengine.runner.in_flight import Forward, InFlight, SampledToken, sampled_tokens
+from jaxengine.runner.lora_inputs import WRITE_LORA_NAME, lora_inputs_for
 from jaxengine.runner.penalty_inputs import WRITE_SLOT_NAME, PenaltyInputs
 from jaxengine.runner.programs import SAMPLE_NAME, STEP_NAME, programs_for
 from jaxengine.runner.prompt_logprob_inputs import PromptLogprobChunk, PromptLogprobInputs
-from jaxengine.runner.verify import gather_indices, sampler_rows
+from jaxengine.runner.step_batch import batch_spec, first_rows, pack_step, spec
+from jaxengine.runner.verify import sampler_rows
 from jaxengine.runner.weights import place_weights
 from jaxengine.sampling.logits_processors import build_adjustments
 from jaxengine.sampling.rows import MAX_BANNED, SamplingRow, build_sampling_metadata
 from jaxengine.sampling.sampler import SamplerOutput
 from jaxengine.structured.bitmask import allocate_bitmask, bitmask_width, fill_bitmasks
-from scheduler import PLACEHOLDER_TOKEN_ID, SchedulerOutput
+from scheduler import SchedulerOutput
 
 logger = logging.getLogger("jaxengine.runner")
 
@@ -104,7 +104,7 @@ class Runner:
         # Requests that asked for prompt logprobs, each step's targets (sampling/prompt_logprob*)
         self.prompt_logprobs = PromptLogprobInputs()
         # LoRA adapter slots (runner/lora_inputs.py); None: LoRA off
-        self.lora = _lora_inputs(model, config)
+        self.lora = lora_inputs_for(model.lora_layout, config)
 
         # Runners over the same model object share its programs (runner/programs.py); the
         # executables `precompile` made are this runner's, by bucket.
@@ -222,12 +222,12 @@ class Runner:
         params = self._abstract_params
         if kind == "step":
             fill = self._fill_spec(size)
+            batch = batch_spec(self.config, size, lora=self.lora is not None)
             return (STEP_NAME, self._programs.step,
-                    (params, self._abstract_kv, self._batch_spec(size), prev, fill, fill,
-                     self._abstract_lora),
+                    (params, self._abstract_kv, batch, prev, fill, fill, self._abstract_lora),
                     self._step_statics)
-        md = jax.tree.map(_spec, build_sampling_metadata([], size))
-        adj = jax.tree.map(_spec, build_adjustments([], [], [], [], size))
+        md = jax.tree.map(spec, build_sampling_metadata([], size))
+        adj = jax.tree.map(spec, build_adjustments([], [], [], [], size))
         t = self.penalties.spec()
         mask = jax.ShapeDtypeStruct((size, bitmask_width(self.model.vocab_size)), np.int32,
                                     sharding=self._token_sharding)
@@ -273,17 +273,6 @@ class Runner:
     @staticmethod
     def _fill_spec(num_tokens: int) -> jax.ShapeDtypeStruct:
         return jax.ShapeDtypeStruct((num_tokens,), np.int32)
-
-    def _batch_spec(self, num_tokens: int) -> ModelBatch:
-        c = self.config
-        batch = pack_batch([], num_tokens=num_tokens, max_seqs=c.max_num_seqs,
-                           max_blocks=c.max_blocks_per_seq, block_size=c.block_size,
-                           num_groups=c.num_kv_cache_groups)
-        if c.num_speculative_tokens:  # the step keeps 1 + K hidden rows per request
-            batch = replace(batch, logits_indices=np.zeros(c.max_num_rows, np.int32))
-        if self.lora is not None:
-            batch = replace(batch, lora_slots=np.zeros(num_tokens, np.int32))
-        return jax.tree.map(_spec, batch)
 
     # ---- one step ----------------------------------------------------------------------
 
@@ -331,7 +320,9 @@ class Runner:
         before, t0 = self._compiles_here(), time.perf_counter()
         self.penalties.slots.release(out.finished_req_ids)  # before a reused id asks for one
         self.prompt_logprobs.update(out)
-        batch, fill = self._pack(out, order, prev, lora_slots or {})
+        batch, fill = pack_step(out, order, prev, lora_slots or {}, config=self.config,
+                                token_buckets=self.token_buckets,
+                                lora=self.lora is not None)
         targets, spans = self.prompt_logprobs.targets(out, order, batch.query_start_loc,
                                                       len(batch.input_ids))
         prev_tokens = self._prev_tokens(prev)
@@ -365,16 +356,9 @@ class Runner:
         """Wait for a dispatched step's tokens; per sampling request the tokens of its rows:
         one, then one per draft it verifies (`jaxengine.spec.Speculator.verify` keeps the
         accepted)."""
-        out: dict[str, list[SampledToken]] = {}
-        if step.result is not None:
-            res = to_host(step.result)  # multi-host: replicated over several processes' devices
-            for i, r in enumerate(step.row_ids):
-                n = step.rows[r].params.logprobs
-                top = tuple(zip(res.top_token_ids[i, :n].tolist(),
-                                res.top_logprobs[i, :n].tolist(), strict=True)) if n else ()
-                lp, rank = (None, None) if n is None else (float(res.logprobs[i]),
-                                                           int(res.ranks[i]))
-                out.setdefault(r, []).append(SampledToken(int(res.token_ids[i]), lp, top, rank))
+        # multi-host: the results are replicated over several processes' devices
+        out = ({} if step.result is None
+               else sampled_tokens(to_host(step.result), step.row_ids, step.rows))
         s = self.stats
         s.steps += 1
         s.computed_tokens += step.total
@@ -390,48 +374,6 @@ class Runner:
             return {}
         result, targets, spans = step.prompt_logprobs
         return PromptLogprobInputs.read(to_host(result), targets, spans)
-
-    def _pack(self, out: SchedulerOutput, order: Sequence[str], prev: InFlight | None,
-              lora_slots: Mapping[str, int]) -> tuple[ModelBatch, np.ndarray]:
-        """The padded batch (with LoRA each token's adapter slot), and for each of its tokens
-        the row of `prev.tokens` a placeholder takes (-1: not a placeholder). Shapes:
-        ModelBatch of T tokens; fill i32[T]."""
-        c = self.config
-        groups = out.group_block_tables if c.num_kv_cache_groups > 1 else None
-        chunks = [
-            RequestChunk(token_ids=out.input_token_ids[r], start=out.num_computed_tokens[r],
-                         block_table=out.block_tables[r],
-                         group_block_tables=None if groups is None else [g[r] for g in groups])
-            for r in order
-        ]
-        total = sum(len(ch.token_ids) for ch in chunks)
-        num_tokens = pick_bucket(self.token_buckets, total)
-        batch = pack_batch(chunks, num_tokens=num_tokens, max_seqs=c.max_num_seqs,
-                           max_blocks=c.max_blocks_per_seq, block_size=c.block_size,
-                           num_groups=c.num_kv_cache_groups)
-        if c.num_speculative_tokens:  # also the rows of each request's drafts
-            drafts = out.scheduled_spec_decode_tokens
-            batch = replace(batch, logits_indices=gather_indices(
-                batch.query_start_loc, [len(drafts.get(r, ())) for r in order],
-                num_seqs=c.max_num_seqs, width=1 + c.num_speculative_tokens))
-        if self.lora is not None:
-            batch = replace(batch, lora_slots=token_slots(
-                batch.query_start_loc, [lora_slots.get(r, 0) for r in order], num_tokens))
-        elif lora_slots:
-            raise ValueError("requests with LoRA adapters, but this runner has no adapter "
-                             "slots (enable_lora)")
-        fill = np.full(num_tokens, -1, np.int32)
-        holes = np.flatnonzero(batch.input_ids[:total] == PLACEHOLDER_TOKEN_ID)
-        if len(holes):
-            sampled_by_prev = _first_rows(prev)
-            starts = batch.query_start_loc[: len(order)]
-            for hole in holes:
-                rid = order[int(np.searchsorted(starts, hole, side="right")) - 1]
-                if rid not in sampled_by_prev:
-                    raise ValueError(f"request {rid!r} has a placeholder input but the step "
-                                     f"before does not sample it")
-                fill[hole] = sampled_by_prev[rid]
-        return batch, fill
 
     def _prev_tokens(self, prev: InFlight | None) -> jax.Array:
         """i32[R]: the tokens the step in flight samples (zeros of the same sharding without
@@ -454,7 +396,7 @@ class Runner:
         row_index[: len(sampling_ids)] = index
         md = build_sampling_metadata(batch_rows, size, max_banned=MAX_BANNED)
         prev_tokens = self._prev_tokens(prev)
-        adj = self.penalties.adjustments(sampling_ids, rows, size, _first_rows(prev),
+        adj = self.penalties.adjustments(sampling_ids, rows, size, first_rows(prev),
                                          prev_tokens)
         t = self.penalties.tables
         sample = self._executables.get(("sample", size))
@@ -496,31 +438,3 @@ class Runner:
                 raise RecompileError(message)
             logger.warning("%s", message)
 
-
-def _lora_inputs(model: ModelFns, config: RunnerConfig) -> LoRAInputs | None:
-    """The adapter slots when `config` asks for LoRA (None otherwise).
-
-    Raises:
-      ValueError: LoRA asked of a model that serves no adapters.
-    """
-    if not config.max_loras:
-        return None
-    if model.lora_layout is None:
-        raise ValueError("enable_lora: this model serves no LoRA adapters (it has no "
-                         "lora_layout; the fake model has none)")
-    return LoRAInputs(model.lora_layout, max_loras=config.max_loras,
-                      max_lora_rank=config.max_lora_rank)
-
-
-def _first_rows(prev: InFlight | None) -> dict[str, int]:
-    """Each request `prev` samples -> its first row in `prev.tokens` (its token; the rows of
-    its drafts follow it)."""
-    rows: dict[str, int] = {}
-    for i, rid in enumerate(() if prev is None else prev.row_ids):
-        rows.setdefault(rid, i)
-    return rows
-
-
-def _spec(x: np.ndarray) -> jax.ShapeDtypeStruct:
-    x = np.asarray(x)
-    return jax.ShapeDtypeStruct(x.shape, x.dtype)

@@ -136,8 +136,9 @@ class GrammarCompiler:
         return self.submit(params).result()
 
     def shutdown(self) -> None:
-        """Stop the compile threads once queued compilations end."""
-        self._pool.shutdown(wait=True)
+        """Stop the compile threads: queued compilations are cancelled (their futures say
+        so), a running one ends first. Idempotent; `submit` raises afterwards."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
     def _compile(self, params: StructuredOutputsParams) -> CompiledGrammar:
         template = llguidance.LLMatcher(self.ll_tokenizer, params.llguidance_grammar,

@@ -22,7 +22,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxengine_kernels.cache_dtype import dot_dtype
-from jaxengine_kernels.reference import cap_scores, first_visible
+from jaxengine_kernels.scores import cap_scores, first_visible
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 

@@ -21,7 +21,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from jaxengine_kernels.cache_dtype import dot_dtype
-from jaxengine_kernels.reference import cap_scores, first_visible
+from jaxengine_kernels.scores import cap_scores, first_visible
 
 # A large finite negative: masked logits stay finite, so exp(m_prev - m_new) never sees inf-inf.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)

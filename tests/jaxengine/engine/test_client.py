@@ -113,3 +113,15 @@ def test_shutdown_ends_the_background_program_making(kind: str,
                         SamplingParams(max_tokens=1))
     with pytest.raises(RuntimeError, match="never made: its runner was shut down"):
         replica.step()
+
+
+def test_shutdown_stops_the_grammar_compiler_threads() -> None:
+    engine = make_engine()
+    engine.compile_grammar(REGEX)  # builds the compiler, which starts its threads
+    compiler = engine.grammar_compiler
+    assert [t for t in threading.enumerate() if t.name.startswith("grammar-compile")]
+    engine.shutdown()
+    assert not [t for t in threading.enumerate() if t.name.startswith("grammar-compile")]
+    with pytest.raises(RuntimeError, match="shutdown"):
+        compiler.submit(StructuredOutputsParams(regex="(cd)+"))
+    engine.shutdown()  # idempotent
