@@ -9,6 +9,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import pytest
+from flax import nnx
 
 from jaxengine.engine.args import EngineArgs
 from jaxengine.engine.build import attention_backend, build_engine
@@ -75,7 +76,8 @@ def test_an_explicit_cpu_kernel_that_cannot_be_built_is_an_error(monkeypatch) ->
 @pytest.mark.parametrize("impl", ["tpu", "gpu"])
 def test_a_kernel_step_on_an_unsupported_shape_raises_instead_of_falling_back(impl: str) -> None:
     cfg = ModelConfig.tiny(head_dim=8)
-    graphdef, state = split_model(Model(cfg, seed=0))
+    # An abstract model (nnx.eval_shape): the kernel refuses the shapes while tracing.
+    graphdef, state = split_model(nnx.eval_shape(lambda: Model(cfg, seed=0)))
     step = jax.jit(make_model_step(graphdef, attn_impl=impl, interpret=True))
     kv = jnp.zeros((cfg.num_layers, 4, 8, 2 * cfg.num_kv_heads, cfg.head_dim), jnp.float32)
     chunk = RequestChunk(token_ids=list(range(1, 6)), start=0, block_table=[1])

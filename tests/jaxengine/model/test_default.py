@@ -25,9 +25,11 @@ def test_greedy_32_tokens_equal_transformers() -> None:
     runner = PagedRunner(model, num_blocks=12, block_size=16, max_seqs=2, max_blocks=8)
     table = [7, 2, 9, 4, 11]
     seq = list(GREEDY["prompt_ids"])
-    logits = runner.run([RequestChunk(token_ids=seq, start=0, block_table=table)], 64)[0][-1]
+    # The prompt in 16-token chunks, as the decode steps: one step program to compile (each
+    # bucket of this 30-layer model compiles for ~15 s on 2 cores).
+    logits = runner.run_chunked(seq, sizes=[16], table=table)[-1]
     expected_last = np.load(DEFAULT_DIR / "last_logits.npz")["logits"]
-    assert np.abs(logits - expected_last).max() < 1e-3  # observed ~6e-5
+    assert np.abs(logits - expected_last).max() < 1e-3  # observed ~8e-5
     out = []
     for _ in range(32):
         out.append(int(np.argmax(logits)))

@@ -26,6 +26,9 @@ TINY = Path(__file__).resolve().parents[2] / "fixtures" / "tiny"
 TARGET = TINY / "llama3_gqa"
 PROMPTS = ["abcabcabcabc", "hello hello hello", "xyz", "1 2 3 1 2 3 1 2"]
 GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+# A 16-token budget (4 rows of k + 1 = 4 tokens): token buckets 1..16, so the draft's replay,
+# which compiles for every bucket, compiles 5 programs, not 7 of up to 64 tokens.
+SMALL_BUDGET = dict(max_num_batched_tokens=16)
 
 
 def draft_config(model: Path, k: int = 3) -> dict[str, Any]:
@@ -58,16 +61,21 @@ def run(params: SamplingParams, **kw: Any) -> tuple[dict[str, tuple], Counts]:
     return done, counts
 
 
+@pytest.fixture(scope="module")
+def plain() -> dict[str, tuple]:
+    """The prompts' GREEDY outputs without speculation, synchronous, on the small budget."""
+    return run(GREEDY, async_scheduling=False, **SMALL_BUDGET)[0]
+
+
 @LOOPS
 def test_the_target_as_its_own_draft_is_always_right_and_compiles_only_in_warm_up(
-        async_scheduling: bool) -> None:
+        plain: dict[str, tuple], async_scheduling: bool) -> None:
     """Under async scheduling too: the replay reads the placeholders from the history, and a
     proposal behind a decode in flight (k + 1 steps, its first dropped) guesses it right."""
-    plain, _ = run(GREEDY, async_scheduling=False)
     before = compile_count(REPLAY_NAME, PROPOSE_NAME)
     spec, counts = run(GREEDY, speculative_config=draft_config(TARGET), precompile=True,
                        debug_recompiles=True,  # the target's programs: none after warm-up
-                       async_scheduling=async_scheduling)
+                       async_scheduling=async_scheduling, **SMALL_BUDGET)
     assert spec == plain
     assert counts.accepted == counts.draft_tokens > 0
     assert compile_count(REPLAY_NAME, PROPOSE_NAME) > before  # precompile made the draft's,
@@ -77,10 +85,11 @@ def test_the_target_as_its_own_draft_is_always_right_and_compiles_only_in_warm_u
 def test_an_fp8_cache_in_target_and_draft_keeps_every_draft_right() -> None:
     """The draft's cache takes the target's dtype: the target as its own draft still proposes
     exactly what it will accept."""
-    plain, counts = run(GREEDY, kv_cache_dtype="fp8")
+    plain, counts = run(GREEDY, kv_cache_dtype="fp8", **SMALL_BUDGET)
     fp8_bits = {jnp.dtype(jnp.uint8)}  # float8_e4m3fn's bits, on the CPU path
     assert counts.kv_dtypes == fp8_bits  # type: ignore[attr-defined]
-    spec, counts = run(GREEDY, kv_cache_dtype="fp8", speculative_config=draft_config(TARGET))
+    spec, counts = run(GREEDY, kv_cache_dtype="fp8", speculative_config=draft_config(TARGET),
+                       **SMALL_BUDGET)
     assert counts.kv_dtypes == fp8_bits  # type: ignore[attr-defined]
     assert spec == plain
     assert counts.accepted == counts.draft_tokens > 0
