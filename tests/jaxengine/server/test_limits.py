@@ -26,14 +26,18 @@ def _post(server: RunningServer, endpoint: str, body: dict[str, Any]) -> httpx.R
 
 def _refused_fast(server: RunningServer, endpoint: str, body: dict[str, Any],
                   param: str) -> dict[str, Any]:
-    """Post `body`; check it is a 400 naming `param` within a second; return the error."""
+    """Post `body`; check it is a 400 naming `param` within 5 s; return the error.
+
+    5 s is far from what the work refused would take (20M characters tokenized, n=30000
+    held /health for 15 s), and far from a loaded machine's scheduling delays (a 1 s bound
+    failed once at load average 11 on 2 cores)."""
     start = time.perf_counter()
     r = _post(server, endpoint, body)
     elapsed = time.perf_counter() - start
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert error["param"] == param, error
-    assert elapsed < 1.0, f"refused after {elapsed:.2f} s"
+    assert elapsed < 5.0, f"refused after {elapsed:.2f} s"
     return error
 
 
