@@ -94,10 +94,10 @@ struct Prefetch {
   int64_t rows;
 };
 
-// R rows of x (row stride ldx) against kc rows of a panel; the sums go to out [R, kPanel],
-// added to what it holds when Add.
-template <int64_t R, bool Add, typename W, typename PW>
-inline void row_block(const float* x, int64_t ldx, int64_t kc, const W* panel,
+// R rows of x (row stride ldx) against kc rows of a float panel (an int8 one widened first);
+// the sums go to out [R, kPanel], added to what it holds when Add.
+template <int64_t R, bool Add, typename PW>
+inline void row_block(const float* x, int64_t ldx, int64_t kc, const float* panel,
                       Prefetch<PW> pf, float* out) {
   constexpr int64_t line = 64 / sizeof(PW);  // prefetched weights per cache line
   fvec acc[R][kVectors];
@@ -105,7 +105,7 @@ inline void row_block(const float* x, int64_t ldx, int64_t kc, const W* panel,
     for (int64_t v = 0; v < kVectors; ++v)
       acc[r][v] = Add ? loadv(out + r * kPanel + v * kLanes) : fvec{};
   for (int64_t k = 0; k < kc; ++k) {
-    const W* row = panel + k * kPanel;
+    const float* row = panel + k * kPanel;
     if (k < pf.rows)
       for (int64_t v = 0; v < kPanel; v += line) __builtin_prefetch(pf.at + k * kPanel + v);
     fvec w[kVectors];
@@ -119,9 +119,9 @@ inline void row_block(const float* x, int64_t ldx, int64_t kc, const W* panel,
     for (int64_t v = 0; v < kVectors; ++v) storev(out + r * kPanel + v * kLanes, acc[r][v]);
 }
 
-template <int64_t R = kRowBlock, typename W, typename PW>
+template <int64_t R = kRowBlock, typename PW>
 inline void row_tail(int64_t rows, bool add, const float* x, int64_t ldx, int64_t kc,
-                     const W* panel, Prefetch<PW> pf, float* out) {
+                     const float* panel, Prefetch<PW> pf, float* out) {
   if constexpr (R > 0) {
     if (rows == R)
       return add ? row_block<R, true>(x, ldx, kc, panel, pf, out)

@@ -108,7 +108,7 @@ class PerChannel:
     def _check(self, weight: nnx.Variable, axis: int, path: Path) -> None:
         """`ChannelFormat.check` of float `weight` at `path`, split as its sharding says."""
         meta = weight.get_metadata()
-        split = shards(meta.get("out_sharding"), meta.get("mesh"), axis)
+        split = shards(meta.get("out_sharding"), meta.get("mesh"), axis, len(weight.shape))
         self.channel.check(weight.shape, axis=axis, shards=split, name="/".join(path))
 
     def read_host(self, path: Path, name: str, shape: tuple[int, ...], layout: TPLayout, *,
@@ -119,7 +119,8 @@ class PerChannel:
                      ) -> dict[Path, np.ndarray]:
         axis = EMBEDDING_AXIS if path[-1] == "embedding" else KERNEL_AXIS
         sharding = like.sharding  # groups within each device's part, as the model's
-        split = shards(getattr(sharding, "spec", None), getattr(sharding, "mesh", None), axis)
+        split = shards(getattr(sharding, "spec", None), getattr(sharding, "mesh", None), axis,
+                       host.ndim)
         values, scale = quantize(host, self.channel, axis=axis, shards=split)
         return {path: values, (*path[:-1], scale_name(path[-1])): scale}
 

@@ -11,12 +11,12 @@ split with its rows; in groups (int8) the scales keep every axis, [in / 32, out]
 axes stay on the scales (docs/STYLE.md rule 17: the sharding is declared where the weight is
 created, here from the float weight's).
 
-Every platform computes weight-only: per output channel, the values are converted to the
-activation dtype inside the matmul and the float32 product scaled per output channel; in
-groups, the values are dequantized (values * scale, fused by XLA into the dot's operand) and
-multiplied. On CPU (and on TPUs and GPUs
-without fp8 arithmetic) that is the only way; on TPU v5p/v6e and H100/H200 an fp8 x fp8 dot
-would also need the activations quantized, which a weight-only format does not do.
+Every platform computes weight-only: in groups (int8) the values are dequantized into the
+dot's operand (values * scale, which XLA fuses into the dot); per output channel (fp8) they are
+converted to the activation dtype inside the dot and the float32 product scaled per output
+channel. On CPU (and on TPUs and GPUs without fp8 arithmetic) that is the only way; on TPU
+v5p/v6e and H100/H200 an fp8 x fp8 dot would also need the activations quantized, which a
+weight-only format does not do.
 Axes: T tokens, D model, F expert width, E experts, V' the padded vocabulary.
 """
 
@@ -43,10 +43,11 @@ def scale_name(name: str) -> str:
     return f"{name}_scale"
 
 
-def shards(axes: tuple | None, mesh: Mesh | AbstractMesh | None, axis: int) -> int:
-    """The parts a weight's `axis` is split in over `mesh` by its sharding `axes` (a
-    PartitionSpec's entries; None: not split)."""
-    if axes is None or mesh is None or len(axes) <= axis % len(axes):
+def shards(axes: tuple | None, mesh: Mesh | AbstractMesh | None, axis: int, ndim: int) -> int:
+    """The parts axis `axis` of a weight of `ndim` axes is split in over `mesh` by its sharding
+    `axes` (a PartitionSpec's entries, trailing ones may be left out; None: not split)."""
+    axis %= ndim
+    if axes is None or mesh is None or axis >= len(axes):
         return 1
     names = axes[axis]
     names = () if names is None else (names,) if isinstance(names, str) else names
@@ -69,7 +70,7 @@ def _quantized(module: nnx.Module, name: str, fmt: ChannelFormat, axis: int) -> 
     """Replace `module`'s float weight `name` by its values and scales (`<name>_scale`)."""
     weight = getattr(module, name)
     meta = weight.get_metadata()
-    split = shards(meta.get("out_sharding"), meta.get("mesh"), axis)
+    split = shards(meta.get("out_sharding"), meta.get("mesh"), axis, len(weight.shape))
     values, scale = quantize(weight[...], fmt, axis=axis, shards=split, xp=jnp)
     setattr(module, name, _like(weight, values))
     grouped = fmt.group is not None  # the scales keep the contracted axis, in groups
