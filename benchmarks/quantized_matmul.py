@@ -27,6 +27,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, quants
 
 from benchmarks.throughput import cpu_kernels
+from jaxengine.model.quant import INT8, quantize
 from jaxengine_kernels.cpu import block_matmul as bm
 from jaxengine_kernels.cpu import matmul as pm
 
@@ -42,9 +43,8 @@ KINDS = ("float32", "int8", "Q4_1", "Q8_0")
 
 
 def int8_of(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """w f32[K, N] -> values i8[K, N], scale f32[N] (symmetric, per output column)."""
-    scale = np.maximum(np.abs(w).max(axis=0), 1e-12) / 127
-    return np.round(w / scale).astype(np.int8), scale.astype(np.float32)
+    """w f32[K, N] -> values i8[K, N], scales f32[K/32, N] (`quantization="int8"`'s)."""
+    return quantize(w, INT8, axis=-2)
 
 
 def layer_calls(K: int, N: int, glu: bool, rng: np.random.Generator
@@ -56,17 +56,16 @@ def layer_calls(K: int, N: int, glu: bool, rng: np.random.Generator
         kind = GGMLQuantizationType[name]
         blocks[name] = [jnp.asarray(quants.quantize(w.T.copy(), kind)) for w in parts]
     ints = [int8_of(w) for w in parts]
-    scale = jnp.asarray(np.concatenate([s for _, s in ints]))
     if glu:
         panels = pm.pack_swiglu(*parts)
-        panels8 = pm.pack_swiglu_int8(*(v for v, _ in ints))
+        panels8, scale = pm.pack_swiglu_int8(*ints[0], *ints[1])
         return {
             "float32": lambda x: pm.packed_swiglu(x, panels, N),
             "int8": lambda x: pm.packed_swiglu_int8(x, panels8, scale, N),
             **{name: (lambda x, b=b, name=name: bm.block_swiglu(x, b[0], b[1], name))
                for name, b in blocks.items()},
         }
-    panels, panels8 = pm.pack(parts[0]), pm.pack_int8(ints[0][0])
+    panels, (panels8, scale) = pm.pack(parts[0]), pm.pack_int8(*ints[0])
     return {
         "float32": lambda x: pm.packed_matmul(x, panels, N),
         "int8": lambda x: pm.packed_matmul_int8(x, panels8, scale, N),

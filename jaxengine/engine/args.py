@@ -39,8 +39,9 @@ class EngineArgs:
                              "auto (= float32), float32 or bfloat16")
     quantization: str | None = arg(
         None, "weights on the device: None (the checkpoint's floats in dtype), int8 or fp8 "
-              "(weight-only, one scale per output channel, quantized at load from the "
-              "float weights; a GGUF's blocks are dequantized first), or gguf (a .gguf "
+              "(weight-only: int8 a scale per 32 inputs, fp8 one per output channel; "
+              "quantized at load from the float weights; a GGUF's blocks are dequantized "
+              "first), or gguf (a .gguf "
               "file's quantized tensors served from their blocks)")
     kv_cache_dtype: str = arg(
         "auto", "the KV cache's dtype: auto (the model's dtype), bfloat16, fp8 (= fp8_e4m3) or "

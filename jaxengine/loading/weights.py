@@ -213,7 +213,7 @@ def load_weights(cfg: ModelConfig, source: TensorSource, *, dtype: jnp.dtype, wh
                     bar.update(len(stacked_tensors(names[path], shapes[path], lacks[path]))
                                if path[0] == "layers" else 1)
                 host = to_layout(path, host, layout, cfg.head_dim)
-                arrays = fmt.host_weights(path, host) if quantized else {path: host}
+                arrays = fmt.host_weights(path, host, specs[path]) if quantized else {path: host}
                 del host
             for key, array in arrays.items():
                 weights[key] = _to_devices(array, specs[key])

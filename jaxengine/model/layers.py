@@ -211,7 +211,7 @@ def project(proj: nnx.Module, x: jax.Array, live: jax.Array | None,
 def vocab_parallel_rows(mesh: Mesh, ids: jax.Array,
                         lookup: Callable[..., jax.Array], *tables: jax.Array) -> jax.Array:
     """Embeddings [T, D] of token ids i32[T] from `tables` split over "tp" on their vocabulary
-    axis 0 (an embedding [V', D] and what comes with it, such as per-row scales [V']).
+    axis 0 (an embedding [V', D] and what comes with it, such as its scales [V', ...]).
 
     vLLM's VocabParallelEmbedding: each device looks up the ids in its own rows,
     `lookup(local_rows i32[T], *local_tables) -> [T, D]`, zeros for the ids of other devices,

@@ -15,12 +15,13 @@ float32 activations, layers looped in Python (the CPU layout), and a C++ compile
 few rows up to a prefill chunk (docs/BENCHMARKS.md §2, "Packed projections").
 
 Weights quantized to int8 (`quantization="int8"`: `QuantizedLinear`, `QuantizedEmbedder`) pack
-the same way into int8 panels with their per-column scales (`pack_int8`): a quarter of the
-float32 bytes for a decode step to read (docs/BENCHMARKS.md §2, "Quantized projections"). GGUF
-Q4_1 and Q8_0 blocks (`quantization="gguf"`: `GGUFLinear`, `GGUFEmbedder`) stay blocks, read by
-the native block matmul (`BlockLinear`, `BlockMLP`, `BlockEmbedder`; q/k/v of one type merged
-as their rows of blocks stacked). A projection in another format (fp8, other GGUF types, layers
-of mixed GGUF types) keeps its own module, and the rest of the model packs around it.
+the same way into int8 panels with their group scales packed as panels too (`pack_int8`): about
+0.28 of the float32 bytes for a decode step to read (docs/BENCHMARKS.md §2, "Quantized
+projections"). GGUF Q4_1 and Q8_0 blocks (`quantization="gguf"`: `GGUFLinear`,
+`GGUFEmbedder`) stay blocks, read by the native block matmul (`BlockLinear`, `BlockMLP`,
+`BlockEmbedder`; q/k/v of one type merged as their rows of blocks stacked). A projection in
+another format (fp8, other GGUF types, layers of mixed GGUF types) keeps its own module, and
+the rest of the model packs around it.
 """
 
 from __future__ import annotations
@@ -32,12 +33,13 @@ from jax.sharding import Mesh
 
 from jaxengine.model.layers import Embedder, project
 from jaxengine.model.lora import LayerLoRA
+from jaxengine.model.quant.channel import dequantize
 from jaxengine.model.quant.gguf import GGUFEmbedder, GGUFLinear
 from jaxengine.model.quant.modules import QuantizedEmbedder, QuantizedLinear
 from jaxengine_kernels.cpu import matmul, native
 from jaxengine_kernels.cpu.block_matmul import BLOCK_BYTES, block_matmul, block_swiglu
 
-# The projections `PackedLinear` packs: float32 ones and int8 ones with column scales.
+# The projections `PackedLinear` packs: float32 ones and int8 ones with group scales.
 Linear = nnx.Linear | QuantizedLinear
 
 
@@ -56,10 +58,10 @@ def _kind(module: nnx.Module) -> str | None:
 
 
 def _scales(linears: tuple[Linear, ...]) -> jax.Array | None:
-    """int8 projections' column scales side by side, f32[sum N]; None for float32 ones."""
+    """int8 projections' group scales side by side, f32[K/G, sum N]; None for float32 ones."""
     if isinstance(linears[0], nnx.Linear):
         return None
-    return jnp.concatenate([lin.kernel_scale[...] for lin in linears])
+    return jnp.concatenate([lin.kernel_scale[...] for lin in linears], axis=1)
 
 
 def _biases(linears: tuple[nnx.Module, ...]) -> nnx.Param | None:
@@ -76,14 +78,17 @@ class PackedLinear(nnx.Module):
     """`nnx.Linear`'s y = x @ kernel + bias with the kernel packed in column panels
     ([ceil(N/W), K, W], `jaxengine_kernels.cpu.matmul.pack`); float32 in and out. Made from one
     or more projections of the same input, their kernels (and biases) side by side: float32
-    ones (`nnx.Linear`), or int8 ones (`QuantizedLinear`) as int8 panels with their column
-    scales `scale` f32[N] (None for float32)."""
+    ones (`nnx.Linear`), or int8 ones (`QuantizedLinear`) as int8 panels with their group
+    scales' panels `scale` f32[ceil(N/W), K/G, W] (None for float32)."""
 
     def __init__(self, *linears: Linear) -> None:
         kernel = jnp.concatenate([lin.kernel[...] for lin in linears], axis=1)
-        self.scale = None if (scale := _scales(linears)) is None else nnx.Param(scale)
-        self.kernel = nnx.Param(matmul.pack(kernel) if self.scale is None
-                                else matmul.pack_int8(kernel))
+        scale = _scales(linears)
+        if scale is None:
+            self.kernel, self.scale = nnx.Param(matmul.pack(kernel)), None
+        else:
+            panels, scale_panels = matmul.pack_int8(kernel, scale)
+            self.kernel, self.scale = nnx.Param(panels), nnx.Param(scale_panels)
         self.bias = _biases(linears)
         self.in_features, self.out_features = kernel.shape
 
@@ -123,15 +128,19 @@ class PackedMLP(nnx.Module):
     """`layers.MLP` with gate and up packed together (`jaxengine_kernels.cpu.matmul.pack_swiglu`):
     one call gives silu(x @ gate) * (x @ up), then down_proj. The fused call
     spares writing the [T, 2F] product and XLA's pass over it (docs/BENCHMARKS.md §2, "Packed
-    projections"). int8 gate and up pack as int8 panels (`pack_swiglu_int8`) with their scales
-    side by side, `scale` f32[2F] (None for float32); down_proj packed as its format allows
+    projections"). int8 gate and up pack as int8 panels (`pack_swiglu_int8`) with their scales'
+    panels interleaved alike, `scale` (None for float32); down_proj packed as its format allows
     (`BlockMLP`'s rule)."""
 
     def __init__(self, mlp: nnx.Module) -> None:
         gate, up = mlp.gate_proj, mlp.up_proj  # without bias, as every MLP of the family
-        self.scale = None if (scale := _scales((gate, up))) is None else nnx.Param(scale)
-        pack = matmul.pack_swiglu if self.scale is None else matmul.pack_swiglu_int8
-        self.gate_up = nnx.Param(pack(gate.kernel[...], up.kernel[...]))
+        if isinstance(gate, nnx.Linear):
+            self.gate_up = nnx.Param(matmul.pack_swiglu(gate.kernel[...], up.kernel[...]))
+            self.scale = None
+        else:
+            panels, scale = matmul.pack_swiglu_int8(gate.kernel[...], gate.kernel_scale[...],
+                                                    up.kernel[...], up.kernel_scale[...])
+            self.gate_up, self.scale = nnx.Param(panels), nnx.Param(scale)
         self.intermediate_size = gate.out_features
         self.down_proj = _packed(mlp.down_proj) or mlp.down_proj
 
@@ -154,24 +163,27 @@ class PackedEmbedder(nnx.Module):
     reads the whole table for a few rows; XLA's dot over the [V', D] table reads it at a quarter
     of the packed loop's rate for one row, and a packed second copy would double it. The
     gather touches a line per element, once per step (docs/BENCHMARKS.md §2, "Packed
-    projections"). An int8 table (`QuantizedEmbedder`, a scale per row) packs as int8 panels
-    with the rows' scales, `scale` f32[V'] (None for float32): the head's column scales."""
+    projections"). An int8 table (`QuantizedEmbedder`, scales [V', D/G]) packs as int8 panels
+    with its scales transposed alike, `scale` f32[ceil(V'/W), D/G, W] (None for float32)."""
 
     def __init__(self, embedder: nnx.Module) -> None:
         table = embedder.embedding[...]  # [V', D]
-        int8 = isinstance(embedder, QuantizedEmbedder)
-        self.scale = nnx.Param(embedder.embedding_scale[...]) if int8 else None
-        self.panels = nnx.Param(matmul.pack_int8(table.T) if int8 else matmul.pack(table.T))
+        if isinstance(embedder, QuantizedEmbedder):
+            panels, scale = matmul.pack_int8(table.T, embedder.embedding_scale[...].T)
+            self.panels, self.scale = nnx.Param(panels), nnx.Param(scale)
+        else:
+            self.panels, self.scale = nnx.Param(matmul.pack(table.T)), None
         self.num_embeddings = table.shape[0]
 
     def encode(self, ids: jax.Array) -> jax.Array:
         """Token ids i32[T] -> embeddings f32[T, D] (exactly the table's rows, dequantized as
         `QuantizedEmbedder` does for an int8 one)."""
         width = self.panels.shape[2]
-        rows = self.panels[...][ids // width, :, ids % width]
+        rows = self.panels[...][ids // width, :, ids % width]  # [T, D]
         if self.scale is None:
             return rows
-        return rows.astype(jnp.float32) * self.scale[...][ids][:, None]
+        scale = self.scale[...][ids // width, :, ids % width]  # [T, D/G]
+        return dequantize(rows, scale, axis=-1, dtype=jnp.float32)
 
     def decode(self, hidden: jax.Array) -> jax.Array:
         """Hidden states f32[R, D] -> f32[R, V'] logits (the tied head)."""

@@ -14,15 +14,16 @@ output panel's two products finished in registers' reach instead of written as [
 read back by XLA.
 
 Weight-only int8 goes the same way (`pack_int8`, `packed_matmul_int8`, `pack_swiglu_int8`,
-`packed_swiglu_int8`): int8 panels [ceil(N/W), K, W] of a quarter of the bytes, widened to float32
-in the kernel's registers, and a float32 scale per output column applied to the sums, so the
-product is (x @ values) * scale in float32 arithmetic.
+`packed_swiglu_int8`): int8 panels [ceil(N/W), K, W] of a quarter of the bytes with float32
+scales for each group of G inputs of each column (`jaxengine.model.quant.channel`'s groups),
+packed as panels [ceil(N/W), K/G, W] beside them; the kernel widens the values to float32 and
+multiplies them by their scales, so the product is x @ (values * scale) in float32 arithmetic.
 
 Every product is differentiable (``jax.custom_vjp``): the forward is the kernel, the backward
 the VJP of the same product written in XLA operations (`_xla`: the kernels read back out of
 the panels, SwiGLU's gate and up recomputed), run by XLA. Float32 panels get dx = dy @ w.T and
 d(panels) = pack(x.T @ dy), the panels being the parameters a caller holds (zeros in the
-padding columns); int8 panels get dx and the cotangent of their float32 scales, and none for
+padding columns); int8 panels get dx and the cotangent of their scales' panels, and none for
 the integer values (a quantized model's trainable parameters are its float ones). Rows past
 `live` get none.
 """
@@ -53,19 +54,29 @@ def pack_swiglu(gate: jax.Array | np.ndarray, up: jax.Array | np.ndarray) -> jax
     return _interleave(pack(gate), pack(up))
 
 
-def pack_int8(values: jax.Array | np.ndarray) -> jax.Array:
-    """values i8[K, N] -> panels i8[ceil(N/W), K, W] (zero columns past N); the scales f32[N]
-    go to `packed_matmul_int8` as they are."""
-    values = jnp.asarray(values)
+def pack_int8(values: jax.Array | np.ndarray, scale: jax.Array | np.ndarray
+              ) -> tuple[jax.Array, jax.Array]:
+    """values i8[K, N] with scales f32[K/G, N] (one per G inputs of each column) -> (panels
+    i8[ceil(N/W), K, W], scale panels f32[ceil(N/W), K/G, W]), zero columns past N."""
+    values, scale = jnp.asarray(values), jnp.asarray(scale)
     if values.dtype != jnp.int8:
         raise ValueError(f"pack_int8 takes int8 values, got {values.dtype}")
-    return _panels(values)
+    K, N = values.shape
+    if scale.dtype != jnp.float32 or scale.ndim != 2 or scale.shape[1] != N or \
+            scale.shape[0] < 1 or K % scale.shape[0]:
+        raise ValueError(f"int8 values [{K}, {N}] take float32 scales [K/G, {N}] for a group "
+                         f"size G dividing {K}, got {scale.dtype}{list(scale.shape)}")
+    return _panels(values), _panels(scale)
 
 
-def pack_swiglu_int8(gate: jax.Array | np.ndarray, up: jax.Array | np.ndarray) -> jax.Array:
-    """gate, up i8[K, F] -> panels i8[2 * ceil(F/W), K, W]: gate's panel p, then up's; their
-    scales go to `packed_swiglu_int8` side by side, f32[2F] (gate's, then up's)."""
-    return _interleave(pack_int8(gate), pack_int8(up))
+def pack_swiglu_int8(gate: jax.Array | np.ndarray, gate_scale: jax.Array | np.ndarray,
+                     up: jax.Array | np.ndarray, up_scale: jax.Array | np.ndarray
+                     ) -> tuple[jax.Array, jax.Array]:
+    """gate, up i8[K, F] with their scales f32[K/G, F] -> (panels i8[2 * ceil(F/W), K, W],
+    scale panels f32[2 * ceil(F/W), K/G, W]): gate's panel p, then up's."""
+    gate, gate_scale = pack_int8(gate, gate_scale)
+    up, up_scale = pack_int8(up, up_scale)
+    return _interleave(gate, up), _interleave(gate_scale, up_scale)
 
 
 def unpack(panels: jax.Array, n: int) -> jax.Array:
@@ -115,16 +126,16 @@ def packed_swiglu(x: jax.Array, panels: jax.Array, n: int,
 
 def packed_matmul_int8(x: jax.Array, panels: jax.Array, scale: jax.Array, n: int,
                        live: jax.Array | int | None = None) -> jax.Array:
-    """(x f32[..., K] @ values) * scale -> f32[..., n], values i8[K, n] given as `pack_int8`'s
-    panels i8[ceil(n/W), K, W] and scale f32[n] per output column; `live` and vmap as
-    `packed_matmul`'s."""
+    """x f32[..., K] @ (values * scale) -> f32[..., n], values i8[K, n] and their scales
+    f32[K/G, n] given as `pack_int8`'s panels i8[ceil(n/W), K, W] and scale panels
+    f32[ceil(n/W), K/G, W]; `live` and vmap as `packed_matmul`'s."""
     return _call(native.int8_target(swiglu=False), x, panels, n, 1, live, scale)
 
 
 def packed_swiglu_int8(x: jax.Array, panels: jax.Array, scale: jax.Array, n: int,
                        live: jax.Array | int | None = None) -> jax.Array:
-    """silu((x @ gate) * gate_scale) * ((x @ up) * up_scale) -> f32[..., n] for gate and up
-    i8[K, n] given as `pack_swiglu_int8`'s panels and scale f32[2n] (gate's, then up's);
+    """silu(x @ (gate * gate_scale)) * (x @ (up * up_scale)) -> f32[..., n] for gate and up
+    i8[K, n] with scales f32[K/G, n] given as `pack_swiglu_int8`'s panels and scale panels;
     `live` and vmap as `packed_matmul`'s."""
     return _call(native.int8_target(swiglu=True), x, panels, n, 2, live, scale)
 
@@ -132,7 +143,7 @@ def packed_swiglu_int8(x: jax.Array, panels: jax.Array, scale: jax.Array, n: int
 def _call(target: str, x: jax.Array, panels: jax.Array, n: int, parts: int,
           live: jax.Array | int | None, scale: jax.Array | None = None) -> jax.Array:
     """The custom call over panels of `parts` weight panels per output panel (float32, or int8
-    with `scale` f32[parts * n])."""
+    with `scale` panels f32[panels, K/G, W])."""
     width = panel_width()
     K = x.shape[-1]
     if panels.ndim != 3 or panels.shape[1] != K or panels.shape[2] != width or \
@@ -144,8 +155,11 @@ def _call(target: str, x: jax.Array, panels: jax.Array, n: int, parts: int,
     if x.dtype != jnp.float32 or panels.dtype != weights:
         raise ValueError(f"packed_matmul takes float32 x and {jnp.dtype(weights)} panels, got "
                          f"{x.dtype} and {panels.dtype}")
-    if scale is not None and (scale.shape != (parts * n,) or scale.dtype != jnp.float32):
-        raise ValueError(f"the int8 panels' scale must be float32[{parts * n}], got "
+    if scale is not None and (scale.dtype != jnp.float32 or scale.ndim != 3 or
+                              scale.shape[::2] != panels.shape[::2] or scale.shape[1] < 1 or
+                              K % scale.shape[1]):
+        raise ValueError(f"the int8 panels' scales must be float32[{panels.shape[0]}, K/G, "
+                         f"{width}] for a group size G dividing K={K}, got "
                          f"{scale.dtype}{list(scale.shape)}")
     lead = x.shape[:-1]
     rows = x.reshape(-1, K)
@@ -188,13 +202,15 @@ _product.defvjp(_product_fwd, _product_bwd)
 def _xla(rows: jax.Array, panels: jax.Array, scale: jax.Array | None, live: jax.Array, n: int,
          parts: int) -> jax.Array:
     """The kernel's product f32[M, n] in XLA operations, the maths its backward differentiates:
-    each part's kernel [K, n] read back out of the panels, (x @ w) * scale, SwiGLU's
+    each part's kernel [K, n] read back out of the panels (and scaled, int8's), x @ w, SwiGLU's
     silu(gate) * up for two parts, the rows past `live` zero."""
     per_part = panels.reshape(-1, parts, *panels.shape[1:])  # [P, parts, K, W]
     ys = []
     for i in range(parts):
-        w = unpack(per_part[:, i], n)  # [K, n]
-        y = jnp.dot(rows, w.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
-        ys.append(y if scale is None else y * scale[i * n:(i + 1) * n])
+        w = unpack(per_part[:, i], n).astype(jnp.float32)  # [K, n]
+        if scale is not None:
+            s = unpack(scale.reshape(-1, parts, *scale.shape[1:])[:, i], n)  # [K/G, n]
+            w = (w.reshape(s.shape[0], -1, n) * s[:, None, :]).reshape(w.shape)
+        ys.append(jnp.dot(rows, w, precision=jax.lax.Precision.HIGHEST))
     y = ys[0] if parts == 1 else jax.nn.silu(ys[0]) * ys[1]
     return jnp.where(jnp.arange(rows.shape[0])[:, None] < live, y, 0.0)

@@ -1,11 +1,11 @@
 // A float32 matmul over weights packed in column panels, as an XLA FFI custom call: y = x @ w for
 // x [M, K] and w [K, N] held as panels [ceil(N/W), K, W] (W = kPanel columns, zero past N),
-// and live i32[], the rows of x to compute. The same loop takes int8 panels with a float32 scale
-// per output column (weight-only int8: y = (x @ w) * scale): a panel row is widened to float32 in
-// registers (one convert per vector) and multiply-added as a float row is, and each column's
-// sums are scaled once, as the panel's outputs are written. An int8 panel is a quarter of the
-// bytes, what a memory-bound decode step pays for (docs/BENCHMARKS.md §2, "Quantized
-// projections").
+// and live i32[], the rows of x to compute. The same loop takes int8 panels with float32 scales
+// for each group of G inputs of each output column (weight-only int8: y = x @ (w * scale)), laid
+// out as the weights' panels [ceil(N/W), K/G, W]: a panel's rows are widened to float32 and
+// multiplied by their group's scales a chunk at a time, and the chunk is then multiply-added as
+// a float panel is. An int8 panel is a quarter of the bytes, what a memory-bound decode step pays
+// for (docs/BENCHMARKS.md §2, "Quantized projections").
 // jaxengine_kernels/cpu/native.py compiles and registers it, jaxengine_kernels/cpu/matmul.py packs the
 // weights and calls it, and the tests hold it to numpy's product.
 //
@@ -86,10 +86,6 @@ inline Unit unit_at(int64_t i, int64_t panels, int64_t rows) {
   return {i % panels, m0, std::min(rows, m0 + kRunRows)};
 }
 
-// One panel row's vector of weights as floats: loaded, or widened from int8 (kLanes bytes).
-inline fvec loadw(const float* p) { return loadv(p); }
-inline fvec loadw(const int8_t* p) { return jaxengine_cpu::widen(p); }
-
 // Memory a row block asks for while it computes: `rows` panel rows from `at`, one at each of
 // its first `rows` panel rows (a panel row is kPanel weights of type W, float or int8).
 template <typename W>
@@ -98,10 +94,10 @@ struct Prefetch {
   int64_t rows;
 };
 
-// R rows of x (row stride ldx) against kc rows of a panel; the sums go to out [R, kPanel],
-// added to what it holds when Add.
-template <int64_t R, bool Add, typename W, typename PW>
-inline void row_block(const float* x, int64_t ldx, int64_t kc, const W* panel,
+// R rows of x (row stride ldx) against kc rows of a float panel (an int8 one widened first);
+// the sums go to out [R, kPanel], added to what it holds when Add.
+template <int64_t R, bool Add, typename PW>
+inline void row_block(const float* x, int64_t ldx, int64_t kc, const float* panel,
                       Prefetch<PW> pf, float* out) {
   constexpr int64_t line = 64 / sizeof(PW);  // prefetched weights per cache line
   fvec acc[R][kVectors];
@@ -109,11 +105,11 @@ inline void row_block(const float* x, int64_t ldx, int64_t kc, const W* panel,
     for (int64_t v = 0; v < kVectors; ++v)
       acc[r][v] = Add ? loadv(out + r * kPanel + v * kLanes) : fvec{};
   for (int64_t k = 0; k < kc; ++k) {
-    const W* row = panel + k * kPanel;
+    const float* row = panel + k * kPanel;
     if (k < pf.rows)
       for (int64_t v = 0; v < kPanel; v += line) __builtin_prefetch(pf.at + k * kPanel + v);
     fvec w[kVectors];
-    for (int64_t v = 0; v < kVectors; ++v) w[v] = loadw(row + v * kLanes);
+    for (int64_t v = 0; v < kVectors; ++v) w[v] = loadv(row + v * kLanes);
     for (int64_t r = 0; r < R; ++r) {
       const float b = x[r * ldx + k];  // broadcast by the vector product
       for (int64_t v = 0; v < kVectors; ++v) acc[r][v] += w[v] * b;
@@ -123,9 +119,9 @@ inline void row_block(const float* x, int64_t ldx, int64_t kc, const W* panel,
     for (int64_t v = 0; v < kVectors; ++v) storev(out + r * kPanel + v * kLanes, acc[r][v]);
 }
 
-template <int64_t R = kRowBlock, typename W, typename PW>
+template <int64_t R = kRowBlock, typename PW>
 inline void row_tail(int64_t rows, bool add, const float* x, int64_t ldx, int64_t kc,
-                     const W* panel, Prefetch<PW> pf, float* out) {
+                     const float* panel, Prefetch<PW> pf, float* out) {
   if constexpr (R > 0) {
     if (rows == R)
       return add ? row_block<R, true>(x, ldx, kc, panel, pf, out)
@@ -134,28 +130,32 @@ inline void row_tail(int64_t rows, bool add, const float* x, int64_t ldx, int64_
   }
 }
 
-// `rows` panel rows from src as floats: src itself for a float panel; an int8 one widened into
-// dst [rows, kPanel].
-inline const float* widened(const float* src, int64_t, float*) { return src; }
-inline const float* widened(const int8_t* src, int64_t rows, float* dst) {
-  for (int64_t i = 0; i < rows * kPanel; i += kLanes) storev(dst + i, loadw(src + i));
+// Panel rows [k0, k0 + rows) as floats: src (the first of them) itself for a float panel; an
+// int8 one widened into dst [rows, kPanel], each row times its group's scales (scale: the
+// panel's scales [K/group, kPanel]).
+inline const float* widened(const float* src, int64_t, float*, const float*, int64_t, int64_t) {
+  return src;
+}
+inline const float* widened(const int8_t* src, int64_t rows, float* dst, const float* scale,
+                            int64_t k0, int64_t group) {
+  for (int64_t k = 0; k < rows; ++k) {
+    const float* s = scale + (k0 + k) / group * kPanel;
+    for (int64_t v = 0; v < kPanel; v += kLanes)
+      storev(dst + k * kPanel + v, jaxengine_cpu::widen(src + k * kPanel + v) * loadv(s + v));
+  }
   return dst;
 }
 
 // Output columns of one panel's sums: y = sums (a plain product), or y = silu(gate) * up for a
 // SwiGLU pair (Glu: the gate's sums and the up projection's, side by side in their panels).
-// With Scaled (int8 panels) each column's sums are first multiplied by its scale (gs for the
-// gate's or the plain product's, us for up's).
-template <bool Glu, bool Scaled>
-inline void emit(const float* gate, const float* up, const float* gs, const float* us, float* y,
-                 int64_t width) {
+template <bool Glu>
+inline void emit(const float* gate, const float* up, float* y, int64_t width) {
 #pragma omp simd
   for (int64_t c = 0; c < width; ++c) {
-    const float g = Scaled ? gate[c] * gs[c] : gate[c];
     if constexpr (Glu) {
-      y[c] = fast_silu(g) * (Scaled ? up[c] * us[c] : up[c]);
+      y[c] = fast_silu(gate[c]) * up[c];
     } else {
-      y[c] = g;
+      y[c] = gate[c];
     }
   }
 }
@@ -176,24 +176,23 @@ inline void emit(const float* gate, const float* up, const float* gs, const floa
 // live rows gain from them, 96-row runs do not, and a prefill's runs stay unchunked
 // (docs/BENCHMARKS.md §2, "Packed projections").
 //
-// An int8 panel that meets more than one row block is widened to float32 once, a chunk at a
-// time (or whole, for a long run, into a thread's scratch), and the blocks read the floats:
+// An int8 panel is widened to float32 and scaled once, a chunk at a time (or whole, for a long
+// run, into a thread's scratch), however few row blocks meet it, and the blocks read the floats:
 // widening a vector costs about what its multiply-adds with one block do, so widened per block
 // a few rows' product would be compute-bound (docs/BENCHMARKS.md §2, "Quantized projections").
-// One block reads the int8 rows itself.
 //
-// panels: output panel p's weight panels (kParts of them); gs and us (Scaled): the columns'
-// scales of the gate's or plain product's panel and of up's.
-template <bool Glu, bool Scaled, typename W>
+// panels: output panel p's weight panels (kParts of them); scales (int8): their scales
+// [kParts, K/group, kPanel].
+template <bool Glu, typename W>
 void panel_unit(const float* x, const W* panels, float* y, int64_t K, int64_t N, int64_t p,
-                int64_t m0, int64_t m1, const float* gs, const float* us) {
+                int64_t m0, int64_t m1, const float* scales, int64_t group) {
+  constexpr bool kInt8 = !std::is_same_v<W, float>;
   constexpr int64_t kParts = Glu ? 2 : 1;  // weight panels per output panel
-  // kAhead counts float panel rows; an int8 row is a quarter of the bytes.
-  constexpr int64_t ahead = kAhead * sizeof(float) / sizeof(W);
   const int64_t n0 = p * kPanel, width = std::min(kPanel, N - n0);
-  if (m1 - m0 > kRowBlock && m1 - m0 <= kChunkRows) {
+  const int64_t scale_rows = kInt8 ? K / group : 0;  // a panel's rows of scales
+  if ((kInt8 || m1 - m0 > kRowBlock) && m1 - m0 <= kChunkRows) {
     alignas(64) float sums[kParts][kChunkRows * kPanel];
-    alignas(64) float wide[Scaled ? kChunk * kPanel : 1];
+    alignas(64) float wide[kInt8 ? kChunk * kPanel : 1];
     const int64_t blocks = (m1 - m0 + kRowBlock - 1) / kRowBlock;
     for (int64_t part = 0; part < kParts; ++part) {
       const W* panel = panels + part * K * kPanel;
@@ -202,7 +201,8 @@ void panel_unit(const float* x, const W* panels, float* y, int64_t K, int64_t N,
       for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
         const int64_t kc = std::min(kChunk, K - k0), next = k0 + 2 * kChunk;
         const int64_t rows = std::clamp<int64_t>(K - next, 0, kChunk);  // of the chunk ahead
-        const float* chunk = widened(panel + k0 * kPanel, kc, wide);
+        const float* chunk = widened(panel + k0 * kPanel, kc, wide,
+                                     scales + part * scale_rows * kPanel, k0, group);
         for (int64_t b = 0; b < blocks; ++b) {
           const int64_t m = m0 + b * kRowBlock, first = rows * b / blocks;
           row_tail(std::min(kRowBlock, m1 - m), k0 > 0, x + m * K + k0, K, kc, chunk,
@@ -212,51 +212,50 @@ void panel_unit(const float* x, const W* panels, float* y, int64_t K, int64_t N,
       }
     }
     for (int64_t m = m0; m < m1; ++m)
-      emit<Glu, Scaled>(sums[0] + (m - m0) * kPanel, sums[kParts - 1] + (m - m0) * kPanel, gs,
-                         us, y + m * N + n0, width);
+      emit<Glu>(sums[0] + (m - m0) * kPanel, sums[kParts - 1] + (m - m0) * kPanel,
+                y + m * N + n0, width);
     return;
   }
-  if constexpr (!std::is_same_v<W, float>) {
-    if (m1 - m0 > kRowBlock) {  // a long run: the panels widened once, then read as floats
-      thread_local std::vector<float> scratch;  // an XLA pool thread's, reused call after call
-      scratch.resize(kParts * K * kPanel);
-      return panel_unit<Glu, Scaled>(x, widened(panels, kParts * K, scratch.data()), y, K, N, p,
-                                     m0, m1, gs, us);
+  if constexpr (kInt8) {  // a long run: the panels widened once, then read as floats
+    thread_local std::vector<float> scratch;  // an XLA pool thread's, reused call after call
+    scratch.resize(kParts * K * kPanel);
+    for (int64_t part = 0; part < kParts; ++part)
+      widened(panels + part * K * kPanel, K, scratch.data() + part * K * kPanel,
+              scales + part * scale_rows * kPanel, 0, group);
+    panel_unit<Glu>(x, scratch.data(), y, K, N, p, m0, m1, nullptr, 0);
+  } else {
+    alignas(64) float sums[kParts][kRowBlock * kPanel];
+    for (int64_t m = m0; m < m1; m += kRowBlock) {
+      const int64_t rows = std::min(kRowBlock, m1 - m);
+      for (int64_t part = 0; part < kParts; ++part) {
+        const float* panel = panels + part * K * kPanel;
+        row_tail(rows, false, x + m * K, K, K, panel,
+                 Prefetch<float>{panel + kAhead * kPanel, std::max<int64_t>(K - kAhead, 0)},
+                 sums[part]);
+      }
+      for (int64_t r = 0; r < rows; ++r)
+        emit<Glu>(sums[0] + r * kPanel, sums[kParts - 1] + r * kPanel, y + (m + r) * N + n0,
+                  width);
     }
-  }
-  alignas(64) float sums[kParts][kRowBlock * kPanel];
-  for (int64_t m = m0; m < m1; m += kRowBlock) {
-    const int64_t rows = std::min(kRowBlock, m1 - m);
-    for (int64_t part = 0; part < kParts; ++part) {
-      const W* panel = panels + part * K * kPanel;
-      row_tail(rows, false, x + m * K, K, K, panel,
-               Prefetch<W>{panel + ahead * kPanel, std::max<int64_t>(K - ahead, 0)},
-               sums[part]);
-    }
-    for (int64_t r = 0; r < rows; ++r)
-      emit<Glu, Scaled>(sums[0] + r * kPanel, sums[kParts - 1] + r * kPanel, gs, us,
-                         y + (m + r) * N + n0, width);
   }
 }
 
 // Rows [m0, m1) of x against output panel p of w (every weight panel); scale is null for
-// float32 panels, else int8 panels' column scales f32[N] (f32[2N] with Glu: the gate's, then
-// up's).
+// float32 panels, else int8 panels' scales [(Glu ? 2 : 1) * ceil(N/W), K/group, W], laid out as
+// the panels.
 template <bool Glu, typename W = float>
 void unit(const float* x, const W* w, float* y, int64_t K, int64_t N, int64_t p, int64_t m0,
-          int64_t m1, const float* scale = nullptr) {
-  constexpr bool kScaled = !std::is_same_v<W, float>;
-  const W* panels = w + (Glu ? 2 : 1) * p * K * kPanel;
-  const float* gs = kScaled ? scale + p * kPanel : nullptr;
-  const float* us = kScaled && Glu ? scale + N + p * kPanel : nullptr;
-  panel_unit<Glu, kScaled>(x, panels, y, K, N, p, m0, m1, gs, us);
+          int64_t m1, const float* scale, int64_t group) {
+  constexpr int64_t kParts = Glu ? 2 : 1;
+  const float* scales = scale ? scale + kParts * p * (K / group) * kPanel : nullptr;
+  panel_unit<Glu>(x, w + kParts * p * K * kPanel, y, K, N, p, m0, m1, scales, group);
 }
 
 // y [M, N] from x [M, K] and panels [(Glu ? 2 : 1) * ceil(N/W), K, W] of float32 weights, or of
-// int8 weights with their columns' scales f32[(Glu ? 2 : 1) * N] (see unit).
+// int8 weights with their groups' scales (see unit; group: inputs per scale).
 template <bool Glu, typename W>
 ffi::Error Packed(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, const W* w,
-                  ffi::Span<const int64_t> wd, const float* scale, int64_t live,
+                  ffi::Span<const int64_t> wd, const float* scale, int64_t group, int64_t live,
                   ffi::ResultBuffer<ffi::F32>& y) {
   constexpr int64_t kParts = Glu ? 2 : 1;
   const auto xd = x.dimensions(), yd = y->dimensions();
@@ -271,7 +270,7 @@ ffi::Error Packed(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, const W* w,
   if (M == 0 || N == 0) return ffi::Error::Success();
   parallel_for(pool, unit_count(M, panels), [&](int64_t i) {
     const Unit u = unit_at(i, panels, M);
-    unit<Glu>(X, w, Y, K, N, u.panel, u.m0, u.m1, scale);
+    unit<Glu>(X, w, Y, K, N, u.panel, u.m0, u.m1, scale, group);
   });
   return ffi::Error::Success();
 }
@@ -280,17 +279,19 @@ template <bool Glu>
 ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                         ffi::Buffer<ffi::S32> live, ffi::ResultBuffer<ffi::F32> y) {
   if (live.element_count() != 1) return ffi::Error::InvalidArgument("packed_matmul: bad live");
-  return Packed<Glu>(pool, x, w.typed_data(), w.dimensions(), nullptr, live.typed_data()[0], y);
+  return Packed<Glu>(pool, x, w.typed_data(), w.dimensions(), nullptr, 1, live.typed_data()[0],
+                     y);
 }
 
 template <bool Glu>
 ffi::Error PackedInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::S8> w,
                       ffi::Buffer<ffi::F32> scale, ffi::Buffer<ffi::S32> live,
                       ffi::ResultBuffer<ffi::F32> y) {
-  if (live.element_count() != 1 || y->dimensions().size() != 2 ||
-      scale.element_count() != (Glu ? 2 : 1) * y->dimensions()[1])
+  const auto wd = w.dimensions(), sd = scale.dimensions();
+  if (live.element_count() != 1 || wd.size() != 3 || sd.size() != 3 || sd[0] != wd[0] ||
+      sd[1] < 1 || wd[1] % sd[1] != 0 || sd[2] != wd[2])
     return ffi::Error::InvalidArgument("packed_matmul_int8: bad shapes");
-  return Packed<Glu>(pool, x, w.typed_data(), w.dimensions(), scale.typed_data(),
+  return Packed<Glu>(pool, x, w.typed_data(), wd, scale.typed_data(), wd[1] / sd[1],
                      live.typed_data()[0], y);
 }
 

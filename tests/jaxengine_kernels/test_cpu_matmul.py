@@ -1,7 +1,7 @@
 """The native packed matmul against numpy's product: every row count around the kernel's
 register blocks and runs, column counts off the panel width, leading axes, vmap, the build for
 each x86 ISA level the CPU runs, and clear errors for panels that do not fit; the fused SwiGLU
-product against silu(x @ gate) * (x @ up); the same over int8 panels with column scales."""
+product against silu(x @ gate) * (x @ up); the same over int8 panels with group scales."""
 
 from __future__ import annotations
 
@@ -159,17 +159,27 @@ def test_every_isa_build_matches_numpy(isa, isa_library):
 
 def int8_operands(m: int, k: int, n: int, seed: int
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x f32[m, k], values i8[k, n] and scales f32[k/G, n] for the largest G of 32, 16, 11, 3
+    and 1 that divides k (groups of several sizes, one group of all k at k = 33)."""
     rng = np.random.default_rng(seed)
+    group = next(g for g in (32, 16, 11, 3, 1) if k % g == 0)
     return (rng.standard_normal((m, k)).astype(np.float32),
             rng.integers(-127, 128, (k, n)).astype(np.int8),
-            (rng.random(n) * 0.1 + 1e-3).astype(np.float32))
+            (rng.random((k // group, n)) * 0.1 + 1e-3).astype(np.float32))
+
+
+def dequantized(values: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """values i8[k, n] * their group's scale f32[k/G, n], in float64."""
+    return values * np.repeat(scale.astype(np.float64), values.shape[0] // scale.shape[0], 0)
 
 
 def check_int8(y: jax.Array | np.ndarray, x: np.ndarray, values: np.ndarray,
                scale: np.ndarray) -> None:
-    """(x @ values) * scale to float32 rounding of its K products (|x| @ |values| bounds it)."""
-    want = (x.astype(np.float64) @ values.astype(np.float64)) * scale
-    bound = (np.abs(x).astype(np.float64) @ np.abs(values).astype(np.float64)) * scale
+    """x @ (values * scale) to float32 rounding of its K products and of each weight's
+    product with its scale (|x| @ |values * scale| bounds both)."""
+    w = dequantized(values, scale)
+    want = x.astype(np.float64) @ w
+    bound = np.abs(x).astype(np.float64) @ np.abs(w)
     assert np.all(np.abs(np.asarray(y) - want) <= 1e-6 * bound + 1e-30)
 
 
@@ -180,7 +190,7 @@ def test_int8_panels_give_the_scaled_product(m, k, n, live):
     x, values, scale = int8_operands(m, k, n, seed=m + k)
     x[live:] = np.nan  # padding rows are never read
     y = np.asarray(jax.jit(packed_matmul_int8, static_argnums=3)(
-        jnp.asarray(x), pack_int8(values), jnp.asarray(scale), n, jnp.int32(live)))
+        jnp.asarray(x), *pack_int8(values, scale), n, jnp.int32(live)))
     check_int8(y[:live], x[:live], values, scale)
     assert not y[live:].any()
 
@@ -189,28 +199,37 @@ def test_int8_panels_give_the_scaled_product(m, k, n, live):
 def test_the_int8_swiglu_product_is_silu_of_the_scaled_gate_times_up(m, k, n):
     x, gate, gs = int8_operands(m, k, n, seed=m)
     _, up, us = int8_operands(m, k, n, seed=m + 1)
-    y = packed_swiglu_int8(jnp.asarray(x), pack_swiglu_int8(gate, up),
-                           jnp.asarray(np.concatenate([gs, us])), n)
-    want = swiglu(x, gate * gs, up * us)  # the weights dequantized, in float64
-    scale = np.sqrt(k) * np.maximum(1, np.abs(want))
-    assert np.all(np.abs(np.asarray(y) - want) <= 2e-5 * scale)
+    y = packed_swiglu_int8(jnp.asarray(x), *pack_swiglu_int8(gate, gs, up, us), n)
+    w_gate, w_up = dequantized(gate, gs), dequantized(up, us)
+    want = swiglu(x, w_gate, w_up)
+    # float32 rounding of each product's K terms (|x| @ |w| bounds it), carried through
+    # silu(g) * u (|silu'| <= 1.1), and silu's own few ulp.
+    ax = np.abs(x).astype(np.float64)
+    u = x.astype(np.float64) @ w_up
+    err_g, err_u = 1e-6 * (ax @ np.abs(w_gate)), 1e-6 * (ax @ np.abs(w_up))
+    bound = 1.1 * err_g * np.abs(u) + np.abs(want / u) * err_u + 1e-6 * np.abs(want)
+    assert np.all(np.abs(np.asarray(y) - want) <= 2 * bound + 1e-30)
 
 
 def test_int8_panels_hold_the_values_and_bad_operands_are_refused():
     x, values, scale = int8_operands(3, 16, 40, seed=4)
-    panels = pack_int8(values)
-    assert panels.dtype == jnp.int8
-    flat = np.asarray(panels).transpose(1, 0, 2).reshape(16, -1)
-    np.testing.assert_array_equal(flat[:, :40], values)
-    assert not flat[:, 40:].any()
+    panels, scale_panels = pack_int8(values, scale)
+    assert panels.dtype == jnp.int8 and scale_panels.dtype == jnp.float32
+    for packed, want in ((panels, values), (scale_panels, scale)):
+        flat = np.asarray(packed).transpose(1, 0, 2).reshape(want.shape[0], -1)
+        np.testing.assert_array_equal(flat[:, :40], want)
+        assert not flat[:, 40:].any()
     with pytest.raises(ValueError, match="pack_int8 takes int8 values, got float32"):
-        pack_int8(values.astype(np.float32))
-    with pytest.raises(ValueError, match=r"scale must be float32\[40\], got float32\[39\]"):
-        packed_matmul_int8(jnp.asarray(x), panels, jnp.asarray(scale[:39]), 40)
+        pack_int8(values.astype(np.float32), scale)
+    with pytest.raises(ValueError, match=r"take float32 scales \[K/G, 40\] for a group size G "
+                                         r"dividing 16, got float32\[3, 40\]"):
+        pack_int8(values, np.ones((3, 40), np.float32))
+    with pytest.raises(ValueError, match=r"scales must be float32\[\d+, K/G, \d+\] for a group "
+                                         r"size G dividing K=16, got float32\[40\]"):
+        packed_matmul_int8(jnp.asarray(x), panels, jnp.ones(40), 40)
     with pytest.raises(ValueError, match="takes float32 x and int8 panels, got float32 and "
                                          "float32"):
-        packed_matmul_int8(jnp.asarray(x), pack(values.astype(np.float32)), jnp.asarray(scale),
-                           40)
+        packed_matmul_int8(jnp.asarray(x), pack(values.astype(np.float32)), scale_panels, 40)
 
 
 @pytest.mark.parametrize("isa", native.X86_ISAS)
@@ -226,26 +245,25 @@ def test_every_isa_build_matches_numpy_on_int8_panels(isa, isa_library):
     for m, k, n in [(1, 9, 5), (7, 64, 100), (130, 33, 48)]:
         x, values, scale = int8_operands(m, k, n, seed=m)
         panels = -(-n // width)
-        vp = np.pad(values, ((0, 0), (0, panels * width - n))).reshape(k, panels, width)
+        vp, sp = (np.pad(a, ((0, 0), (0, panels * width - n))).reshape(len(a), panels, width)
+                  for a in (values, scale))
         y = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((m, n), jnp.float32))(
-            jnp.asarray(x), jnp.asarray(vp.transpose(1, 0, 2)), jnp.asarray(scale),
-            jnp.int32(m))
+            jnp.asarray(x), jnp.asarray(vp.transpose(1, 0, 2)),
+            jnp.asarray(sp.transpose(1, 0, 2)), jnp.int32(m))
         check_int8(y, x, values, scale)
 
 
 @pytest.mark.parametrize("glu", [False, True])
 def test_an_int8_row_does_not_depend_on_the_row_count(glu):
-    """One row block reads the int8 panel itself, more widen it to float32 first (a chunk, or
-    the whole panel for a long run): the same products in the same order, so the same bits."""
+    """A few rows widen the int8 panel a chunk at a time, a long run the whole panel: the same
+    scaled weights and products in the same order, so the same bits."""
     x, values, scale = int8_operands(200, 96, 130, seed=9)
     if glu:
-        panels = pack_swiglu_int8(values, values[:, ::-1])
-        product = jax.jit(lambda x, live: packed_swiglu_int8(
-            x, panels, jnp.asarray(np.concatenate([scale, scale])), 130, live))
+        panels = pack_swiglu_int8(values, scale, values[:, ::-1], scale[::-1])
+        product = jax.jit(lambda x, live: packed_swiglu_int8(x, *panels, 130, live))
     else:
-        panels = pack_int8(values)
-        product = jax.jit(lambda x, live: packed_matmul_int8(x, panels, jnp.asarray(scale), 130,
-                                                             live))
+        panels = pack_int8(values, scale)
+        product = jax.jit(lambda x, live: packed_matmul_int8(x, *panels, 130, live))
     alone = np.asarray(jax.vmap(lambda row: product(row[None], 1)[0])(jnp.asarray(x)))
     for m in (1, 6, 7, 64, 65, 97, 200):
         np.testing.assert_array_equal(np.asarray(product(jnp.asarray(x), m))[:m], alone[:m])

@@ -118,3 +118,26 @@ def test_refusals(impl: str, stored: jnp.dtype, values: jnp.dtype | None, match:
     with pytest.raises(ValueError, match=match):
         ragged_paged_attention(*args[:3], kv, *args[4:], sm_scale=0.125, impl=impl,
                                interpret=True, kv_cache_dtype=values)
+
+
+@pytest.mark.parametrize("impl", BITS_IMPLS)
+def test_writes_round_as_ml_dtypes_numpy_cast(impl: str) -> None:
+    """The bytes written for new keys and values are numpy's (ml_dtypes') float32 -> e4m3 cast
+    (vLLM's "fp8"), round to nearest even: values at and one float32 ulp beside every midpoint
+    between two fp8 numbers, where a double rounding (through bfloat16 or float16) would
+    differ."""
+    dtype = jnp.dtype(jnp.float8_e4m3fn)
+    grid = np.unique(np.arange(256, dtype=np.uint8).view(dtype).astype(np.float32))
+    grid = grid[np.isfinite(grid)]
+    mid = (grid[:-1] + grid[1:]) / 2
+    values = np.concatenate([mid, np.nextafter(mid, np.inf), np.nextafter(mid, -np.inf)])
+    case = scaled_case(batch=[(64, 64)], garbage=None)
+    T, K2, H = case.num_tokens, case.kv_cache.shape[2], case.kv_cache.shape[3]
+    new = np.resize(values, (2, *case.k.shape)).astype(np.float32)  # [2, T padded, K, H]
+    args = list(case.args(jnp.float32))
+    args[1], args[2] = jnp.asarray(new[0]), jnp.asarray(new[1])
+    args[3] = jnp.zeros(case.kv_cache.shape, jnp.uint8)
+    _, cache = run(impl, args, case, kv_cache_dtype=dtype)
+    rows = np.asarray(cache).reshape(-1, K2, H)[np.asarray(case.slot_mapping)[:T]]
+    np.testing.assert_array_equal(rows[:, 0::2], new[0, :T].astype(dtype).view(np.uint8))
+    np.testing.assert_array_equal(rows[:, 1::2], new[1, :T].astype(dtype).view(np.uint8))

@@ -240,6 +240,7 @@ def assert_close(got, want) -> None:
 
 
 M, K_IN, N_OUT, LIVE = 6, 64, 40, 5  # 40 columns: padding in every panel width's last panel
+GROUP = 16  # int8 inputs per scale
 
 
 def _dense_rows(y: jax.Array) -> jax.Array:
@@ -278,21 +279,26 @@ def test_int8_matmul_gradients_reach_x_and_the_scales(swiglu):
     rng = np.random.default_rng(8)
     x, c = (jnp.asarray(rng.standard_normal((M, n)), jnp.float32) for n in (K_IN, N_OUT))
     gate, up = (jnp.asarray(rng.integers(-127, 128, (K_IN, N_OUT)), jnp.int8) for _ in "gu")
-    scale = jnp.asarray(rng.uniform(0.01, 0.02, (2 if swiglu else 1) * N_OUT), jnp.float32)
-    panels = pack_swiglu_int8(gate, up) if swiglu else pack_int8(gate)
+    gs, us = (jnp.asarray(rng.uniform(0.01, 0.02, (K_IN // GROUP, N_OUT)), jnp.float32)
+              for _ in "gu")
+    panels, scale = pack_swiglu_int8(gate, gs, up, us) if swiglu else pack_int8(gate, gs)
 
     def loss(x, scale, panels=panels):
         op = packed_swiglu_int8 if swiglu else packed_matmul_int8
         return jnp.sum(c * op(x, panels, scale, N_OUT, LIVE))
 
-    def dense(x, scale):
-        g = (x @ gate.astype(jnp.float32)) * scale[:N_OUT]
-        y = jax.nn.silu(g) * (x @ up.astype(jnp.float32)) * scale[N_OUT:] if swiglu else g
-        return jnp.sum(c * _dense_rows(y))
+    def dense(x, gs, us):
+        g = x @ (gate.reshape(-1, GROUP, N_OUT) * gs[:, None]).reshape(K_IN, N_OUT)
+        u = x @ (up.reshape(-1, GROUP, N_OUT) * us[:, None]).reshape(K_IN, N_OUT)
+        return jnp.sum(c * _dense_rows(jax.nn.silu(g) * u if swiglu else g))
 
-    for got, want in zip(jax.grad(loss, (0, 1))(x, scale), jax.grad(dense, (0, 1))(x, scale),
-                         strict=True):
-        assert_close(got, want)
+    dx, d_scale = jax.grad(loss, (0, 1))(x, scale)
+    want_dx, *want_scales = jax.grad(dense, (0, 1, 2))(x, gs, us)
+    assert_close(dx, want_dx)
+    # The scales' cotangent in their panels' layout, gate's and up's interleaved as packed.
+    want = pack_swiglu_int8(gate, want_scales[0], up, want_scales[1])[1] if swiglu else \
+        pack_int8(gate, want_scales[0])[1]
+    assert_close(d_scale, want)
     # The integer values get none.
     assert jax.grad(loss, 2, allow_int=True)(x, scale, panels).dtype == jax.dtypes.float0
 

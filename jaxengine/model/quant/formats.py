@@ -37,11 +37,13 @@ from jaxengine.model.quant.channel import FP8, INT8, ChannelFormat, quantize
 from jaxengine.model.quant.gguf import GGUFFormat
 from jaxengine.model.quant.modules import (
     EMBEDDING_AXIS,
+    EXPERT_WEIGHTS,
     KERNEL_AXIS,
     QuantizedEmbedder,
     QuantizedExperts,
     QuantizedLinear,
     scale_name,
+    shards,
 )
 from jaxengine.model.tensor_parallel import TPLayout
 
@@ -72,14 +74,16 @@ class WeightFormat(Protocol):
         format holds them and laid out for the mesh; None: read the floats for
         `host_weights`."""
 
-    def host_weights(self, path: Path, host: np.ndarray) -> dict[Path, np.ndarray]:
+    def host_weights(self, path: Path, host: np.ndarray, like: jax.ShapeDtypeStruct
+                     ) -> dict[Path, np.ndarray]:
         """The arrays by module path that float weight `path` (at the model's layout,
-        float32 on the host) becomes."""
+        float32 on the host) becomes, `like` the model's array at `path` (its sharding)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class PerChannel:
-    """`WeightFormat` of per-output-channel scales (quant/channel.py): int8 or fp8."""
+    """`WeightFormat` of scales along the contracted axis (quant/channel.py): int8's in groups
+    of 32, fp8's per output channel."""
 
     channel: ChannelFormat
 
@@ -87,23 +91,37 @@ class PerChannel:
     def name(self) -> str:
         return self.channel.name
 
-    # one format for every weight, so the paths are not read
+    # one format for every weight; the paths name a weight whose size the groups refuse
     def linear(self, linear: nnx.Linear, path: Path = ()) -> nnx.Module:
+        self._check(linear.kernel, KERNEL_AXIS, (*path, "kernel"))
         return QuantizedLinear(linear, self.channel)
 
     def embedder(self, embedder: Embedder, path: Path = ()) -> nnx.Module:
+        self._check(embedder.embedding, EMBEDDING_AXIS, (*path, "embedding"))
         return QuantizedEmbedder(embedder, self.channel)
 
     def experts(self, experts: Experts, path: Path = ()) -> nnx.Module:
+        for name in EXPERT_WEIGHTS:
+            self._check(getattr(experts, name), KERNEL_AXIS, (*path, name))
         return QuantizedExperts(experts, self.channel)
+
+    def _check(self, weight: nnx.Variable, axis: int, path: Path) -> None:
+        """`ChannelFormat.check` of float `weight` at `path`, split as its sharding says."""
+        meta = weight.get_metadata()
+        split = shards(meta.get("out_sharding"), meta.get("mesh"), axis, len(weight.shape))
+        self.channel.check(weight.shape, axis=axis, shards=split, name="/".join(path))
 
     def read_host(self, path: Path, name: str, shape: tuple[int, ...], layout: TPLayout, *,
                   lacks: Callable[[int], bool], on_tensor: Callable[[], object]) -> None:
         return None  # quantized from the floats
 
-    def host_weights(self, path: Path, host: np.ndarray) -> dict[Path, np.ndarray]:
+    def host_weights(self, path: Path, host: np.ndarray, like: jax.ShapeDtypeStruct
+                     ) -> dict[Path, np.ndarray]:
         axis = EMBEDDING_AXIS if path[-1] == "embedding" else KERNEL_AXIS
-        values, scale = quantize(host, self.channel, axis=axis)
+        sharding = like.sharding  # groups within each device's part, as the model's
+        split = shards(getattr(sharding, "spec", None), getattr(sharding, "mesh", None), axis,
+                       host.ndim)
+        values, scale = quantize(host, self.channel, axis=axis, shards=split)
         return {path: values, (*path[:-1], scale_name(path[-1])): scale}
 
 

@@ -370,6 +370,7 @@ class GGUFFormat:
             return None
         return self.read(path, name, shape, layout, lacks=lacks, on_tensor=on_tensor)
 
-    def host_weights(self, path: Path, host: np.ndarray) -> dict[Path, np.ndarray]:
+    def host_weights(self, path: Path, host: np.ndarray, like: jax.ShapeDtypeStruct
+                     ) -> dict[Path, np.ndarray]:
         """Never called: blocks are read from the file (`read_host`), not made from floats."""
         raise RuntimeError(f"{'.'.join(map(str, path))}: GGUF blocks come from the file")
