@@ -3,8 +3,11 @@ request bucket, each made (`make_program`: loaded whole, else compiled and saved
 the runner is ready or afterwards, on a background thread (`Runner.precompile`).
 
 A step that needs a program still being made there waits for it: a program is made once,
-never a second time on the request path. `stop` ends the background making (a runner's
-`shutdown`): the program in progress is finished, the others are never made.
+never a second time on the request path. One not started yet is made at once on a thread of
+its own, beside the one in progress (a first request's prefill needs one bucket, not every
+smaller one first, nor the end of the load under way: on an idle machine the step's own core
+sits free while it waits). `stop` ends the background making (a runner's `shutdown`): the
+programs in progress are finished, the others are never made.
 """
 
 from __future__ import annotations
@@ -36,9 +39,10 @@ class BucketPrograms:
     def __init__(self) -> None:
         self._programs: dict[Bucket, Future[jax.stages.Compiled]] = {}
         self._pending: list[Bucket] = []  # left to the background thread, not started yet
-        self._lock = threading.Lock()  # guards `_pending` and `_stopped`
-        self._threads: list[threading.Thread] = []  # one per `make_later`
+        self._lock = threading.Lock()  # guards `_pending`, `_threads` and `_stopped`
+        self._threads: list[threading.Thread] = []  # one per `make_later`, one per `get` ahead
         self._stopped = False  # `stop` was called: nothing more is made
+        self._make: Callable[[Bucket], jax.stages.Compiled] | None = None  # `make_later`'s
 
     def put(self, bucket: Bucket, compiled: jax.stages.Compiled) -> None:
         """`bucket`'s program, ready now."""
@@ -51,14 +55,17 @@ class BucketPrograms:
         """Make `buckets`' programs with `make`, one after another in this order (but for one
         a step waits for: `get`), on a background thread; `get` waits for one not made yet."""
         with self._lock:
+            self._make = make
             for bucket in buckets:
                 self._programs[bucket] = program = Future()
                 program.add_done_callback(functools.partial(self._log_failure, bucket))
                 self._pending.append(bucket)
-        # Not a daemon: a process that exits first waits for these, so they are saved for the
-        # next start.
-        thread = threading.Thread(target=self._make_pending, args=(make,),
-                                  name=THREAD_NAME)
+            self._start_thread(self._make_pending, make)
+
+    def _start_thread(self, target: Callable[..., None], *args: Any) -> None:
+        """(Under `_lock`.) Run `target(*args)` on a new background thread. Not a daemon: a
+        process that exits first waits for it, so what it makes is saved for the next start."""
+        thread = threading.Thread(target=target, args=args, name=THREAD_NAME)
         self._threads.append(thread)
         thread.start()
 
@@ -72,7 +79,8 @@ class BucketPrograms:
             for bucket in self._pending:
                 self._programs[bucket].cancel()
             self._pending.clear()
-        for thread in self._threads:
+            threads = list(self._threads)
+        for thread in threads:
             thread.join()
 
     def _make_pending(self, make: Callable[[Bucket], jax.stages.Compiled]) -> None:
@@ -82,17 +90,21 @@ class BucketPrograms:
                 if not self._pending:
                     return
                 bucket = self._pending.pop(0)
-            program = self._programs[bucket]
-            program.set_running_or_notify_cancel()
-            try:
-                program.set_result(make(bucket))
-            except BaseException as error:  # the step that needs it raises it
-                program.set_exception(error)
+            self._make_one(bucket, make)
+
+    def _make_one(self, bucket: Bucket, make: Callable[[Bucket], jax.stages.Compiled]
+                  ) -> None:
+        """Make `bucket`'s program (taken off `_pending`) into its future."""
+        program = self._programs[bucket]
+        program.set_running_or_notify_cancel()
+        try:
+            program.set_result(make(bucket))
+        except BaseException as error:  # the step that needs it raises it
+            program.set_exception(error)
 
     def get(self, bucket: Bucket) -> jax.stages.Compiled | None:
-        """`bucket`'s program, once made (waiting for it if it is being made, and moving it to
-        the front of the background thread's queue if it is not started: a first request's
-        prefill needs one bucket, not every smaller one first); None when it was never asked
+        """`bucket`'s program, once made (waiting for it if it is being made, and making it
+        at once on a thread of its own if it is not started); None when it was never asked
         for (the caller compiles through jit).
 
         Raises:
@@ -106,9 +118,9 @@ class BucketPrograms:
                                f"runner was shut down")
         if not program.done():
             with self._lock:
-                if bucket in self._pending:
+                if bucket in self._pending and self._make is not None:
                     self._pending.remove(bucket)
-                    self._pending.insert(0, bucket)
+                    self._start_thread(self._make_one, bucket, self._make)
             logger.info("a step waits for the %s program of %d %s, still being made in the "
                         "background", bucket[0], bucket[1],
                         "tokens" if bucket[0] == "step" else "requests")

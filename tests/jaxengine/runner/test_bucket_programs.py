@@ -70,3 +70,28 @@ def test_stop_ends_the_making_after_the_program_in_progress(
     with pytest.raises(RuntimeError, match="never made: its runner was shut down"):
         programs.get(("step", 4))
     programs.stop()  # again: nothing to do
+
+
+def test_a_program_a_step_waits_for_is_made_beside_the_one_in_progress() -> None:
+    # ("step", 2) is being made and holds until released; a step needing ("sample", 8) gets
+    # it made at once on a thread of its own, not after ("step", 2) and ("step", 4).
+    blocked, others = _Maker(), []
+
+    def make(bucket: tuple[str, int]) -> object:
+        if bucket == ("step", 2):
+            return blocked(bucket)
+        others.append((bucket, threading.current_thread()))
+        return bucket
+
+    programs = BucketPrograms()
+    programs.make_later(BUCKETS, make)
+    assert blocked.started.wait(10)
+    assert programs.get(("sample", 8)) == ("sample", 8)
+    assert not blocked.release.is_set() and blocked.made == [("step", 2)]
+    ((bucket, thread),) = others
+    assert bucket == ("sample", 8) and thread.name == THREAD_NAME
+    assert thread not in blocked.threads  # not the background thread, which is still busy
+    blocked.release.set()
+    programs.wait()
+    assert sorted(b for b, _ in others) == [("sample", 8), ("step", 4)]  # each made once
+    programs.stop()
