@@ -109,7 +109,9 @@ class WeightCache:
         if not file.is_file():
             return None
         try:
-            array = np.load(file, allow_pickle=False)
+            # Mapped, not read: the loader's copy onto the device is then the only pass over
+            # the bytes (entries are replaced by rename, never rewritten in place).
+            array = np.load(file, mmap_mode="r", allow_pickle=False)
         except Exception as e:  # a truncated or foreign file: numpy raises several types
             logger.warning("weight cache: %s does not read (%s: %s); deriving it again",
                            file, type(e).__name__, e)

@@ -44,13 +44,11 @@ class TensorSource(Protocol):
     def get(self, name: str) -> np.ndarray | None: ...
 
 
-@functools.lru_cache(maxsize=16)  # a load asks twice (the source's names, the weights)
 def model_weight_shapes(cfg: ModelConfig) -> Mapping[Path, tuple[int, ...]]:
     """Every weight of a model of `cfg` by module path (scanned layout: layers stacked), at
     the checkpoint's sizes (one device: no KV head repeated, no vocabulary padding)."""
-    abstract = nnx.eval_shape(lambda: Model(cfg, scan_layers=True))  # traces the whole model
-    return MappingProxyType({path: tuple(var.get_value().shape)
-                             for path, var in nnx.to_flat_state(nnx.state(abstract, nnx.Param))})
+    _, specs = _float_specs(cfg, make_mesh(jax.devices()[:1]), jnp.dtype(jnp.float32), False)
+    return MappingProxyType({path: spec.shape for path, spec in specs.items()})
 
 
 def model_weight_specs(cfg: ModelConfig, mesh: Mesh, *, dtype: jnp.dtype = jnp.float32,
@@ -60,6 +58,27 @@ def model_weight_specs(cfg: ModelConfig, mesh: Mesh, *, dtype: jnp.dtype = jnp.f
     """The layout of a model of `cfg` on `mesh`, and each of its weights' shape, dtype and
     sharding (scanned layout; a quantized matrix's values at its float path, its scales at
     `jaxengine.model.quant.scale_name`'s)."""
+    if weight_format(quantization) is None:
+        layout, specs = _float_specs(cfg, mesh, jnp.dtype(dtype), expert_parallel)
+        return layout, dict(specs)
+    return _specs(cfg, mesh, jnp.dtype(dtype), expert_parallel, quantization)
+
+
+# A float model's specs are traced once in a process, not at each ask: a load asks for its
+# shapes (the source's names, the loader's) and for its shardings, and on one device in float32
+# both are one trace of the whole model (docs/BENCHMARKS.md §14).
+@functools.lru_cache(maxsize=16)
+def _float_specs(cfg: ModelConfig, mesh: Mesh, dtype: jnp.dtype, expert_parallel: bool
+                 ) -> tuple[TPLayout, Mapping[Path, jax.ShapeDtypeStruct]]:
+    """`_specs` of a float model, its specs read-only."""
+    layout, specs = _specs(cfg, mesh, dtype, expert_parallel, None)
+    return layout, MappingProxyType(specs)
+
+
+def _specs(cfg: ModelConfig, mesh: Mesh, dtype: jnp.dtype, expert_parallel: bool,
+           quantization: str | WeightFormat | None
+           ) -> tuple[TPLayout, dict[Path, jax.ShapeDtypeStruct]]:
+    """`model_weight_specs`, traced now."""
     abstract = nnx.eval_shape(lambda: Model(cfg, dtype=dtype, scan_layers=True, mesh=mesh,
                                             expert_parallel=expert_parallel,
                                             quantization=quantization))

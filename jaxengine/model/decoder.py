@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -194,13 +194,19 @@ def traced_once(create: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
-def _layer(stacked: jax.Array | np.ndarray, index: int) -> jax.Array | np.ndarray:
-    """Layer `index` of a stacked weight [Ly, ...] -> [...]. A device array's is sliced at a
-    traced index: one compiled slice per weight's shape, not one per layer too (at ~5 ms a
-    compile, 30 layers' static slices cost a start about a second)."""
+def _layers(stacked: jax.Array | np.ndarray) -> Sequence[jax.Array | np.ndarray]:
+    """A stacked weight [Ly, ...] -> its layers [...] each. A device array's come out of one
+    call of one compiled program per weight's shape: a slice per layer and weight (compiled or
+    dispatched each) is a start's time spent (docs/BENCHMARKS.md §14)."""
     if isinstance(stacked, jax.Array):
-        return jax.lax.dynamic_index_in_dim(stacked, index, keepdims=False)
-    return stacked[index]
+        return _unstack(stacked)
+    return list(stacked)
+
+
+@jax.jit
+def _unstack(stacked: jax.Array) -> tuple[jax.Array, ...]:
+    """[Ly, ...] -> Ly arrays [...]."""
+    return tuple(stacked)
 
 
 def _with_weights(abstract: dict[str, nnx.Module | None],
@@ -214,13 +220,15 @@ def _with_weights(abstract: dict[str, nnx.Module | None],
     """
     graphdef, state = nnx.split(abstract)
     shardings = dict(nnx.to_flat_state(nnx.get_named_sharding(state, mesh)))
-    filled = []
+    filled, layers = [], {}
     for path, var in nnx.to_flat_state(state):
         looped = path[0] == "layers" and not scan_layers
         key = (path[0], *path[2:]) if looped else path
         if key not in weights:
             raise ValueError(f"weight {'.'.join(map(str, key))} is missing")
-        value = _layer(weights[key], path[1]) if looped else weights[key]
+        if looped and key not in layers:
+            layers[key] = _layers(weights[key])
+        value = layers[key][path[1]] if looped else weights[key]
         want = var.get_value().shape
         if tuple(value.shape) != want:
             raise ValueError(f"weight {'.'.join(map(str, path))}: shape {tuple(value.shape)}, "

@@ -82,15 +82,16 @@ class PackedLinear(nnx.Module):
     scales' panels `scale` f32[ceil(N/W), K/G, W] (None for float32)."""
 
     def __init__(self, *linears: Linear) -> None:
-        kernel = jnp.concatenate([lin.kernel[...] for lin in linears], axis=1)
+        kernels = [lin.kernel[...] for lin in linears]
         scale = _scales(linears)
         if scale is None:
-            self.kernel, self.scale = nnx.Param(matmul.pack(kernel)), None
+            self.kernel, self.scale = nnx.Param(matmul.pack(*kernels)), None
         else:
-            panels, scale_panels = matmul.pack_int8(kernel, scale)
+            panels, scale_panels = matmul.pack_int8(jnp.concatenate(kernels, axis=1), scale)
             self.kernel, self.scale = nnx.Param(panels), nnx.Param(scale_panels)
         self.bias = _biases(linears)
-        self.in_features, self.out_features = kernel.shape
+        self.in_features = linears[0].in_features
+        self.out_features = sum(lin.out_features for lin in linears)
 
     def __call__(self, x: jax.Array, live: jax.Array | None = None) -> jax.Array:
         """x f32[T, K] -> f32[T, N]; with `live` (i32[]) only the first `live` rows are
@@ -172,7 +173,7 @@ class PackedEmbedder(nnx.Module):
             panels, scale = matmul.pack_int8(table.T, embedder.embedding_scale[...].T)
             self.panels, self.scale = nnx.Param(panels), nnx.Param(scale)
         else:
-            self.panels, self.scale = nnx.Param(matmul.pack(table.T)), None
+            self.panels, self.scale = nnx.Param(matmul.pack_transposed(table)), None
         self.num_embeddings = table.shape[0]
 
     def encode(self, ids: jax.Array) -> jax.Array:

@@ -44,14 +44,21 @@ def panel_width() -> int:
     return native.matmul_target()[1]
 
 
-def pack(w: jax.Array | np.ndarray) -> jax.Array:
-    """w f32[K, N] -> panels f32[ceil(N/W), K, W] (zero columns past N)."""
-    return _panels(jnp.asarray(w, jnp.float32))
+def pack(*w: jax.Array | np.ndarray) -> jax.Array:
+    """w f32[K, N] -> panels f32[ceil(N/W), K, W] (zero columns past N); several kernels of
+    one input, f32[K, N_i] each, pack side by side as one of N = sum N_i columns."""
+    return _side_by_side(tuple(jnp.asarray(part, jnp.float32) for part in w))
+
+
+def pack_transposed(table: jax.Array | np.ndarray) -> jax.Array:
+    """`pack(table.T)` for a table f32[N, K] (a tied embedding as its LM head's kernel), the
+    transpose made in the same pass as the panels."""
+    return _transposed(jnp.asarray(table, jnp.float32))
 
 
 def pack_swiglu(gate: jax.Array | np.ndarray, up: jax.Array | np.ndarray) -> jax.Array:
     """gate, up f32[K, F] -> panels f32[2 * ceil(F/W), K, W]: gate's panel p, then up's."""
-    return _interleave(pack(gate), pack(up))
+    return _swiglu(jnp.asarray(gate, jnp.float32), jnp.asarray(up, jnp.float32))
 
 
 def pack_int8(values: jax.Array | np.ndarray, scale: jax.Array | np.ndarray
@@ -85,8 +92,27 @@ def unpack(panels: jax.Array, n: int) -> jax.Array:
     return panels.transpose(1, 0, 2).reshape(K, P * W)[:, :n]
 
 
-# Jitted: packing a model runs these eagerly once per layer, and a jit compiles one program per
-# kernel shape where eager pad/reshape/transpose/stack compile one per operation and shape.
+# Jitted whole: packing a model runs these once per layer, each one program (one pass over the
+# weights, one dispatch) per shape, where eager concatenate/pad/reshape/transpose/stack would
+# each copy the weights and compile one program per operation and shape.
+@jax.jit
+def _side_by_side(w: tuple[jax.Array, ...]) -> jax.Array:
+    """Kernels [K, N_i] -> the panels of [K, sum N_i]."""
+    return _panels(w[0] if len(w) == 1 else jnp.concatenate(w, axis=1))
+
+
+@jax.jit
+def _transposed(table: jax.Array) -> jax.Array:
+    """A table [N, K] -> the panels of its transpose [K, N]."""
+    return _panels(table.T)
+
+
+@jax.jit
+def _swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """gate, up [K, F] -> their panels interleaved, [2 * ceil(F/W), K, W]."""
+    return _interleave(_panels(gate), _panels(up))
+
+
 @jax.jit
 def _panels(w: jax.Array) -> jax.Array:
     """w [K, N] -> [ceil(N/W), K, W] in w's dtype, zeros past N."""

@@ -1,7 +1,8 @@
 """The native packed matmul against numpy's product: every row count around the kernel's
 register blocks and runs, column counts off the panel width, leading axes, vmap, the build for
-each x86 ISA level the CPU runs, and clear errors for panels that do not fit; the fused SwiGLU
-product against silu(x @ gate) * (x @ up); the same over int8 panels with group scales."""
+each x86 ISA level the CPU runs, and clear errors for panels that do not fit; kernels packed
+side by side or from their transpose as one; the fused SwiGLU product against
+silu(x @ gate) * (x @ up); the same over int8 panels with group scales."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from jaxengine_kernels.cpu.matmul import (
     pack_int8,
     pack_swiglu,
     pack_swiglu_int8,
+    pack_transposed,
     packed_matmul,
     packed_matmul_int8,
     packed_swiglu,
@@ -48,6 +50,14 @@ def test_panels_hold_the_columns_in_order_with_zeros_past_n():
     flat = panels.transpose(1, 0, 2).reshape(3, -1)
     np.testing.assert_array_equal(flat[:, :70], w)
     assert not flat[:, 70:].any()
+
+
+def test_kernels_side_by_side_and_a_transposed_table_pack_as_one_kernel():
+    q, k, v = (np.arange(3 * n, dtype=np.float32).reshape(3, n) + 1000 * i
+               for i, n in enumerate((70, 5, 33)))
+    both = np.concatenate([q, k, v], axis=1)
+    np.testing.assert_array_equal(np.asarray(pack(q, k, v)), np.asarray(pack(both)))
+    np.testing.assert_array_equal(np.asarray(pack_transposed(both.T)), np.asarray(pack(both)))
 
 
 @settings(max_examples=40, deadline=None)
