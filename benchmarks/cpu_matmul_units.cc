@@ -58,8 +58,8 @@ int main(int argc, char** argv) {
   auto work = [&] {
     for (int64_t i; (i = next.fetch_add(1)) < units;) {
       const Unit u = unit_at(i, P, rows);
-      if (glu) unit<true>(x.data(), weights, y.data(), K, N, u.panel, u.m0, u.m1);
-      else unit<false>(x.data(), weights, y.data(), K, N, u.panel, u.m0, u.m1);
+      if (glu) unit<true>(x.data(), weights, y.data(), K, N, u.panel, u.m0, u.m1, nullptr, 0);
+      else unit<false>(x.data(), weights, y.data(), K, N, u.panel, u.m0, u.m1, nullptr, 0);
       done.fetch_add(1);
     }
   };
