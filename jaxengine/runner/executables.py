@@ -30,11 +30,8 @@ compiled the program, but its file was lost or is corrupt), the runner compiles 
 under `attempt=1`'s options, and saves that.
 
 A file holds a header, the payload's SHA-256 and the pickled executable: a truncated or
-corrupt file is refused before XLA reads it. The argument tree of a program on a mesh holds
-devices (each weight's nnx metadata holds its mesh), which are objects of the process, not
-data: they are pickled as their platform and id and loaded as the runner's device of that
-platform and id, and a file naming a device the runner lacks is refused. Any miss or failed
-load returns None, logged, and the runner compiles instead. Files are written to a
+corrupt file is refused before XLA reads it. Any miss or failed load returns None, logged, and
+the runner compiles instead. Files are written to a
 temporary name and renamed, so processes starting at once never read half a file. Loading a
 file runs what it holds (it is unpickled, then XLA's code in it): like JAX's own cache, the
 directory must be writable only by those trusted to run code as this user.
@@ -45,7 +42,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.metadata
-import io
 import logging
 import os
 import pickle
@@ -109,7 +105,7 @@ def load(cache_dir: str, name: str, key: str, devices: Sequence[jax.Device]
         logger.warning("cannot read the saved executable %s (%s): compiling it", path, e)
         return None
     try:
-        payload, in_tree, out_tree = _unpack(data, devices)
+        payload, in_tree, out_tree = _unpack(data)
         return serialize_executable.deserialize_and_load(
             payload, in_tree, out_tree, backend=devices[0].client,
             execution_devices=list(devices))
@@ -125,10 +121,7 @@ def save(cache_dir: str, name: str, key: str, compiled: jax.stages.Compiled) -> 
     path, tmp = _path(cache_dir, name, key), None
     try:
         payload, in_tree, out_tree = serialize_executable.serialize(compiled)
-        with io.BytesIO() as buffer:
-            _DevicePickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(
-                (payload, in_tree, out_tree))
-            body = buffer.getvalue()
+        body = pickle.dumps((payload, in_tree, out_tree), protocol=pickle.HIGHEST_PROTOCOL)
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
@@ -145,45 +138,15 @@ def _path(cache_dir: str, name: str, key: str) -> Path:
     return Path(cache_dir) / SUBDIR / f"{name}-{key}.exe"
 
 
-def _unpack(data: bytes, devices: Sequence[jax.Device]) -> tuple[bytes, Any, Any]:
-    """(payload, in_tree, out_tree) of a saved file's bytes, the devices in its trees those of
-    `devices` of the same platform and id; ValueError if it is not one whole,
-    pickle.UnpicklingError if it names a device `devices` lack."""
+def _unpack(data: bytes) -> tuple[bytes, Any, Any]:
+    """(payload, in_tree, out_tree) of a saved file's bytes; ValueError if it is not one
+    whole."""
     if not data.startswith(MAGIC):
         raise ValueError("not a saved executable (bad header)")
     digest, _, body = data[len(MAGIC):].partition(b"\n")
     if hashlib.sha256(body).hexdigest().encode() != digest:
         raise ValueError("checksum mismatch (truncated or corrupt)")
-    with io.BytesIO(body) as buffer:
-        return _DeviceUnpickler(buffer, devices).load()
-
-
-class _DevicePickler(pickle.Pickler):
-    """Pickles a `jax.Device` as ("device", platform, id), as `serialize_executable` pickles
-    the devices of an executable (a Device itself cannot be pickled)."""
-
-    def persistent_id(self, obj: Any) -> tuple[str, str, int] | None:
-        if isinstance(obj, jax.Device):
-            return ("device", obj.platform, obj.id)
-        return None
-
-
-class _DeviceUnpickler(pickle.Unpickler):
-    """Loads what `_DevicePickler` pickled, each device as the one of `devices` of its
-    platform and id."""
-
-    def __init__(self, file: io.BytesIO, devices: Sequence[jax.Device]) -> None:
-        super().__init__(file)
-        self._devices = {(d.platform, d.id): d for d in devices}
-
-    def persistent_load(self, pid: Any) -> jax.Device:
-        kind, *name = pid
-        device = self._devices.get(tuple(name)) if kind == "device" else None
-        if device is None:
-            theirs = ", ".join(f"{p}:{i}" for p, i in sorted(self._devices))
-            raise pickle.UnpicklingError(f"saved for device {':'.join(map(str, name))}, "
-                                         f"not one of the runner's ({theirs})")
-        return device
+    return pickle.loads(body)
 
 
 def _leaf(x: Any) -> str:

@@ -32,9 +32,7 @@ from jaxengine.runner.compiles import cache_hit_count, compile_count
 from jaxengine.runner.programs import SAMPLE_NAME, STEP_NAME
 from jaxengine.runner.runner import Runner
 from tests.jaxengine.runner import executables_child as child
-from tests.jaxengine.runner import executables_mesh_child as mesh_child
 from tests.jaxengine.runner.executables_child import CONFIG, VOCAB, run
-from tests.parallel_helpers import run_command
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -68,24 +66,6 @@ def test_a_second_process_loads_every_program_whole_without_tracing(
     assert warm["made"] >= warm["programs"] == warm["loaded"] == 3  # all loaded whole
     assert warm["outputs"] == cold  # the same tokens and logprobs, sampled at temperature 1
     assert warm["donated"] and warm["after_warmup"] == 0  # KV pool, counts updated in place
-
-
-def test_a_tp2_engine_loads_every_program_whole_and_refuses_other_devices(
-        tmp_path: Path) -> None:
-    # The programs' argument trees hold the mesh (the weights' nnx metadata): its devices are
-    # saved as ids and loaded as the runner's devices of those ids.
-    out = run_command([sys.executable, mesh_child.__file__, str(tmp_path)], num_devices=2,
-                      timeout=300)
-    got = json.loads(out.strip().splitlines()[-1])
-    cold, warm = got["cold"], got["warm"]
-    assert cold["programs"] == warm["programs"] == 3  # token buckets 1 and 2, a request bucket
-    assert cold["loaded"] == 0 and len(got["saved"]) == cold["programs"]  # all saved whole
-    assert warm["compiled"] == warm["loaded"] == warm["programs"]  # all loaded whole
-    assert warm["outputs"] == cold["outputs"]  # the same tokens and logprobs, seeded sampling
-    assert cold["after_warmup"] == warm["after_warmup"] == 0
-    assert got["refused"]  # a step saved for devices 0 and 1, loaded onto device 1 alone
-    assert len(got["logged"]) == 1 and "saved for device cpu:0, not one of the runner's (cpu:1)" \
-        in got["logged"][0] and "compiling it" in got["logged"][0]
 
 
 def test_the_key_covers_shapes_shardings_statics_model_and_devices() -> None:
