@@ -60,7 +60,7 @@ class BucketPrograms:
                 self._programs[bucket] = program = Future()
                 program.add_done_callback(functools.partial(self._log_failure, bucket))
                 self._pending.append(bucket)
-            self._start_thread(self._make_pending, make)
+            self._start_thread(self._make_pending)
 
     def _start_thread(self, target: Callable[..., None], *args: Any) -> None:
         """(Under `_lock`.) Run `target(*args)` on a new background thread. Not a daemon: a
@@ -83,22 +83,22 @@ class BucketPrograms:
         for thread in threads:
             thread.join()
 
-    def _make_pending(self, make: Callable[[Bucket], jax.stages.Compiled]) -> None:
+    def _make_pending(self) -> None:
         """The background thread: make the pending programs, front first, until none is left."""
         while True:
             with self._lock:
                 if not self._pending:
                     return
                 bucket = self._pending.pop(0)
-            self._make_one(bucket, make)
+            self._make_one(bucket)
 
-    def _make_one(self, bucket: Bucket, make: Callable[[Bucket], jax.stages.Compiled]
-                  ) -> None:
-        """Make `bucket`'s program (taken off `_pending`) into its future."""
+    def _make_one(self, bucket: Bucket) -> None:
+        """Make `bucket`'s program (taken off `_pending`) into its future, with `make_later`'s
+        `make`."""
         program = self._programs[bucket]
         program.set_running_or_notify_cancel()
         try:
-            program.set_result(make(bucket))
+            program.set_result(self._make(bucket))
         except BaseException as error:  # the step that needs it raises it
             program.set_exception(error)
 
@@ -118,9 +118,9 @@ class BucketPrograms:
                                f"runner was shut down")
         if not program.done():
             with self._lock:
-                if bucket in self._pending and self._make is not None:
+                if bucket in self._pending:  # so `make_later` has set `_make`
                     self._pending.remove(bucket)
-                    self._start_thread(self._make_one, bucket, self._make)
+                    self._start_thread(self._make_one, bucket)
             logger.info("a step waits for the %s program of %d %s, still being made in the "
                         "background", bucket[0], bucket[1],
                         "tokens" if bucket[0] == "step" else "requests")
