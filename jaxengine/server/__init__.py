@@ -1,13 +1,24 @@
-"""OpenAI-compatible HTTP server (FastAPI + uvicorn) over one `LLMEngine`."""
+"""OpenAI-compatible HTTP server (FastAPI + uvicorn) over one `LLMEngine`.
 
-from jaxengine.server.app import build_app
-from jaxengine.server.async_engine import (
-    AsyncEngine,
-    EngineDeadError,
-    RequestGroup,
-    RequestStream,
-)
-from jaxengine.server.run import serve, served_model_name
+The names below are imported at their first use (PEP 562), not with the package: `serve`
+(jaxengine/server/run.py) starts loading the model before FastAPI is imported and imports it on
+a thread beside the build, which a package that imported the app first would undo.
+"""
 
-__all__ = ["AsyncEngine", "EngineDeadError", "RequestGroup", "RequestStream", "build_app",
-           "serve", "served_model_name"]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# name -> the module of this package that defines it
+_EXPORTS = {"AsyncEngine": "async_engine", "EngineDeadError": "async_engine",
+            "RequestGroup": "async_engine", "RequestStream": "async_engine",
+            "build_app": "app", "serve": "run", "served_model_name": "run"}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

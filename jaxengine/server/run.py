@@ -4,12 +4,13 @@ settings of `FrontendArgs` (`jaxengine.server.http_server`)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from jaxengine.engine.args import EngineArgs
@@ -49,7 +50,10 @@ def serve(args: EngineArgs, *, host: str = "127.0.0.1", port: int = 8000,
     The warm-up (`jaxengine.server.warmup`) runs whatever `args.precompile` says, on every
     replica and every process, before uvicorn starts: while it runs nothing listens, and
     afterwards no request compiles. It logs one line per bucket with its time and a summary
-    (no progress bars: server output is a log).
+    (no progress bars: server output is a log). FastAPI's and uvicorn's imports run on a thread
+    beside the model's build, the chat template's tokenizer on one beside the warm-up. Once
+    serving ends, the engine is shut down (`shutdown`): programs still to be made in the
+    background are not waited for.
 
     Multi-host (`args.num_processes` > 1, or a cluster JAX detects): every process runs this
     with the same arguments; process 0 serves HTTP and leads, the others pass `headless` and
@@ -83,29 +87,57 @@ def serve(args: EngineArgs, *, host: str = "127.0.0.1", port: int = 8000,
         logger.info("precompile=False does not apply to serve: it always warms up, so that no "
                     "request compiles after /health is 200")
     t0 = time.perf_counter()
+    # the HTTP stack's imports, beside the model's build (whose XLA work leaves the interpreter
+    # free part of the time)
+    imports = None if headless else _start(_import_http_stack, "serve-imports")
     # Built cold (precompile=False: the engine's own precompile draws a bar), then warmed here.
     # data_parallel_size > 1: replicas behind the router.
     engine = build_engines(dataclasses.replace(args, precompile=False))
     logger.info("loaded in %.1f s; warming up", time.perf_counter() - t0)
-    if engine.tokenizer is not None and engine.tokenizer.chat_template:
+    if not headless and engine.tokenizer is not None and engine.tokenizer.chat_template:
         # transformers' tokenizer renders chat templates; a GGUF model's is built at its first
         # use (importing transformers: most of a second), here beside the warm-up, which mostly
-        # waits for executables to load, so that no chat request waits for all of it
-        threading.Thread(target=lambda: engine.tokenizer.hf, name="chat-template",
-                         daemon=True).start()
+        # waits for executables to load, so that no chat request waits for all of it. (Not
+        # waited for: /health would wait for it too, measured in docs/BENCHMARKS.md §14.)
+        _start(lambda: engine.tokenizer.hf, "chat-template")
     warm_up(engine)
+    if imports is not None:
+        imports.join()
     logger.info("engine ready: %d replica(s) of %d KV blocks of %d tokens, max_model_len %d; "
                 "%.1f s after loading began", args.data_parallel_size,
                 engine.scheduler_config.num_blocks, args.block_size, engine.max_model_len,
                 time.perf_counter() - t0)
-    if headless:
-        _follow(engine)
-    elif jax.process_count() > 1:
-        _lead(engine, name, host=host, port=port, log_interval=log_interval,
-              log_level=log_level, frontend=frontend, lora_modules=lora_modules)
-    else:
-        _run_http(engine, name, host=host, port=port, log_interval=log_interval,
+    try:
+        if headless:
+            _follow(engine)
+        elif jax.process_count() > 1:
+            _lead(engine, name, host=host, port=port, log_interval=log_interval,
                   log_level=log_level, frontend=frontend, lora_modules=lora_modules)
+        else:
+            _run_http(engine, name, host=host, port=port, log_interval=log_interval,
+                      log_level=log_level, frontend=frontend, lora_modules=lora_modules)
+    finally:
+        # A stopped server exits now: the background finishes only the program it is making
+        # (saved for the next start), rather than making the rest first (minutes when cold).
+        engine.shutdown()
+
+
+def _start(target: Callable[[], object], name: str) -> threading.Thread:
+    thread = threading.Thread(target=target, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
+def _import_http_stack() -> None:
+    """Import what serving HTTP takes beyond the engine: FastAPI, uvicorn and the app's modules
+    (0.3-0.4 s on a 2-core machine, docs/BENCHMARKS.md §14). Not transformers, which an HF
+    model's build imports at the same time: its lazy submodules, imported from two threads at
+    once, can hand one of them a module still initializing ("cannot import name"). An import
+    that fails here (the `serve` extra not installed) fails again, with its message, where
+    `_run_http` imports the app."""
+    with contextlib.suppress(ImportError):
+        import jaxengine.server.app  # noqa: F401
+        import jaxengine.server.http_server  # noqa: F401
 
 
 def _check_role(process: int, processes: int, *, headless: bool) -> None:

@@ -9,8 +9,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 # each imported only by the code that needs it: transformers by an HF config, an HF directory's
-# tokenizer and a chat template (not by the server: a GGUF model's server starts without it),
-# llguidance.hf by the first structured-outputs grammar, the others by the server and the lab
+# tokenizer and a chat template (not by the server's app: a GGUF model's server imports it
+# beside the model's build), llguidance.hf by the first structured-outputs grammar, the others by
+# the server's app (not by `jaxengine.server` or its `serve`, which import it on a thread beside
+# the build) and the lab
 DEFERRED = ("transformers", "llguidance.hf", "fastapi", "uvicorn", "starlette", "matplotlib",
             "torch")
 
@@ -29,7 +31,9 @@ tok = jaxengine.Tokenizer.from_gguf_metadata({{
     "tokenizer.ggml.eos_token_id": 3, "tokenizer.chat_template": "{{{{ messages[0].content }}}}"}})
 assert tok.decode(tok.encode("ab<e>"), skip_special_tokens=False) == "ab<e>"
 steps.append(loaded())
-import jaxengine.server
+import jaxengine.server, jaxengine.server.run
+steps.append(loaded())
+jaxengine.server.build_app
 steps.append(loaded())
 assert tok.apply_chat_template([{{"role": "user", "content": "ab"}}]) == "ab"
 steps.append(loaded())
@@ -41,8 +45,9 @@ def test_heavy_libraries_are_imported_where_they_are_used_only() -> None:
     done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True,
                           timeout=120, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-2000:]
-    after_import, after_gguf_tokenizer, after_server, after_chat = json.loads(
+    after_import, after_gguf_tokenizer, after_serve, after_app, after_chat = json.loads(
         done.stdout.splitlines()[-1])
     assert after_import == after_gguf_tokenizer == []  # `tokenizers` encodes and decodes
-    assert "transformers" not in after_server and "fastapi" in after_server
+    assert after_serve == []
+    assert "transformers" not in after_app and "fastapi" in after_app
     assert "transformers" in after_chat  # its `apply_chat_template` renders
