@@ -124,8 +124,9 @@ class Tokenizer:
         fewer tokens than the bound says.
         """
         longest = max(map(len, self.backend.get_vocab(with_added_tokens=True)))
-        normalizer = json.dumps(json.loads(self.backend.to_str()).get("normalizer"))
-        return longest * (4 if '"NFC"' in normalizer or '"NFKC"' in normalizer else 1)
+        normalizer = self.backend.normalizer  # its JSON alone, not the whole tokenizer's
+        state = b"" if normalizer is None else normalizer.__getstate__()
+        return longest * (4 if b'"NFC"' in state or b'"NFKC"' in state else 1)
 
     def token_str(self, token_id: int | None) -> str:
         """The string of a (special) token, '' for None."""
