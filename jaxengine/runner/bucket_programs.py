@@ -121,9 +121,8 @@ class BucketPrograms:
                 if bucket in self._pending:  # so `make_later` has set `_make`
                     self._pending.remove(bucket)
                     self._start_thread(self._make_one, bucket)
-            logger.info("a step waits for the %s program of %d %s, still being made in the "
-                        "background", bucket[0], bucket[1],
-                        "tokens" if bucket[0] == "step" else "requests")
+            logger.info("a step waits for the %s program, still being made in the background",
+                        describe(bucket))
         return program.result()
 
     def wait(self) -> None:
@@ -140,15 +139,21 @@ class BucketPrograms:
                        bucket[0], bucket[1], type(error).__name__, error)
 
 
-def make_program(bucket: Bucket, name: str, jitted: Any, args: tuple[Any, ...],
+def describe(bucket: Bucket) -> str:
+    """`bucket`'s program in words, for the log: "step for 8 tokens", "sample for 16 requests"."""
+    kind, size = bucket
+    return f"{kind} for {size} {'tokens' if kind == 'step' else 'requests'}"
+
+
+def make_program(what: str, name: str, jitted: Any, args: tuple[Any, ...],
                  statics: dict[str, Any], *, signature: str | None,
                  devices: Sequence[jax.Device]) -> jax.stages.Compiled:
-    """`bucket`'s program: loaded whole when it was saved before, else lowered, compiled and
-    saved (jaxengine/runner/executables.py); logged with its time and where it came from.
+    """A program of the runner: loaded whole when it was saved before, else lowered, compiled
+    and saved (jaxengine/runner/executables.py); logged with its time and where it came from.
     Without a compilation cache directory or a model `signature` nothing is saved or loaded.
 
     Args:
-      bucket: ("step", tokens) or ("sample", requests), for the log.
+      what: the program in words, for the log (`describe`).
       name: the jitted function's name; `jitted` the function.
       args: its abstract arguments; `statics` its static ones, by name.
       signature: the model's (`jaxengine.model.fns.signature`).
@@ -165,9 +170,7 @@ def make_program(bucket: Bucket, name: str, jitted: Any, args: tuple[Any, ...],
     else:
         compiled, how = _compile(jitted.lower(*args, **statics), name,
                                  None if key is None else (where, key))
-    kind, size = bucket
-    logger.info("compiled %s for %d %s in %.2f s%s", kind, size,
-                "tokens" if kind == "step" else "requests", time.perf_counter() - t0, how)
+    logger.info("compiled %s in %.2f s%s", what, time.perf_counter() - t0, how)
     return compiled
 
 

@@ -15,6 +15,7 @@ import jax
 import numpy as np
 from jax.sharding import Sharding
 
+from jaxengine.runner.bucket_programs import make_program
 from jaxengine.sampling.bad_words import BadWordBan, armed_bans
 from jaxengine.sampling.logits_processors import LogitsAdjustments, build_adjustments
 from jaxengine.sampling.request_tables import (
@@ -93,15 +94,19 @@ class PenaltyInputs:
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
                                                            sharding=self.sharding), self.tables)
 
-    def precompile_write_slot(self, prev_tokens: jax.ShapeDtypeStruct) -> None:
-        """AOT-compile the slot writer, which later writes call (`prev_tokens`: the spec of a
-        step's token array)."""
+    def precompile_write_slot(self, prev_tokens: jax.ShapeDtypeStruct, *,
+                              signature: str | None, devices: Sequence[jax.Device]) -> None:
+        """Make the slot writer's executable, which later writes call (`prev_tokens`: the spec
+        of a step's token array), as the runner makes its other programs (`make_program`:
+        loaded whole when saved before; `signature` and `devices` as there)."""
         V = self.vocab_size
         spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
-        self._write_slot = _jitted_write_slot.lower(
-            self.spec(), spec(np.int32(0)), spec(np.zeros(V, np.float32)),
-            spec(np.zeros(V, bool)), spec(np.zeros(V, np.int32)), prev_tokens,
-            spec(np.int32(0))).compile()
+        args = (self.spec(), spec(np.int32(0)), spec(np.zeros(V, np.float32)),
+                spec(np.zeros(V, bool)), spec(np.zeros(V, np.int32)), prev_tokens,
+                spec(np.int32(0)))
+        self._write_slot = make_program("the penalty slot writer", WRITE_SLOT_NAME,
+                                        _jitted_write_slot, args, {}, signature=signature,
+                                        devices=devices)
 
     def adjustments(self, sampling_ids: Sequence[str], rows: Mapping[str, SamplingRow],
                     size: int, in_prev: Mapping[str, int], prev_tokens: jax.Array

@@ -37,6 +37,7 @@ from jaxengine.runner.bucket_programs import (
     Bucket,
     BucketPrograms,
     abstract,
+    describe,
     devices_of,
     make_program,
 )
@@ -167,7 +168,9 @@ class Runner:
         self._abstract_lora = None if self.lora is None else abstract(self.lora.slots)
         for bucket in tqdm(now, desc="precompile", disable=not progress):
             self._executables.put(bucket, self._make_program(bucket))
-        self.penalties.precompile_write_slot(self._prev_spec())
+        self.penalties.precompile_write_slot(self._prev_spec(),
+                                             signature=model_signature(self.model),
+                                             devices=self._devices)
         if self.lora is not None:
             self.lora.precompile()
         with self._stats_lock:
@@ -208,7 +211,7 @@ class Runner:
     def _make_program(self, bucket: Bucket) -> jax.stages.Compiled:
         """`bucket`'s program (`make_program`); the first step's tells the samplers' input."""
         name, jitted, args, statics = self._program_inputs(*bucket)
-        compiled = make_program(bucket, name, jitted, args, statics,
+        compiled = make_program(describe(bucket), name, jitted, args, statics,
                                 signature=model_signature(self.model), devices=self._devices)
         if bucket[0] == "step" and self._hidden_spec is None:
             self._hidden_spec = self._hidden_of(compiled)

@@ -21,6 +21,7 @@ from jaxengine.model.fake import fake_model
 from jaxengine.runner.compilation_cache import configure
 from jaxengine.runner.compiles import cache_hit_count
 from jaxengine.runner.config import RunnerConfig
+from jaxengine.runner.penalty_inputs import WRITE_SLOT_NAME
 from jaxengine.runner.programs import SAMPLE_NAME, STEP_NAME
 from jaxengine.runner.runner import Runner
 from jaxengine.sampling.rows import SamplingRow
@@ -84,10 +85,11 @@ def main(cache_dir: str) -> None:
     outputs = run(runner)
     print(json.dumps({
         "outputs": outputs,
-        "traces": sum(n for name, n in traces.items() if STEP_NAME in name or SAMPLE_NAME in name),
+        "traces": sum(n for name, n in traces.items()
+                      if any(p in name for p in (STEP_NAME, SAMPLE_NAME, WRITE_SLOT_NAME))),
         "made": runner.stats.compilations,
-        "loaded": cache_hit_count(STEP_NAME, SAMPLE_NAME),
-        "programs": len(runner.token_buckets) + len(runner.request_buckets),
+        "loaded": cache_hit_count(STEP_NAME, SAMPLE_NAME, WRITE_SLOT_NAME),
+        "programs": len(runner.token_buckets) + len(runner.request_buckets) + 1,  # + the writer
         "donated": kv.is_deleted() and counts.is_deleted(),
         "after_warmup": runner.stats.compilations_after_warmup,
     }))

@@ -29,6 +29,7 @@ from jaxengine.model.mesh import make_mesh
 from jaxengine.runner import executables
 from jaxengine.runner.compilation_cache import configure
 from jaxengine.runner.compiles import cache_hit_count, compile_count
+from jaxengine.runner.penalty_inputs import WRITE_SLOT_NAME
 from jaxengine.runner.programs import SAMPLE_NAME, STEP_NAME
 from jaxengine.runner.runner import Runner
 from tests.jaxengine.runner import executables_child as child
@@ -60,10 +61,11 @@ def test_a_second_process_loads_every_program_whole_without_tracing(
         filled: tuple[Path, dict]) -> None:
     cache, cold = filled
     saved = sorted(p.name.split("-")[0] for p in (cache / executables.SUBDIR).iterdir())
-    assert saved == [STEP_NAME] * 2 + [SAMPLE_NAME]  # token buckets 1 and 2, a request bucket
+    # token buckets 1 and 2, a request bucket, the penalty-slot writer
+    assert saved == [STEP_NAME] * 2 + [SAMPLE_NAME, WRITE_SLOT_NAME]
     warm = _child(cache)
-    assert warm["traces"] == 0  # neither the step nor the sampler was traced
-    assert warm["made"] >= warm["programs"] == warm["loaded"] == 3  # all loaded whole
+    assert warm["traces"] == 0  # neither the step, the sampler nor the writer was traced
+    assert warm["made"] >= warm["programs"] == warm["loaded"] == 4  # all loaded whole
     assert warm["outputs"] == cold  # the same tokens and logprobs, sampled at temperature 1
     assert warm["donated"] and warm["after_warmup"] == 0  # KV pool, counts updated in place
 
