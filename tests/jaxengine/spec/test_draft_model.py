@@ -67,7 +67,11 @@ def plain() -> dict[str, tuple]:
     return run(GREEDY, async_scheduling=False, **SMALL_BUDGET)[0]
 
 
-@LOOPS
+# The synchronous case runs with -m slow: the draft's programs are precompiled the same way
+# under either loop (the async case checks that here), and the fp8 test below drafts
+# synchronously with every draft right. (Precompiling the fp8 engine instead costs ~60 s.)
+@pytest.mark.parametrize("async_scheduling", [pytest.param(False, marks=pytest.mark.slow), True],
+                         ids=["sync", "async"])
 def test_the_target_as_its_own_draft_is_always_right_and_compiles_only_in_warm_up(
         plain: dict[str, tuple], async_scheduling: bool) -> None:
     """Under async scheduling too: the replay reads the placeholders from the history, and a
