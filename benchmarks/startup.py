@@ -8,8 +8,9 @@ Each `LLM()` run reports, in seconds since its process started: importing `jaxen
 compilation cache, or traced and compiled or read from JAX's persistent cache), the `generate`,
 and when the programs `LLM()` left to a background thread were all ready. A `--serve` run
 reports the seconds from starting the server process to `/health` 200 and to the first
-streamed token. "cold" runs start with an empty compilation cache and weight cache
-(jaxengine/loading/weight_cache.py) of their own; "warm" runs share ones that the first cold run
+streamed token (each server is stopped once it has made every program). "cold" runs start
+with an empty compilation cache and weight cache (jaxengine/loading/weight_cache.py) of their
+own; "warm" runs share ones that the first cold run
 (or, with `--cold 0`, a first, unreported run) fills. The CPU kernels' build cache
 (`$XDG_CACHE_HOME/jaxengine/native`) is left as it is: build it once beforehand.
 
@@ -32,6 +33,7 @@ import httpx
 
 PROMPT = "Hello, my name is"
 WEIGHT_CACHE_ENV = "JAXENGINE_WEIGHT_CACHE_DIR"  # jaxengine.loading.weight_cache.ENV
+ALL_READY = b"background programs done"  # jaxengine.runner.bucket_programs.ALL_READY
 
 
 def _child(cache_dir: str) -> None:
@@ -109,6 +111,10 @@ def _serve(caches: tuple[str, str]) -> dict:
             healthy = time.time()
             text = _first_token(base)
             first = time.time()
+            # every program made (and saved) before the stop, which would drop the rest: a
+            # later run's caches are then warm for every bucket
+            while ALL_READY not in (log.seek(0) or log.read()) and proc.poll() is None:
+                time.sleep(0.2)
         finally:
             proc.send_signal(signal.SIGINT)
             proc.wait(timeout=60)

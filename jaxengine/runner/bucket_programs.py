@@ -31,6 +31,7 @@ logger = logging.getLogger("jaxengine.runner")
 
 Bucket = tuple[str, int]  # ("step", tokens) or ("sample", requests)
 THREAD_NAME = "jaxengine-programs"  # the background threads' name
+ALL_READY = "background programs done"  # how the log line that says so begins
 
 
 class BucketPrograms:
@@ -43,6 +44,9 @@ class BucketPrograms:
         self._threads: list[threading.Thread] = []  # one per `make_later`, one per `get` ahead
         self._stopped = False  # `stop` was called: nothing more is made
         self._make: Callable[[Bucket], jax.stages.Compiled] | None = None  # `make_later`'s
+        self._left = 0  # `make_later`'s programs not done yet (guarded by `_left_lock`)
+        self._left_lock = threading.Lock()  # not `_lock`: `stop` cancels (runs `_done`) under it
+        self._since = 0.0  # when the first `make_later` began
 
     def put(self, bucket: Bucket, compiled: jax.stages.Compiled) -> None:
         """`bucket`'s program, ready now."""
@@ -54,11 +58,14 @@ class BucketPrograms:
                    make: Callable[[Bucket], jax.stages.Compiled]) -> None:
         """Make `buckets`' programs with `make`, one after another in this order (but for one
         a step waits for: `get`), on a background thread; `get` waits for one not made yet."""
+        with self._left_lock:
+            self._since = self._since or time.perf_counter()
+            self._left += len(buckets)
         with self._lock:
             self._make = make
             for bucket in buckets:
                 self._programs[bucket] = program = Future()
-                program.add_done_callback(functools.partial(self._log_failure, bucket))
+                program.add_done_callback(functools.partial(self._done, bucket))
                 self._pending.append(bucket)
             self._start_thread(self._make_pending)
 
@@ -130,13 +137,21 @@ class BucketPrograms:
         for program in list(self._programs.values()):
             program.result()
 
-    def _log_failure(self, bucket: Bucket, program: Future[jax.stages.Compiled]) -> None:
+    def _done(self, bucket: Bucket, program: Future[jax.stages.Compiled]) -> None:
         """Say at once when a background program failed (a step needing it raises the
-        error); quietly once stopped."""
+        error), quietly once stopped; and when the last one is made (a server is then warm
+        for every request size: `benchmarks/startup.py` waits for this line)."""
         if not program.cancelled() and (error := program.exception()) is not None:
             logger.log(logging.DEBUG if self._stopped else logging.ERROR,
                        "making the %s program of %d in the background failed: %s: %s",
                        bucket[0], bucket[1], type(error).__name__, error)
+        with self._left_lock:
+            self._left -= 1
+            if self._left or self._stopped:
+                return
+            seconds = time.perf_counter() - self._since
+        logger.info("%s: every program is ready, %.1f s after the background began", ALL_READY,
+                    seconds)
 
 
 def describe(bucket: Bucket) -> str:

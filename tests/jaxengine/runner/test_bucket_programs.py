@@ -1,6 +1,6 @@
 """`BucketPrograms`' background making, with a `make` that stands for compiling (no JAX): a
-step's `get` waits for its program, and `stop` ends the making after the program in progress,
-quietly if that one fails."""
+step's `get` waits for its program, the log says when the last is made, and `stop` ends the
+making after the program in progress, quietly if that one fails."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from jaxengine.runner.bucket_programs import THREAD_NAME, BucketPrograms
+from jaxengine.runner.bucket_programs import ALL_READY, THREAD_NAME, BucketPrograms
 from tests.conftest import PROGRAMS_THREAD
 
 BUCKETS = [("step", 2), ("step", 4), ("sample", 8)]
@@ -36,15 +36,20 @@ class _Maker:
         return bucket
 
 
-def test_a_get_waits_for_its_program_and_each_is_made_once() -> None:
+def test_a_get_waits_for_its_program_and_each_is_made_once(
+        caplog: pytest.LogCaptureFixture) -> None:
     maker, programs = _Maker(), BucketPrograms()
-    programs.make_later(BUCKETS, maker)
-    assert maker.started.wait(10)
-    maker.release.set()
-    assert programs.get(("sample", 8)) == ("sample", 8)
-    assert programs.get(("step", 16)) is None  # never asked for: the caller jits it
-    programs.wait()
+    with caplog.at_level(logging.INFO, logger="jaxengine.runner"):
+        programs.make_later(BUCKETS, maker)
+        assert maker.started.wait(10)
+        assert not [r for r in caplog.records if ALL_READY in r.message]
+        maker.release.set()
+        assert programs.get(("sample", 8)) == ("sample", 8)
+        assert programs.get(("step", 16)) is None  # never asked for: the caller jits it
+        programs.wait()
+        programs.stop()  # nothing left to stop: joins the threads, so their logging is done
     assert maker.made[0] == ("step", 2) and sorted(maker.made) == sorted(BUCKETS)
+    assert len([r for r in caplog.records if ALL_READY in r.message]) == 1
     # tests/conftest.py waits for threads of this name before removing the cache directory
     assert {t.name for t in maker.threads} == {THREAD_NAME} == {PROGRAMS_THREAD}
 
@@ -70,6 +75,7 @@ def test_stop_ends_the_making_after_the_program_in_progress(
     with pytest.raises(RuntimeError, match="never made: its runner was shut down"):
         programs.get(("step", 4))
     programs.stop()  # again: nothing to do
+    assert not [r for r in caplog.records if ALL_READY in r.message]  # not all were made
 
 
 def test_a_program_a_step_waits_for_is_made_beside_the_one_in_progress() -> None:
