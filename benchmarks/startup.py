@@ -40,9 +40,9 @@ def _child(cache_dir: str) -> None:
     """One measured start, its phases printed as JSON on the last line of stdout."""
     with open("/proc/self/stat") as f:  # the process's start, in clock ticks since boot
         started_ticks = float(f.read().rsplit(")", 1)[1].split()[19])
-    with open("/proc/stat") as f:
-        boot = next(float(line.split()[1]) for line in f if line.startswith("btime"))
-    start = boot + started_ticks / os.sysconf("SC_CLK_TCK")
+    with open("/proc/uptime") as f:  # seconds since boot now (`btime` is whole seconds)
+        up = float(f.read().split()[0])
+    start = time.time() - (up - started_ticks / os.sysconf("SC_CLK_TCK"))
     import jaxengine
 
     t_import = time.time()
