@@ -128,8 +128,8 @@ class BucketPrograms:
                 if bucket in self._pending:  # so `make_later` has set `_make`
                     self._pending.remove(bucket)
                     self._start_thread(self._make_one, bucket)
-            logger.info("a step waits for the %s program, still being made in the background",
-                        describe(bucket))
+            logger.info("a step waits for its program (%s), still being made in the "
+                        "background", describe(bucket))
         return program.result()
 
     def wait(self) -> None:
@@ -143,8 +143,8 @@ class BucketPrograms:
         for every request size: `benchmarks/startup.py` waits for this line)."""
         if not program.cancelled() and (error := program.exception()) is not None:
             logger.log(logging.DEBUG if self._stopped else logging.ERROR,
-                       "making the %s program of %d in the background failed: %s: %s",
-                       bucket[0], bucket[1], type(error).__name__, error)
+                       "making the program (%s) in the background failed: %s: %s",
+                       describe(bucket), type(error).__name__, error)
         with self._left_lock:
             self._left -= 1
             if self._left or self._stopped:
