@@ -2,8 +2,9 @@
 and each batch's token slots (the model's side is jaxengine/model/lora.py).
 
 An adapter is written into a slot by one small jitted program with the slots donated (in
-place; the slot index traced, so one program serves every slot and adapter, precompiled with
-the runner's others): loading or evicting an adapter compiles nothing. A slot whose adapter a
+place; the slot index traced, so one program serves every slot and adapter, made with the
+runner's others and, like them, loaded whole when saved before): loading or evicting an
+adapter compiles nothing. A slot whose adapter a
 step in flight still reads may be overwritten for the next step: JAX lets that step's reads of
 the donated buffers finish before the write runs (the device runs programs in order), so
 `max_loras` slots serve async scheduling too, where two plans of `max_loras` adapters each
@@ -13,12 +14,13 @@ overlap.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import jax
 import numpy as np
 
 from jaxengine.model.lora import LoRALayout, LoRASlots, write_slot
+from jaxengine.runner.bucket_programs import abstract, make_program
 from jaxengine.runner.config import RunnerConfig
 
 WRITE_LORA_NAME = "jaxengine_write_lora_slot"
@@ -43,6 +45,9 @@ class LoRAInputs:
         # lora_int_id -> its slot, least recently used first
         self._slot_of: OrderedDict[int, int] = OrderedDict()
         self._free = list(range(max_loras, 0, -1))  # pop() hands out slot 1 first
+        # The slot writer: jitted until `precompile` gives its executable, called from then on
+        # (as the penalty slot writer, jaxengine/runner/penalty_inputs.py).
+        self._write: Callable[..., LoRASlots] = _jitted_write
 
     def slot_of(self, lora_int_id: int) -> int | None:
         """The adapter's slot, or None if it is not on the device."""
@@ -73,7 +78,7 @@ class LoRAInputs:
             victim = next(i for i in self._slot_of if i not in keep)
             self._free.append(self._slot_of.pop(victim))
         slot = self._free.pop()
-        self.slots = _jitted_write(self.slots, np.int32(slot), a, b, np.float32(scaling))
+        self.slots = self._write(self.slots, np.int32(slot), a, b, np.float32(scaling))
         self._slot_of[lora_int_id] = slot
         return slot
 
@@ -86,10 +91,16 @@ class LoRAInputs:
         self._free.append(slot)
         return True
 
-    def precompile(self) -> None:
-        """AOT-compile the slot writer."""
+    def precompile(self, *, signature: str | None, devices: Sequence[jax.Device]) -> None:
+        """Make the slot writer's executable, which later writes call, as the runner makes its
+        other programs (`make_program`: loaded whole when saved before; `signature` and
+        `devices` as there)."""
+        spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
         a, b = self.layout.slot_arrays({}, self.max_lora_rank)
-        _jitted_write.lower(self.slots, np.int32(0), a, b, np.float32(0)).compile()
+        args = (abstract(self.slots), spec(np.int32(0)), jax.tree.map(spec, a),
+                jax.tree.map(spec, b), spec(np.float32(0)))
+        self._write = make_program("the LoRA slot writer", WRITE_LORA_NAME, _jitted_write, args,
+                                   {}, signature=signature, devices=devices)
 
 
 def lora_inputs_for(layout: LoRALayout | None, config: RunnerConfig) -> LoRAInputs | None:

@@ -168,11 +168,11 @@ class Runner:
         self._abstract_lora = None if self.lora is None else abstract(self.lora.slots)
         for bucket in tqdm(now, desc="precompile", disable=not progress):
             self._executables.put(bucket, self._make_program(bucket))
-        self.penalties.precompile_write_slot(self._prev_spec(),
-                                             signature=model_signature(self.model),
+        signature = model_signature(self.model)
+        self.penalties.precompile_write_slot(self._prev_spec(), signature=signature,
                                              devices=self._devices)
         if self.lora is not None:
-            self.lora.precompile()
+            self.lora.precompile(signature=signature, devices=self._devices)
         with self._stats_lock:
             self.stats.compilations += (self._compiles_here() - before).total
             self.stats.compile_seconds += time.perf_counter() - t0

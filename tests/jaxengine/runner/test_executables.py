@@ -23,12 +23,16 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jaxengine.engine.build import model_fns
+from jaxengine.loading.load import load_model
+from jaxengine.loading.lora import load_peft_adapter
 from jaxengine.model.fake import fake_model
 from jaxengine.model.fns import sign, signature
 from jaxengine.model.mesh import make_mesh
 from jaxengine.runner import executables
 from jaxengine.runner.compilation_cache import configure
 from jaxengine.runner.compiles import cache_hit_count, compile_count
+from jaxengine.runner.lora_inputs import WRITE_LORA_NAME
 from jaxengine.runner.penalty_inputs import WRITE_SLOT_NAME
 from jaxengine.runner.programs import SAMPLE_NAME, STEP_NAME
 from jaxengine.runner.runner import Runner
@@ -36,6 +40,7 @@ from tests.jaxengine.runner import executables_child as child
 from tests.jaxengine.runner.executables_child import CONFIG, VOCAB, run
 
 ROOT = Path(__file__).resolve().parents[3]
+FIXTURES = ROOT / "tests" / "fixtures"
 
 
 @pytest.fixture(scope="module")
@@ -166,3 +171,31 @@ def test_a_step_waits_for_a_program_still_made_in_the_background(
         assert outputs.result(timeout=120) == cold
     runner.wait_for_programs()
     assert runner.stats.compilations_after_warmup == 0  # debug_recompiles: would have raised
+
+
+def test_the_lora_slot_writer_is_loaded_whole_and_writes_without_compiling(
+        tmp_path: Path) -> None:
+    """The LoRA writer is made as the runner's other programs: a second runner loads it
+    whole, and an adapter written through it lands in its slot with nothing compiled."""
+    model, cfg, _ = load_model(str(FIXTURES / "tiny" / "llama3_gqa"))
+    config = dataclasses.replace(CONFIG, max_loras=1, max_lora_rank=8)
+    adapter = load_peft_adapter(FIXTURES / "lora" / "llama3_gqa" / "mlp", cfg, max_lora_rank=8)
+    configure(str(tmp_path))
+    try:
+        cold = Runner(model_fns(model, cfg, attn_impl="reference", lora=True), config)
+        cold.precompile(progress=False, background=False)
+        saved = sorted(p.name.split("-")[0] for p in (tmp_path / executables.SUBDIR).iterdir())
+        assert WRITE_LORA_NAME in saved
+        hits = cache_hit_count(WRITE_LORA_NAME)
+        warm = Runner(model_fns(model, cfg, attn_impl="reference", lora=True), config)
+        warm.precompile(progress=False, background=False)
+        assert cache_hit_count(WRITE_LORA_NAME) - hits == 1  # read from the saved file
+        compiles = compile_count(WRITE_LORA_NAME)
+        assert warm.lora.use(7, adapter.weights, adapter.scaling, keep=()) == 1
+        assert compile_count(WRITE_LORA_NAME) == compiles  # the loaded executable wrote it
+    finally:
+        configure(None)
+    a, _ = warm.lora.layout.slot_arrays(adapter.weights, 8)
+    written = np.asarray(warm.lora.slots.a["down_proj"])[:, :, 8:16]  # slot 1 of rank 8
+    np.testing.assert_array_equal(written, a["down_proj"])
+    assert float(warm.lora.slots.scaling[1]) == pytest.approx(adapter.scaling)
