@@ -29,12 +29,12 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.experimental import multihost_utils
 
 from jaxengine.engine.args import EngineArgs
 from jaxengine.engine.inputs import PromptType, TokenizerLike
 from jaxengine.engine.llm_engine import LLMEngine
 from jaxengine.engine.outputs import RequestOutput
+from jaxengine.runner.distributed import broadcast_one_to_all
 from jaxengine.structured.params import StructuredOutputsParams
 from scheduler import LoRARequest, SamplingParams, SchedulerConfig
 
@@ -104,12 +104,13 @@ def exchange(inputs: StepInputs | None) -> StepInputs:
         assert inputs is not None, "the only process is process 0: it has the inputs"
         return inputs
     payload = encode(inputs) if jax.process_index() == 0 else b""
-    length = int(multihost_utils.broadcast_one_to_all(np.int32(len(payload))))
+    source = jax.process_index() == 0
+    length = int(broadcast_one_to_all(np.int32(len(payload)), is_source=source))
     if length == 0:
         return StepInputs()
     buffer = np.zeros(max(MIN_BUFFER, 1 << (length - 1).bit_length()), np.uint8)
     buffer[: len(payload)] = np.frombuffer(payload, np.uint8)
-    buffer = multihost_utils.broadcast_one_to_all(buffer)
+    buffer = broadcast_one_to_all(buffer, is_source=source)
     return decode(buffer[:length].tobytes())
 
 

@@ -11,6 +11,9 @@ calls it itself.
 
 After a step the sampled tokens are replicated arrays whose devices are partly on other hosts;
 `to_host` reads them on every process (jax refuses a plain `device_get` of such an array).
+`process_allgather` and `broadcast_one_to_all` are the few collectives the host side runs
+itself (jax.experimental.multihost_utils has both, but returns once the first local device has
+its copy: see `_across_processes`).
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 if TYPE_CHECKING:  # at run time only its instances arrive; the runner imports this module
     from jaxengine.engine.args import EngineArgs
@@ -135,7 +139,7 @@ def check_same_args(args: EngineArgs) -> None:
               if f.name not in PER_PROCESS_FIELDS}
     digest = np.frombuffer(hashlib.sha256(repr(sorted(shared.items())).encode()).digest()[:8],
                            np.uint8)
-    everyone = np.asarray(multihost_utils.process_allgather(digest))  # u8[processes, 8]
+    everyone = process_allgather(digest)  # u8[processes, 8]
     if (everyone != everyone[0]).any():
         digests = ", ".join(f"process {i}: {d.tobytes().hex()}" for i, d in enumerate(everyone))
         raise ValueError(f"the processes were started with different engine arguments "
@@ -152,10 +156,11 @@ def to_host(tree: Any) -> Any:
     happens to hold): a replicated array on devices of every process is read from this
     process's own copy; a replicated one on some processes' devices only (an engine on one
     host) is broadcast from the first of them; a sharded one on every process's devices is
-    gathered (`process_allgather`).
+    gathered (replicated by a program, then read as the first case).
 
     Raises:
-      ValueError: a sharded array that leaves some processes out (nothing gathers it).
+      ValueError: a sharded array that leaves some processes out (nothing gathers it), or
+        one sharded without a mesh.
     """
     if jax.process_count() == 1:
         return jax.device_get(tree)  # one batched transfer
@@ -168,12 +173,58 @@ def _leaf_to_host(x: Any) -> np.ndarray:
     holders = {d.process_index for d in x.sharding.device_set}
     everywhere = len(holders) == jax.process_count()
     if x.sharding.is_fully_replicated and everywhere:
-        return np.asarray(x.addressable_data(0))
+        return np.asarray(_finished(x).addressable_data(0))
     if x.sharding.is_fully_replicated:
         source = jax.process_index() == min(holders)
-        local = np.asarray(x.addressable_data(0)) if source else np.zeros(x.shape, x.dtype)
-        return np.asarray(multihost_utils.broadcast_one_to_all(local, is_source=source))
-    if everywhere:
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    raise ValueError(f"cannot read an array sharded over the devices of processes "
-                     f"{sorted(holders)} only ({x.sharding}); replicate it first")
+        local = (np.asarray(_finished(x).addressable_data(0)) if source
+                 else np.zeros(x.shape, x.dtype))
+        return broadcast_one_to_all(local, is_source=source)
+    if not everywhere:
+        raise ValueError(f"cannot read an array sharded over the devices of processes "
+                         f"{sorted(holders)} only ({x.sharding}); replicate it first")
+    if not isinstance(x.sharding, NamedSharding):
+        raise ValueError(f"cannot read a sharded array without a mesh ({x.sharding}); "
+                         f"shard it with a NamedSharding")
+    replicated = jax.jit(_same, out_shardings=x.sharding.update(spec=PartitionSpec()))(x)
+    return np.asarray(_finished(replicated).addressable_data(0))
+
+
+def process_allgather(x: np.ndarray) -> np.ndarray:
+    """[processes, *x.shape]: every process's `x`, in process order. A collective: every
+    process calls it at the same point."""
+    return _across_processes(_same, np.asarray(x))
+
+
+def broadcast_one_to_all(x: np.ndarray, *, is_source: bool) -> np.ndarray:
+    """The source process's `x` on every process (exactly one process is the source; the
+    others pass an array of the same shape and dtype). A collective, as `process_allgather`."""
+    x = np.asarray(x)
+    return _across_processes(_sum, x if is_source else np.zeros_like(x))
+
+
+def _across_processes(fn: Any, x: np.ndarray) -> np.ndarray:
+    """`fn` over the processes' `x` stacked by process index ([processes, *x.shape] in,
+    replicated out), read on this process once every local device has the result. A process
+    that read only its first device's copy and then exited could leave its other devices
+    inside the collective, waiting for processes that have left: the CPU client's destructor
+    then waits on them forever (seen with two processes refused by `check_same_args`)."""
+    mesh = Mesh(np.array(jax.devices()).reshape(jax.process_count(), jax.local_device_count()),
+                ("processes", "local_devices"))
+    rows = jax.make_array_from_process_local_data(
+        NamedSharding(mesh, PartitionSpec("processes")), x[None],
+        (jax.process_count(), *x.shape))
+    out = jax.jit(fn, out_shardings=NamedSharding(mesh, PartitionSpec()))(rows)
+    return np.asarray(_finished(out).addressable_data(0))
+
+
+def _finished(x: jax.Array) -> jax.Array:
+    """`x` once every local device's shard of it is computed (see `_across_processes`)."""
+    return x.block_until_ready()
+
+
+def _same(x: jax.Array) -> jax.Array:
+    return x
+
+
+def _sum(x: jax.Array) -> jax.Array:  # [processes, ...] -> [...]
+    return jnp.sum(x, axis=0, dtype=x.dtype)
