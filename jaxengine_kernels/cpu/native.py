@@ -302,6 +302,15 @@ def isa() -> str:
     return library.JaxengineCpuIsa().decode()
 
 
+def int8_pairs() -> bool:
+    """Whether the loaded library's int8 matmuls meet x in bfloat16 pairs (its build has
+    AVX512-BF16: packed_matmul.cc, "PairDot"), rather than in float32; built and loaded on
+    first use."""
+    library = _load()
+    library.PackedInt8Pairs.restype = ctypes.c_int64
+    return bool(library.PackedInt8Pairs())
+
+
 def vector_lanes() -> int:
     """Floats per vector of the loaded library (16, 8 or 4; built and loaded on first use)."""
     library = _load()

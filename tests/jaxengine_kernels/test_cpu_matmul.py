@@ -183,11 +183,22 @@ def dequantized(values: np.ndarray, scale: np.ndarray) -> np.ndarray:
     return values * np.repeat(scale.astype(np.float64), values.shape[0] // scale.shape[0], 0)
 
 
+def as_computed(x: np.ndarray, w: np.ndarray, *, pairs: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(x, w) as the kernel multiplies them: as they are, or with `pairs` (a build whose int8
+    matmuls meet x in bfloat16: `native.int8_pairs`) both rounded to bfloat16, w (a scaled
+    weight) from its float32 value."""
+    if not pairs:
+        return x, w
+    return (x.astype(jnp.bfloat16).astype(np.float32),
+            w.astype(np.float32).astype(jnp.bfloat16).astype(np.float64))
+
+
 def check_int8(y: jax.Array | np.ndarray, x: np.ndarray, values: np.ndarray,
-               scale: np.ndarray) -> None:
-    """x @ (values * scale) to float32 rounding of its K products and of each weight's
-    product with its scale (|x| @ |values * scale| bounds both)."""
-    w = dequantized(values, scale)
+               scale: np.ndarray, *, pairs: bool) -> None:
+    """x @ (values * scale), each as the kernel takes it (`as_computed`), to float32 rounding
+    of its K products and of each weight's product with its scale (|x| @ |values * scale|
+    bounds both)."""
+    x, w = as_computed(x, dequantized(values, scale), pairs=pairs)
     want = x.astype(np.float64) @ w
     bound = np.abs(x).astype(np.float64) @ np.abs(w)
     assert np.all(np.abs(np.asarray(y) - want) <= 1e-6 * bound + 1e-30)
@@ -201,7 +212,7 @@ def test_int8_panels_give_the_scaled_product(m, k, n, live):
     x[live:] = np.nan  # padding rows are never read
     y = np.asarray(jax.jit(packed_matmul_int8, static_argnums=3)(
         jnp.asarray(x), *pack_int8(values, scale), n, jnp.int32(live)))
-    check_int8(y[:live], x[:live], values, scale)
+    check_int8(y[:live], x[:live], values, scale, pairs=native.int8_pairs())
     assert not y[live:].any()
 
 
@@ -210,7 +221,9 @@ def test_the_int8_swiglu_product_is_silu_of_the_scaled_gate_times_up(m, k, n):
     x, gate, gs = int8_operands(m, k, n, seed=m)
     _, up, us = int8_operands(m, k, n, seed=m + 1)
     y = packed_swiglu_int8(jnp.asarray(x), *pack_swiglu_int8(gate, gs, up, us), n)
-    w_gate, w_up = dequantized(gate, gs), dequantized(up, us)
+    pairs = native.int8_pairs()
+    _, w_gate = as_computed(x, dequantized(gate, gs), pairs=pairs)
+    x, w_up = as_computed(x, dequantized(up, us), pairs=pairs)
     want = swiglu(x, w_gate, w_up)
     # float32 rounding of each product's K terms (|x| @ |w| bounds it), carried through
     # silu(g) * u (|silu'| <= 1.1), and silu's own few ulp.
@@ -260,7 +273,7 @@ def test_every_isa_build_matches_numpy_on_int8_panels(isa, isa_library):
         y = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((m, n), jnp.float32))(
             jnp.asarray(x), jnp.asarray(vp.transpose(1, 0, 2)),
             jnp.asarray(sp.transpose(1, 0, 2)), jnp.int32(m))
-        check_int8(y, x, values, scale)
+        check_int8(y, x, values, scale, pairs=bool(library.PackedInt8Pairs()))
 
 
 @pytest.mark.parametrize("glu", [False, True])
