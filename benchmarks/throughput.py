@@ -57,13 +57,15 @@ def load_workload(path: Path, limit: int | None) -> list[dict[str, Any]]:
 
 def cpu_kernels() -> str:
     """The native CPU kernels' path, as the loaded library reports it ($JAXENGINE_CPU_ISA picks
-    it), and the CPU's model name: "avx512 (16-float vectors), <model name>"; or why the
-    kernels do not run. Timings of different paths or CPUs do not compare."""
+    it), and the CPU's model name: "avx512 (16-float vectors, int8 in bfloat16 pairs),
+    <model name>" (the pairs where the build has AVX512-BF16); or why the kernels do not run.
+    Timings of different paths or CPUs do not compare."""
     from jaxengine_kernels.cpu import native
 
     why = native.available()
+    pairs = ", int8 in bfloat16 pairs" if not why and native.int8_pairs() else ""
     path = (f"unavailable ({why})" if why else
-            f"{native.isa()} ({native.vector_lanes()}-float vectors)")
+            f"{native.isa()} ({native.vector_lanes()}-float vectors{pairs})")
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
         model = next(ln.partition(":")[2].strip() for ln in lines if ln.startswith("model name"))

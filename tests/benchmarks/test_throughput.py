@@ -71,5 +71,6 @@ def test_the_report_names_the_cpu_kernels_path_and_the_cpu() -> None:
     from jaxengine_kernels.cpu import native
 
     line = _script().cpu_kernels()
-    assert line.startswith(f"{native.isa()} ({native.vector_lanes()}-float vectors), ")
-    assert line.split(", ", 1)[1]  # the CPU's model name
+    pairs = ", int8 in bfloat16 pairs" if native.int8_pairs() else ""
+    assert line.startswith(f"{native.isa()} ({native.vector_lanes()}-float vectors{pairs}), ")
+    assert line.split("), ", 1)[1]  # the CPU's model name
