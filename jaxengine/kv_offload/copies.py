@@ -6,8 +6,11 @@ pool: `[M, Ly, L, 2K, H]`), so that each page is one contiguous slice on the hos
 writes such an array back into the pool, which it donates, so the update is in place as in the
 model step (docs/JAX_NOTES.md, "Donation"); padding rows write into the null block, which
 padding tokens write into anyway. A copy of more pages runs the program several times, so the
-two programs are the only ones, compiled once when the engine is built: nothing compiles after
-warm-up whatever the workload.
+two programs are the only ones, compiled once when the engine is built and called as those
+executables: a copy never traces or compiles, whatever the workload and whatever array types
+the pool comes in. (A pool that a step loaded whole from the compilation cache returns has an
+aval unequal to the built pool's, its dtype object being an unpickled copy: jitted, the copy
+traced and compiled again on it: docs/JAX_NOTES.md, "Executables saved whole".)
 
 Under tensor parallelism the pool is split over the heads (`kv_cache_sharding`): the gathered
 pages keep that split on the device and `jax.device_get` assembles whole pages on the host; the
@@ -21,8 +24,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
-
-from jaxengine.runner.compiles import RecompileError, compile_count
 
 BLOCKS_PER_COPY = 16  # M: pages per run of either program
 GATHER_NAME = "jaxengine_kv_offload_gather"
@@ -45,16 +46,14 @@ def jaxengine_kv_offload_scatter(kv: jax.Array, block_ids: jax.Array, pages: jax
 class BlockCopier:
     """The two copy programs for one KV pool (its shape, dtype, sharding and page axis)."""
 
-    def __init__(self, kv: jax.Array, *, page_axis: int, debug_recompiles: bool) -> None:
-        """Compile both programs for `kv` (ahead of time; later calls reuse them).
+    def __init__(self, kv: jax.Array, *, page_axis: int) -> None:
+        """Compile both programs for `kv` (ahead of time; every copy calls them).
 
         Args:
           kv: the pool as the runner holds it.
           page_axis: its axis of pages (`ModelFns.kv_page_axis`).
-          debug_recompiles: raise `RecompileError` if a copy ever compiles again.
         """
         self.page_axis = page_axis
-        self.debug_recompiles = debug_recompiles
         shape = list(kv.shape)
         self.page_shape = tuple(shape[:page_axis] + shape[page_axis + 1:])
         self.dtype = np.dtype(kv.dtype)
@@ -63,27 +62,14 @@ class BlockCopier:
         # The pool comes back in the sharding it came in, so its donated buffers are reused
         # and the model step (compiled for that sharding) sees the same array type.
         out = kv.sharding if isinstance(kv.sharding, NamedSharding) else None
-        self._gather = jax.jit(jaxengine_kv_offload_gather, static_argnames=("page_axis",))
-        self._scatter = jax.jit(jaxengine_kv_offload_scatter, static_argnames=("page_axis",),
-                                donate_argnames=("kv",), out_shardings=out)
+        gather = jax.jit(jaxengine_kv_offload_gather, static_argnames=("page_axis",))
+        scatter = jax.jit(jaxengine_kv_offload_scatter, static_argnames=("page_axis",),
+                          donate_argnames=("kv",), out_shardings=out)
         ids = np.zeros(BLOCKS_PER_COPY, np.int32)
         pages = jax.ShapeDtypeStruct((BLOCKS_PER_COPY, *self.page_shape), self.dtype,
                                      sharding=self._pages_sharding)
-        self._gather.lower(kv, ids, page_axis=page_axis).compile()
-        self._scatter.lower(kv, ids, pages, page_axis=page_axis).compile()
-
-    @staticmethod
-    def compilations() -> int:
-        """Process-wide compilations of the copy programs (all engines' copiers)."""
-        return compile_count(GATHER_NAME, SCATTER_NAME)
-
-    def check_compiles(self, new: int) -> int:
-        """`new` compilations during this copier's copies (counted around them, since other
-        engines' copiers compile too): returns it, or raises in debug mode if it is not 0."""
-        if new and self.debug_recompiles:
-            raise RecompileError(f"{new} compilation(s) of a KV offloading copy after warm-up "
-                                 f"(pages of {self.page_shape}, {BLOCKS_PER_COPY} per copy)")
-        return new
+        self._gather = gather.lower(kv, ids, page_axis=page_axis).compile()
+        self._scatter = scatter.lower(kv, ids, pages, page_axis=page_axis).compile()
 
     def gather(self, kv: jax.Array, block_ids: np.ndarray) -> jax.Array:
         """Start copying up to M pages out: their [M, ...page] array, its transfer to the host
@@ -105,7 +91,7 @@ class BlockCopier:
           kv: the pool (not donated: the next model step donates it).
           block_ids: i32[n], n <= M; padded here with the null block.
         """
-        return self._gather(kv, _padded(block_ids), page_axis=self.page_axis)
+        return self._gather(kv, _padded(block_ids))
 
     def scatter(self, kv: jax.Array, block_ids: np.ndarray, pages: np.ndarray) -> jax.Array:
         """Write up to M host pages into the pool; returns the new pool (`kv` is donated).
@@ -116,8 +102,7 @@ class BlockCopier:
         """
         padded = np.zeros((BLOCKS_PER_COPY, *self.page_shape), self.dtype)
         padded[: len(pages)] = pages
-        # Without a mesh the pool is uncommitted, and so must the pages be: a committed input
-        # would make the pool committed and the next model step compile again.
+        # Without a mesh the pages go as numpy, uncommitted as the program was compiled for.
         on_device = (padded if self._pages_sharding is None
                      else jax.device_put(padded, self._pages_sharding))
         return self.scatter_pages(kv, block_ids, on_device)
@@ -138,7 +123,7 @@ class BlockCopier:
           block_ids: i32[n], n <= M, where pages 0 .. n-1 go (the rest: the null block).
           pages: [M, ...page] in the pool's dtype, split as `pages_struct` says.
         """
-        return self._scatter(kv, _padded(block_ids), pages, page_axis=self.page_axis)
+        return self._scatter(kv, _padded(block_ids), pages)
 
 
 def _padded(block_ids: np.ndarray) -> np.ndarray:

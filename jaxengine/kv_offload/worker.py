@@ -74,8 +74,7 @@ class OffloadingWorker(KVWorker):
         """
         self.runner = runner
         self.block_size = block_size
-        self.copier = BlockCopier(runner.kv, page_axis=page_axis,
-                                  debug_recompiles=runner.config.debug_recompiles)
+        self.copier = BlockCopier(runner.kv, page_axis=page_axis)
         self.store = HostKVStore(capacity_bytes, self.copier.page_bytes)
         self.connector = OffloadingConnector(self.store, block_size)
         self._recving: set[str] = set()  # loads started, not reported yet
@@ -96,7 +95,6 @@ class OffloadingWorker(KVWorker):
         meta = plan.kv_connector_metadata
         if meta is None:
             return
-        compiles_before = self.copier.compilations()
         self._steps += 1
         self._read_copies_out()
         loads = [(load, self._pages_to_load(load, state)) for load in meta.loads]
@@ -108,8 +106,6 @@ class OffloadingWorker(KVWorker):
                        for b, page in zip(self._load_targets(load), pages, strict=True)])
         self._recving.update(load.req_id for load in meta.loads if load.load_async)
         self._sending.update(save.req_id for save in meta.saves)
-        new = self.copier.check_compiles(self.copier.compilations() - compiles_before)
-        self.runner.stats.compilations_after_warmup += new  # the programs compiled at build
 
     def take_output(self) -> KVConnectorOutput | None:
         """The loads and saves finished since the last call, for `update_from_output` (None:

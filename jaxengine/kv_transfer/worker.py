@@ -103,8 +103,7 @@ class KVTransferWorker(KVWorker):
         """
         self.runner, self.config, self.block_size = runner, config, block_size
         self.clock = clock
-        self.copier = BlockCopier(runner.kv, page_axis=page_axis,
-                                  debug_recompiles=runner.config.debug_recompiles)
+        self.copier = BlockCopier(runner.kv, page_axis=page_axis)
         self.layout = KVLayout(page_shape=self.copier.page_shape, dtype=self.copier.dtype.name,
                                block_size=block_size, tp_size=tp_size)
         self.engine_id = config.engine_id or uuid.uuid4().hex
@@ -196,12 +195,9 @@ class KVTransferWorker(KVWorker):
         if idle and (self._held or self._num_fetching):
             self._wake.wait(IDLE_WAIT_S)
         self._wake.clear()
-        compiles_before = self.copier.compilations()
         self._answer_pickups()
         self._release_expired()
         self._write_fetched()
-        new = self.copier.check_compiles(self.copier.compilations() - compiles_before)
-        self.runner.stats.compilations_after_warmup += new  # the programs compiled at build
 
     def take_output(self) -> KVConnectorOutput | None:
         """The transfers finished since the last call (None: none), for `update_from_output`."""

@@ -30,7 +30,9 @@ compiled the program, but its file was lost or is corrupt), the runner compiles 
 under `attempt=1`'s options, and saves that.
 
 A file holds a header, the payload's SHA-256 and the pickled executable: a truncated or
-corrupt file is refused before XLA reads it. Any miss or failed load returns None, logged, and
+corrupt file is refused before XLA reads it. Devices in the argument trees (a mesh in a
+parameter's metadata, as GGUF and int8 modules on a mesh keep) are pickled by id and read back
+as the backend's devices of those ids. Any miss or failed load returns None, logged, and
 the runner compiles instead. Files are written to a
 temporary name and renamed, so processes starting at once never read half a file. Loading a
 file runs what it holds (it is unpickled, then XLA's code in it): like JAX's own cache, the
@@ -42,6 +44,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.metadata
+import io
 import logging
 import os
 import pickle
@@ -105,7 +108,7 @@ def load(cache_dir: str, name: str, key: str, devices: Sequence[jax.Device]
         logger.warning("cannot read the saved executable %s (%s): compiling it", path, e)
         return None
     try:
-        payload, in_tree, out_tree = _unpack(data)
+        payload, in_tree, out_tree = _unpack(data, devices[0].client.devices())
         return serialize_executable.deserialize_and_load(
             payload, in_tree, out_tree, backend=devices[0].client,
             execution_devices=list(devices))
@@ -121,7 +124,9 @@ def save(cache_dir: str, name: str, key: str, compiled: jax.stages.Compiled) -> 
     path, tmp = _path(cache_dir, name, key), None
     try:
         payload, in_tree, out_tree = serialize_executable.serialize(compiled)
-        body = pickle.dumps((payload, in_tree, out_tree), protocol=pickle.HIGHEST_PROTOCOL)
+        out = io.BytesIO()
+        _Pickler(out, protocol=pickle.HIGHEST_PROTOCOL).dump((payload, in_tree, out_tree))
+        body = out.getvalue()
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
@@ -138,15 +143,36 @@ def _path(cache_dir: str, name: str, key: str) -> Path:
     return Path(cache_dir) / SUBDIR / f"{name}-{key}.exe"
 
 
-def _unpack(data: bytes) -> tuple[bytes, Any, Any]:
-    """(payload, in_tree, out_tree) of a saved file's bytes; ValueError if it is not one
-    whole."""
+def _unpack(data: bytes, devices: Sequence[jax.Device]) -> tuple[bytes, Any, Any]:
+    """(payload, in_tree, out_tree) of a saved file's bytes, its devices those of `devices`
+    with the same ids; ValueError if it is not one whole."""
     if not data.startswith(MAGIC):
         raise ValueError("not a saved executable (bad header)")
     digest, _, body = data[len(MAGIC):].partition(b"\n")
     if hashlib.sha256(body).hexdigest().encode() != digest:
         raise ValueError("checksum mismatch (truncated or corrupt)")
-    return pickle.loads(body)
+    return _Unpickler(io.BytesIO(body), devices).load()
+
+
+class _Pickler(pickle.Pickler):
+    """A pickler that writes a device as its id (a device itself does not pickle)."""
+
+    def persistent_id(self, obj: Any) -> tuple[str, int] | None:
+        return ("device", obj.id) if isinstance(obj, jax.Device) else None
+
+
+class _Unpickler(pickle.Unpickler):
+    """Reads what `_Pickler` wrote, a device id as the device of `devices` with that id."""
+
+    def __init__(self, file: io.BytesIO, devices: Sequence[jax.Device]) -> None:
+        super().__init__(file)
+        self._devices = {d.id: d for d in devices}
+
+    def persistent_load(self, pid: tuple[str, int]) -> jax.Device:
+        kind, device_id = pid
+        if kind != "device" or device_id not in self._devices:
+            raise ValueError(f"the executable names device {pid!r}, which this backend lacks")
+        return self._devices[device_id]
 
 
 def _leaf(x: Any) -> str:

@@ -83,7 +83,7 @@ def test_an_fp8_pool_is_offloaded_with_the_same_outputs() -> None:
 def test_pages_come_back_bit_for_bit_in_every_dtype(dtype: str) -> None:
     values = jax.random.normal(jax.random.key(0), (2, 8, 4, 4, 8)) * 100  # fp8 saturates
     kv = values.astype(dtype)
-    copier = BlockCopier(kv, page_axis=1, debug_recompiles=True)
+    copier = BlockCopier(kv, page_axis=1)
     assert copier.page_bytes == 2 * 4 * 4 * 8 * jnp.dtype(dtype).itemsize
     ids = np.array([5, 2, 7], np.int32)
     pages = np.asarray(copier.gather(kv, ids))[:len(ids)]  # on the host, [3, 2, 4, 4, 8]

@@ -19,8 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxengine.engine.build import model_fns
@@ -199,3 +201,18 @@ def test_the_lora_slot_writer_is_loaded_whole_and_writes_without_compiling(
     written = np.asarray(warm.lora.slots.a["down_proj"])[:, :, 8:16]  # slot 1 of rank 8
     np.testing.assert_array_equal(written, a["down_proj"])
     assert float(warm.lora.slots.scaling[1]) == pytest.approx(adapter.scaling)
+
+
+def test_a_program_whose_arguments_hold_a_mesh_is_saved_and_loaded_whole(
+        tmp_path: Path) -> None:
+    """A parameter's metadata may hold its mesh (GGUF and int8 modules on a mesh do), so the
+    argument tree holds devices, which plain pickle refuses: they go by id."""
+    devices = jax.devices()[:1]
+    params = {"w": nnx.Param(jnp.arange(4.0), sharding_names=(None,), mesh=make_mesh(devices))}
+    jitted = jax.jit(lambda p, x: p["w"][...] * x)
+    compiled = jitted.lower(params, jnp.float32(2)).compile()
+    key = executables.program_key("mesh_probe", params, {}, signature="m", devices=devices)
+    executables.save(str(tmp_path), "mesh_probe", key, compiled)
+    loaded = executables.load(str(tmp_path), "mesh_probe", key, devices)
+    assert loaded is not None
+    np.testing.assert_array_equal(np.asarray(loaded(params, jnp.float32(2))), [0, 2, 4, 6])
