@@ -95,8 +95,8 @@ inline fvec madd(fvec acc, fvec w, float x) { return acc + w * x; }
 inline fvec madd(fvec acc, pvec w, uint32_t x) {
   return fvec(_mm512_dpbf16_ps(__m512(acc), __m512bh(w), __m512bh(_mm512_set1_epi32(x))));
 }
-// n floats of src as bfloat16 (rounded to nearest, ties to even) into dst [n] (n % kLanes == 0
-// but for a tail, rounded alike).
+// n floats of src as bfloat16 (rounded to nearest, ties to even) into dst [n]; a last part
+// under kLanes through masked loads and stores.
 inline void to_bf16(const float* src, int64_t n, uint16_t* dst) {
   int64_t i = 0;
   for (; i + kLanes <= n; i += kLanes)
@@ -267,7 +267,8 @@ inline void emit(const float* gate, const float* up, float* y, int64_t width) {
 // An int8 panel is widened to float32 (or pairs) and scaled once, a chunk at a time (or whole,
 // for a long run, into a thread's scratch), however few row blocks meet it, and the blocks read
 // the result: widening a vector costs about what its multiply-adds with one block do, so
-// widened per block a few rows' product would be compute-bound (docs/BENCHMARKS.md §2, "Quantized projections").
+// widened per block a few rows' product would be compute-bound (docs/BENCHMARKS.md §2,
+// "Quantized projections").
 //
 // x: rows [m0, m1) as floats, or as pairs for an int8 panel where kPairDot (panel_unit).
 // panels: output panel p's weight panels (kParts of them); scales (int8): their scales
