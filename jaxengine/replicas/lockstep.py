@@ -103,8 +103,8 @@ def exchange(inputs: StepInputs | None) -> StepInputs:
     if jax.process_count() == 1:
         assert inputs is not None, "the only process is process 0: it has the inputs"
         return inputs
-    payload = encode(inputs) if jax.process_index() == 0 else b""
     source = jax.process_index() == 0
+    payload = encode(inputs) if source else b""
     length = int(broadcast_one_to_all(np.int32(len(payload)), is_source=source))
     if length == 0:
         return StepInputs()

@@ -21,6 +21,7 @@ from concurrent.futures import Future
 from typing import Any
 
 import jax
+import numpy as np
 from jax.sharding import NamedSharding
 
 from jaxengine.runner import executables
@@ -219,6 +220,13 @@ def abstract(tree: Any) -> Any:
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
         x.shape, x.dtype, weak_type=x.weak_type,
         sharding=x.sharding if getattr(x, "committed", True) else None), tree)
+
+
+def spec(x: Any) -> jax.ShapeDtypeStruct:
+    """Host value `x`'s (numpy's) shape and dtype, without a sharding: jit places such an
+    argument on the default device."""
+    x = np.asarray(x)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype)
 
 
 def devices_of(kv: jax.Array) -> list[jax.Device]:

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from jaxengine.model.lora import LoRALayout, LoRASlots, write_slot
-from jaxengine.runner.bucket_programs import abstract, make_program
+from jaxengine.runner.bucket_programs import abstract, make_program, spec
 from jaxengine.runner.config import RunnerConfig
 
 WRITE_LORA_NAME = "jaxengine_write_lora_slot"
@@ -95,7 +95,6 @@ class LoRAInputs:
         """Make the slot writer's executable, which later writes call, as the runner makes its
         other programs (`make_program`: loaded whole when saved before; `signature` and
         `devices` as there)."""
-        spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
         a, b = self.layout.slot_arrays({}, self.max_lora_rank)
         args = (abstract(self.slots), spec(np.int32(0)), jax.tree.map(spec, a),
                 jax.tree.map(spec, b), spec(np.float32(0)))

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from jax.sharding import Sharding
 
-from jaxengine.runner.bucket_programs import make_program
+from jaxengine.runner.bucket_programs import make_program, spec
 from jaxengine.sampling.bad_words import BadWordBan, armed_bans
 from jaxengine.sampling.logits_processors import LogitsAdjustments, build_adjustments
 from jaxengine.sampling.request_tables import (
@@ -100,7 +100,6 @@ class PenaltyInputs:
         of a step's token array), as the runner makes its other programs (`make_program`:
         loaded whole when saved before; `signature` and `devices` as there)."""
         V = self.vocab_size
-        spec = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)  # noqa: E731
         args = (self.spec(), spec(np.int32(0)), spec(np.zeros(V, np.float32)),
                 spec(np.zeros(V, bool)), spec(np.zeros(V, np.int32)), prev_tokens,
                 spec(np.int32(0)))

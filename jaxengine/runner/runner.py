@@ -40,6 +40,7 @@ from jaxengine.runner.bucket_programs import (
     describe,
     devices_of,
     make_program,
+    spec,
 )
 from jaxengine.runner.buckets import pick_bucket
 from jaxengine.runner.compiles import (
@@ -56,7 +57,7 @@ from jaxengine.runner.lora_inputs import WRITE_LORA_NAME, lora_inputs_for
 from jaxengine.runner.penalty_inputs import WRITE_SLOT_NAME, PenaltyInputs
 from jaxengine.runner.programs import SAMPLE_NAME, STEP_NAME, programs_for
 from jaxengine.runner.prompt_logprob_inputs import PromptLogprobChunk, PromptLogprobInputs
-from jaxengine.runner.step_batch import batch_spec, first_rows, pack_step, spec
+from jaxengine.runner.step_batch import batch_spec, first_rows, pack_step
 from jaxengine.runner.verify import sampler_rows
 from jaxengine.runner.weights import place_weights
 from jaxengine.sampling.logits_processors import build_adjustments

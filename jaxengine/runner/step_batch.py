@@ -11,6 +11,7 @@ import jax
 import numpy as np
 
 from jaxengine.model.batch import ModelBatch, RequestChunk, pack_batch
+from jaxengine.runner.bucket_programs import spec
 from jaxengine.runner.buckets import pick_bucket
 from jaxengine.runner.config import RunnerConfig
 from jaxengine.runner.in_flight import InFlight
@@ -94,9 +95,3 @@ def first_rows(prev: InFlight | None) -> dict[str, int]:
     for i, rid in enumerate(() if prev is None else prev.row_ids):
         rows.setdefault(rid, i)
     return rows
-
-
-def spec(x: np.ndarray) -> jax.ShapeDtypeStruct:
-    """`x`'s shape and dtype, without a sharding."""
-    x = np.asarray(x)
-    return jax.ShapeDtypeStruct(x.shape, x.dtype)
