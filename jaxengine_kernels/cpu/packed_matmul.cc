@@ -337,9 +337,12 @@ void panel_unit(const float* x, const W* panels, float* y, int64_t K, int64_t N,
   if constexpr (std::is_same_v<W, int8_t>) {
     thread_local std::vector<uint32_t> pairs;  // an XLA pool thread's, reused call after call
     const int64_t ld = (K + 1) / 2;
-    pairs.assign((m1 - m0) * ld, 0);  // an odd K's last pair: zero in its high half
-    for (int64_t m = m0; m < m1; ++m)
-      to_bf16(x + m * K, K, reinterpret_cast<uint16_t*>(pairs.data() + (m - m0) * ld));
+    pairs.resize((m1 - m0) * ld);
+    for (int64_t m = m0; m < m1; ++m) {
+      uint16_t* row = reinterpret_cast<uint16_t*>(pairs.data() + (m - m0) * ld);
+      to_bf16(x + m * K, K, row);
+      if (K % 2) row[K] = 0;  // an odd K's last pair: zero in its high half
+    }
     return panel_rows<Glu>(Rows<uint32_t>{pairs.data(), ld, m0}, panels, y, K, N, p, m0, m1,
                            scales, group);
   }
