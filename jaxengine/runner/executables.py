@@ -31,9 +31,9 @@ under `attempt=1`'s options, and saves that.
 
 A file holds a header, the payload's SHA-256 and the pickled executable: a truncated or
 corrupt file is refused before XLA reads it. Devices in the argument trees (a mesh in a
-parameter's metadata, as GGUF and int8 modules on a mesh keep) are pickled by id and read back
-as the backend's devices of those ids. Any miss or failed load returns None, logged, and
-the runner compiles instead. Files are written to a
+parameter's metadata, which parameters made with `mesh=` keep: an HF checkpoint's, a GGUF
+model's) are pickled by id and read back as the backend's devices of those ids. Any miss or
+failed load returns None, logged, and the runner compiles instead. Files are written to a
 temporary name and renamed, so processes starting at once never read half a file. Loading a
 file runs what it holds (it is unpickled, then XLA's code in it): like JAX's own cache, the
 directory must be writable only by those trusted to run code as this user.

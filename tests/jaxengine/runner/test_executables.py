@@ -205,8 +205,8 @@ def test_the_lora_slot_writer_is_loaded_whole_and_writes_without_compiling(
 
 def test_a_program_whose_arguments_hold_a_mesh_is_saved_and_loaded_whole(
         tmp_path: Path) -> None:
-    """A parameter's metadata may hold its mesh (GGUF and int8 modules on a mesh do), so the
-    argument tree holds devices, which plain pickle refuses: they go by id."""
+    """A parameter's metadata may hold its mesh (an HF checkpoint's and a GGUF model's do), so
+    the argument tree holds devices, which plain pickle refuses: they go by id."""
     devices = jax.devices()[:1]
     params = {"w": nnx.Param(jnp.arange(4.0), sharding_names=(None,), mesh=make_mesh(devices))}
     jitted = jax.jit(lambda p, x: p["w"][...] * x)
