@@ -33,6 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxengine.model.batch import ModelBatch
 from jaxengine.model.config import RopeScaling
+from jaxengine.model.kv_rotation import rotate
 from jaxengine.model.lora import LayerLoRA
 from jaxengine.model.mesh import TP_AXIS
 from jaxengine.model.reductions import fixed_order_sum
@@ -317,7 +318,8 @@ class Attention(nnx.Module):
             interpret: run a Pallas kernel in interpret mode (to test "tpu"/"gpu" on CPU).
             batch_invariant: the kernel's batch-invariant mode ("cpu" only).
             kv_cache_dtype: the dtype of the values in `pages` (an fp8 dtype for uint8 pages
-                of their bits); None: `pages`' own.
+                of their bits); None: `pages`' own. An fp8 cache holds rotated keys
+                (`kv_rotation.py`).
             lora: the layer's LoRA slots and the tokens' adapters (None: no adapters).
         Returns:
             (output [T, D], updated pages).
@@ -331,6 +333,9 @@ class Attention(nnx.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        cache_dtype = jnp.dtype(kv_cache_dtype or pages.dtype)
+        if cache_dtype in FP8_DTYPES:
+            q, k = rotate(q), rotate(k)  # the same scores, less fp8 error (kv_rotation.py)
         slots = batch.slot_mapping + page_offset * pages.shape[1]
         # Per device, over its own heads: the kernels never see the mesh. Query head n reads
         # KV head n // (N/K) globally, and device d holds query heads d*N/tp.. and KV heads
@@ -340,7 +345,7 @@ class Attention(nnx.Module):
                                     batch_invariant=batch_invariant,
                                     kv_cache_dtype=kv_cache_dtype)
         window = per_layer(self.windows, layer) if self.windows else 0
-        k_scale, v_scale = self._kv_scales(kv_cache_dtype or pages.dtype, layer)
+        k_scale, v_scale = self._kv_scales(cache_dtype, layer)
         out, pages = attend(q, k, v, pages, slots, batch.block_tables + page_offset,
                             batch.seq_lens, batch.query_start_loc, batch.num_seqs,
                             jnp.asarray(window, jnp.int32), k_scale, v_scale)

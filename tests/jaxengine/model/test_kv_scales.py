@@ -1,5 +1,6 @@
 """The model's attention over a quantized cache: each layer hands the kernel its own k_scale /
-v_scale for an fp8 cache (looped and scanned layers alike) and 1.0 for a float cache."""
+v_scale for an fp8 cache (looped and scanned layers alike) and 1.0 for a float cache; an fp8
+cache holds the keys rotated (kv_rotation.py), a float one as they are."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import pytest
 from jaxengine.model.config import ModelConfig
 from jaxengine.model.decoder import Model
 from jaxengine.model.kv_cache import init_kv_cache
+from jaxengine.model.kv_rotation import kv_rotation
 from jaxengine.model.step import RequestChunk, make_model_step, pack_batch, split_model
 
 SCALES = ((2.0, 4.0), (0.5, 0.25))  # per layer (k_scale, v_scale)
@@ -53,17 +55,23 @@ def _tokens(cache: np.ndarray, layer: int) -> np.ndarray:
 def test_an_fp8_cache_holds_k_over_each_layers_k_scale(scan_layers: bool) -> None:
     exact = _exact(scan_layers)
     scaled = _cache_after_prompt("float8_e4m3fn", scan_layers=scan_layers, kv_scales=SCALES)
-    # Layer 0 sees the same inputs as with a float32 cache: its entries are k / k_scale, v /
-    # v_scale rounded to fp8, bit for bit.
+    # Layer 0 sees the same inputs as with a float32 cache: its entries are k R / k_scale
+    # and v / v_scale rounded to fp8 (R the keys' rotation), to within one fp8 step where the
+    # rotated key's last float32 bit lands on a rounding tie.
     (k_scale, v_scale), k, v = SCALES[0], _tokens(exact, 0)[:, 0::2], _tokens(exact, 0)[:, 1::2]
     assert np.abs(k).max() > 0 and np.abs(v).max() > 0
-    np.testing.assert_array_equal(_tokens(scaled, 0)[:, 0::2], _fp8(k / np.float32(k_scale)))
+    rotated = k @ kv_rotation(k.shape[-1])
+    np.testing.assert_allclose(_tokens(scaled, 0)[:, 0::2], _fp8(rotated / np.float32(k_scale)),
+                               rtol=2**-3, atol=2**-9)
+    assert not np.allclose(_tokens(scaled, 0)[:, 0::2], _fp8(k / np.float32(k_scale)),
+                           rtol=2**-3, atol=2**-9)
     np.testing.assert_array_equal(_tokens(scaled, 0)[:, 1::2], _fp8(v / np.float32(v_scale)))
     # Layer 1's inputs went through layer 0's quantized cache, so its k and v are close to the
     # float32 cache's, not equal; read back with its own scales (not layer 0's) they match.
     (k_scale, v_scale), k, v = SCALES[1], _tokens(exact, 1)[:, 0::2], _tokens(exact, 1)[:, 1::2]
     stored = _tokens(scaled, 1)
-    np.testing.assert_allclose(stored[:, 0::2] * k_scale, k, rtol=0.1, atol=0.02)
+    np.testing.assert_allclose(stored[:, 0::2] * k_scale, k @ kv_rotation(k.shape[-1]), rtol=0.1,
+                               atol=0.02)
     np.testing.assert_allclose(stored[:, 1::2] * v_scale, v, rtol=0.1, atol=0.02)
 
 
