@@ -8,6 +8,7 @@ import io
 import json
 import signal
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -82,8 +83,10 @@ class Log:
 
 
 @pytest.fixture
-def log(monkeypatch: pytest.MonkeyPatch) -> Log:
-    """Each `jaxengine` command gets `log.engine()` and a stdout that logs its writes."""
+def log(monkeypatch: pytest.MonkeyPatch) -> Iterator[Log]:
+    """Each `jaxengine` command gets `log.engine()` and a stdout that logs its writes; SIGINT
+    has Python's own handler, as in a process started from a terminal (one started in the
+    background of a non-interactive shell inherits SIGINT ignored)."""
     log = Log()
 
     def build(args: EngineArgs) -> LLM:
@@ -92,7 +95,11 @@ def log(monkeypatch: pytest.MonkeyPatch) -> Log:
         return LLM.from_engine(log.engine())
 
     monkeypatch.setattr("jaxengine.cli._build_llm", build)
-    return log
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield log
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def test_generate_streams_the_first_prompt_and_prints_all_in_order(log: Log) -> None:
