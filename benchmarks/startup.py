@@ -15,6 +15,7 @@ own; "warm" runs share ones that the first cold run
 (`$XDG_CACHE_HOME/jaxengine/native`) is left as it is: build it once beforehand.
 
     PYTHONPATH=. python benchmarks/startup.py [--runs 2] [--cold 1] [--serve]
+        [--quantization int8|fp8|gguf]
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ WEIGHT_CACHE_ENV = "JAXENGINE_WEIGHT_CACHE_DIR"  # jaxengine.loading.weight_cach
 ALL_READY = b"background programs done"  # jaxengine.runner.bucket_programs.ALL_READY
 
 
-def _child(cache_dir: str) -> None:
+def _child(cache_dir: str, quantization: str | None) -> None:
     """One measured start, its phases printed as JSON on the last line of stdout."""
     with open("/proc/self/stat") as f:  # the process's start, in clock ticks since boot
         started_ticks = float(f.read().rsplit(")", 1)[1].split()[19])
@@ -46,7 +47,7 @@ def _child(cache_dir: str) -> None:
     import jaxengine
 
     t_import = time.time()
-    llm = jaxengine.LLM(compilation_cache_dir=cache_dir)
+    llm = jaxengine.LLM(compilation_cache_dir=cache_dir, quantization=quantization)
     t_llm = time.time()
     out = llm.generate([PROMPT], jaxengine.SamplingParams(max_tokens=8, temperature=0),
                        use_tqdm=False)
@@ -59,10 +60,11 @@ def _child(cache_dir: str) -> None:
         "all programs": time.time() - start, "text": out[0].outputs[0].text}))
 
 
-def _run(caches: tuple[str, str]) -> dict:
+def _run(caches: tuple[str, str], quantization: str | None) -> dict:
     """One `LLM()` start in a child process with these (compilation, weight) cache dirs."""
     env = {**os.environ, "PYTHONPATH": os.getcwd(), WEIGHT_CACHE_ENV: caches[1]}
-    proc = subprocess.run([sys.executable, __file__, "--child", caches[0]], env=env,
+    quant = ["--quantization", quantization] if quantization else []
+    proc = subprocess.run([sys.executable, __file__, "--child", caches[0], *quant], env=env,
                           capture_output=True, text=True, check=True)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -85,14 +87,15 @@ def _first_token(base: str) -> str:
     raise RuntimeError("the stream ended without a token")
 
 
-def _serve(caches: tuple[str, str]) -> dict:
+def _serve(caches: tuple[str, str], quantization: str | None) -> dict:
     """One `jaxengine serve` start: seconds from the process's start to /health 200 and to
     the first streamed token."""
     port = _free_port()
     base = f"http://127.0.0.1:{port}"
     env = {**os.environ, "PYTHONPATH": os.getcwd(), WEIGHT_CACHE_ENV: caches[1]}
     cmd = [sys.executable, "-m", "jaxengine", "serve", "--port", str(port),
-           "--compilation-cache-dir", caches[0], "--served-model-name", "default"]
+           "--compilation-cache-dir", caches[0], "--served-model-name", "default",
+           *(["--quantization", quantization] if quantization else [])]
     with tempfile.TemporaryFile() as log:
         start = time.time()
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -126,11 +129,15 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=2, help="warm runs")
     ap.add_argument("--cold", type=int, default=1, help="cold runs")
     ap.add_argument("--serve", action="store_true", help="time `jaxengine serve`, not LLM()")
+    ap.add_argument("--quantization", help="the weights' quantization= (default: float)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child is not None:
-        return _child(args.child)
-    run = _serve if args.serve else _run
+        return _child(args.child, args.quantization)
+
+    def run(caches: tuple[str, str]) -> dict:
+        return (_serve if args.serve else _run)(caches, args.quantization)
+
     print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     with tempfile.TemporaryDirectory() as warm_jax, tempfile.TemporaryDirectory() as warm_w:
         warm = (warm_jax, warm_w)
