@@ -96,13 +96,19 @@ def quantize(w: Any, fmt: ChannelFormat, *, axis: int, shards: int = 1, xp: Modu
     fmt.check(tuple(w.shape), axis=axis, shards=shards)
     axis %= len(w.shape)
     group = fmt.group_of(w.shape[axis] // shards)
-    w32 = _grouped(xp.asarray(w).astype(np.float32), group, axis, xp)
-    amax = xp.max(xp.abs(w32), axis=axis + 1, keepdims=True)
+    # On the host every pass that makes a new array pays its page faults (the default model's
+    # weights are 0.5 GB of float32), so no copy of a float32 w, no |w| array (the largest
+    # magnitude is max(max w, -min w)), and numpy rounds and clips in place.
+    w32 = _grouped(xp.asarray(w, dtype=np.float32), group, axis, xp)
+    amax = xp.maximum(xp.max(w32, axis=axis + 1, keepdims=True),
+                      -xp.min(w32, axis=axis + 1, keepdims=True))
     # A product by the float32 reciprocal: numpy and XLA round it alike (XLA may turn a
     # division by a constant into one, rounding differently from numpy's division).
     scale = xp.where(amax > 0, amax * np.float32(1 / fmt.qmax), 1.0).astype(np.float32)
     scaled = w32 / scale
-    if fmt.dtype == np.int8:
+    if fmt.dtype == np.int8 and xp is np:
+        scaled = np.clip(np.rint(scaled, out=scaled), -fmt.qmax, fmt.qmax, out=scaled)
+    elif fmt.dtype == np.int8:
         scaled = xp.clip(xp.round(scaled), -fmt.qmax, fmt.qmax)
     values = xp.reshape(scaled.astype(fmt.dtype), w.shape)
     scale = xp.squeeze(scale, axis + 1)
