@@ -25,6 +25,7 @@ from jaxengine.model.batch import ModelBatch, RequestChunk
 from jaxengine.model.config import ModelConfig
 from jaxengine.model.decoder import Model
 from jaxengine.model.mesh import make_mesh
+from jaxengine.model.quant.formats import multiplies_fp8
 from jaxengine.model.step import pack_batch
 from jaxengine.runner.programs import programs_for
 from jaxengine.sampling.logits_processors import build_adjustments
@@ -133,13 +134,15 @@ def tensor_parallel(ctx: Context) -> list[str]:
 
 def quantized_weights(ctx: Context) -> list[str]:
     """The tensor-parallel section's decode step at tp=1 with bf16, int8 and fp8 weights (bf16
-    activations), and bf16 weights over an fp8 KV cache: time, weight and KV bytes, fraction
-    of the HBM roofline, greedy tokens vs bf16's."""
+    activations; fp8 x fp8 dots where the device multiplies fp8), and bf16 weights over an
+    fp8 KV cache: time, weight and KV bytes, fraction of the HBM roofline, greedy tokens vs
+    bf16's."""
     cfg = ModelConfig.tiny(num_heads=8, num_kv_heads=2, hidden_size=64, vocab_size=100) \
         if ctx.smoke else LLAMA3_8B
+    fp8 = "fp8 x fp8 dots" if multiplies_fp8(make_mesh(jax.devices()[:1])) else "weight-only"
     reference = None
     for name, quantization, kv_dtype in (("bf16", None, None), ("int8", "int8", None),
-                                         ("fp8", "fp8", None),
+                                         (f"fp8 ({fp8})", "fp8", None),
                                          ("bf16 + fp8 KV", None, jnp.float8_e4m3fn)):
         t, weights, kv_bytes, tokens = time_decode(cfg, 1, ctx, quantization=quantization,
                                                     kv_cache_dtype=kv_dtype)

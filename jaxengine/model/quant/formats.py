@@ -94,7 +94,9 @@ class PerChannel:
     # one format for every weight; the paths name a weight whose size the groups refuse
     def linear(self, linear: nnx.Linear, path: Path = ()) -> nnx.Module:
         self._check(linear.kernel, KERNEL_AXIS, (*path, "kernel"))
-        return QuantizedLinear(linear, self.channel)
+        fp8_dots = self.channel is FP8 and multiplies_fp8(linear.kernel.get_metadata()
+                                                          .get("mesh"))
+        return QuantizedLinear(linear, self.channel, fp8_dots=fp8_dots)
 
     def embedder(self, embedder: Embedder, path: Path = ()) -> nnx.Module:
         self._check(embedder.embedding, EMBEDDING_AXIS, (*path, "embedding"))
@@ -186,6 +188,38 @@ def check_platform(fmt: WeightFormat, mesh: Mesh | AbstractMesh) -> None:
         raise ValueError(f"quantization='fp8' needs float8_e4m3fn arrays, which this "
                          f"{device.platform} device ({device.device_kind}) cannot hold "
                          f"({problem}); use quantization='int8'")
+
+
+# device_kind prefixes of the TPUs whose matrix units multiply fp8 (v5p, v6e "TPU v6 lite",
+# Ironwood "TPU7x"), and the NVIDIA GPUs' (compute capability 8.9 and up: Ada, Hopper,
+# Blackwell), for an abstract device, which has no compute capability
+FP8_TPU_KINDS = ("TPU v5p", "TPU v6", "TPU7")
+FP8_GPU_KINDS = ("NVIDIA H100", "NVIDIA H200", "NVIDIA H800", "NVIDIA H20", "NVIDIA GH200",
+                 "NVIDIA B100", "NVIDIA B200", "NVIDIA GB200", "NVIDIA L4", "NVIDIA L40",
+                 "NVIDIA GeForce RTX 40", "NVIDIA RTX 6000 Ada")
+
+
+def multiplies_fp8(mesh: Mesh | AbstractMesh | None) -> bool:
+    """Whether the devices of `mesh` multiply fp8 x fp8 in their matrix units: TPU v5p and
+    later, NVIDIA GPUs of compute capability 8.9 and up. There fp8 weights meet activations
+    quantized to fp8 (`QuantizedLinear`); elsewhere they are widened in the dot. None (no
+    mesh): jax's first device."""
+    if isinstance(mesh, AbstractMesh):
+        device = mesh.abstract_device
+        if device is None:
+            return False
+        platform, kind, capability = device.platform, device.device_kind, None
+    else:
+        real = jax.devices()[0] if mesh is None else mesh.devices.flat[0]
+        platform, kind = real.platform, real.device_kind
+        capability = getattr(real, "compute_capability", None)
+    if platform == "tpu":
+        return kind.startswith(FP8_TPU_KINDS)
+    if platform in ("gpu", "cuda"):
+        if capability is not None:
+            return tuple(int(p) for p in str(capability).split(".")[:2]) >= (8, 9)
+        return kind.startswith(FP8_GPU_KINDS)
+    return False
 
 
 @functools.cache

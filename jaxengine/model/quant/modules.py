@@ -11,12 +11,14 @@ split with its rows; in groups (int8) the scales keep every axis, [in / 32, out]
 axes stay on the scales (docs/STYLE.md rule 17: the sharding is declared where the weight is
 created, here from the float weight's).
 
-Every platform computes weight-only: in groups (int8) the values are dequantized into the
-dot's operand (values * scale, which XLA fuses into the dot); per output channel (fp8) they are
-converted to the activation dtype inside the dot and the float32 product scaled per output
-channel. On CPU (and on TPUs and GPUs without fp8 arithmetic) that is the only way; on TPU
-v5p/v6e and H100/H200 an fp8 x fp8 dot would also need the activations quantized, which a
-weight-only format does not do.
+In groups (int8) the values are dequantized into the dot's operand (values * scale, which
+XLA fuses into the dot). Per output channel (fp8) the product is scaled per output channel
+after the dot; where the matrix units multiply fp8 (TPU v5p and later, NVIDIA compute
+capability 8.9 and up: `formats.multiplies_fp8`) a projection's activations are quantized to
+fp8 too, one scale per token (vLLM's dynamic per-token scheme for per-channel fp8 weights), and
+the dot is fp8 x fp8 accumulating in float32; elsewhere (CPU, older TPUs and GPUs) the values
+are converted to the activation dtype inside the dot. The embedding's gather, the tied LM head
+and the MoE experts stay weight-only everywhere.
 Axes: T tokens, D model, F expert width, E experts, V' the padded vocabulary.
 """
 
@@ -32,7 +34,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxengine.model.layers import Embedder, vocab_parallel_rows
 from jaxengine.model.moe import Experts
-from jaxengine.model.quant.channel import ChannelFormat, dequantize, quantize
+from jaxengine.model.quant.channel import FP8, ChannelFormat, dequantize, quantize
 
 KERNEL_AXIS = -2  # a kernel [..., in, out] contracts its in axis: one scale per column
 EMBEDDING_AXIS = -1  # the embedding [V', D] contracts D as the tied head: one scale per row
@@ -83,6 +85,16 @@ def grouped(values: jax.Array, scale: jax.Array) -> bool:
     return scale.ndim == values.ndim
 
 
+def fp8_per_token(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [T, in] as float8_e4m3fn values and f32[T, 1] scales, x ~ values * scales: each
+    row's largest magnitude maps to 448 (a zero row keeps scale 1). Under a mesh that splits
+    `in`, the row maximum is one all-reduce."""
+    x32 = x.astype(jnp.float32)
+    amax = jnp.maximum(jnp.max(x32, axis=-1, keepdims=True), -jnp.min(x32, axis=-1, keepdims=True))
+    x_scale = jnp.where(amax > 0, amax * jnp.float32(1 / FP8.qmax), 1.0)
+    return jnp.clip(x32 / x_scale, -FP8.qmax, FP8.qmax).astype(FP8.dtype), x_scale
+
+
 class QuantizedLinear(nnx.Module):
     """`nnx.Linear` with a quantized kernel: y = (x @ kernel) * kernel_scale + bias.
 
@@ -92,13 +104,16 @@ class QuantizedLinear(nnx.Module):
     layer's.
     """
 
-    def __init__(self, linear: nnx.Linear, fmt: ChannelFormat) -> None:
-        """The projection `linear` with its kernel quantized in `fmt` (per output column)."""
+    def __init__(self, linear: nnx.Linear, fmt: ChannelFormat, *, fp8_dots: bool = False
+                 ) -> None:
+        """The projection `linear` with its kernel quantized in `fmt` (per output column);
+        `fp8_dots`: an fp8 kernel meets x quantized to fp8 per token (fp8 x fp8 dots)."""
         self.kernel = linear.kernel
         _quantized(self, "kernel", fmt, KERNEL_AXIS)
         self.bias = linear.bias
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.dtype, self.preferred_element_type = linear.dtype, linear.preferred_element_type
+        self.fp8_dots = fp8_dots
 
     def __call__(self, x: jax.Array, live: jax.Array | None = None) -> jax.Array:
         """x [T, in] -> [T, out]. `live` is `layers.project`'s; XLA's dot computes every row."""
@@ -108,6 +123,9 @@ class QuantizedLinear(nnx.Module):
         if grouped(kernel, scale):
             w = dequantize(kernel, scale, axis=KERNEL_AXIS, dtype=self.dtype)
             y = jnp.dot(x, w, preferred_element_type=jnp.float32)
+        elif self.fp8_dots:
+            xq, x_scale = fp8_per_token(x)
+            y = jnp.dot(xq, kernel, preferred_element_type=jnp.float32) * x_scale * scale
         else:
             y = jnp.dot(x, kernel.astype(self.dtype), preferred_element_type=jnp.float32) * scale
         y = y.astype(self.preferred_element_type or self.dtype)

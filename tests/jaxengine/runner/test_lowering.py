@@ -193,6 +193,9 @@ def test_each_precision_lowers(precision: dict, impl: str) -> None:
         assert f"x{dtype}>" in main
     else:  # the pool is fp8, and the kernel is what writes it
         assert f"x{LLAMA_TP4.head_dim}x{dtype}>" in main
+    # TPU v6e and H200 multiply fp8: fp8 weights meet fp8 activations in the projections
+    fp8_dot = re.compile(r"dot_general .*\(tensor<[^>]*xf8E4M3FN>, tensor<[^>]*xf8E4M3FN>\)")
+    assert bool(fp8_dot.search(step)) == (precision.get("quantization") == "fp8")
 
 
 @pytest.mark.parametrize("impl", ["tpu", "gpu"])

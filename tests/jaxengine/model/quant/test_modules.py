@@ -1,7 +1,8 @@
 """Quantization in groups (int8) and per channel (fp8), and the quantized modules, each
 against its float module: the round trip's error bound, exact zero channels, a
 `QuantizedLinear` computing x @ (values * scale), the quantized embedding and experts against
-their dequantized float weights, and a contracted size off the group refused by name."""
+their dequantized float weights, and a contracted size off the group refused by name; fp8
+x fp8 dots (activations quantized per token) where the platform multiplies fp8."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import AbstractDevice, AbstractMesh, AxisType
 
 from jaxengine.model.layers import COLUMN, ROW, Embedder, linear
 from jaxengine.model.mesh import make_mesh
@@ -25,6 +27,7 @@ from jaxengine.model.quant import (
     quantize,
     quantize_modules,
 )
+from jaxengine.model.quant.formats import multiplies_fp8
 
 MESH = make_mesh(jax.devices()[:1])
 # Round to nearest: int8 within half a step (scale/2); e4m3 keeps 3 mantissa bits, so within
@@ -175,3 +178,42 @@ def test_an_unknown_quantization_is_named_with_the_supported_ones() -> None:
                                          r"int8, fp8"):
         weight_format("awq")
     assert weight_format(None) is None
+
+
+@pytest.mark.parametrize(("platform", "kind", "fp8"), [
+    ("tpu", "TPU v6 lite", True), ("tpu", "TPU v5p", True), ("tpu", "TPU7x", True),
+    ("tpu", "TPU v5 lite", False), ("tpu", "TPU v4", False),
+    ("gpu", "NVIDIA H200", True), ("gpu", "NVIDIA H100 80GB HBM3", True),
+    ("gpu", "NVIDIA L40S", True), ("gpu", "NVIDIA A100-SXM4-80GB", False),
+    ("cpu", "cpu", False)])
+def test_fp8_dots_are_chosen_where_the_matrix_units_multiply_fp8(
+        platform: str, kind: str, fp8: bool) -> None:
+    device = AbstractDevice(device_kind=kind, num_cores=1, platform=platform)
+    mesh = AbstractMesh((1,), ("tp",), (AxisType.Auto,), abstract_device=device)
+    assert multiplies_fp8(mesh) is fp8
+    assert multiplies_fp8(MESH) is False  # this machine's CPU
+
+
+def test_an_fp8_dot_quantizes_each_token_to_fp8_with_its_own_scale() -> None:
+    lin = linear(64, 20, sharding=COLUMN, mesh=MESH, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    q = QuantizedLinear(lin, FP8, fp8_dots=True)
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((6, 64)).astype(np.float32) * np.array([[1e-3], [1], [30], [1], [1],
+                                                                    [0]], np.float32)
+    x[3, 7] = 50.0  # an outlier sets its own row's scale only
+    # the oracle: each row's largest magnitude to 448, rounded to e4m3, then float64
+    amax = np.abs(x).max(axis=1, keepdims=True)
+    x_scale = np.where(amax > 0, amax * np.float32(1 / 448), 1.0).astype(np.float32)
+    xq = (x / x_scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float64) * x_scale
+    want = xq @ _dequantized(q.kernel[...], q.kernel_scale[...])
+    got = np.asarray(q(jnp.asarray(x)))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+    assert not got[5].any()  # a zero row (padding) stays zero
+    # the activations really went through fp8: weight-only is further from the oracle
+    weight_only = np.asarray(QuantizedLinear(lin, FP8)(jnp.asarray(x)))
+    assert np.abs(weight_only - want).max() > 100 * np.abs(got - want).max()
+
+
+def test_fp8_weights_on_this_cpu_are_weight_only() -> None:
+    lin = linear(64, 20, sharding=COLUMN, mesh=MESH, dtype=jnp.float32, rngs=nnx.Rngs(0))
+    assert FORMATS["fp8"].linear(lin).fp8_dots is False
