@@ -32,14 +32,16 @@ PROMPTS = {"seeded": [(5 * j + 1) % 250 + 1 for j in range(49)],
 
 
 @functools.cache
-def _fns() -> Any:
-    return model_fns(Model(CFG, seed=0), CFG, attn_impl="cpu", batch_invariant=True)
+def _fns(kv_cache_dtype: str | None = None) -> Any:
+    return model_fns(Model(CFG, seed=0), CFG, attn_impl="cpu", batch_invariant=True,
+                     kv_cache_dtype=kv_cache_dtype)
 
 
-def _engine() -> LLMEngine:
+def _engine(kv_cache_dtype: str | None = None) -> LLMEngine:
     args = EngineArgs(batch_invariant=True, max_num_batched_tokens=128, max_num_seqs=48,
                       block_size=16)
-    return engine_over(_fns(), args, tokenizer=None, max_model_len=256, num_blocks=600)
+    return engine_over(_fns(kv_cache_dtype), args, tokenizer=None, max_model_len=256,
+                       num_blocks=600)
 
 
 def _run(engine: LLMEngine, crowd: int) -> dict[str, Any]:
@@ -61,11 +63,14 @@ def _run(engine: LLMEngine, crowd: int) -> dict[str, Any]:
     return done
 
 
-def test_a_request_gives_the_same_bits_alone_and_in_a_crowd() -> None:
-    engine = _engine()
+# An fp8 cache adds the keys' rotation (model/kv_rotation.py), an XLA dot per token.
+@pytest.mark.parametrize("kv_cache_dtype", [None, "float8_e4m3fn"])
+def test_a_request_gives_the_same_bits_alone_and_in_a_crowd(kv_cache_dtype: str | None
+                                                            ) -> None:
+    engine = _engine(kv_cache_dtype)
     alone = _run(engine, crowd=0)
     cached = _run(engine, crowd=40)  # the two prompts cached, all but their last token
-    chunked = _run(_engine(), crowd=40)  # a fresh cache: the budget cuts the prompts
+    chunked = _run(_engine(kv_cache_dtype), crowd=40)  # a fresh cache: the budget cuts prompts
     assert cached == alone
     assert chunked == alone
     assert len(set(alone["seeded"][0])) > 3  # a real draw, not one token repeated
