@@ -11,7 +11,9 @@ status 3).
 
 from __future__ import annotations
 
+import faulthandler
 import json
+import signal
 import sys
 from typing import Any
 
@@ -70,4 +72,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    faulthandler.register(signal.SIGUSR1)  # the test's timeout asks for every thread's stack
     sys.exit(main())

@@ -63,8 +63,12 @@ def _wait_all(procs: Sequence[subprocess.Popen[bytes]], logs: Sequence[Path], ti
         try:
             p.wait(timeout=max(deadline - time.monotonic(), 0.1))
         except subprocess.TimeoutExpired:
+            for q in procs:  # multihost_offline.py dumps its threads' stacks into its log
+                if q.poll() is None:
+                    q.send_signal(signal.SIGUSR1)
+            time.sleep(2)
             raise AssertionError(f"still running after {timeout:.0f}s:\n"
-                                 + "\n".join(_tail(lg) for lg in logs)) from None
+                                 + "\n".join(_tail(lg, 12000) for lg in logs)) from None
     return [p.returncode for p in procs]
 
 
