@@ -85,16 +85,6 @@ def grouped(values: jax.Array, scale: jax.Array) -> bool:
     return scale.ndim == values.ndim
 
 
-def fp8_per_token(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """x [T, in] as float8_e4m3fn values and f32[T, 1] scales, x ~ values * scales: each
-    row's largest magnitude maps to 448 (a zero row keeps scale 1). Under a mesh that splits
-    `in`, the row maximum is one all-reduce."""
-    x32 = x.astype(jnp.float32)
-    amax = jnp.maximum(jnp.max(x32, axis=-1, keepdims=True), -jnp.min(x32, axis=-1, keepdims=True))
-    x_scale = jnp.where(amax > 0, amax * jnp.float32(1 / FP8.qmax), 1.0)
-    return jnp.clip(x32 / x_scale, -FP8.qmax, FP8.qmax).astype(FP8.dtype), x_scale
-
-
 class QuantizedLinear(nnx.Module):
     """`nnx.Linear` with a quantized kernel: y = (x @ kernel) * kernel_scale + bias.
 
@@ -124,8 +114,10 @@ class QuantizedLinear(nnx.Module):
             w = dequantize(kernel, scale, axis=KERNEL_AXIS, dtype=self.dtype)
             y = jnp.dot(x, w, preferred_element_type=jnp.float32)
         elif self.fp8_dots:
-            xq, x_scale = fp8_per_token(x)
-            y = jnp.dot(xq, kernel, preferred_element_type=jnp.float32) * x_scale * scale
+            # each token's row quantized as a weight's channel is: its largest magnitude to
+            # 448 (under a mesh that splits `in`, the row maximum is one all-reduce)
+            xq, x_scale = quantize(x, FP8, axis=-1, xp=jnp)  # f8[T, in], f32[T]
+            y = jnp.dot(xq, kernel, preferred_element_type=jnp.float32) * x_scale[:, None] * scale
         else:
             y = jnp.dot(x, kernel.astype(self.dtype), preferred_element_type=jnp.float32) * scale
         y = y.astype(self.preferred_element_type or self.dtype)
