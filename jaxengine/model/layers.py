@@ -333,8 +333,8 @@ class Attention(nnx.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        cache_dtype = jnp.dtype(kv_cache_dtype or pages.dtype)
-        if cache_dtype in FP8_DTYPES:
+        fp8 = jnp.dtype(kv_cache_dtype or pages.dtype) in FP8_DTYPES
+        if fp8:
             q, k = rotate(q), rotate(k)  # the same scores, less fp8 error (kv_rotation.py)
         slots = batch.slot_mapping + page_offset * pages.shape[1]
         # Per device, over its own heads: the kernels never see the mesh. Query head n reads
@@ -345,19 +345,18 @@ class Attention(nnx.Module):
                                     batch_invariant=batch_invariant,
                                     kv_cache_dtype=kv_cache_dtype)
         window = per_layer(self.windows, layer) if self.windows else 0
-        k_scale, v_scale = self._kv_scales(cache_dtype, layer)
+        k_scale, v_scale = self._kv_scales(fp8, layer)
         out, pages = attend(q, k, v, pages, slots, batch.block_tables + page_offset,
                             batch.seq_lens, batch.query_start_loc, batch.num_seqs,
                             jnp.asarray(window, jnp.int32), k_scale, v_scale)
         return project(self.o_proj, out.astype(x.dtype).reshape(T, N * H), live, lora,
                        "o_proj"), pages
 
-    def _kv_scales(self, cache_dtype: jnp.dtype, layer: jax.Array | int
-                   ) -> tuple[jax.Array, jax.Array]:
-        """f32[] (k_scale, v_scale) of `layer` for a cache of `cache_dtype`: the checkpoint's
-        for an fp8 cache, 1.0 for a float one, which holds k and v as they are (vLLM applies
-        the scales only to fp8 caches)."""
-        if not self.kv_scales or jnp.dtype(cache_dtype) not in FP8_DTYPES:
+    def _kv_scales(self, fp8: bool, layer: jax.Array | int) -> tuple[jax.Array, jax.Array]:
+        """f32[] (k_scale, v_scale) of `layer`: the checkpoint's for an fp8 cache (`fp8`),
+        1.0 for a float one, which holds k and v as they are (vLLM applies the scales only to
+        fp8 caches)."""
+        if not self.kv_scales or not fp8:
             return jnp.float32(1.0), jnp.float32(1.0)
         pair = per_layer(self.kv_scales, layer)  # (2,) for a looped layer, f32[2] scanned
         return jnp.asarray(pair[0], jnp.float32), jnp.asarray(pair[1], jnp.float32)
