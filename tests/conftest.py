@@ -6,9 +6,7 @@ processes (serve, the CLI) inherit the setting. A directory of its own per run k
 from writing into the user's ~/.cache and from depending on entries a stale run left behind; the
 cache itself still runs, as it does for users. Under pytest-xdist (`make test`) each worker
 takes a subdirectory of the run's: jax writes an entry in place, so a worker reading a program
-another is still writing would get a truncated file (jax warns, and warnings fail tests); the
-executables the engine saves whole (renamed into place) live in one directory of the run's, which
-every worker's links to, so a program one worker compiled loads in the others. To run
+another is still writing would get a truncated file (jax warns, and warnings fail tests). To run
 warm or without it, set JAXENGINE_COMPILATION_CACHE_DIR yourself (a directory, or '' to
 disable): it is left alone, workers included. The weight cache (jaxengine/loading/weight_cache.py,
 JAXENGINE_WEIGHT_CACHE_DIR) likewise gets a directory of the run's, which its workers share (an
@@ -38,7 +36,6 @@ CACHE_ENV = "JAXENGINE_COMPILATION_CACHE_DIR"
 SUITE_CACHE_ENV = "JAXENGINE_TEST_SUITE_CACHE"  # the run's directory, seen by xdist's workers
 WEIGHT_CACHE_ENV = "JAXENGINE_WEIGHT_CACHE_DIR"  # jaxengine.loading.weight_cache.ENV
 PROGRAMS_THREAD = "jaxengine-programs"  # jaxengine.runner.bucket_programs.THREAD_NAME
-EXECUTABLES_SUBDIR = "executables"  # jaxengine.runner.executables.SUBDIR
 _made: list[str] = []
 _made_weights: list[str] = []
 
@@ -51,25 +48,12 @@ def pytest_configure(config: pytest.Config) -> None:
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if worker and SUITE_CACHE_ENV in os.environ:
         os.environ[CACHE_ENV] = os.path.join(os.environ[SUITE_CACHE_ENV], worker)
-        _share_executables(os.environ[SUITE_CACHE_ENV], os.environ[CACHE_ENV])
     elif CACHE_ENV not in os.environ:
         _made.append(tempfile.mkdtemp(prefix="jaxengine-jax-cache-"))
         os.environ[CACHE_ENV] = os.environ[SUITE_CACHE_ENV] = _made[0]
     if WEIGHT_CACHE_ENV not in os.environ:  # workers inherit their controller's
         _made_weights.append(tempfile.mkdtemp(prefix="jaxengine-weights-"))
         os.environ[WEIGHT_CACHE_ENV] = _made_weights[0]
-
-
-def _share_executables(suite: str, mine: str) -> None:
-    """Point a worker's saved-executables directory at the run's: a program one worker
-    compiled loads whole in the others (jaxengine/runner/executables.py writes each file to
-    a temporary name and renames it, so no worker reads half of one)."""
-    shared = os.path.join(suite, EXECUTABLES_SUBDIR)
-    os.makedirs(shared, exist_ok=True)
-    os.makedirs(mine, exist_ok=True)
-    link = os.path.join(mine, EXECUTABLES_SUBDIR)
-    if not os.path.lexists(link):
-        os.symlink(shared, link)
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -17,7 +17,6 @@ import jax.numpy as jnp
 import pytest
 
 from jaxengine.model.fake import fake_model
-from jaxengine.runner import executables
 from jaxengine.runner.compilation_cache import ENV, configure, default_cache_dir, resolve_cache_dir
 from jaxengine.runner.compiles import (
     cache_hit_count,
@@ -29,7 +28,7 @@ from jaxengine.runner.config import RunnerConfig
 from jaxengine.runner.penalty_inputs import WRITE_SLOT_NAME
 from jaxengine.runner.programs import SAMPLE_NAME, STEP_NAME
 from jaxengine.runner.runner import Runner
-from tests.conftest import CACHE_ENV, EXECUTABLES_SUBDIR, SUITE_CACHE_ENV
+from tests.conftest import CACHE_ENV, SUITE_CACHE_ENV
 
 CHILD = Path(__file__).with_name("compilation_cache_child.py")
 ROOT = Path(__file__).resolve().parents[3]
@@ -50,12 +49,8 @@ def test_the_suite_runs_with_its_own_cache_setting() -> None:
     assert resolve_cache_dir(None) == (str(Path(os.environ[ENV]).absolute())
                                        if os.environ[ENV].strip() else None)
     worker = os.environ.get("PYTEST_XDIST_WORKER")
-    assert EXECUTABLES_SUBDIR == executables.SUBDIR
     if worker and SUITE_CACHE_ENV in os.environ:  # under `make test`: a directory per worker
         assert Path(os.environ[ENV]) == Path(os.environ[SUITE_CACHE_ENV]) / worker
-        # ... whose executables saved whole are the run's, shared by the workers
-        shared = Path(os.environ[SUITE_CACHE_ENV]) / EXECUTABLES_SUBDIR
-        assert (Path(os.environ[ENV]) / EXECUTABLES_SUBDIR).resolve() == shared.resolve()
 
 
 def test_where_the_cache_lives(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
