@@ -173,11 +173,10 @@ def _leaf_to_host(x: Any) -> np.ndarray:
     holders = {d.process_index for d in x.sharding.device_set}
     everywhere = len(holders) == jax.process_count()
     if x.sharding.is_fully_replicated and everywhere:
-        return np.asarray(_finished(x).addressable_data(0))
+        return np.asarray(x.addressable_data(0))
     if x.sharding.is_fully_replicated:
         source = jax.process_index() == min(holders)
-        local = (np.asarray(_finished(x).addressable_data(0)) if source
-                 else np.zeros(x.shape, x.dtype))
+        local = np.asarray(x.addressable_data(0)) if source else np.zeros(x.shape, x.dtype)
         return broadcast_one_to_all(local, is_source=source)
     if not everywhere:
         raise ValueError(f"cannot read an array sharded over the devices of processes "
@@ -186,7 +185,7 @@ def _leaf_to_host(x: Any) -> np.ndarray:
         raise ValueError(f"cannot read a sharded array without a mesh ({x.sharding}); "
                          f"shard it with a NamedSharding")
     replicated = jax.jit(_same, out_shardings=x.sharding.update(spec=PartitionSpec()))(x)
-    return np.asarray(_finished(replicated).addressable_data(0))
+    return np.asarray(replicated.addressable_data(0))
 
 
 def process_allgather(x: np.ndarray) -> np.ndarray:
