@@ -70,31 +70,6 @@ def initialize_from_args(args: EngineArgs) -> None:
         check_same_args(args)
         logger.info("multi-host: process %d of %d, %d local of %d devices", jax.process_index(),
                     jax.process_count(), jax.local_device_count(), jax.device_count())
-        hazard = cpu_collectives_hazard(jax.default_backend(), jax.process_count(),
-                                        jax.local_device_count())
-        if hazard is not None:
-            logger.warning(hazard)
-
-
-def cpu_collectives_hazard(platform: str, processes: int, local_devices: int) -> str | None:
-    """The warning for a multi-process CPU backend with several devices in each process; None
-    for any other layout.
-
-    XLA:CPU runs a multi-device program's part for each local device on a pool of as many
-    threads as the machine has cores (at least one per local device), and holds a thread for
-    as long as its part waits in a collective. It lets a program start before the program
-    dispatched before it has started on every local device (its order covers one device's
-    part), so two programs can each hold a thread waiting for their other halves, which find
-    no thread: both processes stall for good (gdb: every execution thread in
-    `gloo::allreduce`, docs/JAX_NOTES.md "Multi-host"). With one device per process a process
-    runs its programs one after another. Accelerators order each device's programs: no
-    hazard there.
-    """
-    if platform != "cpu" or processes < 2 or local_devices < 2:
-        return None
-    return (f"multi-host on CPU with {local_devices} devices per process: XLA:CPU may stall "
-            f"all {processes} processes in their collectives; run one device per process "
-            f"(XLA_FLAGS=--xla_force_host_platform_device_count=1)")
 
 
 def _initialize(kwargs: dict[str, Any]) -> None:

@@ -28,12 +28,7 @@ from jaxengine.replicas.lockstep import (
     exchange,
     follow,
 )
-from jaxengine.runner.distributed import (
-    _detected_cluster,
-    cpu_collectives_hazard,
-    initialize_from_args,
-    to_host,
-)
+from jaxengine.runner.distributed import _detected_cluster, initialize_from_args, to_host
 from jaxengine.server.async_engine import AsyncEngine
 from jaxengine.server.run import _check_role
 from scheduler import SamplingParams
@@ -102,18 +97,6 @@ def test_kubernetes_without_its_package_is_no_job_and_no_warning(
     assert _detected_cluster() is None  # jax warns here; pytest would make that an error
     initialize_from_args(EngineArgs())
     assert not jax.distributed.is_initialized()
-
-
-@pytest.mark.parametrize("platform, processes, local, warns", [
-    ("cpu", 2, 2, True), ("cpu", 4, 8, True), ("cpu", 2, 1, False), ("cpu", 1, 8, False),
-    ("tpu", 2, 4, False), ("gpu", 2, 8, False)])
-def test_only_several_cpu_devices_per_process_are_warned_of(platform: str, processes: int,
-                                                            local: int, warns: bool) -> None:
-    hazard = cpu_collectives_hazard(platform, processes, local)
-    assert (hazard is not None) == warns
-    if warns:  # it says what to run instead
-        assert f"{local} devices per process" in hazard
-        assert "--xla_force_host_platform_device_count=1" in hazard
 
 
 def test_multi_host_arguments_after_jax_started_say_to_move_them_first() -> None:

@@ -1,10 +1,6 @@
-"""Two processes on loopback, one CPU device each, joined by `jax.distributed` (gloo
+"""Two processes on loopback, 2 CPU devices each, joined by `jax.distributed` (gloo
 collectives): offline outputs equal one process's, and `jaxengine serve` with a `--headless`
 follower answers as the offline engine does, then stops both when process 0 stops.
-
-One device per process: with two, XLA:CPU can run two programs' collectives at once on its
-two execution threads and wait forever for the other halves (docs/JAX_NOTES.md, "Multi-host";
-`distributed.cpu_collectives_hazard`); with one it runs a process's programs in order.
 
 Every child runs in its own process group with a deadline and is killed in `finally`; ports are
 free ones on 127.0.0.1.
@@ -34,8 +30,8 @@ from tests.parallel_helpers import REPO, device_env
 from tests.server_processes import free_port, wait_healthy
 
 WORKER = Path(offline.__file__)
-TP = 2  # tensor parallel over both global devices: each process holds half of the model
-DEVICES_PER_PROCESS = 1
+TP = 4  # tensor parallel over all 4 global devices: each process holds half of the model
+DEVICES_PER_PROCESS = 2
 SMALL = ["--max-num-batched-tokens", "32", "--max-num-seqs", "4", "--block-size", "4",
          "--max-model-len", "128", "--num-gpu-blocks-override", "80"]
 
@@ -116,7 +112,7 @@ def test_two_processes_give_one_process_outputs(tmp_path: Path,
     assert (code0, code1) == (0, 0), (line0, line1)
     for log in (log0, log1):  # one mesh over both processes' devices, the model split on it
         for part in _layout(log).values():
-            assert part == {"processes": [0, 1], "devices": TP, "split": True}, log
+            assert part == {"processes": [0, 1], "devices": 4, "split": True}, log
     got0, got1 = (json.loads(line.removeprefix("RESULT ")) for line in (line0, line1))
     assert got0 == got1  # the same script on every host: the same outputs everywhere
     for got, want in zip(got0, one_process, strict=True):
@@ -127,8 +123,8 @@ def test_two_processes_give_one_process_outputs(tmp_path: Path,
 
 @pytest.mark.slow  # two processes and a one-process reference of a MoE model
 def test_two_processes_serve_a_moe_model_with_expert_parallelism(tmp_path: Path) -> None:
-    """Multi-host is unchanged for a MoE model: its experts split whole over the devices of
-    two processes give one process's outputs."""
+    """Multi-host is unchanged for a MoE model: its experts split whole over the four devices
+    of two processes give one process's outputs."""
     moe = "tests/fixtures/tiny/qwen2_moe"
     want = offline.summarize(LLM(moe, **offline.ENGINE))
     extra = {"model": moe, "enable_expert_parallel": True}
