@@ -213,12 +213,7 @@ def _across_processes(fn: Any, x: np.ndarray) -> np.ndarray:
         NamedSharding(mesh, PartitionSpec("processes")), x[None],
         (jax.process_count(), *x.shape))
     out = jax.jit(fn, out_shardings=NamedSharding(mesh, PartitionSpec()))(rows)
-    return np.asarray(_finished(out).addressable_data(0))
-
-
-def _finished(x: jax.Array) -> jax.Array:
-    """`x` once every local device's shard of it is computed (see `_across_processes`)."""
-    return x.block_until_ready()
+    return np.asarray(out.block_until_ready().addressable_data(0))
 
 
 def _same(x: jax.Array) -> jax.Array:
